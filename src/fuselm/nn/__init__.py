@@ -1,0 +1,5 @@
+"""torch.nn.Module wrappers around the ops."""
+
+from .loss import CrossEntropyLoss
+
+__all__ = ["CrossEntropyLoss"]

@@ -1,0 +1,5 @@
+"""The ops: one folder each (reference, kernels, op, README)."""
+
+from .cross_entropy import cross_entropy
+
+__all__ = ["cross_entropy"]

@@ -1,0 +1,1 @@
+"""Shared helpers of the ops: device dispatch, input guards, launch heuristics, testing helpers."""

@@ -1,0 +1,36 @@
+"""Where an op runs: Triton on CUDA (or on CPU under TRITON_INTERPRET=1), else the reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpret_mode() -> bool:
+    """True when TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Run the Triton kernels for this tensor? CUDA tensors: yes. CPU tensors: only when interpreting."""
+    if not triton_available():
+        return False
+    if tensor.is_cuda:
+        return True
+    return tensor.device.type == "cpu" and interpret_mode()
+
+
+def validate_enabled() -> bool:
+    """Opt-in checks that need a host sync (e.g. target range): FUSELM_VALIDATE=1."""
+    return os.environ.get("FUSELM_VALIDATE", "0") == "1"

@@ -1,0 +1,22 @@
+"""One row-launch heuristic for every row-wise kernel."""
+
+from __future__ import annotations
+
+import triton
+
+from .dispatch import interpret_mode
+
+
+def row_launch(n_cols: int, max_block: int = 32768) -> tuple[int, int]:
+    """Block size and warp count for a kernel that walks one row of `n_cols` elements.
+
+    BLOCK is the next power of two of n_cols, capped at `max_block` (then the kernel loops);
+    warps grow with the block so that each thread holds a few dozen values at most.
+    Under the interpreter the block stays small: it is numpy, and huge blocks only cost time.
+    """
+    block = triton.next_power_of_2(max(int(n_cols), 1))
+    if interpret_mode():
+        max_block = min(max_block, 256)
+    block = min(block, max_block)
+    num_warps = min(32, max(4, block // 1024))
+    return block, num_warps

@@ -1,0 +1,262 @@
+"""Triton kernels of cross-entropy on logits. The math is in README.md.
+
+One program per row. The forward walks the row once for the statistics (online max and
+sum of exp) and, when the gradient is computed in the forward, once more to write it;
+the second read hits L2 because a row (<= 256 KiB in bf16 for V = 128k) is read again at once.
+Rows that fit one block are read once.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # c * tanh(x / c) with tanh(y) = 1 - 2 / (exp(2y) + 1): saturates cleanly to +-1
+        x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+    return x
+
+
+@triton.jit
+def _load_row_block(x_row, cols, n_cols):
+    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _row_grad_block(
+    x,
+    g_row,
+    cols,
+    n_cols,
+    target,
+    lse,
+    p_coef,
+    target_coef,
+    smooth_coef,
+    weight_ptr,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """d loss / d x on one block of a row: softmax * p_coef - onehot * target_coef - w * smooth_coef."""
+    mask = cols < n_cols
+    z = _softcap(x, softcap, HAS_SOFTCAP)
+    g = tl.exp(z - lse) * p_coef - tl.where(cols == target, target_coef, 0.0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g -= w * smooth_coef
+        else:
+            g -= smooth_coef
+    if HAS_SOFTCAP:
+        g *= 1.0 - (z / softcap) * (z / softcap)
+    tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cross_entropy_fwd_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    weight_ptr,
+    weight_sum_ptr,
+    grad_ptr,
+    grad_row_stride,
+    grad_scale_ptr,
+    loss_ptr,
+    lse_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    cols = tl.arange(0, BLOCK_V)
+
+    # pass 1: lse = m + log(s), and sum_j w_j z_j for label smoothing   # [BLOCK_V] tiles
+    if SINGLE_BLOCK:
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
+        m = tl.max(z, axis=0)
+        s = tl.sum(tl.exp(z - m), axis=0)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                smooth_dot = tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+            else:
+                smooth_dot = tl.sum(tl.where(mask, z, 0.0), axis=0)
+    else:
+        m = float("-inf")
+        s = 0.0
+        smooth_dot = 0.0
+        for start in range(0, n_cols, BLOCK_V):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                else:
+                    smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    lse = m + tl.log(s)
+
+    # per-row loss
+    t_safe = tl.where(valid & in_range, target, 0)
+    z_t = _softcap(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
+    else:
+        w_t = 1.0
+    loss = w_t * (lse - z_t)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
+        else:
+            weight_sum = n_cols * 1.0
+        loss = (1.0 - label_smoothing) * loss + label_smoothing / n_cols * (weight_sum * lse - smooth_dot)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    bad = valid & (in_range == 0)  # out-of-range target: NaN, never an out-of-bounds access
+    loss = tl.where(valid, loss, 0.0)
+    loss = tl.where(bad, float("nan"), loss)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+    # pass 2: gradient of loss * grad_scale
+    if COMPUTE_GRAD:
+        scale = tl.load(grad_scale_ptr).to(tl.float32)
+        if HAS_SMOOTHING:
+            p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
+            target_coef = (1.0 - label_smoothing) * w_t * scale
+            smooth_coef = label_smoothing / n_cols * scale
+        else:
+            p_coef = w_t
+            target_coef = w_t * scale
+            smooth_coef = 0.0
+        if HAS_Z_LOSS:
+            p_coef += 2.0 * z_loss * lse
+        p_coef = p_coef * scale
+        # ignored rows get exact zeros; bad rows NaN
+        p_coef = tl.where(valid, p_coef, 0.0)
+        target_coef = tl.where(valid, target_coef, 0.0)
+        smooth_coef = tl.where(valid, smooth_coef, 0.0)
+        p_coef = tl.where(bad, float("nan"), p_coef)
+        g_row = grad_ptr + row * grad_row_stride
+        if SINGLE_BLOCK:
+            _row_grad_block(
+                x, g_row, cols, n_cols, target, lse, p_coef, target_coef, smooth_coef, weight_ptr,
+                softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            )
+        else:
+            for start in range(0, n_cols, BLOCK_V):
+                _row_grad_block(
+                    _load_row_block(x_row, start + cols, n_cols), g_row, start + cols, n_cols, target, lse, p_coef, target_coef, smooth_coef,
+                    weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                )
+
+
+@triton.jit
+def cross_entropy_bwd_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    weight_ptr,
+    weight_sum_ptr,
+    grad_ptr,
+    grad_row_stride,
+    grad_scale_ptr,
+    dloss_ptr,
+    dloss_stride,
+    dlse_ptr,
+    lse_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Gradient from saved lse: one read of the logits, one write of the gradient."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(grad_scale_ptr).to(tl.float32) * tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+    t_safe = tl.where(valid & in_range, target, 0)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
+    else:
+        w_t = 1.0
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
+        else:
+            weight_sum = n_cols * 1.0
+        p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
+        target_coef = (1.0 - label_smoothing) * w_t * scale
+        smooth_coef = label_smoothing / n_cols * scale
+    else:
+        p_coef = w_t
+        target_coef = w_t * scale
+        smooth_coef = 0.0
+    if HAS_Z_LOSS:
+        p_coef += 2.0 * z_loss * lse
+    p_coef = tl.where(valid, p_coef * scale, 0.0)
+    target_coef = tl.where(valid, target_coef, 0.0)
+    smooth_coef = tl.where(valid, smooth_coef, 0.0)
+    p_coef = tl.where(valid & (in_range == 0), float("nan"), p_coef)
+    if HAS_DLSE:
+        p_coef += tl.load(dlse_ptr + row).to(tl.float32)
+    g_row = grad_ptr + row * grad_row_stride
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        _row_grad_block(
+            _load_row_block(x_row, start + cols, n_cols), g_row, start + cols, n_cols, target, lse, p_coef, target_coef, smooth_coef,
+            weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+        )
+
+
+@triton.jit
+def cross_entropy_bwd_kernel_scale(
+    grad_ptr,
+    grad_row_stride,
+    dloss_ptr,
+    n_cols,
+    BLOCK_V: tl.constexpr,
+):
+    """grad *= dloss (a scalar on the device), in place; nothing is read or written when dloss == 1."""
+    dloss = tl.load(dloss_ptr).to(tl.float32)
+    if dloss != 1.0:
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        ptr = grad_ptr + row * grad_row_stride + cols
+        g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (g * dloss).to(grad_ptr.dtype.element_ty), mask=mask)

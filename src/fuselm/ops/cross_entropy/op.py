@@ -1,0 +1,361 @@
+"""fuselm.cross_entropy: launchers -> custom ops -> autograd Function -> public function."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._common.dispatch import use_triton, validate_enabled
+from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.launch import row_launch
+from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
+from .reference import cross_entropy_reference
+
+# Rows up to SINGLE_BLOCK_MAX columns are held in registers (read once); longer rows loop in
+# blocks of LOOP_BLOCK. BWD_BLOCK: the recompute backward; SCALE_BLOCK: the in-place rescale.
+SINGLE_BLOCK_MAX = 32768
+LOOP_BLOCK = 16384
+BWD_BLOCK = 16384
+SCALE_BLOCK = 8192
+
+
+def _fwd_config(n_cols: int) -> tuple[bool, int, int]:
+    block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
+    if block >= n_cols:
+        return True, block, num_warps
+    block, num_warps = row_launch(n_cols, max_block=LOOP_BLOCK)
+    return False, block, num_warps
+
+
+def _launch_fwd(logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap):
+    n_rows, n_cols = logits.shape
+    assert logits.stride(-1) == 1 and target.is_contiguous()
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows == 0:
+        return loss, lse
+    single, block, num_warps = _fwd_config(n_cols)
+    if grad is not None:
+        assert grad.stride(-1) == 1 and grad.shape == logits.shape
+    cross_entropy_fwd_kernel[(n_rows,)](
+        logits_ptr=logits,
+        logits_row_stride=logits.stride(0),
+        target_ptr=target,
+        weight_ptr=weight if weight is not None else logits,
+        weight_sum_ptr=weight_sum if weight_sum is not None else grad_scale,
+        grad_ptr=grad if grad is not None else logits,
+        grad_row_stride=grad.stride(0) if grad is not None else 0,
+        grad_scale_ptr=grad_scale,
+        loss_ptr=loss,
+        lse_ptr=lse,
+        n_cols=n_cols,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        HAS_WEIGHT=weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_Z_LOSS=z_loss != 0,
+        HAS_SOFTCAP=softcap > 0,
+        COMPUTE_GRAD=grad is not None,
+        SINGLE_BLOCK=single,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+    return loss, lse
+
+
+def cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+                      compute_grad):
+    """Per-row loss and lse (fp32); with compute_grad, also d(sum of loss * grad_scale)/d logits."""
+    grad = torch.empty_like(logits) if compute_grad else None
+    loss, lse = _launch_fwd(
+        logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
+    )
+    return loss, lse, grad if grad is not None else logits.new_empty(0)
+
+
+def cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, grad, ignore_index,
+                      label_smoothing, z_loss, softcap):
+    """Gradient from the saved lse into `grad` (may be `logits` itself): one read, one write per logit."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return grad
+    block, num_warps = row_launch(n_cols, max_block=BWD_BLOCK)
+    cross_entropy_bwd_kernel[(n_rows,)](
+        logits_ptr=logits,
+        logits_row_stride=logits.stride(0),
+        target_ptr=target,
+        weight_ptr=weight if weight is not None else logits,
+        weight_sum_ptr=weight_sum if weight_sum is not None else grad_scale,
+        grad_ptr=grad,
+        grad_row_stride=grad.stride(0),
+        grad_scale_ptr=grad_scale,
+        dloss_ptr=dloss,
+        dloss_stride=0 if dloss.numel() == 1 else 1,
+        dlse_ptr=dlse if dlse is not None else lse,
+        lse_ptr=lse,
+        n_cols=n_cols,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        HAS_WEIGHT=weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_Z_LOSS=z_loss != 0,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_DLSE=dlse is not None,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+    return grad
+
+
+def cross_entropy_bwd_scale_(grad, dloss):
+    """grad *= dloss (0-d or 1-element tensor), in place, skipped on the device when dloss == 1."""
+    n_rows, n_cols = grad.shape
+    if n_rows == 0:
+        return
+    block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
+    cross_entropy_bwd_kernel_scale[(n_rows, triton.cdiv(n_cols, block))](
+        grad_ptr=grad, grad_row_stride=grad.stride(0), dloss_ptr=dloss, n_cols=n_cols, BLOCK_V=block,
+        num_warps=num_warps,
+    )
+
+
+# ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
+
+@torch.library.custom_op("fuselm::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss,
+                             softcap, compute_grad)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap, compute_grad):
+    n = logits.shape[0]
+    stats = logits.new_empty(n, dtype=torch.float32)
+    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
+    return stats, logits.new_empty(n, dtype=torch.float32), grad
+
+
+@torch.library.custom_op("fuselm::cross_entropy_fwd_inplace", mutates_args=("logits",))
+def _ce_fwd_inplace_op(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_fwd(logits, target, weight, weight_sum, grad_scale, logits, ignore_index, label_smoothing, z_loss,
+                       softcap)
+
+
+@_ce_fwd_inplace_op.register_fake
+def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fuselm::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor, dloss: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+) -> torch.Tensor:
+    grad = torch.empty_like(logits)
+    return cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, grad, ignore_index,
+                             label_smoothing, z_loss, softcap)
+
+
+@_ce_bwd_op.register_fake
+def _(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, ignore_index, label_smoothing, z_loss,
+      softcap):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("fuselm::cross_entropy_bwd_inplace", mutates_args=("logits",))
+def _ce_bwd_inplace_op(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor, dloss: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+) -> None:
+    cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, logits, ignore_index,
+                      label_smoothing, z_loss, softcap)
+
+
+@torch.library.custom_op("fuselm::cross_entropy_bwd_scale_", mutates_args=("grad",))
+def _ce_bwd_scale_op(grad: torch.Tensor, dloss: torch.Tensor) -> None:
+    cross_entropy_bwd_scale_(grad, dloss)
+
+
+# ---- autograd ----
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd for [N, V] logits and [N] targets. Two plans:
+
+    - gradient in forward (reduction mean/sum, no lse output, grad needed): the forward writes
+      d loss / d logits (into the logits buffer with inplace_backward); the backward rescales it
+      by grad_output in place, which the device skips when grad_output == 1.
+    - gradient in backward (reduction none, or return_lse): the forward saves lse; the backward
+      reads the logits once and writes the gradient once.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse,
+                inplace_backward, compute_grad):
+        n_cols = logits.shape[1]
+        valid = target != ignore_index
+        t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
+        weight_sum = None
+        if weight is not None:
+            w_t = torch.where(valid, weight.float()[t_safe], 0.0)
+            weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
+        if reduction == "mean":
+            denom = w_t.sum() if weight is not None else valid.sum().float()
+            grad_scale = (1.0 / denom).reshape(1)
+        else:
+            grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+        grad_in_forward = compute_grad and reduction != "none" and not return_lse
+        args = (ignore_index, label_smoothing, z_loss, softcap)
+        if grad_in_forward and inplace_backward:
+            loss, lse = _ce_fwd_inplace_op(logits, target, weight, weight_sum, grad_scale, *args)
+            ctx.save_for_backward(logits)
+        elif grad_in_forward:
+            loss, lse, grad = _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, True)
+            ctx.save_for_backward(grad)
+        else:
+            loss, lse, _ = _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, False)
+            ctx.save_for_backward(logits, target, weight, weight_sum, grad_scale, lse)
+        ctx.grad_in_forward = grad_in_forward
+        ctx.inplace = inplace_backward
+        ctx.args = args
+        ctx.consumed = False
+        if reduction == "sum":
+            loss = loss.sum()
+        elif reduction == "mean":
+            loss = loss.sum() * grad_scale[0]
+        return loss.to(logits.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        if ctx.consumed:
+            raise RuntimeError(
+                "fuselm.cross_entropy: backward ran twice through a graph whose gradient buffer was already "
+                "used (gradient computed in forward or inplace_backward=True); recompute the loss instead of "
+                "retain_graph=True"
+            )
+        if ctx.grad_in_forward or ctx.inplace:
+            ctx.consumed = True
+        if ctx.grad_in_forward:
+            (grad,) = ctx.saved_tensors
+            _ce_bwd_scale_op(grad, dloss.float().reshape(1))
+        else:
+            logits, target, weight, weight_sum, grad_scale, lse = ctx.saved_tensors
+            dloss = dloss.float().reshape(-1).contiguous()
+            dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
+            inputs = (logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, *ctx.args)
+            if ctx.inplace:
+                _ce_bwd_inplace_op(*inputs)
+                grad = logits
+            else:
+                grad = _ce_bwd_op(*inputs)
+        return grad, None, None, None, None, None, None, None, None, None, None
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    inplace_backward: bool = False,
+):
+    """Cross-entropy between logits and class-index targets, fused into one pass per row.
+
+    Same semantics as ``torch.nn.functional.cross_entropy`` (class-index targets), plus z-loss,
+    softcapping and the log-sum-exp as a second output. The math is in ops/cross_entropy/README.md.
+
+    Args:
+        input: logits ``[..., V]`` (e.g. ``[B, T, V]`` or ``[N, V]``), float32 / float16 / bfloat16
+            (float64 runs the PyTorch reference). Rows may be strided (``stride(-1) == 1``).
+        target: class indices ``input.shape[:-1]``, int32 or int64. Entries equal to ``ignore_index``
+            contribute no loss and get a zero gradient. Any other value outside ``[0, V)`` makes that
+            token's loss and gradient NaN (never an out-of-bounds read); set ``FUSELM_VALIDATE=1`` to
+            raise ValueError instead (this costs a host sync).
+        weight: optional class weights ``[V]``; ``mean`` divides by the sum of the targets' weights.
+        ignore_index: target value to skip (any integer).
+        reduction: ``"mean"`` (over non-ignored tokens; NaN when all are ignored, like PyTorch),
+            ``"sum"`` or ``"none"`` (per-token losses of shape ``input.shape[:-1]``).
+        label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
+        z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM).
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        return_lse: also return ``lse`` (float32, shape ``input.shape[:-1]``), differentiable.
+        inplace_backward: write the gradient into ``input``'s buffer (no ``[N, V]`` allocation).
+            ``input`` is overwritten by the forward (or backward) and must not be used afterwards;
+            a second backward through the same graph raises RuntimeError.
+
+    Returns:
+        ``loss`` in the dtype of ``input`` (a scalar, or ``input.shape[:-1]`` for ``"none"``), and
+        ``lse`` when ``return_lse``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> logits = torch.randn(4, 10, requires_grad=True)
+        >>> target = torch.tensor([1, 0, -100, 9])
+        >>> loss = fuselm.cross_entropy(logits, target, label_smoothing=0.1)
+        >>> loss.backward()
+        >>> logits.grad.shape
+        torch.Size([4, 10])
+    """
+    check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
+        )
+    n_cols = input.shape[-1]
+    if n_cols == 0:
+        raise ValueError("input must have at least one class (last dimension is 0)")
+    if weight is not None:
+        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)
+        if weight.shape[0] != n_cols:
+            raise ValueError(f"weight must have shape [{n_cols}] (one per class), got {tuple(weight.shape)}")
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+    if input.dtype == torch.float64 or not use_triton(input):
+        return cross_entropy_reference(
+            input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
+        )
+    if validate_enabled():
+        bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
+        if bool(bad.any()):
+            raise ValueError(f"target holds {target[bad][0].item()}, outside [0, {n_cols}) and not ignore_index")
+
+    logits = rows_view(input)
+    compute_grad = torch.is_grad_enabled() and input.requires_grad
+    loss, lse = CrossEntropyFunction.apply(
+        logits, target.reshape(-1).contiguous(), weight.contiguous() if weight is not None else None, ignore_index,
+        reduction, float(label_smoothing), float(z_loss), float(softcap or 0.0), return_lse, inplace_backward,
+        compute_grad,
+    )
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    if return_lse:
+        return loss, lse.reshape(target.shape)
+    return loss
