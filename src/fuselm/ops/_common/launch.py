@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import triton
 
 from .dispatch import interpret_mode
@@ -20,3 +22,17 @@ def row_launch(n_cols: int, max_block: int = 32768) -> tuple[int, int]:
     block = min(block, max_block)
     num_warps = min(32, max(4, block // 1024))
     return block, num_warps
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_grid(n_items: int, device, programs_per_sm: int) -> int:
+    """Programs for a persistent kernel over `n_items` rows: a few per multiprocessor, never more than rows."""
+    if device.type != "cuda":
+        return max(n_items, 1)
+    return max(1, min(n_items, _sm_count(device.index or 0) * programs_per_sm))

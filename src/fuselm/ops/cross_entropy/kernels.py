@@ -19,8 +19,8 @@ def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _load_row_block(x_row, cols, n_cols):
-    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_first").to(tl.float32)
+def _load_row_block(x_row, cols, n_cols, EVICT: tl.constexpr):
+    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _row_grad_block(
             g -= smooth_coef
     if HAS_SOFTCAP:
         g *= 1.0 - (z / softcap) * (z / softcap)
-    tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+    tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -67,6 +67,7 @@ def cross_entropy_fwd_kernel(
     grad_scale_ptr,
     loss_ptr,
     lse_ptr,
+    n_rows,
     n_cols,
     ignore_index,
     label_smoothing,
@@ -80,99 +81,132 @@ def cross_entropy_fwd_kernel(
     SINGLE_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = logits_ptr + row * logits_row_stride
-    target = tl.load(target_ptr + row).to(tl.int64)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < n_cols)
-    cols = tl.arange(0, BLOCK_V)
+    # persistent grid: a program walks rows pid, pid + grid, ... (bounds the rows in flight, so the
+    # second read of a row hits L2)
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        x_row = logits_ptr + row * logits_row_stride
+        target = tl.load(target_ptr + row).to(tl.int64)
+        valid = target != ignore_index
+        in_range = (target >= 0) & (target < n_cols)
+        cols = tl.arange(0, BLOCK_V)
 
-    # pass 1: lse = m + log(s), and sum_j w_j z_j for label smoothing   # [BLOCK_V] tiles
-    if SINGLE_BLOCK:
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
-        m = tl.max(z, axis=0)
-        s = tl.sum(tl.exp(z - m), axis=0)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                smooth_dot = tl.sum(tl.where(mask, w * z, 0.0), axis=0)
-            else:
-                smooth_dot = tl.sum(tl.where(mask, z, 0.0), axis=0)
-    else:
-        m = float("-inf")
-        s = 0.0
-        smooth_dot = 0.0
-        for start in range(0, n_cols, BLOCK_V):
-            c = start + cols
-            mask = c < n_cols
-            x = tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        # pass 1: lse = m + log(s), and sum_j w_j z_j for label smoothing   # [BLOCK_V] tiles
+        if SINGLE_BLOCK:
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
+            m = tl.max(z, axis=0)
+            s = tl.sum(tl.exp(z - m), axis=0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                    smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    smooth_dot = tl.sum(tl.where(mask, w * z, 0.0), axis=0)
                 else:
-                    smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    lse = m + tl.log(s)
-
-    # per-row loss
-    t_safe = tl.where(valid & in_range, target, 0)
-    z_t = _softcap(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
-    else:
-        w_t = 1.0
-    loss = w_t * (lse - z_t)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
+                    smooth_dot = tl.sum(tl.where(mask, z, 0.0), axis=0)
         else:
-            weight_sum = n_cols * 1.0
-        loss = (1.0 - label_smoothing) * loss + label_smoothing / n_cols * (weight_sum * lse - smooth_dot)
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-    bad = valid & (in_range == 0)  # out-of-range target: NaN, never an out-of-bounds access
-    loss = tl.where(valid, loss, 0.0)
-    loss = tl.where(bad, float("nan"), loss)
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
-
-    # pass 2: gradient of loss * grad_scale
-    if COMPUTE_GRAD:
-        scale = tl.load(grad_scale_ptr).to(tl.float32)
-        if HAS_SMOOTHING:
-            p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
-            target_coef = (1.0 - label_smoothing) * w_t * scale
-            smooth_coef = label_smoothing / n_cols * scale
-        else:
-            p_coef = w_t
-            target_coef = w_t * scale
-            smooth_coef = 0.0
-        if HAS_Z_LOSS:
-            p_coef += 2.0 * z_loss * lse
-        p_coef = p_coef * scale
-        # ignored rows get exact zeros; bad rows NaN
-        p_coef = tl.where(valid, p_coef, 0.0)
-        target_coef = tl.where(valid, target_coef, 0.0)
-        smooth_coef = tl.where(valid, smooth_coef, 0.0)
-        p_coef = tl.where(bad, float("nan"), p_coef)
-        g_row = grad_ptr + row * grad_row_stride
-        if SINGLE_BLOCK:
-            _row_grad_block(
-                x, g_row, cols, n_cols, target, lse, p_coef, target_coef, smooth_coef, weight_ptr,
-                softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-            )
-        else:
+            m = float("-inf")
+            s = 0.0
+            smooth_dot = 0.0
+            # the next block's load is issued before this block's reductions (latency hiding)
+            x_next = _load_row_block(x_row, cols, n_cols, "evict_last")
             for start in range(0, n_cols, BLOCK_V):
+                c = start + cols
+                mask = c < n_cols
+                x = x_next.to(tl.float32)
+                x_next = _load_row_block(x_row, c + BLOCK_V, n_cols, "evict_last")
+                z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                m = m_new
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                        smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                    else:
+                        smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = m + tl.log(s)
+
+        # per-row loss
+        t_safe = tl.where(valid & in_range, target, 0)
+        z_t = _softcap(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)
+        if HAS_WEIGHT:
+            w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
+        else:
+            w_t = 1.0
+        loss = w_t * (lse - z_t)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
+            else:
+                weight_sum = n_cols * 1.0
+            loss = (1.0 - label_smoothing) * loss + label_smoothing / n_cols * (weight_sum * lse - smooth_dot)
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        bad = valid & (in_range == 0)  # out-of-range target: NaN, never an out-of-bounds access
+        loss = tl.where(valid, loss, 0.0)
+        loss = tl.where(bad, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+
+        # pass 2: gradient of loss * grad_scale
+        if COMPUTE_GRAD:
+            scale = tl.load(grad_scale_ptr).to(tl.float32)
+            if HAS_SMOOTHING:
+                p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
+                target_coef = (1.0 - label_smoothing) * w_t * scale
+                smooth_coef = label_smoothing / n_cols * scale
+            else:
+                p_coef = w_t
+                target_coef = w_t * scale
+                smooth_coef = 0.0
+            if HAS_Z_LOSS:
+                p_coef += 2.0 * z_loss * lse
+            p_coef = p_coef * scale
+            # ignored rows get exact zeros; bad rows NaN
+            p_coef = tl.where(valid, p_coef, 0.0)
+            target_coef = tl.where(valid, target_coef, 0.0)
+            smooth_coef = tl.where(valid, smooth_coef, 0.0)
+            p_coef = tl.where(bad, float("nan"), p_coef)
+            g_row = grad_ptr + row * grad_row_stride
+            if SINGLE_BLOCK:
                 _row_grad_block(
-                    _load_row_block(x_row, start + cols, n_cols), g_row, start + cols, n_cols, target, lse, p_coef, target_coef, smooth_coef,
-                    weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                    x,
+                    g_row,
+                    cols,
+                    n_cols,
+                    target,
+                    lse,
+                    p_coef,
+                    target_coef,
+                    smooth_coef,
+                    weight_ptr,
+                    softcap,
+                    HAS_WEIGHT,
+                    HAS_SMOOTHING,
+                    HAS_SOFTCAP,
                 )
+            else:
+                x_next = _load_row_block(x_row, cols, n_cols, "evict_first")
+                for start in range(0, n_cols, BLOCK_V):
+                    x = x_next.to(tl.float32)
+                    x_next = _load_row_block(x_row, start + BLOCK_V + cols, n_cols, "evict_first")
+                    _row_grad_block(
+                        x,
+                        g_row,
+                        start + cols,
+                        n_cols,
+                        target,
+                        lse,
+                        p_coef,
+                        target_coef,
+                        smooth_coef,
+                        weight_ptr,
+                        softcap,
+                        HAS_WEIGHT,
+                        HAS_SMOOTHING,
+                        HAS_SOFTCAP,
+                    )
 
 
 @triton.jit
@@ -236,10 +270,25 @@ def cross_entropy_bwd_kernel(
         p_coef += tl.load(dlse_ptr + row).to(tl.float32)
     g_row = grad_ptr + row * grad_row_stride
     cols = tl.arange(0, BLOCK_V)
+    x_next = _load_row_block(x_row, cols, n_cols, "evict_first")
     for start in range(0, n_cols, BLOCK_V):
+        x = x_next.to(tl.float32)
+        x_next = _load_row_block(x_row, start + BLOCK_V + cols, n_cols, "evict_first")
         _row_grad_block(
-            _load_row_block(x_row, start + cols, n_cols), g_row, start + cols, n_cols, target, lse, p_coef, target_coef, smooth_coef,
-            weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+            x,
+            g_row,
+            start + cols,
+            n_cols,
+            target,
+            lse,
+            p_coef,
+            target_coef,
+            smooth_coef,
+            weight_ptr,
+            softcap,
+            HAS_WEIGHT,
+            HAS_SMOOTHING,
+            HAS_SOFTCAP,
         )
 
 

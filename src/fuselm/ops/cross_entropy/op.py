@@ -7,37 +7,42 @@ import triton
 
 from .._common.dispatch import use_triton, validate_enabled
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
-from .._common.launch import row_launch
+from .._common.launch import persistent_grid, row_launch
 from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 from .reference import cross_entropy_reference
 
 # Rows up to SINGLE_BLOCK_MAX columns are held in registers (read once); longer rows loop in
-# blocks of LOOP_BLOCK. BWD_BLOCK: the recompute backward; SCALE_BLOCK: the in-place rescale.
+# blocks of LOOP_BLOCK, FWD_PROGRAMS_PER_SM rows in flight per multiprocessor.
+# BWD_BLOCK: the recompute backward; SCALE_BLOCK: the in-place rescale.
 SINGLE_BLOCK_MAX = 32768
-LOOP_BLOCK = 16384
-BWD_BLOCK = 16384
+LOOP_BLOCK = 8192
+FWD_PROGRAMS_PER_SM = 2
+BWD_BLOCK = 8192
 SCALE_BLOCK = 8192
 
 
-def _fwd_config(n_cols: int) -> tuple[bool, int, int]:
+def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
+    """(rows held in one block?, BLOCK_V, num_warps, programs per SM)."""
     block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
     if block >= n_cols:
-        return True, block, num_warps
+        return True, block, num_warps, FWD_PROGRAMS_PER_SM
     block, num_warps = row_launch(n_cols, max_block=LOOP_BLOCK)
-    return False, block, num_warps
+    return False, block, num_warps, FWD_PROGRAMS_PER_SM
 
 
-def _launch_fwd(logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap):
+def _launch_fwd(
+    logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
+):
     n_rows, n_cols = logits.shape
     assert logits.stride(-1) == 1 and target.is_contiguous()
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return loss, lse
-    single, block, num_warps = _fwd_config(n_cols)
+    single, block, num_warps, per_sm = _fwd_config(n_cols)
     if grad is not None:
         assert grad.stride(-1) == 1 and grad.shape == logits.shape
-    cross_entropy_fwd_kernel[(n_rows,)](
+    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, per_sm),)](
         logits_ptr=logits,
         logits_row_stride=logits.stride(0),
         target_ptr=target,
@@ -48,6 +53,7 @@ def _launch_fwd(logits, target, weight, weight_sum, grad_scale, grad, ignore_ind
         grad_scale_ptr=grad_scale,
         loss_ptr=loss,
         lse_ptr=lse,
+        n_rows=n_rows,
         n_cols=n_cols,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
@@ -65,8 +71,18 @@ def _launch_fwd(logits, target, weight, weight_sum, grad_scale, grad, ignore_ind
     return loss, lse
 
 
-def cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
-                      compute_grad):
+def cross_entropy_fwd(
+    logits,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    compute_grad,
+):
     """Per-row loss and lse (fp32); with compute_grad, also d(sum of loss * grad_scale)/d logits."""
     grad = torch.empty_like(logits) if compute_grad else None
     loss, lse = _launch_fwd(
@@ -75,8 +91,21 @@ def cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, ignore_ind
     return loss, lse, grad if grad is not None else logits.new_empty(0)
 
 
-def cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, grad, ignore_index,
-                      label_smoothing, z_loss, softcap):
+def cross_entropy_bwd(
+    logits,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    lse,
+    grad,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
     """Gradient from the saved lse into `grad` (may be `logits` itself): one read, one write per logit."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -118,25 +147,58 @@ def cross_entropy_bwd_scale_(grad, dloss):
         return
     block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
     cross_entropy_bwd_kernel_scale[(n_rows, triton.cdiv(n_cols, block))](
-        grad_ptr=grad, grad_row_stride=grad.stride(0), dloss_ptr=dloss, n_cols=n_cols, BLOCK_V=block,
+        grad_ptr=grad,
+        grad_row_stride=grad.stride(0),
+        dloss_ptr=dloss,
+        n_cols=n_cols,
+        BLOCK_V=block,
         num_warps=num_warps,
     )
 
 
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
 
+
 @torch.library.custom_op("fuselm::cross_entropy_fwd", mutates_args=())
 def _ce_fwd_op(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss,
-                             softcap, compute_grad)
+    return cross_entropy_fwd(
+        logits,
+        target,
+        weight,
+        weight_sum,
+        grad_scale,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        compute_grad,
+    )
 
 
 @_ce_fwd_op.register_fake
-def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap, compute_grad):
+def _(
+    logits,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    compute_grad,
+):
     n = logits.shape[0]
     stats = logits.new_empty(n, dtype=torch.float32)
     grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
@@ -145,11 +207,19 @@ def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smooth
 
 @torch.library.custom_op("fuselm::cross_entropy_fwd_inplace", mutates_args=("logits",))
 def _ce_fwd_inplace_op(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_fwd(logits, target, weight, weight_sum, grad_scale, logits, ignore_index, label_smoothing, z_loss,
-                       softcap)
+    return _launch_fwd(
+        logits, target, weight, weight_sum, grad_scale, logits, ignore_index, label_smoothing, z_loss, softcap
+    )
 
 
 @_ce_fwd_inplace_op.register_fake
@@ -160,29 +230,85 @@ def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smooth
 
 @torch.library.custom_op("fuselm::cross_entropy_bwd", mutates_args=())
 def _ce_bwd_op(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor, dloss: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
 ) -> torch.Tensor:
     grad = torch.empty_like(logits)
-    return cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, grad, ignore_index,
-                             label_smoothing, z_loss, softcap)
+    return cross_entropy_bwd(
+        logits,
+        target,
+        weight,
+        weight_sum,
+        grad_scale,
+        dloss,
+        dlse,
+        lse,
+        grad,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
 
 
 @_ce_bwd_op.register_fake
-def _(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, ignore_index, label_smoothing, z_loss,
-      softcap):
+def _(
+    logits,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    lse,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("fuselm::cross_entropy_bwd_inplace", mutates_args=("logits",))
 def _ce_bwd_inplace_op(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor, dloss: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
-    ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
 ) -> None:
-    cross_entropy_bwd(logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, logits, ignore_index,
-                      label_smoothing, z_loss, softcap)
+    cross_entropy_bwd(
+        logits,
+        target,
+        weight,
+        weight_sum,
+        grad_scale,
+        dloss,
+        dlse,
+        lse,
+        logits,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
 
 
 @torch.library.custom_op("fuselm::cross_entropy_bwd_scale_", mutates_args=("grad",))
@@ -190,7 +316,42 @@ def _ce_bwd_scale_op(grad: torch.Tensor, dloss: torch.Tensor) -> None:
     cross_entropy_bwd_scale_(grad, dloss)
 
 
+# Eager calls launch directly (a custom op costs tens of microseconds of host time per call);
+# under torch.compile the custom ops above stand in, so the graph has no break.
+
+
+def _run_fwd(logits, target, weight, weight_sum, grad_scale, args, compute_grad, inplace):
+    if torch.compiler.is_compiling():
+        if inplace:
+            return (*_ce_fwd_inplace_op(logits, target, weight, weight_sum, grad_scale, *args), logits)
+        return _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
+    if inplace:
+        loss, lse = _launch_fwd(logits, target, weight, weight_sum, grad_scale, logits, *args)
+        torch.autograd.graph.increment_version(logits)
+        return loss, lse, logits
+    return cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
+
+
+def _run_bwd(inputs, args, inplace):
+    logits = inputs[0]
+    if torch.compiler.is_compiling():
+        if inplace:
+            _ce_bwd_inplace_op(*inputs, *args)
+            return logits
+        return _ce_bwd_op(*inputs, *args)
+    grad = logits if inplace else torch.empty_like(logits)
+    return cross_entropy_bwd(*inputs, grad, *args)
+
+
+def _run_scale_(grad, dloss):
+    if torch.compiler.is_compiling():
+        _ce_bwd_scale_op(grad, dloss)
+    else:
+        cross_entropy_bwd_scale_(grad, dloss)
+
+
 # ---- autograd ----
+
 
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for [N, V] logits and [N] targets. Two plans:
@@ -203,30 +364,47 @@ class CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse,
-                inplace_backward, compute_grad):
+    def forward(
+        ctx,
+        logits,
+        target,
+        weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        return_lse,
+        inplace_backward,
+        compute_grad,
+    ):
         n_cols = logits.shape[1]
         valid = target != ignore_index
-        t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
         weight_sum = None
         if weight is not None:
+            t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
             w_t = torch.where(valid, weight.float()[t_safe], 0.0)
             weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
         if reduction == "mean":
-            denom = w_t.sum() if weight is not None else valid.sum().float()
-            grad_scale = (1.0 / denom).reshape(1)
+            denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
+            grad_scale = denom.reciprocal().reshape(1)
         else:
             grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
         grad_in_forward = compute_grad and reduction != "none" and not return_lse
         args = (ignore_index, label_smoothing, z_loss, softcap)
-        if grad_in_forward and inplace_backward:
-            loss, lse = _ce_fwd_inplace_op(logits, target, weight, weight_sum, grad_scale, *args)
-            ctx.save_for_backward(logits)
-        elif grad_in_forward:
-            loss, lse, grad = _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, True)
+        loss, lse, grad = _run_fwd(
+            logits,
+            target,
+            weight,
+            weight_sum,
+            grad_scale,
+            args,
+            grad_in_forward,
+            grad_in_forward and inplace_backward,
+        )
+        if grad_in_forward:
             ctx.save_for_backward(grad)
         else:
-            loss, lse, _ = _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, False)
             ctx.save_for_backward(logits, target, weight, weight_sum, grad_scale, lse)
         ctx.grad_in_forward = grad_in_forward
         ctx.inplace = inplace_backward
@@ -250,17 +428,13 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.consumed = True
         if ctx.grad_in_forward:
             (grad,) = ctx.saved_tensors
-            _ce_bwd_scale_op(grad, dloss.float().reshape(1))
+            _run_scale_(grad, dloss.float().reshape(1))
         else:
             logits, target, weight, weight_sum, grad_scale, lse = ctx.saved_tensors
             dloss = dloss.float().reshape(-1).contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            inputs = (logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse, *ctx.args)
-            if ctx.inplace:
-                _ce_bwd_inplace_op(*inputs)
-                grad = logits
-            else:
-                grad = _ce_bwd_op(*inputs)
+            inputs = (logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse)
+            grad = _run_bwd(inputs, ctx.args, ctx.inplace)
         return grad, None, None, None, None, None, None, None, None, None, None
 
 
@@ -339,19 +513,36 @@ def cross_entropy(
 
     if input.dtype == torch.float64 or not use_triton(input):
         return cross_entropy_reference(
-            input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
+            input,
+            target,
+            weight=weight,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            return_lse=return_lse,
         )
     if validate_enabled():
         bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
         if bool(bad.any()):
-            raise ValueError(f"target holds {target[bad][0].item()}, outside [0, {n_cols}) and not ignore_index")
+            raise ValueError(
+                f"target holds {target[bad][0].item()}, outside [0, {n_cols}) and not ignore_index"
+            )
 
     logits = rows_view(input)
     compute_grad = torch.is_grad_enabled() and input.requires_grad
     loss, lse = CrossEntropyFunction.apply(
-        logits, target.reshape(-1).contiguous(), weight.contiguous() if weight is not None else None, ignore_index,
-        reduction, float(label_smoothing), float(z_loss), float(softcap or 0.0), return_lse, inplace_backward,
+        logits,
+        target.reshape(-1).contiguous(),
+        weight.contiguous() if weight is not None else None,
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap or 0.0),
+        return_lse,
+        inplace_backward,
         compute_grad,
     )
     if reduction == "none":
