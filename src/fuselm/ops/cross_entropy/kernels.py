@@ -105,26 +105,40 @@ def cross_entropy_fwd_kernel(
                 else:
                     smooth_dot = tl.sum(tl.where(mask, z, 0.0), axis=0)
         else:
-            m = float("-inf")
-            s = 0.0
-            smooth_dot = 0.0
-            # the next block's load is issued before this block's reductions (latency hiding)
-            x_next = _load_row_block(x_row, cols, n_cols, "evict_last")
+            # per-slot online softmax: slot k keeps the max m_k and the sum s_k of exp(z - m_k) over
+            # the blocks; one exp per logit, no cross-thread reduction until the row ends.
+            # m starts finite so that masked (-inf) slots give exp(-inf) = 0, never inf - inf.
+            m_vec = tl.full([BLOCK_V], -1e30, tl.float32)
+            s_vec = tl.zeros([BLOCK_V], tl.float32)
+            smooth_vec = tl.zeros([BLOCK_V], tl.float32)
+            # the next block's load is issued before this block's math (latency hiding)
+            x_next = tl.load(
+                x_row + cols, mask=cols < n_cols, other=float("-inf"), eviction_policy="evict_last"
+            )
             for start in range(0, n_cols, BLOCK_V):
                 c = start + cols
-                mask = c < n_cols
-                x = x_next.to(tl.float32)
-                x_next = _load_row_block(x_row, c + BLOCK_V, n_cols, "evict_last")
-                z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-                m = m_new
+                z = x_next.to(tl.float32)
+                x_next = tl.load(
+                    x_row + c + BLOCK_V,
+                    mask=c + BLOCK_V < n_cols,
+                    other=float("-inf"),
+                    eviction_policy="evict_last",
+                )
+                if HAS_SOFTCAP:
+                    z = tl.where(c < n_cols, _softcap(z, softcap, HAS_SOFTCAP), float("-inf"))
+                d = z - m_vec
+                e = tl.exp(-tl.abs(d))
+                s_vec = tl.where(d > 0, s_vec * e + 1.0, s_vec + e)
+                m_vec = tl.maximum(m_vec, z)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
-                        w = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                        smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+                        w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
+                        smooth_vec += tl.where(c < n_cols, w * z, 0.0)
                     else:
-                        smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
+                        smooth_vec += tl.where(c < n_cols, z, 0.0)
+            m = tl.max(m_vec, axis=0)
+            s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+            smooth_dot = tl.sum(smooth_vec, axis=0)
         lse = m + tl.log(s)
 
         # per-row loss
