@@ -111,7 +111,7 @@ def main():
         print(f"  {n}x{v} loss ours {ours.item():.6f} torch {ref.item():.6f}", flush=True)
         configs = []
         pow2 = triton.next_power_of_2(v)
-        for block, warps, per_sm in itertools.product([2048, 4096, 8192, 16384, 32768], [4, 8, 16, 32], [2, 4]):
+        for block, warps, per_sm in itertools.product([2048, 4096, 8192, 16384], [4, 8, 16], [2, 4, 8]):
             if block > pow2 or block < warps * 32 * 8 or (block < v and block > 16384):
                 continue
             configs.append((block >= v, block, warps, per_sm))
@@ -130,12 +130,6 @@ def main():
             lambda: fuselm.cross_entropy(x.detach(), t), warmup=25, rep=100, return_mode="median") * 2)
         report("fuselm reduction=none bwd-recompute", bench_full(
             lambda a, b: fuselm.cross_entropy(a, b, reduction="none").sum(), x, t))
-        try:
-            report("fuselm default inplace, CUDA graph", graph_ms(x, t))
-        except Exception:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc(limit=-6)
         compiled = torch.compile(lambda a, b: torch.nn.functional.cross_entropy(a.float(), b))
         report("torch.compile", bench_full(compiled, x, t))
         try:
@@ -146,6 +140,10 @@ def main():
             print("  liger unavailable:", type(e).__name__, str(e)[:200])
         del x, t
         torch.cuda.empty_cache()
+    x = torch.randn(8192, 128256, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 128256, (8192,), device="cuda")
+    ms = graph_ms(x, t)
+    print(f"  8192x128256 fwd+bwd inplace in a CUDA graph: {ms:.3f} ms, {8192 * 128256 * 4 / 1e9 / ms:.2f} TB/s")
 
 
 if __name__ == "__main__":

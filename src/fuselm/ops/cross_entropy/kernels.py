@@ -9,6 +9,8 @@ Rows that fit one block are read once.
 import triton
 import triton.language as tl
 
+LOG2E: tl.constexpr = 1.4426950408889634
+
 
 @triton.jit
 def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -43,7 +45,7 @@ def _row_grad_block(
     """d loss / d x on one block of a row: softmax * p_coef - onehot * target_coef - w * smooth_coef."""
     mask = cols < n_cols
     z = _softcap(x, softcap, HAS_SOFTCAP)
-    g = tl.exp(z - lse) * p_coef - tl.where(cols == target, target_coef, 0.0)
+    g = tl.exp2(z * LOG2E - lse * LOG2E) * p_coef - tl.where(cols == target, target_coef, 0.0)
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -105,40 +107,27 @@ def cross_entropy_fwd_kernel(
                 else:
                     smooth_dot = tl.sum(tl.where(mask, z, 0.0), axis=0)
         else:
-            # per-slot online softmax: slot k keeps the max m_k and the sum s_k of exp(z - m_k) over
-            # the blocks; one exp per logit, no cross-thread reduction until the row ends.
-            # m starts finite so that masked (-inf) slots give exp(-inf) = 0, never inf - inf.
-            m_vec = tl.full([BLOCK_V], -1e30, tl.float32)
-            s_vec = tl.zeros([BLOCK_V], tl.float32)
-            smooth_vec = tl.zeros([BLOCK_V], tl.float32)
-            # the next block's load is issued before this block's math (latency hiding)
-            x_next = tl.load(
-                x_row + cols, mask=cols < n_cols, other=float("-inf"), eviction_policy="evict_last"
-            )
+            # online softmax in base 2 (exp2(x * log2e - m2) is one FMA and one MUFU op per logit)
+            m2 = float("-inf")
+            s = 0.0
+            smooth_dot = 0.0
             for start in range(0, n_cols, BLOCK_V):
                 c = start + cols
-                z = x_next.to(tl.float32)
-                x_next = tl.load(
-                    x_row + c + BLOCK_V,
-                    mask=c + BLOCK_V < n_cols,
-                    other=float("-inf"),
-                    eviction_policy="evict_last",
-                )
+                x = tl.load(x_row + c, mask=c < n_cols, other=float("-inf"), eviction_policy="evict_last")
+                z = x.to(tl.float32)
                 if HAS_SOFTCAP:
                     z = tl.where(c < n_cols, _softcap(z, softcap, HAS_SOFTCAP), float("-inf"))
-                d = z - m_vec
-                e = tl.exp(-tl.abs(d))
-                s_vec = tl.where(d > 0, s_vec * e + 1.0, s_vec + e)
-                m_vec = tl.maximum(m_vec, z)
+                m2_new = tl.maximum(m2, tl.max(z, axis=0) * LOG2E)
+                m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)  # a block of -inf logits adds 0
+                s = s * tl.exp2(m2 - m2_safe) + tl.sum(tl.exp2(z * LOG2E - m2_safe), axis=0)
+                m2 = m2_new
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
-                        smooth_vec += tl.where(c < n_cols, w * z, 0.0)
+                        smooth_dot += tl.sum(tl.where(c < n_cols, w * z, 0.0), axis=0)
                     else:
-                        smooth_vec += tl.where(c < n_cols, z, 0.0)
-            m = tl.max(m_vec, axis=0)
-            s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
-            smooth_dot = tl.sum(smooth_vec, axis=0)
+                        smooth_dot += tl.sum(tl.where(c < n_cols, z, 0.0), axis=0)
+            m = m2 / LOG2E
         lse = m + tl.log(s)
 
         # per-row loss
@@ -201,14 +190,13 @@ def cross_entropy_fwd_kernel(
                     HAS_SOFTCAP,
                 )
             else:
-                x_next = _load_row_block(x_row, cols, n_cols, "evict_first")
-                for start in range(0, n_cols, BLOCK_V):
-                    x = x_next.to(tl.float32)
-                    x_next = _load_row_block(x_row, start + BLOCK_V + cols, n_cols, "evict_first")
+                # last block first: the end of the row is the part most likely still in L2
+                for i in range(0, tl.cdiv(n_cols, BLOCK_V)):
+                    c = (tl.cdiv(n_cols, BLOCK_V) - 1 - i) * BLOCK_V + cols
                     _row_grad_block(
-                        x,
+                        _load_row_block(x_row, c, n_cols, "evict_first"),
                         g_row,
-                        start + cols,
+                        c,
                         n_cols,
                         target,
                         lse,
@@ -284,12 +272,9 @@ def cross_entropy_bwd_kernel(
         p_coef += tl.load(dlse_ptr + row).to(tl.float32)
     g_row = grad_ptr + row * grad_row_stride
     cols = tl.arange(0, BLOCK_V)
-    x_next = _load_row_block(x_row, cols, n_cols, "evict_first")
     for start in range(0, n_cols, BLOCK_V):
-        x = x_next.to(tl.float32)
-        x_next = _load_row_block(x_row, start + BLOCK_V + cols, n_cols, "evict_first")
         _row_grad_block(
-            x,
+            _load_row_block(x_row, start + cols, n_cols, "evict_first"),
             g_row,
             start + cols,
             n_cols,
