@@ -5,28 +5,30 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._common.dispatch import use_triton, validate_enabled
+from .._common.dispatch import interpret_mode, use_triton, validate_enabled
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
 from .._common.launch import persistent_grid, row_launch
 from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 from .reference import cross_entropy_reference
 
-# Rows up to SINGLE_BLOCK_MAX columns are held in registers (read once); longer rows loop in
-# blocks of LOOP_BLOCK, FWD_PROGRAMS_PER_SM rows in flight per multiprocessor.
-# BWD_BLOCK: the recompute backward; SCALE_BLOCK: the in-place rescale.
-SINGLE_BLOCK_MAX = 32768
-LOOP_BLOCK = 8192
-FWD_PROGRAMS_PER_SM = 2
+# Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
+# SINGLE_BLOCK_MAX columns are held in registers and read once; longer rows loop in blocks whose
+# size grows with V, FWD_PROGRAMS_PER_SM rows in flight per multiprocessor (persistent grid).
+SINGLE_BLOCK_MAX = 4096
+LOOP_CONFIGS = ((65536, 16384, 16), (16384, 8192, 8), (0, 4096, 4))  # (min V, BLOCK_V, num_warps)
+FWD_PROGRAMS_PER_SM = 4
 BWD_BLOCK = 8192
 SCALE_BLOCK = 8192
 
 
 def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
-    """(rows held in one block?, BLOCK_V, num_warps, programs per SM)."""
+    """(row held in one block?, BLOCK_V, num_warps, programs per SM)."""
     block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
     if block >= n_cols:
         return True, block, num_warps, FWD_PROGRAMS_PER_SM
-    block, num_warps = row_launch(n_cols, max_block=LOOP_BLOCK)
+    block, num_warps = next((b, w) for min_v, b, w in LOOP_CONFIGS if n_cols >= min_v)
+    if interpret_mode():
+        block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
     return False, block, num_warps, FWD_PROGRAMS_PER_SM
 
 

@@ -1,0 +1,496 @@
+"""Benchmark harness: suites, providers, timing, peak memory, the card's ceilings, ratios.
+
+A *suite* benchmarks one op for a list of shapes and *providers* (torch eager, torch.compile,
+fuselm, peers). The harness runs every (shape, provider, mode), then reports each result as
+milliseconds and as ratios to ceilings measured in the same process:
+
+- ``tbps`` / ``x_copy``: effective bandwidth (the suite's byte count / time) and its ratio to the
+  device copy bandwidth (1.0 = streams at the copy rate; higher is better).
+- ``tflops`` / ``x_gemm``: FLOP rate (the suite's FLOP count / time) and its ratio to the bf16 GEMM
+  rate (higher is better).
+- ``x_floor``: time / (FLOPs at the GEMM rate), the inverse of ``x_gemm`` (1.0 = at the GEMM floor;
+  lower is better). Meant for suites whose cost is a GEMM floor, e.g. 6NHV for linear cross-entropy.
+
+Modes:
+
+- ``fwd``: the forward alone. Under ``torch.no_grad()`` by default (what an evaluation pass pays,
+  the same work for every provider); with ``Suite.forward_grad=True`` it records autograd as in a
+  training step (designs that compute the gradient in the forward then pay for it here).
+- ``full``: forward + backward: ``torch.autograd.grad(outputs, inputs that require grad,
+  grad_outputs)``. The gradients are returned to the caller, never accumulated into ``.grad``
+  (no AccumulateGrad copy or add, which a loss whose input is an activation never pays).
+- ``bwd``: derived as median(full) - median(fwd), the same for every provider (a backward alone
+  cannot be timed for designs that compute the gradient in the forward and forbid a second
+  backward).
+
+Memory (CUDA only): after warmup, ``extra`` = peak allocated during one call minus what was
+allocated before it (inputs already allocated). In ``full`` mode, the bytes of the returned
+gradients that are fresh buffers (not aliasing an input) are subtracted: gradients count as
+already allocated once, as ``.grad`` in a training step is; a gradient written into the input's
+buffer therefore costs 0 too. In ``fwd`` mode the outputs and whatever the forward keeps for the
+backward are counted.
+
+Adding a suite (a new module ``fuselm/bench/<op>.py`` plus one line in ``registry.SUITES``)::
+
+    SUITE = Suite(
+        name="rms_norm",
+        description="RMSNorm over the last dim of [N, H]",
+        shape_dims=("N", "H"),
+        gpu_shapes=((16384, 4096), (32768, 8192)),
+        cpu_shapes=((256, 512),),
+        providers=(Provider("torch", setup_torch), Provider("fuselm", setup_fuselm)),
+        make_inputs=make_inputs,   # (shape, dtype, device) -> dict[str, Tensor]
+        cost=cost,                 # (shape, mode, dtype) -> Cost(bytes=..., flops=...)
+        columns=("ms", "tbps", "x_copy", "extra_mib"),
+    )
+
+- ``make_inputs`` returns a dict of tensors; those with ``requires_grad`` are differentiated in
+  ``full`` mode. It is called afresh for every (shape, provider, mode), after
+  ``torch.manual_seed(0)``, so a provider may overwrite its inputs.
+- ``Provider.setup(device)`` returns the function to time, ``fn(inputs) -> Tensor | tuple of
+  Tensors``; it raises :class:`SkipProvider` with a reason when it cannot run here (missing
+  package, needs CUDA). It is called once per (shape, mode), so it may build per-shape state.
+- ``cost(shape, mode, dtype)`` gives the bytes and/or FLOPs each mode must at least move/do
+  (``mode`` is ``"fwd"``, ``"bwd"`` or ``"full"``); ``None`` leaves that ratio out.
+- A non-scalar output gets a fixed random ``grad_output`` (made once per case, outside timing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Shape = tuple[int, ...]
+Inputs = dict[str, torch.Tensor]
+
+MODES: tuple[str, ...] = ("fwd", "bwd", "full")
+COLUMNS: tuple[str, ...] = ("ms", "tbps", "x_copy", "tflops", "x_gemm", "x_floor", "extra_mib")
+MIB = 1 << 20
+
+# Timing parameters (triton.testing.do_bench: milliseconds of warmup / repetition; CPU: call counts).
+CUDA_WARMUP_MS, CUDA_REP_MS = 25, 100
+CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK = 5, 20
+CPU_REPS, CPU_REPS_QUICK = 5, 3
+
+
+class SkipProvider(Exception):
+    """Raised by ``Provider.setup`` when the provider cannot run here; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work one call of a mode must at least do: bytes moved and FLOPs (``None``: not counted)."""
+
+    bytes: float | None = None
+    flops: float | None = None
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation to time. ``setup(device)`` returns ``fn(inputs) -> Tensor | tuple``."""
+
+    name: str
+    setup: Callable[[torch.device], Callable[[Inputs], Any]]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Suite:
+    """An op to benchmark; see the module docstring for the contract of each field."""
+
+    name: str
+    description: str
+    shape_dims: tuple[str, ...]
+    gpu_shapes: tuple[Shape, ...]
+    cpu_shapes: tuple[Shape, ...]
+    providers: tuple[Provider, ...]
+    make_inputs: Callable[[Shape, torch.dtype, torch.device], Inputs]
+    cost: Callable[[Shape, str, torch.dtype], Cost]
+    columns: tuple[str, ...] = ("ms", "tbps", "x_copy", "extra_mib")
+    forward_grad: bool = False
+    notes: tuple[str, ...] = ()
+
+    def provider(self, name: str) -> Provider:
+        """The provider called ``name`` (KeyError with the known names otherwise)."""
+        for p in self.providers:
+            if p.name == name:
+                return p
+        raise KeyError(f"suite {self.name!r} has no provider {name!r}; known: {self.provider_names}")
+
+    @property
+    def provider_names(self) -> list[str]:
+        return [p.name for p in self.providers]
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The card's ceilings measured in this process (``None`` where not measured)."""
+
+    copy_tbps: float | None = None
+    gemm_tflops: float | None = None
+    copy_what: str = ""
+    gemm_what: str = ""
+
+
+@dataclass
+class Row:
+    """One result: raw numbers, derived rates and ratios, or an error string."""
+
+    shape: Shape
+    provider: str
+    mode: str
+    ms: float | None = None
+    extra_bytes: int | None = None
+    peak_bytes: int | None = None
+    grad_bytes: int | None = None
+    bytes: float | None = None
+    flops: float | None = None
+    tbps: float | None = None
+    x_copy: float | None = None
+    tflops: float | None = None
+    x_gemm: float | None = None
+    x_floor: float | None = None
+    error: str | None = None
+
+    @property
+    def extra_mib(self) -> float | None:
+        return None if self.extra_bytes is None else self.extra_bytes / MIB
+
+
+@dataclass
+class Report:
+    """Everything a run produced; ``report.py`` writes it as markdown, JSON and PNG."""
+
+    suite: Suite
+    dtype: torch.dtype
+    modes: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    providers: tuple[str, ...]
+    metadata: dict[str, Any]
+    ceilings: Ceilings
+    rows: list[Row] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def row(self, shape: Shape, provider: str, mode: str) -> Row | None:
+        """The row for (shape, provider, mode), or None."""
+        for r in self.rows:
+            if tuple(r.shape) == tuple(shape) and r.provider == provider and r.mode == mode:
+                return r
+        return None
+
+
+# ---- ratios ----
+
+
+def compute_ratios(ms: float | None, cost: Cost, ceilings: Ceilings) -> dict[str, float | None]:
+    """Rates and ratios of one result: ``tbps``, ``x_copy``, ``tflops``, ``x_gemm``, ``x_floor``.
+
+    ``tbps = bytes / time``, ``x_copy = tbps / copy_tbps``, ``tflops = flops / time``,
+    ``x_gemm = tflops / gemm_tflops``, ``x_floor = time / (flops / gemm rate) = 1 / x_gemm``.
+    Anything whose inputs are missing (or a non-positive time) is None.
+
+    Example:
+        >>> r = compute_ratios(2.0, Cost(bytes=4e9), Ceilings(copy_tbps=4.0))
+        >>> r["tbps"], r["x_copy"]
+        (2.0, 0.5)
+    """
+    out: dict[str, float | None] = dict.fromkeys(("tbps", "x_copy", "tflops", "x_gemm", "x_floor"))
+    if ms is None or not ms > 0 or not math.isfinite(ms):
+        return out
+    if cost.bytes is not None:
+        out["tbps"] = cost.bytes / ms / 1e9
+        if ceilings.copy_tbps:
+            out["x_copy"] = out["tbps"] / ceilings.copy_tbps
+    if cost.flops is not None:
+        out["tflops"] = cost.flops / ms / 1e9
+        if ceilings.gemm_tflops:
+            out["x_gemm"] = out["tflops"] / ceilings.gemm_tflops
+            out["x_floor"] = ms * ceilings.gemm_tflops * 1e9 / cost.flops
+    return out
+
+
+# ---- timing, memory, ceilings ----
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False) -> float:
+    """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA, perf_counter on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    times = []
+    for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def timing_method(device: torch.device, quick: bool) -> str:
+    """One line saying how times were taken."""
+    if device.type == "cuda":
+        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        return f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms)"
+    return f"time.perf_counter median of {CPU_REPS_QUICK if quick else CPU_REPS} calls after 2 warmup calls"
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    raise TypeError(f"a provider must return a Tensor or a tuple of Tensors, got {type(x).__name__}")
+
+
+def fresh_bytes(tensors: Iterable[torch.Tensor | None], inputs: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors`` that do not alias any of ``inputs``."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs}
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in taken:
+            continue
+        taken.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, Any]:
+    """Run ``fn()`` once; return (peak allocated minus allocated before, allocated before, result).
+
+    The result is returned (still alive) so the caller can inspect it before freeing it.
+    """
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before, before, result
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and hand cached blocks back (CUDA), between providers."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
+    """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now.
+
+    CUDA: ``dst.copy_(src)`` on a 1 GiB buffer; bf16 GEMM on 8192^3 random normal data.
+    CPU (so the ratios of a CPU smoke run exist): 64 MiB copy, fp32 GEMM on 1024^3.
+    """
+    if device.type == "cuda":
+        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
+    else:
+        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 64 * MIB, torch.float32, 1024, torch.float32
+    copy_tbps = gemm_tflops = None
+    try:
+        src = torch.randn(copy_bytes // copy_dtype.itemsize, device=device, dtype=copy_dtype)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        ms = time_ms(lambda: dst.copy_(src), device, quick=quick)
+        copy_tbps = 2 * copy_bytes / ms / 1e9
+        del src, dst
+    except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
+        print(f"could not measure copy bandwidth: {type(e).__name__}: {e}")
+    free_memory(device)
+    try:
+        a = torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype)
+        b = torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype)
+        a @ b
+        ms = time_ms(lambda: a @ b, device, quick=quick)
+        gemm_tflops = 2 * gemm_n**3 / ms / 1e9
+        del a, b
+    except Exception as e:  # noqa: BLE001
+        print(f"could not measure GEMM rate: {type(e).__name__}: {e}")
+    free_memory(device)
+    gemm_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[gemm_dtype]
+    return Ceilings(
+        copy_tbps=copy_tbps,
+        gemm_tflops=gemm_tflops,
+        copy_what=f"dst.copy_(src), {copy_bytes // MIB} MiB, bytes read + written",
+        gemm_what=f"{gemm_name} GEMM {gemm_n}^3",
+    )
+
+
+# ---- one case ----
+
+
+def _measure(
+    suite: Suite,
+    provider: Provider,
+    shape: Shape,
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool,
+) -> Row:
+    """Time (and on CUDA, measure the memory of) one (shape, provider, mode) with mode fwd or full."""
+    row = Row(shape=tuple(shape), provider=provider.name, mode=mode)
+    torch.manual_seed(0)
+    inputs = suite.make_inputs(shape, dtype, device)
+    fn = provider.setup(device)
+    wrt = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    if mode == "fwd":
+        grad_ctx = contextlib.nullcontext if suite.forward_grad else torch.no_grad
+
+        def call() -> Any:
+            with grad_ctx():
+                return fn(inputs)
+
+    else:
+        if not wrt:
+            raise ValueError(f"suite {suite.name!r}: full mode needs an input with requires_grad")
+        outs = _tensors(fn(inputs))
+        grad_outputs = [None if o.numel() == 1 else torch.randn_like(o) for o in outs]
+        del outs
+
+        def call() -> Any:
+            return torch.autograd.grad(_tensors(fn(inputs)), wrt, grad_outputs=grad_outputs)
+
+    for _ in range(2):  # compile, autotune, allocator warmup
+        call()
+    sync(device)
+    if device.type == "cuda":
+        extra, _, result = peak_extra_bytes(call, device)
+        row.peak_bytes = extra
+        if mode == "full":
+            inputs_list = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+            row.grad_bytes = fresh_bytes(result, inputs_list)
+            extra -= row.grad_bytes
+        row.extra_bytes = max(extra, 0)
+        del result
+    row.ms = time_ms(call, device, quick=quick)
+    return row
+
+
+def _finish(row: Row, cost: Cost, ceilings: Ceilings) -> Row:
+    row.bytes, row.flops = cost.bytes, cost.flops
+    for k, v in compute_ratios(row.ms, cost, ceilings).items():
+        setattr(row, k, v)
+    return row
+
+
+def derive_bwd(fwd: Row | None, full: Row | None, cost: Cost, ceilings: Ceilings, shape: Shape) -> Row:
+    """The ``bwd`` row: median(full) - median(fwd) (memory not measured for it)."""
+    provider = (full or fwd).provider if (full or fwd) else "?"
+    row = Row(shape=tuple(shape), provider=provider, mode="bwd")
+    if fwd is None or full is None or fwd.ms is None or full.ms is None:
+        row.error = "needs both fwd and full"
+        return row
+    row.ms = full.ms - fwd.ms
+    return _finish(row, cost, ceilings)
+
+
+def _error_text(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def run_suite(
+    suite: Suite,
+    *,
+    shapes: Sequence[Shape],
+    dtype: torch.dtype,
+    modes: Sequence[str],
+    providers: Sequence[str],
+    device: torch.device,
+    quick: bool = False,
+    ceilings: Ceilings | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Report:
+    """Run ``suite`` for every (shape, provider, mode) and return the report (nothing written).
+
+    ``ceilings`` defaults to :func:`measure_ceilings` on ``device``. A provider whose setup raises
+    :class:`SkipProvider` is skipped with its reason; any other exception in one case becomes
+    that row's ``error`` and the run goes on.
+    """
+    from tqdm.auto import tqdm
+
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
+    modes = tuple(m for m in MODES if m in modes)
+    for name in providers:
+        suite.provider(name)
+    if ceilings is None:
+        ceilings = measure_ceilings(device, quick=quick)
+    report = Report(
+        suite=suite,
+        dtype=dtype,
+        modes=modes,
+        shapes=tuple(tuple(s) for s in shapes),
+        providers=tuple(providers),
+        metadata=dict(metadata or {}),
+        ceilings=ceilings,
+    )
+
+    active: list[Provider] = []
+    for name in providers:
+        p = suite.provider(name)
+        try:
+            p.setup(device)
+        except SkipProvider as e:
+            report.skipped[name] = str(e)
+            log(f"skipping provider {name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001
+            report.skipped[name] = f"setup failed: {_error_text(e)}"
+            log(f"skipping provider {name}: setup failed: {_error_text(e)}")
+            continue
+        active.append(p)
+    free_memory(device)
+
+    measured = [m for m in ("fwd", "full") if m in modes or "bwd" in modes]
+    cases = [(s, p, m) for s in report.shapes for p in active for m in measured]
+    raw: dict[tuple[Shape, str, str], Row] = {}
+    bar = tqdm(cases, desc=suite.name, disable=not progress, leave=False)
+    for shape, provider, mode in bar:
+        bar.set_postfix_str(f"{'x'.join(map(str, shape))} {provider.name} {mode}")
+        try:
+            row = _measure(suite, provider, shape, mode, dtype, device, quick)
+        except SkipProvider as e:
+            row = Row(shape=shape, provider=provider.name, mode=mode, error=f"skipped: {e}")
+        except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
+            row = Row(shape=shape, provider=provider.name, mode=mode, error=_error_text(e))
+        free_memory(device)
+        raw[(shape, provider.name, mode)] = _finish(row, suite.cost(shape, mode, dtype), ceilings)
+    bar.close()
+
+    for shape in report.shapes:
+        for provider in active:
+            for mode in modes:
+                if mode == "bwd":
+                    fwd, full = raw.get((shape, provider.name, "fwd")), raw.get((shape, provider.name, "full"))
+                    row = derive_bwd(fwd, full, suite.cost(shape, "bwd", dtype), ceilings, shape)
+                    row.provider = provider.name
+                    if row.error and ((fwd and fwd.error) or (full and full.error)):
+                        row.error = (fwd.error if fwd and fwd.error else None) or full.error
+                    report.rows.append(row)
+                else:
+                    report.rows.append(raw[(shape, provider.name, mode)])
+    return report
