@@ -391,10 +391,15 @@ def _finish(row: Row, cost: Cost, ceilings: Ceilings) -> Row:
     return row
 
 
-def derive_bwd(fwd: Row | None, full: Row | None, cost: Cost, ceilings: Ceilings, shape: Shape) -> Row:
-    """The ``bwd`` row: median(full) - median(fwd) (memory not measured for it)."""
-    provider = (full or fwd).provider if (full or fwd) else "?"
+def derive_bwd(
+    provider: str, shape: Shape, fwd: Row | None, full: Row | None, cost: Cost, ceilings: Ceilings
+) -> Row:
+    """The ``bwd`` row: median(full) - median(fwd); memory is not measured for it."""
     row = Row(shape=tuple(shape), provider=provider, mode="bwd")
+    for r in (fwd, full):
+        if r is not None and r.error:
+            row.error = f"{r.mode}: {r.error}"
+            return row
     if fwd is None or full is None or fwd.ms is None or full.ms is None:
         row.error = "needs both fwd and full"
         return row
@@ -448,6 +453,8 @@ def run_suite(
         metadata=dict(metadata or {}),
         ceilings=ceilings,
     )
+    report.metadata.setdefault("timing", timing_method(device, quick))
+    report.metadata.setdefault("quick", quick)
 
     active: list[Provider] = []
     for name in providers:
@@ -486,11 +493,8 @@ def run_suite(
             for mode in modes:
                 if mode == "bwd":
                     fwd, full = raw.get((shape, provider.name, "fwd")), raw.get((shape, provider.name, "full"))
-                    row = derive_bwd(fwd, full, suite.cost(shape, "bwd", dtype), ceilings, shape)
-                    row.provider = provider.name
-                    if row.error and ((fwd and fwd.error) or (full and full.error)):
-                        row.error = (fwd.error if fwd and fwd.error else None) or full.error
-                    report.rows.append(row)
+                    cost = suite.cost(shape, "bwd", dtype)
+                    report.rows.append(derive_bwd(provider.name, shape, fwd, full, cost, ceilings))
                 else:
                     report.rows.append(raw[(shape, provider.name, mode)])
     return report

@@ -32,7 +32,7 @@ def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
     return False, block, num_warps, FWD_PROGRAMS_PER_SM
 
 
-def _launch_fwd(
+def cross_entropy_fwd_into(
     logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
 ):
     n_rows, n_cols = logits.shape
@@ -87,7 +87,7 @@ def cross_entropy_fwd(
 ):
     """Per-row loss and lse (fp32); with compute_grad, also d(sum of loss * grad_scale)/d logits."""
     grad = torch.empty_like(logits) if compute_grad else None
-    loss, lse = _launch_fwd(
+    loss, lse = cross_entropy_fwd_into(
         logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
     )
     return loss, lse, grad if grad is not None else logits.new_empty(0)
@@ -219,7 +219,7 @@ def _ce_fwd_inplace_op(
     z_loss: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_fwd(
+    return cross_entropy_fwd_into(
         logits, target, weight, weight_sum, grad_scale, logits, ignore_index, label_smoothing, z_loss, softcap
     )
 
@@ -328,7 +328,7 @@ def _run_fwd(logits, target, weight, weight_sum, grad_scale, args, compute_grad,
             return (*_ce_fwd_inplace_op(logits, target, weight, weight_sum, grad_scale, *args), logits)
         return _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
     if inplace:
-        loss, lse = _launch_fwd(logits, target, weight, weight_sum, grad_scale, logits, *args)
+        loss, lse = cross_entropy_fwd_into(logits, target, weight, weight_sum, grad_scale, logits, *args)
         torch.autograd.graph.increment_version(logits)
         return loss, lse, logits
     return cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
