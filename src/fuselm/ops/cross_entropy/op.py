@@ -35,6 +35,8 @@ def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
 def cross_entropy_fwd_into(
     logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
 ):
+    """Per-row loss and lse (fp32 [N]); with `grad` (may be `logits` itself), also writes
+    d(sum_i loss_i * grad_scale) / d logits into it. logits [N, V] with stride(-1) == 1, target [N]."""
     n_rows, n_cols = logits.shape
     assert logits.stride(-1) == 1 and target.is_contiguous()
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
