@@ -13,9 +13,10 @@ milliseconds and as ratios to ceilings measured in the same process:
 
 Modes:
 
-- ``fwd``: the forward alone. Under ``torch.no_grad()`` by default (what an evaluation pass pays,
-  the same work for every provider); with ``Suite.forward_grad=True`` it records autograd as in a
-  training step (designs that compute the gradient in the forward then pay for it here).
+- ``fwd``: the forward alone. By default under ``torch.no_grad()`` on inputs detached from
+  autograd (what an evaluation pass pays, the same work for every provider); with
+  ``Suite.forward_grad=True`` it records autograd as in a training step (designs that compute the
+  gradient in the forward then pay for it here).
 - ``full``: forward + backward: ``torch.autograd.grad(outputs, inputs that require grad,
   grad_outputs)``. The gradients are returned to the caller, never accumulated into ``.grad``
   (no AccumulateGrad copy or add, which a loss whose input is an activation never pays).
@@ -292,6 +293,20 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _copy_ms(numel: int, dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    src = torch.randn(numel, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return time_ms(lambda: dst.copy_(src), device, quick=quick)
+
+
+def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    return time_ms(lambda: a @ b, device, quick=quick)
+
+
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
     """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now.
 
@@ -304,22 +319,14 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
         copy_bytes, copy_dtype, gemm_n, gemm_dtype = 64 * MIB, torch.float32, 1024, torch.float32
     copy_tbps = gemm_tflops = None
     try:
-        src = torch.randn(copy_bytes // copy_dtype.itemsize, device=device, dtype=copy_dtype)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        ms = time_ms(lambda: dst.copy_(src), device, quick=quick)
+        ms = _copy_ms(copy_bytes // copy_dtype.itemsize, copy_dtype, device, quick)
         copy_tbps = 2 * copy_bytes / ms / 1e9
-        del src, dst
     except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
         print(f"could not measure copy bandwidth: {type(e).__name__}: {e}")
     free_memory(device)
     try:
-        a = torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype)
-        b = torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype)
-        a @ b
-        ms = time_ms(lambda: a @ b, device, quick=quick)
+        ms = _gemm_ms(gemm_n, gemm_dtype, device, quick)
         gemm_tflops = 2 * gemm_n**3 / ms / 1e9
-        del a, b
     except Exception as e:  # noqa: BLE001
         print(f"could not measure GEMM rate: {type(e).__name__}: {e}")
     free_memory(device)
@@ -348,6 +355,9 @@ def _measure(
     row = Row(shape=tuple(shape), provider=provider.name, mode=mode)
     torch.manual_seed(0)
     inputs = suite.make_inputs(shape, dtype, device)
+    if mode == "fwd" and not suite.forward_grad:
+        # an evaluation pass: inputs that do not require grad (some peers test requires_grad alone)
+        inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     fn = provider.setup(device)
     wrt = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -409,8 +419,10 @@ def derive_bwd(
 
 def _error_text(e: BaseException) -> str:
     text = " ".join(str(e).split())
-    if len(text) > 160:
-        text = text[:157] + "..."
+    if isinstance(e, torch.cuda.OutOfMemoryError):  # keep "CUDA out of memory. Tried to allocate X GiB."
+        text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
+    if len(text) > 120:
+        text = text[:117] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -492,7 +504,10 @@ def run_suite(
         for provider in active:
             for mode in modes:
                 if mode == "bwd":
-                    fwd, full = raw.get((shape, provider.name, "fwd")), raw.get((shape, provider.name, "full"))
+                    fwd, full = (
+                        raw.get((shape, provider.name, "fwd")),
+                        raw.get((shape, provider.name, "full")),
+                    )
                     cost = suite.cost(shape, "bwd", dtype)
                     report.rows.append(derive_bwd(provider.name, shape, fwd, full, cost, ceilings))
                 else:

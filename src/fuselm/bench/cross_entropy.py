@@ -1,0 +1,116 @@
+"""Benchmark suite: cross-entropy on given logits ``[N, V]`` (mean over tokens, no ignored targets).
+
+Providers:
+
+- ``torch``: ``F.cross_entropy(logits.float(), target)``, eager, upcast as Hugging Face does.
+- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
+- ``fuselm``: ``fuselm.cross_entropy(logits, target)``.
+- ``fuselm_inplace``: ``fuselm.cross_entropy(logits, target, inplace_backward=True)``.
+- ``liger``: ``liger_kernel.transformers.functional.liger_cross_entropy`` (CUDA, when importable).
+
+Effective bandwidth counts the bytes the op cannot avoid: the forward reads every logit once
+(``itemsize`` bytes per logit, 2 for bf16); forward + backward also writes the gradient once
+(``2 * itemsize``); the backward is the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """Random normal logits ``[N, V]`` (requires grad) and targets uniform in ``[0, V)``."""
+    n, v = shape
+    logits = torch.randn(n, v, device=device, dtype=dtype).requires_grad_(True)
+    target = torch.randint(0, v, (n,), device=device)
+    return {"logits": logits, "target": target}
+
+
+def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
+    """Bytes per call: fwd reads the logits, full also writes the gradient, bwd is the difference."""
+    n, v = shape
+    per_logit = {"fwd": 1, "bwd": 1, "full": 2}[mode] * dtype.itemsize
+    return Cost(bytes=float(n * v * per_logit))
+
+
+def _torch_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), target)
+
+
+def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
+    """Eager PyTorch with the fp32 upcast."""
+    return lambda x: _torch_ce(x["logits"], x["target"])
+
+
+def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
+    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
+    if device.type != "cuda":
+        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
+    compiled = torch.compile(_torch_ce, dynamic=False)
+    return lambda x: compiled(x["logits"], x["target"])
+
+
+def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.cross_entropy."""
+    import fuselm
+
+    return lambda x: fuselm.cross_entropy(x["logits"], x["target"])
+
+
+def setup_fuselm_inplace(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.cross_entropy writing the gradient into the logits buffer."""
+    import fuselm
+
+    return lambda x: fuselm.cross_entropy(x["logits"], x["target"], inplace_backward=True)
+
+
+def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
+    """Liger-Kernel's cross-entropy (needs CUDA and an importable liger_kernel)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+
+    def run(x: Inputs) -> torch.Tensor:
+        out = liger_cross_entropy(x["logits"], x["target"], ignore_index=-100, reduction="mean")
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return getattr(out, "loss", out)
+
+    return run
+
+
+SUITE = Suite(
+    name="cross_entropy",
+    description="cross-entropy on given logits [N, V], mean over N tokens, targets uniform in [0, V)",
+    shape_dims=("N", "V"),
+    gpu_shapes=((8192, 128256), (16384, 32000), (16384, 8192)),
+    cpu_shapes=((256, 4096), (512, 1000)),
+    providers=(
+        Provider("torch", setup_torch, "F.cross_entropy(logits.float(), target), eager"),
+        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider("fuselm", setup_fuselm, "fuselm.cross_entropy"),
+        Provider("fuselm_inplace", setup_fuselm_inplace, "fuselm.cross_entropy(inplace_backward=True)"),
+        Provider("liger", setup_liger, "liger_kernel liger_cross_entropy"),
+    ),
+    make_inputs=make_inputs,
+    cost=cost,
+    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    forward_grad=False,
+    notes=(
+        "Bytes counted: fwd reads each logit once (2 B in bf16), full also writes its gradient once "
+        "(4 B in bf16), bwd the difference.",
+        "torch upcasts the logits to fp32 first (as Hugging Face does); fuselm_inplace and liger write "
+        "the gradient into the logits buffer, so their repeated timed calls run on overwritten (finite) "
+        "logits: same shapes, same work.",
+    ),
+)

@@ -1,0 +1,31 @@
+"""The benchmark suites ``fuselm bench`` knows: name -> (module, one-line description).
+
+Suites are imported lazily (listing them imports nothing heavy). To add one, write
+``fuselm/bench/<name>.py`` defining ``SUITE = Suite(...)`` (see ``harness``) and add a line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .harness import Suite
+
+SUITES: dict[str, tuple[str, str]] = {
+    "cross_entropy": ("fuselm.bench.cross_entropy", "cross-entropy on given [N, V] logits"),
+}
+
+
+def suite_names() -> list[str]:
+    """Registered suite names, in registration order."""
+    return list(SUITES)
+
+
+def get_suite(name: str) -> Suite:
+    """Import and return the suite called ``name`` (KeyError listing the known names otherwise)."""
+    if name not in SUITES:
+        raise KeyError(f"unknown benchmark suite {name!r}; known: {', '.join(SUITES)}")
+    module = importlib.import_module(SUITES[name][0])
+    suite = module.SUITE
+    if not isinstance(suite, Suite) or suite.name != name:
+        raise TypeError(f"{SUITES[name][0]}.SUITE must be a Suite named {name!r}")
+    return suite

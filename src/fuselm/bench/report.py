@@ -1,0 +1,332 @@
+"""Run metadata (device, versions, commit) and report writers: markdown table, JSON, PNG plot.
+
+``write_report(report, out_dir)`` writes ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` and
+returns their paths; ``markdown(report)`` is the text printed at the end of a run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .harness import Report, Row
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+COLUMN_TITLES = {
+    "ms": "ms",
+    "tbps": "TB/s",
+    "x_copy": "x copy",
+    "tflops": "TFLOP/s",
+    "x_gemm": "x GEMM",
+    "x_floor": "x floor",
+    "extra_mib": "extra MiB",
+}
+
+COLUMN_NOTES = {
+    "tbps": "TB/s: the suite's byte count per call / time.",
+    "x_copy": "x copy: TB/s / measured device copy bandwidth (1.0 = at the copy rate; higher is better).",
+    "tflops": "TFLOP/s: the suite's FLOP count per call / time.",
+    "x_gemm": "x GEMM: TFLOP/s / measured bf16 GEMM rate (higher is better).",
+    "x_floor": "x floor: time / (FLOPs at the GEMM rate) (1.0 = at the floor; lower is better).",
+    "extra_mib": (
+        "extra MiB: peak allocated during one call minus allocated before it (inputs allocated; in full "
+        "mode the returned gradients count as already allocated, like .grad, unless they reuse an input's "
+        "buffer, which costs nothing either; the JSON keeps the raw peak_bytes and grad_bytes); CUDA only."
+    ),
+}
+
+PLOT_METRICS = ("x_copy", "x_floor", "x_gemm")
+
+
+# ---- environment ----
+
+
+def device_name(device: torch.device) -> str:
+    """Human name of the device, e.g. 'NVIDIA H100 80GB HBM3' or 'CPU (x86_64)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
+
+
+def gpu_slug(name: str | None) -> str:
+    """Folder name for results: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200', None -> 'cpu'.
+
+    Falls back to the lowercased name with spaces as dashes (without a leading 'nvidia-').
+    """
+    if not name or name.lower().startswith("cpu"):
+        return "cpu"
+    low = name.lower()
+    m = re.search(r"\b([abhlv]\d{2,3}[a-z]?|gb\d{3}|mi\d{3}[a-z]?)\b", low)
+    if m:
+        return m.group(1)
+    slug = re.sub(r"[^a-z0-9.]+", "-", low).strip("-")
+    return slug.removeprefix("nvidia-") or "gpu"
+
+
+def git_commit() -> str:
+    """Short commit hash of the fuselm checkout (with '-dirty' if tracked files changed), else 'unknown'.
+
+    FUSELM_COMMIT overrides it (a copy of the tree without .git, e.g. on a remote GPU machine).
+    """
+    if os.environ.get("FUSELM_COMMIT"):
+        return os.environ["FUSELM_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0 or not sha.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--"], cwd=here, capture_output=True, timeout=10
+        ).returncode
+        return sha.stdout.strip() + ("-dirty" if dirty == 1 else "")
+    except Exception:  # noqa: BLE001 - no git, not a checkout, ...
+        return "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
+    """Device, versions, commit and date of this run."""
+    import fuselm
+
+    triton_version = None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    meta: dict[str, Any] = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "fuselm": fuselm.__version__,
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "command": " ".join(["fuselm", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    for peer in ("liger-kernel", "cut-cross-entropy"):
+        v = _version(peer)
+        if v:
+            meta[peer] = v
+    return meta
+
+
+# ---- formatting ----
+
+
+def fmt_num(x: float | None, sig: int = 3) -> str:
+    """``sig`` significant digits, no exponent, '—' for None/NaN: 0.40612 -> '0.406', 10958.2 -> '10958'."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if x == 0:
+        return "0"
+    if abs(x) >= 10 ** (sig - 1):
+        return f"{x:.0f}"
+    x = float(f"{x:.{sig}g}")  # round first: 0.99996 -> 1.0 (then '1.00', not '1.000')
+    digits = max(0, sig - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{digits}f}"
+
+
+def shape_label(shape: tuple[int, ...]) -> str:
+    """(8192, 128256) -> '8192x128256'."""
+    return "x".join(str(d) for d in shape)
+
+
+def _cell(row: Row, col: str) -> str:
+    if col == "ms" and row.ms is None and row.error:
+        return "error"
+    value = row.extra_mib if col == "extra_mib" else getattr(row, col)
+    if col in ("x_copy", "x_gemm", "x_floor") and value is not None:
+        return f"{value:.2f}"
+    return fmt_num(value)
+
+
+def markdown_table(report: Report) -> str:
+    """The results table: shape, provider, mode, then the suite's columns (and a note column if any error)."""
+    cols = list(report.suite.columns)
+    any_error = any(r.error for r in report.rows)
+    head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
+    if any_error:
+        head.append("note")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report.rows:
+        cells = [shape_label(r.shape), r.provider, r.mode, *(_cell(r, c) for c in cols)]
+        if any_error:
+            cells.append((r.error or "").replace("|", "/"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ceiling_line(report: Report) -> str:
+    c = report.ceilings
+    copy = f"{c.copy_tbps:.2f} TB/s ({c.copy_what})" if c.copy_tbps else "not measured"
+    gemm = f"{c.gemm_tflops:.1f} TFLOP/s ({c.gemm_what})" if c.gemm_tflops else "not measured"
+    return f"device copy {copy}; GEMM {gemm}"
+
+
+def notes(report: Report) -> list[str]:
+    """Footnotes: what each column means, how modes and memory are taken, the suite's own notes."""
+    out = []
+    if "bwd" in report.modes:
+        out.append("bwd = median(full) - median(fwd), the same for every provider (no memory figure).")
+    if "fwd" in report.modes:
+        if report.suite.forward_grad:
+            out.append("fwd records autograd, as the forward of a training step.")
+        else:
+            out.append(
+                "fwd runs under torch.no_grad() on inputs that do not require grad (outputs only, the "
+                "same work for every provider)."
+            )
+    out.append(
+        "full = forward + torch.autograd.grad w.r.t. the inputs that require grad (no .grad accumulation)."
+    )
+    out.extend(COLUMN_NOTES[c] for c in report.suite.columns if c in COLUMN_NOTES)
+    out.extend(report.suite.notes)
+    return out
+
+
+def markdown(report: Report) -> str:
+    """The whole markdown report: header with device, versions, commit, date and ceilings; table; notes."""
+    m = report.metadata
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    lines = [f"# fuselm bench {report.suite.name}", "", f"{report.suite.description}, {dtype}.", ""]
+    if m.get("device_type") == "cpu":
+        lines += [
+            "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU.",
+            "",
+        ]
+    versions = (
+        f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
+    )
+    peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
+    lines += [
+        f"- device: {m.get('device')}",
+        f"- versions: {versions}" + (f"; peers: {peers}" if peers else ""),
+        f"- date: {m.get('date')}",
+        f"- ceilings (measured in this run): {_ceiling_line(report)}",
+        f"- timing: {m.get('timing')}",
+        f"- command: `{m.get('command')}`",
+        "",
+        markdown_table(report),
+        "",
+    ]
+    lines += [f"- {n}" for n in notes(report)]
+    for name, reason in report.skipped.items():
+        lines.append(f"- skipped {name}: {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """All raw numbers and the metadata, JSON-ready."""
+    rows = []
+    for r in report.rows:
+        d = {k: getattr(r, k) for k in r.__dataclass_fields__}
+        d["shape"] = list(r.shape)
+        d["extra_mib"] = r.extra_mib
+        rows.append(d)
+    c = report.ceilings
+    return {
+        "suite": report.suite.name,
+        "description": report.suite.description,
+        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
+        "shape_dims": list(report.suite.shape_dims),
+        "shapes": [list(s) for s in report.shapes],
+        "modes": list(report.modes),
+        "providers": list(report.providers),
+        "columns": list(report.suite.columns),
+        "metadata": report.metadata,
+        "ceilings": {
+            "copy_tbps": c.copy_tbps,
+            "gemm_tflops": c.gemm_tflops,
+            "copy_what": c.copy_what,
+            "gemm_what": c.gemm_what,
+        },
+        "rows": rows,
+        "skipped": report.skipped,
+        "notes": notes(report),
+    }
+
+
+def plot_metric(report: Report) -> str:
+    """What the PNG shows: the suite's first ratio column that has values, else ms."""
+    for col in report.suite.columns:
+        if col in PLOT_METRICS and any(getattr(r, col) is not None for r in report.rows):
+            return col
+    return "ms"
+
+
+def write_png(report: Report, path: Path) -> None:
+    """Grouped bars per shape and provider, one subplot per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = plot_metric(report)
+    providers = [p for p in report.providers if p not in report.skipped]
+    modes = list(report.modes)
+    panel_width = min(8.0, max(4.0, 1.5 + 0.35 * len(report.shapes) * max(1, len(providers))))
+    fig, axes = plt.subplots(1, len(modes), figsize=(panel_width * len(modes), 4), squeeze=False)
+    axes = list(axes[0])
+    width = 0.8 / max(1, len(providers))
+    for ax, mode in zip(axes, modes, strict=True):
+        for i, prov in enumerate(providers):
+            vals = []
+            for s in report.shapes:
+                r = report.row(s, prov, mode)
+                v = None if r is None else getattr(r, metric)
+                vals.append(float("nan") if v is None else v)
+            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(report.shapes))]
+            ax.bar(xs, vals, width=width, label=prov)
+        ax.set_xticks(range(len(report.shapes)))
+        ax.set_xticklabels([shape_label(s) for s in report.shapes], fontsize=8)
+        ax.set_title(mode)
+        ax.set_ylabel(COLUMN_TITLES[metric])
+        if metric != "ms":
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes[0].legend(fontsize=8)
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    fig.suptitle(f"fuselm bench {report.suite.name}, {dtype}, {report.metadata.get('device')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: Report, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = report.suite.name
+    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
+    paths["md"].write_text(markdown(report))
+    paths["json"].write_text(json.dumps(to_json(report), indent=2) + "\n")
+    try:
+        write_png(report, paths["png"])
+    except ImportError as e:
+        print(f"no plot written ({e}); pip install matplotlib")
+        del paths["png"]
+    return paths

@@ -1,0 +1,215 @@
+"""The ``fuselm`` command line.
+
+Usage::
+
+    fuselm bench                       # list the benchmark suites
+    fuselm bench cross_entropy         # run one suite with its default shapes and providers
+    fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
+    fuselm bench all                   # every suite, default shapes
+
+Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
+CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``.../cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+DTYPES.update({"fp32": "float32", "float32": "float32"})
+
+
+class UsageError(Exception):
+    """A bad command-line value; main prints it and returns 2."""
+
+
+def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
+    """'8192x128256,16384x32000' -> [(8192, 128256), (16384, 32000)]; checks dims when ``ndim`` is given.
+
+    Example:
+        >>> parse_shapes("8x16, 4X2")
+        [(8, 16), (4, 2)]
+    """
+    shapes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            shape = tuple(int(d) for d in part.split("x"))
+        except ValueError:
+            raise UsageError(f"bad shape {part!r}: expected sizes joined by 'x', e.g. 8192x128256") from None
+        if any(d <= 0 for d in shape):
+            raise UsageError(f"bad shape {part!r}: sizes must be positive")
+        if ndim is not None and len(shape) != ndim:
+            raise UsageError(f"bad shape {part!r}: this suite takes {ndim} sizes")
+        shapes.append(shape)
+    if not shapes:
+        raise UsageError("no shapes given")
+    return shapes
+
+
+def parse_list(text: str, known: Sequence[str], what: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped)."""
+    items: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item or item in items:
+            continue
+        if item not in known:
+            raise UsageError(f"unknown {what} {item!r}; known: {', '.join(known)}")
+        items.append(item)
+    if not items:
+        raise UsageError(f"no {what}s given")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fuselm``."""
+    parser = argparse.ArgumentParser(
+        prog="fuselm", description="fuselm: fused Triton kernels for LLM training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark ops against torch eager, torch.compile and peers",
+        description=(
+            "Time forward, backward and forward+backward of an op for several providers, measure extra peak "
+            "memory and the card's ceilings (copy bandwidth, bf16 GEMM rate) in the same process, and write "
+            "<suite>.md, .json and .png. Without a suite name: list the suites."
+        ),
+    )
+    bench.add_argument("suite", nargs="?", help="suite to run ('all' for every suite); omit to list them")
+    bench.add_argument(
+        "--shapes",
+        help="comma-separated shapes like 8192x128256,16384x32000 (default: the suite's GPU shapes)",
+    )
+    bench.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    bench.add_argument(
+        "--modes", default="fwd,bwd,full", help="comma-separated from fwd,bwd,full (default: all)"
+    )
+    bench.add_argument("--providers", help="comma-separated provider names (default: all of the suite's)")
+    bench.add_argument(
+        "--out", help="output folder (default: benchmarks/results/<gpu>, e.g. .../h100 or .../cpu)"
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (a rough number fast)")
+    bench.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: cuda when available (default)",
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _list_suites() -> None:
+    from .bench.registry import SUITES
+
+    print("benchmark suites (fuselm bench <suite>):")
+    width = max(len(n) for n in SUITES)
+    for name, (_, desc) in SUITES.items():
+        print(f"  {name:<{width}}  {desc}")
+    print(f"  {'all':<{width}}  every suite above")
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+
+    from .bench.harness import MODES, measure_ceilings, run_suite
+    from .bench.registry import get_suite, suite_names
+    from .bench.report import collect_metadata, gpu_slug, markdown, markdown_table, write_report
+
+    if args.suite is None:
+        _list_suites()
+        return 0
+    names = suite_names() if args.suite == "all" else [args.suite]
+    if args.suite != "all" and args.suite not in suite_names():
+        raise UsageError(f"unknown suite {args.suite!r}; known: {', '.join(suite_names())}, all")
+    if args.suite == "all" and args.shapes:
+        raise UsageError("--shapes needs a single suite")
+    if args.dtype.lower() not in DTYPES:
+        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
+    dtype = getattr(torch, DTYPES[args.dtype.lower()])
+    modes = parse_list(args.modes, MODES, "mode")
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device available")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    meta = collect_metadata(device, argv)
+    if not cuda:
+        print(
+            "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
+            "not comparable to GPU results."
+        )
+    print(
+        f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, fuselm @ {meta['commit']}"
+    )
+    out_dir = (
+        Path(args.out)
+        if args.out
+        else Path("benchmarks") / "results" / gpu_slug(meta["device"] if cuda else None)
+    )
+
+    suites = [get_suite(n) for n in names]
+    plans = []
+    for suite in suites:
+        if args.shapes:
+            shapes = parse_shapes(args.shapes, len(suite.shape_dims))
+        else:
+            shapes = list(suite.gpu_shapes if cuda else suite.cpu_shapes)
+        providers = parse_list(args.providers, suite.provider_names, "provider") if args.providers else None
+        plans.append((suite, shapes, providers or suite.provider_names))
+
+    print("measuring ceilings ...", flush=True)
+    ceilings = measure_ceilings(device, quick=args.quick)
+    copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
+    gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
+    print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})")
+
+    status = 0
+    for suite, shapes, providers in plans:
+        report = run_suite(
+            suite,
+            shapes=shapes,
+            dtype=dtype,
+            modes=modes,
+            providers=providers,
+            device=device,
+            quick=args.quick,
+            ceilings=ceilings,
+            metadata=meta,
+            progress=not args.no_progress,
+        )
+        paths = write_report(report, out_dir)
+        print()
+        print(markdown(report) if len(plans) == 1 else markdown_table(report))
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        if not any(r.ms is not None for r in report.rows):
+            status = 1
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fuselm``; returns the exit code (0 ok, 1 nothing measured, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return _bench(args, argv)
+    except UsageError as e:
+        print(f"fuselm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
