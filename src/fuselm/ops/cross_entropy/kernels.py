@@ -44,7 +44,7 @@ def _row_grad_block(
 ):
     """d loss / d x on one block of a row: softmax * p_coef - onehot * target_coef - w * smooth_coef."""
     mask = cols < n_cols
-    z = _softcap(x, softcap, HAS_SOFTCAP)
+    z = _softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
     g = tl.exp2(z * LOG2E - lse * LOG2E) * p_coef - tl.where(cols == target, target_coef, 0.0)
     if HAS_SMOOTHING:
         if HAS_WEIGHT:

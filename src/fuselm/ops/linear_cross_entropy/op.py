@@ -1,0 +1,701 @@
+"""fuselm.linear_cross_entropy: launchers -> custom ops -> autograd Function -> public function.
+
+Token-chunked plan: per chunk of C rows, cuBLAS writes the logits into one reused [C, V] buffer,
+the cross-entropy Triton kernel turns them in place into the chunk's gradient G, and cuBLAS
+accumulates dX = G W, dW += G^T X (db += sum of G's rows). No [N, V] tensor ever exists.
+The math and the costs are in README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._common.dispatch import use_triton, validate_enabled
+from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into
+from .reference import linear_cross_entropy_reference
+
+AUTO_BUDGET = 256 * 2**20  # bytes of the [C, V] chunk buffer under memory="auto" (also capped by free/4)
+MIN_BUDGET = 8 * 2**20  # memory="min", until the fused O(N) tile kernel exists
+CHUNK_ROW_MULTIPLE = 16  # C is a multiple of this (GEMM tiles), and never below it
+
+
+# ---- plan ----
+
+
+def _validate_memory(memory) -> None:
+    if memory in ("auto", "min"):
+        return
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
+        return
+    raise ValueError(f"memory must be 'auto', 'min' or a positive int (bytes), got {memory!r}")
+
+
+def _capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on the stream that work for `device` goes to?"""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def memory_budget(memory, device: torch.device) -> int:
+    """Bytes allowed for the [C, V] chunk buffer. "auto": min(256 MiB, a quarter of the free device
+    memory; the query is skipped under torch.compile and CUDA graph capture); "min": 8 MiB; int: itself."""
+    if memory == "min":
+        return MIN_BUDGET
+    if memory != "auto":
+        return int(memory)
+    budget = AUTO_BUDGET
+    if device.type == "cuda" and not torch.compiler.is_compiling() and not _capturing(device):
+        free, _ = torch.cuda.mem_get_info(device)  # asked every call: nothing cached across devices
+        budget = min(budget, free // 4)
+    return budget
+
+
+def chunk_rows_for(budget: int, n_cols: int, itemsize: int) -> int:
+    """Rows C of a chunk whose [C, n_cols] buffer of `itemsize` bytes fits `budget`: at least 16,
+    a multiple of 16. The launchers clamp it to the number of rows."""
+    rows = budget // (n_cols * itemsize)
+    return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+
+
+# ---- launchers ----
+
+
+def _chunk(x, target, rows, s, e):
+    """Rows s:e of the work list: a slice, or a gather when ignored rows were compacted out."""
+    if rows is None:
+        return x[s:e], target[s:e], None
+    idx = rows[s:e]
+    return x.index_select(0, idx), target.index_select(0, idx), idx
+
+
+def _logits_into(buf, xc, w, b):
+    """buf [C, V] = xc @ w^T (+ b), by cuBLAS into the reused buffer."""
+    if b is None:
+        return torch.mm(xc, w.t(), out=buf)
+    return torch.addmm(b, xc, w.t(), out=buf)
+
+
+def _accumulate_grads(g, xc, w, idx, s, e, dx, dw, db_acc, first):
+    """dX[rows] = G W, dW (+)= G^T X, db += sum_rows G (fp32)."""
+    if dx is not None:
+        if idx is None:
+            torch.mm(g, w, out=dx[s:e])
+        else:
+            dx.index_copy_(0, idx, torch.mm(g, w))
+    if dw is not None:
+        if first:
+            torch.mm(g.t(), xc, out=dw)
+        else:
+            dw.addmm_(g.t(), xc)  # cuBLAS sums in fp32, rounds to dW's dtype once per chunk
+    if db_acc is not None:
+        db_acc += g.sum(0, dtype=torch.float32)
+
+
+def _n_work(x, rows):
+    return x.shape[0] if rows is None else rows.shape[0]
+
+
+def linear_cross_entropy_fwd(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    rows,
+    chunk_rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    compute_grad,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    """Chunked forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the rows
+    to compute (ignored ones compacted out) or None for all. Returns per-row loss and lse (fp32, one per
+    computed row), and with compute_grad the gradients of sum(loss_rows) * grad_scale: dx [N, H] (zero on
+    rows not computed), dw [V, H] (dtype of w), db [V] (fp32); None where not needed."""
+    n_total, h = x.shape
+    v = w.shape[0]
+    assert w.shape[1] == h and target.is_contiguous()
+    n = _n_work(x, rows)
+    c = max(1, min(chunk_rows, n))
+    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    dx = dw = db_acc = None
+    if compute_grad:
+        if need_dx:
+            dx = torch.empty((n_total, h), dtype=x.dtype, device=x.device)
+            if rows is not None:
+                dx.zero_()
+        if need_dw:
+            dw = torch.empty_like(w, memory_format=torch.contiguous_format)
+            if n == 0:
+                dw.zero_()
+        if need_db:
+            db_acc = torch.zeros(v, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return loss, lse, dx, dw, db_acc
+    buf = torch.empty((c, v), dtype=x.dtype, device=x.device)  # the only [C, V] tensor
+    args = (ignore_index, label_smoothing, z_loss, softcap)
+    for s in range(0, n, c):
+        e = min(s + c, n)
+        xc, tc, idx = _chunk(x, target, rows, s, e)
+        logits = _logits_into(buf[: e - s], xc, w, b)
+        grad = logits if compute_grad else None  # the kernel overwrites the logits with G
+        loss_c, lse_c = cross_entropy_fwd_into(logits, tc, weight, weight_sum, grad_scale, grad, *args)
+        loss[s:e] = loss_c
+        lse[s:e] = lse_c
+        if compute_grad:
+            _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db_acc, s == 0)
+    return loss, lse, dx, dw, db_acc
+
+
+def linear_cross_entropy_bwd(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    lse,
+    rows,
+    chunk_rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    """Recompute plan: per chunk, logits again, G from the saved lse (with dloss fp32 1-element or one per
+    computed row, dlse [rows] or None) written over them, then the three GEMMs. Returns dx, dw, db (fp32)."""
+    n_total, h = x.shape
+    v = w.shape[0]
+    n = _n_work(x, rows)
+    c = max(1, min(chunk_rows, n))
+    dx = dw = db_acc = None
+    if need_dx:
+        dx = torch.empty((n_total, h), dtype=x.dtype, device=x.device)
+        if rows is not None:
+            dx.zero_()
+    if need_dw:
+        dw = torch.empty_like(w, memory_format=torch.contiguous_format)
+        if n == 0:
+            dw.zero_()
+    if need_db:
+        db_acc = torch.zeros(v, dtype=torch.float32, device=x.device)
+    if n == 0 or not (need_dx or need_dw or need_db):
+        return dx, dw, db_acc
+    per_row = dloss.numel() != 1
+    buf = torch.empty((c, v), dtype=x.dtype, device=x.device)
+    args = (ignore_index, label_smoothing, z_loss, softcap)
+    for s in range(0, n, c):
+        e = min(s + c, n)
+        xc, tc, idx = _chunk(x, target, rows, s, e)
+        logits = _logits_into(buf[: e - s], xc, w, b)
+        dloss_c = dloss[s:e] if per_row else dloss
+        dlse_c = dlse[s:e] if dlse is not None else None
+        inputs = (logits, tc, weight, weight_sum, grad_scale, dloss_c, dlse_c, lse[s:e])
+        cross_entropy_bwd(*inputs, logits, *args)
+        _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db_acc, s == 0)
+    return dx, dw, db_acc
+
+
+# ---- custom ops: under torch.compile each chunked pass is one opaque node (no graph break) ----
+
+
+def _or_empty(t, like):
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    chunk_rows: int,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    compute_grad: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, lse, dx, dw, db = linear_cross_entropy_fwd(
+        x,
+        w,
+        b,
+        target,
+        weight,
+        weight_sum,
+        grad_scale,
+        None,
+        chunk_rows,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        compute_grad,
+        need_dx,
+        need_dw,
+        need_db,
+    )
+    return loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, loss)
+
+
+@_lce_fwd_op.register_fake
+def _(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    chunk_rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    compute_grad,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    n, v = x.shape[0], w.shape[0]
+    loss = x.new_empty(n, dtype=torch.float32)
+    dx = x.new_empty(x.shape) if compute_grad and need_dx else x.new_empty(0)
+    dw = w.new_empty(w.shape) if compute_grad and need_dw else w.new_empty(0)
+    db = loss.new_empty(v) if compute_grad and need_db else loss.new_empty(0)
+    return loss, x.new_empty(n, dtype=torch.float32), dx, dw, db
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    chunk_rows: int,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = linear_cross_entropy_bwd(
+        x,
+        w,
+        b,
+        target,
+        weight,
+        weight_sum,
+        grad_scale,
+        dloss,
+        dlse,
+        lse,
+        None,
+        chunk_rows,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        need_dx,
+        need_dw,
+        need_db,
+    )
+    return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
+
+
+@_lce_bwd_op.register_fake
+def _(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    lse,
+    chunk_rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
+    dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
+    db = lse.new_empty(w.shape[0]) if need_db else lse.new_empty(0)
+    return dx, dw, db
+
+
+# Eager calls run the launchers directly (and may compact ignored rows); under torch.compile the
+# custom ops above stand in, on all rows (no data-dependent shapes, no host sync).
+
+
+def _run_fwd(x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, args, compute_grad, needs):
+    if torch.compiler.is_compiling():
+        loss, lse, dx, dw, db = _lce_fwd_op(
+            x, w, b, target, weight, weight_sum, grad_scale, chunk_rows, *args, compute_grad, *needs
+        )
+        kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
+        return (loss, lse, *kept)
+    return linear_cross_entropy_fwd(
+        x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, *args, compute_grad, *needs
+    )
+
+
+def _run_bwd(
+    x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse, rows, chunk_rows, args, needs
+):
+    inputs = (x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse)
+    if torch.compiler.is_compiling():
+        grads = _lce_bwd_op(*inputs, chunk_rows, *args, *needs)
+        return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
+    return linear_cross_entropy_bwd(*inputs, rows, chunk_rows, *args, *needs)
+
+
+# ---- autograd ----
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd for x [N, H], w [V, H], b [V] or None, target [N]. Two plans:
+
+    - gradient in forward (reduction mean/sum, no lse output, some gradient needed): the forward
+      computes dX, dW, db of the loss; the backward multiplies them by grad_output in place (the
+      device skips it when grad_output == 1). 6NHV FLOPs.
+    - recompute (reduction none, or return_lse): the forward keeps lse; the backward recomputes
+      each chunk's logits and writes the gradient over them. 8NHV FLOPs.
+
+    `rows` (eager only): indices of the non-ignored rows, or None to compute every row.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        w,
+        b,
+        target,
+        weight,
+        rows,
+        chunk_rows,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        return_lse,
+        needs,
+    ):
+        n, v = x.shape[0], w.shape[0]
+        valid = target != ignore_index
+        weight_sum = None
+        if weight is not None:
+            t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
+            w_t = torch.where(valid, weight.float()[t_safe], 0.0)
+            weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
+        if reduction == "mean":
+            denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
+            grad_scale = denom.reciprocal().reshape(1)
+        else:
+            grad_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+        compute_grad = any(needs)
+        grad_in_forward = compute_grad and reduction != "none" and not return_lse
+        args = (ignore_index, label_smoothing, z_loss, softcap)
+        loss, lse, dx, dw, db = _run_fwd(
+            x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, args, grad_in_forward, needs
+        )
+        ctx.grad_in_forward = grad_in_forward
+        ctx.needs = needs
+        ctx.args = args
+        ctx.chunk_rows = chunk_rows
+        ctx.bias_dtype = b.dtype if b is not None else None
+        ctx.consumed = False
+        if grad_in_forward:
+            ctx.save_for_backward(dx, dw, db)
+        else:
+            ctx.save_for_backward(x, w, b, target, weight, weight_sum, grad_scale, lse, rows)
+        if not return_lse:
+            ctx.mark_non_differentiable(lse)
+        if reduction == "sum":
+            out = loss.sum()
+        elif reduction == "mean":
+            out = loss.sum() * grad_scale[0]
+        elif rows is not None:
+            out = loss.new_zeros(n).index_copy_(0, rows, loss)  # ignored rows: loss 0
+        else:
+            out = loss
+        return out.to(x.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        if ctx.consumed:
+            raise RuntimeError(
+                "fuselm.linear_cross_entropy: backward ran twice through a graph whose gradients were "
+                "computed in the forward and already handed out; recompute the loss instead of "
+                "retain_graph=True"
+            )
+        if ctx.grad_in_forward:
+            ctx.consumed = True
+            dx, dw, db = ctx.saved_tensors
+            dl = dloss.float().reshape(1)
+            if dx is not None:
+                _run_scale_(dx, dl)
+            if dw is not None:
+                _run_scale_(dw, dl)
+            if db is not None:
+                db = (db * dl).to(ctx.bias_dtype)  # [V], kept in fp32 until here
+        else:
+            x, w, b, target, weight, weight_sum, grad_scale, lse, rows = ctx.saved_tensors
+            dloss = dloss.float().reshape(-1)
+            if dloss.numel() != 1 and rows is not None:
+                dloss = dloss.index_select(0, rows)
+            dloss = dloss.contiguous()
+            dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
+            dx, dw, db = _run_bwd(
+                x,
+                w,
+                b,
+                target,
+                weight,
+                weight_sum,
+                grad_scale,
+                dloss,
+                dlse,
+                lse,
+                rows,
+                ctx.chunk_rows,
+                ctx.args,
+                ctx.needs,
+            )
+            if db is not None:
+                db = db.to(ctx.bias_dtype)
+        return dx, dw, db, *([None] * 11)
+
+
+def _compaction_allowed(device: torch.device) -> bool:
+    """Compacting ignored rows costs one host sync: only in eager, outside CUDA graph capture."""
+    return not torch.compiler.is_compiling() and not _capturing(device)
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    ignore_index: int | None = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    memory: str | int = "auto",
+):
+    """Cross-entropy of a linear layer's output, ``cross_entropy(input @ linear_weight.T + linear_bias,
+    target, ...)``, without ever materializing the ``[N, V]`` logits.
+
+    A drop-in for ``torch.nn.functional.linear_cross_entropy`` (same argument names, same loss) with
+    the options of :func:`fuselm.cross_entropy` (z-loss, softcap, lse output). Tokens are processed in
+    chunks of C rows: cuBLAS writes a chunk's logits into one reused ``[C, V]`` buffer, a Triton kernel
+    turns them in place into d loss / d logits, and cuBLAS accumulates the gradients of ``input``,
+    ``linear_weight`` and ``linear_bias`` (6NHV FLOPs in all, the cost of the three GEMMs). The math
+    and the costs are in ops/linear_cross_entropy/README.md.
+
+    Args:
+        input: hidden states ``[..., H]`` (e.g. ``[B, T, H]``), float32 / float16 / bfloat16 (float64
+            runs the PyTorch reference).
+        linear_weight: ``[V, H]``, same dtype and device as ``input`` (e.g. the lm_head weight; if it
+            is also used elsewhere, such as tied embeddings, autograd sums both gradients).
+        target: class indices of shape ``input.shape[:-1]``, int32 or int64. Entries equal to
+            ``ignore_index`` add no loss and get a zero gradient. Any other value outside ``[0, V)``
+            makes the loss and the gradients NaN (never an out-of-bounds read; the CPU reference raises
+            ValueError); ``FUSELM_VALIDATE=1`` raises ValueError instead (one host sync).
+        linear_bias: optional ``[V]``, same dtype as ``input``.
+        weight: optional class weights ``[V]`` (any float dtype); ``"mean"`` divides by the sum of the
+            non-ignored targets' weights, as PyTorch does.
+        ignore_index: target value to skip (any integer; ``None`` means -100, as in
+            ``torch.nn.functional.linear_cross_entropy``).
+        reduction: ``"mean"`` (over non-ignored tokens; NaN when all are ignored, like PyTorch), ``"sum"``
+            or ``"none"`` (per-token losses of shape ``input.shape[:-1]``, 0 for ignored tokens).
+        label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
+        z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM); ``>= 0``.
+        softcap: if set (``> 0``), logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        return_lse: also return the log-sum-exp of each token's logits (float32, shape
+            ``input.shape[:-1]``), differentiable.
+        memory: how much memory the chunk buffer may take.
+
+            - ``"auto"`` (default): ``min(256 MiB, a quarter of the free device memory)``.
+            - an int: that many bytes.
+            - ``"min"``: 8 MiB. A fully fused O(N) plan (logit tiles kept on chip, backward recomputing
+              them, no ``[C, V]`` buffer) is planned for ``"min"``; until it exists, ``"min"`` is the
+              chunked plan at an 8 MiB budget, which is slow because its GEMMs get thin.
+
+            The chunk has ``C = budget // (V * itemsize)`` rows (at least 16, a multiple of 16, at most
+            N). Its buffer is the only tensor of V columns, in the input dtype; with gathered ignored
+            rows (below) two ``[C, H]`` temporaries come with it.
+
+    Plans: for ``"mean"``/``"sum"`` without ``return_lse``, the gradients are computed in the forward
+    (the backward only multiplies them by the upstream gradient, skipped when it is 1); on the Triton
+    path a second backward through the same graph raises RuntimeError. For ``"none"`` or
+    ``return_lse`` the forward keeps the lse and the backward recomputes the logits (8NHV FLOPs). The
+    gradient of ``linear_weight`` is accumulated over chunks by cuBLAS in fp32 within a chunk and
+    rounded to its dtype once per chunk (fewer chunks, i.e. a larger budget, round less); the bias
+    gradient is summed in fp32. Under ``"mean"`` the chunk gradient already carries the 1/count factor,
+    so in float16 very small softmax entries can underflow, exactly as in eager float16 PyTorch.
+
+    Ignored tokens: in eager mode (not under ``torch.compile``, not while capturing a CUDA graph) the
+    non-ignored rows are found first, at the cost of one host synchronization, and only they go through
+    the GEMMs, so ignored tokens (padding, prompt tokens) cost no FLOPs. Under ``torch.compile`` and CUDA
+    graph capture every row is computed (no sync; ignored rows still get a zero loss and gradient). With
+    ``return_lse`` every row is computed as well (the lse of every row is returned).
+
+    Returns:
+        ``loss`` in the dtype of ``input`` (a scalar, or ``input.shape[:-1]`` for ``"none"``), and ``lse``
+        when ``return_lse``.
+
+    Example:
+        >>> import torch
+        >>> from fuselm.ops.linear_cross_entropy import linear_cross_entropy
+        >>> hidden = torch.randn(2, 5, 16, requires_grad=True)
+        >>> lm_head = torch.randn(100, 16, requires_grad=True)
+        >>> target = torch.randint(0, 100, (2, 5))
+        >>> target[0, :2] = -100
+        >>> loss = linear_cross_entropy(hidden, lm_head, target, label_smoothing=0.1)
+        >>> loss.backward()
+        >>> hidden.grad.shape, lm_head.grad.shape
+        (torch.Size([2, 5, 16]), torch.Size([100, 16]))
+    """
+    check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    device = input.device
+    check_tensor("linear_weight", linear_weight, ndim=2, device=device)
+    if linear_weight.dtype != input.dtype:
+        raise ValueError(
+            f"linear_weight must have the dtype of input ({input.dtype}), got {linear_weight.dtype}"
+        )
+    h = input.shape[-1]
+    v = linear_weight.shape[0]
+    if linear_weight.shape[1] != h:
+        raise ValueError(
+            f"linear_weight must have shape [V, {h}] (input's last dim), got {tuple(linear_weight.shape)}"
+        )
+    if v == 0:
+        raise ValueError("linear_weight must have at least one row (one class)")
+    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=device)
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
+        )
+    if linear_bias is not None:
+        check_tensor("linear_bias", linear_bias, ndim=1, device=device)
+        if linear_bias.dtype != input.dtype:
+            raise ValueError(
+                f"linear_bias must have the dtype of input ({input.dtype}), got {linear_bias.dtype}"
+            )
+        if linear_bias.shape[0] != v:
+            raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
+    if weight is not None:
+        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=device)
+        if weight.shape[0] != v:
+            raise ValueError(f"weight must have shape [{v}] (one per class), got {tuple(weight.shape)}")
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if ignore_index is None:  # torch.nn.functional.linear_cross_entropy's default, which means -100
+        ignore_index = -100
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    _validate_memory(memory)
+
+    budget = memory_budget(memory, device)
+    if input.dtype == torch.float64 or not use_triton(input):
+        compute_itemsize = 8 if input.dtype == torch.float64 else 4
+        return linear_cross_entropy_reference(
+            input,
+            linear_weight,
+            target,
+            linear_bias=linear_bias,
+            weight=weight,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            return_lse=return_lse,
+            chunk_rows=chunk_rows_for(budget, v, compute_itemsize),
+        )
+    if validate_enabled():
+        bad = (target != ignore_index) & ((target < 0) | (target >= v))
+        if bool(bad.any()):
+            raise ValueError(f"target holds {target[bad][0].item()}, outside [0, {v}) and not ignore_index")
+
+    x2 = rows_view(input)
+    t1 = target.reshape(-1).contiguous()
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and input.requires_grad,
+        grad_on and linear_weight.requires_grad,
+        grad_on and linear_bias is not None and linear_bias.requires_grad,
+    )
+    rows = None
+    if not return_lse and _compaction_allowed(device):
+        idx = (t1 != ignore_index).nonzero().reshape(-1)  # the one host sync: the count of kept rows
+        if idx.shape[0] < t1.shape[0]:
+            rows = idx
+    loss, lse = LinearCrossEntropyFunction.apply(
+        x2,
+        linear_weight,
+        linear_bias,
+        t1,
+        weight.contiguous() if weight is not None else None,
+        rows,
+        chunk_rows_for(budget, v, input.element_size()),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap or 0.0),
+        return_lse,
+        needs,
+    )
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    if return_lse:
+        return loss, lse.reshape(target.shape)
+    return loss

@@ -1,0 +1,212 @@
+"""Pure-PyTorch linear cross-entropy: the spec, the CPU fallback, the float64 test oracle.
+
+    logits = input @ linear_weight.T + linear_bias            # [N, V], never held whole
+    loss   = cross_entropy(logits, target, ...)               # fuselm.cross_entropy semantics
+
+Tokens are processed in chunks of `chunk_rows` rows, so at most a few [chunk_rows, V] tensors
+exist at a time (never [N, V]). The per-row math is `cross_entropy_reference` (one definition);
+its gradient d loss / d logits comes from autograd on one chunk at a time.
+
+Two plans, the same as the Triton path (see README.md):
+- reduction "mean"/"sum" without lse output: the forward computes each chunk's gradient G and
+  accumulates dX = G W, dW = G^T X, db = sum_rows G in fp32 (fp64 for fp64 input); the backward
+  only multiplies them by grad_output.
+- reduction "none" or return_lse: the forward keeps lse; the backward recomputes each chunk's logits
+  and its gradient with the per-token grad_output and the lse gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cross_entropy.reference import cross_entropy_reference
+
+# Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_loss_grad(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, dloss, dlse):
+    """One chunk: (loss_rows, lse, grad) with grad = d(sum(loss_rows * dloss) + sum(lse * dlse)) / d logits.
+
+    logits [C, V] in the compute dtype; dloss is a scalar or [C] tensor (None: no gradient), dlse [C] or None.
+    """
+    with torch.enable_grad():
+        z = logits.detach().requires_grad_(dloss is not None)
+        loss, lse = cross_entropy_reference(
+            z,
+            target,
+            weight=weight,
+            ignore_index=ignore_index,
+            reduction="none",
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            return_lse=True,
+        )
+        if dloss is None:
+            return loss.detach(), lse.detach(), None
+        objective = (loss * dloss).sum()
+        if dlse is not None:
+            objective = objective + (lse * dlse).sum()
+        (grad,) = torch.autograd.grad(objective, z)
+    return loss.detach(), lse.detach(), grad
+
+
+class _LinearCrossEntropyReference(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, w, b, target, weight, chunk_rows, ignore_index, reduction, ls, z_loss, softcap, return_lse
+    ):
+        cd = _compute_dtype(x.dtype)
+        n, v = x.shape[0], w.shape[0]
+        wc = w.to(cd)
+        bc = b.to(cd) if b is not None else None
+        valid = target != ignore_index
+        if weight is not None:
+            t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
+            denom = torch.where(valid, weight.to(cd)[t_safe], 0).sum()
+        else:
+            denom = valid.sum().to(cd)
+        scale = 1.0 / denom if reduction == "mean" else torch.ones((), dtype=cd, device=x.device)
+        needs = ctx.needs_input_grad[:3]
+        grad_in_forward = any(needs) and reduction != "none" and not return_lse
+        loss = torch.empty(n, dtype=cd, device=x.device)
+        lse = torch.empty(n, dtype=cd, device=x.device)
+        dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
+        dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
+        db = torch.zeros(v, dtype=cd, device=x.device) if grad_in_forward and b is not None else None
+        for s in range(0, n, chunk_rows):
+            e = min(s + chunk_rows, n)
+            xc = x[s:e].to(cd)
+            logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)  # [C, V]
+            args = (weight, ignore_index, ls, z_loss, softcap)
+            loss[s:e], lse[s:e], g = chunk_loss_grad(
+                logits, target[s:e], *args, scale if grad_in_forward else None, None
+            )
+            if grad_in_forward:
+                dx[s:e] = g @ wc
+                dw += g.T @ xc
+                if db is not None:
+                    db += g.sum(0)
+        ctx.grad_in_forward = grad_in_forward
+        ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
+        ctx.args = (chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse)
+        if grad_in_forward:
+            ctx.save_for_backward(dx, dw, db)
+        else:
+            ctx.save_for_backward(x, w, b, target, weight, scale)
+        if not return_lse:
+            ctx.mark_non_differentiable(lse)
+        if reduction == "sum":
+            out = loss.sum()
+        elif reduction == "mean":
+            out = loss.sum() * scale
+        else:
+            out = loss
+        return out.to(x.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse = ctx.args
+        if ctx.grad_in_forward:
+            dx, dw, db = ctx.saved_tensors
+            d = dloss.to(dx.dtype)
+            x_dtype, w_dtype, b_dtype = ctx.dtypes
+            db = (db * d).to(b_dtype) if db is not None else None
+            return (dx * d).to(x_dtype), (dw * d).to(w_dtype), db, *([None] * 9)
+        x, w, b, target, weight, scale = ctx.saved_tensors
+        cd = _compute_dtype(x.dtype)
+        n, v = x.shape[0], w.shape[0]
+        wc = w.to(cd)
+        bc = b.to(cd) if b is not None else None
+        dloss = dloss.to(cd)
+        dlse = dlse.to(cd) if return_lse and dlse is not None else None
+        dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device)
+        dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device)
+        db = torch.zeros(v, dtype=cd, device=x.device) if b is not None else None
+        for s in range(0, n, chunk_rows):
+            e = min(s + chunk_rows, n)
+            xc = x[s:e].to(cd)
+            logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
+            coef = dloss[s:e] if reduction == "none" else dloss * scale
+            _, _, g = chunk_loss_grad(
+                logits,
+                target[s:e],
+                weight,
+                ignore_index,
+                ls,
+                z_loss,
+                softcap,
+                coef,
+                dlse[s:e] if dlse is not None else None,
+            )
+            dx[s:e] = g @ wc
+            dw += g.T @ xc
+            if db is not None:
+                db += g.sum(0)
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        db = db.to(b_dtype) if db is not None else None
+        return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 9)
+
+
+def linear_cross_entropy_reference(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    ignore_index: int | None = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    chunk_rows: int | None = None,
+):
+    """cross_entropy(input @ linear_weight.T + linear_bias, target, ...) in chunks of tokens, in PyTorch.
+
+    input [..., H], linear_weight [V, H], linear_bias [V] or None, target input.shape[:-1] (int).
+    Math in fp32 (fp64 for fp64 input); loss in the input dtype, lse in fp32 (fp64); gradients in the
+    dtypes of input, linear_weight, linear_bias. Arguments as in ``fuselm.linear_cross_entropy``;
+    ``chunk_rows`` tokens per chunk (default: a chunk's fp32 logits take at most 256 MiB). Memory: a few
+    [chunk_rows, V] tensors in the compute dtype (logits, autograd's softmax and gradient) plus compute-dtype
+    copies of linear_weight and the gradient accumulators, O(VH); never O(NV).
+    A target outside [0, V) that is not ignore_index raises ValueError.
+
+    Example:
+        >>> import torch
+        >>> x, w = torch.randn(6, 8, requires_grad=True), torch.randn(20, 8)
+        >>> linear_cross_entropy_reference(x, w, torch.randint(0, 20, (6,)), chunk_rows=4).backward()
+    """
+    h = input.shape[-1]
+    v = linear_weight.shape[0]
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if chunk_rows is None:
+        chunk_rows = DEFAULT_CHUNK_BYTES // (
+            v * torch.tensor([], dtype=_compute_dtype(input.dtype)).element_size()
+        )
+    chunk_rows = max(1, int(chunk_rows))
+    loss, lse = _LinearCrossEntropyReference.apply(
+        input.reshape(-1, h),
+        linear_weight,
+        linear_bias,
+        target.reshape(-1),
+        weight,
+        chunk_rows,
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        softcap,
+        return_lse,
+    )
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    if return_lse:
+        return loss, lse.reshape(target.shape)
+    return loss

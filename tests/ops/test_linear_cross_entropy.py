@@ -1,0 +1,589 @@
+"""fuselm.ops.linear_cross_entropy against a float64 chunked reference, under the numerics rule.
+
+Every output and gradient: err(fuselm) <= 2 * err(torch eager, same dtype) + ATOL[dtype] (DESIGN.md 5).
+Eager is torch's own composition in the input dtype: F.cross_entropy(F.linear(x, W, b), t, ...), with
+softcap / z-loss / lse spelled out in torch ops where F.cross_entropy lacks them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA, TRITON_PATH, kernel_device
+
+import fuselm.ops.linear_cross_entropy.op as lce_op
+import fuselm.ops.linear_cross_entropy.reference as lce_ref
+from fuselm.ops._common.testing import assert_numerics
+from fuselm.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+DEVICE = kernel_device()
+H, V = 32, 257
+SHAPE = (2, 11)  # leading dims of input: N = 22 tokens
+gpu = pytest.mark.gpu
+
+
+def _dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+# ---- helpers ----
+
+
+def _eager(
+    x,
+    w,
+    t,
+    *,
+    linear_bias=None,
+    weight=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    return_lse=False,
+):
+    """Torch eager in the input dtype (what a user writes without fuselm)."""
+    logits = F.linear(x, w, linear_bias).reshape(-1, w.shape[0])
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    t1 = t.reshape(-1).long()  # F.cross_entropy takes no int32 targets
+    kw = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    if not z_loss and not return_lse:
+        loss = F.cross_entropy(logits, t1, reduction=reduction, **kw)
+        return loss.reshape(t.shape) if reduction == "none" else loss
+    rows = F.cross_entropy(logits, t1, reduction="none", **kw)
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = t1 != ignore_index
+    rows = rows + torch.where(valid, z_loss * lse * lse, 0)
+    if reduction == "none":
+        loss = rows.reshape(t.shape)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        w_t = weight[torch.where(valid, t1, 0)] if weight is not None else torch.ones_like(rows)
+        loss = rows.sum() / torch.where(valid, w_t, 0).sum()
+    return (loss, lse.reshape(t.shape)) if return_lse else loss
+
+
+def _inputs(
+    dtype, *, shape=SHAPE, h=H, v=V, bias=True, ignore=True, class_weight=False, seed=0, device=DEVICE
+):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    x = torch.randn(*shape, h, generator=g)
+    w = torch.randn(v, h, generator=g) * (2.0 / math.sqrt(h))  # logits ~ N(0, 4)
+    b = torch.randn(v, generator=g) * 0.5 if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    if ignore:
+        t[torch.randperm(n, generator=g)[: n // 4]] = -100
+    cw = torch.rand(v, generator=g) + 0.5 if class_weight else None
+    t = t.reshape(shape)
+
+    def put(a):
+        return a.to(device=device, dtype=dtype) if a is not None else None
+
+    return put(x), put(w), put(b), t.to(device), put(cw)
+
+
+def _upstream(outs, dtype, seed=1):
+    """Upstream gradients: 1 for a scalar loss, random (representable in `dtype`) otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    grads = []
+    for o in outs:
+        if o.dim() == 0:
+            grads.append(torch.ones_like(o))
+        else:
+            r = torch.randn(o.shape, generator=g, dtype=torch.float64).to(dtype).to(torch.float64)
+            grads.append(r.to(device=o.device, dtype=o.dtype))
+    return grads
+
+
+def _run(fn, x, w, b, t, cw, dtype=None, **kw):
+    """Outputs and gradients of fn; `dtype` (default: x's) casts the float inputs (fp64 for the reference)."""
+    dtype = dtype or x.dtype
+    xs = x.detach().to(dtype).requires_grad_()
+    ws = w.detach().to(dtype).requires_grad_()
+    bs = b.detach().to(dtype).requires_grad_() if b is not None else None
+    cws = cw.to(dtype) if cw is not None else None
+    out = fn(xs, ws, t, linear_bias=bs, weight=cws, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves = [xs, ws] + ([bs] if bs is not None else [])
+    grads = torch.autograd.grad(outs, leaves, _upstream(outs, x.dtype))
+    res = {"loss": outs[0].detach(), "dx": grads[0], "dw": grads[1]}
+    if len(outs) > 1:
+        res["lse"] = outs[1].detach()
+    if bs is not None:
+        res["db"] = grads[2]
+    return res
+
+
+def _ref(x, w, b, t, cw, **kw):
+    return _run(linear_cross_entropy_reference, x, w, b, t, cw, dtype=torch.float64, **kw)
+
+
+def _check(ours, eager, ref, dtype, prefix=""):
+    assert set(ours) == set(ref), (sorted(ours), sorted(ref))
+    for key in ref:
+        assert ours[key].shape == ref[key].shape, key
+        assert_numerics(prefix + key, ours[key], eager[key], ref[key], dtype)
+
+
+def _compare(dtype, inputs, **kw):
+    """ours vs eager vs float64 reference for the loss (and lse) and every gradient."""
+    x, w, b, t, cw = inputs
+    ours = _run(linear_cross_entropy, x, w, b, t, cw, **kw)
+    eager_kw = {k: a for k, a in kw.items() if k != "memory"}
+    eager = _run(_eager, x, w, b, t, cw, **eager_kw)
+    ref = _ref(x, w, b, t, cw, **eager_kw)
+    assert ours["loss"].dtype == dtype
+    if "lse" in ours:
+        assert ours["lse"].dtype == torch.float32
+    _check(ours, eager, ref, dtype)
+    return ours, ref
+
+
+# keys of a case that shape the inputs (the rest are keyword arguments of the op)
+INPUT_KEYS = ("shape", "h", "v", "bias", "ignore", "class_weight", "seed")
+CASES = {
+    "plain": {},
+    "no_bias_no_ignore": {"bias": False, "ignore": False},
+    "class_weight": {"class_weight": True},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "weight_and_smoothing": {"class_weight": True, "label_smoothing": 0.2},
+    "z_loss": {"z_loss": 1e-3},
+    "softcap": {"softcap": 5.0},
+    "all": {"class_weight": True, "label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0},
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _split(case):
+    opts = CASES[case]
+    return {k: opts[k] for k in INPUT_KEYS if k in opts}, {
+        k: a for k, a in opts.items() if k not in INPUT_KEYS
+    }
+
+
+# ---- numerics ----
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_numerics(dtype, reduction, case):
+    """Loss and the gradients of input, linear_weight, linear_bias; memory=1 forces chunks of 16 rows."""
+    in_opts, kw = _split(case)
+    _compare(dtype, _inputs(dtype, **in_opts), reduction=reduction, memory=1, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_return_lse_differentiable(dtype, reduction):
+    in_opts, kw = _split("all")
+    ours, _ = _compare(dtype, _inputs(dtype, **in_opts), reduction=reduction, return_lse=True, memory=1, **kw)
+    assert ours["lse"].shape == SHAPE
+
+
+def test_float64_runs_the_reference():
+    inputs = _inputs(torch.float64, class_weight=True)
+    _compare(torch.float64, inputs, label_smoothing=0.1, z_loss=1e-3, softcap=4.0)
+
+
+def test_other_ignore_index_and_int32_target():
+    x, w, b, t, cw = _inputs(torch.float32, ignore=False)
+    t = t.to(torch.int32)
+    t[0, :3] = 5  # ignore a real class
+    _compare(torch.float32, (x, w, b, t, cw), ignore_index=5, label_smoothing=0.1)
+
+
+def test_upstream_gradient_not_one():
+    """The gradient-in-forward plan scales the saved gradients by grad_output in the backward."""
+    x, w, b, t, cw = _inputs(torch.float32, class_weight=True)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+
+    def scaled(fn):
+        return lambda *a, **k: fn(*a, **k) * 2.5
+
+    ours = _run(scaled(linear_cross_entropy), x, w, b, t, cw, **kw)
+    eager = _run(scaled(_eager), x, w, b, t, cw, **kw)
+    ref = _run(scaled(linear_cross_entropy_reference), x, w, b, t, cw, dtype=torch.float64, **kw)
+    _check(ours, eager, ref, torch.float32)
+
+
+def _sum_backward(fn, x, w, b, t, needs, dtype=None, **kw):
+    """Gradients of fn(...).sum() for the leaves in `needs` (a subset of "x", "w", "b"), others frozen."""
+    dtype = dtype or x.dtype
+    leaves = {k: a.detach().to(dtype).requires_grad_(k in needs) for k, a in (("x", x), ("w", w), ("b", b))}
+    out = fn(leaves["x"], leaves["w"], t, linear_bias=leaves["b"], **kw)
+    if not needs:
+        return {"loss": out.detach()}
+    out.sum().backward()
+    return {"d" + k: leaves[k].grad for k in needs}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("needs", ["x", "w", "b", "xb"])
+def test_some_gradients_needed(monkeypatch, needs, reduction):
+    """A frozen lm_head (only dX), a frozen input (only dW), ...: the GEMMs not needed are skipped."""
+    dtype = torch.float16
+    x, w, b, t, _ = _inputs(dtype)
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    computed = []
+    inner = lce_op._accumulate_grads
+
+    def spy(g, xc, w_, idx, s, e, dx, dw, db_acc, first):
+        computed.append("".join(k for k, a in (("x", dx), ("w", dw), ("b", db_acc)) if a is not None))
+        return inner(g, xc, w_, idx, s, e, dx, dw, db_acc, first)
+
+    monkeypatch.setattr(lce_op, "_accumulate_grads", spy)
+    ours = _sum_backward(linear_cross_entropy, x, w, b, t, needs, **kw)
+    if TRITON_PATH:
+        assert set(computed) == {needs}  # the GEMMs of frozen tensors were skipped
+    eager = _sum_backward(_eager, x, w, b, t, needs, **kw)
+    ref = _sum_backward(linear_cross_entropy_reference, x, w, b, t, needs, torch.float64, **kw)
+    _check(ours, eager, ref, dtype)
+
+
+def test_no_grad_forward():
+    dtype = torch.float32
+    x, w, b, t, _ = _inputs(dtype)
+    xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
+    with torch.no_grad():
+        ours = {"loss": linear_cross_entropy(xs, ws, t, linear_bias=bs, reduction="none")}
+        eager = {"loss": _eager(xs, ws, t, linear_bias=bs, reduction="none")}
+    assert ours["loss"].grad_fn is None
+    ref = {
+        "loss": linear_cross_entropy_reference(
+            x.double(), w.double(), t, linear_bias=b.double(), reduction="none"
+        )
+    }
+    _check(ours, eager, ref, dtype)
+
+
+# ---- semantics ----
+
+
+def test_tied_embeddings():
+    """W used by an embedding lookup and as the lm_head: its .grad is the sum of both contributions."""
+    dtype = torch.float32
+    x0, w, b, t, _ = _inputs(dtype, bias=False)
+    ids = torch.randint(0, V, SHAPE, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def run(fn, dt):
+        ws = w.detach().to(dt).requires_grad_()
+        xs = x0.detach().to(dt).requires_grad_()
+        h = torch.tanh(F.embedding(ids, ws) + xs)
+        fn(h, ws, t, label_smoothing=0.1).backward()
+        return {"dw": ws.grad, "dx": xs.grad}
+
+    _check(
+        run(linear_cross_entropy, dtype),
+        run(_eager, dtype),
+        run(linear_cross_entropy_reference, torch.float64),
+        dtype,
+    )
+
+
+def test_chunking(monkeypatch):
+    """memory=<int> gives several chunks; the results agree with a single chunk under the numerics rule."""
+    dtype = torch.float16
+    x, w, b, t, cw = _inputs(dtype, ignore=False)
+    calls = []
+    module, name = (lce_op, "cross_entropy_fwd_into") if TRITON_PATH else (lce_ref, "chunk_loss_grad")
+    inner = getattr(module, name)
+
+    def spy(logits, *args):
+        calls.append(logits.shape[0])
+        return inner(logits, *args)
+
+    monkeypatch.setattr(module, name, spy)
+    kw = dict(label_smoothing=0.1)
+    eager = _run(_eager, x, w, b, t, cw, **kw)
+    ref = _ref(x, w, b, t, cw, **kw)
+    # 16 rows of V logits (+ a little): chunks of 16 rows on both paths (reference: 4-byte logits, floor 16)
+    for memory, chunks in ((1, [16, 6]), (16 * V * 2 + 100, [16, 6]), ("auto", [22]), ("min", [22])):
+        calls.clear()
+        _check(
+            _run(linear_cross_entropy, x, w, b, t, cw, memory=memory, **kw), eager, ref, dtype, f"{memory}:"
+        )
+        assert calls == chunks, (memory, calls)
+
+
+def test_chunk_rows_rule():
+    assert lce_op.chunk_rows_for(1, 300, 4) == 16
+    assert lce_op.chunk_rows_for(300 * 4 * 47, 300, 4) == 32
+    assert lce_op.chunk_rows_for(256 * 2**20, 128256, 2) == 1040  # Llama-3 bf16 under "auto"
+    assert lce_op.chunk_rows_for(8 * 2**20, 128256, 2) == 32
+    cpu = torch.device("cpu")
+    assert lce_op.memory_budget("min", cpu) == 8 * 2**20
+    assert lce_op.memory_budget("auto", cpu) == 256 * 2**20
+    assert lce_op.memory_budget(12345, cpu) == 12345
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_ignored_rows_compaction(monkeypatch, reduction):
+    """Ignored rows cost nothing: the numbers of the batch without them; compaction on == off."""
+    dtype = torch.float32
+    x, w, b, t, cw = _inputs(dtype, class_weight=True, ignore=True, seed=5)
+    valid = t != -100
+    seen = []
+    inner = lce_op.linear_cross_entropy_fwd
+
+    def spy(*args):
+        seen.append(args[7] is not None)  # rows: the compacted row list, or None
+        return inner(*args)
+
+    monkeypatch.setattr(lce_op, "linear_cross_entropy_fwd", spy)
+    kw = dict(label_smoothing=0.1, reduction=reduction, memory=1)
+    full = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", weight=cw, **kw)
+    full_loss = linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, **kw)
+    if TRITON_PATH:
+        assert seen[0] is True  # rows were compacted
+    sub = _sum_backward(linear_cross_entropy, x[valid], w, b, t[valid], "xwb", weight=cw, **kw)
+    sub_loss = linear_cross_entropy(x[valid], w, t[valid], linear_bias=b, weight=cw, **kw)
+    if reduction == "none":
+        assert torch.all(full_loss[~valid] == 0)
+        full_loss = full_loss[valid]
+    torch.testing.assert_close(full_loss, sub_loss)
+    torch.testing.assert_close(full["dw"], sub["dw"])
+    torch.testing.assert_close(full["db"], sub["db"])
+    torch.testing.assert_close(full["dx"][valid], sub["dx"])
+    assert torch.all(full["dx"][~valid] == 0)
+
+    seen.clear()
+    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
+    off = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", weight=cw, **kw)
+    if TRITON_PATH:
+        assert seen == [False]
+    for key in full:
+        torch.testing.assert_close(full[key], off[key])
+
+
+def test_all_ignored():
+    x, w, b, t, _ = _inputs(torch.float32)
+    t = torch.full_like(t, -100)
+    xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
+    loss = linear_cross_entropy(xs, ws, t, linear_bias=bs, reduction="sum")
+    loss.backward()
+    assert loss.item() == 0
+    for g in (xs.grad, ws.grad, bs.grad):
+        assert torch.all(g == 0)
+    assert torch.isnan(linear_cross_entropy(x, w, t, linear_bias=b))
+
+
+def test_out_of_range_target(monkeypatch):
+    x, w, b, t, _ = _inputs(torch.float32, ignore=False)
+    t = t.clone()
+    t[0, 1] = V + 3
+    if TRITON_PATH:
+        assert torch.isnan(linear_cross_entropy(x, w, t, reduction="none")[0, 1])
+        monkeypatch.setenv("FUSELM_VALIDATE", "1")
+    with pytest.raises(ValueError, match="target"):
+        linear_cross_entropy(x, w, t)
+
+
+@pytest.mark.skipif(not TRITON_PATH, reason="the in-place gradient plan runs on the Triton path only")
+def test_second_backward_raises():
+    x, w, b, t, _ = _inputs(torch.float32)
+    xs = x.clone().requires_grad_()
+    loss = linear_cross_entropy(xs, w, t, linear_bias=b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+@pytest.mark.skipif(
+    not hasattr(F, "linear_cross_entropy"), reason="torch.nn.functional.linear_cross_entropy: torch >= 2.13"
+)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_drop_in_for_torch(dtype, reduction):
+    """Same call as torch.nn.functional.linear_cross_entropy; torch's result is the eager side of the rule."""
+    x, w, b, t, cw = _inputs(dtype, shape=(22,), class_weight=True)  # torch takes 1-D or 2-D input only
+    kw = dict(reduction=reduction, ignore_index=None if reduction == "sum" else -100, label_smoothing=0.1)
+    ours = _run(linear_cross_entropy, x, w, b, t, cw, **kw)
+    theirs = _run(F.linear_cross_entropy, x, w, b, t, cw, **kw)
+    _check(ours, theirs, _ref(x, w, b, t, cw, **kw), dtype)
+
+
+# ---- argument checking ----
+
+
+def _bad_calls():
+    x, w, b, t, _ = _inputs(torch.float32, device="cpu")
+    meta = torch.device("meta")
+    return [
+        ("input", dict(input=x.to(torch.int64))),
+        ("linear_weight", dict(linear_weight=w[:, :-1])),
+        ("linear_weight", dict(linear_weight=w.half())),
+        ("linear_weight", dict(linear_weight=w[0])),
+        ("linear_weight", dict(linear_weight=w.to(meta))),
+        ("target", dict(target=t[:, :-1])),
+        ("target", dict(target=t.float())),
+        ("target", dict(target=t.to(meta))),
+        ("linear_bias", dict(linear_bias=b[:-1])),
+        ("linear_bias", dict(linear_bias=b.double())),
+        ("linear_bias", dict(linear_bias=b.to(meta))),
+        ("weight", dict(weight=torch.ones(V + 1))),
+        ("weight", dict(weight=torch.ones(V, device=meta))),
+        ("reduction", dict(reduction="avg")),
+        ("label_smoothing", dict(label_smoothing=1.5)),
+        ("label_smoothing", dict(label_smoothing=-0.1)),
+        ("z_loss", dict(z_loss=-1.0)),
+        ("softcap", dict(softcap=0.0)),
+        ("softcap", dict(softcap=-2.0)),
+        ("ignore_index", dict(ignore_index=1.0)),
+        ("memory", dict(memory="max")),
+        ("memory", dict(memory=0)),
+        ("memory", dict(memory=-5)),
+        ("memory", dict(memory=1.5)),
+        ("memory", dict(memory=True)),
+        ("memory", dict(memory=None)),
+    ]
+
+
+@pytest.mark.parametrize("name,change", _bad_calls(), ids=lambda v: v if isinstance(v, str) else "")
+def test_value_errors(name, change):
+    x, w, b, t, _ = _inputs(torch.float32, device="cpu")
+    args = dict(input=x, linear_weight=w, target=t, linear_bias=b)
+    args.update(change)
+    with pytest.raises(ValueError, match=name):
+        linear_cross_entropy(**args)
+
+
+# ---- torch.compile ----
+
+
+def _compile_check(backend, dtype, device=DEVICE):
+    x, w, b, t, cw = _inputs(dtype, class_weight=True, device=device)
+
+    def loss_mean(x, w, b, t, cw):
+        return linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1, z_loss=1e-3)
+
+    def loss_none_lse(x, w, b, t, cw):
+        loss, lse = linear_cross_entropy(
+            x, w, t, linear_bias=b, reduction="none", return_lse=True, softcap=4.0
+        )
+        return loss.sum() + 0.1 * lse.square().mean()
+
+    for fn in (loss_mean, loss_none_lse):
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+
+        def wrap(f):
+            return lambda x, w, t, linear_bias=None, weight=None: f(x, w, linear_bias, t, weight)
+
+        ours = _run(wrap(compiled), x, w, b, t, cw)
+        eager_ours = _run(wrap(fn), x, w, b, t, cw)
+        ref = _run(wrap(fn), x, w, b, t, cw, dtype=torch.float64)
+        _check(ours, eager_ours, ref, dtype, f"{fn.__name__}:")
+
+
+@pytest.mark.skipif(not TRITON_PATH or HAS_CUDA, reason="CPU interpreter variant (GPU runs test_gpu_compile)")
+def test_compile_fullgraph_interpreter():
+    """The custom ops trace without a graph break (aot_eager: no C++ toolchain needed)."""
+    torch._dynamo.reset()
+    _compile_check("aot_eager", torch.float32)
+
+
+# ---- GPU ----
+
+
+@gpu
+def test_gpu_compile():
+    torch._dynamo.reset()
+    _compile_check("inductor", torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=_dtype_id)
+def test_gpu_realistic_shape(dtype):
+    """A mid-size odd shape on the GPU (several chunks of C rows), every option on."""
+    inputs = _inputs(dtype, shape=(3, 1001), h=512, v=32003, class_weight=True)
+    _compare(dtype, inputs, label_smoothing=0.1, z_loss=1e-4, softcap=30.0, memory=64 * 2**20)
+
+
+@gpu
+def test_gpu_extra_memory():
+    """memory="auto": at most 256 MiB beyond the inputs and the returned gradients (Llama-3 shapes, bf16)."""
+    n, h, v = 8192, 4096, 128256
+    dev = torch.device("cuda")
+    x = (torch.randn(n, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    w = (torch.randn(v, h, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev)
+    for _ in range(2):  # warm up: kernels, cuBLAS workspaces
+        linear_cross_entropy(x, w, t).backward()
+        x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    linear_cross_entropy(x, w, t).backward()
+    torch.cuda.synchronize()
+    grads = x.grad.nbytes + w.grad.nbytes
+    extra = torch.cuda.max_memory_allocated() - before - grads
+    assert extra <= 256 * 2**20, f"extra {extra / 2**20:.1f} MiB"
+
+
+@gpu
+def test_gpu_cuda_graph(monkeypatch):
+    """Capture fwd + bwd in a CUDA graph (no host sync: no compaction under capture) and replay it."""
+    dtype = torch.bfloat16
+    x, w, b, t, cw = _inputs(dtype, shape=(4, 63), h=64, v=3001, class_weight=True)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+    xs, ws, bs = (a.detach().clone().requires_grad_() for a in (x, w, b))
+
+    def step():
+        return linear_cross_entropy(xs, ws, t, linear_bias=bs, weight=cw, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), monkeypatch.context() as m:
+        # warm up on all rows, as the capture will run: every kernel specialization compiled beforehand
+        m.setattr(lce_op, "_compaction_allowed", lambda device: False)
+        for _ in range(3):
+            step().backward()
+            xs.grad = ws.grad = bs.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert not lce_op._compaction_allowed(xs.device)
+        loss = step()
+        loss.backward()
+    for seed in (0, 7):  # new data in the static inputs, then replay
+        x2, w2, b2, _, _ = _inputs(dtype, shape=(4, 63), h=64, v=3001, seed=seed)
+        with torch.no_grad():
+            xs.copy_(x2)
+            ws.copy_(w2)
+            bs.copy_(b2)
+        graph.replay()
+        torch.cuda.synchronize()
+        ours = {
+            "loss": loss.detach().clone(),
+            "dx": xs.grad.clone(),
+            "dw": ws.grad.clone(),
+            "db": bs.grad.clone(),
+        }
+        eager = _run(_eager, x2, w2, b2, t, cw, **kw)
+        ref = _ref(x2, w2, b2, t, cw, **kw)
+        _check(ours, eager, ref, dtype, f"graph seed {seed}:")
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_int64_rows_times_vocab():
+    """N * V > 2^31 (N=20000, V=128256): loss and dX rows (also the last) under the numerics rule."""
+    dtype = torch.bfloat16
+    n, h, v = 20000, 256, 128256
+    assert n * v > 2**31
+    x, w, _, t, _ = _inputs(dtype, shape=(n,), h=h, v=v, bias=False)
+    rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device=x.device)
+    ours = _run(linear_cross_entropy, x, w, None, t, None)
+    eager = _run(_eager, x, w, None, t, None)
+    ref = _ref(x, w, None, t, None)
+    assert_numerics("loss", ours["loss"], eager["loss"], ref["loss"], dtype)
+    assert_numerics("dx rows", ours["dx"][rows], eager["dx"][rows], ref["dx"][rows], dtype)
+    assert_numerics("dx", ours["dx"], eager["dx"], ref["dx"], dtype)
+    assert_numerics("dw", ours["dw"], eager["dw"], ref["dw"], dtype)
