@@ -1,5 +1,5 @@
 """torch.nn.Module wrappers around the ops."""
 
-from .loss import CrossEntropyLoss
+from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
 
-__all__ = ["CrossEntropyLoss"]
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]

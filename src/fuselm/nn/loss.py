@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.cross_entropy import cross_entropy
+from ..ops.linear_cross_entropy import linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -41,10 +42,82 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(
-            input, target, weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
-            label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-            return_lse=self.return_lse, inplace_backward=self.inplace_backward,
+            input,
+            target,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            return_lse=self.return_lse,
+            inplace_backward=self.inplace_backward,
         )
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}"
+        )
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Module form of :func:`fuselm.linear_cross_entropy`: the loss of ``input @ linear_weight.T + bias``.
+
+    The projection weight is an argument of ``forward`` (usually the model's ``lm_head.weight``), so
+    tied embeddings and existing modules keep their parameters.
+
+    Example:
+        >>> import torch, fuselm
+        >>> loss_fn = fuselm.nn.LinearCrossEntropyLoss(ignore_index=-100)
+        >>> hidden, lm_head = torch.randn(6, 16), torch.randn(50, 16)
+        >>> loss_fn(hidden, lm_head, torch.tensor([1, 2, 3, -100, 4, 49])).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        return_lse: bool = False,
+        memory: str | int = "auto",
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.return_lse = return_lse
+        self.memory = memory
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        linear_weight: torch.Tensor,
+        target: torch.Tensor,
+        linear_bias: torch.Tensor | None = None,
+    ):
+        return linear_cross_entropy(
+            input,
+            linear_weight,
+            target,
+            linear_bias=linear_bias,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            return_lse=self.return_lse,
+            memory=self.memory,
+        )
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, memory={self.memory!r}"

@@ -24,7 +24,8 @@ def check_tensor(
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+            got = str(t.dtype).replace("torch.", "")
+            raise ValueError(f"{name} must have dtype in ({allowed}), got {got}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:

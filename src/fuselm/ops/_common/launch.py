@@ -32,7 +32,7 @@ def _sm_count(index: int) -> int:
 
 
 def persistent_grid(n_items: int, device, programs_per_sm: int) -> int:
-    """Programs for a persistent kernel over `n_items` rows: a few per multiprocessor, never more than rows."""
+    """Programs of a persistent kernel over `n_items` rows: a few per multiprocessor, at most one a row."""
     if device.type != "cuda":
         return max(n_items, 1)
     return max(1, min(n_items, _sm_count(device.index or 0) * programs_per_sm))
