@@ -1,6 +1,3 @@
-"""The ops: one folder each (reference, kernels, op, README)."""
-
-from .cross_entropy import cross_entropy
-from .linear_cross_entropy import linear_cross_entropy
-
-__all__ = ["cross_entropy", "linear_cross_entropy"]
+"""The ops: one subpackage each (reference, kernels, op, README). The public functions are
+re-exported by `fuselm` itself; this package does not re-export them, so that
+`fuselm.ops.<op>` stays the subpackage and never a function of the same name."""

@@ -357,6 +357,22 @@ def _run_scale_(grad, dloss):
 # ---- autograd ----
 
 
+def loss_scales(target, weight, ignore_index, reduction, label_smoothing, n_cols):
+    """Device tensors the kernels read, computed without a host sync: sum of the class weights
+    ([1] fp32, when weights and smoothing are used, else None) and the gradient scale ([1] fp32:
+    1 / (number of valid targets, or sum of their weights) for "mean", 1 otherwise)."""
+    valid = target != ignore_index
+    weight_sum = None
+    if weight is not None:
+        t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
+        w_t = torch.where(valid, weight.float()[t_safe], 0.0)
+        weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
+    if reduction == "mean":
+        denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
+        return weight_sum, denom.reciprocal().reshape(1)
+    return weight_sum, torch.ones(1, dtype=torch.float32, device=target.device)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for [N, V] logits and [N] targets. Two plans:
 
@@ -382,18 +398,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         inplace_backward,
         compute_grad,
     ):
-        n_cols = logits.shape[1]
-        valid = target != ignore_index
-        weight_sum = None
-        if weight is not None:
-            t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
-            w_t = torch.where(valid, weight.float()[t_safe], 0.0)
-            weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
-        if reduction == "mean":
-            denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
-            grad_scale = denom.reciprocal().reshape(1)
-        else:
-            grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+        weight_sum, grad_scale = loss_scales(
+            target, weight, ignore_index, reduction, label_smoothing, logits.shape[1]
+        )
         grad_in_forward = compute_grad and reduction != "none" and not return_lse
         args = (ignore_index, label_smoothing, z_loss, softcap)
         loss, lse, grad = _run_fwd(

@@ -12,7 +12,7 @@ import torch
 
 from .._common.dispatch import use_triton, validate_enabled
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
-from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into
+from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
 from .reference import linear_cross_entropy_reference
 
 AUTO_BUDGET = 256 * 2**20  # bytes of the [C, V] chunk buffer under memory="auto" (also capped by free/4)
@@ -419,17 +419,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         needs,
     ):
         n, v = x.shape[0], w.shape[0]
-        valid = target != ignore_index
-        weight_sum = None
-        if weight is not None:
-            t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
-            w_t = torch.where(valid, weight.float()[t_safe], 0.0)
-            weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
-        if reduction == "mean":
-            denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
-            grad_scale = denom.reciprocal().reshape(1)
-        else:
-            grad_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+        weight_sum, grad_scale = loss_scales(target, weight, ignore_index, reduction, label_smoothing, v)
         compute_grad = any(needs)
         grad_in_forward = compute_grad and reduction != "none" and not return_lse
         args = (ignore_index, label_smoothing, z_loss, softcap)
