@@ -1,0 +1,119 @@
+"""The public surface: pinned names, runnable docstring examples, and the import direction of DESIGN.md."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import inspect
+from pathlib import Path
+
+import pytest
+
+import fuselm
+
+SRC = Path(fuselm.__file__).resolve().parent  # src/fuselm
+
+
+def test_all_is_pinned():
+    """Adding or removing a public name is a decision: update this list with it."""
+    assert fuselm.__all__ == ["cross_entropy", "linear_cross_entropy", "nn", "__version__"]
+    for name in fuselm.__all__:
+        assert hasattr(fuselm, name), name
+    assert fuselm.nn.__all__ == ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
+    assert isinstance(fuselm.__version__, str) and fuselm.__version__
+
+
+def _public_callables():
+    objs = [getattr(fuselm, n) for n in fuselm.__all__] + [getattr(fuselm.nn, n) for n in fuselm.nn.__all__]
+    return [o for o in objs if callable(o) and not inspect.ismodule(o)]
+
+
+@pytest.mark.parametrize("obj", _public_callables(), ids=lambda o: f"{o.__module__}.{o.__qualname__}")
+def test_docstring_examples_run(obj):
+    """Every public function and module has a docstring example, and it runs as written."""
+    tests = [t for t in doctest.DocTestFinder(recurse=False).find(obj) if t.examples]
+    assert tests, f"{obj.__qualname__} has no docstring example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted > 0
+    assert result.failed == 0, (
+        f"{result.failed} docstring example(s) of {obj.__qualname__} failed (see stdout)"
+    )
+
+
+# ---- import direction (DESIGN.md section 1) ----
+
+RULES = {
+    "ops": ("ops", ("fuselm.nn", "fuselm.integrations", "transformers")),
+    "nn": ("nn", ("fuselm.integrations",)),
+    "src": (".", ("tests",)),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module's source, relative imports resolved."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # `from fuselm import nn` imports the subpackage fuselm.nn
+            found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _file_imports(path: Path) -> list[tuple[int, str]]:
+    source = path.read_text(encoding="utf-8")
+    return _imports(source, _module_name(path), is_package=path.name == "__init__.py")
+
+
+def _forbidden(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_import_direction(rule):
+    folder, prefixes = RULES[rule]
+    files = sorted((SRC / folder).rglob("*.py"))
+    if rule == "ops":
+        assert files, "no source files found under src/fuselm/ops"
+    bad = [
+        f"{path.relative_to(SRC.parent)}:{line} imports {name}"
+        for path in files
+        for line, name in _file_imports(path)
+        if _forbidden(name, prefixes)
+    ]
+    assert not bad, "imports must point downward (DESIGN.md section 1):\n" + "\n".join(bad)
+
+
+def test_import_scanner_resolves_relative_imports():
+    """The scanner sees relative and from-imports of a module under ops as the absolute names."""
+    source = (
+        "import transformers.models\nfrom ... import nn\nfrom ...nn.loss import X\nfrom .kernels import k\n"
+    )
+    names = [name for _, name in _imports(source, "fuselm.ops.some_op.op")]
+    assert "transformers.models" in names
+    assert "fuselm.nn" in names and "fuselm.nn.loss" in names
+    assert "fuselm.ops.some_op.kernels" in names
+    assert [n for _, n in _imports("from . import op", "fuselm.ops.some_op", is_package=True)] == [
+        "fuselm.ops.some_op",
+        "fuselm.ops.some_op.op",
+    ]
+    assert _forbidden("fuselm.nn.loss", ("fuselm.nn",)) and not _forbidden("fuselm.nnx", ("fuselm.nn",))
