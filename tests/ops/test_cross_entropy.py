@@ -416,16 +416,7 @@ def _out_of_range_case(gen, n_cols=300):
     "path",
     [
         pytest.param("kernel", marks=triton_path_only),
-        pytest.param(
-            "reference",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ValueError,
-                reason="BUG (src): the reference path (CPU without TRITON_INTERPRET, and fp64 on any device) "
-                "raises ValueError for an out-of-range target instead of the documented NaN "
-                "(reference.py range check)",
-            ),
-        ),
+        "reference",
     ],
 )
 def test_out_of_range_target_gives_nan(path, gen):
@@ -574,15 +565,8 @@ COMPILE_CASES = {
     "none+lse": dict(reduction="none", return_lse=True, softcap=4.0),
     "mean+inplace": dict(label_smoothing=0.1, inplace_backward=True),
 }
-_compile_reference_bug = pytest.mark.xfail(
-    not TRITON_PATH,
-    strict=True,
-    reason="BUG (src): on the reference path, cross_entropy_reference's target-range check "
-    "(bool(...) on a tensor) is a data-dependent branch, so torch.compile(fullgraph=True) fails",
-)
 
 
-@_compile_reference_bug
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("case", list(COMPILE_CASES))
 def test_torch_compile_fullgraph(case, backend, gen):

@@ -12,6 +12,7 @@ from .harness import Suite
 
 SUITES: dict[str, tuple[str, str]] = {
     "cross_entropy": ("fuselm.bench.cross_entropy", "cross-entropy on given [N, V] logits"),
+    "linear_cross_entropy": ("fuselm.bench.linear_cross_entropy", "linear layer + cross-entropy, fused"),
 }
 
 

@@ -47,3 +47,14 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     if t2.shape[1] > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2
+
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise ValueError if a target is outside [0, n_classes) and not ignore_index. It costs a host
+    sync, so the ops call it only under FUSELM_VALIDATE=1."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bool(bad.any()):
+        value = target[bad].reshape(-1)[0].item()
+        raise ValueError(
+            f"target holds {value}, outside [0, {n_classes}) and not ignore_index={ignore_index}"
+        )

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode, use_triton, validate_enabled
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor, rows_view
 from .._common.launch import persistent_grid, row_launch
 from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 from .reference import cross_entropy_reference
@@ -522,6 +522,8 @@ def cross_entropy(
     if not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
+    if validate_enabled():
+        check_target_range(target, n_cols, ignore_index)
     if input.dtype == torch.float64 or not use_triton(input):
         return cross_entropy_reference(
             input,
@@ -534,12 +536,6 @@ def cross_entropy(
             softcap=softcap,
             return_lse=return_lse,
         )
-    if validate_enabled():
-        bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
-        if bool(bad.any()):
-            raise ValueError(
-                f"target holds {target[bad][0].item()}, outside [0, {n_cols}) and not ignore_index"
-            )
 
     logits = rows_view(input)
     compute_grad = torch.is_grad_enabled() and input.requires_grad

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import use_triton, validate_enabled
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor, rows_view
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
 from .reference import linear_cross_entropy_reference
 
@@ -634,6 +634,8 @@ def linear_cross_entropy(
     _validate_memory(memory)
 
     budget = memory_budget(memory, device)
+    if validate_enabled():
+        check_target_range(target, v, ignore_index)
     if input.dtype == torch.float64 or not use_triton(input):
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         return linear_cross_entropy_reference(
@@ -650,10 +652,6 @@ def linear_cross_entropy(
             return_lse=return_lse,
             chunk_rows=chunk_rows_for(budget, v, compute_itemsize),
         )
-    if validate_enabled():
-        bad = (target != ignore_index) & ((target < 0) | (target >= v))
-        if bool(bad.any()):
-            raise ValueError(f"target holds {target[bad][0].item()}, outside [0, {v}) and not ignore_index")
 
     x2 = rows_view(input)
     t1 = target.reshape(-1).contiguous()

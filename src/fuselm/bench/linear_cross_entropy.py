@@ -1,0 +1,399 @@
+"""Benchmark suite: fused linear cross-entropy, ``loss = cross_entropy(x @ W.T, target)``, fwd + bwd.
+
+A shape is ``(N, H, V, inputs, k)``: x ``[N, H]``, W ``[V, H]`` (both require grad: the gradient of
+W is part of the cost), target ``[N]`` with ``round(N / k)`` entries (at random positions) set to
+-100, and ``inputs`` picks how the hidden states look:
+
+- ``1`` (``RANDOM``): plain random logits. x ~ N(0, 1), W ~ N(0, 1/H), so every logit is about
+  N(0, 1) and the target is just one class among V (mean softmax of the target about 1/V).
+- ``2`` (``PEAKED``): logits shaped like a trained model's (see :func:`peaked_hidden`): the target
+  gets a large logit, a few runner-up classes get moderately large ones, over a long N(0, 2^2) tail;
+  the mean softmax probability of the target is calibrated to 0.9 (:func:`mean_target_prob` checks it).
+
+The CLI's ``--shapes`` takes integers only, hence the codes: ``--shapes 8192x4096x128256x2x7`` is
+Llama-3-8B's head with peaked inputs and 1/7 of the targets ignored; ``...x1x2`` random inputs with
+half of them ignored. ``python -m fuselm.bench.linear_cross_entropy`` prints the mean softmax of the
+target for the suite's shapes (``--device``, ``--shapes`` as in the CLI).
+
+Providers (mean over the non-ignored tokens, ignore_index -100, no target shift, no bias):
+
+- ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, eager ("logits.float()" in ANCHORS).
+- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
+- ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (its defaults: dW accumulated
+  in the input dtype), CUDA only.
+- ``cce``: Cut Cross-Entropy's ``linear_cross_entropy(e, c, targets, ignore_index=-100,
+  reduction="mean", shift=False)`` with its default gradient filter, CUDA only.
+- ``fuselm``: ``fuselm.linear_cross_entropy(x, W, target, memory="auto")``.
+- ``fuselm_min``: the same with ``memory="min"``.
+
+Cost: the three GEMMs over all N rows (ignored ones included), 2NHV FLOPs forward, 6NHV forward +
+backward, 4NHV backward; ``x_floor`` is the time over those FLOPs at the measured GEMM rate. The
+forward is timed as in a training step (``forward_grad=True``): designs that compute the gradient
+in the forward pay for it there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+
+IGNORE_INDEX = -100
+RANDOM, PEAKED = 1, 2
+INPUT_NAMES = {RANDOM: "random", PEAKED: "peaked"}
+DEFAULT_IGNORE_K = 7  # 1/7 of the targets ignored, as in ANCHORS.md
+
+# Peaked inputs: the tail logits are N(0, PEAKED_TAIL_STD^2); the runner-ups sit these many nats
+# below the target; the target logit is calibrated so that the mean softmax of the target is this.
+PEAKED_TAIL_STD = 2.0
+PEAKED_GAPS = (3.0, 4.0, 5.0, 6.0)
+PEAKED_TARGET_PROB = 0.9
+CALIBRATION_ROWS = 256  # rows the target logit is calibrated on
+MAX_TARGET_LOGIT = 64  # upper end of the search for the target logit A
+_SOLVE_CHUNK = 1024  # rows per batched solve when building peaked hidden states
+
+
+def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
+    """``(N, H, V)`` or ``(N, H, V, inputs, k)`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
+
+    Example:
+        >>> split_shape((256, 64, 1000))
+        (256, 64, 1000, 1, 7)
+    """
+    if len(shape) == 3:
+        n, h, v = shape
+        inputs, k = RANDOM, DEFAULT_IGNORE_K
+    elif len(shape) == 5:
+        n, h, v, inputs, k = shape
+    else:
+        raise ValueError(f"expected (N, H, V, inputs, k), got {tuple(shape)}")
+    if inputs not in INPUT_NAMES:
+        raise ValueError(f"inputs must be {RANDOM} (random) or {PEAKED} (peaked), got {inputs}")
+    if k < 1:
+        raise ValueError(f"k (1/k of the targets ignored) must be >= 1, got {k}")
+    return int(n), int(h), int(v), int(inputs), int(k)
+
+
+def describe(shape: Shape) -> str:
+    """Human label of a shape: (8192, 4096, 128256, 2, 7) -> 'N=8192 H=4096 V=128256, peaked, 1/7 ignored'."""
+    n, h, v, inputs, k = split_shape(shape)
+    ignored = "half" if k == 2 else ("all" if k == 1 else f"1/{k}")
+    return f"N={n} H={h} V={v}, {INPUT_NAMES[inputs]}, {ignored} ignored"
+
+
+# ---- inputs ----
+
+
+def ignore_targets(target: torch.Tensor, k: int) -> torch.Tensor:
+    """Set ``round(N / k)`` entries of ``target`` (random positions) to -100, in place; return it."""
+    n = target.shape[0]
+    n_ignored = round(n / k)
+    if n_ignored:
+        target[torch.randperm(n, device=target.device)[:n_ignored]] = IGNORE_INDEX
+    return target
+
+
+def _runner_ups(target: torch.Tensor, v: int, k: int) -> torch.Tensor:
+    """``[N, k]`` classes, distinct per row and different from the row's target (uniform offsets)."""
+    n = target.shape[0]
+    offsets = torch.randint(0, v - k, (n, k), device=target.device).sort(dim=1).values
+    offsets = offsets + torch.arange(k, device=target.device)  # distinct, in [0, v - 2]
+    return (target[:, None] + 1 + offsets) % v
+
+
+def _target_probs(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """softmax(z)[i, target_i] for fp32 logits z [M, V]."""
+    return torch.exp(z.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(z, dim=1))
+
+
+def peaked_hidden(
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tail_std: float = PEAKED_TAIL_STD,
+    gaps: Sequence[float] = PEAKED_GAPS,
+    target_prob: float = PEAKED_TARGET_PROB,
+    calibration_rows: int = CALIBRATION_ROWS,
+) -> torch.Tensor:
+    """Hidden states ``x [N, H]`` (fp32) whose logits ``x @ weight.T`` look like a trained model's.
+
+    Row i is ``noise_i + B_i^T alpha_i`` with ``noise_i ~ N(0, tail_std^2 / |W_j|^2)`` (tail logits
+    about N(0, tail_std^2)) and ``B_i`` the rows of ``weight`` of the target and of ``len(gaps)``
+    runner-up classes; ``alpha_i`` solves the small Gram system so that these logits are exactly
+    ``A`` (target) and ``A - gaps`` (runner-ups). ``A`` is one number for all rows, found by
+    bisection on the first ``calibration_rows`` rows so that the mean softmax of the target is
+    ``target_prob``. Targets must lie in ``[0, V)`` (ignore some afterwards). The other logits get
+    cross-talk of std about ``A * sqrt((len(gaps) + 1) / H)`` from the aligned part, so the target
+    is reached for H >= 128 or so; at smaller H the ``A`` (up to 64) with the highest mean is taken.
+
+    Example:
+        >>> w = torch.randn(500, 128) / 128**0.5
+        >>> t = torch.randint(0, 500, (128,))
+        >>> x = peaked_hidden(w, t)
+        >>> 0.85 < mean_target_prob(x, w, t) < 0.95
+        True
+    """
+    v, h = weight.shape
+    n = target.shape[0]
+    k = len(gaps)
+    if v < k + 2:
+        raise ValueError(f"peaked inputs need V >= {k + 2}, got {v}")
+    dev = weight.device
+    classes = torch.cat([target[:, None], _runner_ups(target, v, k)], dim=1)  # [N, k + 1]
+    offsets = torch.tensor([0.0, *(-g for g in gaps)], device=dev)  # logit - A, per class
+    row_norm = weight[: min(v, 4096)].float().norm(dim=1).pow(2).mean().sqrt()
+    noise = torch.randn(n, h, device=dev) * (tail_std / row_norm)
+    # x = x0 + A * u, where B x0 = offsets and B u = 1 (B: the k + 1 classes' rows of weight)
+    x0 = torch.empty(n, h, device=dev)
+    u = torch.empty(n, h, device=dev)
+    ones = torch.ones(k + 1, device=dev)
+    for s in range(0, n, _SOLVE_CHUNK):
+        e = min(s + _SOLVE_CHUNK, n)
+        rows = weight[classes[s:e].reshape(-1)].float().view(e - s, k + 1, h)
+        gram = rows @ rows.transpose(1, 2)
+        rhs = torch.stack([offsets - (rows @ noise[s:e, :, None]).squeeze(-1), ones.expand(e - s, -1)], -1)
+        alpha = torch.linalg.solve(gram, rhs)  # [c, k + 1, 2]
+        both = alpha.transpose(1, 2) @ rows  # [c, 2, H]
+        x0[s:e] = noise[s:e] + both[:, 0]
+        u[s:e] = both[:, 1]
+    m = min(n, calibration_rows)
+    z0 = x0[:m].to(weight.dtype) @ weight.t()
+    z1 = u[:m].to(weight.dtype) @ weight.t()
+    z0, z1 = z0.float(), z1.float()
+    t = target[:m]
+
+    def mean_prob(a: float) -> float:
+        return float(_target_probs(z0 + a * z1, t).mean())
+
+    # the first A on a coarse grid that reaches target_prob, refined by bisection; if none does (a very
+    # small H, whose cross-talk widens the tail as A grows), the A with the highest mean probability
+    grid = [float(a) for a in range(0, MAX_TARGET_LOGIT + 1, 4)]
+    probs = [mean_prob(a) for a in grid]
+    hit = next((i for i, p in enumerate(probs) if p >= target_prob), None)
+    if hit is None:
+        lo = hi = grid[max(range(len(grid)), key=probs.__getitem__)]
+    elif hit == 0:
+        lo = hi = 0.0
+    else:
+        lo, hi = grid[hit - 1], grid[hit]
+        for _ in range(14):  # to 4 / 2^14 nats
+            mid = (lo + hi) / 2
+            if mean_prob(mid) < target_prob:
+                lo = mid
+            else:
+                hi = mid
+    return x0.add_(u, alpha=(lo + hi) / 2)
+
+
+def mean_target_prob(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    max_rows: int | None = 2048,
+    chunk_rows: int = 256,
+) -> float:
+    """Mean softmax probability of the target, ``softmax(x @ weight.T)[i, target_i]``, over the
+    non-ignored rows (the first ``max_rows`` of them; None: all). Logits are computed in the dtype
+    of ``weight`` (as the providers do), the softmax in fp32, ``chunk_rows`` rows at a time.
+
+    Example:
+        >>> w = torch.randn(1000, 32) / 32**0.5
+        >>> x, t = torch.randn(64, 32), torch.randint(0, 1000, (64,))
+        >>> mean_target_prob(x, w, t) < 0.05
+        True
+    """
+    keep = (target != ignore_index).nonzero().squeeze(1)
+    if max_rows is not None:
+        keep = keep[:max_rows]
+    if keep.numel() == 0:
+        return float("nan")
+    total = 0.0
+    with torch.no_grad():
+        for s in range(0, keep.numel(), chunk_rows):
+            idx = keep[s : s + chunk_rows]
+            z = (x.detach()[idx].to(weight.dtype) @ weight.detach().t()).float()
+            total += float(_target_probs(z, target[idx]).sum())
+    return total / keep.numel()
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """x ``[N, H]`` and W ``[V, H]`` in ``dtype`` (both require grad), target ``[N]`` (int64) with
+    ``round(N / k)`` entries -100; random or peaked hidden states (see the module docstring)."""
+    n, h, v, inputs, k = split_shape(shape)
+    weight = torch.randn(v, h, device=device, dtype=dtype).div_(math.sqrt(h))
+    target = torch.randint(0, v, (n,), device=device)
+    if inputs == PEAKED:
+        x = peaked_hidden(weight, target).to(dtype)
+    else:
+        x = torch.randn(n, h, device=device, dtype=dtype)
+    ignore_targets(target, k)
+    return {"input": x.requires_grad_(True), "linear_weight": weight.requires_grad_(True), "target": target}
+
+
+def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
+    """FLOPs of the GEMMs over all N rows: fwd 2NHV (logits), bwd 4NHV (dX, dW), full 6NHV."""
+    n, h, v = shape[:3]  # never raises: a bad variant code is reported by make_inputs, row by row
+    return Cost(flops=float({"fwd": 2, "bwd": 4, "full": 6}[mode] * n * h * v))
+
+
+# ---- providers ----
+
+
+def _torch_lce(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((x @ w.T).float(), target, ignore_index=IGNORE_INDEX)
+
+
+def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x["input"], x["linear_weight"], x["target"]
+
+
+def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
+    """Eager PyTorch: [N, V] logits in the input dtype, upcast to fp32, F.cross_entropy."""
+    return lambda x: _torch_lce(*_args(x))
+
+
+def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
+    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
+    if device.type != "cuda":
+        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
+    compiled = torch.compile(_torch_lce, dynamic=False)
+    return lambda x: compiled(*_args(x))
+
+
+def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
+    """Liger-Kernel's fused linear cross-entropy (needs CUDA and an importable liger_kernel)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+
+    def run(x: Inputs) -> torch.Tensor:
+        # positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+        # label_smoothing, reduction (the same order since Liger 0.5; later arguments keep defaults)
+        out = LigerFusedLinearCrossEntropyFunction.apply(
+            *_args(x), None, None, IGNORE_INDEX, 0.0, 0.0, "mean"
+        )
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return run
+
+
+def setup_cce(device: torch.device) -> Callable[[Inputs], Any]:
+    """Cut Cross-Entropy (needs CUDA and an importable cut_cross_entropy)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce_lce
+    except Exception as e:  # noqa: BLE001
+        raise SkipProvider(f"cut_cross_entropy not importable ({type(e).__name__}: {e})") from None
+
+    def run(x: Inputs) -> torch.Tensor:
+        e, c, targets = _args(x)
+        return cce_lce(e, c, targets, ignore_index=IGNORE_INDEX, reduction="mean", shift=False)
+
+    return run
+
+
+def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.linear_cross_entropy, memory="auto"."""
+    import fuselm
+
+    return lambda x: fuselm.linear_cross_entropy(*_args(x), memory="auto")
+
+
+def setup_fuselm_min(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.linear_cross_entropy, memory="min"."""
+    import fuselm
+
+    return lambda x: fuselm.linear_cross_entropy(*_args(x), memory="min")
+
+
+_LLAMA3_8B, _GEMMA2_2B, _LLAMA3_8B_2X, _QWEN2_7B = (
+    (8192, 4096, 128256),
+    (8192, 2304, 256000),
+    (16384, 4096, 128256),
+    (4096, 3584, 152064),
+)
+_K = DEFAULT_IGNORE_K
+
+SUITE = Suite(
+    name="linear_cross_entropy",
+    description=(
+        "fused linear cross-entropy: x [N, H] @ W [V, H]^T, cross-entropy over V, mean over the "
+        "non-ignored of N targets; x and W require grad"
+    ),
+    shape_dims=("N", "H", "V", "inputs (1 random, 2 peaked)", "1/k ignored"),
+    gpu_shapes=(
+        (*_LLAMA3_8B, RANDOM, _K),
+        (*_LLAMA3_8B, PEAKED, _K),
+        (*_LLAMA3_8B, RANDOM, 2),
+        (*_GEMMA2_2B, RANDOM, _K),
+        (*_GEMMA2_2B, PEAKED, _K),
+        (*_LLAMA3_8B_2X, RANDOM, _K),
+        (*_LLAMA3_8B_2X, PEAKED, _K),
+        (*_QWEN2_7B, RANDOM, _K),
+        (*_QWEN2_7B, PEAKED, _K),
+    ),
+    cpu_shapes=((256, 128, 1000, RANDOM, _K), (256, 128, 1000, PEAKED, _K), (256, 128, 1000, RANDOM, 2)),
+    providers=(
+        Provider("torch", setup_torch, "F.cross_entropy((x @ W.T).float(), target), eager"),
+        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider("liger", setup_liger, "Liger-Kernel LigerFusedLinearCrossEntropyFunction"),
+        Provider("cce", setup_cce, "Cut Cross-Entropy linear_cross_entropy"),
+        Provider("fuselm", setup_fuselm, 'fuselm.linear_cross_entropy(memory="auto")'),
+        Provider("fuselm_min", setup_fuselm_min, 'fuselm.linear_cross_entropy(memory="min")'),
+    ),
+    make_inputs=make_inputs,
+    cost=cost,
+    columns=("ms", "x_floor", "extra_mib"),
+    forward_grad=True,
+    notes=(
+        "Shapes are N x H x V x inputs x k: inputs 1 = random (logits about N(0, 1)), 2 = peaked (target "
+        f"logit calibrated to a mean target softmax of {PEAKED_TARGET_PROB}, runner-ups {PEAKED_GAPS} "
+        f"nats below it, tail N(0, {PEAKED_TAIL_STD:g}^2)); round(N/k) targets are -100 "
+        "(k=7: 1/7, k=2: half).",
+        "FLOPs counted over all N rows, ignored ones included: fwd 2NHV, bwd 4NHV, full 6NHV (the three "
+        "GEMMs); designs that skip ignored rows or filtered gradient tiles can go below 1.0x floor.",
+        "Loss: mean over non-ignored targets, ignore_index -100, no shift, no bias, for every provider; "
+        "Liger accumulates dW in the input dtype (its default), CCE filters gradient tiles (its default).",
+    ),
+)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """Print the mean softmax of the target for the suite's shapes (or --shapes) on one device."""
+    import argparse
+
+    from ..cli import parse_shapes
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--shapes", help="like the CLI's, e.g. 8192x4096x128256x2x7")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    shapes = parse_shapes(args.shapes) if args.shapes else (SUITE.gpu_shapes if cuda else SUITE.cpu_shapes)
+    for shape in shapes:
+        torch.manual_seed(0)
+        x = make_inputs(shape, dtype, device)
+        p = mean_target_prob(x["input"], x["linear_weight"], x["target"])
+        ignored = float((x["target"] == IGNORE_INDEX).float().mean())
+        print(f"{describe(shape)}: mean target softmax {p:.3f}, ignored fraction {ignored:.3f}")
+        del x
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
