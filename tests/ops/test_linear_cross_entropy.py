@@ -314,10 +314,10 @@ def test_chunking(monkeypatch):
 
 
 def test_chunk_rows_rule():
-    assert lce_op.chunk_rows_for(1, 300, 4) == 16
-    assert lce_op.chunk_rows_for(300 * 4 * 47, 300, 4) == 32
-    assert lce_op.chunk_rows_for(256 * 2**20, 128256, 2) == 1040  # Llama-3 bf16 under "auto"
-    assert lce_op.chunk_rows_for(8 * 2**20, 128256, 2) == 32
+    assert lce_op.chunk_rows_for(1, 300, 32, 4) == 16
+    assert lce_op.chunk_rows_for((300 + 2 * 32) * 4 * 47, 300, 32, 4) == 32
+    assert lce_op.chunk_rows_for(256 * 2**20, 128256, 4096, 2) == 976  # Llama-3 bf16 under "auto"
+    assert lce_op.chunk_rows_for(8 * 2**20, 128256, 4096, 2) == 16
     cpu = torch.device("cpu")
     assert lce_op.memory_budget("min", cpu) == 8 * 2**20
     assert lce_op.memory_budget("auto", cpu) == 256 * 2**20

@@ -53,10 +53,11 @@ def memory_budget(memory, device: torch.device) -> int:
     return budget
 
 
-def chunk_rows_for(budget: int, n_cols: int, itemsize: int) -> int:
-    """Rows C of a chunk whose [C, n_cols] buffer of `itemsize` bytes fits `budget`: at least 16,
-    a multiple of 16. The launchers clamp it to the number of rows."""
-    rows = budget // (n_cols * itemsize)
+def chunk_rows_for(budget: int, n_cols: int, hidden: int, itemsize: int) -> int:
+    """Rows C of a chunk whose temporaries fit `budget`: the [C, n_cols] logits buffer and two [C, hidden]
+    ones (rows gathered when ignored rows are compacted, and their dX), of `itemsize` bytes. At least
+    16, a multiple of 16; the launchers clamp it to the number of rows."""
+    rows = budget // ((n_cols + 2 * hidden) * itemsize)
     return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
 
 
@@ -650,7 +651,7 @@ def linear_cross_entropy(
             z_loss=z_loss,
             softcap=softcap,
             return_lse=return_lse,
-            chunk_rows=chunk_rows_for(budget, v, compute_itemsize),
+            chunk_rows=chunk_rows_for(budget, v, h, compute_itemsize),
         )
 
     x2 = rows_view(input)
@@ -673,7 +674,7 @@ def linear_cross_entropy(
         t1,
         weight.contiguous() if weight is not None else None,
         rows,
-        chunk_rows_for(budget, v, input.element_size()),
+        chunk_rows_for(budget, v, h, input.element_size()),
         ignore_index,
         reduction,
         float(label_smoothing),
