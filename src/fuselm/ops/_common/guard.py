@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .dispatch import validate_enabled
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -58,3 +60,41 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         raise ValueError(
             f"target holds {value}, outside [0, {n_classes}) and not ignore_index={ignore_index}"
         )
+
+
+def check_loss_args(
+    input: torch.Tensor,
+    target: object,
+    n_classes: int,
+    *,
+    weight: object,
+    ignore_index: object,
+    reduction: object,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+) -> None:
+    """The checks every cross-entropy-like op shares (each ValueError names its argument); under
+    FUSELM_VALIDATE=1 also the target range (a host sync)."""
+    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
+        )
+    if weight is not None:
+        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)
+        if weight.shape[0] != n_classes:
+            raise ValueError(
+                f"weight must have shape [{n_classes}] (one per class), got {tuple(weight.shape)}"
+            )
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if validate_enabled():
+        check_target_range(target, n_classes, ignore_index)

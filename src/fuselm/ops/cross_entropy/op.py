@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._common.dispatch import interpret_mode, use_triton, validate_enabled
-from .._common.guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor, rows_view
+from .._common.dispatch import interpret_mode, use_triton
+from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, rows_view
 from .._common.launch import persistent_grid, row_launch
 from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 from .reference import cross_entropy_reference
@@ -500,30 +500,20 @@ def cross_entropy(
         torch.Size([4, 10])
     """
     check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
-    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
-        )
     n_cols = input.shape[-1]
     if n_cols == 0:
         raise ValueError("input must have at least one class (last dimension is 0)")
-    if weight is not None:
-        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)
-        if weight.shape[0] != n_cols:
-            raise ValueError(f"weight must have shape [{n_cols}] (one per class), got {tuple(weight.shape)}")
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-
-    if validate_enabled():
-        check_target_range(target, n_cols, ignore_index)
+    check_loss_args(
+        input,
+        target,
+        n_cols,
+        weight=weight,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+    )
     if input.dtype == torch.float64 or not use_triton(input):
         return cross_entropy_reference(
             input,

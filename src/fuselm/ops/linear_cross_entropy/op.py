@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common.dispatch import use_triton, validate_enabled
-from .._common.guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor, rows_view
+from .._common.dispatch import use_triton
+from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, rows_view
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
 from .reference import linear_cross_entropy_reference
 
@@ -604,11 +604,6 @@ def linear_cross_entropy(
         )
     if v == 0:
         raise ValueError("linear_weight must have at least one row (one class)")
-    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=device)
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
-        )
     if linear_bias is not None:
         check_tensor("linear_bias", linear_bias, ndim=1, device=device)
         if linear_bias.dtype != input.dtype:
@@ -617,26 +612,22 @@ def linear_cross_entropy(
             )
         if linear_bias.shape[0] != v:
             raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
-    if weight is not None:
-        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=device)
-        if weight.shape[0] != v:
-            raise ValueError(f"weight must have shape [{v}] (one per class), got {tuple(weight.shape)}")
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if ignore_index is None:  # torch.nn.functional.linear_cross_entropy's default, which means -100
         ignore_index = -100
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_loss_args(
+        input,
+        target,
+        v,
+        weight=weight,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+    )
     _validate_memory(memory)
 
     budget = memory_budget(memory, device)
-    if validate_enabled():
-        check_target_range(target, v, ignore_index)
     if input.dtype == torch.float64 or not use_triton(input):
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         return linear_cross_entropy_reference(
