@@ -16,10 +16,20 @@ SRC = Path(fuselm.__file__).resolve().parent  # src/fuselm
 
 def test_all_is_pinned():
     """Adding or removing a public name is a decision: update this list with it."""
-    assert fuselm.__all__ == ["cross_entropy", "linear_cross_entropy", "nn", "__version__"]
+    assert fuselm.__all__ == [
+        "cross_entropy",
+        "linear_cross_entropy",
+        "apply_rotary",
+        "swiglu",
+        "geglu",
+        "swiglu_packed",
+        "geglu_packed",
+        "nn",
+        "__version__",
+    ]
     for name in fuselm.__all__:
         assert hasattr(fuselm, name), name
-    assert fuselm.nn.__all__ == ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
+    assert fuselm.nn.__all__ == ["CrossEntropyLoss", "LinearCrossEntropyLoss", "SwiGLUMLP", "GeGLUMLP"]
     assert isinstance(fuselm.__version__, str) and fuselm.__version__
 
 

@@ -3,7 +3,19 @@
 from . import nn
 from .ops.cross_entropy import cross_entropy
 from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops.rope import apply_rotary
+from .ops.swiglu import geglu, geglu_packed, swiglu, swiglu_packed
 
 __version__ = "0.1.0"
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "nn", "__version__"]
+__all__ = [
+    "cross_entropy",
+    "linear_cross_entropy",
+    "apply_rotary",
+    "swiglu",
+    "geglu",
+    "swiglu_packed",
+    "geglu_packed",
+    "nn",
+    "__version__",
+]

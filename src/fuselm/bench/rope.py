@@ -1,0 +1,135 @@
+"""Benchmark suite: rotary position embedding of q and k, Hugging Face layout, forward and backward.
+
+A shape is ``(B, T, Hq, Hkv, D)``: q ``[B, Hq, T, D]`` and k ``[B, Hkv, T, D]``, contiguous, both
+requiring grad; cos/sin ``[B, T, D]`` in the input dtype, as Hugging Face's Llama rotary embedding
+returns them (default rope, theta 500000, positions 0..T-1). ``(4, 4096, 32, 8, 128)`` is Llama-3-8B
+at batch 4.
+
+Providers:
+
+- ``torch``: Hugging Face's ``apply_rotary_pos_emb`` written out (``q * cos + rotate_half(q) * sin``),
+  eager, every op in the input dtype.
+- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case; CUDA only).
+- ``fuselm``: ``fuselm.apply_rotary(q, k, cos, sin)``.
+- ``liger``: Liger-Kernel's ``LigerRopeFunction.apply(q, k, cos, sin)`` (CUDA, when importable). It
+  works in place on ``q.transpose(1, 2).contiguous()``, which is a copy for these contiguous inputs.
+
+Effective bandwidth counts the bytes the op cannot avoid: the forward reads q and k and writes q_embed
+and k_embed (``2 * itemsize`` bytes per q/k element, 4 in bf16); the backward reads the two output
+gradients and writes dq and dk (the same again); forward + backward twice that (8 bytes per element in
+bf16, as ANCHORS.md counts). cos/sin (``D / (Hq + Hkv)`` of a q/k row per position) are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+
+ROPE_THETA = 500000.0  # Llama 3
+
+
+def hf_cos_sin(
+    batch: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[B, T, D]`` as Hugging Face's (default) rotary embedding returns them, in ``dtype``."""
+    inv_freq = 1.0 / ROPE_THETA ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    )
+    freqs = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq_len, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """q ``[B, Hq, T, D]``, k ``[B, Hkv, T, D]`` random normal (require grad); cos/sin ``[B, T, D]``."""
+    b, t, hq, hk, d = shape
+    q = torch.randn(b, hq, t, d, device=device, dtype=dtype).requires_grad_(True)
+    k = torch.randn(b, hk, t, d, device=device, dtype=dtype).requires_grad_(True)
+    cos, sin = hf_cos_sin(b, t, d, dtype, device)
+    return {"q": q, "k": k, "cos": cos, "sin": sin}
+
+
+def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
+    """Bytes per call: fwd reads q, k and writes the outputs; bwd the same for the gradients; full both."""
+    b, t, hq, hk, d = shape
+    per_element = {"fwd": 2, "bwd": 2, "full": 4}[mode] * dtype.itemsize
+    return Cost(bytes=float(b * t * (hq + hk) * d * per_element))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's Llama ``apply_rotary_pos_emb``."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def _args(x: Inputs) -> tuple[torch.Tensor, ...]:
+    return x["q"], x["k"], x["cos"], x["sin"]
+
+
+def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
+    """Hugging Face's eager code."""
+    return lambda x: hf_apply_rotary_pos_emb(*_args(x))
+
+
+def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
+    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
+    if device.type != "cuda":
+        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
+    compiled = torch.compile(hf_apply_rotary_pos_emb, dynamic=False)
+    return lambda x: compiled(*_args(x))
+
+
+def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.apply_rotary (Hugging Face layout)."""
+    from fuselm.ops.rope import apply_rotary
+
+    return lambda x: apply_rotary(*_args(x))
+
+
+def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
+    """Liger-Kernel's RoPE (needs CUDA and an importable liger_kernel)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    return lambda x: LigerRopeFunction.apply(*_args(x))
+
+
+SUITE = Suite(
+    name="rope",
+    description="rotary position embedding of q [B, Hq, T, D] and k [B, Hkv, T, D] (Hugging Face layout)",
+    shape_dims=("B", "T", "Hq", "Hkv", "D"),
+    gpu_shapes=((4, 4096, 32, 8, 128), (1, 8192, 64, 8, 128)),
+    cpu_shapes=((1, 16, 8, 2, 64),),  # small: under TRITON_INTERPRET=1 every (b, t) is a numpy program
+    providers=(
+        Provider("torch", setup_torch, "Hugging Face apply_rotary_pos_emb, eager"),
+        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider("fuselm", setup_fuselm, "fuselm.apply_rotary"),
+        Provider("liger", setup_liger, "liger_kernel LigerRopeFunction"),
+    ),
+    make_inputs=make_inputs,
+    cost=cost,
+    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    forward_grad=False,
+    notes=(
+        "Bytes counted: fwd reads q, k and writes q_embed, k_embed (4 B per q/k element in bf16); bwd the "
+        "same for the gradients; full both (8 B per element in bf16). cos/sin are not counted.",
+        "q and k are contiguous [B, H, T, D]; cos/sin [B, T, D] in the input dtype, theta 500000.",
+    ),
+)

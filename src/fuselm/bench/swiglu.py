@@ -1,0 +1,102 @@
+"""Benchmark suite: SwiGLU ``silu(gate) * up`` on ``[N, I]`` gate and up (both require grad).
+
+Providers:
+
+- ``torch``: ``F.silu(gate) * up``, eager.
+- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
+- ``fuselm``: ``fuselm.swiglu(gate, up)``.
+- ``liger``: ``liger_kernel.ops.swiglu.LigerSiLUMulFunction`` (CUDA, when importable).
+
+Effective bandwidth counts the bytes the op cannot avoid, ``itemsize`` bytes per access (2 in
+bf16): the forward reads gate and up and writes out (3 accesses, 6 B in bf16); the backward reads
+dout, gate and up and writes dgate and dup (5 accesses, 10 B); forward + backward 8 accesses
+(16 B in bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+
+ACCESSES = {"fwd": 3, "bwd": 5, "full": 8}  # element reads + writes per mode
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """gate and up ``[N, I]``, random normal, both requiring grad."""
+    n, i = shape
+    gate = torch.randn(n, i, device=device, dtype=dtype).requires_grad_(True)
+    up = torch.randn(n, i, device=device, dtype=dtype).requires_grad_(True)
+    return {"gate": gate, "up": up}
+
+
+def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
+    """Bytes per call: 3 (fwd), 5 (bwd) or 8 (full) accesses of ``itemsize`` bytes per element."""
+    n, i = shape
+    return Cost(bytes=float(n * i * ACCESSES[mode] * dtype.itemsize))
+
+
+def _torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
+    """Eager PyTorch, in the input dtype."""
+    return lambda x: _torch_swiglu(x["gate"], x["up"])
+
+
+def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
+    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
+    if device.type != "cuda":
+        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
+    compiled = torch.compile(_torch_swiglu, dynamic=False)
+    return lambda x: compiled(x["gate"], x["up"])
+
+
+def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.swiglu."""
+    from fuselm.ops.swiglu import swiglu
+
+    return lambda x: swiglu(x["gate"], x["up"])
+
+
+def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
+    """Liger-Kernel's LigerSiLUMulFunction (needs CUDA and an importable liger_kernel)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    return lambda x: LigerSiLUMulFunction.apply(x["gate"], x["up"])
+
+
+SUITE = Suite(
+    name="swiglu",
+    description="SwiGLU silu(gate) * up on [N, I] gate and up (I = Llama-3-8B's 14336)",
+    shape_dims=("N", "I"),
+    gpu_shapes=((16384, 14336), (8192, 14336), (16384, 11008)),
+    cpu_shapes=((128, 512), (33, 1000)),
+    providers=(
+        Provider("torch", setup_torch, "F.silu(gate) * up, eager"),
+        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider("fuselm", setup_fuselm, "fuselm.swiglu"),
+        Provider("liger", setup_liger, "liger_kernel LigerSiLUMulFunction"),
+    ),
+    make_inputs=make_inputs,
+    cost=cost,
+    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    forward_grad=False,
+    notes=(
+        "Bytes counted per element: fwd reads gate and up and writes out (6 B in bf16); bwd reads dout, "
+        "gate and up and writes dgate and dup (10 B); full 16 B.",
+        "liger writes dgate and dup into the saved gate and up buffers (no gradient allocation, the "
+        "inputs are overwritten: its repeated timed calls run on finite overwritten values, same work); "
+        "torch, torch_compile and fuselm allocate the gradients.",
+    ),
+)

@@ -1,0 +1,134 @@
+"""Gated MLP modules (Llama / Mistral / Qwen SwiGLU, Gemma GeGLU) with Hugging Face parameter names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.swiglu import geglu, swiglu, swiglu_linear
+
+# Hugging Face `hidden_act` names (and fuselm's own) -> the activation of ops/swiglu.
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose forward nobody intercepts: its matmul may be fused with the activation."""
+    return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: the MLP of Llama, Mistral, Qwen (SwiGLU) and,
+    with ``activation="gelu_pytorch_tanh"``, Gemma (GeGLU).
+
+    Parameter names are those of Hugging Face's ``LlamaMLP`` (``gate_proj``, ``up_proj``,
+    ``down_proj``, each an ``nn.Linear``), so state dicts load both ways. For backward, autograd
+    keeps the input ``x`` and the two projections ``gate`` and ``up`` (``[..., I]`` each) and nothing
+    else of size ``I``: the activation and the product feeding ``down_proj`` are recomputed in the
+    backward by the kernel that writes ``dgate`` and ``dup`` (see :func:`fuselm.ops.swiglu.swiglu_linear`).
+    Eager PyTorch keeps four ``[..., I]`` tensors. When ``down_proj`` is not a plain ``nn.Linear``
+    (e.g. wrapped by an adapter) or has forward hooks, it is called as a module on the product instead.
+
+    Args:
+        hidden_size: ``H``, the model width (input and output features).
+        intermediate_size: ``I``, the width of ``gate_proj`` and ``up_proj``.
+        bias: give the three projections a bias (Hugging Face ``mlp_bias``).
+        activation: ``"silu"`` (default; also ``"swish"``), ``"gelu_pytorch_tanh"`` (also
+            ``"gelu_tanh"``, ``"gelu_new"``: the tanh approximation) or ``"gelu"`` (exact), as in a
+            Hugging Face config's ``hidden_act``.
+        device, dtype: of the parameters, as for ``nn.Linear``.
+
+    Shapes: ``x`` is ``[..., H]``; the output is ``[..., H]`` in the dtype of the projections.
+
+    Example:
+        >>> import torch, fuselm
+        >>> mlp = fuselm.nn.SwiGLUMLP(16, 64)
+        >>> sorted(mlp.state_dict())
+        ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
+        >>> x = torch.randn(2, 5, 16, requires_grad=True)
+        >>> y = mlp(x)
+        >>> y.shape
+        torch.Size([2, 5, 16])
+        >>> want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        >>> torch.allclose(y, want, atol=1e-5)
+        True
+        >>> y.sum().backward()
+        >>> mlp.gate_proj.weight.grad.shape
+        torch.Size([64, 16])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: str = "silu",
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        act = ACTIVATIONS[self.activation]
+        down = self.down_proj
+        if _is_plain_linear(down):
+            return swiglu_linear(gate, up, down.weight, down.bias, activation=act)
+        if act == "silu":
+            return down(swiglu(gate, up))
+        return down(geglu(gate, up, approximate="tanh" if act == "gelu_tanh" else "none"))
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"activation={self.activation!r}"
+        )
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """:class:`SwiGLUMLP` with a GELU gate: Gemma's MLP (``hidden_act="gelu_pytorch_tanh"``).
+
+    Args:
+        hidden_size, intermediate_size, bias, device, dtype: as for :class:`SwiGLUMLP`.
+        approximate: ``"tanh"`` (default, Gemma) or ``"none"`` (exact GELU), as in ``F.gelu``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> mlp = fuselm.nn.GeGLUMLP(16, 64)
+        >>> x = torch.randn(3, 16)
+        >>> act = torch.nn.functional.gelu(mlp.gate_proj(x), approximate="tanh")
+        >>> want = mlp.down_proj(act * mlp.up_proj(x))
+        >>> torch.allclose(mlp(x), want, atol=1e-5)
+        True
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        approximate: str = "tanh",
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be one of ('tanh', 'none'), got {approximate!r}")
+        activation = "gelu_pytorch_tanh" if approximate == "tanh" else "gelu"
+        super().__init__(hidden_size, intermediate_size, bias, activation, device=device, dtype=dtype)

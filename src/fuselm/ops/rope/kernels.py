@@ -1,0 +1,229 @@
+"""Triton kernel of rotary position embedding (Hugging Face's rotate_half convention). The math is in
+README.md.
+
+One program per (b, t) position: it loads that position's cos/sin row once, then rotates every head
+of q and then every head of k (one launch for both; GQA head counts may differ) in [BLOCK_H, BLOCK_R]
+tiles of the two halves of the rotary part, and copies the pass-through columns (partial rotary).
+
+The backward is the same kernel with IS_BWD=True: the transpose of the rotation by theta is the
+rotation by -theta, i.e. sin negated with its two halves swapped (the swap only matters when the two
+halves of sin differ; Hugging Face's cat(freqs, freqs) tables have equal halves).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(
+    x_row,
+    x_head_stride,
+    y_row,
+    y_head_stride,
+    h0,
+    N_HEADS: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Heads h0.. of one position (x_row / y_row point at head 0, column 0): the two rotary halves
+    [BH, BR] of x in fp32, the pointers to the first half of y, and the mask."""
+    heads = tl.cast(h0, tl.int64) + tl.arange(0, BLOCK_H)  # int64: heads * stride may pass 2^31
+    cols = tl.arange(0, BLOCK_R)
+    if BLOCK_R == ROT_HALF:
+        mask = tl.broadcast_to((heads < N_HEADS)[:, None], (BLOCK_H, BLOCK_R))
+    else:
+        mask = (heads < N_HEADS)[:, None] & (cols < ROT_HALF)[None, :]
+    x_ptrs = x_row + heads[:, None] * x_head_stride + cols[None, :]
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x2 = tl.load(x_ptrs + ROT_HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return x1, x2, y_row + heads[:, None] * y_head_stride + cols[None, :], mask
+
+
+@triton.jit
+def _rotate_store(y_ptrs, mask, x1, x2, c1, c2, s1, s2, ROT_HALF: tl.constexpr):
+    """[x1, x2] * [c1, c2] + [-x2, x1] * [s1, s2], each product rounded (as eager fp32 PyTorch)."""
+    y1 = x1 * c1[None, :] - x2 * s1[None, :]
+    y2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(y_ptrs, y1.to(y_ptrs.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs + ROT_HALF, y2.to(y_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_pass(
+    x_row,
+    x_head_stride,
+    y_row,
+    y_head_stride,
+    h0,
+    N_HEADS: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Partial rotary: copy columns [R, D) of heads h0.. unchanged."""
+    heads = tl.cast(h0, tl.int64) + tl.arange(0, BLOCK_H)
+    pcols = tl.arange(0, BLOCK_P)
+    for p0 in range(2 * ROT_HALF, HEAD_DIM, BLOCK_P):
+        pc = p0 + pcols
+        mask = (heads < N_HEADS)[:, None] & (pc < HEAD_DIM)[None, :]
+        xp = tl.load(x_row + heads[:, None] * x_head_stride + pc[None, :], mask=mask)
+        tl.store(y_row + heads[:, None] * y_head_stride + pc[None, :], xp, mask=mask)
+
+
+@triton.jit
+def _rope_heads(
+    x_row,
+    x_head_stride,
+    y_row,
+    y_head_stride,
+    c1,
+    c2,
+    s1,
+    s2,
+    N_HEADS: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """All heads of one position, tile after tile."""
+    for h0 in range(0, N_HEADS, BLOCK_H):
+        x1, x2, y_ptrs, mask = _load_tile(
+            x_row, x_head_stride, y_row, y_head_stride, h0, N_HEADS, ROT_HALF, BLOCK_H, BLOCK_R
+        )
+        _rotate_store(y_ptrs, mask, x1, x2, c1, c2, s1, s2, ROT_HALF)
+        if 2 * ROT_HALF < HEAD_DIM:
+            _copy_pass(
+                x_row, x_head_stride, y_row, y_head_stride, h0, N_HEADS, ROT_HALF, HEAD_DIM, BLOCK_H, BLOCK_P
+            )
+
+
+@triton.jit
+def rope_fwd_kernel(
+    q_ptr,
+    q_stride_b,
+    q_stride_t,
+    q_stride_h,
+    k_ptr,
+    k_stride_b,
+    k_stride_t,
+    k_stride_h,
+    q_out_ptr,
+    q_out_stride_b,
+    q_out_stride_t,
+    q_out_stride_h,
+    k_out_ptr,
+    k_out_stride_b,
+    k_out_stride_t,
+    k_out_stride_h,
+    cos_ptr,
+    cos_stride_b,
+    cos_stride_t,
+    sin_ptr,
+    sin_stride_b,
+    sin_stride_t,
+    pos_ptr,
+    pos_stride_b,
+    pos_stride_t,
+    n_pos,
+    seq_len,
+    N_QH: tl.constexpr,
+    N_KH: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    IS_BWD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """q/k (and outputs) indexed [b, t, h, d] through their strides (d stride 1). Without HAS_POS,
+    cos/sin are [B, T, R] (stride_b 0 when broadcast); with HAS_POS they are tables [P, R] (row stride in
+    stride_t) read at position_ids[b, t]. IS_BWD: q/k are the output gradients, the outputs dq/dk."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    t = pid - b * seq_len
+    cols = tl.arange(0, BLOCK_R)
+    cmask = cols < ROT_HALF
+    if HAS_POS:
+        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t).to(tl.int64)
+        in_range = (p >= 0) & (p < n_pos)
+        p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
+        c_row = cos_ptr + p * cos_stride_t
+        s_row = sin_ptr + p * sin_stride_t
+    else:
+        c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
+        s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    c1 = tl.load(c_row + cols, mask=cmask, other=0.0).to(tl.float32)  # [BR]
+    c2 = tl.load(c_row + ROT_HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + ROT_HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_POS:
+        c1 = tl.where(in_range, c1, float("nan"))
+        c2 = tl.where(in_range, c2, float("nan"))
+        s1 = tl.where(in_range, s1, float("nan"))
+        s2 = tl.where(in_range, s2, float("nan"))
+    if IS_BWD:
+        # rotation by -theta: [g1, g2] * [c1, c2] + [-g2, g1] * [-s2, -s1]
+        s_tmp = s1
+        s1 = -s2
+        s2 = -s_tmp
+
+    q_row = q_ptr + b * q_stride_b + t * q_stride_t
+    k_row = k_ptr + b * k_stride_b + t * k_stride_t
+    q_out_row = q_out_ptr + b * q_out_stride_b + t * q_out_stride_t
+    k_out_row = k_out_ptr + b * k_out_stride_b + t * k_out_stride_t
+    if N_QH <= BLOCK_HQ and N_KH <= BLOCK_HK:
+        # one tile each (the usual case): every load is issued before the first store
+        q1, q2, q_out_ptrs, q_mask = _load_tile(
+            q_row, q_stride_h, q_out_row, q_out_stride_h, 0, N_QH, ROT_HALF, BLOCK_HQ, BLOCK_R
+        )
+        k1, k2, k_out_ptrs, k_mask = _load_tile(
+            k_row, k_stride_h, k_out_row, k_out_stride_h, 0, N_KH, ROT_HALF, BLOCK_HK, BLOCK_R
+        )
+        _rotate_store(q_out_ptrs, q_mask, q1, q2, c1, c2, s1, s2, ROT_HALF)
+        _rotate_store(k_out_ptrs, k_mask, k1, k2, c1, c2, s1, s2, ROT_HALF)
+        if 2 * ROT_HALF < HEAD_DIM:
+            _copy_pass(
+                q_row, q_stride_h, q_out_row, q_out_stride_h, 0, N_QH, ROT_HALF, HEAD_DIM, BLOCK_HQ, BLOCK_P
+            )
+            _copy_pass(
+                k_row, k_stride_h, k_out_row, k_out_stride_h, 0, N_KH, ROT_HALF, HEAD_DIM, BLOCK_HK, BLOCK_P
+            )
+    else:
+        _rope_heads(
+            q_row,
+            q_stride_h,
+            q_out_row,
+            q_out_stride_h,
+            c1,
+            c2,
+            s1,
+            s2,
+            N_QH,
+            ROT_HALF,
+            HEAD_DIM,
+            BLOCK_HQ,
+            BLOCK_R,
+            BLOCK_P,
+        )
+        _rope_heads(
+            k_row,
+            k_stride_h,
+            k_out_row,
+            k_out_stride_h,
+            c1,
+            c2,
+            s1,
+            s2,
+            N_KH,
+            ROT_HALF,
+            HEAD_DIM,
+            BLOCK_HK,
+            BLOCK_R,
+            BLOCK_P,
+        )

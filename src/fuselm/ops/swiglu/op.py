@@ -1,0 +1,535 @@
+"""fuselm.swiglu / geglu, packed forms, swiglu_linear: launchers -> custom ops -> autograd -> public."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from .._common.dispatch import use_triton
+from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor
+from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
+from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
+
+# Launch configs (elements per program, warps). 4096 bf16 elements = 8 KiB per operand per program,
+# 16 elements (two 16-byte vectors) per thread with 8 warps. Tune here (benchmarks: `fuselm bench swiglu`).
+FWD_BLOCK, FWD_WARPS = 4096, 8
+BWD_BLOCK, BWD_WARPS = 4096, 8
+# Strided rows (row tiles): the column block is a power of two between MIN_BLOCK_C and the block,
+# the largest that wastes at most MAX_COL_WASTE of a row in masked lanes; rows fill the rest of the block.
+MIN_BLOCK_C = 256
+MAX_COL_WASTE = 0.125
+
+ACTIVATION_CODE = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # kernels.SILU, GELU_TANH, GELU
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t.shape[0] <= 1 or t.stride(0) == t.shape[1]
+
+
+def _config(n_rows: int, n_cols: int, tensors, block: int) -> tuple[bool, int, int, int]:
+    """(FLAT, BLOCK_R, BLOCK_C, programs) for a [n_rows, n_cols] problem over `tensors`."""
+    if all(_rows_contiguous(t) for t in tensors):
+        return True, 1, block, triton.cdiv(n_rows * n_cols, block)
+    block_c = min(block, triton.next_power_of_2(n_cols))
+    candidate = block_c
+    while candidate >= min(MIN_BLOCK_C, block_c):
+        if triton.cdiv(n_cols, candidate) * candidate - n_cols <= MAX_COL_WASTE * n_cols:
+            block_c = candidate
+            break
+        candidate //= 2
+    block_r = min(block // block_c, triton.next_power_of_2(n_rows))
+    return False, block_r, block_c, triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c)
+
+
+def _assert_operand(t: torch.Tensor, shape: tuple[int, int]) -> None:
+    assert t.dim() == 2 and tuple(t.shape) == shape, (tuple(t.shape), shape)
+    assert t.stride(-1) == 1 or shape[1] == 1
+
+
+def _launch(kernel, operands: dict, shape: tuple[int, int], block: int, num_warps: int, **meta) -> None:
+    """Launch `kernel` over [R, C] `operands` (name -> tensor, or None for an unused one): the
+    kernel's arguments are `<name>_ptr` and `<name>_row_stride` for each, then n_rows, n_cols and
+    its constexprs. Flat when every operand's rows are contiguous; a flat size that is not a
+    multiple of 16 gets a main launch over whole blocks and a one-program tail, because a mask
+    bound divisible by 16 is what keeps Triton's masked accesses 16-byte vectors."""
+    used = [t for t in operands.values() if t is not None]
+    for t in used:
+        _assert_operand(t, shape)
+    flat, block_r, block_c, programs = _config(*shape, used, block)
+
+    def run(ops, n_rows, n_cols, programs, row_strides):
+        kwargs = {}
+        for name, t in ops.items():
+            kwargs[f"{name}_ptr"] = t if t is not None else used[0]
+            kwargs[f"{name}_row_stride"] = t.stride(0) if row_strides and t is not None else 0
+        kernel[(programs,)](
+            **kwargs,
+            n_rows=n_rows,
+            n_cols=n_cols,
+            **meta,
+            FLAT=flat,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=num_warps,
+        )
+
+    if not flat:
+        run(operands, shape[0], shape[1], programs, row_strides=True)
+        return
+    numel = shape[0] * shape[1]
+    split = numel - numel % block if numel % 16 and numel > block else numel
+    flat_ops = {k: t.reshape(-1) if t is not None else None for k, t in operands.items()}
+    for lo, hi in ((0, split), (split, numel)):
+        if hi > lo:
+            part = {k: t[lo:hi] if t is not None else None for k, t in flat_ops.items()}
+            run(part, 1, hi - lo, triton.cdiv(hi - lo, block), row_strides=False)
+
+
+def swiglu_fwd(gate, up, activation, out=None):
+    """out [R, I] = act(gate) * up (into `out` when given). gate, up [R, I], stride(-1) == 1."""
+    if out is None:
+        out = torch.empty(tuple(gate.shape), dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    _launch(
+        swiglu_fwd_kernel,
+        dict(gate=gate, up=up, out=out),
+        tuple(gate.shape),
+        FWD_BLOCK,
+        FWD_WARPS,
+        ACTIVATION=ACTIVATION_CODE[activation],
+    )
+    return out
+
+
+def swiglu_bwd(dout, gate, up, activation, dgate, dup, out=None):
+    """Writes dgate = dout * up * act'(gate), dup = dout * act(gate) (and out = act(gate) * up when
+    given) in one pass. All [R, I] with stride(-1) == 1; dgate may be dout itself."""
+    if gate.numel() == 0:
+        return
+    _launch(
+        swiglu_bwd_kernel,
+        dict(dout=dout, gate=gate, up=up, dgate=dgate, dup=dup, out=out),
+        tuple(gate.shape),
+        BWD_BLOCK,
+        BWD_WARPS,
+        ACTIVATION=ACTIVATION_CODE[activation],
+        HAS_OUT=out is not None,
+    )
+
+
+def swiglu_bwd_alloc(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
+    """(dgate, dup[, out]) freshly allocated; dgate_into_dout writes dgate over dout's buffer."""
+    dgate = dout if dgate_into_dout else torch.empty_like(gate, memory_format=torch.contiguous_format)
+    dup = torch.empty_like(up, memory_format=torch.contiguous_format)
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format) if want_out else None
+    swiglu_bwd(dout, gate, up, activation, dgate, dup, out)
+    return (dgate, dup, out) if want_out else (dgate, dup)
+
+
+def swiglu_packed_fwd(gate_up, activation):
+    """out [R, I] from gate_up [R, 2I] (gate = first half of each row, up = second half)."""
+    gate, up = split_packed(gate_up)
+    return swiglu_fwd(gate, up, activation)
+
+
+def swiglu_packed_bwd(dout, gate_up, activation):
+    """d gate_up [R, 2I] (dgate in the first half, dup in the second), written by one kernel."""
+    gate, up = split_packed(gate_up)
+    grad = torch.empty(tuple(gate_up.shape), dtype=gate_up.dtype, device=gate_up.device)
+    dgate, dup = split_packed(grad)
+    swiglu_bwd(dout, gate, up, activation, dgate, dup)
+    return grad
+
+
+# ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
+
+
+def _unit_col(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need stride(-1) == 1; a compiled graph may hand a custom op other strides."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("fuselm::swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return swiglu_fwd(_unit_col(gate), _unit_col(up), activation)
+
+
+@_swiglu_fwd_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fuselm::swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_out: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    res = swiglu_bwd_alloc(_unit_col(dout), _unit_col(gate), _unit_col(up), activation, want_out)
+    return res if want_out else (*res, gate.new_empty(0))
+
+
+@_swiglu_bwd_op.register_fake
+def _(dout, gate, up, activation, want_out):
+    out = gate.new_empty(gate.shape) if want_out else gate.new_empty(0)
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape), out
+
+
+@torch.library.custom_op("fuselm::swiglu_packed_fwd", mutates_args=())
+def _swiglu_packed_fwd_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return swiglu_packed_fwd(_unit_col(gate_up), activation)
+
+
+@_swiglu_packed_fwd_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op("fuselm::swiglu_packed_bwd", mutates_args=())
+def _swiglu_packed_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return swiglu_packed_bwd(_unit_col(dout), _unit_col(gate_up), activation)
+
+
+@_swiglu_packed_bwd_op.register_fake
+def _(dout, gate_up, activation):
+    return gate_up.new_empty(gate_up.shape)
+
+
+# Eager calls launch directly (a custom op costs tens of microseconds of host time per call);
+# under torch.compile the custom ops above stand in. Tensors that do not take the Triton path
+# (CPU without TRITON_INTERPRET=1, float64) run the closed forms of reference.py.
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [R, C] with unit column stride (a view when one exists); also for R or C == 0."""
+    n_cols = t.shape[-1]
+    t2 = t.reshape(t.numel() // n_cols if n_cols else math.prod(t.shape[:-1]), n_cols)
+    if n_cols > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _kernels(t: torch.Tensor) -> bool:
+    return t.dtype != torch.float64 and use_triton(t)
+
+
+def _run_fwd(gate, up, activation):
+    if not _kernels(gate):
+        return gated_fwd_reference(gate, up, activation)
+    if torch.compiler.is_compiling():
+        return _swiglu_fwd_op(gate, up, activation)
+    return swiglu_fwd(gate, up, activation)
+
+
+def _run_bwd(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
+    dout = _rows(dout)
+    if not _kernels(gate):
+        return gated_bwd_reference(dout, gate, up, activation, want_out)
+    if torch.compiler.is_compiling():
+        dgate, dup, out = _swiglu_bwd_op(dout, gate, up, activation, want_out)
+        return (dgate, dup, out) if want_out else (dgate, dup)
+    return swiglu_bwd_alloc(dout, gate, up, activation, want_out, dgate_into_dout)
+
+
+def _run_packed_fwd(gate_up, activation):
+    if not _kernels(gate_up):
+        return gated_fwd_reference(*split_packed(gate_up), activation)
+    if torch.compiler.is_compiling():
+        return _swiglu_packed_fwd_op(gate_up, activation)
+    return swiglu_packed_fwd(gate_up, activation)
+
+
+def _run_packed_bwd(dout, gate_up, activation):
+    dout = _rows(dout)
+    if not _kernels(gate_up):
+        return torch.cat(gated_bwd_reference(dout, *split_packed(gate_up), activation), dim=-1)
+    if torch.compiler.is_compiling():
+        return _swiglu_packed_bwd_op(dout, gate_up, activation)
+    return swiglu_packed_bwd(dout, gate_up, activation)
+
+
+# ---- autograd: save gate and up (or gate_up) only; the activation is recomputed in backward ----
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """act(gate) * up for [R, I] gate and up (stride(-1) == 1). Saves gate and up only."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return _run_fwd(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = _run_bwd(dout, gate, up, ctx.activation)
+        return dgate, dup, None
+
+
+class SwiGLUPackedFunction(torch.autograd.Function):
+    """act(gate_up[:, :I]) * gate_up[:, I:] for [R, 2I] gate_up. Saves gate_up only."""
+
+    @staticmethod
+    def forward(ctx, gate_up, activation):
+        ctx.save_for_backward(gate_up)
+        ctx.activation = activation
+        return _run_packed_fwd(gate_up, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (gate_up,) = ctx.saved_tensors
+        return _run_packed_bwd(dout, gate_up, ctx.activation), None
+
+
+class SwiGLULinearFunction(torch.autograd.Function):
+    """F.linear(act(gate) * up, weight, bias) for [R, I] gate and up. Saves gate, up and weight: the
+    product is recomputed in backward by the same kernel that writes dgate and dup."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, activation):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        return F.linear(_run_fwd(gate, up, activation), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        need_gate_up = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_weight = ctx.needs_input_grad[2]
+        dgate = dup = dweight = dbias = None
+        if need_gate_up:
+            dh = dy @ weight  # [R, I], a fresh buffer owned here: dgate overwrites it
+            res = _run_bwd(dh, gate, up, ctx.activation, want_out=need_weight, dgate_into_dout=True)
+            dgate, dup, h = res if need_weight else (*res, None)
+        elif need_weight:
+            h = _run_fwd(gate, up, ctx.activation)
+        if need_weight:
+            dweight = dy.t() @ h  # [H, I]
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            dbias = dy.sum(0)
+        return dgate, dup, dweight, dbias, None
+
+
+# ---- public functions ----
+
+_DTYPES = (*FLOAT_DTYPES, torch.float64)
+_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def _check_pair(gate: object, up: object) -> None:
+    check_tensor("gate", gate, dtypes=_DTYPES, min_ndim=1)
+    check_tensor("up", up, dtypes=_DTYPES, device=gate.device)
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
+    if tuple(up.shape) != tuple(gate.shape):
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    out = SwiGLUFunction.apply(_rows(gate), _rows(up), activation)
+    return out.reshape(gate.shape)
+
+
+def _check_packed(gate_up: object) -> None:
+    check_tensor("gate_up", gate_up, dtypes=_DTYPES, min_ndim=1)
+    if gate_up.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"gate_up must have an even last dimension (gate and up concatenated), got {tuple(gate_up.shape)}"
+        )
+
+
+def _gated_packed(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    out = SwiGLUPackedFunction.apply(_rows(gate_up), activation)
+    return out.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) * up``, fused in one kernel forward and one kernel backward.
+
+    The activation of the Llama / Mistral / Qwen MLP: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
+    Computed in fp32, rounded once to the input dtype. The backward saves only ``gate`` and ``up``
+    (never ``silu(gate)`` nor the product) and recomputes the activation; one kernel writes both
+    gradients. The math is in ops/swiglu/README.md.
+
+    Args:
+        gate: ``[..., I]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference). Rows may
+            be strided (e.g. a slice ``x[..., :I]``); the last dimension must have stride 1, else it
+            is copied.
+        up: same shape, dtype and device as ``gate``.
+
+    Returns:
+        ``[..., I]`` in the dtype of ``gate``.
+
+    Raises:
+        ValueError: naming the argument, for a non-tensor, an unsupported dtype, or ``up`` whose
+            shape, dtype or device differs from ``gate``'s.
+
+    Example:
+        >>> import torch, fuselm
+        >>> gate = torch.randn(2, 3, 8, requires_grad=True)
+        >>> up = torch.randn(2, 3, 8, requires_grad=True)
+        >>> out = fuselm.swiglu(gate, up)
+        >>> out.shape
+        torch.Size([2, 3, 8])
+        >>> torch.allclose(out, torch.nn.functional.silu(gate) * up, atol=1e-6)
+        True
+        >>> out.sum().backward()
+        >>> gate.grad.shape, up.grad.shape
+        (torch.Size([2, 3, 8]), torch.Size([2, 3, 8]))
+    """
+    _check_pair(gate, up)
+    return _gated(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU: ``gelu(gate, approximate) * up``, fused in one kernel forward and one backward.
+
+    Gemma's MLP uses ``approximate="tanh"`` (Hugging Face ``hidden_act="gelu_pytorch_tanh"``).
+    Same contract as :func:`fuselm.swiglu`: fp32 math, output in the input dtype, only ``gate`` and
+    ``up`` saved for backward, one kernel writes both gradients.
+
+    Args:
+        gate: ``[..., I]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference); rows
+            may be strided.
+        up: same shape, dtype and device as ``gate``.
+        approximate: ``"tanh"`` (default: ``0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``) or
+            ``"none"`` (exact: ``0.5 g (1 + erf(g / sqrt(2)))``), as in ``torch.nn.functional.gelu``.
+
+    Returns:
+        ``[..., I]`` in the dtype of ``gate``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> import torch.nn.functional as F
+        >>> gate, up = torch.randn(4, 16), torch.randn(4, 16)
+        >>> out = fuselm.geglu(gate, up)
+        >>> torch.allclose(out, F.gelu(gate, approximate="tanh") * up, atol=1e-6)
+        True
+        >>> torch.allclose(fuselm.geglu(gate, up, approximate="none"), F.gelu(gate) * up, atol=1e-6)
+        True
+    """
+    check_choice("approximate", approximate, tuple(_APPROXIMATE))
+    _check_pair(gate, up)
+    return _gated(gate, up, _APPROXIMATE[approximate])
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused gate/up projection: ``silu(gate_up[..., :I]) * gate_up[..., I:]``.
+
+    Layout: the first half of the last dimension is ``gate``, the second half ``up`` — what a fused
+    ``gate_up_proj`` whose weight is ``torch.cat([gate_proj.weight, up_proj.weight])`` produces
+    (Phi-3's ``gate_up_proj``, vLLM's merged column-parallel layer). The gradient ``[..., 2I]`` is
+    written by one kernel (no concatenation); only ``gate_up`` is saved for backward.
+
+    Args:
+        gate_up: ``[..., 2I]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference); the
+            last dimension must be even. Rows may be strided.
+
+    Returns:
+        ``[..., I]`` in the dtype of ``gate_up``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> gate_up = torch.randn(3, 10, requires_grad=True)
+        >>> out = fuselm.swiglu_packed(gate_up)
+        >>> out.shape
+        torch.Size([3, 5])
+        >>> gate, up = gate_up.chunk(2, dim=-1)
+        >>> torch.allclose(out, torch.nn.functional.silu(gate) * up, atol=1e-6)
+        True
+        >>> out.sum().backward()
+        >>> gate_up.grad.shape
+        torch.Size([3, 10])
+    """
+    _check_packed(gate_up)
+    return _gated_packed(gate_up, "silu")
+
+
+def geglu_packed(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU on a fused gate/up projection: ``gelu(gate_up[..., :I], approximate) * gate_up[..., I:]``.
+
+    Same layout as :func:`fuselm.swiglu_packed` (gate first, up second), same activation choices as
+    :func:`fuselm.geglu`.
+
+    Args:
+        gate_up: ``[..., 2I]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference); the
+            last dimension must be even. Rows may be strided.
+        approximate: ``"tanh"`` (default) or ``"none"``, as in ``torch.nn.functional.gelu``.
+
+    Returns:
+        ``[..., I]`` in the dtype of ``gate_up``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> gate_up = torch.randn(3, 10)
+        >>> gate, up = gate_up.chunk(2, dim=-1)
+        >>> want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        >>> torch.allclose(fuselm.geglu_packed(gate_up), want, atol=1e-6)
+        True
+    """
+    check_choice("approximate", approximate, tuple(_APPROXIMATE))
+    _check_packed(gate_up)
+    return _gated_packed(gate_up, _APPROXIMATE[approximate])
+
+
+def swiglu_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The tail of a gated MLP: ``F.linear(act(gate) * up, weight, bias)``, saving less for backward.
+
+    Autograd keeps ``gate``, ``up`` and ``weight`` only: the product ``act(gate) * up`` (the input of
+    the down projection, ``[..., I]``) is not kept but recomputed in backward by the kernel that
+    writes ``dgate`` and ``dup`` (it reads gate and up there anyway). Eager PyTorch keeps four
+    ``[..., I]`` tensors per MLP (gate, act(gate), up, product), a separate fused activation three;
+    this keeps two. Under autocast the operands are cast to the autocast dtype first, as
+    ``nn.Linear`` does.
+
+    Args:
+        gate: ``[..., I]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference).
+        up: same shape, dtype and device as ``gate``.
+        weight: ``[H, I]`` (the ``down_proj.weight``), same dtype and device as ``gate``.
+        bias: optional ``[H]``.
+        activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+
+    Returns:
+        ``[..., H]`` in the dtype of ``gate``.
+
+    Example:
+        >>> import torch, fuselm
+        >>> from fuselm.ops.swiglu import swiglu_linear
+        >>> gate, up = torch.randn(4, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True)
+        >>> down = torch.nn.Linear(32, 8, bias=False)
+        >>> y = swiglu_linear(gate, up, down.weight)
+        >>> torch.allclose(y, down(fuselm.swiglu(gate, up)), atol=1e-5)
+        True
+        >>> y.sum().backward()
+        >>> down.weight.grad.shape
+        torch.Size([8, 32])
+    """
+    check_choice("activation", activation, ACTIVATIONS)
+    _check_pair(gate, up)
+    device_type = gate.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        gate, up, weight = gate.to(dtype), up.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    check_tensor("weight", weight, dtypes=(gate.dtype,), ndim=2, device=gate.device)
+    if weight.shape[1] != gate.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [H, {gate.shape[-1]}] (I columns, like gate), got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(gate.dtype,), ndim=1, device=gate.device)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    y = SwiGLULinearFunction.apply(_rows(gate), _rows(up), weight, bias, activation)
+    return y.reshape(*gate.shape[:-1], weight.shape[0])
