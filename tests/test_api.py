@@ -24,12 +24,21 @@ def test_all_is_pinned():
         "geglu",
         "swiglu_packed",
         "geglu_packed",
+        "rms_norm",
+        "layer_norm",
         "nn",
         "__version__",
     ]
     for name in fuselm.__all__:
         assert hasattr(fuselm, name), name
-    assert fuselm.nn.__all__ == ["CrossEntropyLoss", "LinearCrossEntropyLoss", "SwiGLUMLP", "GeGLUMLP"]
+    assert fuselm.nn.__all__ == [
+        "CrossEntropyLoss",
+        "LinearCrossEntropyLoss",
+        "SwiGLUMLP",
+        "GeGLUMLP",
+        "RMSNorm",
+        "LayerNorm",
+    ]
     assert isinstance(fuselm.__version__, str) and fuselm.__version__
 
 

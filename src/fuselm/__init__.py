@@ -2,7 +2,9 @@
 
 from . import nn
 from .ops.cross_entropy import cross_entropy
+from .ops.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops.rms_norm import rms_norm
 from .ops.rope import apply_rotary
 from .ops.swiglu import geglu, geglu_packed, swiglu, swiglu_packed
 
@@ -16,6 +18,8 @@ __all__ = [
     "geglu",
     "swiglu_packed",
     "geglu_packed",
+    "rms_norm",
+    "layer_norm",
     "nn",
     "__version__",
 ]

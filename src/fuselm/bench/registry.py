@@ -13,6 +13,8 @@ from .harness import Suite
 SUITES: dict[str, tuple[str, str]] = {
     "cross_entropy": ("fuselm.bench.cross_entropy", "cross-entropy on given [N, V] logits"),
     "linear_cross_entropy": ("fuselm.bench.linear_cross_entropy", "linear layer + cross-entropy, fused"),
+    "rms_norm": ("fuselm.bench.rms_norm", "RMSNorm over [N, H] (S = 2: residual add fused), fwd + bwd"),
+    "layer_norm": ("fuselm.bench.layer_norm", "LayerNorm with weight and bias over [N, H], fwd + bwd"),
     "rope": ("fuselm.bench.rope", "rotary position embedding of q and k (Hugging Face layout)"),
     "swiglu": ("fuselm.bench.swiglu", "SwiGLU silu(gate) * up on [N, I], forward + backward"),
 }

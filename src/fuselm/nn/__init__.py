@@ -2,5 +2,6 @@
 
 from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from .mlp import GeGLUMLP, SwiGLUMLP
+from .norm import LayerNorm, RMSNorm
 
-__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "SwiGLUMLP", "GeGLUMLP"]
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "SwiGLUMLP", "GeGLUMLP", "RMSNorm", "LayerNorm"]

@@ -1,0 +1,101 @@
+"""Benchmark suite: LayerNorm over the last dimension of ``[N, H]`` with weight and bias.
+
+A shape is ``(N, H)``: x ``[N, H]``, weight and bias ``[H]``, all requiring grad.
+
+Providers:
+
+- ``torch``: ``F.layer_norm(x, (H,), weight, bias, eps)``, eager (what ``torch.nn.LayerNorm`` runs).
+- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
+- ``fuselm``: ``fuselm.layer_norm(x, weight, bias, eps)``.
+- ``liger``: ``liger_kernel.ops.layer_norm.LigerLayerNormFunction.apply(x, weight, bias, eps)``, CUDA only.
+
+Bytes counted per element (``itemsize`` b): fwd reads x and writes y (2b), bwd reads x and dy and
+writes dx (3b), full 5b (10 bytes per element in bf16); the parameters and their gradients (H
+elements each) are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+
+EPS = 1e-5
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """x ~ N(1, 1) ``[N, H]``, weight ~ U[0.5, 1.5) and bias ~ N(0, 1) ``[H]``, all requiring grad."""
+    n, h = shape
+    return {
+        "x": (torch.randn(n, h, device=device, dtype=dtype) + 1).requires_grad_(True),
+        "weight": (torch.rand(h, device=device) + 0.5).to(dtype).requires_grad_(True),
+        "bias": torch.randn(h, device=device).to(dtype).requires_grad_(True),
+    }
+
+
+def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
+    """Bytes per call: fwd 2, bwd 3, full 5 times itemsize per element."""
+    n, h = shape
+    return Cost(bytes=float(n * h * {"fwd": 2, "bwd": 3, "full": 5}[mode] * dtype.itemsize))
+
+
+def _torch_fn(x: Inputs) -> torch.Tensor:
+    return F.layer_norm(x["x"], (x["x"].shape[-1],), x["weight"], x["bias"], EPS)
+
+
+def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
+    """F.layer_norm, eager."""
+    return _torch_fn
+
+
+def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
+    """torch.compile of F.layer_norm; skipped on CPU (compile time would dominate a CPU run)."""
+    if device.type != "cuda":
+        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+    torch._dynamo.reset()
+    return torch.compile(_torch_fn, dynamic=False)
+
+
+def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.layer_norm."""
+    from fuselm.ops.layer_norm import layer_norm
+
+    return lambda x: layer_norm(x["x"], x["weight"], x["bias"], EPS)
+
+
+def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
+    """Liger-Kernel's LayerNorm (CUDA, importable liger_kernel)."""
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    return lambda x: LigerLayerNormFunction.apply(x["x"], x["weight"], x["bias"], EPS)
+
+
+SUITE = Suite(
+    name="layer_norm",
+    description="LayerNorm with weight and bias over the last dim of [N, H]",
+    shape_dims=("N", "H"),
+    gpu_shapes=((16384, 4096), (32768, 8192)),
+    cpu_shapes=((256, 256),),
+    providers=(
+        Provider("torch", setup_torch, "F.layer_norm, eager"),
+        Provider("torch_compile", setup_torch_compile, "torch.compile of F.layer_norm"),
+        Provider("fuselm", setup_fuselm, "fuselm.layer_norm"),
+        Provider("liger", setup_liger, "liger_kernel LigerLayerNormFunction"),
+    ),
+    make_inputs=make_inputs,
+    cost=cost,
+    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    forward_grad=False,
+    notes=(
+        "Bytes counted: 2 per element per itemsize forward (read x, write y), 3 backward (read x, dy, "
+        "write dx): 10 bytes per element fwd + bwd in bf16; parameters not counted.",
+    ),
+)

@@ -1,0 +1,320 @@
+"""fuselm.layer_norm: launchers -> custom ops -> autograd Function -> public function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .._common.dispatch import use_triton
+from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
+from .._common.launch import persistent_grid
+from ..rms_norm.op import reduce_partials_, resident_programs, tile_config
+from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
+from .reference import layer_norm_reference
+
+# ---- launch configuration (the helpers and their other constants live in ops/rms_norm/op.py) ----
+MAX_FUSED_H = 16384  # rows up to this many columns are held in registers and read once
+LOOP_BLOCK_H = 4096  # column block of longer rows
+FWD_TILE = 4096  # elements a forward program holds (several short rows per program)
+BWD_TILE = 4096
+FWD_ELEMS_PER_WARP = 512  # num_warps = tile elements / this (clamped to the rms_norm MIN/MAX_WARPS)
+BWD_ELEMS_PER_WARP = 512
+FWD_PROGRAMS_PER_SM = 0  # 0: one program per row block; k > 0: persistent, k per multiprocessor
+BWD_PROGRAMS_PER_SM = 0  # 0: as many as are resident at once (at most BWD_MAX_PROGRAMS_PER_SM); k > 0: k
+BWD_MAX_PROGRAMS_PER_SM = 8
+
+
+# ---- launchers ----
+
+
+def layer_norm_fwd(x, residual, weight, bias, eps):
+    """y [N, H] (x's dtype), x + residual [N, H] (or an empty tensor), mean [N] and rstd [N] (fp32).
+    x, residual: [N, H] with stride(-1) == 1 (rows may be strided)."""
+    n_rows, n_cols = x.shape
+    assert x.stride(-1) == 1 or n_cols == 1
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    has_res = residual is not None
+    summed = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if has_res else x.new_empty(0)
+    if n_rows == 0:
+        return y, summed, mean, rstd
+    if has_res:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.stride(-1) == 1 or n_cols == 1
+    single, block_rows, block_h, num_warps = tile_config(
+        n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    )
+    n_blocks = triton.cdiv(n_rows, block_rows)
+    grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
+    layer_norm_fwd_kernel[(grid,)](
+        x_ptr=x,
+        x_row_stride=x.stride(0),
+        res_ptr=residual if has_res else x,
+        res_row_stride=residual.stride(0) if has_res else 0,
+        w_ptr=weight if weight is not None else x,
+        b_ptr=bias if bias is not None else x,
+        y_ptr=y,
+        y_row_stride=y.stride(0),
+        sum_ptr=summed if has_res else y,
+        sum_row_stride=summed.stride(0) if has_res else 0,
+        mean_ptr=mean,
+        rstd_ptr=rstd,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        inv_n_cols=1.0 / n_cols,
+        eps=eps,
+        HAS_RESIDUAL=has_res,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        SINGLE_BLOCK=single,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+    return y, summed, mean, rstd
+
+
+def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db):
+    """dx [N, H] (x's dtype; also d residual), dweight [H] and dbias [H] (their dtypes; empty tensors
+    when not computed). x is what was normalized (the residual sum when there was one)."""
+    n_rows, n_cols = x.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    compute_dw = bool(compute_dw) and weight is not None
+    compute_db = bool(compute_db) and bias is not None
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+        db = torch.zeros_like(bias) if compute_db else x.new_empty(0)
+        return dx, dw, db
+    for t in (x, dy, dsum):
+        assert t is None or t.stride(-1) == 1 or n_cols == 1
+    single, block_rows, block_h, num_warps = tile_config(
+        n_rows, n_cols, BWD_TILE, BWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    )
+    n_blocks = triton.cdiv(n_rows, block_rows)
+    kwargs = dict(
+        x_ptr=x,
+        x_row_stride=x.stride(0),
+        dy_ptr=dy,
+        dy_row_stride=dy.stride(0),
+        dsum_ptr=dsum if dsum is not None else dy,
+        dsum_row_stride=dsum.stride(0) if dsum is not None else 0,
+        w_ptr=weight if weight is not None else x,
+        mean_ptr=mean,
+        rstd_ptr=rstd,
+        dx_ptr=dx,
+        dx_row_stride=dx.stride(0),
+        dw_part_ptr=rstd,  # stand-ins until the grid is known
+        db_part_ptr=rstd,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        inv_n_cols=1.0 / n_cols,
+        HAS_DSUM=dsum is not None,
+        HAS_WEIGHT=weight is not None,
+        COMPUTE_DW=compute_dw,
+        COMPUTE_DB=compute_db,
+        SINGLE_BLOCK=single,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+    grid = resident_programs(
+        layer_norm_bwd_kernel, kwargs, n_blocks, x.device, BWD_PROGRAMS_PER_SM, BWD_MAX_PROGRAMS_PER_SM
+    )
+    alloc = torch.empty if single else torch.zeros  # single-block programs write their row once
+    n_parts = int(compute_dw) + int(compute_db)
+    part = alloc((max(n_parts, 1), grid, n_cols), dtype=torch.float32, device=x.device) if n_parts else None
+    if compute_dw:
+        kwargs["dw_part_ptr"] = part[0]
+    if compute_db:
+        kwargs["db_part_ptr"] = part[n_parts - 1]
+    layer_norm_bwd_kernel[(grid,)](**kwargs)
+    dw = reduce_partials_(part[0], torch.empty_like(weight)) if compute_dw else x.new_empty(0)
+    db = reduce_partials_(part[n_parts - 1], torch.empty_like(bias)) if compute_db else x.new_empty(0)
+    return dx, dw, db
+
+
+# ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
+
+
+@torch.library.custom_op("fuselm::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x, residual, weight, bias, eps)
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x, residual, weight, bias, eps):
+    n_rows, n_cols = x.shape
+    summed = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
+    stats = [x.new_empty(n_rows, dtype=torch.float32) for _ in range(2)]
+    return x.new_empty((n_rows, n_cols)), summed, *stats
+
+
+@torch.library.custom_op("fuselm::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    dsum: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db)
+
+
+@_layer_norm_bwd_op.register_fake
+def _(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db):
+    dw = torch.empty_like(weight) if compute_dw and weight is not None else x.new_empty(0)
+    db = torch.empty_like(bias) if compute_db and bias is not None else x.new_empty(0)
+    return x.new_empty(x.shape), dw, db
+
+
+def _run_fwd(*args):
+    if torch.compiler.is_compiling():
+        return _layer_norm_fwd_op(*args)
+    return layer_norm_fwd(*args)
+
+
+def _run_bwd(*args):
+    if torch.compiler.is_compiling():
+        return _layer_norm_bwd_op(*args)
+    return layer_norm_bwd(*args)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+# ---- autograd ----
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd for x [N, H] (and residual [N, H]): saves what was normalized (x, or the sum, which is
+    also an output), mean and rstd [N] fp32; the backward reads it, dy (and d sum) once and writes dx
+    once, which is also the gradient of the residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        y, summed, mean, rstd = _run_fwd(x, residual, weight, bias, eps)
+        has_res = residual is not None
+        ctx.save_for_backward(summed if has_res else x, weight, bias, mean, rstd)
+        ctx.has_res = has_res
+        ctx.set_materialize_grads(False)
+        if has_res:
+            return y, summed
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dsum=None):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None and dsum is None:
+            return None, None, None, None, None
+        if dy is None:  # only the sum was used
+            dy = torch.zeros_like(x)
+        compute_dw, compute_db = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dsum = _rows(dsum) if dsum is not None else None
+        dx, dw, db = _run_bwd(x, _rows(dy), dsum, weight, bias, mean, rstd, compute_dw, compute_db)
+        return (
+            dx,
+            dx if ctx.has_res else None,
+            dw if compute_dw else None,
+            db if compute_db else None,
+            None,
+        )
+
+
+def _check_args(x, weight, bias, eps, residual) -> None:
+    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    n_cols = x.shape[-1]
+    if n_cols == 0:
+        raise ValueError(
+            f"x must have a non-empty last dimension (the normalized one), got shape {tuple(x.shape)}"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_tensor(name, t, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
+            if t.shape[0] != n_cols:
+                raise ValueError(f"{name} must have shape [{n_cols}] (x.shape[-1]), got {tuple(t.shape)}")
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    residual: torch.Tensor | None = None,
+):
+    """LayerNorm over the last dimension, optionally fused with the residual add before it.
+
+    ``y = (s - mean(s)) / sqrt(var(s) + eps) * weight + bias`` with ``s = x`` or ``s = x + residual``
+    (biased variance, as ``torch.nn.functional.layer_norm(x, (H,), weight, bias, eps)``). Statistics in
+    fp32; the math and the kernel plan are in ops/layer_norm/README.md.
+
+    Args:
+        x: ``[..., H]`` (any leading shape), float32 / float16 / bfloat16 (float64 runs the PyTorch
+            reference). Rows may be strided (``stride(-1) == 1``) without a copy.
+        weight: ``[H]`` (any float dtype) or None (no scale).
+        bias: ``[H]`` (any float dtype) or None (no shift).
+        eps: added to the variance, ``>= 0``.
+        residual: optional ``[..., H]`` like x (same shape and dtype). Then the function returns
+            ``(y, x + residual)``: the sum (rounded to x's dtype) is what is normalized and is returned
+            as the new residual stream, from one kernel. Its gradient flows to both x and residual.
+
+    Returns:
+        ``y`` with the shape and dtype of x; with ``residual``, the tuple ``(y, x + residual)``.
+
+    The backward saves only what was normalized (x, or the sum) and mean and rstd (float32, one per
+    row); dweight and dbias are reduced in fp32 without atomics.
+
+    Example:
+        >>> import torch, fuselm
+        >>> x = torch.randn(2, 5, 64, requires_grad=True)
+        >>> w, b = torch.rand(64, requires_grad=True), torch.randn(64, requires_grad=True)
+        >>> y = fuselm.layer_norm(x, w, b, eps=1e-5)
+        >>> torch.allclose(y, torch.nn.functional.layer_norm(x, (64,), w, b, 1e-5), atol=1e-5)
+        True
+        >>> y, new_res = fuselm.layer_norm(x, None, None, residual=torch.randn(2, 5, 64))
+        >>> (y.sum() + new_res.sum()).backward()
+        >>> x.grad.shape
+        torch.Size([2, 5, 64])
+    """
+    _check_args(x, weight, bias, eps, residual)
+    eps = float(eps)
+    if (
+        x.dtype == torch.float64
+        or any(t is not None and t.dtype == torch.float64 for t in (weight, bias))
+        or not use_triton(x)
+    ):
+        return layer_norm_reference(x, weight, bias, eps, residual=residual)
+    shape = x.shape
+    out = LayerNormFunction.apply(
+        rows_view(x),
+        rows_view(residual) if residual is not None else None,
+        weight.contiguous() if weight is not None else None,
+        bias.contiguous() if bias is not None else None,
+        eps,
+    )
+    if residual is not None:
+        y, summed = out
+        return y.reshape(shape), summed.reshape(shape)
+    return out.reshape(shape)

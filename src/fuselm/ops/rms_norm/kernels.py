@@ -1,0 +1,371 @@
+"""Triton kernels of RMSNorm, optionally fused with the residual add. The math is in README.md.
+
+A program holds a tile of BLOCK_ROWS rows x BLOCK_H columns. Rows that fit one block
+(SINGLE_BLOCK) are read once and stay in registers; several short rows share a program. Longer
+rows (BLOCK_ROWS == 1) are walked in column blocks twice, the second walk in reverse order so that
+it starts with the part most likely still in L2.
+
+The backward is persistent: each program walks row blocks pid, pid + grid, ... and keeps its
+share of dweight in fp32 registers, written once at the end into a [programs, H] fp32 buffer that
+`rms_norm_bwd_kernel_reduce` sums over the programs (no atomics, deterministic).
+"""
+
+import triton
+import triton.language as tl
+
+# casting modes (the `casting` argument): where the PyTorch code being reproduced rounds
+CAST_LLAMA = tl.constexpr(0)  # fp32 statistics, x * rstd rounded to x's dtype, then * weight
+CAST_GEMMA = tl.constexpr(1)  # everything in fp32, rounded once at the end
+CAST_NONE = tl.constexpr(2)  # every step rounded to x's dtype
+
+
+@triton.jit
+def _load_input(x_ptrs, r_ptrs, s_ptrs, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+    """The tile that is normalized, in fp32: x, or x + residual rounded to x's dtype (stored if asked)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if STORE_SUM:
+            tl.store(s_ptrs, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_scale(w_ptr, cols, mask, offset, x_ptr, CASTING: tl.constexpr):
+    """offset + weight as fp32 [BLOCK_H], rounded where the casting mode's PyTorch code rounds it."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if CASTING == CAST_NONE:
+        x_dtype = x_ptr.dtype.element_ty
+        scale = (w.to(x_dtype).to(tl.float32) + offset).to(x_dtype).to(tl.float32)
+    elif CASTING == CAST_LLAMA:
+        scale = (w.to(tl.float32) + offset).to(w.dtype).to(tl.float32)  # (offset + w) in w's dtype
+    else:
+        scale = w.to(tl.float32) + offset
+    return scale
+
+
+@triton.jit
+def _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """y in fp32 from s [R, C], mean_sq and rstd [R, 1], scale [C]; rounded like the casting mode."""
+    x_dtype = x_ptr.dtype.element_ty
+    if CASTING == CAST_NONE:
+        var = mean_sq.to(x_dtype).to(tl.float32)
+        r = tl.math.rsqrt((var + eps).to(x_dtype).to(tl.float32)).to(x_dtype).to(tl.float32)
+        y = (s * r).to(x_dtype).to(tl.float32)
+        if HAS_WEIGHT:
+            y = (y * scale[None, :]).to(x_dtype).to(tl.float32)
+    else:
+        y = s * rstd
+        if CASTING == CAST_LLAMA:
+            y = y.to(x_dtype).to(tl.float32)
+        if HAS_WEIGHT:
+            y = y * scale[None, :]
+    return y
+
+
+@triton.jit
+def _bwd_tile(
+    x_ptr,
+    x_row_stride,
+    dy_ptr,
+    dy_row_stride,
+    ds_ptr,
+    ds_row_stride,
+    rstd_ptr,
+    rb,
+    n_rows,
+    cols,
+    col_mask,
+    row_ids,
+    BLOCK_ROWS: tl.constexpr,
+    HAS_DSUM: tl.constexpr,
+):
+    """x, dy, d sum [BLOCK_ROWS, BLOCK_H] (as stored) and rstd [BLOCK_ROWS, 1] of row block rb (all
+    masked off past the last row)."""
+    rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_DSUM:
+        ds = tl.load(ds_ptr + rows[:, None] * ds_row_stride + cols[None, :], mask=mask, other=0.0)
+    else:
+        ds = dy
+    rstd = tl.load(rstd_ptr + rows[:, None], mask=row_mask[:, None], other=0.0)
+    return x, dy, ds, rstd
+
+
+@triton.jit
+def rms_norm_fwd_kernel(
+    x_ptr,
+    x_row_stride,
+    res_ptr,
+    res_row_stride,
+    w_ptr,
+    y_ptr,
+    y_row_stride,
+    sum_ptr,
+    sum_row_stride,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    inv_n_cols,
+    eps,
+    offset,
+    CASTING: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """y = normalize(x [+ residual]) * scale; the sum (if residual) and rstd (fp32) are stored too."""
+    n_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_ids = tl.arange(0, BLOCK_ROWS)
+    if SINGLE_BLOCK:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            scale = _load_scale(w_ptr, cols, col_mask, offset, x_ptr, CASTING)  # [BLOCK_H], once
+        else:
+            scale = col_mask
+    for rb in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids  # [BLOCK_ROWS] int64
+        row_mask = rows < n_rows
+        if SINGLE_BLOCK:
+            mask = row_mask[:, None] & col_mask[None, :]
+            s = _load_input(
+                x_ptr + rows[:, None] * x_row_stride + cols[None, :],
+                res_ptr + rows[:, None] * res_row_stride + cols[None, :],
+                sum_ptr + rows[:, None] * sum_row_stride + cols[None, :],
+                mask,
+                HAS_RESIDUAL,
+                True,
+            )
+            mean_sq = tl.sum(s * s, axis=1)[:, None] * inv_n_cols  # [BLOCK_ROWS, 1]
+            rstd = tl.math.rsqrt(mean_sq + eps)
+            tl.store(rstd_ptr + rows[:, None], rstd, mask=row_mask[:, None])
+            y = _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING, HAS_WEIGHT)
+            y_ptrs = y_ptr + rows[:, None] * y_row_stride + cols[None, :]
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # pass 1: sum of squares (and the residual sum, stored)
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_H):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                s = _load_input(
+                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
+                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
+                    sum_ptr + rows[:, None] * sum_row_stride + c[None, :],
+                    mask,
+                    HAS_RESIDUAL,
+                    True,
+                )
+                acc += s * s
+            mean_sq = tl.sum(acc, axis=1)[:, None] * inv_n_cols
+            rstd = tl.math.rsqrt(mean_sq + eps)
+            tl.store(rstd_ptr + rows[:, None], rstd, mask=row_mask[:, None])
+            # pass 2, last block first: normalize and store
+            n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
+            for i in range(0, n_col_blocks):
+                c = (n_col_blocks - 1 - i) * BLOCK_H + cols
+                c_mask = c < n_cols
+                mask = row_mask[:, None] & c_mask[None, :]
+                s = _load_input(
+                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
+                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
+                    sum_ptr,
+                    mask,
+                    HAS_RESIDUAL,
+                    False,
+                )
+                if HAS_WEIGHT:
+                    scale = _load_scale(w_ptr, c, c_mask, offset, x_ptr, CASTING)
+                else:
+                    scale = c_mask
+                y = _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING, HAS_WEIGHT)
+                y_ptrs = y_ptr + rows[:, None] * y_row_stride + c[None, :]
+                tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    x_ptr,
+    x_row_stride,
+    dy_ptr,
+    dy_row_stride,
+    dsum_ptr,
+    dsum_row_stride,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dw_part_ptr,
+    n_rows,
+    n_cols,
+    inv_n_cols,
+    eps,
+    offset,
+    HAS_DSUM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """dx = rstd * (g - n * mean(g * n)) [+ dsum] with n = x * rstd, g = dy * (offset + w); this
+    program's share of dweight = sum over its rows of dy * n, into dw_part[pid] (fp32).
+    x is what was normalized (the residual sum when there was one). Longer rows (not SINGLE_BLOCK)
+    add their dweight share into dw_part[pid] block by block (the buffer is zeroed by the caller).
+    PREFETCH (single block): the loads of the next row block are issued before the current one is
+    computed, so that a program keeps two row blocks in flight (latency hiding at low occupancy)."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_ids = tl.arange(0, BLOCK_ROWS)
+    part_row = dw_part_ptr + tl.cast(pid, tl.int64) * n_cols
+    if SINGLE_BLOCK:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            scale = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+        n_programs = tl.num_programs(0)
+        if PREFETCH:  # the first row block; each iteration then loads the next one before computing
+            x_n, dy_n, ds_n, rstd_n = _bwd_tile(
+                x_ptr,
+                x_row_stride,
+                dy_ptr,
+                dy_row_stride,
+                dsum_ptr,
+                dsum_row_stride,
+                rstd_ptr,
+                pid,
+                n_rows,
+                cols,
+                col_mask,
+                row_ids,
+                BLOCK_ROWS,
+                HAS_DSUM,
+            )
+        for rb in range(pid, n_blocks, n_programs):
+            if PREFETCH:
+                x, dy, ds, rstd = x_n, dy_n, ds_n, rstd_n
+                x_n, dy_n, ds_n, rstd_n = _bwd_tile(
+                    x_ptr,
+                    x_row_stride,
+                    dy_ptr,
+                    dy_row_stride,
+                    dsum_ptr,
+                    dsum_row_stride,
+                    rstd_ptr,
+                    rb + n_programs,
+                    n_rows,
+                    cols,
+                    col_mask,
+                    row_ids,
+                    BLOCK_ROWS,
+                    HAS_DSUM,
+                )
+            else:
+                x, dy, ds, rstd = _bwd_tile(
+                    x_ptr,
+                    x_row_stride,
+                    dy_ptr,
+                    dy_row_stride,
+                    dsum_ptr,
+                    dsum_row_stride,
+                    rstd_ptr,
+                    rb,
+                    n_rows,
+                    cols,
+                    col_mask,
+                    row_ids,
+                    BLOCK_ROWS,
+                    HAS_DSUM,
+                )
+            rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            dy = dy.to(tl.float32)
+            n = x.to(tl.float32) * rstd
+            if HAS_WEIGHT:
+                g = dy * scale[None, :]
+            else:
+                g = dy
+            if n_cols == 1:
+                # n = +-(1 - O(eps)): g - n * c = g * (1 - n**2) = g * eps * rstd**2 without the cancellation
+                dx = g * (eps * rstd * rstd) * rstd
+            else:
+                c = tl.sum(g * n, axis=1)[:, None] * inv_n_cols
+                dx = (g - n * c) * rstd
+            if HAS_DSUM:
+                dx += ds.to(tl.float32)
+            dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
+            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * n
+        if COMPUTE_DW:
+            tl.store(part_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    else:
+        for rb in range(pid, n_blocks, tl.num_programs(0)):
+            rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
+            row_mask = rows < n_rows
+            rstd = tl.load(rstd_ptr + rows[:, None], mask=row_mask[:, None], other=0.0)
+            # pass 1: c = mean(g * n)
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_H):
+                c_ = start + cols
+                c_mask = c_ < n_cols
+                mask = row_mask[:, None] & c_mask[None, :]
+                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                g = dy.to(tl.float32)
+                if HAS_WEIGHT:
+                    g = g * (tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32) + offset)[None, :]
+                acc += g * (x.to(tl.float32) * rstd)
+            c = tl.sum(acc, axis=1)[:, None] * inv_n_cols
+            # pass 2, last block first: dx, and dweight into this program's partial row
+            n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
+            for i in range(0, n_col_blocks):
+                c_ = (n_col_blocks - 1 - i) * BLOCK_H + cols
+                c_mask = c_ < n_cols
+                mask = row_mask[:, None] & c_mask[None, :]
+                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                dy = dy.to(tl.float32)
+                n = x.to(tl.float32) * rstd
+                g = dy
+                if HAS_WEIGHT:
+                    g = g * (tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32) + offset)[None, :]
+                dx = (g - n * c) * rstd
+                if HAS_DSUM:
+                    ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
+                    dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
+                dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
+                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    part = tl.load(part_row + c_, mask=c_mask, other=0.0)
+                    tl.store(part_row + c_, part + tl.sum(dy * n, axis=0), mask=c_mask)
+
+
+@triton.jit
+def rms_norm_bwd_kernel_reduce(
+    part_ptr,
+    out_ptr,
+    n_parts,
+    n_cols,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """out[c] = sum_p part[p, c] (fp32 sums, stored in out's dtype): the per-program dweight
+    partials summed. Also used by layer_norm (dweight and dbias)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        p = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_P)
+        mask = (p < n_parts)[:, None] & col_mask[None, :]
+        acc += tl.load(part_ptr + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
