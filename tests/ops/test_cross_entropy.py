@@ -140,8 +140,10 @@ def reference64(x, t, **kw):
 
 
 def fwd_bwd(fn, x, t, kw, gos):
-    """Outputs (a tuple) and d(sum_i <out_i, go_i>)/dx, on a fresh leaf copy of x."""
-    xr = x.detach().clone().requires_grad_()
+    """Outputs (a tuple) and d(sum_i <out_i, go_i>)/dx, on a fresh leaf copy of x (a float64 leaf for
+    the oracle, so that its gradient is not rounded back to the input dtype)."""
+    leaf_dtype = torch.float64 if fn is reference64 else x.dtype
+    xr = x.detach().to(leaf_dtype).clone().requires_grad_()
     outs = fn(xr, t, **kw)
     outs = outs if isinstance(outs, tuple) else (outs,)
     (gx,) = torch.autograd.grad(outs, xr, [g.to(o.dtype) for g, o in zip(gos, outs, strict=True)])
