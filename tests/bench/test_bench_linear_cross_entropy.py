@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -185,11 +184,8 @@ def test_gpu_only_providers_skip_on_cpu(name):
 
 def test_cli_bench_linear_cross_entropy_cpu_defaults(tmp_path, capsys):
     out = tmp_path / "res"
-    t0 = time.perf_counter()
     rc = main(["bench", "linear_cross_entropy", "--device", "cpu", "--no-progress", "--out", str(out)])
-    elapsed = time.perf_counter() - t0
     assert rc == 0
-    assert elapsed < 60
     printed = capsys.readouterr().out
     assert "CPU figures" in printed and COLUMNS in printed
     for name in ("torch_compile", "liger", "cce"):

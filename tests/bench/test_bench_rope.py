@@ -6,7 +6,6 @@ GPU-only checks (peers and fuselm computing the same outputs on CUDA) are marked
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -121,11 +120,8 @@ def test_gpu_only_providers_skip_on_cpu(name):
 
 def test_cli_bench_rope_cpu_defaults(tmp_path, capsys, registered):
     out = tmp_path / "res"
-    t0 = time.perf_counter()
     rc = main(["bench", "rope", "--device", "cpu", "--no-progress", "--out", str(out)])
-    elapsed = time.perf_counter() - t0
     assert rc == 0
-    assert elapsed < 60
     printed = capsys.readouterr().out
     assert "CPU figures" in printed and COLUMNS in printed
     for name in ("torch_compile", "liger"):
