@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -142,7 +141,6 @@ def test_gpu_only_providers_skip_on_cpu(suite, name):
 @pytest.mark.parametrize("name", list(SUITES))
 def test_cpu_run_and_report(name, tmp_path):
     suite = SUITES[name]
-    t0 = time.perf_counter()
     report = run_suite(
         suite,
         shapes=suite.cpu_shapes,
@@ -156,7 +154,6 @@ def test_cpu_run_and_report(name, tmp_path):
         progress=False,
         log=lambda _: None,
     )
-    assert time.perf_counter() - t0 < 30
     assert set(report.skipped) == {"torch_compile", "liger"}
     ran = [r for r in report.rows if r.error is None]
     assert ran and all(r.bytes == suite.cost(r.shape, r.mode, torch.float32).bytes for r in ran)

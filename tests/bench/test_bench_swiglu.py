@@ -6,7 +6,6 @@ GPU-only checks (every provider computing the same values on CUDA) are marked ``
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -87,7 +86,6 @@ def test_gpu_only_providers_skip_on_cpu(name):
 
 
 def test_run_suite_cpu(tmp_path):
-    t0 = time.perf_counter()
     rep = run_suite(
         sw.SUITE,
         shapes=sw.SUITE.cpu_shapes,
@@ -100,7 +98,6 @@ def test_run_suite_cpu(tmp_path):
         progress=False,
         log=lambda s: None,
     )
-    assert time.perf_counter() - t0 < 30
     assert set(rep.skipped) == {"torch_compile", "liger"}
     assert len(rep.rows) == len(sw.SUITE.cpu_shapes) * 2 * 3  # shapes x (torch, fuselm) x modes
     for r in rep.rows:
