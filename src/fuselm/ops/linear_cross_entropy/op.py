@@ -13,10 +13,12 @@ import torch
 from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, rows_view
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
+from .fused import fused_bwd, fused_fwd
 from .reference import linear_cross_entropy_reference
 
 AUTO_BUDGET = 256 * 2**20  # bytes of the [C, V] chunk buffer under memory="auto" (also capped by free/4)
-MIN_BUDGET = 8 * 2**20  # memory="min", until the fused O(N) tile kernel exists
+MIN_BUDGET = 8 * 2**20  # memory="min" on the PyTorch reference path (chunks of this many bytes)
+FUSED_PLAN = 0  # the chunk_rows value that selects the fused tile plan (memory="min" on the Triton path)
 CHUNK_ROW_MULTIPLE = 16  # C is a multiple of this (GEMM tiles), and never below it
 
 
@@ -121,7 +123,27 @@ def linear_cross_entropy_fwd(
     """Chunked forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the rows
     to compute (ignored ones compacted out) or None for all. Returns per-row loss and lse (fp32, one per
     computed row), and with compute_grad the gradients of sum(loss_rows) * grad_scale: dx [N, H] (zero on
-    rows not computed), dw [V, H] (dtype of w), db [V] (fp32); None where not needed."""
+    rows not computed), dw [V, H] (dtype of w), db [V] (fp32); None where not needed.
+    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py)."""
+    if chunk_rows == FUSED_PLAN:
+        return fused_fwd(
+            x,
+            w,
+            b,
+            target,
+            weight,
+            weight_sum,
+            grad_scale,
+            rows,
+            ignore_index,
+            label_smoothing,
+            z_loss,
+            softcap,
+            compute_grad,
+            need_dx,
+            need_dw,
+            need_db,
+        )
     n_total, h = x.shape
     v = w.shape[0]
     assert w.shape[1] == h and target.is_contiguous()
@@ -180,7 +202,29 @@ def linear_cross_entropy_bwd(
     need_db,
 ):
     """Recompute plan: per chunk, logits again, G from the saved lse (with dloss fp32 1-element or one per
-    computed row, dlse [rows] or None) written over them, then the three GEMMs. Returns dx, dw, db (fp32)."""
+    computed row, dlse [rows] or None) written over them, then the three GEMMs. Returns dx, dw, db (fp32).
+    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py)."""
+    if chunk_rows == FUSED_PLAN:
+        return fused_bwd(
+            x,
+            w,
+            b,
+            target,
+            weight,
+            weight_sum,
+            grad_scale,
+            dloss,
+            dlse,
+            lse,
+            rows,
+            ignore_index,
+            label_smoothing,
+            z_loss,
+            softcap,
+            need_dx,
+            need_dw,
+            need_db,
+        )
     n_total, h = x.shape
     v = w.shape[0]
     n = _n_work(x, rows)
@@ -665,7 +709,7 @@ def linear_cross_entropy(
         t1,
         weight.contiguous() if weight is not None else None,
         rows,
-        chunk_rows_for(budget, v, h, input.element_size()),
+        FUSED_PLAN if memory == "min" else chunk_rows_for(budget, v, h, input.element_size()),
         ignore_index,
         reduction,
         float(label_smoothing),

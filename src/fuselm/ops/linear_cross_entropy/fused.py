@@ -1,0 +1,269 @@
+"""Launchers of the fused tile plan (memory="min"): O(N) extra memory, logits only as on-chip tiles.
+
+Forward: ``lce_stats_kernel`` (2NHV FLOPs) writes per-split softmax statistics, torch combines them
+into lse and the per-row loss and gradient coefficients ([4, N] fp32); with the gradient wanted,
+``lce_tile_grad_kernel`` recomputes every logit tile and accumulates dX, dW (atomics, in their dtype)
+and db (fp32): 6NHV more FLOPs. The math and the costs are in README.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .._common.dispatch import interpret_mode
+from .kernels import lce_stats_kernel, lce_tile_grad_kernel
+
+# Tile configs (tuned on the H200, see benchmarks/NOTES.md). fp32 inputs take half the H block (the
+# shared-memory stages of a tile hold 4-byte elements). The interpreter runs tiny tiles.
+GPU_CONFIG = dict(BLOCK_M=128, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, GROUP_M=8, num_warps=8, num_stages=3)
+GPU_FP32_BLOCK_H = 32
+INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_V=16, BLOCK_H=16, BLOCK_HG=16, GROUP_M=2, num_warps=4, num_stages=1)
+STATS_WAVES = 2  # the stats grid (row blocks x vocabulary splits) aims at this many programs per SM
+
+
+def _config(x: torch.Tensor) -> dict:
+    if interpret_mode():
+        return dict(INTERPRET_CONFIG)
+    config = dict(GPU_CONFIG)
+    if x.dtype == torch.float32:
+        config["BLOCK_H"] = GPU_FP32_BLOCK_H
+    return config
+
+
+def _work_rows(target: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """(number of work rows, their targets)."""
+    if rows is None:
+        return target.shape[0], target
+    return rows.shape[0], target.index_select(0, rows)
+
+
+def _common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config):
+    return dict(
+        x_ptr=x,
+        x_stride=x.stride(0),
+        w_ptr=w,
+        w_stride=w.stride(0),
+        b_ptr=b if b is not None else w,
+        rows_ptr=rows if rows is not None else target,
+        target_ptr=target,
+        class_weight_ptr=weight if weight is not None else w,
+        v=w.shape[0],
+        h=x.shape[1],
+        softcap=softcap,
+        HAS_ROWS=rows is not None,
+        HAS_BIAS=b is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_SOFTCAP=softcap > 0,
+        EVEN_H=x.shape[1] % config["BLOCK_H"] == 0,
+        IEEE=x.dtype == torch.float32,
+    )
+
+
+def fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap):
+    """(lse, target logit, sum_j w_j z_j) per work row, fp32 [n] each."""
+    n, _ = _work_rows(target, rows)
+    v = w.shape[0]
+    config = _config(x)
+    n_rb = triton.cdiv(n, config["BLOCK_M"])
+    n_vt = triton.cdiv(v, config["BLOCK_V"])
+    sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
+    splits = max(1, min(n_vt, triton.cdiv(STATS_WAVES * sms, n_rb)))
+    tiles_per_split = triton.cdiv(n_vt, splits)
+    splits = triton.cdiv(n_vt, tiles_per_split)
+    part = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
+    lce_stats_kernel[(n_rb * splits,)](
+        **_common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config),
+        part_ptr=part,
+        n=n,
+        n_splits=splits,
+        tiles_per_split=tiles_per_split,
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_V=config["BLOCK_V"],
+        BLOCK_H=config["BLOCK_H"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    m2, s = part[0], part[1]
+    top = m2.max(dim=0).values
+    lse = (top + torch.log2((s * torch.exp2(m2 - top)).sum(dim=0))) * math.log(2.0)
+    return lse, part[2].sum(dim=0), part[3].sum(dim=0)
+
+
+def row_terms(
+    lse,
+    z_t,
+    smooth_dot,
+    target_rows,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+):
+    """Per work row: the loss (fp32 [n]; None when z_t is None) and the gradient coefficients
+    coef [4, n] = (lse, p_coef, t_coef, s_coef) of d loss / d z = softmax * p_coef - onehot * t_coef -
+    w * s_coef, scaled by grad_scale * dloss (plus dlse on p_coef). Ignored rows: 0; a target outside
+    [0, V): NaN loss and gradient. The same formulas as the cross-entropy kernels (see its README)."""
+    valid = target_rows != ignore_index
+    in_range = (target_rows >= 0) & (target_rows < n_cols)
+    bad = valid & ~in_range
+    if weight is not None:
+        w_t = weight.float()[torch.where(valid & in_range, target_rows, 0)]
+    else:
+        w_t = torch.ones_like(lse)
+    ls = label_smoothing
+    w_sum = weight_sum if weight_sum is not None else float(n_cols)
+    loss = None
+    if z_t is not None:
+        loss = w_t * (lse - z_t)
+        if ls > 0:
+            loss = (1.0 - ls) * loss + ls / n_cols * (w_sum * lse - smooth_dot)
+        if z_loss:
+            loss = loss + z_loss * lse * lse
+        loss = torch.where(bad, float("nan"), torch.where(valid, loss, 0.0))
+    scale = grad_scale * dloss
+    if ls > 0:
+        p_coef = (1.0 - ls) * w_t + ls / n_cols * w_sum
+        t_coef = (1.0 - ls) * w_t * scale
+        s_coef = (ls / n_cols) * scale.expand_as(lse)
+    else:
+        p_coef, t_coef, s_coef = w_t, w_t * scale, torch.zeros_like(lse)
+    if z_loss:
+        p_coef = p_coef + 2.0 * z_loss * lse
+    p_coef = torch.where(bad, float("nan"), torch.where(valid, p_coef * scale, 0.0))
+    if dlse is not None:
+        p_coef = p_coef + dlse
+    zero = torch.zeros_like(lse)
+    coef = torch.stack([lse, p_coef, torch.where(valid, t_coef, zero), torch.where(valid, s_coef, zero)])
+    return loss, coef
+
+
+def fused_tile_grads(
+    x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
+):
+    """dx [N, H] (x's dtype; zero on rows not in `rows`), dw [V, H] (w's dtype), db [V] fp32: the
+    gradients of sum_i loss_i as weighted by coef [4, n] (see row_terms); None where not needed."""
+    n, _ = _work_rows(target, rows)
+    v, h = w.shape
+    dx = torch.zeros((x.shape[0], h), dtype=x.dtype, device=x.device) if need_dx else None
+    dw = torch.zeros((v, h), dtype=w.dtype, device=w.device) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=x.device) if need_db else None
+    if n == 0 or not (need_dx or need_dw or need_db):
+        return dx, dw, db
+    config = _config(x)
+    grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
+    lce_tile_grad_kernel[grid](
+        **_common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config),
+        coef_ptr=coef,
+        dx_ptr=dx if dx is not None else x,
+        dx_stride=dx.stride(0) if dx is not None else 0,
+        dw_ptr=dw if dw is not None else w,
+        dw_stride=dw.stride(0) if dw is not None else 0,
+        db_ptr=db if db is not None else coef,
+        n=n,
+        NEED_DX=need_dx,
+        NEED_DW=need_dw,
+        NEED_DB=need_db,
+        **config,
+    )
+    return dx, dw, db
+
+
+def fused_fwd(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    compute_grad,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    """The fused plan's forward, with the contract of op.linear_cross_entropy_fwd (no chunks)."""
+    n, target_rows = _work_rows(target, rows)
+    if n == 0:
+        lse = torch.empty(0, dtype=torch.float32, device=x.device)
+        loss = lse
+        coef = torch.empty((4, 0), dtype=torch.float32, device=x.device)
+    else:
+        lse, z_t, smooth_dot = fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap)
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        loss, coef = row_terms(
+            lse,
+            z_t,
+            smooth_dot,
+            target_rows,
+            weight,
+            weight_sum,
+            grad_scale,
+            one,
+            None,
+            w.shape[0],
+            ignore_index,
+            label_smoothing,
+            z_loss,
+        )
+    if not compute_grad:
+        return loss, lse, None, None, None
+    grads = fused_tile_grads(
+        x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
+    )
+    return loss, lse, *grads
+
+
+def fused_bwd(
+    x,
+    w,
+    b,
+    target,
+    weight,
+    weight_sum,
+    grad_scale,
+    dloss,
+    dlse,
+    lse,
+    rows,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    """The fused plan's recompute backward, with the contract of op.linear_cross_entropy_bwd."""
+    _, target_rows = _work_rows(target, rows)
+    _, coef = row_terms(
+        lse,
+        None,
+        None,
+        target_rows,
+        weight,
+        weight_sum,
+        grad_scale,
+        dloss,
+        dlse,
+        w.shape[0],
+        ignore_index,
+        label_smoothing,
+        z_loss,
+    )
+    return fused_tile_grads(
+        x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
+    )
