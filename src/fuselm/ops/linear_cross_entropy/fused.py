@@ -14,23 +14,24 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode
-from .kernels import lce_stats_kernel, lce_tile_grad_kernel
+from .kernels import lce_dx_unscale_kernel, lce_stats_kernel, lce_tile_grad_kernel
 
 # Tile configs (tuned on the H200, see benchmarks/NOTES.md). fp32 inputs take half the H block (the
 # shared-memory stages of a tile hold 4-byte elements). The interpreter runs tiny tiles.
-GPU_CONFIG = dict(BLOCK_M=128, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, GROUP_M=8, num_warps=8, num_stages=3)
-GPU_FP32_BLOCK_H = 32
+GPU_CONFIG = dict(BLOCK_M=128, BLOCK_V=256, BLOCK_H=64, BLOCK_HG=64, GROUP_M=8, num_warps=8, num_stages=3)
+GPU_FP32_CONFIG = dict(GPU_CONFIG, BLOCK_V=128, BLOCK_H=32)
 INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_V=16, BLOCK_H=16, BLOCK_HG=16, GROUP_M=2, num_warps=4, num_stages=1)
 STATS_WAVES = 2  # the stats grid (row blocks x vocabulary splits) aims at this many programs per SM
+# 16-bit dX is accumulated in fp16 (8x finer rounding than bf16) inside dX's own buffer, each row scaled
+# by a power of two that keeps a bound on every partial sum of the row at or below this
+DX_ACC_LIMIT = 2.0**14
+UNSCALE_BLOCK_H = 1024
 
 
 def _config(x: torch.Tensor) -> dict:
     if interpret_mode():
         return dict(INTERPRET_CONFIG)
-    config = dict(GPU_CONFIG)
-    if x.dtype == torch.float32:
-        config["BLOCK_H"] = GPU_FP32_BLOCK_H
-    return config
+    return dict(GPU_FP32_CONFIG if x.dtype == torch.float32 else GPU_CONFIG)
 
 
 def _work_rows(target: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, torch.Tensor]:
@@ -146,6 +147,20 @@ def row_terms(
     return loss, coef
 
 
+def dx_row_scales(coef, w, weight, label_smoothing):
+    """Per work row, a power of two s with s * B <= DX_ACC_LIMIT, where B bounds |partial sums of dX_i|:
+    |sum_v G_iv W_v| <= (|p_coef| + |t_coef| + |s_coef| * sum_v |w_v|) * max |W| (softmax sums to 1,
+    softcap' <= 1). 1 where the bound is 0 or not finite (ignored rows, NaN targets)."""
+    w_sum = weight.float().abs().sum() if weight is not None else float(w.shape[0])
+    row_sum = coef[1].abs() + coef[2].abs()
+    if label_smoothing > 0:
+        row_sum = row_sum + coef[3].abs() * w_sum
+    w_min, w_max = torch.aminmax(w)  # max |W| without an |W| temporary
+    bound = row_sum * torch.maximum(w_max.float(), -w_min.float())
+    scale = torch.exp2(torch.floor(torch.log2(DX_ACC_LIMIT / bound)))
+    return torch.where(torch.isfinite(scale) & (bound > 0), scale, 1.0).contiguous()
+
+
 def fused_tile_grads(
     x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
 ):
@@ -159,12 +174,15 @@ def fused_tile_grads(
     if n == 0 or not (need_dx or need_dw or need_db):
         return dx, dw, db
     config = _config(x)
+    dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
+    dx_scale = dx_row_scales(coef, w, weight, label_smoothing) if dx_scaled else None
     grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
     lce_tile_grad_kernel[grid](
         **_common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config),
         coef_ptr=coef,
-        dx_ptr=dx if dx is not None else x,
+        dx_ptr=(dx.view(torch.float16) if dx_scaled else dx) if dx is not None else x,
         dx_stride=dx.stride(0) if dx is not None else 0,
+        dx_scale_ptr=dx_scale if dx_scaled else coef,
         dw_ptr=dw if dw is not None else w,
         dw_stride=dw.stride(0) if dw is not None else 0,
         db_ptr=db if db is not None else coef,
@@ -172,8 +190,20 @@ def fused_tile_grads(
         NEED_DX=need_dx,
         NEED_DW=need_dw,
         NEED_DB=need_db,
+        DX_SCALED=dx_scaled,
         **config,
     )
+    if dx_scaled:
+        lce_dx_unscale_kernel[(n, triton.cdiv(h, UNSCALE_BLOCK_H))](
+            acc_ptr=dx.view(torch.float16),
+            dx_ptr=dx,
+            dx_stride=dx.stride(0),
+            rows_ptr=rows if rows is not None else coef,
+            dx_scale_ptr=dx_scale,
+            h=h,
+            HAS_ROWS=rows is not None,
+            BLOCK_H=UNSCALE_BLOCK_H,
+        )
     return dx, dw, db
 
 

@@ -193,6 +193,7 @@ def lce_tile_grad_kernel(
     coef_ptr,
     dx_ptr,
     dx_stride,
+    dx_scale_ptr,
     dw_ptr,
     dw_stride,
     db_ptr,
@@ -208,6 +209,7 @@ def lce_tile_grad_kernel(
     NEED_DX: tl.constexpr,
     NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr,
+    DX_SCALED: tl.constexpr,
     EVEN_H: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -217,7 +219,8 @@ def lce_tile_grad_kernel(
     GROUP_M: tl.constexpr,
 ):
     """G = (softmax * p_coef - onehot * t_coef - w * s_coef) * softcap' on one tile, from coef [4, n]
-    fp32 (lse, p_coef, t_coef, s_coef per work row), then the atomic updates of dX, dW, db."""
+    fp32 (lse, p_coef, t_coef, s_coef per work row), then the atomic updates of dX, dW, db.
+    DX_SCALED: dx_ptr is an fp16 accumulator; row i's contributions are multiplied by dx_scale[i]."""
     pid = tl.program_id(0)
     n_rb = tl.cdiv(n, BLOCK_M)
     n_vt = tl.cdiv(v, BLOCK_V)
@@ -270,6 +273,8 @@ def lce_tile_grad_kernel(
     g_in = g.to(x_ptr.dtype.element_ty)
     offs = tl.arange(0, BLOCK_HG)
     if NEED_DX:
+        if DX_SCALED:
+            dx_scale = tl.load(dx_scale_ptr + i_safe, mask=i_mask, other=1.0)
         # dX[rows, hs] += G @ W[cols, hs]
         for h0 in range(0, h, BLOCK_HG):
             hs = h0 + offs
@@ -281,6 +286,8 @@ def lce_tile_grad_kernel(
                 part = tl.dot(g_in, w_tile, input_precision="ieee")
             else:
                 part = tl.dot(g_in, w_tile)
+            if DX_SCALED:
+                part *= dx_scale[:, None]
             tl.atomic_add(
                 dx_ptr + rows[:, None] * dx_stride + hs[None, :],
                 part.to(dx_ptr.dtype.element_ty),
@@ -304,3 +311,28 @@ def lce_tile_grad_kernel(
                 mask=c_mask[:, None] & h_mask[None, :],
                 sem="relaxed",
             )
+
+
+@triton.jit
+def lce_dx_unscale_kernel(
+    acc_ptr,
+    dx_ptr,
+    dx_stride,
+    rows_ptr,
+    dx_scale_ptr,
+    h,
+    HAS_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """dx[row] = acc[row] / dx_scale[i] in place: acc is the fp16 view of dx's own memory (every element
+    is read before it is overwritten, by the same program)."""
+    i = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+    else:
+        row = i
+    inv = 1.0 / tl.load(dx_scale_ptr + i)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = hs < h
+    acc = tl.load(acc_ptr + row * dx_stride + hs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + row * dx_stride + hs, (acc * inv).to(dx_ptr.dtype.element_ty), mask=mask)
