@@ -1,19 +1,11 @@
 """Triton kernel of rotary position embedding (Hugging Face's rotate_half convention). The math is in
 README.md.
 
-Two kernels, the same math (op.py picks one from the strides of q, k and their outputs):
+One program per (b, t) position: it loads that position's cos/sin row once, then rotates every head
+of q and then every head of k (one launch for both; GQA head counts may differ) in [BLOCK_H, BLOCK_R]
+tiles of the two halves of the rotary part, and copies the pass-through columns (partial rotary).
 
-- rope_fwd_kernel, "per_position": one program per (b, t) position: it loads that position's cos/sin
-  row once, then rotates every head of q and then every head of k (one launch for both; GQA head
-  counts may differ) in [BLOCK_H, BLOCK_R] tiles of the two halves of the rotary part, and copies the
-  pass-through columns (partial rotary). Best when the heads of a position are close in memory
-  ([B, T, H, D]).
-- rope_head_kernel, "per_head": one program per (head row, block of BLOCK_T positions): it rotates a
-  [BLOCK_T, D] tile of one head of q or of k (head rows below B * Hq are q's, the others k's: still one
-  launch for both), reading the cos/sin rows of its BLOCK_T positions. Best when the positions of a
-  head are close in memory (Hugging Face's [B, H, T, D]: the tile is one contiguous block).
-
-The backward is the same kernel (either one) with IS_BWD=True: the transpose of the rotation by theta is the
+The backward is the same kernel with IS_BWD=True: the transpose of the rotation by theta is the
 rotation by -theta, i.e. sin negated with its two halves swapped (the swap only matters when the two
 halves of sin differ; Hugging Face's cat(freqs, freqs) tables have equal halves).
 """
@@ -235,122 +227,3 @@ def rope_fwd_kernel(
             BLOCK_R,
             BLOCK_P,
         )
-
-
-@triton.jit
-def rope_head_kernel(
-    q_ptr,
-    q_stride_b,
-    q_stride_t,
-    q_stride_h,
-    k_ptr,
-    k_stride_b,
-    k_stride_t,
-    k_stride_h,
-    q_out_ptr,
-    q_out_stride_b,
-    q_out_stride_t,
-    q_out_stride_h,
-    k_out_ptr,
-    k_out_stride_b,
-    k_out_stride_t,
-    k_out_stride_h,
-    cos_ptr,
-    cos_stride_b,
-    cos_stride_t,
-    sin_ptr,
-    sin_stride_b,
-    sin_stride_t,
-    pos_ptr,
-    pos_stride_b,
-    pos_stride_t,
-    n_pos,
-    batch,
-    seq_len,
-    N_QH: tl.constexpr,
-    N_KH: tl.constexpr,
-    ROT_HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    IS_BWD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-):
-    """The arguments of rope_fwd_kernel (q/k and outputs indexed [b, t, h, d], d stride 1; cos/sin as
-    there), plus the batch size. A 1-D grid of B * (N_QH + N_KH) * cdiv(T, BLOCK_T) programs, the head
-    row varying fastest (the programs running together share their cos/sin rows in L2): head row r <
-    B * N_QH is head r % N_QH of q at batch r // N_QH, the others the heads of k. A program rotates
-    positions [t0, t0 + BLOCK_T) of its head. Needs N_QH >= 1 and N_KH >= 1 (op.py sees to it)."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_rows = batch * (N_QH + N_KH)
-    t_block = pid // n_rows
-    row = pid - t_block * n_rows
-    n_q_rows = batch * N_QH
-    # int64 everywhere below: b * stride_b, h * stride_h and t * stride_t may pass 2^31
-    if row < n_q_rows:
-        b = row // N_QH
-        h = row - b * N_QH
-        x_head = q_ptr + b * q_stride_b + h * q_stride_h
-        y_head = q_out_ptr + b * q_out_stride_b + h * q_out_stride_h
-        x_stride_t = tl.cast(q_stride_t, tl.int64)
-        y_stride_t = tl.cast(q_out_stride_t, tl.int64)
-    else:
-        b = (row - n_q_rows) // N_KH
-        h = (row - n_q_rows) - b * N_KH
-        x_head = k_ptr + b * k_stride_b + h * k_stride_h
-        y_head = k_out_ptr + b * k_out_stride_b + h * k_out_stride_h
-        x_stride_t = tl.cast(k_stride_t, tl.int64)
-        y_stride_t = tl.cast(k_out_stride_t, tl.int64)
-
-    ts = t_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] int64
-    t_mask = ts < seq_len
-    cols = tl.arange(0, BLOCK_R)
-    if BLOCK_R == ROT_HALF:
-        mask = tl.broadcast_to(t_mask[:, None], (BLOCK_T, BLOCK_R))
-    else:
-        mask = t_mask[:, None] & (cols < ROT_HALF)[None, :]
-
-    # cos/sin rows of the BLOCK_T positions: [BT, BR] per half
-    if HAS_POS:
-        p = tl.load(pos_ptr + b * pos_stride_b + ts * pos_stride_t, mask=t_mask, other=0).to(tl.int64)
-        in_range = (p >= 0) & (p < n_pos)
-        p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
-        c_ptrs = cos_ptr + p[:, None] * cos_stride_t + cols[None, :]
-        s_ptrs = sin_ptr + p[:, None] * sin_stride_t + cols[None, :]
-    else:
-        c_ptrs = cos_ptr + b * cos_stride_b + ts[:, None] * cos_stride_t + cols[None, :]
-        s_ptrs = sin_ptr + b * sin_stride_b + ts[:, None] * sin_stride_t + cols[None, :]
-    c1 = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptrs + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptrs + ROT_HALF, mask=mask, other=0.0).to(tl.float32)
-    if HAS_POS:
-        c1 = tl.where(in_range[:, None], c1, float("nan"))
-        c2 = tl.where(in_range[:, None], c2, float("nan"))
-        s1 = tl.where(in_range[:, None], s1, float("nan"))
-        s2 = tl.where(in_range[:, None], s2, float("nan"))
-    if IS_BWD:
-        # rotation by -theta: [g1, g2] * [c1, c2] + [-g2, g1] * [-s2, -s1]
-        s_tmp = s1
-        s1 = -s2
-        s2 = -s_tmp
-
-    # the tile of this head: BLOCK_T rows x_stride_t apart (contiguous for a contiguous [B, H, T, D])
-    x_ptrs = x_head + ts[:, None] * x_stride_t + cols[None, :]
-    y_ptrs = y_head + ts[:, None] * y_stride_t + cols[None, :]
-    x1 = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    x2 = tl.load(x_ptrs + ROT_HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    # [x1, x2] * [c1, c2] + [-x2, x1] * [s1, s2], each product rounded (as eager fp32 PyTorch)
-    y1 = x1 * c1 - x2 * s1
-    y2 = x2 * c2 + x1 * s2
-    tl.store(y_ptrs, y1.to(y_ptrs.dtype.element_ty), mask=mask)
-    tl.store(y_ptrs + ROT_HALF, y2.to(y_ptrs.dtype.element_ty), mask=mask)
-
-    if 2 * ROT_HALF < HEAD_DIM:  # partial rotary: columns [R, D) copied unchanged
-        pcols = tl.arange(0, BLOCK_P)
-        for p0 in range(2 * ROT_HALF, HEAD_DIM, BLOCK_P):
-            pc = p0 + pcols
-            pmask = t_mask[:, None] & (pc < HEAD_DIM)[None, :]
-            xp = tl.load(x_head + ts[:, None] * x_stride_t + pc[None, :], mask=pmask)
-            tl.store(y_head + ts[:, None] * y_stride_t + pc[None, :], xp, mask=pmask)

@@ -3,46 +3,23 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
 from .._common.dispatch import use_triton
-from .kernels import rope_fwd_kernel, rope_head_kernel
+from .kernels import rope_fwd_kernel
 from .reference import apply_rotary_reference, broadcast_tables, check_qk
 
-# Two launch paths (kernels.py), the same math, one launch for q and k either way:
-# - "per_position" (rope_fwd_kernel): one program per (b, t) position, all heads of q and k;
-# - "per_head" (rope_head_kernel): one program per (head of q or k, block of BLOCK_T positions), a
-#   [BLOCK_T, D] tile (contiguous in Hugging Face's [B, H, T, D] layout).
-# By default the launcher takes "per_head" when the heads are further apart than the positions (head
-# stride > position stride) in q, k and both outputs, i.e. a head-major [B, H, T, D] memory order, and
-# "per_position" otherwise (see _head_major). FORCE_PATH = "per_position" / "per_head" overrides that
-# choice (tests, benchmarks); it starts from the environment variable FUSELM_ROPE_PATH (read once, at
-# import; unset, empty or "auto": no override). q or k with zero heads always takes "per_position".
-PATHS = ("per_position", "per_head")
-FORCE_PATH: str | None = os.environ.get("FUSELM_ROPE_PATH", "").strip().lower() or None
-
-# Launch config of "per_position" (to tune on the GPU). A program rotates all heads of one (b, t)
-# position in tiles of [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R / 2) and
-# BLOCK_H the head count rounded up to a power of two, capped so that a tile holds at most MAX_TILE
-# elements (the heads are then walked in several tiles). Pass-through columns (partial rotary) go in
-# blocks of BLOCK_P_MAX.
+# Launch config (to tune on the GPU). A program rotates all heads of one (b, t) position in tiles of
+# [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R / 2) and BLOCK_H the head count
+# rounded up to a power of two, capped so that a tile holds at most MAX_TILE elements (the heads are
+# then walked in several tiles). Pass-through columns (partial rotary) go in blocks of BLOCK_P_MAX.
 MAX_TILE = 4096
 NUM_WARPS = 4
 NUM_WARPS_BIG_TILE = 8  # when the q tile holds more than BIG_TILE elements per half
 BIG_TILE = 2048
 BLOCK_P_MAX = 128
-
-# Launch config of "per_head" (to tune on the GPU): a program rotates BLOCK_T positions of one head,
-# BLOCK_T = max(1, HEAD_TILE // next_pow2(D)) (a [BLOCK_T, D] tile of about HEAD_TILE elements: 32
-# positions for D = 128), in two [BLOCK_T, BLOCK_R] halves; pass-through columns in [BLOCK_T, BLOCK_P]
-# blocks (BLOCK_P <= BLOCK_P_MAX). Knobs to try: HEAD_TILE 2048 to 8192, warps 4 or 8.
-HEAD_TILE = 4096
-HEAD_NUM_WARPS = 4
-HEAD_NUM_WARPS_BIG_TILE = 8  # when a tile holds more than HEAD_BIG_TILE elements
-HEAD_BIG_TILE = 4096
 
 
 def _heads_block(n_heads: int, block_r: int) -> int:
@@ -67,47 +44,6 @@ def _launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim):
         ("BLOCK_P", min(triton.next_power_of_2(max(n_pass, 1)), BLOCK_P_MAX)),
         ("num_warps", NUM_WARPS_BIG_TILE if block_hq * block_r > BIG_TILE else NUM_WARPS),
     )
-
-
-def head_launch_config(rotary_dim: int, head_dim: int) -> dict[str, int]:
-    """Block sizes and warps of rope_head_kernel for these dims."""
-    return dict(_head_launch_config(rotary_dim, head_dim))
-
-
-@functools.lru_cache(maxsize=64)
-def _head_launch_config(rotary_dim, head_dim):
-    block_r = triton.next_power_of_2(rotary_dim // 2)
-    block_t = max(1, HEAD_TILE // triton.next_power_of_2(head_dim))
-    n_pass = head_dim - rotary_dim
-    return (
-        ("BLOCK_T", block_t),
-        ("BLOCK_R", block_r),
-        ("BLOCK_P", min(triton.next_power_of_2(max(n_pass, 1)), BLOCK_P_MAX)),
-        ("num_warps", HEAD_NUM_WARPS_BIG_TILE if 2 * block_t * block_r > HEAD_BIG_TILE else HEAD_NUM_WARPS),
-    )
-
-
-def _head_major(*xs: torch.Tensor) -> bool:
-    """Do xs ([B, T, H, D] views) keep each head's positions closer together than a position's heads
-    (stride of h > stride of t)? A tensor with a single head has no head stride to compare and agrees
-    with either; T == 1 is one position, left to "per_position"."""
-    if xs[0].shape[1] <= 1:
-        return False
-    return all(x.shape[2] <= 1 or x.stride(2) > x.stride(1) for x in xs)
-
-
-def launch_path(q, k, q_out, k_out) -> str:
-    """The kernel _launch runs for these [B, T, H, D] tensors: "per_head" or "per_position"."""
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return "per_position"  # rope_head_kernel splits its rows by head counts >= 1
-    if FORCE_PATH is None or FORCE_PATH == "auto":
-        return "per_head" if _head_major(q, k, q_out, k_out) else "per_position"
-    if FORCE_PATH not in PATHS:
-        raise ValueError(
-            f"fuselm.ops.rope.op.FORCE_PATH (or FUSELM_ROPE_PATH) must be one of {PATHS}, 'auto' or None, "
-            f"got {FORCE_PATH!r}"
-        )
-    return FORCE_PATH
 
 
 def _alloc_out(x: torch.Tensor) -> torch.Tensor:
@@ -144,16 +80,7 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         n_pos = 0
         cos_strides, sin_strides = cos.stride()[:2], sin.stride()[:2]
         pos, pos_strides = cos, (0, 0)
-    if launch_path(q, k, q_out, k_out) == "per_head":
-        config = head_launch_config(rotary_dim, head_dim)
-        n_rows = batch * (n_q_heads + n_k_heads)
-        kernel = rope_head_kernel[(n_rows * triton.cdiv(seq_len, config["BLOCK_T"]),)]
-        extra = dict(batch=batch)
-    else:
-        config = launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim)
-        kernel = rope_fwd_kernel[(batch * seq_len,)]
-        extra = {}
-    kernel(
+    rope_fwd_kernel[(batch * seq_len,)](
         q_ptr=q,
         q_stride_b=q.stride(0),
         q_stride_t=q.stride(1),
@@ -180,7 +107,6 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         pos_stride_b=pos_strides[0],
         pos_stride_t=pos_strides[1],
         n_pos=n_pos,
-        **extra,
         seq_len=seq_len,
         N_QH=n_q_heads,
         N_KH=n_k_heads,
@@ -190,7 +116,7 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         IS_BWD=is_bwd,
         # no FMA contraction: fp32 results equal eager PyTorch's (and Hugging Face's) bit for bit
         enable_fp_fusion=False,
-        **config,
+        **launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim),
     )
 
 
