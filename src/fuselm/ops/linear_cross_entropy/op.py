@@ -3,6 +3,7 @@
 Token-chunked plan: per chunk of C rows, cuBLAS writes the logits into one reused [C, V] buffer,
 the cross-entropy Triton kernel turns them in place into the chunk's gradient G, and cuBLAS
 accumulates dX = G W, dW += G^T X (db += sum of G's rows). No [N, V] tensor ever exists.
+memory="min" selects the fused tile plan (fused.py, kernels.py): no [C, V] buffer at all.
 The math and the costs are in README.md.
 """
 
@@ -594,9 +595,10 @@ def linear_cross_entropy(
 
             - ``"auto"`` (default): ``min(256 MiB, a quarter of the free device memory)``.
             - an int: that many bytes.
-            - ``"min"``: 8 MiB. A fully fused O(N) plan (logit tiles kept on chip, backward recomputing
-              them, no ``[C, V]`` buffer) is planned for ``"min"``; until it exists, ``"min"`` is the
-              chunked plan at an 8 MiB budget, which is slow because its GEMMs get thin.
+            - ``"min"``: the fused tile plan, O(N) extra memory: Triton kernels compute logit tiles on
+              chip (lse first, then every tile again for the gradient, 8NHV FLOPs) and add dX, dW into
+              the gradients with atomics (dX of 16-bit inputs accumulated in fp16 with per-row scales;
+              see README.md). On the CPU reference path: chunks of an 8 MiB budget.
 
             The chunk has ``C = budget // (V * itemsize)`` rows (at least 16, a multiple of 16, at most
             N). Its buffer is the only tensor of V columns, in the input dtype; with gathered ignored
