@@ -25,14 +25,14 @@ BWD_TILE = 4096
 MAX_BLOCK_ROWS = 64
 # warps per program: tile elements / *_ELEMS_PER_WARP (512: 16 per thread), clamped to [MIN_WARPS, MAX_WARPS]
 FWD_ELEMS_PER_WARP = 512
-BWD_ELEMS_PER_WARP = 1024
+BWD_ELEMS_PER_WARP = 512
 MIN_WARPS, MAX_WARPS = 4, 32
 # Forward grid: 0 = one program per row block; k > 0 = persistent, k programs per multiprocessor.
 FWD_PROGRAMS_PER_SM = 0
 # Backward grid (persistent; the dweight partial buffer is [programs, H] fp32): 0 = as many programs
 # as are resident at once (occupancy from the compiled kernel's registers), at most
 # BWD_MAX_PROGRAMS_PER_SM per multiprocessor; k > 0 = exactly k per multiprocessor.
-BWD_PROGRAMS_PER_SM = 2
+BWD_PROGRAMS_PER_SM = 0
 BWD_MAX_PROGRAMS_PER_SM = 8
 BWD_FALLBACK_PROGRAMS_PER_SM = 2  # when the occupancy cannot be read
 # Backward, one row per program iteration (BLOCK_ROWS == 1) in 16-bit dtypes: load the next row
