@@ -561,6 +561,28 @@ def test_gpu_realistic_shape(dtype, plan):
 
 
 @gpu
+@pytest.mark.parametrize("plan", ["chunked", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_gpu_peaked_inputs(dtype, plan):
+    """Trained-model-like softmaxes (the benchmark's peaked inputs: target probability ~0.9, a few
+    runner-ups, a long tail), every option on, under the numerics rule."""
+    from fuselm.bench.linear_cross_entropy import ignore_targets, mean_target_prob, peaked_hidden
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, h, v = 2048, 512, 32003
+    w = torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    x = peaked_hidden(w, t)
+    assert mean_target_prob(x, w, t) > 0.8
+    ignore_targets(t, 7)
+    b = torch.randn(v, device="cuda", generator=g) * 0.1
+    cw = torch.rand(v, device="cuda", generator=g) + 0.5
+    inputs = tuple(a.to(dtype) for a in (x, w, b)) + (t, cw.to(dtype))
+    memory = 64 * 2**20 if plan == "chunked" else "min"
+    _compare(dtype, inputs, label_smoothing=0.1, z_loss=1e-4, softcap=30.0, memory=memory)
+
+
+@gpu
 @pytest.mark.parametrize("memory, limit_mib", [("auto", 256), ("min", 8)])
 def test_gpu_extra_memory(memory, limit_mib):
     """Extra memory beyond the inputs and the returned gradients (Llama-3 shapes, bf16): at most 256 MiB
