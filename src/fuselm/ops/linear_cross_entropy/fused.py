@@ -14,6 +14,7 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode
+from .._common.launch import persistent_grid
 from .kernels import lce_dx_unscale_kernel, lce_stats_kernel, lce_tile_grad_kernel
 
 # Tile configs (tuned on the H200, see benchmarks/NOTES.md). fp32 inputs take half the H block (the
@@ -71,8 +72,8 @@ def fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap):
     config = _config(x)
     n_rb = triton.cdiv(n, config["BLOCK_M"])
     n_vt = triton.cdiv(v, config["BLOCK_V"])
-    sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
-    splits = max(1, min(n_vt, triton.cdiv(STATS_WAVES * sms, n_rb)))
+    # STATS_WAVES programs per SM in all (every tile its own program when there are fewer tiles)
+    splits = triton.cdiv(persistent_grid(n_rb * n_vt, x.device, STATS_WAVES), n_rb)
     tiles_per_split = triton.cdiv(n_vt, splits)
     splits = triton.cdiv(n_vt, tiles_per_split)
     part = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
