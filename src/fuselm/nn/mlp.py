@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.swiglu import geglu, swiglu, swiglu_linear
+from ..ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
 
 # Hugging Face `hidden_act` names (and fuselm's own) -> the activation of ops/swiglu.
 ACTIVATIONS = {
@@ -21,6 +21,36 @@ ACTIVATIONS = {
 def _is_plain_linear(m: nn.Module) -> bool:
     """An nn.Linear whose forward nobody intercepts: its matmul may be fused with the activation."""
     return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def gated_mlp(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, activation: str
+) -> torch.Tensor:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation fused and, when ``down_proj`` is
+    a plain ``nn.Linear``, the product recomputed in backward instead of saved (``swiglu_linear``).
+
+    ``activation`` is a key of ``ACTIVATIONS`` (a Hugging Face ``hidden_act`` name). Shared by
+    :class:`SwiGLUMLP` and the Hugging Face patches (``fuselm.hf``).
+    """
+    gate, up = gate_proj(x), up_proj(x)
+    act = ACTIVATIONS[activation]
+    if _is_plain_linear(down_proj):
+        return swiglu_linear(gate, up, down_proj.weight, down_proj.bias, activation=act)
+    return down_proj(gated(gate, up, act))
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` for an activation of ops/swiglu (``"silu"``, ``"gelu_tanh"``, ``"gelu"``)."""
+    if act == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def gated_packed(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate_up[..., :I]) * gate_up[..., I:]`` (a fused ``gate_up_proj``'s output, Phi-3's layout)."""
+    if act == "silu":
+        return swiglu_packed(gate_up)
+    return geglu_packed(gate_up, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 class SwiGLUMLP(nn.Module):
@@ -85,14 +115,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        act = ACTIVATIONS[self.activation]
-        down = self.down_proj
-        if _is_plain_linear(down):
-            return swiglu_linear(gate, up, down.weight, down.bias, activation=act)
-        if act == "silu":
-            return down(swiglu(gate, up))
-        return down(geglu(gate, up, approximate="tanh" if act == "gelu_tanh" else "none"))
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.activation)
 
     def extra_repr(self) -> str:
         return (

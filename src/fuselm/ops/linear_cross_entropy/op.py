@@ -492,7 +492,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             out = loss.new_zeros(n).index_copy_(0, rows, loss)  # ignored rows: loss 0
         else:
             out = loss
-        return out.to(x.dtype), lse
+        return out, lse  # fp32; the caller casts to loss_dtype
 
     @staticmethod
     def backward(ctx, dloss, dlse):
@@ -559,6 +559,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     memory: str | int = "auto",
+    loss_dtype: torch.dtype | None = None,
 ):
     """Cross-entropy of a linear layer's output, ``cross_entropy(input @ linear_weight.T + linear_bias,
     target, ...)``, without ever materializing the ``[N, V]`` logits.
@@ -603,6 +604,12 @@ def linear_cross_entropy(
             The chunk has ``C = budget // (V * itemsize)`` rows (at least 16, a multiple of 16, at most
             N). Its buffer is the only tensor of V columns, in the input dtype; with gathered ignored
             rows (below) two ``[C, H]`` temporaries come with it.
+        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch); the loss is
+            accumulated in fp32 (fp64 for fp64 input), so ``torch.float32`` returns it unrounded, as
+            Hugging Face's loss (computed on ``logits.float()``) is.
+
+    Autocast: under ``torch.autocast``, ``input``, ``linear_weight`` and ``linear_bias`` are cast to the
+    autocast dtype first, as ``F.linear`` would (the gradients flow back to their own dtypes).
 
     Plans: for ``"mean"``/``"sum"`` without ``return_lse``, the gradients are computed in the forward
     (the backward only multiplies them by the upstream gradient, skipped when it is 1); on the Triton
@@ -637,6 +644,13 @@ def linear_cross_entropy(
     """
     check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
     device = input.device
+    if torch.is_autocast_enabled(device.type) and input.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device.type)
+        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
+        linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
+    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
+        raise ValueError(f"loss_dtype must be a floating torch.dtype or None, got {loss_dtype!r}")
+    loss_dtype = loss_dtype or input.dtype
     check_tensor("linear_weight", linear_weight, ndim=2, device=device)
     if linear_weight.dtype != input.dtype:
         raise ValueError(
@@ -689,6 +703,7 @@ def linear_cross_entropy(
             softcap=softcap,
             return_lse=return_lse,
             chunk_rows=chunk_rows_for(budget, v, h, compute_itemsize),
+            loss_dtype=loss_dtype,
         )
 
     x2 = rows_view(input)
@@ -720,6 +735,7 @@ def linear_cross_entropy(
         return_lse,
         needs,
     )
+    loss = loss.to(loss_dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if return_lse:

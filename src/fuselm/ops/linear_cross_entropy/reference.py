@@ -107,7 +107,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             out = loss.sum() * scale
         else:
             out = loss
-        return out.to(x.dtype), lse
+        return out, lse  # compute dtype; the caller casts to loss_dtype
 
     @staticmethod
     def backward(ctx, dloss, dlse):
@@ -167,15 +167,17 @@ def linear_cross_entropy_reference(
     softcap: float | None = None,
     return_lse: bool = False,
     chunk_rows: int | None = None,
+    loss_dtype: torch.dtype | None = None,
 ):
     """cross_entropy(input @ linear_weight.T + linear_bias, target, ...) in chunks of tokens, in PyTorch.
 
     input [..., H], linear_weight [V, H], linear_bias [V] or None, target input.shape[:-1] (int).
-    Math in fp32 (fp64 for fp64 input); loss in the input dtype, lse in fp32 (fp64); gradients in the
-    dtypes of input, linear_weight, linear_bias. Arguments as in ``fuselm.linear_cross_entropy``;
-    ``chunk_rows`` tokens per chunk (default: a chunk's fp32 logits take at most 256 MiB). Memory: a few
-    [chunk_rows, V] tensors in the compute dtype (logits, autograd's softmax and gradient) plus compute-dtype
-    copies of linear_weight and the gradient accumulators, O(VH); never O(NV).
+    Math in fp32 (fp64 for fp64 input); loss in ``loss_dtype`` (default: the input dtype), lse in
+    fp32 (fp64); gradients in the dtypes of input, linear_weight, linear_bias. Arguments as in
+    ``fuselm.linear_cross_entropy``; ``chunk_rows`` tokens per chunk (default: a chunk's fp32 logits
+    take at most 256 MiB). Memory: a few [chunk_rows, V] tensors in the compute dtype (logits,
+    autograd's softmax and gradient) plus compute-dtype copies of linear_weight and the gradient
+    accumulators, O(VH); never O(NV).
     A target outside [0, V) that is not ignore_index raises ValueError.
 
     Example:
@@ -205,6 +207,7 @@ def linear_cross_entropy_reference(
         softcap,
         return_lse,
     )
+    loss = loss.to(loss_dtype or input.dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if return_lse:

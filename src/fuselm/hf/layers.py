@@ -1,0 +1,194 @@
+"""The forwards fuselm puts in place of Hugging Face's: RMSNorm, gated MLP, rotary function, CausalLM.
+
+Each factory takes a :class:`~fuselm.hf.registry.FamilySpec` (and, for what can fall back, the
+original) and returns a plain function with the original's signature, usable as a class attribute
+(class patching) or bound to one instance (instance patching). Factories are cached so one family
+always gets the same function object: patching twice is idempotent and unpatching can check identity.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed
+from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.rms_norm import rms_norm
+from ..ops.rope import apply_rotary
+from .registry import NORM_STYLES, FamilySpec
+
+# Keyword arguments HF routes to its loss function; the base model never needs them.
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+@functools.cache
+def rms_norm_forward(spec: FamilySpec) -> Callable:
+    """``forward(self, hidden_states)`` of the family's RMSNorm through :func:`fuselm.rms_norm`."""
+    style = NORM_STYLES[spec.norm_style]
+    eps_attr, offset, casting = style["eps_attr"], style["offset"], style["casting"]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset=offset, casting=casting)
+
+    forward.__qualname__ = f"fuselm_{spec.rms_norm}.forward"
+    return forward
+
+
+@functools.cache
+def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
+    """``forward(self, x)`` of the family's gated MLP with the fused activation (and, for split
+    gate/up projections, the down projection's input recomputed in backward). An activation fuselm has
+    no kernel for (``config.<act_attr>`` not in ``fuselm.nn.mlp.ACTIVATIONS``) runs the original."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACTIVATIONS.get(getattr(self.config, spec.act_attr, None))
+        if act is None:
+            return original(self, x)
+        if spec.packed_mlp:
+            return self.down_proj(gated_packed(self.gate_up_proj(x), act))
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, getattr(self.config, spec.act_attr))
+
+    forward.__qualname__ = f"fuselm_{spec.mlp}.forward"
+    return forward
+
+
+@functools.cache
+def rope_function(spec: FamilySpec, original: Callable) -> Callable:
+    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` through :func:`fuselm.apply_rotary`
+    (both layouts HF uses: ``unsqueeze_dim=1`` is ``[B, heads, T, D]``, ``2`` is ``[B, T, heads, D]``);
+    any other call (extra arguments, another ``unsqueeze_dim``) runs the original."""
+    layouts = {1: "bhtd", 2: "bthd"}
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        if args or kwargs or unsqueeze_dim not in layouts or cos.dim() != 3:
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        return apply_rotary(q, k, cos, sin, layout=layouts[unsqueeze_dim])
+
+    apply_rotary_pos_emb.__module__ = __name__
+    apply_rotary_pos_emb.__qualname__ = f"fuselm_{spec.model_type}_apply_rotary_pos_emb"
+    return apply_rotary_pos_emb
+
+
+def fusable_head(lm_head: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward nobody intercepts (no adapter, no hooks): its matmul may be fused
+    with the loss."""
+    return type(lm_head) is nn.Linear and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor | None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` computed from hidden states, never building the logits.
+
+    Token ``t`` predicts ``labels[..., t + 1]`` (the last position predicts nothing); or, with
+    ``shift_labels`` (already shifted, as HF's sequence-parallel path passes them), token ``t`` predicts
+    ``shift_labels[..., t]``. With ``num_items_in_batch`` the loss is the sum over predicted tokens
+    divided by it (HF's gradient-accumulation-correct normalization); otherwise the mean. ``softcap``:
+    Gemma 2/3's final logit softcapping. The loss is fp32, as HF's (computed on ``logits.float()``).
+
+    Shapes: hidden_states ``[B, T, H]``, labels ``[B, T]`` (int, ``ignore_index`` for no target);
+    returns a scalar.
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if target.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"labels must give one target per token: {hidden.shape[0]} tokens, {target.shape[0]} targets"
+        )
+    loss = linear_cross_entropy(
+        hidden,
+        lm_head.weight,
+        target,
+        linear_bias=lm_head.bias,
+        ignore_index=ignore_index,
+        reduction="mean" if num_items_in_batch is None else "sum",
+        softcap=softcap,
+        loss_dtype=torch.float32,
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+@functools.cache
+def causal_lm_forward(spec: FamilySpec, original: Callable) -> Callable:
+    """The family's ``*ForCausalLM.forward``: with labels (or ``shift_labels``), the loss comes from the
+    last hidden states through :func:`causal_lm_loss` and ``logits`` is None (no ``[B, T, V]`` tensor is
+    made); without labels, or when the lm_head is not a plain ``nn.Linear`` (an adapter wraps it), or
+    with ``logits_to_keep`` set, the original forward runs unchanged."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @functools.wraps(original)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        wants_loss = labels is not None or kwargs.get("shift_labels") is not None
+        if not wants_loss or not fusable_head(self.lm_head) or not _keeps_all(logits_to_keep):
+            return original(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        softcap = getattr(self.config, spec.softcap_attr) if spec.softcap_attr else None
+        loss = causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **loss_kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+    forward.__qualname__ = f"fuselm_{spec.causal_lm}.forward"
+    return forward
+
+
+def _keeps_all(logits_to_keep) -> bool:
+    """HF's ``logits_to_keep`` default (0 = every position)."""
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0

@@ -1,0 +1,281 @@
+"""fuselm.hf.patch / unpatch: what is swapped, what is restored, and that the patched models compute
+HF's outputs (loss, logits, gradients) under the numerics rule (CPU fp32; float64 reference)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import types
+
+import pytest
+import torch
+from hf_models import MODEL_TYPES, build, clone, tiny_config
+
+import fuselm.hf
+from fuselm.hf.registry import FAMILIES, family
+from fuselm.ops._common.testing import assert_numerics
+
+transformers = pytest.importorskip("transformers")
+
+
+def _modeling(model_type):
+    return importlib.import_module(family(model_type).module)
+
+
+def _snapshot(model_type):
+    """Everything patching may touch: the classes' own attribute dicts and the module's globals."""
+    spec, module = family(model_type), _modeling(model_type)
+    classes = {name: dict(vars(getattr(module, name))) for name in (spec.rms_norm, spec.mlp, spec.causal_lm)}
+    return classes, dict(vars(module))
+
+
+def _same(a, b):
+    (ca, ma), (cb, mb) = a, b
+    assert ca.keys() == cb.keys() and ma.keys() == mb.keys()
+    for name in ca:
+        assert ca[name].keys() == cb[name].keys(), name
+        for attr in ca[name]:
+            assert ca[name][attr] is cb[name][attr], f"{name}.{attr} changed"
+    for attr in ma:
+        assert ma[attr] is mb[attr], f"module global {attr} changed"
+
+
+def _batch(vocab=300, b=2, t=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, t), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt
+    return ids, labels
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_patches():
+    yield
+    for model_type in FAMILIES:
+        fuselm.hf.unpatch(model_type)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("by", ["model_type", "class"])
+def test_class_patch_round_trip(model_type, by):
+    spec, module = family(model_type), _modeling(model_type)
+    target = model_type if by == "model_type" else getattr(module, spec.causal_lm)
+    before = _snapshot(model_type)
+    fuselm.hf.patch(target)
+    assert fuselm.hf.is_patched(target)
+    for name in (spec.rms_norm, spec.mlp, spec.causal_lm):
+        assert getattr(module, name).forward is not before[0][name]["forward"]
+    assert getattr(module, spec.rope) is not before[1][spec.rope]
+    fuselm.hf.patch(target)  # idempotent
+    fuselm.hf.unpatch(target)
+    _same(before, _snapshot(model_type))
+    assert not fuselm.hf.is_patched(target)
+
+
+def test_class_patch_reaches_models_built_before_and_after():
+    early = build("llama")
+    fuselm.hf.patch("llama")
+    late = build("llama")
+    for model in (early, late):
+        assert model.model.norm.forward.__func__.__qualname__ == "fuselm_LlamaRMSNorm.forward"
+        assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_instance_patch_touches_only_that_model(model_type):
+    spec, module = family(model_type), _modeling(model_type)
+    model, other = build(model_type), build(model_type)
+    before = _snapshot(model_type)  # after building: HF caches a few values on its classes then
+    assert fuselm.hf.patch(model) is model
+    assert fuselm.hf.is_patched(model) and not fuselm.hf.is_patched(other)
+    patched = [m for m in model.modules() if "forward" in vars(m)]
+    kinds = {type(m).__name__ for m in patched}
+    assert kinds == {spec.rms_norm, spec.mlp, spec.causal_lm}
+    assert not any("forward" in vars(m) for m in other.modules())
+    assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
+    fuselm.hf.unpatch(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert not fuselm.hf.is_patched(model)
+    _same(before, _snapshot(model_type))
+
+
+def test_rope_stays_patched_while_any_patched_model_needs_it():
+    module = _modeling("llama")
+    original = module.apply_rotary_pos_emb
+    a, b = build("llama"), build("llama")
+    fuselm.hf.patch(a)
+    fuselm.hf.patch(b)
+    fuselm.hf.unpatch(a)
+    assert module.apply_rotary_pos_emb is not original
+    fuselm.hf.patch("llama")
+    fuselm.hf.unpatch(b)
+    assert module.apply_rotary_pos_emb is not original  # the class patch still needs it
+    fuselm.hf.unpatch("llama")
+    assert module.apply_rotary_pos_emb is original
+
+
+def test_component_flags():
+    model = build("llama")
+    fuselm.hf.patch(model, rms_norm=False, rope=False, swiglu=True, linear_cross_entropy=False)
+    kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
+    assert kinds == {"LlamaMLP"}
+    assert not _modeling("llama").apply_rotary_pos_emb.__qualname__.startswith("fuselm_")
+
+
+def test_bad_targets_and_flags():
+    with pytest.raises(ValueError, match="no spec for model_type 'bert'"):
+        fuselm.hf.patch("bert")
+    with pytest.raises(ValueError, match="no module of a family"):
+        fuselm.hf.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="is not a class of a family"):
+        fuselm.hf.patch(transformers.BertModel)
+    with pytest.raises(TypeError, match="target must be"):
+        fuselm.hf.patch(3)
+    with pytest.raises(ValueError, match="pick one"):
+        fuselm.hf.patch("llama", cross_entropy=True)
+    with pytest.raises(NotImplementedError, match="cross_entropy=True"):
+        fuselm.hf.patch("llama", cross_entropy=True, linear_cross_entropy=False)
+    assert "gemma3_text" in fuselm.hf.supported_model_types()
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, ids, labels=None, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, **kw)
+    if labels is not None:
+        out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_patched_loss_and_gradients_follow_the_numerics_rule(model_type):
+    ids, labels = _batch()
+    eager = build(model_type)
+    ref = clone(eager, torch.float64)
+    ours = fuselm.hf.patch(clone(eager))
+    out_ref, out_eager, out_ours = (_run(m, ids, labels) for m in (ref, eager, ours))
+    assert out_ours.logits is None and out_eager.logits is not None
+    assert out_ours.loss.dtype == torch.float32
+    assert_numerics("loss", out_ours.loss, out_eager.loss, out_ref.loss, torch.float32)
+    g_ref, g_eager, g_ours = _grads(ref), _grads(eager), _grads(ours)
+    assert g_ours.keys() == g_eager.keys()
+    for name in g_eager:
+        assert_numerics(f"grad {name}", g_ours[name], g_eager[name], g_ref[name], torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma2"])
+def test_without_labels_logits_are_returned(model_type):
+    ids, _ = _batch()
+    eager = build(model_type)
+    ref = clone(eager, torch.float64)
+    ours = fuselm.hf.patch(clone(eager))
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (ref, eager, ours)]
+        last = ours(input_ids=ids, logits_to_keep=1).logits
+    assert_numerics("logits", logits[2], logits[1], logits[0], torch.float32)
+    assert last.shape == (ids.shape[0], 1, ours.config.vocab_size)
+
+
+def test_num_items_in_batch_and_shift_labels_as_hf():
+    ids, labels = _batch()
+    eager = build("llama")
+    ref = clone(eager, torch.float64)
+    ours = fuselm.hf.patch(clone(eager))
+    n_items = torch.tensor(57)  # e.g. the count over all micro-batches of a gradient accumulation step
+    loss = [m(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss for m in (ref, eager, ours)]
+    assert_numerics("loss / num_items_in_batch", loss[2], loss[1], loss[0], torch.float32)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    by_shift = ours(input_ids=ids, shift_labels=shifted).loss
+    by_labels = ours(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(by_shift, by_labels, rtol=0, atol=0)
+
+
+def test_return_dict_false_gives_a_tuple():
+    ids, labels = _batch()
+    model = fuselm.hf.patch(build("llama"))
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple) and out[0].dim() == 0
+
+
+def test_wrong_label_shape_is_named():
+    ids, _ = _batch()
+    model = fuselm.hf.patch(build("llama"))
+    with pytest.raises(ValueError, match="one target per token"):
+        model(input_ids=ids, shift_labels=torch.zeros(ids.shape[0], 3, dtype=torch.long))
+
+
+def test_peft_wrapped_model():
+    peft = pytest.importorskip("peft")
+    ids, labels = _batch()
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0
+    )
+    eager = peft.get_peft_model(build("llama"), lora)
+    for name, p in eager.named_parameters():  # LoRA B starts at zero: make the adapters matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    ref = copy.deepcopy(eager).double()
+    ours = fuselm.hf.patch(copy.deepcopy(eager))
+    outs = [_run(m, ids, labels) for m in (ref, eager, ours)]
+    assert outs[2].logits is None
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
+    grads = [_grads(m) for m in (ref, eager, ours)]
+    assert grads[2].keys() == grads[1].keys() and any("lora_B" in n for n in grads[2])
+    for name in grads[1]:
+        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)
+
+
+def test_adapter_on_lm_head_falls_back_to_hf():
+    peft = pytest.importorskip("peft")
+    ids, labels = _batch()
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    fuselm.hf.patch(model)
+    assert model(input_ids=ids, labels=labels).logits is not None  # lm_head is no plain Linear
+
+
+def test_trainer_with_gradient_accumulation_matches_hf(tmp_path):
+    pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(8):  # rows of different lengths of real targets: num_items_in_batch matters
+        ids = torch.randint(3, 300, (20,), generator=g)
+        labels = ids.clone()
+        labels[: 2 + 2 * i] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+
+    def train(model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(id(model))),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+    eager = build("llama")
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager))
+    losses = [train(m) for m in (ref, eager, ours)]
+    assert losses[1].shape == (2,)
+    assert_numerics("logged losses", losses[2], losses[1], losses[0], torch.float32)
+    params = [dict(m.named_parameters()) for m in (ref, eager, ours)]
+    for name in params[1]:
+        assert_numerics(f"trained {name}", params[2][name], params[1][name], params[0][name], torch.float32)
+
+
+def test_config_helper_is_what_it_says():
+    config = tiny_config("phi3")
+    assert config.partial_rotary_factor == 0.5
+    assert isinstance(fuselm.hf.patch, types.FunctionType)
