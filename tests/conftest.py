@@ -18,6 +18,10 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per xdist worker: N workers x N threads oversubscribe the cores, and small CPU
+    # matmuls then run orders of magnitude slower (seen on the 2-core CI machine).
+    torch.set_num_threads(1)
 # Set before triton is imported (it is read at import time), i.e. in the environment of pytest itself.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # True when fuselm's Triton kernels are exercised by tests on kernel_device().

@@ -6,9 +6,13 @@ Usage::
     fuselm bench cross_entropy         # run one suite with its default shapes and providers
     fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
     fuselm bench all                   # every suite, default shapes
+    fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
+    fuselm demo                        # train a small Llama twice: HF eager vs fuselm.hf.patch
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
 CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``.../cpu``.
+``fuselm demo`` writes ``fuselm_demo.png`` and ``fuselm_demo.json`` to ``--out`` (default: the current
+folder).
 """
 
 from __future__ import annotations
@@ -102,32 +106,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: cuda when available (default)",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--steps", type=int, help="e2e only: timed training steps per run (default 10; CPU 3)")
+    bench.add_argument("--warmup", type=int, help="e2e only: warmup steps before timing (default 3; CPU 2)")
+    _add_demo_parser(sub)
     return parser
 
 
 def _list_suites() -> None:
-    from .bench.registry import SUITES
+    from .bench.registry import SUITES, TRAINING_SUITES
 
     print("benchmark suites (fuselm bench <suite>):")
-    width = max(len(n) for n in SUITES)
+    width = max(len(n) for n in [*SUITES, *TRAINING_SUITES])
     for name, (_, desc) in SUITES.items():
         print(f"  {name:<{width}}  {desc}")
     print(f"  {'all':<{width}}  every suite above")
+    for name, (_, desc) in TRAINING_SUITES.items():
+        print(f"  {name:<{width}}  {desc}; not part of 'all'")
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from .bench.harness import MODES, measure_ceilings, run_suite
-    from .bench.registry import get_suite, suite_names
+    from .bench.registry import TRAINING_SUITES, get_suite, get_training_runner, suite_names
     from .bench.report import collect_metadata, gpu_slug, markdown, markdown_table, write_report
 
     if args.suite is None:
         _list_suites()
         return 0
+    if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
+        return get_training_runner(args.suite)(args, argv)
     names = suite_names() if args.suite == "all" else [args.suite]
     if args.suite != "all" and args.suite not in suite_names():
-        raise UsageError(f"unknown suite {args.suite!r}; known: {', '.join(suite_names())}, all")
+        known = ", ".join([*suite_names(), "all", *TRAINING_SUITES])
+        raise UsageError(f"unknown suite {args.suite!r}; known: {known}")
     if args.suite == "all" and args.shapes:
         raise UsageError("--shapes needs a single suite")
     if args.dtype.lower() not in DTYPES:
@@ -193,6 +205,67 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return status
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_demo_parser(sub) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train a small Llama twice from the same init: HF eager, then fuselm.hf.patch",
+        description=(
+            "Train a Llama-shaped model (CUDA: the Llama-3.2-1B shape in bf16; CPU: a tiny one in fp32) on a "
+            "corpus shipped with fuselm (bytes as tokens, nothing downloaded), first with Hugging Face "
+            "transformers as it is, then patched with fuselm.hf.patch, from the same weights on the same "
+            "batches. Prints the loss agreement, peak memory, saved activations and tokens/s, and writes "
+            'fuselm_demo.png and fuselm_demo.json. Needs transformers (pip install "fuselm[demo]").'
+        ),
+    )
+    demo.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: cuda when available (default)",
+    )
+    demo.add_argument("--steps", type=_positive_int, help="steps per run (default: CUDA 30, CPU 100)")
+    demo.add_argument("--batch", type=_positive_int, help="sequences per step (default: CUDA 2, CPU 4)")
+    demo.add_argument("--seq", type=_positive_int, help="tokens per sequence (default: CUDA 2048, CPU 128)")
+    demo.add_argument("--out", default=".", help="folder for fuselm_demo.png/.json (default: current folder)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .demo.train import INSTALL_HINT, default_settings, format_table, load_corpus, run_demo
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device available")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    settings = default_settings("cuda" if cuda else "cpu", steps=args.steps, batch=args.batch, seq=args.seq)
+    corpus_len = len(load_corpus())
+    if settings.seq > corpus_len:
+        raise UsageError(f"--seq {settings.seq}: at most the corpus length, {corpus_len} tokens")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"fuselm demo: error: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    if not cuda:
+        print("No CUDA device in use: a tiny model (fp32, 256-token vocabulary) trains on the CPU.")
+    result = run_demo(settings, args.out, progress=not args.no_progress)
+    print()
+    print(format_table(result))
+    print("wrote " + ", ".join(result.paths.values()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fuselm``; returns the exit code (0 ok, 1 nothing measured, 2 usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -205,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command == "demo":
+            return _demo(args)
         return _bench(args, argv)
     except UsageError as e:
         print(f"fuselm {args.command}: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ HF's outputs (loss, logits, gradients) under the numerics rule (CPU fp32; float6
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import types
 
@@ -53,6 +54,8 @@ def _no_leftover_patches():
     yield
     for model_type in FAMILIES:
         fuselm.hf.unpatch(model_type)
+    gc.collect()  # instance-patched models of the test: their finalizers give the rotary function back
+    assert not any(fuselm.hf.is_patched(model_type) for model_type in FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -87,7 +90,7 @@ def test_instance_patch_touches_only_that_model(model_type):
     model, other = build(model_type), build(model_type)
     before = _snapshot(model_type)  # after building: HF caches a few values on its classes then
     assert fuselm.hf.patch(model) is model
-    assert fuselm.hf.is_patched(model) and not fuselm.hf.is_patched(other)
+    assert fuselm.hf.is_patched(model)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
     assert kinds == {spec.rms_norm, spec.mlp, spec.causal_lm}
@@ -97,6 +100,17 @@ def test_instance_patch_touches_only_that_model(model_type):
     assert not any("forward" in vars(m) for m in model.modules())
     assert not fuselm.hf.is_patched(model)
     _same(before, _snapshot(model_type))
+
+
+def test_a_dropped_patched_model_gives_rope_back():
+    module = _modeling("llama")
+    original = module.apply_rotary_pos_emb
+    model = fuselm.hf.patch(build("llama"))
+    other = build("llama")
+    assert fuselm.hf.is_patched(other)  # it runs fuselm's rotary function now (module-level in HF)
+    del model
+    gc.collect()
+    assert module.apply_rotary_pos_emb is original and not fuselm.hf.is_patched(other)
 
 
 def test_rope_stays_patched_while_any_patched_model_needs_it():

@@ -2,11 +2,17 @@
 
 Suites are imported lazily (listing them imports nothing heavy). To add one, write
 ``fuselm/bench/<name>.py`` defining ``SUITE = Suite(...)`` (see ``harness``) and add a line here.
+
+``TRAINING_SUITES`` are benchmarks that do not fit the op-suite model (whole training runs, one process
+per case): their module defines ``run_cli(args, argv) -> int`` and ``fuselm bench <name>`` calls it.
+They are listed by ``fuselm bench`` but not run by ``fuselm bench all`` (they take minutes).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+from collections.abc import Callable
 
 from .harness import Suite
 
@@ -19,9 +25,13 @@ SUITES: dict[str, tuple[str, str]] = {
     "swiglu": ("fuselm.bench.swiglu", "SwiGLU silu(gate) * up on [N, I], forward + backward"),
 }
 
+TRAINING_SUITES: dict[str, tuple[str, str]] = {
+    "e2e": ("fuselm.bench.e2e", "Llama-3.2-1B-shaped training steps: HF vs HF+Liger vs HF+fuselm (minutes)"),
+}
+
 
 def suite_names() -> list[str]:
-    """Registered suite names, in registration order."""
+    """Registered op suite names, in registration order (what ``fuselm bench all`` runs)."""
     return list(SUITES)
 
 
@@ -34,3 +44,11 @@ def get_suite(name: str) -> Suite:
     if not isinstance(suite, Suite) or suite.name != name:
         raise TypeError(f"{SUITES[name][0]}.SUITE must be a Suite named {name!r}")
     return suite
+
+
+def get_training_runner(name: str) -> Callable[[argparse.Namespace, list[str]], int]:
+    """Import the training suite called ``name`` and return its ``run_cli(args, argv) -> int``."""
+    if name not in TRAINING_SUITES:
+        raise KeyError(f"unknown training benchmark {name!r}; known: {', '.join(TRAINING_SUITES)}")
+    module = importlib.import_module(TRAINING_SUITES[name][0])
+    return module.run_cli

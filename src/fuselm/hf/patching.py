@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import types
+import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -30,7 +31,8 @@ MISSING = object()  # a class attribute that was not in the class's own __dict__
 
 # Class patches in force: (family, component) -> [(owner, name, previous value or MISSING)].
 _class_patches: dict[tuple[str, str], list[tuple[object, str, object]]] = {}
-# Who needs a family's rotary function replaced: "class" and/or id() of instance-patched models.
+# Who needs a family's rotary function replaced: "class" and/or one token per instance-patched model
+# (released by unpatch, or by a finalizer when the model is garbage-collected unpatched).
 _rope_users: dict[str, set] = {}
 _rope_original: dict[str, Callable] = {}
 # Marker attribute on an instance-patched model: the components and families patched there.
@@ -122,7 +124,7 @@ def _unpatch_family(spec: FamilySpec) -> None:
 
 
 def _patch_instance(model: nn.Module, components: list[str]) -> None:
-    mark = getattr(model, INSTANCE_MARK, None) or {"families": set(), "modules": []}
+    mark = getattr(model, INSTANCE_MARK, None) or {"families": {}, "modules": []}
     families: dict[str, FamilySpec] = {}
     for sub in model.modules():
         spec = family_of_module(type(sub).__module__)
@@ -146,8 +148,9 @@ def _patch_instance(model: nn.Module, components: list[str]) -> None:
     if "rope" in components:
         for spec in families.values():
             if spec.model_type not in mark["families"]:
-                _rope_acquire(spec, _modeling(spec), id(model))
-                mark["families"].add(spec.model_type)
+                token = object()
+                _rope_acquire(spec, _modeling(spec), token)
+                mark["families"][spec.model_type] = weakref.finalize(model, _rope_release, spec, token)
     object.__setattr__(model, INSTANCE_MARK, mark)
 
 
@@ -158,8 +161,8 @@ def _unpatch_instance(model: nn.Module) -> None:
     for sub in mark["modules"]:
         if "forward" in vars(sub):
             del sub.forward
-    for model_type in mark["families"]:
-        _rope_release(family(model_type), id(model))
+    for release in mark["families"].values():
+        release()  # a weakref.finalize: runs once, then never again at garbage collection
     object.__delattr__(model, INSTANCE_MARK)
 
 
@@ -257,13 +260,16 @@ def unpatch(target):
 
 
 def is_patched(target) -> bool:
-    """Whether :func:`patch` is in force on a built model, or on a model_type / class's family."""
+    """Whether any fuselm forward is in force on a built model (its own patch, a class patch of its
+    family, or its family's module-level rotary function swapped by another patch), or on a model_type /
+    class's family."""
     if isinstance(target, nn.Module):
-        return getattr(target, INSTANCE_MARK, None) is not None or any(
-            key[0] == spec.model_type
-            for sub in target.modules()
-            if (spec := family_of_module(type(sub).__module__)) is not None
-            for key in _class_patches
-        )
-    spec = _family_of_target(target)
-    return any(key[0] == spec.model_type for key in _class_patches)
+        if getattr(target, INSTANCE_MARK, None) is not None:
+            return True
+        specs = {s.model_type for m in target.modules() if (s := family_of_module(type(m).__module__))}
+        return any(_family_patched(model_type) for model_type in specs)
+    return _family_patched(_family_of_target(target).model_type)
+
+
+def _family_patched(model_type: str) -> bool:
+    return any(key[0] == model_type for key in _class_patches) or bool(_rope_users.get(model_type))
