@@ -8,6 +8,7 @@ Run on a GPU from the repo root: PYTHONPATH=src:tests:tests/hf python benchmarks
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import nullcontext
 
@@ -20,7 +21,7 @@ from fuselm.ops._common.testing import rel_err
 
 
 def train(model, batches, autocast):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for ids, labels in batches[:-1]:
         with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext():
@@ -34,6 +35,7 @@ def train(model, batches, autocast):
     return torch.stack(losses), lp, dict(model.named_parameters())
 
 
+LR = float(os.environ.get("LR", "1e-3"))
 modes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["bf16", "autocast", "fp32"]
 families = sys.argv[2].split(",") if len(sys.argv) > 2 else list(MODEL_TYPES)
 seeds = [int(s) for s in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]

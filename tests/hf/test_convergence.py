@@ -65,9 +65,12 @@ def _check_convergence(
     ref = clone(eager, torch.float64)
     ours = fuselm.hf.patch(clone(eager))
     batches = _batches(eager.config.vocab_size, batch, seq, STEPS, device)
-    (l_ref, p_ref, _), (l_eager, p_eager, _), (l_ours, p_ours, last_logits) = (
-        _train(m, batches, lr) for m in (ref, eager, ours)
-    )
+    try:
+        (l_ref, p_ref, _), (l_eager, p_eager, _), (l_ours, p_ours, last_logits) = (
+            _train(m, batches, lr) for m in (ref, eager, ours)
+        )
+    finally:
+        fuselm.hf.unpatch(ours)
     assert last_logits is None  # the patched training forward made no logits
     assert_numerics("per-step losses", l_ours, l_eager, l_ref, dtype)
     top = p_ref.topk(TOP_K, dim=-1).indices  # the reference model's top-k tokens at every position
@@ -93,5 +96,10 @@ def test_convergence_cpu_fp32(model_type):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_convergence_gpu_bf16(model_type):
+    """bf16 weights and AdamW states, lr 3e-4. At lr 1e-3 these 20 steps are chaotic in bf16: the
+    unpatched run alone ends 10-60% away from the float64 run in top-5 log-probs, and which of two
+    equally rounded runs drifts further is luck (benchmarks/scripts/convergence_sensitivity.py; NOTES.md).
+    At 3e-4 the loss still falls and both runs stay within ~1% of float64 (top-5), so the rule compares
+    the kernels, not the chaos."""
     sizes = dict(hidden=1024, layers=4, vocab=32000, heads=8)
-    _check_convergence(model_type, torch.bfloat16, "cuda", sizes, 4, 256, 1e-3)
+    _check_convergence(model_type, torch.bfloat16, "cuda", sizes, 4, 256, 3e-4)

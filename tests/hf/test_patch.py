@@ -51,6 +51,7 @@ def _batch(vocab=300, b=2, t=24, seed=1):
 
 @pytest.fixture(autouse=True)
 def _no_leftover_patches():
+    gc.collect()  # patched models other test modules dropped: their finalizers run now, not mid-test
     yield
     for model_type in FAMILIES:
         fuselm.hf.unpatch(model_type)
