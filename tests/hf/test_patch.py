@@ -294,3 +294,46 @@ def test_config_helper_is_what_it_says():
     config = tiny_config("phi3")
     assert config.partial_rotary_factor == 0.5
     assert isinstance(fuselm.hf.patch, types.FunctionType)
+
+
+def test_trl_sft_trainer_matches_hf(tmp_path):
+    """TRL's SFTTrainer (1.x) computes the loss with its own chunked LM head (it wraps model.forward and
+    calls the backbone): under it, fuselm's norms, RoPE and MLP run and the losses still match HF's."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"[PAD]": 0, **{f"w{i}": i for i in range(1, 300)}}  # one id per word: no ambiguous reverse map
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=words, unk_token="w1"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", eos_token="w2", unk_token="w1"
+    )
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 20, (8,), generator=g)  # padded batches: num_items_in_batch matters
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(3, 300, (int(n),), generator=g)) for n in lengths]
+    data = datasets.Dataset.from_dict({"text": texts})
+
+    def train(model):
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path / str(id(model))),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+            max_length=32,
+        )
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+    eager = build("llama")
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager))
+    losses = [train(m) for m in (ref, eager, ours)]
+    assert losses[1].shape == (2,)
+    assert_numerics("SFTTrainer logged losses", losses[2], losses[1], losses[0], torch.float32)
