@@ -148,8 +148,9 @@ def test_bad_targets_and_flags():
         fuselm.hf.patch(3)
     with pytest.raises(ValueError, match="pick one"):
         fuselm.hf.patch("llama", cross_entropy=True)
-    with pytest.raises(NotImplementedError, match="cross_entropy=True"):
-        fuselm.hf.patch("llama", cross_entropy=True, linear_cross_entropy=False)
+    fuselm.hf.patch("llama", linear_cross_entropy=False, cross_entropy=True)
+    with pytest.raises(ValueError, match="unpatch first"):
+        fuselm.hf.patch("llama")
     assert "gemma3_text" in fuselm.hf.supported_model_types()
 
 
@@ -337,3 +338,33 @@ def test_trl_sft_trainer_matches_hf(tmp_path):
     losses = [train(m) for m in (ref, eager, ours)]
     assert losses[1].shape == (2,)
     assert_numerics("SFTTrainer logged losses", losses[2], losses[1], losses[0], torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])
+@pytest.mark.parametrize("by", ["instance", "class"])
+def test_loss_on_logits_with_cross_entropy_flag(model_type, by):
+    """cross_entropy=True: HF's logits are returned and the loss on them is fuselm.cross_entropy's."""
+    ids, labels = _batch()
+    eager = build(model_type)
+    ref = clone(eager, torch.float64)
+    ours = clone(eager)
+    fuselm.hf.patch(ours if by == "instance" else model_type, linear_cross_entropy=False, cross_entropy=True)
+    assert ours.forward.__func__.__qualname__.endswith("forward[logits]")
+    outs = [_run(m, ids, labels, num_items_in_batch=torch.tensor(31)) for m in (ref, eager, ours)]
+    assert outs[2].loss.dtype == torch.float32
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
+    assert_numerics("logits", outs[2].logits, outs[1].logits, outs[0].logits, torch.float32)
+    grads = [_grads(m) for m in (ref, eager, ours)]
+    for name in grads[1]:
+        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)
+
+
+def test_loss_on_logits_with_an_adapter_on_lm_head():
+    peft = pytest.importorskip("peft")
+    ids, labels = _batch()
+    eager = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    ref = copy.deepcopy(eager).double()
+    ours = fuselm.hf.patch(copy.deepcopy(eager), linear_cross_entropy=False, cross_entropy=True)
+    outs = [_run(m, ids, labels) for m in (ref, eager, ours)]
+    assert ours.get_base_model().forward.__func__.__qualname__.endswith("forward[logits]")
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)

@@ -729,3 +729,24 @@ def test_gpu_gradient_in_place_keeps_every_row_loss(dtype, v):
         grad = {"nowhere": None, "elsewhere": torch.empty_like(buf), "in place": buf}[where]
         loss, _ = ce_op.cross_entropy_fwd_into(buf, target, None, None, scale, grad, -100, 0.0, 0.0, 0.0)
         assert_numerics(f"per-row loss, gradient {where}", loss, eager, ref, dtype)  # one lost row: ~1e-2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_dtype(reduction):
+    """loss_dtype=float32 returns the fp32 accumulation unrounded; the default rounds it to the input's
+    dtype; the gradient is the same either way."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(37, 1000, generator=g) * 3).to(device=DEVICE, dtype=torch.float16)
+    target = torch.randint(0, 1000, (37,), generator=g).to(DEVICE)
+    outs = {}
+    for loss_dtype in (None, torch.float32):
+        x = logits.detach().clone().requires_grad_()
+        loss = fuselm.cross_entropy(x, target, reduction=reduction, loss_dtype=loss_dtype)
+        loss.backward(torch.ones_like(loss))
+        outs[loss_dtype] = (loss, x.grad)
+    (l16, g16), (l32, g32) = outs[None], outs[torch.float32]
+    assert l16.dtype == torch.float16 and l32.dtype == torch.float32
+    torch.testing.assert_close(l16, l32.to(torch.float16), rtol=0, atol=0)
+    torch.testing.assert_close(g16, g32, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="loss_dtype"):
+        fuselm.cross_entropy(logits, target, loss_dtype="float32")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed
+from ..ops.cross_entropy import cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rotary
@@ -79,6 +80,30 @@ def fusable_head(lm_head: nn.Module) -> bool:
     return type(lm_head) is nn.Linear and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
 
 
+def shifted_targets(
+    labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int, n_tokens: int, device
+) -> torch.Tensor:
+    """``[n_tokens]`` targets of HF's causal-LM loss: token ``t`` predicts ``labels[..., t + 1]`` (the last
+    position predicts nothing), or ``shift_labels[..., t]`` when given (already shifted, as HF's
+    sequence-parallel path passes them)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(device)
+    if target.shape[0] != n_tokens:
+        got = target.shape[0]
+        raise ValueError(f"labels must give one target per token: {n_tokens} tokens, {got} targets")
+    return target
+
+
+def _per_item(loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """HF's normalization: the summed loss divided by ``num_items_in_batch`` (when given)."""
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head: nn.Linear,
@@ -91,23 +116,16 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` computed from hidden states, never building the logits.
 
-    Token ``t`` predicts ``labels[..., t + 1]`` (the last position predicts nothing); or, with
-    ``shift_labels`` (already shifted, as HF's sequence-parallel path passes them), token ``t`` predicts
-    ``shift_labels[..., t]``. With ``num_items_in_batch`` the loss is the sum over predicted tokens
-    divided by it (HF's gradient-accumulation-correct normalization); otherwise the mean. ``softcap``:
-    Gemma 2/3's final logit softcapping. The loss is fp32, as HF's (computed on ``logits.float()``).
+    Targets as :func:`shifted_targets`. With ``num_items_in_batch`` the loss is the sum over predicted
+    tokens divided by it (HF's gradient-accumulation-correct normalization); otherwise the mean.
+    ``softcap``: Gemma 2/3's final logit softcapping. The loss is fp32, as HF's (computed on
+    ``logits.float()``).
 
     Shapes: hidden_states ``[B, T, H]``, labels ``[B, T]`` (int, ``ignore_index`` for no target);
     returns a scalar.
     """
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    target = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if target.shape[0] != hidden.shape[0]:
-        raise ValueError(
-            f"labels must give one target per token: {hidden.shape[0]} tokens, {target.shape[0]} targets"
-        )
+    target = shifted_targets(labels, shift_labels, ignore_index, hidden.shape[0], hidden.device)
     loss = linear_cross_entropy(
         hidden,
         lm_head.weight,
@@ -118,19 +136,42 @@ def causal_lm_loss(
         softcap=softcap,
         loss_dtype=torch.float32,
     )
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    return _per_item(loss, num_items_in_batch)
+
+
+def causal_lm_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """HF's ``ForCausalLMLoss`` on materialized logits ``[B, T, V]`` through :func:`fuselm.cross_entropy`:
+    one pass per row, fp32 math and an fp32 loss without HF's fp32 copy of the logits."""
+    v = logits.shape[-1]
+    target = shifted_targets(labels, shift_labels, ignore_index, logits.numel() // v, logits.device)
+    loss = cross_entropy(
+        logits.reshape(-1, v),
+        target,
+        ignore_index=ignore_index,
+        reduction="mean" if num_items_in_batch is None else "sum",
+        loss_dtype=torch.float32,
+    )
+    return _per_item(loss, num_items_in_batch)
 
 
 @functools.cache
-def causal_lm_forward(spec: FamilySpec, original: Callable) -> Callable:
-    """The family's ``*ForCausalLM.forward``: with labels (or ``shift_labels``), the loss comes from the
-    last hidden states through :func:`causal_lm_loss` and ``logits`` is None (no ``[B, T, V]`` tensor is
-    made); without labels, or when the lm_head is not a plain ``nn.Linear`` (an adapter wraps it), or
-    with ``logits_to_keep`` set, the original forward runs unchanged."""
+def causal_lm_forward(spec: FamilySpec, original: Callable, from_logits: bool = False) -> Callable:
+    """The family's ``*ForCausalLM.forward`` with labels (or ``shift_labels``):
+
+    - ``from_logits=False``: the loss comes from the last hidden states through :func:`causal_lm_loss`
+      and ``logits`` is None (no ``[B, T, V]`` tensor is made); an lm_head that is not a plain
+      ``nn.Linear`` (an adapter wraps it) runs the original forward instead;
+    - ``from_logits=True``: HF's logits (softcapped as HF does), returned, and the loss on them through
+      :func:`causal_lm_loss_from_logits`.
+
+    Without labels, or with ``logits_to_keep`` set, the original forward runs unchanged."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     @functools.wraps(original)
@@ -147,7 +188,8 @@ def causal_lm_forward(spec: FamilySpec, original: Callable) -> Callable:
         **kwargs,
     ):
         wants_loss = labels is not None or kwargs.get("shift_labels") is not None
-        if not wants_loss or not fusable_head(self.lm_head) or not _keeps_all(logits_to_keep):
+        fused_head = not from_logits and fusable_head(self.lm_head)
+        if not wants_loss or not (fused_head or from_logits) or not _keeps_all(logits_to_keep):
             return original(
                 self,
                 input_ids=input_ids,
@@ -175,17 +217,25 @@ def causal_lm_forward(spec: FamilySpec, original: Callable) -> Callable:
             **kwargs,
         )
         softcap = getattr(self.config, spec.softcap_attr) if spec.softcap_attr else None
-        loss = causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, softcap=softcap, **loss_kwargs)
+        logits = None
+        if from_logits:
+            logits = self.lm_head(outputs.last_hidden_state)
+            if softcap is not None:  # HF's own ops, so the returned logits are HF's
+                logits = torch.tanh(logits / softcap) * softcap
+            loss = causal_lm_loss_from_logits(logits, labels, **loss_kwargs)
+        else:
+            hidden = outputs.last_hidden_state
+            loss = causal_lm_loss(hidden, self.lm_head, labels, softcap=softcap, **loss_kwargs)
         output = CausalLMOutputWithPast(
             loss=loss,
-            logits=None,
+            logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
         return output if return_dict else output.to_tuple()
 
-    forward.__qualname__ = f"fuselm_{spec.causal_lm}.forward"
+    forward.__qualname__ = f"fuselm_{spec.causal_lm}.forward" + ("[logits]" if from_logits else "")
     return forward
 
 

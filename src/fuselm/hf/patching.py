@@ -26,7 +26,8 @@ from torch import nn
 from . import layers
 from .registry import FamilySpec, family, family_of_module, supported_model_types
 
-COMPONENTS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy")
+COMPONENTS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy", "cross_entropy")
+LOSSES = ("linear_cross_entropy", "cross_entropy")  # two ways to swap the CausalLM forward: one at a time
 MISSING = object()  # a class attribute that was not in the class's own __dict__
 
 # Class patches in force: (family, component) -> [(owner, name, previous value or MISSING)].
@@ -56,13 +57,11 @@ def _own(cls: type, name: str):
 
 def _components(rms_norm: bool, rope: bool, swiglu: bool, linear_cross_entropy: bool, cross_entropy: bool):
     if cross_entropy and linear_cross_entropy:
-        raise ValueError("cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one")
-    if cross_entropy:
-        raise NotImplementedError(
-            "cross_entropy=True (fuselm.cross_entropy on materialized logits) is not wired into fuselm.hf; "
-            "linear_cross_entropy=True computes the same loss without the logits"
+        raise ValueError(
+            "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
+            "(linear_cross_entropy=False for the loss on materialized logits)"
         )
-    flags = (rms_norm, rope, swiglu, linear_cross_entropy)
+    flags = (rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy)
     return [c for c, on in zip(COMPONENTS, flags, strict=True) if on]
 
 
@@ -75,7 +74,7 @@ def _replacement(spec: FamilySpec, component: str, module: types.ModuleType) -> 
         cls = getattr(module, spec.mlp)
         return cls, "forward", layers.mlp_forward(spec, cls.forward)
     cls = getattr(module, spec.causal_lm)
-    return cls, "forward", layers.causal_lm_forward(spec, cls.forward)
+    return cls, "forward", layers.causal_lm_forward(spec, cls.forward, component == "cross_entropy")
 
 
 def _rope_acquire(spec: FamilySpec, module: types.ModuleType, user) -> None:
@@ -100,6 +99,8 @@ def _patch_family(spec: FamilySpec, components: list[str]) -> None:
         key = (spec.model_type, component)
         if key in _class_patches:
             continue
+        if component in LOSSES and any((spec.model_type, other) in _class_patches for other in LOSSES):
+            raise ValueError(f"{spec.model_type}: the other loss is patched in; unpatch first to switch")
         if component == "rope":
             _rope_acquire(spec, module, "class")
             _class_patches[key] = []
@@ -123,6 +124,11 @@ def _unpatch_family(spec: FamilySpec) -> None:
                 setattr(owner, name, previous)
 
 
+def _same_slot(component: str) -> tuple[str, ...]:
+    """The components that replace the same forward as ``component`` (the two losses share one)."""
+    return LOSSES if component in LOSSES else (component,)
+
+
 def _patch_instance(model: nn.Module, components: list[str]) -> None:
     mark = getattr(model, INSTANCE_MARK, None) or {"families": {}, "modules": []}
     families: dict[str, FamilySpec] = {}
@@ -133,7 +139,8 @@ def _patch_instance(model: nn.Module, components: list[str]) -> None:
         families[spec.model_type] = spec
         module = _modeling(spec)
         for component in components:
-            if component == "rope" or (spec.model_type, component) in _class_patches:
+            in_class = any((spec.model_type, c) in _class_patches for c in _same_slot(component))
+            if component == "rope" or in_class:
                 continue  # rope: module-level, below; a patched class already runs fuselm's forward
             cls, _, new = _replacement(spec, component, module)
             if type(sub) is not cls or "forward" in vars(sub):
@@ -211,14 +218,17 @@ def patch(
             (shifted labels, ``-100`` ignored, ``num_items_in_batch``, Gemma's final softcap) from the
             hidden states with :func:`fuselm.linear_cross_entropy` and returns ``logits=None``: no
             ``[B, T, V]`` tensor is created. Without labels it returns logits as before.
-        cross_entropy: not supported (raises NotImplementedError when True): the fused linear
-            cross-entropy replaces the logits-based loss entirely.
+        cross_entropy: with ``linear_cross_entropy=False``: ``*ForCausalLM.forward`` with labels
+            returns HF's logits and computes the loss on them with :func:`fuselm.cross_entropy` (one
+            pass per row, no fp32 copy of the logits): for code that needs the logits in training.
+            Works with an adapter on ``lm_head`` too. At most one of the two loss flags.
 
     Returns:
         the target (so ``model = fuselm.hf.patch(model)`` reads naturally).
 
     Raises:
-        ValueError: unknown model type / class, a model with no known family inside, both loss flags.
+        ValueError: unknown model type / class, a model with no known family inside, both loss flags,
+            class-patching one loss while the other is patched in.
         ImportError: transformers is missing (``pip install "fuselm[hf]"``).
 
     Example:

@@ -98,3 +98,12 @@ def check_loss_args(
         raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if validate_enabled():
         check_target_range(target, n_classes, ignore_index)
+
+
+def resolve_loss_dtype(loss_dtype, input: torch.Tensor) -> torch.dtype:
+    """The dtype a loss is returned in: ``loss_dtype`` (a floating dtype) or, when None, the input's."""
+    if loss_dtype is None:
+        return input.dtype
+    if not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
+        raise ValueError(f"loss_dtype must be a floating torch.dtype or None, got {loss_dtype!r}")
+    return loss_dtype

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode, use_triton
-from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, rows_view
+from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype, rows_view
 from .._common.launch import persistent_grid, row_launch
 from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 from .reference import cross_entropy_reference
@@ -425,7 +425,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             loss = loss.sum()
         elif reduction == "mean":
             loss = loss.sum() * grad_scale[0]
-        return loss.to(logits.dtype), lse
+        return loss, lse  # fp32; the caller casts to loss_dtype
 
     @staticmethod
     def backward(ctx, dloss, dlse):
@@ -461,6 +461,7 @@ def cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     inplace_backward: bool = False,
+    loss_dtype: torch.dtype | None = None,
 ):
     """Cross-entropy between logits and class-index targets, fused into one pass per row.
 
@@ -485,10 +486,13 @@ def cross_entropy(
         inplace_backward: write the gradient into ``input``'s buffer (no ``[N, V]`` allocation).
             ``input`` is overwritten by the forward (or backward) and must not be used afterwards;
             a second backward through the same graph raises RuntimeError.
+        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch); the loss is
+            accumulated in fp32, so ``torch.float32`` returns it unrounded (what Hugging Face's loss on
+            ``logits.float()`` gives) without an fp32 copy of the logits.
 
     Returns:
-        ``loss`` in the dtype of ``input`` (a scalar, or ``input.shape[:-1]`` for ``"none"``), and
-        ``lse`` when ``return_lse``.
+        ``loss`` in ``loss_dtype`` (default: the dtype of ``input``; a scalar, or ``input.shape[:-1]``
+        for ``"none"``), and ``lse`` when ``return_lse``.
 
     Example:
         >>> import torch, fuselm
@@ -500,6 +504,7 @@ def cross_entropy(
         torch.Size([4, 10])
     """
     check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    loss_dtype = resolve_loss_dtype(loss_dtype, input)
     n_cols = input.shape[-1]
     if n_cols == 0:
         raise ValueError("input must have at least one class (last dimension is 0)")
@@ -525,6 +530,7 @@ def cross_entropy(
             z_loss=z_loss,
             softcap=softcap,
             return_lse=return_lse,
+            loss_dtype=loss_dtype,
         )
 
     logits = rows_view(input)
@@ -542,6 +548,7 @@ def cross_entropy(
         inplace_backward,
         compute_grad,
     )
+    loss = loss.to(loss_dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if return_lse:

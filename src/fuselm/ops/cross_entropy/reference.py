@@ -29,8 +29,10 @@ def cross_entropy_reference(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    loss_dtype: torch.dtype | None = None,
 ):
-    """Cross-entropy in fp32 (fp64 for fp64 input); loss in the input dtype, lse in fp32/fp64.
+    """Cross-entropy in fp32 (fp64 for fp64 input); loss in ``loss_dtype`` (default: the input dtype),
+    lse in fp32/fp64.
 
     input [..., V], target [...] (int). Differentiable through autograd.
     """
@@ -63,7 +65,7 @@ def cross_entropy_reference(
         out = loss.sum()
     else:
         out = loss.sum() / torch.where(valid, w_t, torch.zeros_like(w_t)).sum()
-    out = out.to(input.dtype)
+    out = out.to(loss_dtype or input.dtype)
     if return_lse:
         return out, lse.reshape(target.shape)
     return out

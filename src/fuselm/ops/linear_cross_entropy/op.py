@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import use_triton
-from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, rows_view
+from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype, rows_view
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
 from .fused import fused_bwd, fused_fwd
 from .reference import linear_cross_entropy_reference
@@ -648,9 +648,7 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device.type)
         input, linear_weight = input.to(dtype), linear_weight.to(dtype)
         linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
-    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
-        raise ValueError(f"loss_dtype must be a floating torch.dtype or None, got {loss_dtype!r}")
-    loss_dtype = loss_dtype or input.dtype
+    loss_dtype = resolve_loss_dtype(loss_dtype, input)
     check_tensor("linear_weight", linear_weight, ndim=2, device=device)
     if linear_weight.dtype != input.dtype:
         raise ValueError(
