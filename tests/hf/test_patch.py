@@ -252,6 +252,23 @@ def test_adapter_on_lm_head_falls_back_to_hf():
     assert model(input_ids=ids, labels=labels).logits is not None  # lm_head is no plain Linear
 
 
+def _trainer_args(tmp_path, model) -> dict:
+    """Two optimizer steps of two micro-batches of 2 on the CPU, a loss logged every step, nothing saved."""
+    return dict(
+        output_dir=str(tmp_path / str(id(model))),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+    )
+
+
 def test_trainer_with_gradient_accumulation_matches_hf(tmp_path):
     pytest.importorskip("accelerate")
     g = torch.Generator().manual_seed(3)
@@ -263,19 +280,7 @@ def test_trainer_with_gradient_accumulation_matches_hf(tmp_path):
         rows.append({"input_ids": ids, "labels": labels})
 
     def train(model):
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / str(id(model))),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            learning_rate=1e-3,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            seed=0,
-            data_seed=0,
-        )
+        args = transformers.TrainingArguments(**_trainer_args(tmp_path, model))
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
         assert trainer.model_accepts_loss_kwargs
         trainer.train()
@@ -315,20 +320,7 @@ def test_trl_sft_trainer_matches_hf(tmp_path):
     data = datasets.Dataset.from_dict({"text": texts})
 
     def train(model):
-        config = trl.SFTConfig(
-            output_dir=str(tmp_path / str(id(model))),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            learning_rate=1e-3,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            seed=0,
-            data_seed=0,
-            max_length=32,
-        )
+        config = trl.SFTConfig(**_trainer_args(tmp_path, model), max_length=32)
         trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         trainer.train()
         return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed
+from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed, is_plain_linear
 from ..ops.cross_entropy import cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.rms_norm import rms_norm
@@ -72,12 +72,6 @@ def rope_function(spec: FamilySpec, original: Callable) -> Callable:
     apply_rotary_pos_emb.__module__ = __name__
     apply_rotary_pos_emb.__qualname__ = f"fuselm_{spec.model_type}_apply_rotary_pos_emb"
     return apply_rotary_pos_emb
-
-
-def fusable_head(lm_head: nn.Module) -> bool:
-    """An ``nn.Linear`` whose forward nobody intercepts (no adapter, no hooks): its matmul may be fused
-    with the loss."""
-    return type(lm_head) is nn.Linear and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
 
 
 def shifted_targets(
@@ -188,8 +182,8 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, from_logits: bool = 
         **kwargs,
     ):
         wants_loss = labels is not None or kwargs.get("shift_labels") is not None
-        fused_head = not from_logits and fusable_head(self.lm_head)
-        if not wants_loss or not (fused_head or from_logits) or not _keeps_all(logits_to_keep):
+        head_ok = from_logits or is_plain_linear(self.lm_head)  # the fused loss reads lm_head.weight itself
+        if not wants_loss or not head_ok or not _keeps_all(logits_to_keep):
             return original(
                 self,
                 input_ids=input_ids,

@@ -18,8 +18,9 @@ ACTIVATIONS = {
 }
 
 
-def _is_plain_linear(m: nn.Module) -> bool:
-    """An nn.Linear whose forward nobody intercepts: its matmul may be fused with the activation."""
+def is_plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose forward nobody intercepts (no adapter, no hooks): its matmul may be fused with
+    what comes before or after it (the MLP activation, the loss of an lm_head)."""
     return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
 
 
@@ -34,7 +35,7 @@ def gated_mlp(
     """
     gate, up = gate_proj(x), up_proj(x)
     act = ACTIVATIONS[activation]
-    if _is_plain_linear(down_proj):
+    if is_plain_linear(down_proj):
         return swiglu_linear(gate, up, down_proj.weight, down_proj.bias, activation=act)
     return down_proj(gated(gate, up, act))
 
