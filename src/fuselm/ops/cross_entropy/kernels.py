@@ -100,7 +100,6 @@ def cross_entropy_fwd_kernel(
             z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
             m = tl.max(z, axis=0)
             s = tl.sum(tl.exp(z - m), axis=0)
-            z_t = tl.sum(tl.where(cols == target, z, 0.0), axis=0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -112,14 +111,12 @@ def cross_entropy_fwd_kernel(
             m2 = float("-inf")
             s = 0.0
             smooth_dot = 0.0
-            z_t_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_V):
                 c = start + cols
                 x = tl.load(x_row + c, mask=c < n_cols, other=float("-inf"), eviction_policy="evict_last")
                 z = x.to(tl.float32)
                 if HAS_SOFTCAP:
                     z = tl.where(c < n_cols, _softcap(z, softcap, HAS_SOFTCAP), float("-inf"))
-                z_t_acc += tl.where(c == target, z, 0.0)
                 m2_new = tl.maximum(m2, tl.max(z, axis=0) * LOG2E)
                 m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)  # a block of -inf logits adds 0
                 s = s * tl.exp2(m2 - m2_safe) + tl.sum(tl.exp2(z * LOG2E - m2_safe), axis=0)
@@ -131,13 +128,11 @@ def cross_entropy_fwd_kernel(
                     else:
                         smooth_dot += tl.sum(tl.where(c < n_cols, z, 0.0), axis=0)
             m = m2 / LOG2E
-            z_t = tl.sum(z_t_acc, axis=0)
         lse = m + tl.log(s)
 
-        # per-row loss. The target logit z_t comes from the pass-1 reads, not from a read of the row
-        # here: with the gradient written in place, another warp may already be overwriting the row
-        # in pass 2 (nothing orders a late read against those stores; fp32 rows lost it on an H200).
+        # per-row loss
         t_safe = tl.where(valid & in_range, target, 0)
+        z_t = _softcap(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)
         if HAS_WEIGHT:
             w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
         else:
@@ -159,6 +154,9 @@ def cross_entropy_fwd_kernel(
 
         # pass 2: gradient of loss * grad_scale
         if COMPUTE_GRAD:
+            # every warp has read z_t before any warp overwrites the row with the gradient (in place):
+            # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
+            tl.debug_barrier()
             scale = tl.load(grad_scale_ptr).to(tl.float32)
             if HAS_SMOOTHING:
                 p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
