@@ -27,6 +27,7 @@ def test_all_is_pinned():
         "rms_norm",
         "layer_norm",
         "nn",
+        "distributed",
         "__version__",
     ]
     for name in fuselm.__all__:
@@ -39,11 +40,13 @@ def test_all_is_pinned():
         "RMSNorm",
         "LayerNorm",
     ]
+    assert fuselm.distributed.__all__ == ["cross_entropy", "linear_cross_entropy", "VocabShard"]
     assert isinstance(fuselm.__version__, str) and fuselm.__version__
 
 
 def _public_callables():
     objs = [getattr(fuselm, n) for n in fuselm.__all__] + [getattr(fuselm.nn, n) for n in fuselm.nn.__all__]
+    objs += [fuselm.distributed.cross_entropy, fuselm.distributed.linear_cross_entropy]
     return [o for o in objs if callable(o) and not inspect.ismodule(o)]
 
 
@@ -64,9 +67,11 @@ def test_docstring_examples_run(obj):
 
 # ---- import direction (DESIGN.md section 1) ----
 
+ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.integrations", "fuselm.distributed", "fuselm.bench")
 RULES = {
-    "ops": ("ops", ("fuselm.nn", "fuselm.integrations", "transformers")),
-    "nn": ("nn", ("fuselm.integrations",)),
+    "ops": ("ops", (*ABOVE_OPS, "transformers")),
+    "nn": ("nn", ("fuselm.hf", "fuselm.integrations", "fuselm.distributed", "fuselm.bench")),
+    "distributed": ("distributed", ("fuselm.nn", "fuselm.hf", "fuselm.bench", "transformers")),
     "src": (".", ("tests",)),
 }
 

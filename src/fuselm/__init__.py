@@ -1,6 +1,6 @@
 """fuselm: fused Triton kernels for training language models."""
 
-from . import nn
+from . import distributed, nn
 from .ops.cross_entropy import cross_entropy
 from .ops.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
@@ -21,5 +21,6 @@ __all__ = [
     "rms_norm",
     "layer_norm",
     "nn",
+    "distributed",
     "__version__",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -45,7 +46,7 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """[..., C] -> [rows, C] with unit column stride; copies only when no strided view exists."""
-    t2 = t.reshape(-1, t.shape[-1])
+    t2 = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: C may be 0 (an empty vocabulary shard)
     if t2.shape[1] > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2

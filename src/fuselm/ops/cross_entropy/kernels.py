@@ -58,6 +58,37 @@ def _row_grad_block(
 
 
 @triton.jit
+def _grad_coefs(
+    w_t,
+    weight_sum,
+    lse,
+    scale,
+    valid,
+    bad,
+    label_smoothing,
+    z_loss,
+    n_classes,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """(p_coef, target_coef, smooth_coef) of _row_grad_block for a row whose loss is weighted by `scale`:
+    zeros for ignored rows, NaN (p_coef) for rows with an out-of-range target."""
+    if HAS_SMOOTHING:
+        p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_classes * weight_sum
+        target_coef = (1.0 - label_smoothing) * w_t * scale
+        smooth_coef = label_smoothing / n_classes * scale
+    else:
+        p_coef = w_t
+        target_coef = w_t * scale
+        smooth_coef = 0.0
+    if HAS_Z_LOSS:
+        p_coef += 2.0 * z_loss * lse
+    p_coef = tl.where(valid, p_coef * scale, 0.0)
+    p_coef = tl.where(bad, float("nan"), p_coef)
+    return p_coef, tl.where(valid, target_coef, 0.0), tl.where(valid, smooth_coef, 0.0)
+
+
+@triton.jit
 def cross_entropy_fwd_kernel(
     logits_ptr,
     logits_row_stride,
@@ -138,6 +169,7 @@ def cross_entropy_fwd_kernel(
         else:
             w_t = 1.0
         loss = w_t * (lse - z_t)
+        weight_sum = 0.0
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
@@ -158,22 +190,19 @@ def cross_entropy_fwd_kernel(
             # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
             tl.debug_barrier()
             scale = tl.load(grad_scale_ptr).to(tl.float32)
-            if HAS_SMOOTHING:
-                p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
-                target_coef = (1.0 - label_smoothing) * w_t * scale
-                smooth_coef = label_smoothing / n_cols * scale
-            else:
-                p_coef = w_t
-                target_coef = w_t * scale
-                smooth_coef = 0.0
-            if HAS_Z_LOSS:
-                p_coef += 2.0 * z_loss * lse
-            p_coef = p_coef * scale
-            # ignored rows get exact zeros; bad rows NaN
-            p_coef = tl.where(valid, p_coef, 0.0)
-            target_coef = tl.where(valid, target_coef, 0.0)
-            smooth_coef = tl.where(valid, smooth_coef, 0.0)
-            p_coef = tl.where(bad, float("nan"), p_coef)
+            p_coef, target_coef, smooth_coef = _grad_coefs(
+                w_t,
+                weight_sum,
+                lse,
+                scale,
+                valid,
+                bad,
+                label_smoothing,
+                z_loss,
+                n_cols,
+                HAS_SMOOTHING,
+                HAS_Z_LOSS,
+            )
             g_row = grad_ptr + row * grad_row_stride
             if SINGLE_BLOCK:
                 _row_grad_block(
@@ -229,6 +258,8 @@ def cross_entropy_bwd_kernel(
     dlse_ptr,
     lse_ptr,
     n_cols,
+    col_offset,
+    n_classes,
     ignore_index,
     label_smoothing,
     z_loss,
@@ -240,37 +271,39 @@ def cross_entropy_bwd_kernel(
     HAS_DLSE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Gradient from saved lse: one read of the logits, one write of the gradient."""
+    """Gradient from saved lse: one read of the logits, one write of the gradient.
+
+    The row holds classes col_offset .. col_offset + n_cols of n_classes (a vocabulary shard; the
+    whole row when col_offset == 0 and n_classes == n_cols); target, weight and lse are global."""
     row = tl.program_id(0).to(tl.int64)
     x_row = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
     valid = target != ignore_index
-    in_range = (target >= 0) & (target < n_cols)
+    bad = valid & ((target < 0) | (target >= n_classes))
     lse = tl.load(lse_ptr + row)
     scale = tl.load(grad_scale_ptr).to(tl.float32) * tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
-    t_safe = tl.where(valid & in_range, target, 0)
+    t_safe = tl.where(valid & (bad == 0), target, 0)
+    weight_sum = 0.0
     if HAS_WEIGHT:
         w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
+        if HAS_SMOOTHING:
+            weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
     else:
         w_t = 1.0
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
-        else:
-            weight_sum = n_cols * 1.0
-        p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_cols * weight_sum
-        target_coef = (1.0 - label_smoothing) * w_t * scale
-        smooth_coef = label_smoothing / n_cols * scale
-    else:
-        p_coef = w_t
-        target_coef = w_t * scale
-        smooth_coef = 0.0
-    if HAS_Z_LOSS:
-        p_coef += 2.0 * z_loss * lse
-    p_coef = tl.where(valid, p_coef * scale, 0.0)
-    target_coef = tl.where(valid, target_coef, 0.0)
-    smooth_coef = tl.where(valid, smooth_coef, 0.0)
-    p_coef = tl.where(valid & (in_range == 0), float("nan"), p_coef)
+        weight_sum = n_classes * 1.0
+    p_coef, target_coef, smooth_coef = _grad_coefs(
+        w_t,
+        weight_sum,
+        lse,
+        scale,
+        valid,
+        bad,
+        label_smoothing,
+        z_loss,
+        n_classes,
+        HAS_SMOOTHING,
+        HAS_Z_LOSS,
+    )
     if HAS_DLSE:
         p_coef += tl.load(dlse_ptr + row).to(tl.float32)
     g_row = grad_ptr + row * grad_row_stride
@@ -281,17 +314,68 @@ def cross_entropy_bwd_kernel(
             g_row,
             start + cols,
             n_cols,
-            target,
+            target - col_offset,
             lse,
             p_coef,
             target_coef,
             smooth_coef,
-            weight_ptr,
+            weight_ptr + col_offset,
             softcap,
             HAS_WEIGHT,
             HAS_SMOOTHING,
             HAS_SOFTCAP,
         )
+
+
+@triton.jit
+def cross_entropy_fwd_kernel_shard_stats(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    weight_ptr,
+    stats_ptr,
+    n_rows,
+    n_cols,
+    col_offset,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Statistics of one row of a vocabulary shard (classes col_offset .. col_offset + n_cols), into
+    stats [3, n_rows] fp32: lse over the shard (-inf for an empty one), the target logit when the
+    shard holds the target (else 0), sum_j w_j z_j over the shard (0 without smoothing). Ranks
+    combine them (logsumexp, sum, sum) into the row's global statistics."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * logits_row_stride
+    cols = tl.arange(0, BLOCK_V)
+    m2 = float("-inf")
+    s = 0.0
+    smooth_dot = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        mask = c < n_cols
+        x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+        z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
+        m2_new = tl.maximum(m2, tl.max(z, axis=0) * LOG2E)
+        m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)  # a block of -inf logits adds 0
+        s = s * tl.exp2(m2 - m2_safe) + tl.sum(tl.exp2(z * LOG2E - m2_safe), axis=0)
+        m2 = m2_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + col_offset + c, mask=mask, other=0.0).to(tl.float32)
+                smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
+            else:
+                smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    lse = m2 / LOG2E + tl.log(s)
+    local = tl.load(target_ptr + row).to(tl.int64) - col_offset
+    owned = (local >= 0) & (local < n_cols)
+    x_t = tl.load(x_row + tl.where(owned, local, 0), mask=owned, other=0.0).to(tl.float32)
+    z_t = tl.where(owned, _softcap(x_t, softcap, HAS_SOFTCAP), 0.0)
+    tl.store(stats_ptr + row, lse)
+    tl.store(stats_ptr + n_rows + row, z_t)
+    tl.store(stats_ptr + 2 * n_rows + row, smooth_dot)
 
 
 @triton.jit

@@ -8,7 +8,12 @@ import triton
 from .._common.dispatch import interpret_mode, use_triton
 from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype, rows_view
 from .._common.launch import persistent_grid, row_launch
-from .kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
+from .kernels import (
+    cross_entropy_bwd_kernel,
+    cross_entropy_bwd_kernel_scale,
+    cross_entropy_fwd_kernel,
+    cross_entropy_fwd_kernel_shard_stats,
+)
 from .reference import cross_entropy_reference
 
 # Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
@@ -109,8 +114,12 @@ def cross_entropy_bwd(
     label_smoothing,
     z_loss,
     softcap,
+    col_offset=0,
+    n_classes=None,
 ):
-    """Gradient from the saved lse into `grad` (may be `logits` itself): one read, one write per logit."""
+    """Gradient from the saved lse into `grad` (may be `logits` itself): one read, one write per logit.
+    A vocabulary shard: `logits` holds classes col_offset .. col_offset + V_local of `n_classes`; target,
+    weight [n_classes] and lse are global."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
@@ -129,6 +138,8 @@ def cross_entropy_bwd(
         dlse_ptr=dlse if dlse is not None else lse,
         lse_ptr=lse,
         n_cols=n_cols,
+        col_offset=col_offset,
+        n_classes=n_cols if n_classes is None else n_classes,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
@@ -142,6 +153,36 @@ def cross_entropy_bwd(
         num_warps=num_warps,
     )
     return grad
+
+
+def cross_entropy_shard_stats(logits, target, col_offset, weight, label_smoothing, softcap):
+    """Per-row statistics of a vocabulary shard (classes col_offset .. col_offset + V_local of the
+    vocabulary), fp32 [3, N]: shard lse, target logit if the shard holds it (else 0), sum_j w_j z_j
+    (label smoothing only, else 0). logits [N, V_local] with stride(-1) == 1, target [N] (global ids),
+    weight None or [V] (global)."""
+    n_rows, n_cols = logits.shape
+    assert logits.stride(-1) == 1 and target.is_contiguous()
+    stats = torch.empty((3, n_rows), dtype=torch.float32, device=logits.device)
+    if n_rows == 0:
+        return stats
+    block, num_warps = row_launch(max(n_cols, 1), max_block=BWD_BLOCK)
+    cross_entropy_fwd_kernel_shard_stats[(n_rows,)](
+        logits_ptr=logits,
+        logits_row_stride=logits.stride(0),
+        target_ptr=target,
+        weight_ptr=weight if weight is not None else logits,
+        stats_ptr=stats,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        col_offset=col_offset,
+        softcap=softcap,
+        HAS_WEIGHT=weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_SOFTCAP=softcap > 0,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+    return stats
 
 
 def cross_entropy_bwd_scale_(grad, dloss):
@@ -348,7 +389,9 @@ def _run_bwd(inputs, args, inplace):
 
 
 def _run_scale_(grad, dloss):
-    if torch.compiler.is_compiling():
+    if not use_triton(grad):  # a CPU vocabulary shard (fuselm.distributed on the reference path)
+        grad.mul_(dloss)
+    elif torch.compiler.is_compiling():
         _ce_bwd_scale_op(grad, dloss)
     else:
         cross_entropy_bwd_scale_(grad, dloss)
@@ -381,6 +424,10 @@ class CrossEntropyFunction(torch.autograd.Function):
       by grad_output in place, which the device skips when grad_output == 1.
     - gradient in backward (reduction none, or return_lse): the forward saves lse; the backward
       reads the logits once and writes the gradient once.
+
+    `shard` (fuselm.distributed, eager only): the logits are one rank's vocabulary shard; its
+    `fwd_into` / `bwd` replace cross_entropy_fwd_into / cross_entropy_bwd (same arguments, global
+    statistics exchanged between ranks) and `n_classes` is the whole vocabulary.
     """
 
     @staticmethod
@@ -397,22 +444,32 @@ class CrossEntropyFunction(torch.autograd.Function):
         return_lse,
         inplace_backward,
         compute_grad,
+        shard=None,
     ):
+        n_classes = shard.n_classes if shard is not None else logits.shape[1]
         weight_sum, grad_scale = loss_scales(
-            target, weight, ignore_index, reduction, label_smoothing, logits.shape[1]
+            target, weight, ignore_index, reduction, label_smoothing, n_classes
         )
         grad_in_forward = compute_grad and reduction != "none" and not return_lse
         args = (ignore_index, label_smoothing, z_loss, softcap)
-        loss, lse, grad = _run_fwd(
-            logits,
-            target,
-            weight,
-            weight_sum,
-            grad_scale,
-            args,
-            grad_in_forward,
-            grad_in_forward and inplace_backward,
-        )
+        if shard is None:
+            loss, lse, grad = _run_fwd(
+                logits,
+                target,
+                weight,
+                weight_sum,
+                grad_scale,
+                args,
+                grad_in_forward,
+                grad_in_forward and inplace_backward,
+            )
+        else:
+            grad = None
+            if grad_in_forward:
+                grad = logits if inplace_backward else torch.empty_like(logits)
+            loss, lse = shard.fwd_into(logits, target, weight, weight_sum, grad_scale, grad, *args)
+            if grad is logits:
+                torch.autograd.graph.increment_version(logits)
         if grad_in_forward:
             ctx.save_for_backward(grad)
         else:
@@ -420,6 +477,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.grad_in_forward = grad_in_forward
         ctx.inplace = inplace_backward
         ctx.args = args
+        ctx.shard = shard
         ctx.consumed = False
         if reduction == "sum":
             loss = loss.sum()
@@ -445,8 +503,11 @@ class CrossEntropyFunction(torch.autograd.Function):
             dloss = dloss.float().reshape(-1).contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
             inputs = (logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse)
-            grad = _run_bwd(inputs, ctx.args, ctx.inplace)
-        return grad, None, None, None, None, None, None, None, None, None, None
+            if ctx.shard is None:
+                grad = _run_bwd(inputs, ctx.args, ctx.inplace)
+            else:
+                grad = ctx.shard.bwd(*inputs, logits if ctx.inplace else torch.empty_like(logits), *ctx.args)
+        return grad, *([None] * 11)
 
 
 def cross_entropy(
@@ -533,10 +594,39 @@ def cross_entropy(
             loss_dtype=loss_dtype,
         )
 
-    logits = rows_view(input)
-    compute_grad = torch.is_grad_enabled() and input.requires_grad
+    return apply_cross_entropy(
+        input,
+        target,
+        weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        return_lse,
+        inplace_backward,
+        loss_dtype,
+    )
+
+
+def apply_cross_entropy(
+    input,
+    target,
+    weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+    return_lse,
+    inplace_backward,
+    loss_dtype,
+    shard=None,
+):
+    """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction,
+    output shapes and dtype."""
     loss, lse = CrossEntropyFunction.apply(
-        logits,
+        rows_view(input),
         target.reshape(-1).contiguous(),
         weight.contiguous() if weight is not None else None,
         ignore_index,
@@ -546,7 +636,8 @@ def cross_entropy(
         float(softcap or 0.0),
         return_lse,
         inplace_backward,
-        compute_grad,
+        torch.is_grad_enabled() and input.requires_grad,
+        shard,
     )
     loss = loss.to(loss_dtype)
     if reduction == "none":

@@ -120,13 +120,17 @@ def linear_cross_entropy_fwd(
     need_dx,
     need_dw,
     need_db,
+    shard=None,
 ):
     """Chunked forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the rows
     to compute (ignored ones compacted out) or None for all. Returns per-row loss and lse (fp32, one per
     computed row), and with compute_grad the gradients of sum(loss_rows) * grad_scale: dx [N, H] (zero on
     rows not computed), dw [V, H] (dtype of w), db [V] (fp32); None where not needed.
-    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py)."""
+    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py).
+    shard (fuselm.distributed): w and b are one rank's vocabulary shard; the shard's fwd_into stands in
+    for the cross-entropy kernel and dx is summed over the ranks."""
     if chunk_rows == FUSED_PLAN:
+        assert shard is None, "the fused tile plan does not run on a vocabulary shard"
         return fused_fwd(
             x,
             w,
@@ -168,16 +172,19 @@ def linear_cross_entropy_fwd(
         return loss, lse, dx, dw, db_acc
     buf = torch.empty((c, v), dtype=x.dtype, device=x.device)  # the only [C, V] tensor
     args = (ignore_index, label_smoothing, z_loss, softcap)
+    ce_fwd_into = cross_entropy_fwd_into if shard is None else shard.fwd_into
     for s in range(0, n, c):
         e = min(s + c, n)
         xc, tc, idx = _chunk(x, target, rows, s, e)
         logits = _logits_into(buf[: e - s], xc, w, b)
         grad = logits if compute_grad else None  # the kernel overwrites the logits with G
-        loss_c, lse_c = cross_entropy_fwd_into(logits, tc, weight, weight_sum, grad_scale, grad, *args)
+        loss_c, lse_c = ce_fwd_into(logits, tc, weight, weight_sum, grad_scale, grad, *args)
         loss[s:e] = loss_c
         lse[s:e] = lse_c
         if compute_grad:
             _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db_acc, s == 0)
+    if shard is not None and dx is not None:
+        shard.all_reduce_(dx)
     return loss, lse, dx, dw, db_acc
 
 
@@ -201,11 +208,13 @@ def linear_cross_entropy_bwd(
     need_dx,
     need_dw,
     need_db,
+    shard=None,
 ):
     """Recompute plan: per chunk, logits again, G from the saved lse (with dloss fp32 1-element or one per
     computed row, dlse [rows] or None) written over them, then the three GEMMs. Returns dx, dw, db (fp32).
-    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py)."""
+    chunk_rows == FUSED_PLAN runs the fused tile plan instead (fused.py). shard: as in the forward."""
     if chunk_rows == FUSED_PLAN:
+        assert shard is None, "the fused tile plan does not run on a vocabulary shard"
         return fused_bwd(
             x,
             w,
@@ -246,6 +255,7 @@ def linear_cross_entropy_bwd(
     per_row = dloss.numel() != 1
     buf = torch.empty((c, v), dtype=x.dtype, device=x.device)
     args = (ignore_index, label_smoothing, z_loss, softcap)
+    ce_bwd = cross_entropy_bwd if shard is None else shard.bwd
     for s in range(0, n, c):
         e = min(s + c, n)
         xc, tc, idx = _chunk(x, target, rows, s, e)
@@ -253,8 +263,10 @@ def linear_cross_entropy_bwd(
         dloss_c = dloss[s:e] if per_row else dloss
         dlse_c = dlse[s:e] if dlse is not None else None
         inputs = (logits, tc, weight, weight_sum, grad_scale, dloss_c, dlse_c, lse[s:e])
-        cross_entropy_bwd(*inputs, logits, *args)
+        ce_bwd(*inputs, logits, *args)
         _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db_acc, s == 0)
+    if shard is not None and dx is not None:
+        shard.all_reduce_(dx)
     return dx, dw, db_acc
 
 
@@ -409,26 +421,28 @@ def _(
 # custom ops above stand in, on all rows (no data-dependent shapes, no host sync).
 
 
-def _run_fwd(x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, args, compute_grad, needs):
-    if torch.compiler.is_compiling():
+def _run_fwd(
+    x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, args, compute_grad, needs, shard
+):
+    if torch.compiler.is_compiling() and shard is None:
         loss, lse, dx, dw, db = _lce_fwd_op(
             x, w, b, target, weight, weight_sum, grad_scale, chunk_rows, *args, compute_grad, *needs
         )
         kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
         return (loss, lse, *kept)
     return linear_cross_entropy_fwd(
-        x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, *args, compute_grad, *needs
+        x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, *args, compute_grad, *needs, shard
     )
 
 
 def _run_bwd(
-    x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse, rows, chunk_rows, args, needs
+    x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse, rows, chunk_rows, args, needs, shard
 ):
     inputs = (x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and shard is None:
         grads = _lce_bwd_op(*inputs, chunk_rows, *args, *needs)
         return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
-    return linear_cross_entropy_bwd(*inputs, rows, chunk_rows, *args, *needs)
+    return linear_cross_entropy_bwd(*inputs, rows, chunk_rows, *args, *needs, shard)
 
 
 # ---- autograd ----
@@ -444,6 +458,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
       each chunk's logits and writes the gradient over them. 8NHV FLOPs.
 
     `rows` (eager only): indices of the non-ignored rows, or None to compute every row.
+    `shard` (fuselm.distributed, eager only): w, b are one rank's vocabulary shard (see the launchers).
     """
 
     @staticmethod
@@ -463,15 +478,30 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         softcap,
         return_lse,
         needs,
+        shard=None,
     ):
-        n, v = x.shape[0], w.shape[0]
+        n = x.shape[0]
+        v = shard.n_classes if shard is not None else w.shape[0]
         weight_sum, grad_scale = loss_scales(target, weight, ignore_index, reduction, label_smoothing, v)
         compute_grad = any(needs)
         grad_in_forward = compute_grad and reduction != "none" and not return_lse
         args = (ignore_index, label_smoothing, z_loss, softcap)
         loss, lse, dx, dw, db = _run_fwd(
-            x, w, b, target, weight, weight_sum, grad_scale, rows, chunk_rows, args, grad_in_forward, needs
+            x,
+            w,
+            b,
+            target,
+            weight,
+            weight_sum,
+            grad_scale,
+            rows,
+            chunk_rows,
+            args,
+            grad_in_forward,
+            needs,
+            shard,
         )
+        ctx.shard = shard
         ctx.grad_in_forward = grad_in_forward
         ctx.needs = needs
         ctx.args = args
@@ -534,10 +564,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 ctx.chunk_rows,
                 ctx.args,
                 ctx.needs,
+                ctx.shard,
             )
             if db is not None:
                 db = db.to(ctx.bias_dtype)
-        return dx, dw, db, *([None] * 11)
+        return dx, dw, db, *([None] * 12)
 
 
 def _compaction_allowed(device: torch.device) -> bool:
@@ -642,34 +673,15 @@ def linear_cross_entropy(
         >>> hidden.grad.shape, lm_head.grad.shape
         (torch.Size([2, 5, 16]), torch.Size([100, 16]))
     """
-    check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    input, linear_weight, linear_bias = linear_operands(
+        input, linear_weight, linear_bias, dtypes=(*FLOAT_DTYPES, torch.float64)
+    )
     device = input.device
-    if torch.is_autocast_enabled(device.type) and input.dtype != torch.float64:
-        dtype = torch.get_autocast_dtype(device.type)
-        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
-        linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
-    check_tensor("linear_weight", linear_weight, ndim=2, device=device)
-    if linear_weight.dtype != input.dtype:
-        raise ValueError(
-            f"linear_weight must have the dtype of input ({input.dtype}), got {linear_weight.dtype}"
-        )
     h = input.shape[-1]
     v = linear_weight.shape[0]
-    if linear_weight.shape[1] != h:
-        raise ValueError(
-            f"linear_weight must have shape [V, {h}] (input's last dim), got {tuple(linear_weight.shape)}"
-        )
     if v == 0:
         raise ValueError("linear_weight must have at least one row (one class)")
-    if linear_bias is not None:
-        check_tensor("linear_bias", linear_bias, ndim=1, device=device)
-        if linear_bias.dtype != input.dtype:
-            raise ValueError(
-                f"linear_bias must have the dtype of input ({input.dtype}), got {linear_bias.dtype}"
-            )
-        if linear_bias.shape[0] != v:
-            raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
     if ignore_index is None:  # torch.nn.functional.linear_cross_entropy's default, which means -100
         ignore_index = -100
     check_loss_args(
@@ -704,7 +716,72 @@ def linear_cross_entropy(
             loss_dtype=loss_dtype,
         )
 
-    x2 = rows_view(input)
+    return apply_linear_cross_entropy(
+        input,
+        linear_weight,
+        linear_bias,
+        target,
+        weight,
+        FUSED_PLAN if memory == "min" else chunk_rows_for(budget, v, h, input.element_size()),
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        return_lse,
+        loss_dtype,
+    )
+
+
+def linear_operands(input, linear_weight, linear_bias, dtypes):
+    """(input, linear_weight, linear_bias) after autocast (cast to the autocast dtype, as F.linear would),
+    checked: input of one of `dtypes`, linear_weight [V, H] and linear_bias [V] of its dtype and device."""
+    check_tensor("input", input, dtypes=dtypes, min_ndim=1)
+    device = input.device
+    if torch.is_autocast_enabled(device.type) and input.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device.type)
+        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
+        linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
+    check_tensor("linear_weight", linear_weight, ndim=2, device=device)
+    if linear_weight.dtype != input.dtype:
+        raise ValueError(
+            f"linear_weight must have the dtype of input ({input.dtype}), got {linear_weight.dtype}"
+        )
+    h = input.shape[-1]
+    v = linear_weight.shape[0]
+    if linear_weight.shape[1] != h:
+        raise ValueError(
+            f"linear_weight must have shape [V, {h}] (input's last dim), got {tuple(linear_weight.shape)}"
+        )
+    if linear_bias is not None:
+        check_tensor("linear_bias", linear_bias, ndim=1, device=device)
+        if linear_bias.dtype != input.dtype:
+            raise ValueError(
+                f"linear_bias must have the dtype of input ({input.dtype}), got {linear_bias.dtype}"
+            )
+        if linear_bias.shape[0] != v:
+            raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
+    return input, linear_weight, linear_bias
+
+
+def apply_linear_cross_entropy(
+    input,
+    linear_weight,
+    linear_bias,
+    target,
+    weight,
+    chunk_rows,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+    return_lse,
+    loss_dtype,
+    shard=None,
+):
+    """The Triton path of the public functions (arguments checked): rows view, compaction of ignored rows
+    (eager), LinearCrossEntropyFunction, output shapes and dtype."""
     t1 = target.reshape(-1).contiguous()
     grad_on = torch.is_grad_enabled()
     needs = (
@@ -713,18 +790,18 @@ def linear_cross_entropy(
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
     rows = None
-    if not return_lse and _compaction_allowed(device):
+    if not return_lse and _compaction_allowed(input.device):
         idx = (t1 != ignore_index).nonzero().reshape(-1)  # the one host sync: the count of kept rows
         if idx.shape[0] < t1.shape[0]:
             rows = idx
     loss, lse = LinearCrossEntropyFunction.apply(
-        x2,
+        rows_view(input),
         linear_weight,
         linear_bias,
         t1,
         weight.contiguous() if weight is not None else None,
         rows,
-        FUSED_PLAN if memory == "min" else chunk_rows_for(budget, v, h, input.element_size()),
+        chunk_rows,
         ignore_index,
         reduction,
         float(label_smoothing),
@@ -732,6 +809,7 @@ def linear_cross_entropy(
         float(softcap or 0.0),
         return_lse,
         needs,
+        shard,
     )
     loss = loss.to(loss_dtype)
     if reduction == "none":

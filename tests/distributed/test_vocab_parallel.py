@@ -1,0 +1,253 @@
+"""fuselm.distributed: the vocabulary split over W processes vs the single-process losses.
+
+Every case runs on W ranks (gloo on CPU, world sizes 2 and 3, vocabulary not divisible by either; nccl
+on 2 GPUs when there are 2), each rank on its slice of the classes; the parent checks the loss and every
+gradient (the shards put back together, and the input gradient of every rank) against eager PyTorch on
+the whole vocabulary and the float64 reference, under the numerics rule (DESIGN.md section 5).
+One spawn per world size runs every case (workers are slow to start).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+from test_cross_entropy import eager_cross_entropy, reference64  # noqa: E402
+from workers import nccl_world_sizes, run_workers  # noqa: E402
+
+import fuselm.distributed  # noqa: E402
+from fuselm.ops._common.testing import assert_numerics  # noqa: E402
+
+N_SHAPE = (3, 8)  # tokens: [B, T]
+H = 16
+V = 37  # prime: uneven slices for world sizes 2 and 3
+SCALAR_GRAD = 0.75  # upstream gradient of a scalar loss (exercises the rescaling of the in-forward gradient)
+
+# name -> (op, keyword arguments, how the vocabulary is split, what the case exercises)
+CASES = {
+    "ce_mean": ("ce", {}, "uneven"),
+    "ce_sum": ("ce", {"reduction": "sum"}, "uneven"),
+    "ce_none": ("ce", {"reduction": "none"}, "uneven"),
+    "ce_weight_smoothing": ("ce", {"weight": True, "label_smoothing": 0.1}, "uneven"),
+    "ce_smoothing_zloss_softcap_lse": (
+        "ce",
+        {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0, "return_lse": True, "reduction": "none"},
+        "uneven",
+    ),
+    "ce_weight_zloss_sum": ("ce", {"weight": True, "z_loss": 1e-2, "reduction": "sum"}, "uneven"),
+    "ce_inplace_backward": ("ce", {"inplace_backward": True, "label_smoothing": 0.1}, "uneven"),
+    "ce_ignore_index_5": ("ce", {"ignore_index": 5}, "uneven"),
+    "ce_empty_slice": ("ce", {"label_smoothing": 0.1}, "empty"),
+    "ce_gathered_sizes": ("ce", {}, "gathered"),
+    "ce_bad_target": ("ce", {"reduction": "none", "bad_target": True}, "uneven"),
+    "lce_mean_bias": ("lce", {"bias": True}, "uneven"),
+    "lce_sum": ("lce", {"reduction": "sum"}, "uneven"),
+    "lce_none_lse": ("lce", {"reduction": "none", "return_lse": True, "bias": True}, "uneven"),
+    "lce_all_options": (
+        "lce",
+        {"weight": True, "label_smoothing": 0.1, "z_loss": 1e-2, "softcap": 3.0, "bias": True},
+        "uneven",
+    ),
+    "lce_chunks": ("lce", {"memory": 1, "label_smoothing": 0.1}, "uneven"),  # 16-row chunks: 2 of them
+    "lce_memory_min": ("lce", {"memory": "min"}, "uneven"),
+    "lce_empty_slice": ("lce", {"bias": True}, "empty"),
+    "lce_gathered_sizes": ("lce", {}, "gathered"),
+    "lce_dtensor": ("lce", {"bias": True}, "dtensor"),
+}
+OPTION_KEYS = ("bias", "bad_target")  # case options that are not function arguments
+
+
+def split_sizes(world: int, how: str) -> list[int]:
+    if how == "empty":  # one rank without classes
+        return [V - 5, 0, 5][:world] if world == 3 else [V, 0]
+    if how == "dtensor":  # torch.chunk's split, what Shard(0) does
+        per = -(-V // world)
+        return [max(0, min(per, V - r * per)) for r in range(world)]
+    base = [V // world + (1 if r < V % world else 0) for r in range(world)]
+    return [base[0] + 2, *base[1:-1], base[-1] - 2]  # deliberately uneven
+
+
+def case_inputs(name: str, dtype: torch.dtype, device: str):
+    """Whole-vocabulary inputs of a case, the same on every rank (seeded by the case name)."""
+    op, kw, _ = CASES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    n = N_SHAPE[0] * N_SHAPE[1]
+    target = torch.randint(0, V, (n,), generator=g)
+    target[torch.randperm(n, generator=g)[: n // 4]] = kw.get("ignore_index", -100)
+    if kw.get("bad_target"):
+        target[1] = V + 3
+    out = {"target": target.reshape(N_SHAPE).to(device)}
+    if op == "ce":
+        out["logits"] = (2 * torch.randn(n, V, generator=g)).reshape(*N_SHAPE, V)
+    else:
+        out["x"] = torch.randn(*N_SHAPE, H, generator=g)
+        out["w"] = torch.randn(V, H, generator=g) * (2.0 / H**0.5)
+        out["b"] = torch.randn(V, generator=g) * 0.5 if kw.get("bias") else None
+    out["class_weight"] = torch.rand(V, generator=g) + 0.5 if kw.get("weight") else None
+    n_out = 2 if kw.get("return_lse") else 1
+    shape = N_SHAPE if kw.get("reduction") == "none" else ()
+    ups = [torch.randn(shape, generator=g) if shape else torch.tensor(SCALAR_GRAD) for _ in range(n_out)]
+    if n_out == 2:
+        ups[1] = torch.randn(N_SHAPE, generator=g)
+    out["upstream"] = ups
+    for k in ("logits", "x", "w", "b", "class_weight"):
+        if out.get(k) is not None:
+            out[k] = out[k].to(device=device, dtype=dtype)
+    out["upstream"] = [u.to(dtype).to(device) for u in ups]
+    return out
+
+
+def function_kwargs(kw: dict, inputs: dict) -> dict:
+    args = {k: v for k, v in kw.items() if k not in OPTION_KEYS and k != "weight"}
+    args["weight"] = inputs["class_weight"]
+    return args
+
+
+def _outputs_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _distributed_case(name: str, rank: int, world: int, dtype: torch.dtype, device: str) -> dict:
+    op, kw, how = CASES[name]
+    inputs = case_inputs(name, dtype, device)
+    sizes = split_sizes(world, how)
+    lo = sum(sizes[:rank])
+    sl = slice(lo, lo + sizes[rank])
+    args = function_kwargs(kw, inputs)
+    if how != "gathered" and how != "dtensor":
+        args["vocab_sizes"] = sizes
+    if op == "ce":
+        logits = inputs["logits"][..., sl].detach().clone().requires_grad_()
+        leaves = [logits]
+        outs = fuselm.distributed.cross_entropy(logits, inputs["target"], **args)
+    else:
+        x = inputs["x"].detach().clone().requires_grad_()
+        w = inputs["w"][sl].detach().clone().requires_grad_()
+        b = inputs["b"][sl].detach().clone().requires_grad_() if inputs["b"] is not None else None
+        leaves = [x, w] + ([b] if b is not None else [])
+        w_arg, b_arg = w, b
+        if how == "dtensor":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = init_device_mesh(torch.device(device).type, (world,))
+            w_arg = DTensor.from_local(w, mesh, [Shard(0)], run_check=False, shape=(V, H), stride=(H, 1))
+            if b is not None:
+                b_arg = DTensor.from_local(b, mesh, [Shard(0)], run_check=False, shape=(V,), stride=(1,))
+        outs = fuselm.distributed.linear_cross_entropy(x, w_arg, inputs["target"], linear_bias=b_arg, **args)
+    outs = _outputs_tuple(outs)
+    ups = [u.to(o.dtype) for u, o in zip(inputs["upstream"], outs, strict=True)]
+    grads = torch.autograd.grad(outs, leaves, ups)
+    return {
+        "outs": [o.detach().cpu() for o in outs],
+        "grads": [g.detach().cpu() for g in grads],
+        "out_dtypes": [o.dtype for o in outs],
+    }
+
+
+def _worker(rank: int, world: int, names: list[str], dtype: torch.dtype, device_kind: str) -> dict:
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    return {name: _distributed_case(name, rank, world, dtype, device) for name in names}
+
+
+def single_process(name: str, dtype: torch.dtype, fn):
+    """Outputs and gradients on the whole vocabulary: "eager" (PyTorch in dtype) or "reference" (fp64)."""
+    op, kw, _ = CASES[name]
+    inputs = case_inputs(name, dtype, "cpu")
+    if kw.get("bad_target"):  # the oracle has no NaN rows: it sees that row ignored (compared as 0)
+        inputs["target"].view(-1)[1] = kw.get("ignore_index", -100)
+    compute = torch.float64 if fn == "reference" else dtype
+    args = function_kwargs(kw, inputs)
+    args.pop("memory", None)
+    args.pop("inplace_backward", None)
+    if args["weight"] is not None:
+        args["weight"] = args["weight"].to(compute)
+    ce = reference64 if fn == "reference" else eager_cross_entropy
+    if op == "ce":
+        leaves = [inputs["logits"].detach().to(compute).requires_grad_()]
+        outs = ce(leaves[0], inputs["target"], **args)
+    else:
+        leaves = [
+            inputs[k].detach().to(compute).requires_grad_() for k in ("x", "w", "b") if inputs[k] is not None
+        ]
+        logits = F.linear(leaves[0], leaves[1], leaves[2] if len(leaves) == 3 else None)
+        outs = ce(logits, inputs["target"], **args)
+    outs = _outputs_tuple(outs)
+    ups = [u.to(o.dtype) for u, o in zip(inputs["upstream"], outs, strict=True)]
+    grads = torch.autograd.grad(outs, leaves, ups)
+    return [o.detach() for o in outs], [g.detach() for g in grads]
+
+
+def check_case(name: str, per_rank: list[dict], dtype: torch.dtype, world: int) -> None:
+    op, _, how = CASES[name]
+    sizes = split_sizes(world, how)
+    eager_outs, eager_grads = single_process(name, dtype, "eager")
+    ref_outs, ref_grads = single_process(name, dtype, "reference")
+    first = per_rank[0]
+    if CASES[name][1].get("bad_target"):  # an out-of-range target: NaN loss and gradient on its row only
+        for res in per_rank:
+            loss, grad = res["outs"][0].view(-1), res["grads"][0].view(-1, res["grads"][0].shape[-1])
+            assert torch.isnan(loss[1]) and torch.isnan(grad[1]).all(), f"{name}: the bad row is not NaN"
+            loss[1] = 0.0
+            grad[1] = 0.0
+    for r, res in enumerate(per_rank):
+        for o, o0 in zip(res["outs"], first["outs"], strict=True):
+            assert torch.equal(o.nan_to_num(), o0.nan_to_num()), (
+                f"{name}: rank {r}'s output differs from rank 0's"
+            )
+    assert first["out_dtypes"][0] == dtype
+    for what, o, e, ref in zip(("loss", "lse"), first["outs"], eager_outs, ref_outs, strict=False):
+        assert o.shape == ref.shape, f"{name} {what}: shape {tuple(o.shape)} != {tuple(ref.shape)}"
+        assert_numerics(f"{name} {what}", o, e, ref, dtype)
+    if op == "ce":
+        shard_grad_names, full_grads = ["logits"], []
+    else:
+        # the input gradient is the whole one on every rank (summed over the ranks)
+        for r, res in enumerate(per_rank):
+            assert_numerics(
+                f"{name} input grad (rank {r})", res["grads"][0], eager_grads[0], ref_grads[0], dtype
+            )
+        shard_grad_names = ["weight", "bias"][: len(first["grads"]) - 1]
+        full_grads = [None]
+    for i, what in enumerate(shard_grad_names, start=len(full_grads)):
+        shards = [res["grads"][i] for res in per_rank]
+        assert [s.shape[-1 if op == "ce" else 0] for s in shards] == sizes
+        whole = torch.cat(shards, dim=-1 if op == "ce" else 0)
+        assert_numerics(f"{name} {what} grad", whole, eager_grads[i], ref_grads[i], dtype)
+
+
+_RESULTS: dict = {}
+
+
+def distributed_results(world: int, backend: str, dtype: torch.dtype) -> list[dict]:
+    """Every case on `world` ranks, computed once per (world, backend, dtype) for the whole module."""
+    key = (world, backend, dtype, os.environ.get("TRITON_INTERPRET", "0"))
+    if key not in _RESULTS:
+        kind = "cuda" if backend == "nccl" else "cpu"
+        _RESULTS[key] = run_workers(_worker, world, backend=backend, args=(list(CASES), dtype, kind))
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_matches_single_process(name, world):
+    per_rank = distributed_results(world, "gloo", torch.float32)
+    check_case(name, [res[name] for res in per_rank], torch.float32, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "world", nccl_world_sizes() or [pytest.param(2, marks=pytest.mark.skip("needs 2 GPUs"))]
+)
+def test_nccl_matches_single_process(name, dtype, world):
+    per_rank = distributed_results(world, "nccl", dtype)
+    check_case(name, [res[name] for res in per_rank], dtype, world)
