@@ -251,3 +251,110 @@ def test_gloo_matches_single_process(name, world):
 def test_nccl_matches_single_process(name, dtype, world):
     per_rank = distributed_results(world, "nccl", dtype)
     check_case(name, [res[name] for res in per_rank], dtype, world)
+
+
+# ---- bad arguments: each error names what is wrong ----
+
+
+def _errors_worker(rank: int, world: int) -> list[tuple[str, str, str]]:
+    """(what, exception type, message) of every bad call, on rank `rank` of `world`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    x, w, t = torch.randn(4, H), torch.randn(5, H), torch.randint(0, 5 * world, (4,))
+    mesh = init_device_mesh("cpu", (world,))
+    calls = {
+        "vocab_sizes of the wrong length": lambda: fuselm.distributed.linear_cross_entropy(
+            x, w, t, vocab_sizes=[5] * (world + 1)
+        ),
+        "vocab_sizes without this rank's size": lambda: fuselm.distributed.linear_cross_entropy(
+            x, w, t, vocab_sizes=[6] * world
+        ),
+        "DTensor and process_group": lambda: fuselm.distributed.linear_cross_entropy(
+            x, DTensor.from_local(w, mesh, [Shard(0)]), t, process_group=mesh.get_group()
+        ),
+        "DTensor weight replicated": lambda: fuselm.distributed.linear_cross_entropy(
+            x, DTensor.from_local(w, mesh, [Replicate()]), t
+        ),
+        "DTensor input sharded": lambda: fuselm.distributed.linear_cross_entropy(
+            DTensor.from_local(x, mesh, [Shard(0)]), w, t
+        ),
+        "class weight of the local size": lambda: fuselm.distributed.linear_cross_entropy(
+            x, w, t, weight=torch.ones(5)
+        ),
+        "float64": lambda: fuselm.distributed.cross_entropy(torch.randn(4, 5, dtype=torch.float64), t),
+        "every slice empty": lambda: fuselm.distributed.cross_entropy(torch.randn(4, 0), t),
+    }
+    out = []
+    for what, call in calls.items():
+        try:
+            call()
+            out.append((what, "no error", ""))
+        except Exception as e:  # reported to the parent
+            out.append((what, type(e).__name__, str(e)))
+    return out
+
+
+ERRORS = {  # what -> (exception type, words the message must contain)
+    "vocab_sizes of the wrong length": ("ValueError", "vocab_sizes"),
+    "vocab_sizes without this rank's size": ("ValueError", "vocab_sizes"),
+    "DTensor and process_group": ("ValueError", "process_group"),
+    "DTensor weight replicated": ("ValueError", "Shard(0)"),
+    "DTensor input sharded": ("ValueError", "input"),
+    "class weight of the local size": ("ValueError", "weight"),
+    "float64": ("ValueError", "input"),
+    "every slice empty": ("ValueError", "no class"),
+}
+
+
+def test_bad_arguments_raise_errors_that_name_them():
+    per_rank = run_workers(_errors_worker, 2)
+    for rank, results in enumerate(per_rank):
+        assert [r[0] for r in results] == list(ERRORS)
+        for what, kind, message in results:
+            want_kind, words = ERRORS[what]
+            assert kind == want_kind and words in message, f"rank {rank}, {what}: {kind}: {message}"
+
+
+def test_needs_an_initialized_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        fuselm.distributed.cross_entropy(torch.randn(4, 5), torch.randint(0, 5, (4,)))
+
+
+# ---- memory: no rank holds more than its slice of any [N, V] tensor ----
+
+
+def _memory_worker(rank: int, world: int, n: int, h: int, v: int, budget: int) -> dict:
+    device = torch.device("cuda", rank)
+    sizes = split_sizes(world, "uneven") if v == V else [v // world + (r < v % world) for r in range(world)]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, h, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(sizes[rank], h, device=device, generator=g) / h**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    x.grad, w.grad = torch.zeros_like(x), torch.zeros_like(w)  # gradients allocated once, as in training
+    loss = fuselm.distributed.linear_cross_entropy(x, w, t, vocab_sizes=sizes, memory=budget)  # warm up
+    loss.backward()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = fuselm.distributed.linear_cross_entropy(x, w, t, vocab_sizes=sizes, memory=budget)
+    loss.backward()
+    torch.cuda.synchronize(device)
+    return {"extra": torch.cuda.max_memory_allocated(device) - before, "rows": sizes[rank]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "world", nccl_world_sizes() or [pytest.param(2, marks=pytest.mark.skip("needs 2 GPUs"))]
+)
+def test_nccl_rank_memory_is_one_chunk_plus_gradients(world):
+    """Extra peak memory per rank of fwd + bwd: the chunk buffer, dX and dW of its slice (the gradients of
+    the step, before they are added into .grad) and O(N) statistics; far below its [N, V_r] slice of
+    logits (1 GiB here)."""
+    n, h, v, budget = 8192, 1024, 128256, 64 * 2**20
+    for res in run_workers(_memory_worker, world, backend="nccl", args=(n, h, v, budget)):
+        grads = 2 * (n * h + res["rows"] * h)  # bf16 dX and dW
+        allowed = budget + grads + n * 64 + 2**20  # + per-token fp32 statistics and allocator rounding
+        logits_slice = 2 * n * res["rows"]
+        assert res["extra"] <= allowed, f"extra {res['extra'] / 2**20:.1f} MiB > {allowed / 2**20:.1f} MiB"
+        assert res["extra"] < logits_slice / 4
