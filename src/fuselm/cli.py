@@ -7,6 +7,7 @@ Usage::
     fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
     fuselm bench all                   # every suite, default shapes
     fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
+    fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
     fuselm demo                        # train a small Llama twice: HF eager vs fuselm.hf.patch
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
@@ -106,8 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: cuda when available (default)",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument("--steps", type=int, help="e2e only: timed training steps per run (default 10; CPU 3)")
-    bench.add_argument("--warmup", type=int, help="e2e only: warmup steps before timing (default 3; CPU 2)")
+    bench.add_argument(
+        "--steps",
+        type=int,
+        help="e2e: timed training steps per run (default 10; CPU 3); --world-size: timed fwd+bwd steps "
+        "per provider (default 20; --quick 3)",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        help="e2e: warmup steps before timing (default 3; CPU 2); --world-size: per provider (default 3)",
+    )
+    bench.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        help="linear_cross_entropy only: split the vocabulary over this many GPUs (gloo processes on a CPU) "
+        "and compare with one GPU and with all-gathered logits; writes linear_cross_entropy_ws<N>.*",
+    )
     _add_demo_parser(sub)
     return parser
 
@@ -134,6 +151,12 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.suite is None:
         _list_suites()
         return 0
+    if args.world_size > 1:  # the vocabulary split over ranks: its own runner, spawning one process per rank
+        if args.suite != "linear_cross_entropy":
+            raise UsageError(f"--world-size applies to linear_cross_entropy only, not to {args.suite!r}")
+        from .bench.lce_parallel import run_cli
+
+        return run_cli(args, argv)
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)
     names = suite_names() if args.suite == "all" else [args.suite]

@@ -14,6 +14,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ def shape_label(shape: tuple[int, ...]) -> str:
 
 def _cell(row: Row, col: str) -> str:
     if col == "ms" and row.ms is None and row.error:
-        return "error"
+        return "OOM" if row.error.startswith("OutOfMemoryError") else "error"
     value = row.extra_mib if col == "extra_mib" else getattr(row, col)
     if col in ("x_copy", "x_gemm", "x_floor") and value is not None:
         return f"{value:.2f}"
@@ -209,8 +210,9 @@ def notes(report: Report) -> list[str]:
     return out
 
 
-def markdown(report: Report) -> str:
-    """The whole markdown report: header with device, versions, commit, date and ceilings; table; notes."""
+def markdown(report: Report, extra: str = "") -> str:
+    """The whole markdown report: header with device, versions, commit, date and ceilings; table; ``extra``
+    (more sections, markdown); notes."""
     m = report.metadata
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
     lines = [f"# fuselm bench {report.suite.name}", "", f"{report.suite.description}, {dtype}.", ""]
@@ -234,6 +236,8 @@ def markdown(report: Report) -> str:
         markdown_table(report),
         "",
     ]
+    if extra:
+        lines += [extra.rstrip("\n"), ""]
     lines += [f"- {n}" for n in notes(report)]
     for name, reason in report.skipped.items():
         lines.append(f"- skipped {name}: {reason}")
@@ -279,21 +283,23 @@ def plot_metric(report: Report) -> str:
     return "ms"
 
 
-def write_png(report: Report, path: Path) -> None:
-    """Grouped bars per shape and provider, one subplot per mode."""
+def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) -> None:
+    """Grouped bars per shape and provider, one subplot per mode and metric (``metrics``: columns such as
+    ``ms`` or ``extra_mib``; default: :func:`plot_metric`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = plot_metric(report)
+    metrics = list(metrics or [plot_metric(report)])
     providers = [p for p in report.providers if p not in report.skipped]
-    modes = list(report.modes)
+    panels = [(metric, mode) for metric in metrics for mode in report.modes]
     panel_width = min(8.0, max(4.0, 1.5 + 0.35 * len(report.shapes) * max(1, len(providers))))
-    fig, axes = plt.subplots(1, len(modes), figsize=(panel_width * len(modes), 4), squeeze=False)
+    fig_width = max(6.0, panel_width * len(panels))  # room for the title
+    fig, axes = plt.subplots(1, len(panels), figsize=(fig_width, 4), squeeze=False)
     axes = list(axes[0])
     width = 0.8 / max(1, len(providers))
-    for ax, mode in zip(axes, modes, strict=True):
+    for ax, (metric, mode) in zip(axes, panels, strict=True):
         for i, prov in enumerate(providers):
             vals = []
             for s in report.shapes:
@@ -304,9 +310,9 @@ def write_png(report: Report, path: Path) -> None:
             ax.bar(xs, vals, width=width, label=prov)
         ax.set_xticks(range(len(report.shapes)))
         ax.set_xticklabels([shape_label(s) for s in report.shapes], fontsize=8)
-        ax.set_title(mode)
+        ax.set_title(mode if len(metrics) == 1 else f"{mode}: {COLUMN_TITLES[metric]}")
         ax.set_ylabel(COLUMN_TITLES[metric])
-        if metric != "ms":
+        if metric in PLOT_METRICS:
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     axes[0].legend(fontsize=8)
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
@@ -316,16 +322,26 @@ def write_png(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: Report, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` into ``out_dir``; return their paths."""
+def write_report(
+    report: Report,
+    out_dir: str | Path,
+    *,
+    extra_markdown: str = "",
+    extra_json: dict[str, Any] | None = None,
+    plot_metrics: Sequence[str] | None = None,
+) -> dict[str, Path]:
+    """Write ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` into ``out_dir``; return their paths.
+
+    ``extra_markdown`` goes after the table (:func:`markdown`), ``extra_json`` is merged into the JSON's
+    top level, ``plot_metrics`` picks the plotted columns (:func:`write_png`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = report.suite.name
     paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
-    paths["md"].write_text(markdown(report))
-    paths["json"].write_text(json.dumps(to_json(report), indent=2) + "\n")
+    paths["md"].write_text(markdown(report, extra_markdown))
+    paths["json"].write_text(json.dumps({**to_json(report), **(extra_json or {})}, indent=2) + "\n")
     try:
-        write_png(report, paths["png"])
+        write_png(report, paths["png"], plot_metrics)
     except ImportError as e:
         print(f"no plot written ({e}); pip install matplotlib")
         del paths["png"]

@@ -129,11 +129,21 @@ def _same_slot(component: str) -> tuple[str, ...]:
     return LOSSES if component in LOSSES else (component,)
 
 
+def _hf_class(module: nn.Module) -> type:
+    """The module's Hugging Face class: FSDP2's fully_shard (and replicate) swap a module's class for a
+    subclass (FSDPModule, cls) defined in torch; look through that one, not through user subclasses."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        return bases[1]
+    return cls
+
+
 def _patch_instance(model: nn.Module, components: list[str]) -> None:
     mark = getattr(model, INSTANCE_MARK, None) or {"families": {}, "modules": []}
     families: dict[str, FamilySpec] = {}
     for sub in model.modules():
-        spec = family_of_module(type(sub).__module__)
+        spec = family_of_module(_hf_class(sub).__module__)
         if spec is None:
             continue
         families[spec.model_type] = spec
@@ -143,7 +153,7 @@ def _patch_instance(model: nn.Module, components: list[str]) -> None:
             if component == "rope" or in_class:
                 continue  # rope: module-level, below; a patched class already runs fuselm's forward
             cls, _, new = _replacement(spec, component, module)
-            if type(sub) is not cls or "forward" in vars(sub):
+            if _hf_class(sub) is not cls or "forward" in vars(sub):
                 continue
             sub.forward = types.MethodType(new, sub)
             mark["modules"].append(sub)
@@ -276,7 +286,7 @@ def is_patched(target) -> bool:
     if isinstance(target, nn.Module):
         if getattr(target, INSTANCE_MARK, None) is not None:
             return True
-        specs = {s.model_type for m in target.modules() if (s := family_of_module(type(m).__module__))}
+        specs = {s.model_type for m in target.modules() if (s := family_of_module(_hf_class(m).__module__))}
         return any(_family_patched(model_type) for model_type in specs)
     return _family_patched(_family_of_target(target).model_type)
 

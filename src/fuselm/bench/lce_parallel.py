@@ -1,0 +1,835 @@
+"""Vocabulary-parallel linear cross-entropy: ``fuselm bench linear_cross_entropy --world-size W``.
+
+The classes of ``loss = cross_entropy(x @ W.T, target)`` are split over W processes (one GPU each with
+NCCL; gloo processes on a CPU): rank r holds the contiguous rows ``W[start_r:start_r + V_r]`` as
+``torch.tensor_split`` cuts them (V = qW + m: the first m ranks get q + 1 rows; 128256 over 2 ranks is
+64128 + 64128). x ``[N, H]`` (N(0, 1)), W (N(0, 1/H)) and target ``[N]`` (1/7 of it -100) are made from
+one seed by the op suite's ``make_inputs`` and broadcast from rank 0, so every rank holds the same
+problem. Shapes are ``N x H x V`` (``--shapes 8192x4096x128256``). Each provider is timed forward +
+backward of the mean loss, ``torch.autograd.grad`` w.r.t. x and the rank's weight rows (the op suite's
+``full`` mode):
+
+- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy(x, W_r, target, vocab_sizes=...)`` on
+  every rank: the loss over the whole vocabulary, no rank ever holding ``[N, V]``.
+- ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output):
+  x enters through an identity whose backward all-reduces its gradient, the local logits
+  ``x @ W_r.T`` ``[N, V_r]`` are all-gathered into ``[N, V]`` (backward: the rank's columns of the
+  gradient, no communication), then ``F.cross_entropy(logits.float(), target)``. Not
+  ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W
+  times too much for a loss that every rank computes in full.
+- ``fuselm_single``: ``fuselm.linear_cross_entropy(x, W, target)`` with the whole W on rank 0 alone
+  (the other ranks wait): the single-GPU reference of the acceptance ratio.
+
+Method: one group of W spawned processes (``torch.multiprocessing``, ``file://`` init in a temporary
+folder) first measures the card's ceilings on every rank (``harness.measure_ceilings``), then runs every
+(shape, provider) in turn. Per case: inputs, ``warmup`` steps (the first one also records the loss and
+the gradient norm, a cross-check of the providers), one step for memory (CUDA: peak allocated minus
+allocated before, minus the returned gradients' fresh bytes, as the op suite counts ``extra``), a
+barrier, then ``steps`` steps, each between two CUDA events (CPU: ``time.perf_counter``). A fixed count,
+not ``triton.testing.do_bench``: that picks its repetitions per process from timings, ranks could
+disagree on the number of collectives and hang. A rank's time is the median of its steps; a row's time
+is the slowest rank's (the step ends when the last rank's does), its extra memory the largest rank's;
+the JSON keeps every rank's. FLOPs are per rank: 6NHV/W for the split providers, 6NHV for the single
+GPU, so ``x floor`` is the time over the GEMM floor of the work one GPU does.
+
+Failures: a case ends with an all-reduce of its status (ok, skipped, OOM, error) on every rank, so all
+ranks go on to the next case together, a failed case reported as such (``OOM`` for
+``torch.cuda.OutOfMemoryError``). A rank that fails inside a collective can leave the others waiting in
+it: each rank writes its results to a file as it goes, the parent watches them, kills a group that makes
+no progress (``CASE_TIMEOUT_S``; ``FAILED_GRACE_S`` once a rank has reported a failure) and starts a
+fresh group for the remaining cases.
+
+Acceptance (issue): on 2 GPUs, ``fuselm_split`` fwd + bwd of (8192, 4096, 128256) takes <= 0.6x the
+``fuselm_single`` time measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import linear_cross_entropy as lce
+from .harness import (
+    MIB,
+    Ceilings,
+    Cost,
+    Inputs,
+    Provider,
+    Report,
+    Row,
+    Shape,
+    SkipProvider,
+    Suite,
+    _error_text,
+    _finish,
+    free_memory,
+    fresh_bytes,
+    measure_ceilings,
+    peak_extra_bytes,
+    sync,
+)
+from .report import fmt_num, shape_label
+
+SPLIT_PROVIDERS = ("fuselm_split", "allgather_logits")  # the work spread over every rank
+GPU_SHAPES: tuple[Shape, ...] = ((8192, 4096, 128256), (8192, 4096, 256000))
+CPU_SHAPES: tuple[Shape, ...] = ((256, 64, 1001),)
+ACCEPTANCE_SHAPE, ACCEPTANCE_WORLD_SIZE, ACCEPTANCE_RATIO = (8192, 4096, 128256), 2, 0.6
+SEED = 0
+# (warmup steps, timed steps) by (device type, --quick)
+STEPS = {("cuda", False): (3, 20), ("cuda", True): (2, 3), ("cpu", False): (1, 5), ("cpu", True): (1, 3)}
+CASE_TIMEOUT_S = {"cuda": 600.0, "cpu": 300.0}  # no case finished for this long: the group is killed
+FAILED_GRACE_S = 60.0  # a rank reported a failure: how long the others may take to reach the agreement
+POLL_S = 0.2
+STATUSES = ("ok", "skipped", "oom", "error")  # in order of precedence: the ranks agree on the worst
+
+
+def vocab_split(v: int, world_size: int) -> list[int]:
+    """Rows of the vocabulary per rank, as ``torch.tensor_split`` cuts them.
+
+    Example:
+        >>> vocab_split(128256, 2), vocab_split(301, 2)
+        ([64128, 64128], [151, 150])
+    """
+    q, m = divmod(v, world_size)
+    return [q + (r < m) for r in range(world_size)]
+
+
+# ---- providers: fn(inputs) -> loss; inputs: input, linear_weight (the rank's rows), target, vocab_sizes
+
+
+class _CopyToShards(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient (each rank holds its rows' share of dx)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()  # the matmul's fresh dx: summed in place
+        dist.all_reduce(grad)
+        return grad
+
+
+class _GatherVocab(torch.autograd.Function):
+    """``[N, V_r]`` on each rank -> ``[N, V]`` (all-gather along V); backward: this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        rank = dist.get_rank()
+        ctx.start, ctx.size = sum(sizes[:rank]), sizes[rank]
+        width = max(sizes)  # uneven splits travel padded to the largest slice
+        send = F.pad(local, (0, width - local.shape[1])).contiguous()
+        parts = [torch.empty_like(send) for _ in sizes]
+        dist.all_gather(parts, send)
+        return torch.cat([p[:, :s] for p, s in zip(parts, sizes, strict=True)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[:, ctx.start : ctx.start + ctx.size].contiguous(), None
+
+
+def allgather_logits_loss(
+    x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
+) -> torch.Tensor:
+    """The baseline: local logits all-gathered into ``[N, V]``, then ``F.cross_entropy(logits.float())``.
+
+    x ``[N, H]`` and target ``[N]`` the same on every rank, weight_rows this rank's ``[V_r, H]`` of the
+    split ``vocab_sizes``; the gradients are those of the whole problem (dx summed over the ranks).
+    """
+    local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
+    logits = _GatherVocab.apply(local, tuple(vocab_sizes))  # [N, V]
+    return F.cross_entropy(logits.float(), target, ignore_index=lce.IGNORE_INDEX)
+
+
+def setup_fuselm_split(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.distributed.linear_cross_entropy on this rank's rows (the split passed: no size exchange)."""
+    try:
+        from fuselm.distributed import linear_cross_entropy as split_lce
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"fuselm.distributed not importable ({type(e).__name__}: {e})") from None
+    return lambda x: split_lce(*lce._args(x), vocab_sizes=x["vocab_sizes"], memory="auto")
+
+
+def setup_allgather_logits(device: torch.device) -> Callable[[Inputs], Any]:
+    """All-gathered logits + F.cross_entropy (:func:`allgather_logits_loss`)."""
+    return lambda x: allgather_logits_loss(*lce._args(x), x["vocab_sizes"])
+
+
+def make_suite(world_size: int) -> Suite:
+    """The suite of a run over ``world_size`` ranks (its name names the report files)."""
+    return Suite(
+        name=f"{lce.SUITE.name}_ws{world_size}",
+        description=(
+            f"fused linear cross-entropy with the vocabulary split over {world_size} ranks: x [N, H] and "
+            "target [N] on every rank, rank r holding W[V_r rows, H]; mean over the non-ignored targets, "
+            "forward + backward"
+        ),
+        shape_dims=("N", "H", "V"),
+        gpu_shapes=GPU_SHAPES,
+        cpu_shapes=CPU_SHAPES,
+        providers=(
+            Provider(
+                "fuselm_split", setup_fuselm_split, "fuselm.distributed.linear_cross_entropy, every rank"
+            ),
+            Provider(
+                "allgather_logits", setup_allgather_logits, "all-gathered [N, V] logits + F.cross_entropy"
+            ),
+            Provider("fuselm_single", lce.setup_fuselm, "fuselm.linear_cross_entropy, whole W on rank 0"),
+        ),
+        make_inputs=lce.make_inputs,
+        cost=lce.cost,
+        columns=("ms", "x_floor", "extra_mib"),
+        forward_grad=True,
+        notes=(
+            "ms: the slowest rank's median step; extra MiB: the largest rank's (every rank's below and in "
+            "the JSON).",
+            f"FLOPs per rank: 6NHV/{world_size} for fuselm_split and allgather_logits, 6NHV for "
+            "fuselm_single; x floor is the time over the GEMM floor of one GPU's share.",
+            "Inputs as the single-GPU suite's random ones: x ~ N(0, 1), W ~ N(0, 1/H), round(N/7) targets "
+            "-100, made from one seed and broadcast from rank 0.",
+        ),
+    )
+
+
+# ---- one rank (a spawned process) ----
+
+
+@dataclass(frozen=True)
+class Case:
+    index: int
+    shape: Shape
+    provider: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one group of ranks runs (pickled to every spawned process)."""
+
+    world_size: int
+    device_type: str
+    dtype: torch.dtype
+    warmup: int
+    steps: int
+    quick: bool
+    cases: tuple[Case, ...]
+    ceilings: bool  # measure them on every rank first
+    timeout_s: float
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _inputs(case: Case, plan: Plan, device: torch.device, rank: int) -> Inputs:
+    """The whole problem made from the seed; the split providers keep this rank's rows of W."""
+    torch.manual_seed(SEED)
+    x = lce.make_inputs(case.shape, plan.dtype, device)
+    if case.provider not in SPLIT_PROVIDERS:
+        return {**x, "vocab_sizes": [case.shape[2]]}
+    for t in x.values():  # one problem on every rank, whatever each rank's RNG does
+        dist.broadcast(t.detach(), src=0)
+    sizes = vocab_split(case.shape[2], plan.world_size)
+    start = sum(sizes[:rank])
+    rows = x["linear_weight"].detach()[start : start + sizes[rank]].clone().requires_grad_(True)
+    return {**x, "linear_weight": rows, "vocab_sizes": sizes}
+
+
+def time_steps(step: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
+    """Milliseconds of each of ``steps`` calls: two CUDA events around each (no host sync in between),
+    ``time.perf_counter`` on CPU."""
+    if device.type != "cuda":
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)
+    ]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _measure(case: Case, plan: Plan, device: torch.device, rank: int) -> dict[str, Any]:
+    """One rank's share of one case: loss, gradient norm, memory (CUDA), step times."""
+    split = case.provider in SPLIT_PROVIDERS
+    fn = make_suite(plan.world_size).provider(case.provider).setup(device)  # SkipProvider: before collectives
+    inputs = _inputs(case, plan, device, rank)
+    wrt = [inputs["input"], inputs["linear_weight"]]
+
+    def step() -> tuple[torch.Tensor, ...]:
+        loss = fn(inputs)
+        return (loss.detach(), *torch.autograd.grad(loss, wrt))
+
+    loss, dx, dw = step()
+    dw_sq = dw.double().pow(2).sum()
+    if split:  # dx is the whole gradient on every rank; dW is split
+        dist.all_reduce(dw_sq)
+    out: dict[str, Any] = {
+        "loss": float(loss),
+        "grad_norm": math.sqrt(float(dx.double().pow(2).sum()) + float(dw_sq)),
+    }
+    del loss, dx, dw
+    for _ in range(plan.warmup - 1):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        peak, _, result = peak_extra_bytes(step, device)
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+        out["grad_bytes"] = fresh_bytes(result[1:], tensors)
+        out["peak_bytes"] = peak
+        out["extra_bytes"] = max(peak - out["grad_bytes"], 0)
+        del result
+    if split:
+        dist.barrier()
+    out["times_ms"] = time_steps(step, device, plan.steps)
+    out["ms"] = statistics.median(out["times_ms"])
+    return out
+
+
+def _run_case(case: Case, plan: Plan, device: torch.device, rank: int, path: Path) -> None:
+    """Measure (a split provider, or rank 0 of the single one), then agree on the status with every rank."""
+    record: dict[str, Any] = {"kind": "case", "index": case.index, "rank": rank, "status": "ok"}
+    try:
+        if case.provider in SPLIT_PROVIDERS or rank == 0:
+            record.update(_measure(case, plan, device, rank))
+    except SkipProvider as e:
+        record.update(status="skipped", error=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        record.update(status="oom", error=_error_text(e))
+    except Exception as e:  # noqa: BLE001 - reported in the row; the group goes on
+        record.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-3000:])
+    if record["status"] != "ok":  # said now, in case the other ranks are stuck in a collective
+        _append(path, {**record, "final": False})
+    free_memory(device)
+    # the agreement (and the barrier of the ranks idle during fuselm_single): the worst status, and
+    # min / max of the case index, which differ if the ranks lost step
+    mine = [STATUSES.index(record["status"]), case.index, -case.index]
+    agreed = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    status, hi, neg_lo = agreed.tolist()
+    if hi != -neg_lo:
+        raise RuntimeError(f"ranks out of step: cases {-neg_lo} to {hi} at one agreement")
+    _append(path, {**record, "agreed": STATUSES[status], "final": True})
+
+
+def _worker(rank: int, plan: Plan, init_file: str, out_dir: str) -> None:
+    """A spawned rank: join the group, measure the ceilings (if asked), run the cases, write records."""
+    from .report import device_name
+
+    path = Path(out_dir) / f"rank{rank}.jsonl"
+    if plan.device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        backend, device_id = "nccl", device
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
+        device, backend, device_id = torch.device("cpu"), "gloo", None
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=plan.world_size,
+        timeout=timedelta(seconds=plan.timeout_s),
+        device_id=device_id,
+    )
+    try:
+        ceilings = measure_ceilings(device, quick=plan.quick) if plan.ceilings else None
+        _append(
+            path,
+            {
+                "kind": "rank",
+                "rank": rank,
+                "device": device_name(device),
+                "ceilings": None if ceilings is None else asdict(ceilings),
+            },
+        )
+        for case in plan.cases:
+            _run_case(case, plan, device, rank, path)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the parent: a group of ranks, watched ----
+
+
+def _read_records(out_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(out_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines(keepends=True):
+            if line.endswith("\n"):  # a line being written is read next time
+                records.append(json.loads(line))
+    return records
+
+
+def _case_records(records: list[dict[str, Any]], index: int, final: bool = True) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == "case" and r["index"] == index and r["final"] == final]
+
+
+def _failure_text(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"a rank failed: {lines[-1].strip()}" if lines else f"a rank failed: {type(e).__name__}"
+
+
+def run_group(plan: Plan, log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], str | None]:
+    """Run ``plan`` on ``plan.world_size`` spawned ranks; return their records and why the group stopped
+    early (None if it finished). Logs a line per finished case."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    with tempfile.TemporaryDirectory(prefix="fuselm-lce-parallel-") as tmp:
+        ctx = mp.start_processes(
+            _worker,
+            args=(plan, str(Path(tmp) / "init"), tmp),
+            nprocs=plan.world_size,
+            join=False,
+            start_method="spawn",
+        )
+        done, last, failure = 0, time.monotonic(), None
+        while True:
+            try:
+                exited = ctx.join(POLL_S)
+            except ProcessException as e:  # join() has ended the other ranks
+                exited, failure = True, _failure_text(e)
+            records = _read_records(Path(tmp))
+            while done < len(plan.cases):
+                finished = _case_records(records, plan.cases[done].index)
+                if len(finished) < plan.world_size:
+                    break
+                log(case_line(plan.cases[done], finished))
+                done, last = done + 1, time.monotonic()
+            if exited:
+                break
+            noticed = done < len(plan.cases) and _case_records(records, plan.cases[done].index, final=False)
+            limit = FAILED_GRACE_S if noticed else plan.timeout_s
+            if time.monotonic() - last > limit:
+                failure = f"no progress for {limit:.0f} s (ranks stuck, e.g. in a collective); killed"
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join()
+                break
+        return _read_records(Path(tmp)), failure
+
+
+# ---- rows, summary, report ----
+
+
+@dataclass
+class ParallelRow(Row):
+    """A harness row plus what each rank measured and a cross-check of the providers."""
+
+    ranks: int = 1  # ranks that did the work
+    vocab_sizes: list[int] = field(default_factory=list)
+    rank_ms: list[float | None] = field(default_factory=list)
+    rank_extra_bytes: list[int | None] = field(default_factory=list)
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+def _traceback(record: dict[str, Any]) -> str:
+    return "\n" + record["traceback"] if record.get("traceback") else ""
+
+
+def _rank_error(record: dict[str, Any]) -> str:
+    return f"{record['error']} (rank {record['rank']})"  # the error first: an OOM stays an OOM in the table
+
+
+def case_row(
+    case: Case,
+    records: list[dict[str, Any]],
+    world_size: int,
+    dtype: torch.dtype,
+    ceilings: Ceilings,
+    failure: str | None = None,
+) -> ParallelRow:
+    """The row of one case from its ranks' final records (an error row when ``failure`` or a rank failed)."""
+    split = case.provider in SPLIT_PROVIDERS
+    sizes = vocab_split(case.shape[2], world_size) if split else [case.shape[2]]
+    row = ParallelRow(
+        shape=case.shape, provider=case.provider, mode="full", ranks=len(sizes), vocab_sizes=sizes
+    )
+    by_rank = {r["rank"]: r for r in records}
+    if failure is None and len(by_rank) < world_size:
+        failure = f"results of ranks {sorted(set(range(world_size)) - set(by_rank))} missing"
+    if failure is not None:
+        row.error = failure
+        return row
+    agreed = by_rank[0]["agreed"]
+    if agreed != "ok":
+        first = min((r for r in records if r["status"] == agreed), key=lambda r: r["rank"])
+        row.error = f"skipped: {first['error']}" if agreed == "skipped" else _rank_error(first)
+        return row
+    working = [by_rank[r] for r in range(row.ranks)]
+    row.rank_ms = [r["ms"] for r in working]
+    row.rank_extra_bytes = [r.get("extra_bytes") for r in working]
+    row.ms = max(row.rank_ms)
+    if all(b is not None for b in row.rank_extra_bytes):
+        row.extra_bytes = max(row.rank_extra_bytes)
+        row.peak_bytes = max(r["peak_bytes"] for r in working)
+        row.grad_bytes = max(r["grad_bytes"] for r in working)
+    row.loss, row.grad_norm = working[0]["loss"], working[0]["grad_norm"]
+    flops = lce.cost(case.shape, "full", dtype).flops
+    return _finish(row, Cost(flops=flops / row.ranks), ceilings)
+
+
+def case_line(case: Case, records: list[dict[str, Any]]) -> str:
+    """One progress line from a case's final records."""
+    label = f"{shape_label(case.shape)} {case.provider}"
+    bad = [r for r in records if r["status"] != "ok"]
+    if bad:
+        return f"{label}: {bad[0]['status']}: {_rank_error(bad[0])}" + _traceback(bad[0])
+    ms = [r["ms"] for r in records if "ms" in r]
+    return f"{label}: {fmt_num(max(ms))} ms (slowest rank), loss {records[0].get('loss', float('nan')):.5f}"
+
+
+def _ratio(a: float | int | None, b: float | int | None) -> float | None:
+    return None if a is None or b is None or not b > 0 else a / b
+
+
+def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
+    """Per shape: the split against its GEMM floor, the single GPU and the all-gathered logits."""
+    out = []
+    for shape in report.shapes:
+        split, gather, single = (
+            report.row(shape, p, "full") for p in ("fuselm_split", "allgather_logits", "fuselm_single")
+        )
+        gemm = report.ceilings.gemm_tflops
+        floor = lce.cost(shape, "full", report.dtype).flops / world_size
+        ms = {
+            k: None if r is None else r.ms
+            for k, r in (("split", split), ("allgather", gather), ("single", single))
+        }
+        mem = {
+            k: None if r is None else r.extra_bytes
+            for k, r in (("split", split), ("allgather", gather), ("single", single))
+        }
+        out.append(
+            {
+                "shape": list(shape),
+                "vocab_sizes": vocab_split(shape[2], world_size),
+                "split_floor_ms": floor / (gemm * 1e9) if gemm else None,
+                **{f"{k}_ms": v for k, v in ms.items()},
+                **{f"{k}_extra_bytes": v for k, v in mem.items()},
+                "split_vs_single": _ratio(ms["split"], ms["single"]),
+                "allgather_vs_split": _ratio(ms["allgather"], ms["split"]),
+                "split_extra_vs_allgather": _ratio(mem["split"], mem["allgather"]),
+                "split_extra_vs_single": _ratio(mem["split"], mem["single"]),
+            }
+        )
+    return out
+
+
+def acceptance(report: Report, world_size: int) -> dict[str, Any] | None:
+    """The issue's target (split <= 0.6x single at 8192x4096x128256 on 2 GPUs); None if not measured."""
+    if world_size != ACCEPTANCE_WORLD_SIZE:
+        return None
+    for s in summary(report, world_size):
+        if tuple(s["shape"]) == ACCEPTANCE_SHAPE and s["split_vs_single"] is not None:
+            ratio = s["split_vs_single"]
+            return {
+                "shape": s["shape"],
+                "split_vs_single": ratio,
+                "target": ACCEPTANCE_RATIO,
+                "met": ratio <= ACCEPTANCE_RATIO,
+            }
+    return None
+
+
+def _mib(b: int | None) -> str:
+    return "—" if b is None else fmt_num(b / MIB)
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, Any]]) -> str:
+    """The sections after the main table: split vs single and vs all-gathered logits, the acceptance line,
+    every rank's figures and ceilings, the providers."""
+    rows = [
+        [
+            shape_label(tuple(s["shape"])),
+            " + ".join(map(str, s["vocab_sizes"])),
+            fmt_num(s["split_ms"]),
+            fmt_num(s["split_floor_ms"]),
+            fmt_num(s["single_ms"]),
+            _x(s["split_vs_single"]),
+            fmt_num(s["allgather_ms"]),
+            _x(s["allgather_vs_split"]),
+            " / ".join(_mib(s[f"{k}_extra_bytes"]) for k in ("split", "allgather", "single")),
+        ]
+        for s in summary(report, world_size)
+    ]
+    head = [
+        "N, H, V",
+        "V per rank",
+        "split ms",
+        "split GEMM floor ms",
+        "single ms",
+        "split / single",
+        "allgather ms",
+        "allgather / split",
+        "extra MiB split / allgather / single",
+    ]
+    lines = [
+        f"## Split over {world_size} ranks vs one GPU and vs all-gathered logits",
+        "",
+        *_table(head, rows),
+        "",
+    ]
+    a = acceptance(report, world_size)
+    if a is None:
+        lines.append(
+            f"Acceptance (split <= {ACCEPTANCE_RATIO}x single at {shape_label(ACCEPTANCE_SHAPE)} on "
+            f"{ACCEPTANCE_WORLD_SIZE} GPUs): not measured in this run."
+        )
+    else:
+        verdict = "PASS" if a["met"] else "FAIL"
+        lines.append(
+            f"Acceptance: split / single at {shape_label(ACCEPTANCE_SHAPE)} on {world_size} ranks = "
+            f"{a['split_vs_single']:.3f} (target <= {ACCEPTANCE_RATIO}): **{verdict}**."
+        )
+    per_rank = [
+        [
+            shape_label(r.shape),
+            r.provider,
+            " / ".join(fmt_num(m) for m in r.rank_ms) or "—",
+            " / ".join(_mib(b) for b in r.rank_extra_bytes) or "—",
+            "—" if r.loss is None else f"{r.loss:.6g}",
+            "—" if r.grad_norm is None else f"{r.grad_norm:.6g}",
+        ]
+        for r in report.rows
+    ]
+    head = ["N, H, V", "provider", "ms per rank", "extra MiB per rank", "loss", "grad norm"]
+    lines += ["", "### Per rank", "", *_table(head, per_rank), ""]
+    for info in rank_info:
+        c = Ceilings(**info["ceilings"]) if info.get("ceilings") else Ceilings()
+        lines.append(
+            f"- rank {info['rank']}: {info['device']}; copy {fmt_num(c.copy_tbps)} TB/s, GEMM "
+            f"{fmt_num(c.gemm_tflops)} TFLOP/s"
+        )
+    lines += [
+        "- V split as torch.tensor_split cuts it; ratios and x floor use rank 0's ceilings; grad norm = "
+        "sqrt(|dx|^2 + sum over ranks |dW_r|^2), the same for every provider if they agree.",
+        *(f"- {p.name}: {p.description}" for p in report.suite.providers if p.name in report.providers),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    *,
+    world_size: int,
+    shapes: Sequence[Shape],
+    providers: Sequence[str],
+    dtype: torch.dtype,
+    device_type: str,
+    warmup: int,
+    steps: int,
+    quick: bool = False,
+    metadata: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[Report, list[dict[str, Any]]]:
+    """Every (shape, provider) on ``world_size`` ranks; returns the report and each rank's device and
+    ceilings (nothing written). A group that fails or hangs is replaced by a fresh one for the cases left."""
+    suite = make_suite(world_size)
+    cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
+    records: list[dict[str, Any]] = []
+    failed: dict[int, str] = {}
+    pending, first = cases, True
+    while pending:
+        plan = Plan(
+            world_size,
+            device_type,
+            dtype,
+            max(warmup, 1),
+            steps,
+            quick,
+            tuple(pending),
+            first,
+            CASE_TIMEOUT_S[device_type],
+        )
+        got, failure = run_group(plan, log)
+        records += got if first else [r for r in got if r["kind"] == "case"]
+        first = False
+        finished = [c for c in pending if len(_case_records(got, c.index)) == world_size]
+        rest = [c for c in pending if c not in finished]
+        if not rest:
+            break
+        notice = _case_records(got, rest[0].index, final=False)
+        failed[rest[0].index] = _rank_error(notice[0]) if notice else (failure or "the ranks stopped early")
+        where = f"{shape_label(rest[0].shape)} {rest[0].provider}"
+        log(f"{where}: {failed[rest[0].index]}" + (_traceback(notice[0]) if notice else ""))
+        if not finished and not notice:  # no progress and no reason: a fresh group would fail the same way
+            for c in rest[1:]:
+                failed[c.index] = f"not run: {failure}"
+            break
+        pending = rest[1:]
+
+    rank_info = sorted(
+        ({k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "rank"),
+        key=lambda r: r["rank"],
+    )
+    ceilings = Ceilings(**rank_info[0]["ceilings"]) if rank_info and rank_info[0]["ceilings"] else Ceilings()
+    report = Report(
+        suite=suite,
+        dtype=dtype,
+        modes=("full",),
+        shapes=tuple(tuple(s) for s in shapes),
+        providers=tuple(providers),
+        metadata=dict(metadata or {}),
+        ceilings=ceilings,
+    )
+    for case in cases:
+        report.rows.append(
+            case_row(
+                case, _case_records(records, case.index), world_size, dtype, ceilings, failed.get(case.index)
+            )
+        )
+    skipped = {
+        r.provider: r.error.removeprefix("skipped: ")
+        for r in report.rows
+        if (r.error or "").startswith("skipped: ")
+    }
+    report.skipped.update(skipped)
+    return report, rank_info
+
+
+def timing_method(device_type: str, warmup: int, steps: int) -> str:
+    """One line saying how times were taken."""
+    clock = "two CUDA events around each" if device_type == "cuda" else "time.perf_counter"
+    return (
+        f"fixed counts: {max(warmup, 1)} warmup steps, a barrier, {steps} timed steps ({clock}); a rank's "
+        "median, the slowest rank's in the table"
+    )
+
+
+def run_cli(args, argv: list[str]) -> int:
+    """``fuselm bench linear_cross_entropy --world-size W`` with the parsed ``fuselm bench`` arguments.
+
+    Uses ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
+    (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
+    Raises ``fuselm.cli.UsageError`` for bad values.
+    """
+    from ..cli import DTYPES as CLI_DTYPES
+    from ..cli import UsageError, parse_list, parse_shapes
+    from .report import collect_metadata, device_name, gpu_slug, markdown, write_report
+
+    world_size = args.world_size
+    suite = make_suite(world_size)
+    providers = (
+        parse_list(args.providers, suite.provider_names, "provider")
+        if args.providers
+        else suite.provider_names
+    )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device available")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if cuda and torch.cuda.device_count() < world_size:
+        raise UsageError(
+            f"--world-size {world_size}: needs {world_size} CUDA devices, {torch.cuda.device_count()} visible"
+        )
+    device_type = "cuda" if cuda else "cpu"
+    shapes = (
+        parse_shapes(args.shapes, 3) if args.shapes else list(suite.gpu_shapes if cuda else suite.cpu_shapes)
+    )
+    for s in shapes:
+        if s[2] < world_size:
+            raise UsageError(f"shape {shape_label(s)}: V must be at least the world size ({world_size})")
+    warmup, steps = STEPS[(device_type, args.quick)]
+    warmup = warmup if args.warmup is None else args.warmup
+    steps = steps if args.steps is None else args.steps
+    if steps < 1 or warmup < 0:
+        raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if not cuda:
+        dtype = torch.float32
+    elif args.dtype.lower() in CLI_DTYPES:
+        dtype = getattr(torch, CLI_DTYPES[args.dtype.lower()])
+    else:
+        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
+
+    meta = collect_metadata(torch.device("cpu"), argv)  # the device fields come from the ranks
+    meta.update(
+        world_size=world_size,
+        backend="nccl" if cuda else "gloo",
+        timing=timing_method(device_type, warmup, steps),
+    )
+    meta["quick"] = args.quick
+    if not cuda:
+        print(
+            f"No CUDA device in use: {world_size} gloo processes on the CPU, fp32, tiny shapes (no memory "
+            "figures); a smoke test of the path, not comparable to GPU results."
+        )
+    print(
+        f"{suite.name}: {len(shapes)} shapes x {len(providers)} providers on {world_size} ranks "
+        f"({meta['backend']}), {max(warmup, 1)} warmup + {steps} timed steps; torch {meta['torch']}, "
+        f"triton {meta['triton']}, fuselm @ {meta['commit']}",
+        flush=True,
+    )
+    report, rank_info = run(
+        world_size=world_size,
+        shapes=shapes,
+        providers=providers,
+        dtype=dtype,
+        device_type=device_type,
+        warmup=warmup,
+        steps=steps,
+        quick=args.quick,
+        metadata=meta,
+    )
+    name = rank_info[0]["device"] if rank_info else device_name(torch.device("cuda" if cuda else "cpu", 0))
+    meta = report.metadata
+    meta.update(
+        device_type=device_type,
+        device=f"{world_size} x {name}" if cuda else f"{world_size} gloo processes on {name}",
+    )
+    meta["ranks"] = rank_info
+    extra = extra_markdown(report, world_size, rank_info)
+    out_dir = (
+        Path(args.out) if args.out else Path("benchmarks") / "results" / gpu_slug(name if cuda else None)
+    )
+    paths = write_report(
+        report,
+        out_dir,
+        extra_markdown=extra,
+        extra_json={
+            "world_size": world_size,
+            "summary": summary(report, world_size),
+            "acceptance": acceptance(report, world_size),
+        },
+        plot_metrics=("ms", "extra_mib") if cuda else ("ms",),
+    )
+    print()
+    print(markdown(report, extra))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if any(r.ms is not None for r in report.rows) else 1

@@ -1,0 +1,247 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on models patched by ``fuselm.hf.patch``: one training
+step on 2 ranks (each its own batch) gives each rank's loss and the gradients of the single-process run,
+under the numerics rule against float64 (DESIGN.md section 5).
+
+The standard recipe: ``fuselm.hf.patch(model)`` (instance patching), ``fully_shard`` on each decoder layer,
+then on the root. FSDP2 unshards the root's own parameters (embeddings, final norm, lm_head) in the root's
+pre-forward hook, so the patched CausalLM forward, which reads ``lm_head.weight`` itself and never calls
+``lm_head``, sees a plain tensor there; the fused loss runs (``logits is None``). FSDP2 averages the
+gradients over the data-parallel ranks (its default reduce-scatter for fp32), so the single-process
+gradients are the mean of the per-rank ones (each rank's loss is the mean over its own tokens).
+
+What is compared, per rank for the loss and for every parameter's full (``full_tensor()``) gradient:
+- FSDP: the patched model, sharded, fp32 (gloo on CPU; nccl on 2 GPUs);
+- the same patched model unsharded in one process, fp32 (the statement of the item: FSDP gives it);
+- eager: the unpatched Hugging Face model, fp32; reference: the same in float64.
+FSDP and the single-process patched model each follow the rule against eager, and FSDP follows it
+against the single-process patched model as well.
+
+Also: ``fully_shard(model.lm_head)`` on its own (its weight stays a sharded DTensor outside lm_head's
+own forward): the patched forward sees an lm_head it cannot fuse (FSDP's class and hooks) and runs HF's
+forward, which returns logits; the loss and gradients are still right. And ``patch`` after
+``fully_shard``: the root's class is then FSDP's subclass ``FSDP<Name>ForCausalLM(FSDPModule,
+<Name>ForCausalLM)``, which instance patching looks through, so the fused loss is put in too.
+
+All cases of one backend run in one spawn of 2 processes (a spawn costs seconds of imports).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import pickle
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock  # a dependency of torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
+from hf_models import MODEL_TYPES, build  # noqa: E402
+from workers import nccl_world_sizes, run_workers  # noqa: E402
+
+import fuselm.hf  # noqa: E402
+from fuselm.ops._common.testing import assert_numerics  # noqa: E402
+
+WORLD_SIZE = 2
+SEED = 0
+VOCAB, BATCH, SEQ = 300, 2, 16  # hf_models' tiny configs: hidden 64, 2 layers, vocab 300
+
+# (model_type, how): "standard" = patch, shard the layers, shard the root; "lm_head_alone" = the same
+# with lm_head sharded on its own too; "patch_after_shard" = shard first, then patch.
+CASES = (
+    *((model_type, "standard") for model_type in MODEL_TYPES),
+    ("llama", "lm_head_alone"),
+    ("llama", "patch_after_shard"),
+)
+
+BACKENDS = (
+    pytest.param("gloo", id="gloo-cpu"),
+    pytest.param(
+        "nccl",
+        id="nccl-cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(WORLD_SIZE not in nccl_world_sizes(), reason="needs 2 CUDA devices"),
+        ],
+    ),
+)
+
+
+def _batch(rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch: random token ids; labels the ids with a prompt and a few tokens at -100."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, : 3 + rank] = -100  # a prompt (of another length on each rank)
+    labels[1, torch.randperm(SEQ, generator=g)[:3]] = -100
+    return ids.to(device), labels.to(device)
+
+
+# ---- in the workers ----
+
+
+def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = build(model_type, torch.float32, device, seed=SEED)  # the same init on every rank
+    if how != "patch_after_shard":
+        fuselm.hf.patch(model)
+    if how == "lm_head_alone":
+        fully_shard(model.lm_head, mesh=mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if how == "patch_after_shard":
+        fuselm.hf.patch(model)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+
+    ids, labels = _batch(rank, device)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():  # the same order on every rank: full_tensor() gathers
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = grad.cpu()
+    fuselm.hf.unpatch(model)
+    return {
+        "loss": out.loss.detach().cpu(),
+        "grads": grads,
+        "fused_loss": out.logits is None,  # fuselm's linear_cross_entropy path returns no logits
+        "sharded": sharded,
+    }
+
+
+def _fsdp_worker(rank: int, world_size: int, device_type: str, cases) -> dict:
+    """Every case on this rank: (model_type, how) -> ("ok", results) or ("error", traceback)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU (set by run_workers)
+    results = {}
+    for model_type, how in cases:
+        try:
+            results[(model_type, how)] = ("ok", _fsdp_step(model_type, how, mesh, device, rank))
+        except Exception:
+            results[(model_type, how)] = ("error", traceback.format_exc())
+    return results
+
+
+# ---- in the test process ----
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def fsdp_runs(request, tmp_path_factory):
+    """(device type, [per-rank results of every case]) of one spawn on the backend. Under pytest-xdist the
+    first worker to get here spawns and leaves the results in the session's shared temporary folder for
+    the others (pytest-xdist's recipe for a fixture that runs once)."""
+    device_type = "cuda" if request.param == "nccl" else "cpu"
+
+    def spawn():
+        args = (device_type, CASES)
+        return device_type, run_workers(
+            _fsdp_worker, WORLD_SIZE, backend=request.param, args=args, timeout=300
+        )
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return spawn()
+    path = tmp_path_factory.getbasetemp().parent / f"fsdp_runs_{request.param}.pkl"
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            path.write_bytes(pickle.dumps(spawn()))
+        return pickle.loads(path.read_bytes())
+
+
+def _fsdp_case(fsdp_runs, model_type: str, how: str) -> dict:
+    """One case's FSDP results: per-rank losses stacked, rank 0's gradients (full tensors, the same on
+    every rank), and the flags, which must agree across ranks."""
+    _, results = fsdp_runs
+    per_rank = []
+    for rank, result in enumerate(results):
+        status, value = result[(model_type, how)]
+        if status != "ok":
+            raise AssertionError(f"{model_type} ({how}) failed on rank {rank}:\n{value}")
+        per_rank.append(value)
+    for other in per_rank[1:]:
+        for name, grad in per_rank[0]["grads"].items():
+            assert torch.equal(grad, other["grads"][name]), f"{name}: full gradients differ across ranks"
+    assert len({(r["fused_loss"], r["sharded"]) for r in per_rank}) == 1
+    return {**per_rank[0], "loss": torch.stack([r["loss"] for r in per_rank])}
+
+
+@functools.cache
+def _single_process(model_type: str, device_type: str) -> dict:
+    """The same step in this process on every rank's batch, unsharded: kind -> (per-rank losses, mean of
+    the per-rank gradients) for "reference" (HF float64), "eager" (HF fp32), "patched" (fuselm fp32)."""
+    device = torch.device(device_type)
+    gc.collect()  # models other tests patched and dropped: their finalizers give HF's rotary function back
+    runs = {}
+    for kind, dtype in (("reference", torch.float64), ("eager", torch.float32), ("patched", torch.float32)):
+        assert not fuselm.hf.is_patched(model_type)  # HF's own code for the reference and eager
+        model = build(model_type, dtype, device, seed=SEED)
+        if kind == "patched":
+            fuselm.hf.patch(model)
+        losses, grads = [], {}
+        for rank in range(WORLD_SIZE):
+            model.zero_grad(set_to_none=True)
+            ids, labels = _batch(rank, device)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            losses.append(loss.detach().cpu())
+            for name, p in model.named_parameters():
+                grads[name] = grads.get(name, 0) + p.grad.cpu() / WORLD_SIZE
+        fuselm.hf.unpatch(model)
+        runs[kind] = (torch.stack(losses), grads)
+    return runs
+
+
+def _check(label: str, fsdp: dict, model_type: str, device_type: str) -> None:
+    single = _single_process(model_type, device_type)
+    (ref_loss, ref_grads), (eager_loss, eager_grads) = single["reference"], single["eager"]
+    patched_loss, patched_grads = single["patched"]
+    assert fsdp["grads"].keys() == ref_grads.keys()
+    outputs = [("loss", fsdp["loss"], patched_loss, eager_loss, ref_loss)]
+    for n in ref_grads:
+        outputs.append((f"grad {n}", fsdp["grads"][n], patched_grads[n], eager_grads[n], ref_grads[n]))
+    for name, ours, patched, eager, reference in outputs:
+        assert_numerics(f"{label} {name}: FSDP vs eager", ours, eager, reference)
+        assert_numerics(f"{label} {name}: single-process patched vs eager", patched, eager, reference)
+        assert_numerics(f"{label} {name}: FSDP vs single-process patched", ours, patched, reference)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fsdp_step_matches_single_process(fsdp_runs, model_type):
+    """patch, fully_shard the layers and the root: the fused loss runs on the unsharded lm_head weight;
+    per-rank losses and the averaged gradients are the single-process ones."""
+    fsdp = _fsdp_case(fsdp_runs, model_type, "standard")
+    assert fsdp["sharded"], "fully_shard left a parameter unsharded"
+    assert fsdp["fused_loss"], "the patched CausalLM forward did not run fuselm's linear_cross_entropy"
+    _check(f"{model_type} FSDP", fsdp, model_type, fsdp_runs[0])
+
+
+def test_fsdp_lm_head_sharded_alone_runs_hf_forward(fsdp_runs):
+    """fully_shard(model.lm_head) on its own: its weight is a sharded DTensor outside its own forward, so
+    the patched forward must not read it; it runs HF's forward (logits returned), with the right numbers."""
+    fsdp = _fsdp_case(fsdp_runs, "llama", "lm_head_alone")
+    assert fsdp["sharded"]
+    assert not fsdp["fused_loss"], "the fused loss ran on an lm_head that FSDP shards on its own"
+    _check("llama FSDP (lm_head sharded alone)", fsdp, "llama", fsdp_runs[0])
+
+
+def test_fsdp_patch_after_fully_shard_is_correct(fsdp_runs):
+    """patch() after fully_shard(): the loss and gradients are right (whatever got patched)."""
+    fsdp = _fsdp_case(fsdp_runs, "llama", "patch_after_shard")
+    assert fsdp["sharded"]
+    _check("llama FSDP (patched after sharding)", fsdp, "llama", fsdp_runs[0])
+
+
+def test_fsdp_patch_after_fully_shard_fuses_loss(fsdp_runs):
+    """patch() after fully_shard() should put the fused loss in too."""
+    assert _fsdp_case(fsdp_runs, "llama", "patch_after_shard")["fused_loss"]
