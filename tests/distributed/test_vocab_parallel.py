@@ -47,6 +47,7 @@ CASES = {
     "ce_empty_slice": ("ce", {"label_smoothing": 0.1}, "empty"),
     "ce_gathered_sizes": ("ce", {}, "gathered"),
     "ce_bad_target": ("ce", {"reduction": "none", "bad_target": True}, "uneven"),
+    "ce_dtensor": ("ce", {"label_smoothing": 0.1}, "dtensor"),
     "lce_mean_bias": ("lce", {"bias": True}, "uneven"),
     "lce_sum": ("lce", {"reduction": "sum"}, "uneven"),
     "lce_none_lse": ("lce", {"reduction": "none", "return_lse": True, "bias": True}, "uneven"),
@@ -126,7 +127,15 @@ def _distributed_case(name: str, rank: int, world: int, dtype: torch.dtype, devi
     if op == "ce":
         logits = inputs["logits"][..., sl].detach().clone().requires_grad_()
         leaves = [logits]
-        outs = fuselm.distributed.cross_entropy(logits, inputs["target"], **args)
+        arg = logits
+        if how == "dtensor":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = init_device_mesh(torch.device(device).type, (world,))
+            shape, stride = (*N_SHAPE, V), (N_SHAPE[1] * V, V, 1)
+            arg = DTensor.from_local(logits, mesh, [Shard(2)], run_check=False, shape=shape, stride=stride)
+        outs = fuselm.distributed.cross_entropy(arg, inputs["target"], **args)
     else:
         x = inputs["x"].detach().clone().requires_grad_()
         w = inputs["w"][sl].detach().clone().requires_grad_()
