@@ -1,0 +1,54 @@
+"""How much of RoPE's fwd+bwd time at Llama-3-8B shapes is the host path? Eager fwd+bwd vs the same
+captured in a CUDA graph (no Python, no launch overhead), and torch.compile of the reference.
+Usage (GPU): PYTHONPATH=src python benchmarks/scripts/rope_host_share.py"""
+
+import torch
+import triton
+
+import fuselm
+from fuselm.ops.rope.reference import apply_rotary_reference
+
+B, T, HQ, HK, D = 4, 4096, 32, 8, 128
+
+
+def main():
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(B, HQ, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, HK, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    ang = torch.randn(B, T, D // 2, device=dev)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+
+    def full(fn):
+        oq, ok = fn(q, k, cos, sin)
+        return torch.autograd.grad((oq, ok), (q, k), (gq, gk))
+
+    eager = lambda: full(fuselm.apply_rotary)  # noqa: E731
+    compiled_fn = torch.compile(apply_rotary_reference)
+    compiled = lambda: full(compiled_fn)  # noqa: E731
+    for _ in range(3):
+        eager()
+        compiled()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            eager()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        eager()
+    for name, fn in (("fuselm eager", eager), ("fuselm cuda graph", g.replay), ("torch.compile", compiled)):
+        ms = sorted(triton.testing.do_bench(fn, warmup=25, rep=200) for _ in range(5))
+        print(f"{name:20s} median of 5: {ms[2]:.4f} ms  (min {ms[0]:.4f}, max {ms[-1]:.4f})")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eager()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
+
+
+if __name__ == "__main__":
+    main()
