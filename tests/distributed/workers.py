@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -45,6 +46,12 @@ def _entry(rank, world_size, backend, init_file, out_dir, fn, args):
         value = ("error", traceback.format_exc())
     with open(result_path, "wb") as f:
         pickle.dump(value, f)
+    # Leave without interpreter finalization: there, gloo's worker threads can still hold tensors and
+    # abort the process ("terminate called without an active exception", seen in CI with a DeviceMesh)
+    # after the result is already written. Nothing else is left to run in this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(
