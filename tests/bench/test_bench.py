@@ -70,6 +70,16 @@ def test_derive_bwd_is_full_minus_fwd():
     assert row.ms is None and "OutOfMemoryError" in row.error
 
 
+def test_derive_bwd_carries_eager_times_and_notes():
+    fwd = Row(shape=(4, 8), provider="p", mode="fwd", ms=1.0, ms_eager=1.5)
+    full = Row(shape=(4, 8), provider="p", mode="full", ms=3.0, ms_eager=4.0, note="eager time: no graph")
+    row = harness.derive_bwd("p", (4, 8), fwd, full, Cost(bytes=5e9), Ceilings(copy_tbps=5.0))
+    assert row.ms == pytest.approx(2.0) and row.ms_eager == pytest.approx(2.5)
+    assert row.note == "full: eager time: no graph" and row.error is None
+    fwd.ms_eager = None
+    assert harness.derive_bwd("p", (4, 8), fwd, full, Cost(), Ceilings()).ms_eager is None
+
+
 def test_fresh_bytes_skips_aliases_and_duplicates():
     x = torch.zeros(10, 10)
     g = torch.zeros(10, 10)
@@ -133,7 +143,7 @@ def test_parse_shapes_and_lists():
 # ---- a toy suite through the harness ----
 
 
-def _toy_suite(providers: tuple[Provider, ...]) -> Suite:
+def _toy_suite(providers: tuple[Provider, ...], **kw) -> Suite:
     def make_inputs(shape, dtype, device):
         return {"x": torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)}
 
@@ -150,7 +160,8 @@ def _toy_suite(providers: tuple[Provider, ...]) -> Suite:
         providers=providers,
         make_inputs=make_inputs,
         cost=cost,
-        columns=("ms", "tbps", "x_copy", "tflops", "x_floor", "extra_mib"),
+        columns=kw.pop("columns", ("ms", "tbps", "x_copy", "tflops", "x_floor", "extra_mib")),
+        **kw,
     )
 
 
@@ -206,6 +217,64 @@ def test_run_suite_records_errors_and_skips_and_continues(tmp_path):
     data = json.loads(paths["json"].read_text())
     assert {r["provider"] for r in data["rows"]} == {"square", "boom", "silu"}
     assert paths["png"].stat().st_size > 0
+
+
+def _graph_suite_report(device):
+    def host_sync(device):
+        def fn(x):
+            y = x["x"] * 2
+            if y.sum().item() > 1e30:  # a host sync: cannot be captured in a CUDA graph
+                return y * 0
+            return y
+
+        return fn
+
+    suite = _toy_suite(
+        (Provider("square", lambda d: lambda x: x["x"] * x["x"]), Provider("sync", host_sync)),
+        columns=("ms", "ms_eager", "tbps", "x_copy"),
+        cuda_graph=True,
+    )
+    return run_suite(
+        suite,
+        shapes=[(64, 64)],
+        dtype=torch.float32,
+        modes=["fwd", "bwd", "full"],
+        providers=["square", "sync"],
+        device=device,
+        quick=True,
+        ceilings=Ceilings(copy_tbps=1.0),
+        progress=False,
+        log=lambda s: None,
+    )
+
+
+def test_cuda_graph_suite_on_cpu_times_the_plain_call(tmp_path):
+    rep = _graph_suite_report(CPU)
+    for r in rep.rows:
+        assert r.error is None and r.note is None and r.ms is not None and r.ms_eager is None
+    assert "CUDA graph" not in rep.metadata["timing"]
+    md = report.write_report(rep, tmp_path)["md"].read_text()
+    assert "| N, H | provider | mode | ms | eager ms | TB/s | x copy |" in md
+    assert "eager ms the plain Python call" in md
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_suite_times_replays_and_keeps_eager_time_on_gpu(tmp_path):
+    rep = _graph_suite_report(torch.device("cuda"))
+    assert "CUDA graph" in rep.metadata["timing"]
+    for mode in ("fwd", "full"):
+        ok, synced = rep.row((64, 64), "square", mode), rep.row((64, 64), "sync", mode)
+        assert ok.error is None and ok.note is None and ok.ms > 0 and ok.ms_eager > 0
+        # a replay has no host path: not slower than the plain call beyond do_bench's own scatter
+        assert ok.ms < 2 * ok.ms_eager
+        assert synced.error is None and "graph capture failed" in synced.note
+        assert synced.ms == synced.ms_eager
+    assert "graph capture failed" in rep.row((64, 64), "sync", "bwd").note
+    md = report.write_report(rep, tmp_path)["md"].read_text()
+    assert "graph capture failed" in md
+    # the process's CUDA state survives the failed capture
+    assert torch.ones(4, device="cuda").sum().item() == 4
 
 
 def test_run_suite_rejects_unknown_names():

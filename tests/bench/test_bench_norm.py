@@ -40,7 +40,7 @@ def test_suites_define_the_issue_shapes_and_providers():
         assert nh in ln_bench.SUITE.gpu_shapes
     for suite in SUITES.values():
         assert all(len(s) == len(suite.shape_dims) for s in suite.gpu_shapes + suite.cpu_shapes)
-        assert suite.columns == ("ms", "tbps", "x_copy", "extra_mib")
+        assert suite.columns == ("ms", "ms_eager", "tbps", "x_copy", "extra_mib") and suite.cuda_graph
 
 
 @pytest.mark.parametrize("name", list(SUITES))

@@ -16,7 +16,7 @@ from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
-COLUMNS = "| B, T, Hq, Hkv, D | provider | mode | ms | TB/s | x copy | extra MiB |"
+COLUMNS = "| B, T, Hq, Hkv, D | provider | mode | ms | eager ms | TB/s | x copy | extra MiB |"
 LLAMA3_8B = (4, 4096, 32, 8, 128)
 
 
@@ -38,7 +38,7 @@ def test_suite_definition():
     suite = rope_bench.SUITE
     assert suite.name == "rope"
     assert suite.provider_names == ["torch", "torch_compile", "fuselm", "liger"]
-    assert suite.columns == ("ms", "tbps", "x_copy", "extra_mib")
+    assert suite.columns == ("ms", "ms_eager", "tbps", "x_copy", "extra_mib") and suite.cuda_graph
     assert not suite.forward_grad
     assert LLAMA3_8B in suite.gpu_shapes
     for shapes in (suite.gpu_shapes, suite.cpu_shapes):

@@ -109,7 +109,7 @@ def test_run_suite_cpu(tmp_path):
     paths = report.write_report(rep, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert [tuple(s) for s in data["shapes"]] == list(sw.SUITE.cpu_shapes)
-    assert "| N, I | provider | mode | ms | TB/s | x copy | extra MiB |" in paths["md"].read_text()
+    assert "| N, I | provider | mode | ms | eager ms | TB/s | x copy | extra MiB |" in paths["md"].read_text()
 
 
 @pytest.mark.skipif("swiglu" not in registry.SUITES, reason="not registered yet")

@@ -24,6 +24,13 @@ Modes:
   cannot be timed for designs that compute the gradient in the forward and forbid a second
   backward).
 
+CUDA graphs (``Suite.cuda_graph=True``, for ops whose kernels take a fraction of a millisecond):
+the call is also captured in a CUDA graph and ``ms`` is the median time of its replays, the device
+time without the host path (Python, the autograd engine, kernel launches), which otherwise shows
+in the figure whenever the host is slower than the GPU; ``ms_eager`` keeps the time of the plain
+call. A provider whose call cannot be captured keeps its eager time as ``ms``, with a note. Rates
+and ratios are computed from ``ms``.
+
 Memory (CUDA only): after warmup, ``extra`` = peak allocated during one call minus what was
 allocated before it (inputs already allocated). In ``full`` mode, the bytes of the returned
 gradients that are fresh buffers (not aliasing an input) are subtracted: gradients count as
@@ -73,7 +80,7 @@ Shape = tuple[int, ...]
 Inputs = dict[str, torch.Tensor]
 
 MODES: tuple[str, ...] = ("fwd", "bwd", "full")
-COLUMNS: tuple[str, ...] = ("ms", "tbps", "x_copy", "tflops", "x_gemm", "x_floor", "extra_mib")
+COLUMNS: tuple[str, ...] = ("ms", "ms_eager", "tbps", "x_copy", "tflops", "x_gemm", "x_floor", "extra_mib")
 MIB = 1 << 20
 
 # Timing parameters (triton.testing.do_bench: milliseconds of warmup / repetition; CPU: call counts).
@@ -117,6 +124,7 @@ class Suite:
     cost: Callable[[Shape, str, torch.dtype], Cost]
     columns: tuple[str, ...] = ("ms", "tbps", "x_copy", "extra_mib")
     forward_grad: bool = False
+    cuda_graph: bool = False
     notes: tuple[str, ...] = ()
 
     def provider(self, name: str) -> Provider:
@@ -149,6 +157,7 @@ class Row:
     provider: str
     mode: str
     ms: float | None = None
+    ms_eager: float | None = None
     extra_bytes: int | None = None
     peak_bytes: int | None = None
     grad_bytes: int | None = None
@@ -160,6 +169,7 @@ class Row:
     x_gemm: float | None = None
     x_floor: float | None = None
     error: str | None = None
+    note: str | None = None
 
     @property
     def extra_mib(self) -> float | None:
@@ -242,11 +252,31 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
     return statistics.median(times) * 1e3
 
 
-def timing_method(device: torch.device, quick: bool) -> str:
+def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn()`` captured in a CUDA graph (after two calls on the capture's side stream)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     """One line saying how times were taken."""
     if device.type == "cuda":
         warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
-        return f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms)"
+        how = f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms)"
+        if cuda_graph:
+            how += (
+                "; ms: replays of the call captured in a CUDA graph (device time, no host path), "
+                "eager ms: the plain call"
+            )
+        return how
     return f"time.perf_counter median of {CPU_REPS_QUICK if quick else CPU_REPS} calls after 2 warmup calls"
 
 
@@ -391,6 +421,16 @@ def _measure(
         row.extra_bytes = max(extra, 0)
         del result
     row.ms = time_ms(call, device, quick=quick)
+    if suite.cuda_graph and device.type == "cuda":
+        row.ms_eager = row.ms
+        try:
+            graph = capture_graph(call, device)
+        except Exception as e:  # noqa: BLE001 - e.g. a host sync in the call: keep the eager time
+            sync(device)
+            row.note = f"eager time: graph capture failed ({_error_text(e)})"
+        else:
+            row.ms = time_ms(graph.replay, device, quick=quick)
+            del graph
     return row
 
 
@@ -414,6 +454,9 @@ def derive_bwd(
         row.error = "needs both fwd and full"
         return row
     row.ms = full.ms - fwd.ms
+    if fwd.ms_eager is not None and full.ms_eager is not None:
+        row.ms_eager = full.ms_eager - fwd.ms_eager
+    row.note = "; ".join(f"{r.mode}: {r.note}" for r in (fwd, full) if r.note) or None
     return _finish(row, cost, ceilings)
 
 
@@ -465,7 +508,7 @@ def run_suite(
         metadata=dict(metadata or {}),
         ceilings=ceilings,
     )
-    report.metadata.setdefault("timing", timing_method(device, quick))
+    report.metadata.setdefault("timing", timing_method(device, quick, suite.cuda_graph))
     report.metadata.setdefault("quick", quick)
 
     active: list[Provider] = []

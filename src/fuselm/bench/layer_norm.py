@@ -92,7 +92,8 @@ SUITE = Suite(
     ),
     make_inputs=make_inputs,
     cost=cost,
-    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
+    cuda_graph=True,
     forward_grad=False,
     notes=(
         "Bytes counted: 2 per element per itemsize forward (read x, write y), 3 backward (read x, dy, "

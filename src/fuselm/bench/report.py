@@ -26,6 +26,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 COLUMN_TITLES = {
     "ms": "ms",
+    "ms_eager": "eager ms",
     "tbps": "TB/s",
     "x_copy": "x copy",
     "tflops": "TFLOP/s",
@@ -35,6 +36,11 @@ COLUMN_TITLES = {
 }
 
 COLUMN_NOTES = {
+    "ms_eager": (
+        "ms is the device time (replays of the call captured in a CUDA graph); eager ms the plain Python "
+        "call, which also counts the host path (argument checks, autograd engine, launches) whenever the "
+        "host is slower than the GPU; rates and ratios come from ms."
+    ),
     "tbps": "TB/s: the suite's byte count per call / time.",
     "x_copy": "x copy: TB/s / measured device copy bandwidth (1.0 = at the copy rate; higher is better).",
     "tflops": "TFLOP/s: the suite's FLOP count per call / time.",
@@ -169,7 +175,7 @@ def _cell(row: Row, col: str) -> str:
 def markdown_table(report: Report) -> str:
     """The results table: shape, provider, mode, then the suite's columns (and a note column if any error)."""
     cols = list(report.suite.columns)
-    any_error = any(r.error for r in report.rows)
+    any_error = any(r.error or r.note for r in report.rows)
     head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
     if any_error:
         head.append("note")
@@ -177,7 +183,7 @@ def markdown_table(report: Report) -> str:
     for r in report.rows:
         cells = [shape_label(r.shape), r.provider, r.mode, *(_cell(r, c) for c in cols)]
         if any_error:
-            cells.append((r.error or "").replace("|", "/"))
+            cells.append((r.error or r.note or "").replace("|", "/"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

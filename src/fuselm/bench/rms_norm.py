@@ -176,7 +176,8 @@ SUITE = Suite(
     ),
     make_inputs=make_inputs,
     cost=cost,
-    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
+    cuda_graph=True,
     forward_grad=False,
     notes=(
         "S = 1: bytes counted are 2 per element per itemsize forward (read x, write y) and 3 backward "

@@ -125,7 +125,8 @@ SUITE = Suite(
     ),
     make_inputs=make_inputs,
     cost=cost,
-    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
+    cuda_graph=True,
     forward_grad=False,
     notes=(
         "Bytes counted: fwd reads q, k and writes q_embed, k_embed (4 B per q/k element in bf16); bwd the "

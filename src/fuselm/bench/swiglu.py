@@ -90,7 +90,8 @@ SUITE = Suite(
     ),
     make_inputs=make_inputs,
     cost=cost,
-    columns=("ms", "tbps", "x_copy", "extra_mib"),
+    columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
+    cuda_graph=True,
     forward_grad=False,
     notes=(
         "Bytes counted per element: fwd reads gate and up and writes out (6 B in bf16); bwd reads dout, "
