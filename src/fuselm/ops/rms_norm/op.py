@@ -64,8 +64,20 @@ def tile_config(
     Under the interpreter (numpy) rows longer than INTERPRET_MAX_FUSED_H are looped in blocks of
     INTERPRET_LOOP_BLOCK_H, so that CPU tests walk the looped path with short rows.
     """
-    fused, loop = max_fused or MAX_FUSED_H, loop_block or LOOP_BLOCK_H
-    if interpret_mode():
+    return _tile_config(
+        int(n_rows),
+        int(n_cols),
+        tile,
+        elems_per_warp,
+        max_fused or MAX_FUSED_H,
+        loop_block or LOOP_BLOCK_H,
+        interpret_mode(),
+    )
+
+
+@functools.lru_cache(maxsize=256)  # host time: called twice per forward + backward
+def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
+    if interpret:
         fused, loop = min(fused, INTERPRET_MAX_FUSED_H), min(loop, INTERPRET_LOOP_BLOCK_H)
     block_h = triton.next_power_of_2(max(int(n_cols), 1))
     if block_h > fused:  # walk the row in blocks
@@ -90,15 +102,15 @@ def _sm_limits(index: int) -> tuple[int, int, int, int]:
 _OCCUPANCY: dict[tuple, int] = {}
 
 
-def _spec(v):
-    """What Triton specializes a launch argument on (for the occupancy cache key)."""
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    if isinstance(v, bool) or v is None:
-        return v
-    if isinstance(v, int):
-        return (v == 1, v % 16 == 0)
-    return type(v).__name__
+def _occupancy_key(kwargs: dict) -> tuple:
+    """What decides a compiled variant's registers: tensor dtypes, the constexprs (UPPER_CASE names)
+    and num_warps. The launch builds kwargs in a fixed order, so no sorting. Integer and alignment
+    specializations are left out: they change the registers little, and a wrong guess costs time only."""
+    return tuple(
+        v.dtype if isinstance(v, torch.Tensor) else v
+        for k, v in kwargs.items()
+        if k[0].isupper() or k == "num_warps" or isinstance(v, torch.Tensor)
+    )
 
 
 def resident_programs(
@@ -111,8 +123,7 @@ def resident_programs(
         return max(n_items, 1)
     if per_sm <= 0:
         name = getattr(getattr(kernel, "fn", None), "__name__", type(kernel).__name__)
-        spec = tuple(sorted((k, _spec(v)) for k, v in kwargs.items()))
-        key = (name, device.index, max_per_sm, spec)
+        key = (name, device.index, max_per_sm, _occupancy_key(kwargs))
         per_sm = _OCCUPANCY.get(key, 0)
         if not per_sm:
             try:
