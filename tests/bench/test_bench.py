@@ -273,8 +273,9 @@ def test_cuda_graph_suite_times_replays_and_keeps_eager_time_on_gpu(tmp_path):
     assert "graph capture failed" in rep.row((64, 64), "sync", "bwd").note
     md = report.write_report(rep, tmp_path)["md"].read_text()
     assert "graph capture failed" in md
-    # the process's CUDA state survives the failed capture
-    assert torch.ones(4, device="cuda").sum().item() == 4
+    # the failed captures left the CUDA state (random numbers included) usable: the full rows above were
+    # made after the fwd capture failed; and here again
+    assert torch.randn(4, device="cuda").isfinite().all().item()
 
 
 def test_run_suite_rejects_unknown_names():

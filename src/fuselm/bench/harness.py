@@ -261,9 +261,24 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUD
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:
+        _leave_failed_capture(device)
+        raise
     return graph
+
+
+def _leave_failed_capture(device: torch.device) -> None:
+    """A capture that failed (a host sync in the call, say) leaves the default CUDA generator in
+    capture mode: every later random op raises "Offset increment outside graph capture". A trivial
+    capture that succeeds takes it out again."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.zeros(1, device=device)
+    del graph
 
 
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
@@ -426,7 +441,6 @@ def _measure(
         try:
             graph = capture_graph(call, device)
         except Exception as e:  # noqa: BLE001 - e.g. a host sync in the call: keep the eager time
-            sync(device)
             row.note = f"eager time: graph capture failed ({_error_text(e)})"
         else:
             row.ms = time_ms(graph.replay, device, quick=quick)
