@@ -19,6 +19,7 @@ import torch
 import triton
 
 import fuselm
+from fuselm.bench.harness import capture_graph
 from fuselm.ops.rms_norm import op as rms_op
 
 DEV = "cuda"
@@ -86,19 +87,6 @@ def profile_host(name, fn, n=300):
     print("\n".join(s.getvalue().splitlines()[:45]))
 
 
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def med_ms(fn, reps=5, rep_ms=100):
     return statistics.median(triton.testing.do_bench(fn, warmup=25, rep=rep_ms) for _ in range(reps))
 
@@ -134,7 +122,7 @@ def main():
         "rms_norm 16384x4096": rms_inputs(16384, 4096),
     }
     for name, (full, _) in big.items():
-        g = graph_of(full)
+        g = capture_graph(full, torch.device(DEV))
         print(f"{name}: eager {med_ms(full):.4f} ms, graph {med_ms(g.replay):.4f} ms")
         kernel_table(full)
 
@@ -157,7 +145,7 @@ def main():
         rms_op.BWD_MAX_PROGRAMS_PER_SM, rms_op.BWD_ELEMS_PER_WARP = cap, epw
         rms_op.REDUCE_BLOCK_P, rms_op.REDUCE_BLOCK_C, rms_op.REDUCE_WARPS = bp, bc, rw
         rms_op._OCCUPANCY.clear()
-        g = graph_of(full)
+        g = capture_graph(full, torch.device(DEV))
         ms = med_ms(g.replay, reps=3, rep_ms=50)
         results.append((ms, cap, epw, bp, bc, rw))
         print(f"cap {cap} epw {epw} reduce P{bp} C{bc} w{rw}: {ms:.4f} ms")

@@ -1,11 +1,13 @@
 """How much of RoPE's fwd+bwd time at Llama-3-8B shapes is the host path? Eager fwd+bwd vs the same
-captured in a CUDA graph (no Python, no launch overhead), and torch.compile of the reference.
+captured in a CUDA graph (no Python, no launch overhead), and torch.compile of the reference; then the
+device time of every kernel of fuselm and of torch.compile (profiler tables).
 Usage (GPU): PYTHONPATH=src python benchmarks/scripts/rope_host_share.py"""
 
 import torch
 import triton
 
 import fuselm
+from fuselm.bench.harness import capture_graph
 from fuselm.ops.rope.reference import apply_rotary_reference
 
 B, T, HQ, HK, D = 4, 4096, 32, 8, 128
@@ -31,23 +33,17 @@ def main():
     for _ in range(3):
         eager()
         compiled()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            eager()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        eager()
+    g = capture_graph(eager, torch.device(dev))
     for name, fn in (("fuselm eager", eager), ("fuselm cuda graph", g.replay), ("torch.compile", compiled)):
         ms = sorted(triton.testing.do_bench(fn, warmup=25, rep=200) for _ in range(5))
         print(f"{name:20s} median of 5: {ms[2]:.4f} ms  (min {ms[0]:.4f}, max {ms[-1]:.4f})")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            eager()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
+    for name, fn in (("fuselm", eager), ("torch.compile", compiled)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        print(f"=== {name}: kernels of 20 fwd+bwd calls ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
 if __name__ == "__main__":
