@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -155,8 +156,24 @@ def causal_lm_loss_from_logits(
     return _per_item(loss, num_items_in_batch)
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """How the patched ``*ForCausalLM.forward`` computes its loss (hashable: factories are cached on it).
+
+    Attributes:
+        from_logits: HF's logits are made and returned, the loss on them by :func:`fuselm.cross_entropy`
+            (``patch(..., cross_entropy=True)``); otherwise the fused loss from the hidden states.
+        label_smoothing: PyTorch's label smoothing, applied inside the fused loss.
+        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
+    """
+
+    from_logits: bool = False
+    label_smoothing: float = 0.0
+    memory: str | int = "auto"
+
+
 @functools.cache
-def causal_lm_forward(spec: FamilySpec, original: Callable, from_logits: bool = False) -> Callable:
+def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions = LossOptions()) -> Callable:
     """The family's ``*ForCausalLM.forward`` with labels (or ``shift_labels``):
 
     - ``from_logits=False``: the loss comes from the last hidden states through :func:`causal_lm_loss`
@@ -167,6 +184,8 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, from_logits: bool = 
 
     Without labels, or with ``logits_to_keep`` set, the original forward runs unchanged."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from_logits = options.from_logits
 
     @functools.wraps(original)
     def forward(

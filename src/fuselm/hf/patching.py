@@ -74,7 +74,8 @@ def _replacement(spec: FamilySpec, component: str, module: types.ModuleType) -> 
         cls = getattr(module, spec.mlp)
         return cls, "forward", layers.mlp_forward(spec, cls.forward)
     cls = getattr(module, spec.causal_lm)
-    return cls, "forward", layers.causal_lm_forward(spec, cls.forward, component == "cross_entropy")
+    options = layers.LossOptions(from_logits=component == "cross_entropy")
+    return cls, "forward", layers.causal_lm_forward(spec, cls.forward, options)
 
 
 def _rope_acquire(spec: FamilySpec, module: types.ModuleType, user) -> None:
