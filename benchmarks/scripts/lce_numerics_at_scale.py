@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/scripts/lce_numerics_at_scale.py [N H V inputs k ...]
 
 For each shape (default: Llama-3-8B's head, random and peaked inputs, 1/7 ignored) prints the relative
-norm error (DESIGN.md 5) of the loss, dX and dW of every provider against fuselm's float64 chunked
+norm error (docs/design.md s. 5) of the loss, dX and dW of every provider against fuselm's float64 chunked
 reference, and the numerics-rule bound 2 * err(eager bf16) + atol. Providers: eager bf16 (the rule's
 baseline), eager with fp32 upcast, fuselm at several byte budgets (auto = 256 MiB, ..., min = 8 MiB:
 the number of dW roundings is the number of chunks), Liger and Cut Cross-Entropy when importable.
@@ -38,8 +38,8 @@ def providers(h: int, v: int):
     }
     for mib in (256, 64, 32, 8):
         chunks = chunk_rows_for(mib * 2**20, v, h, 2)
-        out[f"fuselm_{mib}MiB(C={chunks})"] = (
-            lambda x, w, t, m=mib: fuselm.linear_cross_entropy(x, w, t, memory=m * 2**20)
+        out[f"fuselm_{mib}MiB(C={chunks})"] = lambda x, w, t, m=mib: fuselm.linear_cross_entropy(
+            x, w, t, memory=m * 2**20
         )
     out["fuselm_min"] = lambda x, w, t: fuselm.linear_cross_entropy(x, w, t, memory="min")
     for name, setup in (("liger", suite.setup_liger), ("cce", suite.setup_cce)):

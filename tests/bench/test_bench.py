@@ -28,7 +28,7 @@ def test_ratios_bandwidth():
 
 
 def test_ratios_flops_and_floor():
-    # 6NHV for N=8192, H=4096, V=128256 at 694 TFLOP/s is 37.2 ms; 47.4 ms is 1.27x the floor (ANCHORS.md)
+    # 6NHV for N=8192, H=4096, V=128256 at 694 TFLOP/s is 37.2 ms; 47.4 ms is 1.27x the floor (docs/peers.md)
     flops = 6 * 8192 * 4096 * 128256
     r = compute_ratios(47.4, Cost(flops=flops), Ceilings(copy_tbps=4.23, gemm_tflops=694.0))
     assert r["tflops"] == pytest.approx(flops / 47.4e-3 / 1e12)
@@ -40,7 +40,7 @@ def test_ratios_flops_and_floor():
 
 
 def test_ratios_anchor_cross_entropy():
-    # torch.compile, 8192x128256 bf16 fwd+bwd: 2.61 ms at 4 B/logit is 1.61 TB/s (ANCHORS.md)
+    # torch.compile, 8192x128256 bf16 fwd+bwd: 2.61 ms at 4 B/logit is 1.61 TB/s (docs/peers.md)
     r = compute_ratios(2.61, Cost(bytes=8192 * 128256 * 4), Ceilings(copy_tbps=4.23))
     assert r["tbps"] == pytest.approx(1.61, abs=0.005)
     assert r["x_copy"] == pytest.approx(1.61 / 4.23, abs=0.002)

@@ -59,7 +59,7 @@ def test_cost_and_floor_against_anchors():
     assert lce.cost(shape, "bwd", torch.bfloat16).flops == 4 * n * h * v
     assert lce.cost(shape, "full", torch.bfloat16).flops == 6 * n * h * v
     assert lce.cost(shape, "full", torch.bfloat16).bytes is None
-    # ANCHORS.md: torch eager 47.4 ms fwd+bwd at 694 TFLOP/s is 1.27x the 6NHV floor
+    # docs/peers.md: torch eager 47.4 ms fwd+bwd at 694 TFLOP/s is 1.27x the 6NHV floor
     r = compute_ratios(47.4, lce.cost(shape, "full", torch.bfloat16), Ceilings(gemm_tflops=694.0))
     assert r["x_floor"] == pytest.approx(1.27, abs=0.005)
 

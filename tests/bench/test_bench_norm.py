@@ -51,7 +51,7 @@ def test_registry(name):
 
 
 def test_cost_matches_the_anchors():
-    """ANCHORS.md counts 10 bytes per element fwd + bwd in bf16: torch.compile at 16384 x 4096 in
+    """docs/peers.md counts 10 bytes per element fwd + bwd in bf16: torch.compile at 16384 x 4096 in
     0.265 ms is 2.53 TB/s; Liger at 32768 x 8192 in 0.798 ms is 3.36 TB/s."""
     c = rms_bench.cost((16384, 4096, 1), "full", torch.bfloat16)
     assert c.bytes == 10 * 16384 * 4096

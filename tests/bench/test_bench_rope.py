@@ -53,7 +53,7 @@ def test_cost_against_anchors():
     assert rope_bench.cost(LLAMA3_8B, "full", torch.bfloat16).bytes == 8 * n
     assert rope_bench.cost(LLAMA3_8B, "full", torch.float32).bytes == 16 * n
     assert rope_bench.cost(LLAMA3_8B, "full", torch.bfloat16).flops is None
-    # ANCHORS.md: torch.compile 0.188 ms fwd+bwd = 3.56 TB/s, 0.84x a 4.23 TB/s copy; Liger 0.855 ms 0.78 TB/s
+    # docs/peers.md: torch.compile 0.188 ms fwd+bwd = 3.56 TB/s, 0.84x a 4.23 TB/s copy; Liger 0.855 ms
     r = compute_ratios(0.188, rope_bench.cost(LLAMA3_8B, "full", torch.bfloat16), Ceilings(copy_tbps=4.23))
     assert r["tbps"] == pytest.approx(3.56, abs=0.015) and r["x_copy"] == pytest.approx(0.84, abs=0.005)
     r = compute_ratios(0.855, rope_bench.cost(LLAMA3_8B, "full", torch.bfloat16), Ceilings(copy_tbps=4.23))

@@ -54,7 +54,7 @@ def test_cost_against_anchors():
     assert sw.cost((n, i), "full", torch.bfloat16).bytes == 16 * n * i
     assert sw.cost((n, i), "full", torch.float32).bytes == 32 * n * i
     assert sw.cost((n, i), "full", torch.bfloat16).flops is None
-    # ANCHORS.md: torch.compile 0.871 ms is 4.31 TB/s; Liger 0.886 ms is 4.24 TB/s (copy 4.25 TB/s)
+    # docs/peers.md: torch.compile 0.871 ms is 4.31 TB/s; Liger 0.886 ms is 4.24 TB/s (copy 4.25 TB/s)
     full = sw.cost((n, i), "full", torch.bfloat16)
     assert compute_ratios(0.871, full, Ceilings(copy_tbps=4.25))["tbps"] == pytest.approx(4.31, abs=0.005)
     assert compute_ratios(0.886, full, Ceilings(copy_tbps=4.25))["tbps"] == pytest.approx(4.24, abs=0.005)

@@ -124,7 +124,7 @@ def test_fuselm_saves_less_for_backward(tiny_run):
 
 
 def test_loss_curves_agree_by_the_numerics_rule(tiny_run):
-    """The numerics rule of DESIGN.md on the loss curve: the fuselm fp32 run must be as close to a
+    """The numerics rule of docs/design.md on the loss curve: the fuselm fp32 run must be as close to a
     float64 run (HF, unpatched, same init and batches) as the HF fp32 run is, up to fp32's atol."""
     settings, result, _ = tiny_run
     config = demo.llama_config(settings)

@@ -1,6 +1,6 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on models patched by ``fuselm.hf.patch``: one training
 step on 2 ranks (each its own batch) gives each rank's loss and the gradients of the single-process run,
-under the numerics rule against float64 (DESIGN.md section 5).
+under the numerics rule against float64 (docs/design.md section 5).
 
 The standard recipe: ``fuselm.hf.patch(model)`` (instance patching), ``fully_shard`` on each decoder layer,
 then on the root. FSDP2 unshards the root's own parameters (embeddings, final norm, lm_head) in the root's

@@ -3,7 +3,7 @@
 Every case runs on W ranks (gloo on CPU, world sizes 2 and 3, vocabulary not divisible by either; nccl
 on 2 GPUs when there are 2), each rank on its slice of the classes; the parent checks the loss and every
 gradient (the shards put back together, and the input gradient of every rank) against eager PyTorch on
-the whole vocabulary and the float64 reference, under the numerics rule (DESIGN.md section 5).
+the whole vocabulary and the float64 reference, under the numerics rule (docs/design.md section 5).
 One spawn per world size runs every case (workers are slow to start).
 """
 

@@ -1,7 +1,7 @@
 """fuselm.nn.SwiGLUMLP / GeGLUMLP: Hugging Face parameter names, numerics against the eager MLP,
 what autograd keeps for backward, fallbacks, torch.compile, autocast.
 
-Numerics follow DESIGN.md section 5: err(fuselm) <= 2 * err(eager) + atol[dtype], against the same
+Numerics follow docs/design.md section 5: err(fuselm) <= 2 * err(eager) + atol[dtype], against the same
 MLP composed in float64. With `transformers` importable (the GPU machine), also against
 LlamaMLP / GemmaMLP given the same weights.
 """

@@ -1,4 +1,4 @@
-"""fuselm.layer_norm: numerics (DESIGN.md section 5), residual, optional weight / bias, shapes, contracts.
+"""fuselm.layer_norm: numerics (docs/design.md section 5), residual, optional weight/bias, shapes, contracts.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype],
 errors measured against layer_norm_reference run on float64 copies of the inputs. "eager" is

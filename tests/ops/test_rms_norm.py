@@ -1,4 +1,4 @@
-"""fuselm.rms_norm: numerics (DESIGN.md section 5), casting modes, residual, shapes, contracts, compile.
+"""fuselm.rms_norm: numerics (docs/design.md section 5), casting modes, residual, shapes, contracts, compile.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype],
 errors measured against rms_norm_reference run on float64 copies of the inputs. "eager" is the
@@ -592,7 +592,7 @@ def test_bit_exact_with_transformers(path, kw, hidden, dtype, gen):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_rows_times_hidden_over_2_31():
-    """rows x H > 2^31 elements: every offset needs int64 (DESIGN.md section 3). bf16, ~4.3 GB each
+    """rows x H > 2^31 elements: every offset needs int64 (docs/design.md section 3). bf16, ~4.3 GB each
     for x, residual, y, sum, dx; rows around the 2^31 boundary and dweight are checked."""
     hidden, dtype = 4096, torch.bfloat16
     n_rows = 2**31 // hidden + 7

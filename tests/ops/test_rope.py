@@ -1,4 +1,4 @@
-"""fuselm.apply_rotary: numerics (DESIGN.md section 5), layouts, strides, cos/sin forms, position_ids,
+"""fuselm.apply_rotary: numerics (docs/design.md section 5), layouts, strides, cos/sin forms, position_ids,
 partial rotary, GQA in one launch, Hugging Face parity, torch.compile, failure modes.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype], errors

@@ -1,4 +1,4 @@
-"""fuselm.swiglu / geglu / *_packed / swiglu_linear: numerics (DESIGN.md section 5), shapes, strides,
+"""fuselm.swiglu / geglu / *_packed / swiglu_linear: numerics (docs/design.md section 5), shapes, strides,
 contracts, dispatch, torch.compile, memory saved for backward, int64 addressing.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype],
@@ -614,7 +614,7 @@ def test_cuda_graph_capture_and_replay(gen):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_rows_times_cols_over_2_31():
-    """rows x I > 2^31 elements (bf16, 4.3 GB per operand): every offset needs int64 (DESIGN.md
+    """rows x I > 2^31 elements (bf16, 4.3 GB per operand): every offset needs int64 (docs/design.md
     section 3). Flat path (contiguous) and row-tile path (packed, row stride 2I); checked on the
     rows around element 2^31 and the last rows."""
     n_cols, dtype = 14336, torch.bfloat16

@@ -10,7 +10,7 @@ randomly initialised Llama-3.2-1B-shaped ``LlamaForCausalLM`` for three provider
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
 
-The setup is ANCHORS.md's "End to end" table: hidden 2048, intermediate 8192, 16 layers, 32 heads,
+The setup is docs/peers.md's "End to end" table: hidden 2048, intermediate 8192, 16 layers, 32 heads,
 8 kv heads, head_dim 64, vocab 128256 (tied embeddings), llama3 rope scaling, bf16 weights,
 ``torch.optim.AdamW(fused=True)``, no activation checkpointing, sequence 4096, batches 4, 8 and 16,
 ``labels = input_ids`` (random token ids, the same batch every step).
@@ -502,7 +502,7 @@ def _precheck(provider: str, device: torch.device) -> str | None:
 
 
 def fmt_tokens(x: float | None) -> str:
-    """Tokens/s as ANCHORS.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
+    """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
     from .report import fmt_num
 
     if x is None:
@@ -663,7 +663,7 @@ def notes(report: E2EReport) -> list[str]:
             "larger batch of the same sequence length."
         )
         out.append(
-            "ANCHORS.md (H200, transformers 5.17) measured HF eager 49.1k / 49.6k tok/s, 61.2 / 115.3 GiB at "
+            "docs/peers.md (H200, transformers 5.17): HF eager 49.1k / 49.6k tok/s, 61.2 / 115.3 GiB at "
             "batch 4 / 8 (OOM at 16) and HF + Liger 63.5k / 64.4k / 65.8k tok/s, 26.3 / 45.2 / 82.9 GiB."
         )
     else:

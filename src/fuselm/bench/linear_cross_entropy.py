@@ -46,7 +46,7 @@ from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
 IGNORE_INDEX = -100
 RANDOM, PEAKED = 1, 2
 INPUT_NAMES = {RANDOM: "random", PEAKED: "peaked"}
-DEFAULT_IGNORE_K = 7  # 1/7 of the targets ignored, as in ANCHORS.md
+DEFAULT_IGNORE_K = 7  # 1/7 of the targets ignored, as in docs/peers.md
 
 # Peaked inputs: the tail logits are N(0, PEAKED_TAIL_STD^2); the runner-ups sit these many nats
 # below the target; the target logit is calibrated so that the mean softmax of the target is this.

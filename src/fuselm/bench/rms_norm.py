@@ -20,7 +20,7 @@ Providers:
 
 Bytes counted per element (``itemsize`` b: 2 for bf16), what the op cannot avoid moving:
 ``S = 1``: fwd reads x and writes y (2b), bwd reads x and dy and writes dx (3b), full 5b (10 bytes
-per element in bf16, as in ANCHORS.md). ``S = 2``: fwd reads x, residual and writes y, s (4b); bwd
+per element in bf16, as in docs/peers.md). ``S = 2``: fwd reads x, residual and writes y, s (4b); bwd
 reads s, dy, ds and writes dx, which is also d residual (4b); full 8b. The weight and its gradient
 (H elements) are not counted.
 

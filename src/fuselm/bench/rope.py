@@ -17,7 +17,7 @@ Providers:
 Effective bandwidth counts the bytes the op cannot avoid: the forward reads q and k and writes q_embed
 and k_embed (``2 * itemsize`` bytes per q/k element, 4 in bf16); the backward reads the two output
 gradients and writes dq and dk (the same again); forward + backward twice that (8 bytes per element in
-bf16, as ANCHORS.md counts). cos/sin (``D / (Hq + Hkv)`` of a q/k row per position) are not counted.
+bf16, as docs/peers.md counts). cos/sin (``D / (Hq + Hkv)`` of a q/k row per position) are not counted.
 """
 
 from __future__ import annotations

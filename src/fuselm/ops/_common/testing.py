@@ -1,4 +1,4 @@
-"""The numerics rule of DESIGN.md section 5, the only tolerance rule of the test suite.
+"""The numerics rule of docs/design.md section 5, the only tolerance rule of the test suite.
 
     err(fuselm) <= 2 * err(torch eager in the same dtype) + ATOL[dtype]
 
