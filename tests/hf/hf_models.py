@@ -1,4 +1,10 @@
-"""Tiny Hugging Face configs for every family fuselm.hf knows, built from code (no downloads)."""
+"""Tiny Hugging Face models of every model type fuselm.hf knows, built from code (no downloads).
+
+Keys are the ``model_type`` of the built model's config (``gemma3_text`` is ``Gemma3ForCausalLM``,
+``gemma3`` the multimodal ``Gemma3ForConditionalGeneration``). Each family's own quirks are switched on
+so the patched paths see them (attention biases, q/k norms, partial rotary, packed ``gate_up_proj``,
+logit softcaps and scales, MoE router auxiliary losses, shared experts, dense layers before MoE ones).
+"""
 
 from __future__ import annotations
 
@@ -6,34 +12,120 @@ import torch
 
 transformers = __import__("pytest").importorskip("transformers")
 
-# (config class, model class, extra config arguments): each family's own quirks switched on, so the
-# patched paths see them (Qwen 2 attention bias, Qwen 3 / Gemma 3 q/k norms, Phi-3 partial rotary and
-# packed gate_up, Gemma 2 / 3 final logit softcap).
-FAMILY_CLASSES = {
+GEMMA2 = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16}
+# MoE: 4 experts, 2 per token, the router's auxiliary loss in the outputs and the loss.
+MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.01}
+
+# model_type -> (config class, model class, extra config arguments).
+DENSE = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"hidden_act": "gelu_pytorch_tanh"}),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16},
-    ),
-    "gemma3": (
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2),
+    "gemma3_text": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
         {"final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": 8}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3),
+    ),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {"sliding_window": 8}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5, "use_qk_norm": True}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"logit_scale": 0.5, "sliding_window": 8}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": None}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 8}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_chunk_size=8),
+    ),
 }
-MODEL_TYPES = tuple(FAMILY_CLASSES)
+MIXTURE = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 48}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {"num_experts": 4, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64},
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "sliding_window": None}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4}),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        {"num_local_experts": 4, "logits_scaling": 4.0},
+    ),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "sliding_window": 8}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 48,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 32,
+            "head_dim": 8,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, interleave_moe_layer_step=2
+        ),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "num_experts": 4,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 64,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    ),
+}
+MULTIMODAL = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
+# Multimodal wrappers: (model class, text model_type inside, how its config is built below).
+FAMILY_CLASSES = {**DENSE, **{k: (c, m, {**MOE, **x}) for k, (c, m, x) in MIXTURE.items()}}
+MODEL_TYPES = (*FAMILY_CLASSES, *MULTIMODAL)
+# The families of the first registry (before the MoE and multimodal ones).
+CLASSIC_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+MOE_TYPES = tuple(MIXTURE)
+MULTIMODAL_TYPES = tuple(MULTIMODAL)
 
 
-def tiny_config(model_type: str, *, hidden: int = 64, layers: int = 2, vocab: int = 300, heads: int = 4):
-    """A small config of the family: GQA (heads / 2 kv heads), head_dim hidden / heads, eager attention."""
-    config_cls, _, extra = FAMILY_CLASSES[model_type]
-    kw = dict(
+def _text_kwargs(hidden: int, layers: int, vocab: int, heads: int) -> dict:
+    return dict(
         hidden_size=hidden,
         intermediate_size=2 * hidden + hidden // 2,
         num_hidden_layers=layers,
@@ -44,19 +136,79 @@ def tiny_config(model_type: str, *, hidden: int = 64, layers: int = 2, vocab: in
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=2,
+        pad_token_id=0,
         tie_word_embeddings=False,
+        num_experts_per_tok=2,
     )
-    kw.update(extra)
-    config = getattr(transformers, config_cls)(**kw)
+
+
+def _vision(model_type: str) -> dict:
+    """A 1-layer vision tower of 28 x 28 images in 14 x 14 patches (4 patches)."""
+    return dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        model_type=model_type,
+    )
+
+
+def tiny_config(model_type: str, *, hidden: int = 64, layers: int = 2, vocab: int = 300, heads: int = 4):
+    """A small config: GQA (heads / 2 kv heads), head_dim hidden / heads, eager attention. Multimodal
+    wrappers get a 1-layer vision tower; their image token is ``vocab - 1`` (:data:`IMAGE_TOKEN`)."""
+    text = _text_kwargs(hidden, layers, vocab, heads)
+    if model_type == "gemma3":
+        text_config = transformers.Gemma3TextConfig(**text, **DENSE["gemma3_text"][2])
+        config = transformers.Gemma3Config(
+            text_config=text_config.to_dict(),
+            vision_config=_vision("siglip_vision_model"),
+            mm_tokens_per_image=4,
+            image_token_index=vocab - 1,
+            boi_token_index=vocab - 2,
+            eoi_token_index=vocab - 3,
+        )
+    elif model_type == "llava":
+        config = transformers.LlavaConfig(
+            text_config=transformers.LlamaConfig(**text).to_dict(),
+            vision_config=_vision("clip_vision_model"),
+            image_token_index=vocab - 1,
+            vision_feature_layer=-1,
+        )
+    elif model_type == "qwen2_vl":
+        # multimodal RoPE: mrope_section sums to head_dim / 2
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        config = transformers.Qwen2VLConfig(
+            text_config={**text, "rope_parameters": rope},
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2),
+            image_token_id=vocab - 1,
+            video_token_id=vocab - 2,
+            vision_start_token_id=vocab - 3,
+            vision_end_token_id=vocab - 4,
+        )
+    else:
+        config_cls, _, extra = FAMILY_CLASSES[model_type]
+        if model_type == "deepseek_v3":
+            text["num_key_value_heads"] = heads  # multi-head latent attention: one k/v per head
+        config = getattr(transformers, config_cls)(**{**text, **extra})
     config._attn_implementation = "eager"
+    for sub in ("text_config", "vision_config"):
+        if getattr(config, sub, None) is not None:
+            getattr(config, sub)._attn_implementation = "eager"
     return config
 
 
+def model_class(model_type: str) -> type:
+    """The class :func:`build` makes for ``model_type``."""
+    name = MULTIMODAL.get(model_type) or FAMILY_CLASSES[model_type][1]
+    return getattr(transformers, name)
+
+
 def build(model_type: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, **sizes):
-    """The family's CausalLM from :func:`tiny_config`, initialized from ``seed``, in ``dtype``."""
-    _, model_cls, _ = FAMILY_CLASSES[model_type]
+    """The model of ``model_type`` from :func:`tiny_config`, initialized from ``seed``, in ``dtype``."""
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(tiny_config(model_type, **sizes))
+    model = model_class(model_type)(tiny_config(model_type, **sizes))
     return model.to(device=device, dtype=dtype)
 
 

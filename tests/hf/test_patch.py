@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from hf_models import MODEL_TYPES, build, clone, tiny_config
+from hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
 from fuselm.hf.registry import FAMILIES, family
@@ -59,7 +59,7 @@ def _no_leftover_patches():
     assert not any(fuselm.hf.is_patched(model_type) for model_type in FAMILIES)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", CLASSIC_TYPES)
 @pytest.mark.parametrize("by", ["model_type", "class"])
 def test_class_patch_round_trip(model_type, by):
     spec, module = family(model_type), _modeling(model_type)
@@ -85,7 +85,7 @@ def test_class_patch_reaches_models_built_before_and_after():
         assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", CLASSIC_TYPES)
 def test_instance_patch_touches_only_that_model(model_type):
     spec, module = family(model_type), _modeling(model_type)
     model, other = build(model_type), build(model_type)
@@ -166,7 +166,7 @@ def _run(model, ids, labels=None, **kw):
     return out
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", CLASSIC_TYPES)
 def test_patched_loss_and_gradients_follow_the_numerics_rule(model_type):
     ids, labels = _batch()
     eager = build(model_type)
