@@ -1,0 +1,219 @@
+"""fuselm.trl: TRL's trainers on fuselm's fused LM head.
+
+Patching: patch / unpatch / is_patched round trips (the very object back), idempotence, the version
+and contract checks, the adapter against TRL's kernel call by call.
+
+Trainers (SFT, DPO, GRPO, KTO, RLOO): a few steps of each, three times from the same checkpoint with
+the same seed (same data order, same sampled completions):
+- reference: the model in float64, TRL's head replaced by its definition in float64 (full logits,
+  log_softmax; :class:`ExactHead`), so the whole step is float64;
+- eager: fp32, TRL unpatched (TRL's own ChunkedLogProbFunction);
+- ours: fp32 under fuselm.trl.patch().
+Every logged metric that depends on the head (loss, entropy, rewards, KL, ...) and every final
+parameter follows the numerics rule: err(ours) <= 2 * err(eager) + atol[fp32] against the reference.
+TRL's own kernel is spied on: called in the eager run, never under the patch (fuselm's op is, instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import doctest
+
+import pytest
+import torch
+
+from fuselm.ops._common.testing import assert_numerics
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("fuselm.ops.linear_log_probs")
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
+from trl.trainer import utils as trl_utils  # noqa: E402
+
+import fuselm.trl  # noqa: E402
+from fuselm.trl import patching  # noqa: E402
+
+# ---- heads and spies ----
+
+
+class ExactHead:
+    """TRL's kernel contract by definition, in the dtype of the inputs (float64 for the reference run):
+    the [N, V] logits, log_softmax, gather."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        z = torch.nn.functional.linear(hidden, weight, bias) * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        log_p = z.log_softmax(-1)
+        log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        with torch.no_grad():
+            log_sum_sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
+            mean_logits = z.mean(-1) if "mean_logits" in outputs else None
+            is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+
+@pytest.fixture(autouse=True)
+def restore_trl():
+    """Every test leaves TRL as it found it."""
+    original = trl_utils._ChunkedLogProbFunction
+    yield
+    fuselm.trl.unpatch()
+    trl_utils._ChunkedLogProbFunction = original
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts calls of TRL's kernel (its forward) and of fuselm's op (through the adapter)."""
+    counts = {"trl": 0, "fuselm": 0}
+    trl_forward = ChunkedLogProbFunction.forward
+    fuselm_op = patching.linear_log_probs
+
+    def spy_trl(*args, **kwargs):
+        counts["trl"] += 1
+        return trl_forward(*args, **kwargs)
+
+    def spy_fuselm(*args, **kwargs):
+        counts["fuselm"] += 1
+        return fuselm_op(*args, **kwargs)
+
+    monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(spy_trl))
+    monkeypatch.setattr(patching, "linear_log_probs", spy_fuselm)
+    return counts
+
+
+@contextlib.contextmanager
+def head(kind: str):
+    """The LM head TRL's trainers use inside the block: "reference", "trl" or "fuselm"."""
+    if kind == "fuselm":
+        fuselm.trl.patch()
+    elif kind == "reference":
+        trl_utils._ChunkedLogProbFunction = ExactHead
+    try:
+        yield
+    finally:
+        fuselm.trl.unpatch()
+        trl_utils._ChunkedLogProbFunction = ChunkedLogProbFunction
+
+
+# ---- patching ----
+
+
+def test_import_does_not_import_trl():
+    import subprocess
+    import sys
+
+    code = "import sys, fuselm.trl; assert 'trl' not in sys.modules and not fuselm.trl.is_patched()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_patch_unpatch_round_trip():
+    original = trl_utils._ChunkedLogProbFunction
+    assert original is ChunkedLogProbFunction and not fuselm.trl.is_patched()
+    fuselm.trl.patch()
+    assert trl_utils._ChunkedLogProbFunction is fuselm.trl.FusedLogProbs and fuselm.trl.is_patched()
+    fuselm.trl.patch()  # twice: a no-op
+    fuselm.trl.patch(memory="min")  # only the plan changes
+    assert trl_utils._ChunkedLogProbFunction is fuselm.trl.FusedLogProbs
+    fuselm.trl.unpatch()
+    assert trl_utils._ChunkedLogProbFunction is original and not fuselm.trl.is_patched()
+    fuselm.trl.unpatch()  # twice: a no-op
+    assert trl_utils._ChunkedLogProbFunction is original
+
+
+@pytest.mark.parametrize("version", ["1.15.2", "0.29.0", "2.0.0", "2.0.0.dev0", "not-a-version"])
+def test_unsupported_trl_version(monkeypatch, version):
+    monkeypatch.setattr(trl, "__version__", version)
+    with pytest.raises(RuntimeError, match=rf"supports trl >=1\.16,<2.*trl {version} is installed"):
+        fuselm.trl.patch()
+    assert not fuselm.trl.is_patched()
+
+
+@pytest.mark.parametrize("version", ["1.16.0", "1.16.1", "1.17.0.dev0", "1.99"])
+def test_supported_trl_version(monkeypatch, version):
+    monkeypatch.setattr(trl, "__version__", version)
+    fuselm.trl.patch()
+    assert fuselm.trl.is_patched()
+
+
+def test_changed_kernel_contract(monkeypatch):
+    class Other(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets):
+            return hidden
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Other)
+    with pytest.raises(RuntimeError, match="expects"):
+        fuselm.trl.patch()
+    assert trl_utils._ChunkedLogProbFunction is Other
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="memory"):
+        fuselm.trl.patch(memory="fast")
+    hidden, weight, targets = torch.randn(3, 8), torch.randn(10, 8), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="unknown"):
+        outputs = ("log_probs", "lse")
+        fuselm.trl.FusedLogProbs.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, outputs)
+
+
+def test_docstring_example():
+    finder, runner = doctest.DocTestFinder(recurse=False), doctest.DocTestRunner()
+    for test in finder.find(fuselm.trl.FusedLogProbs, globs={"FusedLogProbs": fuselm.trl.FusedLogProbs}):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+# ---- the adapter against TRL's kernel, one call ----
+
+# (temperature, softcap, logit_scale, bias)
+SETTINGS = [(1.0, None, 1.0, False), (0.7, 30.0, 0.5, True), (1.3, 5.0, 2.0, False)]
+
+
+@pytest.mark.parametrize("temperature, softcap, logit_scale, bias", SETTINGS)
+def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias):
+    """The 5 outputs and the gradients (upstream gradients on log-probs and entropy) of one call: fuselm
+    through the adapter vs TRL's kernel (fp32) vs the definition in float64."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 37, 24, 301
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5 * 4
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = (x @ w.T).argmax(-1)[::5]  # some targets are the argmax (is_top1 true)
+    g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
+    results = []
+    runs = ((ExactHead, torch.float64), (ChunkedLogProbFunction, torch.float32), (None, torch.float32))
+    for fn, dtype in runs:
+        leaves = [p.detach().to(dtype).requires_grad_() if p is not None else None for p in (x, w, b)]
+        args = (*leaves, t, temperature, 64, softcap, logit_scale, patching.TRL_OUTPUTS)
+        if fn is None:
+            fuselm.trl.patch()
+            fn = trl_utils._ChunkedLogProbFunction
+        out = fn.apply(*args)
+        fuselm.trl.unpatch()
+        assert (
+            out[0].dtype
+            == out[1].dtype
+            == out[2].dtype
+            == out[3].dtype
+            == (torch.float64 if dtype == torch.float64 else torch.float32)
+        )
+        assert out[4].dtype == torch.bool
+        ((out[0] * g_lp.to(out[0].dtype)).sum() + (out[1] * g_ent.to(out[1].dtype)).sum()).backward()
+        grads = [p.grad for p in leaves if p is not None]
+        results.append((*out[:4], out[4].double(), *grads))
+    ref, eager, ours = results
+    names = [*patching.TRL_OUTPUTS, "d_hidden", "d_weight", "d_bias"]
+    for name, o, e, r in zip(names, ours, eager, ref, strict=False):
+        assert_numerics(name, o, e, r, torch.float32)
+    assert ref[4].sum() > 0
+
+
+def test_adapter_outputs_not_asked_are_none():
+    x, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.tensor([0, 3, 5, 15])
+    fuselm.trl.patch()
+    out = trl_utils._ChunkedLogProbFunction.apply(x, w, None, t, 1.0, 32768, None, 1.0, ("log_probs",))
+    assert out[0].shape == (4,) and out[1:] == (None, None, None, None)
