@@ -27,6 +27,14 @@ SUITES: dict[str, tuple[str, str]] = {
 
 TRAINING_SUITES: dict[str, tuple[str, str]] = {
     "e2e": ("fuselm.bench.e2e", "Llama-3.2-1B-shaped training steps: HF vs HF+Liger vs HF+fuselm (minutes)"),
+    "linear_log_probs": (
+        "fuselm.bench.linear_log_probs",
+        "per-token log-probs (+ entropy) of the LM head vs torch, TRL, Liger; accuracy vs fp64 (minutes)",
+    ),
+    "grpo_step": (
+        "fuselm.bench.grpo_step",
+        "GRPO-shaped steps of a Llama-3.2-1B shape: HF vs TRL vs fuselm head",
+    ),
 }
 
 
