@@ -19,6 +19,8 @@ def test_all_is_pinned():
     assert fuselm.__all__ == [
         "cross_entropy",
         "linear_cross_entropy",
+        "linear_log_probs",
+        "LogProbs",
         "apply_rotary",
         "swiglu",
         "geglu",
@@ -35,6 +37,7 @@ def test_all_is_pinned():
     assert fuselm.nn.__all__ == [
         "CrossEntropyLoss",
         "LinearCrossEntropyLoss",
+        "LinearLogProbs",
         "SwiGLUMLP",
         "GeGLUMLP",
         "RMSNorm",

@@ -1,7 +1,16 @@
 """torch.nn.Module wrappers around the ops."""
 
+from .log_probs import LinearLogProbs
 from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from .mlp import GeGLUMLP, SwiGLUMLP
 from .norm import LayerNorm, RMSNorm
 
-__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "SwiGLUMLP", "GeGLUMLP", "RMSNorm", "LayerNorm"]
+__all__ = [
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "LinearLogProbs",
+    "SwiGLUMLP",
+    "GeGLUMLP",
+    "RMSNorm",
+    "LayerNorm",
+]
