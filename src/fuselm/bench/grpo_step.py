@@ -59,7 +59,7 @@ PROVIDER_DESCRIPTIONS = {
 IGNORE_INDEX = -100
 CLIP_EPS = 0.2
 TRL_CHUNK_SIZE = 32768
-WORKER_TIMEOUT_S = 900.0
+WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must not eat the whole run
 
 
 @dataclass(frozen=True)
@@ -460,8 +460,10 @@ def run(
     metadata: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
     timeout: float = WORKER_TIMEOUT_S,
+    on_row: Callable[[StepReport], None] | None = None,
 ) -> StepReport:
-    """Run every (shape, provider) in its own worker process; return the report (nothing written)."""
+    """Run every (shape, provider) in its own worker process; return the report. ``on_row(report so far)``
+    after each result (the CLI writes the files then: a run stopped part-way keeps what it measured)."""
     for p in providers:
         if p not in PROVIDERS:
             raise ValueError(f"unknown provider {p!r}; known: {', '.join(PROVIDERS)}")
@@ -507,6 +509,8 @@ def run(
             log(_summary(row))
             if row.traceback:
                 log(row.traceback)
+            if on_row is not None:
+                on_row(report)
     return report
 
 
@@ -779,6 +783,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         warmup=warmup,
         steps=steps,
         metadata=meta,
+        on_row=lambda r: write_report(r, out_dir),
     )
     paths = write_report(report, out_dir)
     print()

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Ceilings, Cost, Inputs, Provider, Report, Shape, SkipProvider, Suite
 from .linear_cross_entropy import IGNORE_INDEX, RANDOM
 from .linear_cross_entropy import make_inputs as lce_make_inputs
 
@@ -471,7 +471,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench linear_log_probs`` with the parsed ``fuselm bench`` arguments; returns the exit code
     (0: something measured, 1: nothing). Raises ``fuselm.cli.UsageError`` for bad values."""
     from ..cli import DTYPES, UsageError, parse_list, parse_shapes
-    from .harness import MODES, measure_ceilings, run_suite
+    from .harness import MODES, measure_ceilings
     from .report import collect_metadata, gpu_slug, markdown, write_report
 
     suite = SUITE
@@ -515,8 +515,13 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
 
     ACCURACY.clear()
-    report = run_suite(
-        suite,
+
+    def write_partial(report: Report, done: int) -> None:
+        accuracy = {"accuracy": accuracy_rows(report)}
+        write_report(report, out_dir, extra_markdown=extra_markdown(report), extra_json=accuracy)
+        print(f"{done}/{len(shapes)} shapes done; results so far written to {out_dir}", flush=True)
+
+    report = run_by_shape(
         shapes=shapes,
         dtype=dtype,
         modes=modes,
@@ -526,6 +531,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         ceilings=ceilings,
         metadata=meta,
         progress=not args.no_progress,
+        on_shape=write_partial,
     )
     _REFERENCE.clear()
     extra = extra_markdown(report)
@@ -538,6 +544,58 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     print()
     print(summary_table(report))
     return 0 if any(r.ms is not None for r in report.rows) else 1
+
+
+def run_by_shape(
+    *,
+    shapes: Sequence[Shape],
+    dtype: torch.dtype,
+    modes: Sequence[str],
+    providers: Sequence[str],
+    device: torch.device,
+    quick: bool,
+    ceilings: Ceilings,
+    metadata: dict[str, Any],
+    progress: bool = True,
+    on_shape: Callable[[Report, int], None] | None = None,
+) -> Report:
+    """:func:`~fuselm.bench.harness.run_suite` one shape at a time, merged into one report; after each shape
+    ``on_shape(report so far, shapes done)`` (the CLI writes the files then: a run stopped part-way keeps
+    the shapes it finished). Each skip reason is printed once."""
+    from .harness import run_suite
+
+    seen: set[str] = set()
+
+    def log_once(msg: str) -> None:
+        if msg not in seen:
+            seen.add(msg)
+            print(msg)
+
+    report: Report | None = None
+    for i, shape in enumerate(shapes):
+        part = run_suite(
+            SUITE,
+            shapes=[shape],
+            dtype=dtype,
+            modes=modes,
+            providers=providers,
+            device=device,
+            quick=quick,
+            ceilings=ceilings,
+            metadata=metadata,
+            progress=progress,
+            log=log_once,
+        )
+        if report is None:
+            report = part
+        else:
+            report.shapes = (*report.shapes, *part.shapes)
+            report.rows.extend(part.rows)
+            report.skipped.update(part.skipped)
+        if on_shape is not None:
+            on_shape(report, i + 1)
+    assert report is not None, "no shapes"
+    return report
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
