@@ -11,13 +11,26 @@ d input is summed over the slabs in an fp32 [N, H] accumulator. The math and the
 from __future__ import annotations
 
 import torch
+import triton
 
-from .._common.dispatch import use_triton
-from .._common.guard import FLOAT_DTYPES, check_tensor
+from .._common.dispatch import interpret_mode, use_triton
+from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
+from .._common.launch import row_launch
 from ..linear_cross_entropy.op import linear_operands, memory_budget
+from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
 MIN_BUDGET = 8 * 2**20  # memory="min": bytes of the chunk / slab buffers (the fp32 d input sum comes on top)
+CHUNK_ROW_MULTIPLE = 16  # forward chunks: a multiple of this many rows, and never fewer
+SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
+AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
+MIN_SLAB_FLOOR = 128  # memory="min" or an int budget
+FWD_BLOCK = 4096  # elements per step of the forward's row loop ([BLOCK_N, BLOCK_V] tiles)
+BWD_BLOCK = 4096  # elements per program of the backward
+INTERPRET_ROWS = 32  # rows per program under the interpreter (numpy: programs are costly, tiles are not)
+# bits of the `stats` argument: which optional statistics the forward computes
+ENTROPY, SUM_SQ, MEAN, TOP1 = 1, 2, 4, 8
+STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN, "is_top1": TOP1}
 
 
 # ---- plan ----
@@ -33,6 +46,33 @@ def _validate_memory(memory) -> None:
 
 def _budget(memory, device: torch.device) -> int:
     return MIN_BUDGET if memory == "min" else memory_budget(memory, device)
+
+
+def fwd_chunk_rows(budget: int, n_classes: int, hidden: int, itemsize: int, gathered: bool) -> int:
+    """Rows C of a forward chunk: the fp32 [C, V] logits buffer (and, when ignored rows were compacted out,
+    the gathered [C, H] rows of the input, `itemsize` bytes each) fit `budget`. At least 16, a multiple of
+    16; the launcher clamps it to the number of rows."""
+    rows = budget // (n_classes * 4 + (hidden * itemsize if gathered else 0))
+    return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+
+
+def bwd_slab_cols(
+    budget: int,
+    n_rows: int,
+    hidden: int,
+    n_classes: int,
+    itemsize: int,
+    need_dx: bool,
+    gathered: bool,
+    floor: int,
+) -> int:
+    """Classes Vs of a backward slab. The fp32 [N, H] accumulator of d input (when needed) and the gathered
+    [N, H] kept rows (when compacted) come first; the [N, Vs] slab buffer (`itemsize` bytes) gets what is
+    left of `budget`, a multiple of 128 classes, at least `floor` (then the budget is exceeded: README.md),
+    at most V."""
+    fixed = (n_rows * hidden * 4 if need_dx else 0) + (n_rows * hidden * itemsize if gathered else 0)
+    cols = (budget - fixed) // max(n_rows * itemsize, 1) // SLAB_MULTIPLE * SLAB_MULTIPLE
+    return max(min(floor, n_classes), min(cols, n_classes))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -63,6 +103,343 @@ def kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.
     if n_kept == target.shape[0]:
         return None
     return torch.nonzero_static(valid, size=n_kept).reshape(-1)
+
+
+# ---- launchers ----
+
+
+def _tile(n_cols: int, max_block: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_V, num_warps): rows of up to max_block classes are walked one per program in
+    BLOCK_V-column steps; shorter rows are packed several per program (always under the interpreter)."""
+    block_v, _ = row_launch(n_cols, max_block=max_block)
+    block_n = INTERPRET_ROWS if interpret_mode() else max(1, min(16, max_block // block_v))
+    return block_n, block_v, min(32, max(4, block_n * block_v // 1024))
+
+
+def _logits_fp32_into(buf, xc, w):
+    """buf [C, V] fp32 = xc @ w^T, accumulated and kept in fp32 by cuBLAS (never rounded to 16 bits)."""
+    if xc.dtype == torch.float32:
+        return torch.mm(xc, w.t(), out=buf)
+    if xc.is_cuda:
+        return torch.mm(xc, w.t(), out_dtype=torch.float32, out=buf)
+    return torch.mm(xc.float(), w.float().t(), out=buf)  # CPU (the interpreter): fp32 copies
+
+
+def _addmm_fp32_(acc, g, w_slab):
+    """acc [N, H] fp32 += g @ w_slab, the product summed in fp32 and added without rounding."""
+    if g.dtype == torch.float32:
+        acc.addmm_(g, w_slab)
+    elif g.is_cuda:
+        torch.addmm(acc, g, w_slab, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(g.float(), w_slab.float())
+
+
+def _rows(x, target, rows):
+    if rows is None:
+        return x, target
+    return x.index_select(0, rows), target.index_select(0, rows)
+
+
+def linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats):
+    """Token-chunked forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
+    rows to compute (ignored ones compacted out) or None for all. options = (ignore_index, logit_scale,
+    softcap or 0, 1 / temperature); stats: bits of the optional statistics. Returns (log_probs, entropy,
+    lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where not asked."""
+    ignore_index, logit_scale, softcap, inv_temp = options
+    n_total, h = x.shape
+    v = w.shape[0]
+    assert w.shape[1] == h and target.is_contiguous() and (b is None or b.is_contiguous())
+    n = n_total if rows is None else rows.shape[0]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    log_probs, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    entropy = torch.empty(n, **f32) if stats & ENTROPY else None
+    log_sum_sq = torch.empty(n, **f32) if stats & SUM_SQ else None
+    mean = torch.empty(n, **f32) if stats & MEAN else None
+    top1 = torch.empty(n, dtype=torch.bool, device=x.device) if stats & TOP1 else None
+    outs = (log_probs, entropy, lse, log_sum_sq, mean, top1)
+    if n == 0:
+        return outs
+    c = min(fwd_chunk_rows(budget, v, h, x.element_size(), rows is not None), n)
+    buf = torch.empty((c, v), **f32)  # the only tensor of V columns
+    block_n, block_v, num_warps = _tile(v, FWD_BLOCK)
+
+    def at(t, s):  # rows s.. of an output (unused pointers point at log_probs)
+        return t[s:] if t is not None else log_probs
+
+    for s in range(0, n, c):
+        e = min(s + c, n)
+        xc, tc = (x[s:e], target[s:e]) if rows is None else _rows(x, target, rows[s:e])
+        logits = _logits_fp32_into(buf[: e - s], xc, w)
+
+        linear_log_probs_fwd_kernel[(triton.cdiv(e - s, block_n),)](
+            logits_ptr=logits,
+            logits_row_stride=logits.stride(0),
+            bias_ptr=b if b is not None else logits,
+            target_ptr=tc,
+            log_probs_ptr=log_probs[s:],
+            entropy_ptr=at(entropy, s),
+            lse_ptr=lse[s:],
+            log_sum_sq_ptr=at(log_sum_sq, s),
+            mean_ptr=at(mean, s),
+            top1_ptr=at(top1, s),
+            n_rows=e - s,
+            n_cols=v,
+            ignore_index=ignore_index,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            inv_temp=inv_temp,
+            HAS_BIAS=b is not None,
+            HAS_SOFTCAP=softcap > 0,
+            HAS_ENTROPY=entropy is not None,
+            HAS_SUM_SQ=log_sum_sq is not None,
+            HAS_MEAN=mean is not None,
+            HAS_TOP1=top1 is not None,
+            BLOCK_N=block_n,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+    return outs
+
+
+def linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs):
+    """Vocabulary-slab backward. lse, entropy (or None): [n] per computed row, from the forward; grads =
+    (dlog_probs, dentropy, dlse), each fp32 [n] or None. Per slab of Vs classes: its logits for all n
+    rows into one reused [n, Vs] buffer (input dtype), d/dlogits written over them in place, then
+    dW[slab] = G^T X (one cuBLAS product over all rows, rounded once), db[slab] = sum_rows G (fp32) and
+    acc += G W[slab] (fp32). Returns dx [N, H] (zero on rows not computed), dw [V, H], db [V] fp32."""
+    ignore_index, logit_scale, softcap, inv_temp = options
+    need_dx, need_dw, need_db = needs
+    n_total, h = x.shape
+    v = w.shape[0]
+    dlog_probs, dentropy, dlse = grads
+    xk, tk = _rows(x, target, rows)  # [n, H]: a gathered copy when rows were compacted
+    n = xk.shape[0]
+    acc = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_dx else None
+    dw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_dw else None
+    db = torch.empty(v, dtype=torch.float32, device=x.device) if need_db else None
+    if n == 0:
+        for t in (dw, db):
+            if t is not None:
+                t.zero_()
+    else:
+        itemsize = x.element_size()
+        vs = bwd_slab_cols(budget, n, h, v, itemsize, need_dx, rows is not None, slab_floor)
+        flat = torch.empty(n * vs, dtype=x.dtype, device=x.device)  # the only tensor of many classes
+        block_n, block_v, num_warps = _tile(vs, BWD_BLOCK)
+        for v0 in range(0, v, vs):
+            v1 = min(v0 + vs, v)
+            g = flat[: n * (v1 - v0)].view(n, v1 - v0)
+            w_slab = w[v0:v1]
+            torch.mm(xk, w_slab.t(), out=g)
+            linear_log_probs_bwd_kernel[(triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v))](
+                logits_ptr=g,
+                logits_row_stride=g.stride(0),
+                bias_ptr=b if b is not None else g,
+                target_ptr=tk,
+                lse_ptr=lse,
+                entropy_ptr=entropy if entropy is not None else lse,
+                dlog_probs_ptr=dlog_probs if dlog_probs is not None else lse,
+                dentropy_ptr=dentropy if dentropy is not None else lse,
+                dlse_ptr=dlse if dlse is not None else lse,
+                n_rows=n,
+                n_cols=v1 - v0,
+                col_offset=v0,
+                n_classes=v,
+                ignore_index=ignore_index,
+                logit_scale=logit_scale,
+                softcap=softcap,
+                inv_temp=inv_temp,
+                HAS_BIAS=b is not None,
+                HAS_SOFTCAP=softcap > 0,
+                HAS_DLOG_PROBS=dlog_probs is not None,
+                HAS_DENTROPY=dentropy is not None,
+                HAS_DLSE=dlse is not None,
+                BLOCK_N=block_n,
+                BLOCK_V=block_v,
+                num_warps=num_warps,
+            )
+            if acc is not None:
+                _addmm_fp32_(acc, g, w_slab)
+            if dw is not None:
+                torch.mm(g.t(), xk, out=dw[v0:v1])  # fp32 inside cuBLAS, rounded once
+            if db is not None:
+                torch.sum(g, dim=0, dtype=torch.float32, out=db[v0:v1])
+        del flat, xk
+    dx = None
+    if acc is not None:
+        if rows is None:
+            dx = acc.to(x.dtype)
+        else:
+            dx = torch.zeros((n_total, h), dtype=x.dtype, device=x.device)
+            dx.index_copy_(0, rows, acc.to(x.dtype))
+    return dx, dw, db
+
+
+# ---- custom ops: under torch.compile each pass is one opaque node (no graph break, every row computed) ----
+
+
+def _or_empty(t, like, dtype=None):
+    return t if t is not None else like.new_empty(0, dtype=dtype or like.dtype)
+
+
+@torch.library.custom_op("fuselm::linear_log_probs_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    budget: int,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: float,
+    inv_temp: float,
+    stats: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = linear_log_probs_fwd(
+        x, w, b, target, None, budget, (ignore_index, logit_scale, softcap, inv_temp), stats
+    )
+    log_probs = outs[0]
+    return tuple(_or_empty(o, log_probs) for o in outs[:5]) + (_or_empty(outs[5], log_probs, torch.bool),)
+
+
+@_fwd_op.register_fake
+def _(x, w, b, target, budget, ignore_index, logit_scale, softcap, inv_temp, stats):
+    n = x.shape[0]
+
+    def out(bit, dtype=torch.float32):
+        return x.new_empty(n if bit is None or stats & bit else 0, dtype=dtype)
+
+    return out(None), out(ENTROPY), out(None), out(SUM_SQ), out(MEAN), out(TOP1, torch.bool)
+
+
+@torch.library.custom_op("fuselm::linear_log_probs_bwd", mutates_args=())
+def _bwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    dlog_probs: torch.Tensor | None,
+    dentropy: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    budget: int,
+    slab_floor: int,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: float,
+    inv_temp: float,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = linear_log_probs_bwd(
+        x,
+        w,
+        b,
+        target,
+        lse,
+        entropy,
+        (dlog_probs, dentropy, dlse),
+        None,
+        budget,
+        slab_floor,
+        (ignore_index, logit_scale, softcap, inv_temp),
+        (need_dx, need_dw, need_db),
+    )
+    return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
+
+
+@_bwd_op.register_fake
+def _(
+    x,
+    w,
+    b,
+    target,
+    lse,
+    entropy,
+    dlog_probs,
+    dentropy,
+    dlse,
+    budget,
+    slab_floor,
+    ignore_index,
+    logit_scale,
+    softcap,
+    inv_temp,
+    need_dx,
+    need_dw,
+    need_db,
+):
+    dx = x.new_empty(x.shape if need_dx else (0,))
+    dw = w.new_empty(w.shape if need_dw else (0,))
+    db = lse.new_empty(w.shape[0] if need_db else 0)
+    return dx, dw, db
+
+
+# Eager calls run the launchers directly (and may compact ignored rows); under torch.compile the custom
+# ops above stand in, on all rows (no data-dependent shapes, no host sync).
+
+
+def _run_fwd(x, w, b, target, rows, budget, options, stats):
+    if torch.compiler.is_compiling():
+        outs = _fwd_op(x, w, b, target, budget, *options, stats)
+        keep = (True, stats & ENTROPY, True, stats & SUM_SQ, stats & MEAN, stats & TOP1)
+        return tuple(o if k else None for o, k in zip(outs, keep, strict=True))
+    return linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats)
+
+
+def _run_bwd(x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs):
+    if torch.compiler.is_compiling():
+        out = _bwd_op(x, w, b, target, lse, entropy, *grads, budget, slab_floor, *options, *needs)
+        return tuple(t if need else None for t, need in zip(out, needs, strict=True))
+    return linear_log_probs_bwd(
+        x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs
+    )
+
+
+# ---- autograd ----
+
+
+class LinearLogProbsFunction(torch.autograd.Function):
+    """Autograd for x [N, H], w [V, H], b [V] or None, target [N]: the six statistics [N] (None where not
+    asked), log_probs, entropy and lse differentiable. The forward keeps lse and entropy per computed row;
+    the backward recomputes the logits slab by slab (8NHV FLOPs in all). `rows` (eager only): indices of
+    the non-ignored rows, or None to compute every row."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, rows, budget, slab_floor, options, stats):
+        ctx.set_materialize_grads(False)
+        outs = _run_fwd(x, w, b, target, rows, budget, options, stats)
+        _, entropy, lse, *_ = outs
+        ctx.save_for_backward(x, w, b, target, rows, lse, entropy)
+        ctx.plan = (budget, slab_floor, options)
+        if rows is not None:  # back to one value per token: 0 (False) on ignored ones
+            n = x.shape[0]
+            outs = tuple(o.new_zeros(n).index_copy_(0, rows, o) if o is not None else None for o in outs)
+        ctx.mark_non_differentiable(*(o for o in outs[3:] if o is not None))
+        return outs
+
+    @staticmethod
+    def backward(ctx, dlog_probs, dentropy, dlse, *_):
+        x, w, b, target, rows, lse, entropy = ctx.saved_tensors
+        budget, slab_floor, options = ctx.plan
+        needs = tuple(bool(k) for k in ctx.needs_input_grad[:3])
+        grads = []
+        for g in (dlog_probs, dentropy, dlse):
+            if g is not None:
+                g = g.float().reshape(-1)
+                g = (g.index_select(0, rows) if rows is not None else g).contiguous()
+            grads.append(g)
+        if all(g is None for g in grads) or not any(needs):
+            return (None,) * 9
+        dx, dw, db = _run_bwd(
+            x, w, b, target, lse, entropy, tuple(grads), rows, budget, slab_floor, options, needs
+        )
+        if db is not None:
+            db = db.to(b.dtype)
+        return dx, dw, db, *([None] * 6)
 
 
 # ---- public function ----
@@ -226,18 +603,20 @@ def linear_log_probs(
             budget=budget,
             rows=rows,
         )
-    else:  # the Triton path comes with the kernels
-        stats = linear_log_probs_reference(
-            input,
+    else:
+        options = (ignore_index, logit_scale, softcap or 0.0, 1.0 / temperature)
+        stat_bits = sum(bit for name, bit in STAT_BITS.items() if name in names)
+        stats = LinearLogProbsFunction.apply(
+            rows_view(input),
             linear_weight,
-            target,
-            linear_bias=linear_bias,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            budget=budget,
-            rows=rows,
+            linear_bias.contiguous() if linear_bias is not None else None,
+            t1.contiguous(),
+            rows,
+            budget,
+            AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR,
+            options,
+            stat_bits,
         )
+        stats = tuple(s.reshape(target.shape) if s is not None else None for s in stats)
     wanted = {"log_probs", *names}
     return LogProbs(*(s if name in wanted else None for name, s in zip(OUTPUT_NAMES, stats, strict=True)))
