@@ -52,12 +52,17 @@ class VocabShard:
     start: int
     size: int
     n_classes: int
-    max_size: int  # the largest shard: chunk sizes derived from it are the same on every rank
+    sizes: tuple[int, ...]  # every rank's slice size, in rank order
 
     @classmethod
     def from_sizes(cls, sizes: Sequence[int], group) -> VocabShard:
         rank = dist.get_rank(group)
-        return cls(group, sum(sizes[:rank]), sizes[rank], sum(sizes), max(sizes))
+        return cls(group, sum(sizes[:rank]), sizes[rank], sum(sizes), tuple(sizes))
+
+    @property
+    def max_size(self) -> int:
+        """The largest slice: chunk sizes derived from it are the same on every rank."""
+        return max(self.sizes)
 
     def _stats(self, logits, target, weight, label_smoothing, softcap) -> torch.Tensor:
         if use_triton(logits):
