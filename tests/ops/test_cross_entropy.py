@@ -414,33 +414,53 @@ def _out_of_range_case(gen, n_cols=300):
     return x, t, torch.tensor([1, 3], device=DEVICE)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_all_ignored_with_infinite_upstream_gradient(reduction, inplace, gen):
+    """Hugging Face divides the summed loss by num_items_in_batch, 0 for a batch without a target: loss
+    0 / 0 = NaN (as HF's), upstream gradient inf; the gradient stays zero (as PyTorch's), never NaN."""
+    x, _, _ = make_inputs(gen, (5,), 300, torch.float32)
+    t = torch.full((5,), -100, device=DEVICE)
+    xr = x.clone().requires_grad_()
+    leaf = xr.clone() if inplace else xr
+    loss = fuselm.cross_entropy(leaf, t, reduction=reduction, inplace_backward=inplace) / torch.tensor(0.0)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.equal(xr.grad, torch.zeros_like(x))
+
+
+_PATHS = [pytest.param("kernel", marks=triton_path_only), "reference"]
+
+
 @pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param("kernel", marks=triton_path_only),
-        "reference",
-    ],
+    "kw", [{}, dict(label_smoothing=0.1, weight=True, z_loss=0.01)], ids=["plain", "all"]
 )
-def test_out_of_range_target_gives_nan(path, gen):
-    """Docstring: a target outside [0, V) that is not ignore_index makes that token's loss and
-    gradient NaN, never an out-of-bounds read, and no host sync."""
+@pytest.mark.parametrize("path", _PATHS)
+def test_out_of_range_target_nan_loss_zero_gradient(path, kw, gen):
+    """Docstring: a target outside [0, V) that is not ignore_index makes that token's loss NaN (visible in
+    the loss) and its gradient zero (the weights are never poisoned), never an out-of-bounds read, and no
+    host sync; the other tokens are exactly as if it were ignored."""
     x, t, bad = _out_of_range_case(gen)
+    kw = dict(kw, reduction="none")
+    if kw.pop("weight", False):
+        kw["weight"] = torch.rand(x.shape[-1], generator=gen).to(DEVICE) + 0.5
     if path == "reference":
         x = x.double()
+        kw["weight"] = kw["weight"].double() if "weight" in kw else None
     good = torch.ones(t.shape, dtype=torch.bool, device=DEVICE)
     good[bad] = False
     xr = x.clone().requires_grad_()
-    loss = fuselm.cross_entropy(xr, t, reduction="none")
-    assert torch.isnan(loss[bad]).all()
+    loss = fuselm.cross_entropy(xr, t, **kw)
+    assert torch.isnan(loss[bad]).all() and not torch.isnan(loss[good]).any()
     gos = grad_outputs(gen, [tuple(t.shape)], x.dtype)
     loss.backward(gos[0].to(loss.dtype))
-    assert torch.isnan(xr.grad[bad]).all()
+    assert torch.all(xr.grad[bad] == 0)
     # the other tokens are unaffected
     t_ok = torch.where(good, t, torch.full_like(t, -100))
-    out_ref, g_ref = fwd_bwd(reference64, x, t_ok, dict(reduction="none"), gos)
-    out_eager, g_eager = fwd_bwd(eager_cross_entropy, x, t_ok, dict(reduction="none"), gos)
+    out_ref, g_ref = fwd_bwd(reference64, x, t_ok, kw, gos)
+    out_eager, g_eager = fwd_bwd(eager_cross_entropy, x, t_ok, kw, gos)
     assert_numerics("loss (valid tokens)", loss.detach()[good], out_eager[0][good], out_ref[0][good], x.dtype)
-    assert_numerics("grad (valid tokens)", xr.grad[good], g_eager[good], g_ref[good], x.dtype)
+    assert_numerics("grad (valid tokens)", xr.grad, g_eager, g_ref, x.dtype)
     assert torch.isnan(fuselm.cross_entropy(x, t)).item()  # mean
 
 

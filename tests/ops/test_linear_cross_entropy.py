@@ -245,6 +245,29 @@ def test_autocast_casts_like_f_linear(plan):
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_autocast_bf16_loss_is_fp32_accurate(plan):
+    """Under bf16 autocast the loss is as accurate as Hugging Face's (bf16 logits, loss on logits.float()):
+    the operands are cast to bf16, the math stays fp32 (the CPU reference once rounded each token's loss)."""
+    memory = _memory(plan, torch.bfloat16)
+    x, w, b, t, _ = _inputs(torch.float32)
+    outs = {}
+    for name, fn in (("ours", linear_cross_entropy), ("eager", _eager)):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            kw = dict(memory=memory, loss_dtype=torch.float32) if name == "ours" else {}
+            loss = fn(xs, ws, t, **kw).float()
+        loss.backward()
+        outs[name] = {"loss": loss.detach(), "dx": xs.grad, "dw": ws.grad}
+    xr, wr = (a.to(torch.bfloat16).double().requires_grad_() for a in (x, w))
+    loss = linear_cross_entropy_reference(xr, wr, t)
+    loss.backward()
+    ref = {"loss": loss.detach(), "dx": xr.grad, "dw": wr.grad}
+    assert_numerics("loss", outs["ours"]["loss"], outs["eager"]["loss"], ref["loss"], torch.float32)
+    for key in ("dx", "dw"):
+        assert_numerics(key, outs["ours"][key], outs["eager"][key], ref[key], torch.bfloat16)
+
+
 def test_float64_runs_the_reference():
     inputs = _inputs(torch.float64, class_weight=True)
     _compare(torch.float64, inputs, label_smoothing=0.1, z_loss=1e-3, softcap=4.0)
@@ -460,20 +483,68 @@ def test_all_ignored(monkeypatch, plan, compaction):
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_out_of_range_target(monkeypatch, plan):
-    """Both paths: NaN loss and gradient for that token (no error, no sync); FUSELM_VALIDATE=1 raises."""
-    x, w, b, t, _ = _inputs(torch.float32, ignore=False)
+@pytest.mark.parametrize("compaction", [True, False])
+def test_all_ignored_with_infinite_upstream_gradient(monkeypatch, plan, compaction):
+    """Hugging Face divides the summed loss by num_items_in_batch, 0 for a batch without a target: the loss is
+    0 / 0 = NaN (as HF's) and the upstream gradient inf; the gradients stay zero (as PyTorch's), never NaN."""
+    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: compaction)
+    x, w, b, t, _ = _inputs(torch.float32)
+    t = torch.full_like(t, -100)
+    xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
+    loss = linear_cross_entropy(xs, ws, t, linear_bias=bs, reduction="sum", memory=_memory(plan))
+    loss = loss / torch.tensor(0.0)
+    assert torch.isnan(loss)
+    loss.backward()
+    for g in (xs.grad, ws.grad, bs.grad):
+        assert torch.all(g == 0)
+
+
+def _bad_target(value):
+    x, w, b, t, _ = _inputs(torch.float32, ignore=True)
     t = t.clone()
-    t[0, 1] = V + 3
-    xs = x.clone().requires_grad_()
-    rows = linear_cross_entropy(xs, w, t, reduction="none", memory=_memory(plan))
-    assert torch.isnan(rows[0, 1]) and torch.isfinite(rows[1]).all()
-    if TRITON_PATH:  # the CPU reference raises ValueError instead (test_value_errors)
-        rows.sum().backward()
-        assert torch.isnan(xs.grad[0, 1]).all() and torch.isfinite(xs.grad[1]).all()
+    t[0, 1] = value
+    return x, w, b, t
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("value", [V, V + 3, -1, -7])
+def test_out_of_range_target_raises_in_eager(plan, value):
+    """Eager mode: ValueError naming the target and the bad value, found by the host sync that compacts the
+    ignored rows (no other sync); the same on the CPU reference path."""
+    x, w, b, t = _bad_target(value)
+    with pytest.raises(ValueError, match=rf"target holds {value}, outside \[0, {V}\)"):
+        linear_cross_entropy(x, w, t, linear_bias=b, memory=_memory(plan))
+    t_ok = torch.where(t == value, torch.zeros_like(t), t)
+    assert torch.isfinite(linear_cross_entropy(x, w, t_ok, linear_bias=b, memory=_memory(plan)))
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_out_of_range_target_without_sync(monkeypatch, plan, reduction, label_smoothing):
+    """Where no host sync is allowed (torch.compile, CUDA graph capture: no compaction, simulated here):
+    the bad token's loss is NaN (visible in the loss), its gradient zero, so the weights are never poisoned;
+    the other tokens are exactly as without it. FUSELM_VALIDATE=1 raises ValueError there too."""
+    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
+    x, w, b, t = _bad_target(V + 3)
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing, memory=_memory(plan))
+    ours = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", **kw)
+    loss = linear_cross_entropy(x, w, t, linear_bias=b, **kw)
+    assert torch.isnan(loss).any()
+    if reduction == "none":
+        assert torch.isnan(loss[0, 1]) and not torch.isnan(loss.reshape(-1)[2:]).any()
+    assert torch.all(ours["dx"][0, 1] == 0)
+    for key in ("dx", "dw", "db"):
+        assert torch.isfinite(ours[key]).all(), key
+    # the other tokens: as if the bad one were ignored (sum: same total; mean: its count is in the divisor)
+    t_ign = torch.where(t == V + 3, torch.full_like(t, -100), t)
+    if reduction == "none":
+        want = _sum_backward(linear_cross_entropy, x, w, b, t_ign, "xwb", **kw)
+        for key in want:
+            torch.testing.assert_close(ours[key], want[key])
     monkeypatch.setenv("FUSELM_VALIDATE", "1")
     with pytest.raises(ValueError, match="target"):
-        linear_cross_entropy(x, w, t, memory=_memory(plan))
+        linear_cross_entropy(x, w, t, linear_bias=b, **kw)
 
 
 @pytest.mark.skipif(not TRITON_PATH, reason="the in-place gradient plan runs on the Triton path only")

@@ -52,15 +52,33 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ValueError if a target is outside [0, n_classes) and not ignore_index. It costs a host
-    sync, so the ops call it only under FUSELM_VALIDATE=1."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-    if bool(bad.any()):
-        value = target[bad].reshape(-1)[0].item()
-        raise ValueError(
+class TargetRangeError(ValueError):
+    """A target outside ``[0, n_classes)`` that is not ``ignore_index`` (``value``: the first such one)."""
+
+    def __init__(self, value: int, n_classes: int, ignore_index: int):
+        self.value, self.n_classes, self.ignore_index = value, n_classes, ignore_index
+        super().__init__(
             f"target holds {value}, outside [0, {n_classes}) and not ignore_index={ignore_index}"
         )
+
+
+def bad_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """Bool mask of the targets outside [0, n_classes) that are not ignore_index (no sync)."""
+    return (target != ignore_index) & ((target < 0) | (target >= n_classes))
+
+
+def raise_target_range(target: torch.Tensor, bad: torch.Tensor, n_classes: int, ignore_index: int):
+    """Raise TargetRangeError for the first bad target (syncs: for the error path only)."""
+    value = int(target[bad].reshape(-1)[0].item())
+    raise TargetRangeError(value, n_classes, ignore_index)
+
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise TargetRangeError (a ValueError) if a target is outside [0, n_classes) and not ignore_index.
+    It costs a host sync, so the ops call it only under FUSELM_VALIDATE=1."""
+    bad = bad_targets(target, n_classes, ignore_index)
+    if bool(bad.any()):
+        raise_target_range(target, bad, n_classes, ignore_index)
 
 
 def check_loss_args(

@@ -63,16 +63,16 @@ def _grad_coefs(
     weight_sum,
     lse,
     scale,
-    valid,
-    bad,
+    ok,
     label_smoothing,
     z_loss,
     n_classes,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
 ):
-    """(p_coef, target_coef, smooth_coef) of _row_grad_block for a row whose loss is weighted by `scale`:
-    zeros for ignored rows, NaN (p_coef) for rows with an out-of-range target."""
+    """(p_coef, target_coef, smooth_coef) of _row_grad_block for a row whose loss is weighted by `scale`.
+    `ok`: the target is not ignored and in range; other rows get zeros (an out-of-range target's NaN loss
+    leaves the weights alone)."""
     if HAS_SMOOTHING:
         p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_classes * weight_sum
         target_coef = (1.0 - label_smoothing) * w_t * scale
@@ -83,9 +83,7 @@ def _grad_coefs(
         smooth_coef = 0.0
     if HAS_Z_LOSS:
         p_coef += 2.0 * z_loss * lse
-    p_coef = tl.where(valid, p_coef * scale, 0.0)
-    p_coef = tl.where(bad, float("nan"), p_coef)
-    return p_coef, tl.where(valid, target_coef, 0.0), tl.where(valid, smooth_coef, 0.0)
+    return tl.where(ok, p_coef * scale, 0.0), tl.where(ok, target_coef, 0.0), tl.where(ok, smooth_coef, 0.0)
 
 
 @triton.jit
@@ -184,7 +182,7 @@ def cross_entropy_fwd_kernel(
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
 
-        # pass 2: gradient of loss * grad_scale
+        # pass 2: gradient of loss * grad_scale (zero on rows with an out-of-range target)
         if COMPUTE_GRAD:
             # every warp has read z_t before any warp overwrites the row with the gradient (in place):
             # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
@@ -195,8 +193,7 @@ def cross_entropy_fwd_kernel(
                 weight_sum,
                 lse,
                 scale,
-                valid,
-                bad,
+                valid & in_range,
                 label_smoothing,
                 z_loss,
                 n_cols,
@@ -278,11 +275,10 @@ def cross_entropy_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= n_classes))
+    ok = (target != ignore_index) & (target >= 0) & (target < n_classes)  # a row with a loss gradient
     lse = tl.load(lse_ptr + row)
     scale = tl.load(grad_scale_ptr).to(tl.float32) * tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
-    t_safe = tl.where(valid & (bad == 0), target, 0)
+    t_safe = tl.where(ok, target, 0)
     weight_sum = 0.0
     if HAS_WEIGHT:
         w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
@@ -296,8 +292,7 @@ def cross_entropy_bwd_kernel(
         weight_sum,
         lse,
         scale,
-        valid,
-        bad,
+        ok,
         label_smoothing,
         z_loss,
         n_classes,
@@ -386,7 +381,9 @@ def cross_entropy_bwd_kernel_scale(
     n_cols,
     BLOCK_V: tl.constexpr,
 ):
-    """grad *= dloss (a scalar on the device), in place; nothing is read or written when dloss == 1."""
+    """grad *= dloss (a scalar on the device), in place; nothing is read or written when dloss == 1. A zero
+    stays zero whatever dloss (PyTorch's gradient of an ignored token is 0 even for an inf or NaN upstream
+    gradient, e.g. a summed loss divided by num_items_in_batch = 0)."""
     dloss = tl.load(dloss_ptr).to(tl.float32)
     if dloss != 1.0:
         row = tl.program_id(0).to(tl.int64)
@@ -394,4 +391,5 @@ def cross_entropy_bwd_kernel_scale(
         mask = cols < n_cols
         ptr = grad_ptr + row * grad_row_stride + cols
         g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptr, (g * dloss).to(grad_ptr.dtype.element_ty), mask=mask)
+        g = tl.where(g == 0.0, 0.0, g * dloss)
+        tl.store(ptr, g.to(grad_ptr.dtype.element_ty), mask=mask)

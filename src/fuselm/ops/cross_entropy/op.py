@@ -14,7 +14,7 @@ from .kernels import (
     cross_entropy_fwd_kernel,
     cross_entropy_fwd_kernel_shard_stats,
 )
-from .reference import cross_entropy_reference
+from .reference import cross_entropy_reference, scale_keeping_zeros
 
 # Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
 # SINGLE_BLOCK_MAX columns are held in registers and read once; longer rows loop in blocks whose
@@ -389,8 +389,9 @@ def _run_bwd(inputs, args, inplace):
 
 
 def _run_scale_(grad, dloss):
+    """grad *= dloss in place, zeros kept (cross_entropy_bwd_scale_)."""
     if not use_triton(grad):  # a CPU vocabulary shard (fuselm.distributed on the reference path)
-        grad.mul_(dloss)
+        grad.copy_(scale_keeping_zeros(grad, dloss))
     elif torch.compiler.is_compiling():
         _ce_bwd_scale_op(grad, dloss)
     else:
@@ -534,12 +535,16 @@ def cross_entropy(
             (float64 runs the PyTorch reference). Rows may be strided (``stride(-1) == 1``).
         target: class indices ``input.shape[:-1]``, int32 or int64. Entries equal to ``ignore_index``
             contribute no loss and get a zero gradient. Any other value outside ``[0, V)`` makes that
-            token's loss and gradient NaN (never an out-of-bounds read); set ``FUSELM_VALIDATE=1`` to
-            raise ValueError instead (this costs a host sync).
+            token's loss NaN (so a mean or sum is NaN: visible) and its gradient zero (the weights stay
+            finite), never an out-of-bounds read. No error by default, in eager mode too: the check would
+            cost a host sync, which this op never makes; ``FUSELM_VALIDATE=1`` raises ValueError instead
+            (one sync). (:func:`fuselm.linear_cross_entropy` raises in eager mode: it syncs anyway.)
         weight: optional class weights ``[V]``; ``mean`` divides by the sum of the targets' weights.
         ignore_index: target value to skip (any integer).
         reduction: ``"mean"`` (over non-ignored tokens; NaN when all are ignored, like PyTorch),
-            ``"sum"`` or ``"none"`` (per-token losses of shape ``input.shape[:-1]``).
+            ``"sum"`` or ``"none"`` (per-token losses of shape ``input.shape[:-1]``). Ignored tokens'
+            gradients are zero whatever the upstream gradient, as PyTorch's (e.g. a sum divided by a count
+            of 0: NaN loss, zero gradient).
         label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM).
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).

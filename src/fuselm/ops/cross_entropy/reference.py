@@ -8,7 +8,8 @@ z-loss coefficient zl and softcap c:
     loss = (1 - eps) * w_t * (lse - z_t) + eps / V * sum_j w_j * (lse - z_j) + zl * lse**2
 
 Tokens whose target is ignore_index have loss 0; a target outside [0, V) that is not ignored
-gives that token a NaN loss and gradient (no error, no host sync). reduction="mean" divides the sum by
+gives that token a NaN loss and a zero gradient (no error, no host sync: the NaN shows in the loss, the
+weights stay finite). reduction="mean" divides the sum by
 sum of w_t over non-ignored tokens (their count without weights), as PyTorch does; a batch
 with every token ignored gives NaN, like PyTorch.
 """
@@ -16,6 +17,12 @@ with every token ignored gives NaN, like PyTorch.
 from __future__ import annotations
 
 import torch
+
+
+def scale_keeping_zeros(grad: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    """grad * dloss where a zero stays zero whatever dloss: the gradient of an ignored token is 0 even for
+    an inf or NaN upstream gradient, as PyTorch's (a summed loss divided by num_items_in_batch = 0)."""
+    return torch.where(grad == 0, 0.0, grad * dloss)
 
 
 def _softcapped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -36,19 +43,21 @@ def cross_entropy_loss_from_stats(
 ) -> torch.Tensor:
     """Per-token loss [N] from the row statistics: lse, the target's (softcapped) logit z_t and
     smooth_dot = sum_j w_j z_j (used only with label smoothing). 0 for ignored tokens, NaN for a
-    target outside [0, n_classes). The one formula of the module docstring; the kernels implement it too."""
+    target outside [0, n_classes) (a constant: no gradient reaches that row). The one formula of the module
+    docstring; the kernels implement it too."""
     valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= n_classes))
-    t_safe = torch.where(valid & ~bad, target, torch.zeros_like(target))
+    ok = valid & (target >= 0) & (target < n_classes)
+    t_safe = torch.where(ok, target, torch.zeros_like(target))
     w_t = weight.to(lse.dtype)[t_safe] if weight is not None else torch.ones_like(lse)
-    loss = torch.where(bad, float("nan"), w_t) * (lse - z_target)
+    loss = w_t * (lse - z_target)
     if label_smoothing > 0:
         weight_sum = weight.to(lse.dtype).sum() if weight is not None else n_classes
         smooth = weight_sum * lse - smooth_dot
         loss = (1 - label_smoothing) * loss + label_smoothing / n_classes * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    loss = torch.where(ok, loss, torch.zeros_like(loss))
+    return torch.where(valid & ~ok, float("nan"), loss)
 
 
 def cross_entropy_reference(
@@ -149,13 +158,12 @@ def cross_entropy_shard_grad_reference(
 ) -> torch.Tensor:
     """d(sum_i loss_i * grad_scale * dloss_i + lse_i * dlse_i) / d logits for a shard (classes
     col_offset .. col_offset + V_local of n_classes), in the logits' dtype; lse [N] is the global one,
-    dloss [1] or [N]. Ignored rows get zeros, out-of-range targets NaN (as the kernel)."""
+    dloss [1] or [N]. Ignored rows and out-of-range targets get zeros (as the kernel)."""
     n_cols = logits.shape[1]
     compute = lse.dtype
     z = _softcapped(logits.to(compute), softcap)
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= n_classes))
-    t_safe = torch.where(valid & ~bad, target, torch.zeros_like(target))
+    ok = (target != ignore_index) & (target >= 0) & (target < n_classes)
+    t_safe = torch.where(ok, target, torch.zeros_like(target))
     w_t = weight.to(compute)[t_safe] if weight is not None else torch.ones_like(lse)
     scale = grad_scale.to(compute) * dloss.to(compute)
     p_coef, target_coef, smooth_coef = w_t, w_t * scale, torch.zeros_like(lse)
@@ -166,12 +174,11 @@ def cross_entropy_shard_grad_reference(
         smooth_coef = label_smoothing / n_classes * scale * torch.ones_like(lse)
     if z_loss:
         p_coef = p_coef + 2 * z_loss * lse
-    p_coef = torch.where(valid, p_coef * scale, 0.0)
-    p_coef = torch.where(bad, float("nan"), p_coef)
+    p_coef = torch.where(ok, p_coef * scale, 0.0)
     if dlse is not None:
         p_coef = p_coef + dlse.to(compute)
-    target_coef = torch.where(valid, target_coef, 0.0)
-    smooth_coef = torch.where(valid, smooth_coef, 0.0)
+    target_coef = torch.where(ok, target_coef, 0.0)
+    smooth_coef = torch.where(ok, smooth_coef, 0.0)
     cols = torch.arange(col_offset, col_offset + n_cols, device=logits.device)
     g = torch.exp(z - lse[:, None]) * p_coef[:, None]
     g = g - (cols[None, :] == target[:, None]) * target_coef[:, None]

@@ -113,12 +113,11 @@ def row_terms(
     """Per work row: the loss (fp32 [n]; None when z_t is None) and the gradient coefficients
     coef [4, n] = (lse, p_coef, t_coef, s_coef) of d loss / d z = softmax * p_coef - onehot * t_coef -
     w * s_coef, scaled by grad_scale * dloss (plus dlse on p_coef). Ignored rows: 0; a target outside
-    [0, V): NaN loss and gradient. The same formulas as the cross-entropy kernels (see its README)."""
+    [0, V): NaN loss, zero gradient. The same formulas as the cross-entropy kernels (see its README)."""
     valid = target_rows != ignore_index
-    in_range = (target_rows >= 0) & (target_rows < n_cols)
-    bad = valid & ~in_range
+    ok = valid & (target_rows >= 0) & (target_rows < n_cols)
     if weight is not None:
-        w_t = weight.float()[torch.where(valid & in_range, target_rows, 0)]
+        w_t = weight.float()[torch.where(ok, target_rows, 0)]
     else:
         w_t = torch.ones_like(lse)
     ls = label_smoothing
@@ -130,7 +129,7 @@ def row_terms(
             loss = (1.0 - ls) * loss + ls / n_cols * (w_sum * lse - smooth_dot)
         if z_loss:
             loss = loss + z_loss * lse * lse
-        loss = torch.where(bad, float("nan"), torch.where(valid, loss, 0.0))
+        loss = torch.where(ok, loss, torch.where(valid, float("nan"), 0.0))
     scale = grad_scale * dloss
     if ls > 0:
         p_coef = (1.0 - ls) * w_t + ls / n_cols * w_sum
@@ -140,18 +139,18 @@ def row_terms(
         p_coef, t_coef, s_coef = w_t, w_t * scale, torch.zeros_like(lse)
     if z_loss:
         p_coef = p_coef + 2.0 * z_loss * lse
-    p_coef = torch.where(bad, float("nan"), torch.where(valid, p_coef * scale, 0.0))
+    p_coef = torch.where(ok, p_coef * scale, 0.0)
     if dlse is not None:
         p_coef = p_coef + dlse
     zero = torch.zeros_like(lse)
-    coef = torch.stack([lse, p_coef, torch.where(valid, t_coef, zero), torch.where(valid, s_coef, zero)])
+    coef = torch.stack([lse, p_coef, torch.where(ok, t_coef, zero), torch.where(ok, s_coef, zero)])
     return loss, coef
 
 
 def dx_row_scales(coef, w, weight, label_smoothing):
     """Per work row, a power of two s with s * B <= DX_ACC_LIMIT, where B bounds |partial sums of dX_i|:
     |sum_v G_iv W_v| <= (|p_coef| + |t_coef| + |s_coef| * sum_v |w_v|) * max |W| (softmax sums to 1,
-    softcap' <= 1). 1 where the bound is 0 or not finite (ignored rows, NaN targets)."""
+    softcap' <= 1). 1 where the bound is 0 or not finite (ignored rows, bad targets)."""
     w_sum = weight.float().abs().sum() if weight is not None else float(w.shape[0])
     row_sum = coef[1].abs() + coef[2].abs()
     if label_smoothing > 0:

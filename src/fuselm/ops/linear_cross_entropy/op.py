@@ -12,8 +12,17 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import use_triton
-from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype, rows_view
+from .._common.guard import (
+    FLOAT_DTYPES,
+    bad_targets,
+    check_loss_args,
+    check_tensor,
+    raise_target_range,
+    resolve_loss_dtype,
+    rows_view,
+)
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
+from ..cross_entropy.reference import scale_keeping_zeros
 from .fused import fused_bwd, fused_fwd
 from .reference import linear_cross_entropy_reference
 
@@ -541,7 +550,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if dw is not None:
                 _run_scale_(dw, dl)
             if db is not None:
-                db = (db * dl).to(ctx.bias_dtype)  # [V], kept in fp32 until here
+                db = scale_keeping_zeros(db, dl).to(ctx.bias_dtype)  # [V], kept in fp32 until here
         else:
             x, w, b, target, weight, weight_sum, grad_scale, lse, rows = ctx.saved_tensors
             dloss = dloss.float().reshape(-1)
@@ -576,6 +585,23 @@ def _compaction_allowed(device: torch.device) -> bool:
     return not torch.compiler.is_compiling() and not _capturing(device)
 
 
+def eager_rows(target: torch.Tensor, ignore_index: int, n_classes: int) -> torch.Tensor | None:
+    """Eager mode's one host sync, for two answers: the indices of the rows to compute (target !=
+    ignore_index; None when that is every row), and whether a target is outside [0, n_classes) (then
+    ValueError naming it).
+
+    One ``nonzero`` over N + 1 flags: the valid rows and a last one, False; a bad target sets every flag, so
+    the count is N + 1 exactly when some target is bad (a count of valid rows is at most N)."""
+    n = target.shape[0]
+    bad = bad_targets(target, n_classes, ignore_index)
+    any_bad = bad.any().reshape(1)
+    flags = torch.cat([target != ignore_index, any_bad]) | any_bad
+    idx = flags.nonzero().reshape(-1)  # the host sync: its length
+    if idx.shape[0] > n:
+        raise_target_range(target, bad, n_classes, ignore_index)
+    return idx if idx.shape[0] < n else None
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -608,16 +634,21 @@ def linear_cross_entropy(
         linear_weight: ``[V, H]``, same dtype and device as ``input`` (e.g. the lm_head weight; if it
             is also used elsewhere, such as tied embeddings, autograd sums both gradients).
         target: class indices of shape ``input.shape[:-1]``, int32 or int64. Entries equal to
-            ``ignore_index`` add no loss and get a zero gradient. Any other value outside ``[0, V)``
-            makes the loss and the gradients NaN (never an out-of-bounds read; the CPU reference raises
-            ValueError); ``FUSELM_VALIDATE=1`` raises ValueError instead (one host sync).
+            ``ignore_index`` add no loss and get a zero gradient. Any other value outside ``[0, V)``:
+            in eager mode, ValueError naming the value (found by the host sync that compacts the ignored
+            rows, below: no extra sync); where no sync is allowed (``torch.compile``, CUDA graph capture,
+            and ``return_lse``, which skips the compaction), that token's loss is NaN (so a mean or sum is
+            NaN: visible) and its gradient zero (the weights stay finite), never an out-of-bounds read.
+            ``FUSELM_VALIDATE=1`` raises ValueError in every mode (one more sync).
         linear_bias: optional ``[V]``, same dtype as ``input``.
         weight: optional class weights ``[V]`` (any float dtype); ``"mean"`` divides by the sum of the
             non-ignored targets' weights, as PyTorch does.
         ignore_index: target value to skip (any integer; ``None`` means -100, as in
             ``torch.nn.functional.linear_cross_entropy``).
         reduction: ``"mean"`` (over non-ignored tokens; NaN when all are ignored, like PyTorch), ``"sum"``
-            or ``"none"`` (per-token losses of shape ``input.shape[:-1]``, 0 for ignored tokens).
+            or ``"none"`` (per-token losses of shape ``input.shape[:-1]``, 0 for ignored tokens). Ignored
+            tokens' gradients are zero whatever the upstream gradient, as PyTorch's (a sum divided by a
+            count of 0, as Hugging Face does for a batch without targets: NaN loss, zero gradients).
         label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM); ``>= 0``.
         softcap: if set (``> 0``), logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
@@ -699,6 +730,8 @@ def linear_cross_entropy(
 
     budget = memory_budget(memory, device)
     if input.dtype == torch.float64 or not use_triton(input):
+        if not return_lse and _compaction_allowed(device):  # eager: the range check, as on the Triton path
+            eager_rows(target.reshape(-1), ignore_index, v)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         return linear_cross_entropy_reference(
             input,
@@ -791,9 +824,8 @@ def apply_linear_cross_entropy(
     )
     rows = None
     if not return_lse and _compaction_allowed(input.device):
-        idx = (t1 != ignore_index).nonzero().reshape(-1)  # the one host sync: the count of kept rows
-        if idx.shape[0] < t1.shape[0]:
-            rows = idx
+        n_classes = shard.n_classes if shard is not None else linear_weight.shape[0]
+        rows = eager_rows(t1, ignore_index, n_classes)  # the one host sync (and the target range check)
     loss, lse = LinearCrossEntropyFunction.apply(
         rows_view(input),
         linear_weight,

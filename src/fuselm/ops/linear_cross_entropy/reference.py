@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cross_entropy.reference import cross_entropy_reference
+from ..cross_entropy.reference import cross_entropy_reference, scale_keeping_zeros
 
 # Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -61,96 +61,100 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
     def forward(
         ctx, x, w, b, target, weight, chunk_rows, ignore_index, reduction, ls, z_loss, softcap, return_lse
     ):
-        cd = _compute_dtype(x.dtype)
-        n, v = x.shape[0], w.shape[0]
-        wc = w.to(cd)
-        bc = b.to(cd) if b is not None else None
-        valid = target != ignore_index
-        if weight is not None:
-            t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
-            denom = torch.where(valid, weight.to(cd)[t_safe], 0).sum()
-        else:
-            denom = valid.sum().to(cd)
-        scale = 1.0 / denom if reduction == "mean" else torch.ones((), dtype=cd, device=x.device)
-        needs = ctx.needs_input_grad[:3]
-        grad_in_forward = any(needs) and reduction != "none" and not return_lse
-        loss = torch.empty(n, dtype=cd, device=x.device)
-        lse = torch.empty(n, dtype=cd, device=x.device)
-        dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
-        dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
-        db = torch.zeros(v, dtype=cd, device=x.device) if grad_in_forward and b is not None else None
-        for s in range(0, n, chunk_rows):
-            e = min(s + chunk_rows, n)
-            xc = x[s:e].to(cd)
-            logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)  # [C, V]
-            args = (weight, ignore_index, ls, z_loss, softcap)
-            loss[s:e], lse[s:e], g = chunk_loss_grad(
-                logits, target[s:e], *args, scale if grad_in_forward else None, None
-            )
+        with torch.autocast(x.device.type, enabled=False):  # fp32 math whatever autocast says
+            cd = _compute_dtype(x.dtype)
+            n, v = x.shape[0], w.shape[0]
+            wc = w.to(cd)
+            bc = b.to(cd) if b is not None else None
+            valid = target != ignore_index
+            if weight is not None:
+                t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
+                denom = torch.where(valid, weight.to(cd)[t_safe], 0).sum()
+            else:
+                denom = valid.sum().to(cd)
+            scale = 1.0 / denom if reduction == "mean" else torch.ones((), dtype=cd, device=x.device)
+            needs = ctx.needs_input_grad[:3]
+            grad_in_forward = any(needs) and reduction != "none" and not return_lse
+            loss = torch.empty(n, dtype=cd, device=x.device)
+            lse = torch.empty(n, dtype=cd, device=x.device)
+            dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
+            dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
+            db = torch.zeros(v, dtype=cd, device=x.device) if grad_in_forward and b is not None else None
+            for s in range(0, n, chunk_rows):
+                e = min(s + chunk_rows, n)
+                xc = x[s:e].to(cd)
+                logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)  # [C, V]
+                args = (weight, ignore_index, ls, z_loss, softcap)
+                loss[s:e], lse[s:e], g = chunk_loss_grad(
+                    logits, target[s:e], *args, scale if grad_in_forward else None, None
+                )
+                if grad_in_forward:
+                    dx[s:e] = g @ wc
+                    dw += g.T @ xc
+                    if db is not None:
+                        db += g.sum(0)
+            ctx.grad_in_forward = grad_in_forward
+            ctx.device_type = x.device.type
+            ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
+            ctx.args = (chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse)
             if grad_in_forward:
+                ctx.save_for_backward(dx, dw, db)
+            else:
+                ctx.save_for_backward(x, w, b, target, weight, scale)
+            if not return_lse:
+                ctx.mark_non_differentiable(lse)
+            if reduction == "sum":
+                out = loss.sum()
+            elif reduction == "mean":
+                out = loss.sum() * scale
+            else:
+                out = loss
+            return out, lse  # compute dtype; the caller casts to loss_dtype
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        with torch.autocast(ctx.device_type, enabled=False):
+            chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse = ctx.args
+            if ctx.grad_in_forward:
+                dx, dw, db = ctx.saved_tensors
+                d = dloss.to(dx.dtype)
+                x_dtype, w_dtype, b_dtype = ctx.dtypes
+                db = scale_keeping_zeros(db, d).to(b_dtype) if db is not None else None
+                dx, dw = scale_keeping_zeros(dx, d).to(x_dtype), scale_keeping_zeros(dw, d).to(w_dtype)
+                return dx, dw, db, *([None] * 9)
+            x, w, b, target, weight, scale = ctx.saved_tensors
+            cd = _compute_dtype(x.dtype)
+            n, v = x.shape[0], w.shape[0]
+            wc = w.to(cd)
+            bc = b.to(cd) if b is not None else None
+            dloss = dloss.to(cd)
+            dlse = dlse.to(cd) if return_lse and dlse is not None else None
+            dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device)
+            dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device)
+            db = torch.zeros(v, dtype=cd, device=x.device) if b is not None else None
+            for s in range(0, n, chunk_rows):
+                e = min(s + chunk_rows, n)
+                xc = x[s:e].to(cd)
+                logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
+                coef = dloss[s:e] if reduction == "none" else dloss * scale
+                _, _, g = chunk_loss_grad(
+                    logits,
+                    target[s:e],
+                    weight,
+                    ignore_index,
+                    ls,
+                    z_loss,
+                    softcap,
+                    coef,
+                    dlse[s:e] if dlse is not None else None,
+                )
                 dx[s:e] = g @ wc
                 dw += g.T @ xc
                 if db is not None:
                     db += g.sum(0)
-        ctx.grad_in_forward = grad_in_forward
-        ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
-        ctx.args = (chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse)
-        if grad_in_forward:
-            ctx.save_for_backward(dx, dw, db)
-        else:
-            ctx.save_for_backward(x, w, b, target, weight, scale)
-        if not return_lse:
-            ctx.mark_non_differentiable(lse)
-        if reduction == "sum":
-            out = loss.sum()
-        elif reduction == "mean":
-            out = loss.sum() * scale
-        else:
-            out = loss
-        return out, lse  # compute dtype; the caller casts to loss_dtype
-
-    @staticmethod
-    def backward(ctx, dloss, dlse):
-        chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse = ctx.args
-        if ctx.grad_in_forward:
-            dx, dw, db = ctx.saved_tensors
-            d = dloss.to(dx.dtype)
             x_dtype, w_dtype, b_dtype = ctx.dtypes
-            db = (db * d).to(b_dtype) if db is not None else None
-            return (dx * d).to(x_dtype), (dw * d).to(w_dtype), db, *([None] * 9)
-        x, w, b, target, weight, scale = ctx.saved_tensors
-        cd = _compute_dtype(x.dtype)
-        n, v = x.shape[0], w.shape[0]
-        wc = w.to(cd)
-        bc = b.to(cd) if b is not None else None
-        dloss = dloss.to(cd)
-        dlse = dlse.to(cd) if return_lse and dlse is not None else None
-        dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device)
-        dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device)
-        db = torch.zeros(v, dtype=cd, device=x.device) if b is not None else None
-        for s in range(0, n, chunk_rows):
-            e = min(s + chunk_rows, n)
-            xc = x[s:e].to(cd)
-            logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
-            coef = dloss[s:e] if reduction == "none" else dloss * scale
-            _, _, g = chunk_loss_grad(
-                logits,
-                target[s:e],
-                weight,
-                ignore_index,
-                ls,
-                z_loss,
-                softcap,
-                coef,
-                dlse[s:e] if dlse is not None else None,
-            )
-            dx[s:e] = g @ wc
-            dw += g.T @ xc
-            if db is not None:
-                db += g.sum(0)
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        db = db.to(b_dtype) if db is not None else None
-        return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 9)
+            db = db.to(b_dtype) if db is not None else None
+            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 9)
 
 
 def linear_cross_entropy_reference(
@@ -177,8 +181,9 @@ def linear_cross_entropy_reference(
     ``fuselm.linear_cross_entropy``; ``chunk_rows`` tokens per chunk (default: a chunk's fp32 logits
     take at most 256 MiB). Memory: a few [chunk_rows, V] tensors in the compute dtype (logits,
     autograd's softmax and gradient) plus compute-dtype copies of linear_weight and the gradient
-    accumulators, O(VH); never O(NV).
-    A target outside [0, V) that is not ignore_index raises ValueError.
+    accumulators, O(VH); never O(NV). Autocast does not reach the math (fp32 whatever it says).
+    A target outside [0, V) that is not ignore_index: NaN loss for that token, zero gradient
+    (``fuselm.linear_cross_entropy`` raises ValueError first in eager mode).
 
     Example:
         >>> import torch
