@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import functools
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from fuselm.ops._common.testing import assert_numerics
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("fuselm.ops.linear_log_probs")
+import trl_models as tm  # noqa: E402
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 
@@ -71,6 +73,7 @@ def calls(monkeypatch):
     trl_forward = ChunkedLogProbFunction.forward
     fuselm_op = patching.linear_log_probs
 
+    @functools.wraps(trl_forward)
     def spy_trl(*args, **kwargs):
         counts["trl"] += 1
         return trl_forward(*args, **kwargs)
@@ -217,3 +220,199 @@ def test_adapter_outputs_not_asked_are_none():
     fuselm.trl.patch()
     out = trl_utils._ChunkedLogProbFunction.apply(x, w, None, t, 1.0, 32768, None, 1.0, ("log_probs",))
     assert out[0].shape == (4,) and out[1:] == (None, None, None, None)
+
+
+# ---- trainers: reference (float64) vs TRL (fp32) vs fuselm (fp32) ----
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny Llama saved once (fp32); every run loads it, so TRL builds its reference models too."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.model(seed=0).save_pretrained(path)
+    return str(path)
+
+
+# Plain SGD: the update is linear in the gradient, so the runs differ as much as their gradients do.
+# (AdamW's first step divides each gradient coordinate by its own magnitude: a coordinate whose gradient
+# is about AdamW's eps carries its rounding noise, whatever its relative size, into the parameter, and
+# which of two equally rounded fp32 runs draws the larger noise is luck: measured up to 4x apart here.)
+COMMON = dict(
+    optim="sgd",
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    bf16=False,
+    seed=0,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
+def _train(config_cls, trainer_cls, kind, dtype, checkpoint, tmp_path, config, **trainer_kwargs):
+    """One run; returns (per-step logs {key: [values]}, final trainable parameters {name: tensor})."""
+    args = config_cls(
+        output_dir=str(tmp_path / kind),
+        model_init_kwargs={"dtype": dtype, "attn_implementation": "eager"},
+        **COMMON,
+        **config,
+    )
+    with head(kind):
+        trainer = trainer_cls(model=checkpoint, args=args, processing_class=tm.tokenizer(), **trainer_kwargs)
+        trainer.train()
+    logs: dict[str, list[float]] = {}
+    for entry in trainer.state.log_history:
+        if "train_runtime" not in entry:
+            for key, value in entry.items():
+                logs.setdefault(key, []).append(value)
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return logs, params
+
+
+TIMINGS = ("time", "runtime", "per_second")  # logged keys that are clock readings
+
+
+def _check_runs(calls, run, skip=()):
+    """Reference, TRL and fuselm runs of `run(kind, dtype)`: the spies, then the numerics rule on every
+    logged value but clock readings (losses, gradient norms, entropies, rewards, ...) and on every trained
+    parameter. Returns the reference run's logs."""
+    ref_logs, ref_params = run("reference", torch.float64)
+    assert calls["trl"] == 0 and calls["fuselm"] == 0
+    eager_logs, eager_params = run("trl", torch.float32)
+    assert calls["trl"] > 0 and calls["fuselm"] == 0  # TRL's kernel ran the unpatched run
+    trl_calls = calls["trl"]
+    ours_logs, ours_params = run("fuselm", torch.float32)
+    assert calls["trl"] == trl_calls  # not once under the patch
+    assert calls["fuselm"] == trl_calls  # fuselm's op instead, call for call
+    assert ref_logs.keys() == eager_logs.keys() == ours_logs.keys()
+    for key in ref_logs:
+        if key not in skip and not any(word in key for word in TIMINGS):
+            values = [
+                torch.tensor(logs[key], dtype=torch.float64) for logs in (ours_logs, eager_logs, ref_logs)
+            ]
+            assert_numerics(f"logged {key}", *values, torch.float32)
+    assert ref_params.keys() == eager_params.keys() == ours_params.keys() and ref_params
+    for name in ref_params:
+        ours, eager, ref = ours_params[name], eager_params[name], ref_params[name]
+        assert_numerics(f"trained {name}", ours, eager, ref, torch.float32)
+    return ref_logs
+
+
+@pytest.mark.parametrize("mode", ["completion_only", "padding_free", "peft"])
+def test_sft(calls, checkpoint, tmp_path, mode):
+    """SFTTrainer on prompt/completion pairs (loss on the completions only); padding-free (one packed
+    row, -100 at the document starts); LoRA adapters (the head's weight is frozen: no weight gradient)."""
+    from trl import SFTConfig, SFTTrainer
+
+    config = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=0.3)
+    kwargs = dict(train_dataset=tm.prompt_completion(16))
+    if mode == "padding_free":
+        config.update(padding_free=True, max_length=None)
+    if mode == "peft":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        config["learning_rate"] = 1.0
+
+    def run(kind, dtype):
+        return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, config, **kwargs)
+
+    logs = _check_runs(calls, run)
+    assert logs["loss"][-1] < logs["loss"][0]
+
+
+def test_dpo(calls, checkpoint, tmp_path):
+    """DPOTrainer (sigmoid loss, WPO weights: every output of the head is used), reference model loaded from
+    the checkpoint (its head runs under no_grad)."""
+    from trl import DPOConfig, DPOTrainer
+
+    config = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1.0, use_weighting=True)
+
+    def run(kind, dtype):
+        return _train(
+            DPOConfig, DPOTrainer, kind, dtype, checkpoint, tmp_path, config, train_dataset=tm.preference(12)
+        )
+
+    logs = _check_runs(calls, run)
+    assert logs["rewards/margins"][-1] > 0
+
+
+def test_grpo(calls, checkpoint, tmp_path):
+    """GRPOTrainer: completions sampled by HF generate at temperature 0.8, a Python reward, KL to a
+    reference model loaded from the checkpoint (beta > 0). The same seed samples the same completions in
+    the three runs (checked: lengths and rewards are logged and compared)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = dict(
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        temperature=0.8,
+        beta=0.1,
+        learning_rate=1.0,
+    )
+
+    def run(kind, dtype):
+        return _train(
+            GRPOConfig,
+            GRPOTrainer,
+            kind,
+            dtype,
+            checkpoint,
+            tmp_path,
+            config,
+            reward_funcs=tm.reward_nouns,
+            train_dataset=tm.prompts(12),
+        )
+
+    logs = _check_runs(calls, run)
+    assert logs["kl"][-1] > 0  # the policy moved away from the reference model
+
+
+def test_kto(calls, checkpoint, tmp_path):
+    """KTOTrainer on unpaired desirable / undesirable completions, KL term from mismatched pairs,
+    reference model loaded from the checkpoint."""
+    from trl import KTOConfig, KTOTrainer
+
+    config = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1.0)
+
+    def run(kind, dtype):
+        dataset = tm.unpaired_preference(12)
+        return _train(KTOConfig, KTOTrainer, kind, dtype, checkpoint, tmp_path, config, train_dataset=dataset)
+
+    _check_runs(calls, run)
+
+
+def test_rloo(calls, checkpoint, tmp_path):
+    """RLOOTrainer: sampled completions, a Python reward, leave-one-out baseline, KL to a reference model."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    config = dict(
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        temperature=0.8,
+        beta=0.1,
+        learning_rate=1.0,
+    )
+
+    def run(kind, dtype):
+        return _train(
+            RLOOConfig,
+            RLOOTrainer,
+            kind,
+            dtype,
+            checkpoint,
+            tmp_path,
+            config,
+            reward_funcs=tm.reward_nouns,
+            train_dataset=tm.prompts(12),
+        )
+
+    # RLOO's logged loss is 0 up to rounding at every step (advantages summing to 0 times a ratio of 1): it
+    # has no digits to compare; its gradient does (grad_norm and the parameters are compared).
+    logs = _check_runs(calls, run, skip=("loss",))
+    assert max(abs(x) for x in logs["loss"]) < 1e-6 and logs["kl"][-1] != 0
