@@ -215,6 +215,36 @@ def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias):
     assert ref[4].sum() > 0
 
 
+@pytest.mark.parametrize("leaf_dtype", [torch.float32, torch.bfloat16])
+def test_adapter_under_autocast(leaf_dtype):
+    """Under bf16 autocast (mixed-precision training, fp32 or bf16 weights) the head computes in bf16, as
+    TRL's does, and the gradients come back in the leaves' dtypes; numerics rule at bf16 against float64."""
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 29, 32, 257
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5 * 3
+    t = torch.randint(0, v, (n,), generator=g)
+    g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (ExactHead, ChunkedLogProbFunction, None):
+        dtype = torch.float64 if fn is ExactHead else leaf_dtype
+        xx, ww = (p.detach().to(dtype).requires_grad_() for p in (x, w))
+        if fn is None:
+            fuselm.trl.patch()
+            fn = trl_utils._ChunkedLogProbFunction
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=fn is not ExactHead)
+        with autocast:
+            lp, ent, *_ = fn.apply(xx, ww, None, t, 0.9, 128, None, 1.0, ("log_probs", "entropy"))
+        fuselm.trl.unpatch()
+        assert fn is ExactHead or lp.dtype == ent.dtype == torch.float32
+        ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()).backward()
+        assert xx.grad.dtype == ww.grad.dtype == dtype
+        results.append((lp, ent, xx.grad, ww.grad))
+    ref, eager, ours = results
+    for name, o, e, r in zip(["log_probs", "entropy", "d_hidden", "d_weight"], ours, eager, ref, strict=True):
+        assert_numerics(name, o, e, r, torch.bfloat16)
+
+
 def test_adapter_outputs_not_asked_are_none():
     x, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.tensor([0, 3, 5, 15])
     fuselm.trl.patch()
@@ -416,3 +446,37 @@ def test_rloo(calls, checkpoint, tmp_path):
     # has no digits to compare; its gradient does (grad_norm and the parameters are compared).
     logs = _check_runs(calls, run, skip=("loss",))
     assert max(abs(x) for x in logs["loss"]) < 1e-6 and logs["kl"][-1] != 0
+
+
+def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
+    """fuselm.hf.patch("llama") (block kernels) and fuselm.trl.patch() (head) together on SFTTrainer: the
+    model's norms, RoPE and MLP run fuselm.hf's forwards, the head runs fuselm.linear_log_probs, and
+    fuselm.hf's CausalLM loss (linear_cross_entropy) never runs (TRL calls the backbone directly)."""
+    from trl import SFTConfig, SFTTrainer
+
+    import fuselm.hf
+    from fuselm.hf import layers
+
+    hf_calls = {"rms_norm": 0, "apply_rotary": 0, "gated_mlp": 0, "linear_cross_entropy": 0}
+    for name in hf_calls:
+        original = getattr(layers, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            hf_calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(layers, name, spy)
+    config = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=0.3)
+
+    def run(kind, dtype):
+        if kind == "fuselm":
+            fuselm.hf.patch("llama")
+        try:
+            kwargs = dict(train_dataset=tm.prompt_completion(16))
+            return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, config, **kwargs)
+        finally:
+            fuselm.hf.unpatch("llama")
+
+    _check_runs(calls, run)
+    assert hf_calls["rms_norm"] > 0 and hf_calls["apply_rotary"] > 0 and hf_calls["gated_mlp"] > 0
+    assert hf_calls["linear_cross_entropy"] == 0
