@@ -56,7 +56,11 @@ DENSE = {
     ),
 }
 MIXTURE = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 48}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "moe_intermediate_size": 48, "mlp_only_layers": [0]},  # a dense layer, a MoE one
+    ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
@@ -86,6 +90,7 @@ MIXTURE = {
             "qk_rope_head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
+            "rope_interleave": False,  # HF's rotate_half RoPE (fuselm's); True runs HF's interleaved one
         },
     ),
     "llama4_text": (
@@ -192,10 +197,8 @@ def tiny_config(model_type: str, *, hidden: int = 64, layers: int = 2, vocab: in
         if model_type == "deepseek_v3":
             text["num_key_value_heads"] = heads  # multi-head latent attention: one k/v per head
         config = getattr(transformers, config_cls)(**{**text, **extra})
-    config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config"):
-        if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = "eager"
+    config._attn_implementation = "eager"  # set on the sub-configs too
+    config._experts_implementation = "eager"  # a loop over experts: float64 runs it (the reference)
     return config
 
 

@@ -49,13 +49,19 @@ def _batch(vocab=300, b=2, t=24, seed=1):
     return ids, labels
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_patches():
-    gc.collect()  # patched models other test modules dropped: their finalizers run now, not mid-test
-    yield
+def _unpatch_all():
+    """Unpatch every family: also puts back the rotary function of families whose instance-patched
+    models were garbage-collected (modules change only in explicit calls, never at collection)."""
+    gc.collect()
     for model_type in FAMILIES:
         fuselm.hf.unpatch(model_type)
-    gc.collect()  # instance-patched models of the test: their finalizers give the rotary function back
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_patches():
+    _unpatch_all()  # patched models other test modules dropped
+    yield
+    _unpatch_all()
     assert not any(fuselm.hf.is_patched(model_type) for model_type in FAMILIES)
 
 
@@ -103,15 +109,120 @@ def test_instance_patch_touches_only_that_model(model_type):
     _same(before, _snapshot(model_type))
 
 
-def test_a_dropped_patched_model_gives_rope_back():
+def _rope_calls(monkeypatch) -> list:
+    """Records every call into fuselm's RoPE made through fuselm.hf."""
+    calls, apply_rotary = [], fuselm.hf.layers.apply_rotary
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return apply_rotary(*args, **kwargs)
+
+    monkeypatch.setattr(fuselm.hf.layers, "apply_rotary", spy)
+    return calls
+
+
+def test_garbage_collection_changes_no_module(monkeypatch):
+    """A patched model dropped unpatched: collecting it changes no module (a module global changed
+    mid torch.compile can crash dynamo); the rotary dispatcher left in the module runs HF's function
+    from then on, and the next explicit unpatch restores the original object."""
     module = _modeling("llama")
     original = module.apply_rotary_pos_emb
     model = fuselm.hf.patch(build("llama"))
     other = build("llama")
-    assert fuselm.hf.is_patched(other)  # it runs fuselm's rotary function now (module-level in HF)
+    assert not fuselm.hf.is_patched(other)  # per instance, though it shares the module-level RoPE
+    ids, _ = _batch()
+    calls = _rope_calls(monkeypatch)
+    other(input_ids=ids)
+    assert calls  # module-level in HF: while a patched llama lives, every llama runs fuselm's RoPE
+    before = _snapshot("llama")
     del model
     gc.collect()
-    assert module.apply_rotary_pos_emb is original and not fuselm.hf.is_patched(other)
+    _same(before, _snapshot("llama"))  # nothing changed by the collection
+    calls.clear()
+    other(input_ids=ids)
+    assert not calls  # no live patch needs it: HF's function runs
+    fuselm.hf.unpatch("llama")
+    assert module.apply_rotary_pos_emb is original
+
+
+def test_drop_a_compiled_patched_model_then_compile_another():
+    """Item 7 of issue 12: drop a compiled patched model, collect, compile another model in the same
+    process: no crash, and unpatch still restores the original objects."""
+    ids, labels = _batch(t=8)
+    before = _snapshot("llama")
+    model = fuselm.hf.patch(build("llama", layers=1, hidden=32))
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(input_ids=ids, labels=labels).loss.backward()
+    del model, compiled
+    gc.collect()
+    other = build("llama", layers=1, hidden=32, seed=1)
+    compiled = torch.compile(other, backend="aot_eager")
+    compiled(input_ids=ids, labels=labels).loss.backward()
+    fuselm.hf.unpatch("llama")
+    _same(before, _snapshot("llama"))
+
+
+def test_is_patched_is_per_instance():
+    a, b = build("llama"), build("llama")
+    fuselm.hf.patch(a)
+    assert fuselm.hf.is_patched(a) and not fuselm.hf.is_patched(b)
+    assert not fuselm.hf.is_patched("llama")  # no class patch
+    fuselm.hf.patch("llama")
+    assert fuselm.hf.is_patched(b)  # its class runs fuselm's forwards now
+    fuselm.hf.unpatch("llama")
+    fuselm.hf.unpatch(a)
+    assert not fuselm.hf.is_patched(a) and not fuselm.hf.is_patched(b)
+
+
+def test_repatching_an_instance_applies_the_new_options():
+    """patch() on a patched model with other options replaces its patch (as unpatch, then patch)."""
+    ids, labels = _batch()
+    model = fuselm.hf.patch(build("llama"))
+    assert model(input_ids=ids, labels=labels).logits is None
+    fuselm.hf.patch(model, linear_cross_entropy=False, cross_entropy=True)  # the README's keep-logits recipe
+    assert model.forward.__func__.__qualname__.endswith("forward[logits]")
+    assert model(input_ids=ids, labels=labels).logits is not None
+    fuselm.hf.patch(model, rms_norm=False)
+    kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
+    assert kinds == {"LlamaMLP", "LlamaForCausalLM"}
+    fuselm.hf.patch(model, rms_norm=False)  # the same options: nothing changes
+    assert {type(m).__name__ for m in model.modules() if "forward" in vars(m)} == kinds
+    fuselm.hf.unpatch(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_repatching_a_class_applies_the_new_options():
+    module = _modeling("llama")
+    fuselm.hf.patch("llama", linear_cross_entropy=False, cross_entropy=True)
+    assert module.LlamaForCausalLM.forward.__qualname__.endswith("forward[logits]")
+    fuselm.hf.patch("llama")
+    assert not module.LlamaForCausalLM.forward.__qualname__.endswith("forward[logits]")
+    fuselm.hf.patch("llama", rms_norm=False)
+    assert module.LlamaRMSNorm.forward.__qualname__ == "LlamaRMSNorm.forward"
+
+
+def test_an_instance_patch_overrides_the_class_patch():
+    ids, labels = _batch()
+    fuselm.hf.patch("llama")
+    model = fuselm.hf.patch(build("llama"), linear_cross_entropy=False, cross_entropy=True)
+    assert model(input_ids=ids, labels=labels).logits is not None
+    fuselm.hf.unpatch(model)
+    assert model(input_ids=ids, labels=labels).logits is None  # the class patch again
+
+
+@pytest.mark.parametrize("by", ["instance", "class"])
+def test_loss_options_reach_the_loss_forward(by, monkeypatch):
+    seen = []
+    factory = fuselm.hf.layers.causal_lm_forward
+
+    def spy(spec, original, options):
+        seen.append(options)
+        return factory(spec, original, options)
+
+    monkeypatch.setattr(fuselm.hf.layers, "causal_lm_forward", spy)
+    fuselm.hf.patch(build("llama") if by == "instance" else "llama", label_smoothing=0.1, memory="low")
+    want = fuselm.hf.layers.LossOptions(from_logits=False, label_smoothing=0.1, memory="low")
+    assert seen == [want]
 
 
 def test_rope_stays_patched_while_any_patched_model_needs_it():
@@ -140,18 +251,55 @@ def test_component_flags():
 def test_bad_targets_and_flags():
     with pytest.raises(ValueError, match="no spec for model_type 'bert'"):
         fuselm.hf.patch("bert")
-    with pytest.raises(ValueError, match="no module of a family"):
+    with pytest.raises(ValueError, match="nothing fuselm.hf can patch"):
         fuselm.hf.patch(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="is not a class of a family"):
+    with pytest.raises(ValueError, match="nor a \\*ForCausalLM"):
         fuselm.hf.patch(transformers.BertModel)
     with pytest.raises(TypeError, match="target must be"):
         fuselm.hf.patch(3)
     with pytest.raises(ValueError, match="pick one"):
         fuselm.hf.patch("llama", cross_entropy=True)
-    fuselm.hf.patch("llama", linear_cross_entropy=False, cross_entropy=True)
-    with pytest.raises(ValueError, match="unpatch first"):
-        fuselm.hf.patch("llama")
+    with pytest.raises(ValueError, match="every component flag is False"):
+        fuselm.hf.patch("llama", rms_norm=False, rope=False, swiglu=False, linear_cross_entropy=False)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fuselm.hf.patch("llama", label_smoothing=1.5)
+    with pytest.raises(ValueError, match="nothing to patch in the 'llava' family"):
+        fuselm.hf.patch("llava", linear_cross_entropy=False)  # llava's own module has no blocks
+    with pytest.raises(ValueError, match="nothing fuselm.hf can patch"):
+        fuselm.hf.patch(build("llama").model, rms_norm=False, rope=False, swiglu=False)  # no head here
     assert "gemma3_text" in fuselm.hf.supported_model_types()
+
+
+def test_a_model_of_a_family_without_a_spec_gets_the_fused_loss():
+    """A decoder-only *ForCausalLM fuselm has no spec for: the loss is fused, one warning says what
+    stays HF's; an encoder-decoder model is never touched."""
+    config = transformers.PhiConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=300
+    )
+    torch.manual_seed(0)
+    eager = transformers.PhiForCausalLM(config)
+    ref, ours = clone(eager, torch.float64), clone(eager)
+    with pytest.warns(UserWarning, match="no spec for PhiForCausalLM") as record:
+        fuselm.hf.patch(ours)
+    assert len(record) == 1 and "norms, RoPE and MLP stay Hugging Face's" in str(record[0].message)
+    ids, labels = _batch()
+    outs = [_run(m, ids, labels) for m in (ref, eager, ours)]
+    assert outs[2].logits is None
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
+    grads = [_grads(m) for m in (ref, eager, ours)]
+    for name in grads[1]:
+        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)
+    original = vars(transformers.PhiForCausalLM)["forward"]
+    with pytest.warns(UserWarning, match="no spec for PhiForCausalLM"):
+        fuselm.hf.patch(transformers.PhiForCausalLM)
+    assert fuselm.hf.is_patched(transformers.PhiForCausalLM) and fuselm.hf.is_patched(eager)
+    fuselm.hf.unpatch(transformers.PhiForCausalLM)
+    assert vars(transformers.PhiForCausalLM)["forward"] is original and not fuselm.hf.is_patched(eager)
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=50)
+    )
+    with pytest.raises(ValueError, match="nothing fuselm.hf can patch"):
+        fuselm.hf.patch(t5)
 
 
 def _grads(model):

@@ -2,7 +2,7 @@
 
     >>> import fuselm.hf
     >>> fuselm.hf.patch("llama")            # every Llama model, built before or after   # doctest: +SKIP
-    >>> model = fuselm.hf.patch(model)      # or one built model (PEFT-wrapped too)      # doctest: +SKIP
+    >>> model = fuselm.hf.patch(model)      # or one built model (PEFT-wrapped, multimodal) # doctest: +SKIP
     >>> fuselm.hf.unpatch(model)                                                           # doctest: +SKIP
 
 transformers is an optional dependency (``pip install "fuselm[hf]"``); it is imported when a target is
@@ -10,6 +10,14 @@ patched, not when this package is. Tested with transformers 5.17 and 5.23.
 """
 
 from .patching import is_patched, patch, unpatch
-from .registry import FAMILIES, FamilySpec, supported_model_types
+from .registry import FAMILIES, FamilySpec, markdown_table, supported_model_types
 
-__all__ = ["patch", "unpatch", "is_patched", "supported_model_types", "FAMILIES", "FamilySpec"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "is_patched",
+    "supported_model_types",
+    "markdown_table",
+    "FAMILIES",
+    "FamilySpec",
+]

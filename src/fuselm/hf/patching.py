@@ -2,13 +2,22 @@
 
 Three targets:
 - a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP and
-  CausalLM classes get fuselm's ``forward`` as a class attribute and the modeling module's rotary
-  function is replaced: every model of the family, built before or after, uses them.
-- a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM): instance patching.
-  Every submodule of a known family class gets fuselm's forward as an instance attribute; other models
-  of the same class are untouched. The rotary function is module-level in HF (the attention calls it by
-  name), so ``rope=True`` replaces it in the family's module until the last patched model is
-  unpatched.
+  CausalLM (and multimodal ConditionalGeneration) classes get fuselm's ``forward`` as a class attribute
+  and the modeling module's rotary function is replaced: every model of the family, built before or
+  after, uses them.
+- a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM, a multimodal wrapper):
+  instance patching. Every submodule of a known family class gets fuselm's forward as an instance
+  attribute; other models of the same class are untouched.
+
+Patch state is per target: :func:`is_patched` of a model says whether *it* was patched (or its classes
+are), and patching a target again with other options replaces its patch (as ``unpatch`` then ``patch``).
+
+The rotary function is module-level in HF (the attention calls it by name), so ``rope=True`` installs
+a dispatcher in the family's modeling module: it runs fuselm's RoPE while a class patch or a live
+instance-patched model of that family needs it (a weak set: a garbage-collected model drops out by
+itself) and HF's otherwise. Modules are only ever changed by explicit ``patch`` / ``unpatch`` calls,
+never from a finalizer (a module global changed mid ``torch.compile`` can crash dynamo); the original
+function is put back by the first ``patch`` / ``unpatch`` call that finds no user left.
 
 ``unpatch`` restores exactly what was there: the original class attributes (or their absence), the
 original module function, no instance attributes left behind.
@@ -18,26 +27,65 @@ from __future__ import annotations
 
 import importlib
 import types
+import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from . import layers
-from .registry import FamilySpec, family, family_of_module, supported_model_types
+from .registry import (
+    FamilySpec,
+    family,
+    family_of_module,
+    generic_spec,
+    is_lm_class_name,
+    supported_model_types,
+)
 
-COMPONENTS = ("rms_norm", "rope", "swiglu", "linear_cross_entropy", "cross_entropy")
-LOSSES = ("linear_cross_entropy", "cross_entropy")  # two ways to swap the CausalLM forward: one at a time
+BLOCKS = ("rms_norm", "rope", "swiglu")  # the block components; the loss is the fourth
 MISSING = object()  # a class attribute that was not in the class's own __dict__
-
-# Class patches in force: (family, component) -> [(owner, name, previous value or MISSING)].
-_class_patches: dict[tuple[str, str], list[tuple[object, str, object]]] = {}
-# Who needs a family's rotary function replaced: "class" and/or one token per instance-patched model
-# (released by unpatch, or by a finalizer when the model is garbage-collected unpatched).
-_rope_users: dict[str, set] = {}
-_rope_original: dict[str, Callable] = {}
-# Marker attribute on an instance-patched model: the components and families patched there.
+# Marker attribute on an instance-patched model: its _InstancePatch.
 INSTANCE_MARK = "_fuselm_patch"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one ``patch`` call asks for: block components, and the loss options (None: no loss)."""
+
+    blocks: tuple[str, ...]
+    loss: layers.LossOptions | None
+
+
+@dataclass
+class _ClassPatch:
+    plan: _Plan
+    saved: list[tuple[type, str, object]]  # (class, attribute, previous value or MISSING)
+
+
+@dataclass
+class _InstancePatch:
+    plan: _Plan
+    modules: list[nn.Module] = field(default_factory=list)  # submodules given an instance forward
+    rope_families: list[FamilySpec] = field(default_factory=list)
+
+
+@dataclass
+class _RopeState:
+    """A family's rotary function while fuselm's dispatcher is installed in its modeling module."""
+
+    original: Callable
+    installed: Callable | None = None
+    class_user: bool = False
+    instances: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def in_use(self) -> bool:
+        return self.class_user or len(self.instances) > 0
+
+
+_class_patches: dict[FamilySpec, _ClassPatch] = {}
+_ropes: dict[FamilySpec, _RopeState] = {}
 
 
 def _modeling(spec: FamilySpec) -> types.ModuleType:
@@ -45,8 +93,8 @@ def _modeling(spec: FamilySpec) -> types.ModuleType:
         return importlib.import_module(spec.module)
     except ImportError as e:
         raise ImportError(
-            f"fuselm.hf needs transformers with the {spec.model_type!r} family ({spec.module}): "
-            'pip install "fuselm[hf]"'
+            f"fuselm.hf needs transformers with the {spec.model_type!r} family ({spec.module}); "
+            f'pip install "fuselm[hf]" (or a newer transformers)'
         ) from e
 
 
@@ -55,79 +103,156 @@ def _own(cls: type, name: str):
     return cls.__dict__.get(name, MISSING)
 
 
-def _components(rms_norm: bool, rope: bool, swiglu: bool, linear_cross_entropy: bool, cross_entropy: bool):
+def _plan(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory) -> _Plan:
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
             "(linear_cross_entropy=False for the loss on materialized logits)"
         )
-    flags = (rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy)
-    return [c for c, on in zip(COMPONENTS, flags, strict=True) if on]
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
+    blocks = tuple(c for c, on in zip(BLOCKS, (rms_norm, rope, swiglu), strict=True) if on)
+    loss = None
+    if linear_cross_entropy or cross_entropy:
+        loss = layers.LossOptions(
+            from_logits=bool(cross_entropy), label_smoothing=float(label_smoothing), memory=memory
+        )
+    if not blocks and loss is None:
+        raise ValueError("nothing to patch: every component flag is False")
+    return _Plan(blocks, loss)
 
 
-def _replacement(spec: FamilySpec, component: str, module: types.ModuleType) -> tuple[type, str, Callable]:
-    """(class, attribute name, new forward) of a class-level component (all but rope)."""
-    if component == "rms_norm":
-        cls = getattr(module, spec.rms_norm)
-        return cls, "forward", layers.rms_norm_forward(spec)
-    if component == "swiglu":
-        cls = getattr(module, spec.mlp)
-        return cls, "forward", layers.mlp_forward(spec, cls.forward)
-    cls = getattr(module, spec.causal_lm)
-    options = layers.LossOptions(from_logits=component == "cross_entropy")
-    return cls, "forward", layers.causal_lm_forward(spec, cls.forward, options)
+def _original_forward(cls: type) -> Callable:
+    """HF's own forward of a class, also while the class is class-patched."""
+    for patch in _class_patches.values():
+        for owner, name, previous in patch.saved:
+            if owner is cls and name == "forward":
+                return previous if previous is not MISSING else cls.__mro__[1].forward
+    return cls.forward
 
 
-def _rope_acquire(spec: FamilySpec, module: types.ModuleType, user) -> None:
-    users = _rope_users.setdefault(spec.model_type, set())
-    if not users:
+def _forward_for(spec: FamilySpec, cls: type, plan: _Plan) -> Callable | None:
+    """fuselm's forward for a class of ``spec``'s module under ``plan``, or None (not swapped)."""
+    name = cls.__name__
+    if name == spec.rms_norm and "rms_norm" in plan.blocks:
+        return layers.rms_norm_forward(spec)
+    if name == spec.mlp and "swiglu" in plan.blocks:
+        return layers.mlp_forward(spec, _original_forward(cls))
+    if name in spec.causal_lms and plan.loss is not None:
+        return layers.causal_lm_forward(spec, _original_forward(cls), plan.loss)
+    return None
+
+
+# ---- the rotary function: a dispatcher that stays until an explicit call finds no user left ----
+
+
+def _dispatcher(state: _RopeState, fused: Callable, original: Callable) -> Callable:
+    def apply_rotary_pos_emb(*args, **kwargs):
+        if state.class_user or state.instances:
+            return fused(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    apply_rotary_pos_emb.__module__ = fused.__module__
+    apply_rotary_pos_emb.__qualname__ = fused.__qualname__
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _rope_add(spec: FamilySpec, module: types.ModuleType, user) -> None:
+    """Register ``user`` (a model, or None for the class patch) as needing fuselm's RoPE in the family."""
+    state = _ropes.get(spec)
+    if state is None:
         original = getattr(module, spec.rope)
-        _rope_original[spec.model_type] = original
-        setattr(module, spec.rope, layers.rope_function(spec, original))
-    users.add(user)
+        state = _RopeState(original)
+        state.installed = _dispatcher(state, layers.rope_function(spec, original), original)
+        _ropes[spec] = state
+        setattr(module, spec.rope, state.installed)
+    if user is None:
+        state.class_user = True
+    else:
+        state.instances.add(user)
 
 
-def _rope_release(spec: FamilySpec, user) -> None:
-    users = _rope_users.get(spec.model_type, set())
-    users.discard(user)
-    if not users and spec.model_type in _rope_original:
-        setattr(_modeling(spec), spec.rope, _rope_original.pop(spec.model_type))
-
-
-def _patch_family(spec: FamilySpec, components: list[str]) -> None:
-    module = _modeling(spec)
-    for component in components:
-        key = (spec.model_type, component)
-        if key in _class_patches:
+def _sweep() -> None:
+    """Put back the original rotary function of every family no patch needs any more (models that were
+    garbage-collected unpatched have left the weak sets by themselves)."""
+    for spec, state in list(_ropes.items()):
+        if state.in_use():
             continue
-        if component in LOSSES and any((spec.model_type, other) in _class_patches for other in LOSSES):
-            raise ValueError(f"{spec.model_type}: the other loss is patched in; unpatch first to switch")
-        if component == "rope":
-            _rope_acquire(spec, module, "class")
-            _class_patches[key] = []
-            continue
-        owner, name, new = _replacement(spec, component, module)
-        _class_patches[key] = [(owner, name, _own(owner, name))]
-        setattr(owner, name, new)
+        module = importlib.import_module(spec.module)
+        if getattr(module, spec.rope, None) is state.installed:
+            setattr(module, spec.rope, state.original)
+        del _ropes[spec]
+
+
+# ---- class patching ----
 
 
 def _unpatch_family(spec: FamilySpec) -> None:
-    for component in COMPONENTS:
-        saved = _class_patches.pop((spec.model_type, component), None)
-        if saved is None:
+    patch = _class_patches.pop(spec, None)
+    if patch is None:
+        return
+    for owner, name, previous in reversed(patch.saved):
+        if previous is MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+    if spec in _ropes:
+        _ropes[spec].class_user = False
+
+
+def _patch_family(spec: FamilySpec, plan: _Plan) -> None:
+    current = _class_patches.get(spec)
+    if current is not None and current.plan == plan:
+        return
+    _unpatch_family(spec)  # other options: they replace the previous class patch
+    module = _modeling(spec)
+    names = [spec.components()[c] for c in plan.blocks if c in spec.components() and c != "rope"]
+    names += list(spec.causal_lms) if plan.loss is not None else []
+    saved, missing = [], []
+    for name in names:
+        cls = getattr(module, name, None)
+        if cls is None:
+            missing.append(name)
             continue
-        if component == "rope":
-            _rope_release(spec, "class")
-        for owner, name, previous in saved:
-            if previous is MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
+        new = _forward_for(spec, cls, plan)
+        saved.append((cls, "forward", _own(cls, "forward")))
+        cls.forward = new
+    rope = "rope" in plan.blocks and spec.rope is not None
+    if rope and not hasattr(module, spec.rope):
+        missing.append(spec.rope)
+        rope = False
+    if not saved and not rope:
+        raise ValueError(
+            f"nothing to patch in the {spec.model_type!r} family with these flags "
+            f"(it swaps: {', '.join(spec.components()) or 'only the loss'})"
+        )
+    _class_patches[spec] = _ClassPatch(plan, saved)
+    if rope:
+        _rope_add(spec, module, None)
+    if missing:
+        warnings.warn(
+            f"fuselm.hf: {spec.module} has no {', '.join(missing)} in this transformers version; "
+            "they stay Hugging Face's",
+            stacklevel=3,
+        )
 
 
-def _same_slot(component: str) -> tuple[str, ...]:
-    """The components that replace the same forward as ``component`` (the two losses share one)."""
-    return LOSSES if component in LOSSES else (component,)
+def _family_of_target(target) -> FamilySpec:
+    if isinstance(target, str):
+        return family(target)
+    spec = family_of_module(getattr(target, "__module__", ""))
+    if spec is not None:
+        return spec
+    if isinstance(target, type) and target.__name__.endswith("ForCausalLM"):
+        return generic_spec(target)
+    raise ValueError(
+        f"{getattr(target, '__name__', target)} is not a class of a family fuselm.hf knows nor a "
+        f"*ForCausalLM (supported model types: {', '.join(supported_model_types())})"
+    )
+
+
+# ---- instance patching ----
 
 
 def _hf_class(module: nn.Module) -> type:
@@ -140,60 +265,75 @@ def _hf_class(module: nn.Module) -> type:
     return cls
 
 
-def _patch_instance(model: nn.Module, components: list[str]) -> None:
-    mark = getattr(model, INSTANCE_MARK, None) or {"families": {}, "modules": []}
-    families: dict[str, FamilySpec] = {}
+def _generic_lm(module: nn.Module, cls: type) -> bool:
+    """A decoder-only language model with a head of a family without a spec (encoder-decoder models
+    compute another loss: never touched)."""
+    config = getattr(module, "config", None)
+    return (
+        is_lm_class_name(cls.__name__)
+        and isinstance(getattr(module, "lm_head", None), nn.Module)
+        and config is not None
+        and not getattr(config, "is_encoder_decoder", False)
+    )
+
+
+def _patch_instance(model: nn.Module, plan: _Plan) -> None:
+    current = getattr(model, INSTANCE_MARK, None)
+    if current is not None and current.plan == plan:
+        return
+    _unpatch_instance(model)  # other options: they replace the previous patch of this model
+    patch = _InstancePatch(plan)
+    known: dict[FamilySpec, None] = {}  # families with a spec, in order of appearance
+    generic: list[str] = []
     for sub in model.modules():
-        spec = family_of_module(_hf_class(sub).__module__)
-        if spec is None:
+        cls = _hf_class(sub)
+        spec = family_of_module(cls.__module__)
+        if spec is not None:
+            known[spec] = None
+        elif plan.loss is not None and _generic_lm(sub, cls):
+            spec = generic_spec(cls)
+            generic.append(f"{cls.__name__} ({spec.model_type})")
+        else:
             continue
-        families[spec.model_type] = spec
-        module = _modeling(spec)
-        for component in components:
-            in_class = any((spec.model_type, c) in _class_patches for c in _same_slot(component))
-            if component == "rope" or in_class:
-                continue  # rope: module-level, below; a patched class already runs fuselm's forward
-            cls, _, new = _replacement(spec, component, module)
-            if _hf_class(sub) is not cls or "forward" in vars(sub):
-                continue
-            sub.forward = types.MethodType(new, sub)
-            mark["modules"].append(sub)
-    if not families:
+        new = _forward_for(spec, cls, plan)
+        if new is None or "forward" in vars(sub):  # not swapped, or someone else's instance forward
+            continue
+        sub.forward = types.MethodType(new, sub)
+        patch.modules.append(sub)
+    if "rope" in plan.blocks:
+        patch.rope_families = [s for s in known if s.rope is not None and hasattr(_modeling(s), s.rope)]
+    if not patch.modules and not patch.rope_families:
         raise ValueError(
-            f"{type(model).__name__} contains no module of a family fuselm.hf knows "
-            f"(supported model types: {', '.join(supported_model_types())})"
+            f"{type(model).__name__}: nothing fuselm.hf can patch with these flags: no module of a family "
+            f"it knows (supported model types: {', '.join(supported_model_types())}) and no decoder "
+            "*ForCausalLM / *ForConditionalGeneration with an lm_head"
         )
-    if "rope" in components:
-        for spec in families.values():
-            if spec.model_type not in mark["families"]:
-                token = object()
-                _rope_acquire(spec, _modeling(spec), token)
-                mark["families"][spec.model_type] = weakref.finalize(model, _rope_release, spec, token)
-    object.__setattr__(model, INSTANCE_MARK, mark)
+    for spec in patch.rope_families:
+        _rope_add(spec, _modeling(spec), model)
+    object.__setattr__(model, INSTANCE_MARK, patch)
+    if generic:
+        inside = [s.model_type for s in known if s.components()]
+        blocks = (
+            f"the {', '.join(inside)} blocks inside run fuselm's" if inside else "nothing else is swapped"
+        )
+        warnings.warn(
+            f"fuselm.hf: no spec for {', '.join(generic)}: its loss is fused; its norms, RoPE and MLP "
+            f"stay Hugging Face's ({blocks})",
+            stacklevel=3,
+        )
 
 
 def _unpatch_instance(model: nn.Module) -> None:
-    mark = getattr(model, INSTANCE_MARK, None)
-    if mark is None:
+    patch = getattr(model, INSTANCE_MARK, None)
+    if patch is None:
         return
-    for sub in mark["modules"]:
+    for sub in patch.modules:
         if "forward" in vars(sub):
             del sub.forward
-    for release in mark["families"].values():
-        release()  # a weakref.finalize: runs once, then never again at garbage collection
+    for spec in patch.rope_families:
+        if spec in _ropes:
+            _ropes[spec].instances.discard(model)
     object.__delattr__(model, INSTANCE_MARK)
-
-
-def _family_of_target(target) -> FamilySpec:
-    if isinstance(target, str):
-        return family(target)
-    spec = family_of_module(getattr(target, "__module__", ""))
-    if spec is None:
-        raise ValueError(
-            f"{target.__name__} is not a class of a family fuselm.hf knows "
-            f"(supported model types: {', '.join(supported_model_types())})"
-        )
-    return spec
 
 
 def _bad_target(target) -> TypeError:
@@ -209,38 +349,48 @@ def patch(
     swiglu: bool = True,
     linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
+    label_smoothing: float = 0.0,
+    memory: str | int = "auto",
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
 
     Args:
-        target: a built model (``nn.Module``: a ``*ForCausalLM``, its base model, a PEFT wrapper of it;
-            only this instance is patched), a model class (``LlamaForCausalLM``: its whole family is
-            patched, models built before and after), or a ``model_type`` string (``"llama"``, the same
-            as its class, usable before anything is imported). Families: llama, mistral, qwen2, qwen3,
-            phi3, gemma, gemma2, gemma3 (``gemma3_text``).
-        rms_norm: every RMSNorm (including Qwen 3 / Gemma 3 q/k norms) runs :func:`fuselm.rms_norm`
-            with the family's casting (Llama's or Gemma's ``1 + weight``), bit for bit HF's formula in fp32.
+        target: a built model (``nn.Module``: a ``*ForCausalLM``, a multimodal
+            ``*ForConditionalGeneration``, its base model, a PEFT wrapper of it; only this instance is
+            patched), a model class (``LlamaForCausalLM``: its whole family is patched, models built
+            before and after), or a ``model_type`` string (``"llama"``, the same as its class, usable
+            before anything is imported). Supported model types: :func:`fuselm.hf.supported_model_types`
+            (table in ``fuselm/hf/README.md``). A ``*ForCausalLM`` (model or class) of a family without a
+            spec gets the fused loss only, with one warning naming what stays Hugging Face's.
+        rms_norm: every RMSNorm of the family (including q/k norms) runs :func:`fuselm.rms_norm` with
+            the family's casting (Llama's, Gemma's ``1 + weight``, OLMo 2's), HF's formula exactly.
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
-            rotary). Module-level in HF, so it applies to the whole family while any patch needs it.
-        swiglu: the gated MLP runs the fused activation; with separate ``gate_proj``/``up_proj`` the
-            down projection's input is recomputed in backward instead of saved (less activation memory).
-            Activations without a fuselm kernel run HF's MLP.
-        linear_cross_entropy: ``*ForCausalLM.forward`` with ``labels`` computes HF's causal-LM loss
-            (shifted labels, ``-100`` ignored, ``num_items_in_batch``, Gemma's final softcap) from the
-            hidden states with :func:`fuselm.linear_cross_entropy` and returns ``logits=None``: no
-            ``[B, T, V]`` tensor is created. Without labels it returns logits as before.
-        cross_entropy: with ``linear_cross_entropy=False``: ``*ForCausalLM.forward`` with labels
-            returns HF's logits and computes the loss on them with :func:`fuselm.cross_entropy` (one
-            pass per row, no fp32 copy of the logits): for code that needs the logits in training.
-            Works with an adapter on ``lm_head`` too. At most one of the two loss flags.
+            rotary). Module-level in HF: while a class patch or a live instance-patched model of the
+            family needs it, every model of that family runs it (the same math as HF's).
+        swiglu: the gated MLP (also shared experts and dense layers of MoE models) runs the fused
+            activation; with separate ``gate_proj``/``up_proj`` the down projection's input is recomputed
+            in backward instead of saved. Activations without a fuselm kernel run HF's MLP.
+        linear_cross_entropy: the ``*ForCausalLM`` / ``*ForConditionalGeneration`` forward with
+            ``labels`` in training computes HF's causal-LM loss from the hidden states with
+            :func:`fuselm.linear_cross_entropy` and returns ``logits=None``: no ``[B, T, V]`` tensor.
+        cross_entropy: with ``linear_cross_entropy=False``: the forward with labels returns HF's logits
+            and computes the loss on them with :func:`fuselm.cross_entropy`. At most one loss flag.
+        label_smoothing: PyTorch's label smoothing inside the fused loss (the route to use instead of
+            the Trainer's ``label_smoothing_factor``).
+        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
+
+    Patching a target that is already patched with other options replaces its patch (the same as
+    :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
+    overrides a class patch of the same classes for that model.
 
     Returns:
         the target (so ``model = fuselm.hf.patch(model)`` reads naturally).
 
     Raises:
-        ValueError: unknown model type / class, a model with no known family inside, both loss flags,
-            class-patching one loss while the other is patched in.
-        ImportError: transformers is missing (``pip install "fuselm[hf]"``).
+        ValueError: an unknown model type, a class of an unknown family that is no ``*ForCausalLM``, a
+            model in which nothing can be patched with these flags (fuselm never patches silently
+            nothing), both loss flags, a bad ``label_smoothing``.
+        ImportError: transformers is missing, or too old for the family's modeling module.
 
     Example:
         >>> import fuselm.hf
@@ -248,8 +398,8 @@ def patch(
         >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         ...                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
         >>> model = fuselm.hf.patch(LlamaForCausalLM(config))
-        >>> fuselm.hf.is_patched(model)
-        True
+        >>> fuselm.hf.is_patched(model), fuselm.hf.is_patched(LlamaForCausalLM(config))
+        (True, False)
         >>> import torch
         >>> ids = torch.randint(0, 300, (2, 16))
         >>> out = model(input_ids=ids, labels=ids)
@@ -257,40 +407,53 @@ def patch(
         (torch.Size([]), True)
         >>> _ = fuselm.hf.unpatch(model)
     """
-    components = _components(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy)
+    plan = _plan(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory)
     if isinstance(target, nn.Module):
-        _patch_instance(target, components)
+        _patch_instance(target, plan)
     elif isinstance(target, (str, type)):
-        _patch_family(_family_of_target(target), components)
+        spec = _family_of_target(target)
+        _patch_family(spec, plan)
+        if spec.model_type not in supported_model_types() and family_of_module(spec.module) is None:
+            warnings.warn(
+                f"fuselm.hf: no spec for {spec.causal_lm} ({spec.model_type}): its loss is fused; its "
+                "norms, RoPE and MLP stay Hugging Face's",
+                stacklevel=2,
+            )
     else:
         raise _bad_target(target)
+    _sweep()
     return target
 
 
 def unpatch(target):
     """Undo :func:`patch` on the same target: a built model loses every forward fuselm gave it; a class
-    or model_type string gets its family's original classes and rotary function back. A target that was
-    not patched is left as it is. Returns the target."""
+    or model_type string gets its family's original classes back. Rotary functions no patch needs any
+    more are restored. A target that was not patched is left as it is. Returns the target."""
     if isinstance(target, nn.Module):
         _unpatch_instance(target)
     elif isinstance(target, (str, type)):
         _unpatch_family(_family_of_target(target))
     else:
         raise _bad_target(target)
+    _sweep()
     return target
 
 
 def is_patched(target) -> bool:
-    """Whether any fuselm forward is in force on a built model (its own patch, a class patch of its
-    family, or its family's module-level rotary function swapped by another patch), or on a model_type /
-    class's family."""
+    """Whether a patch is in force on this target: for a built model, its own instance patch or a class
+    patch of one of its classes' families (not another model's patch); for a model_type or class, a
+    class patch of its family."""
     if isinstance(target, nn.Module):
         if getattr(target, INSTANCE_MARK, None) is not None:
             return True
-        specs = {s.model_type for m in target.modules() if (s := family_of_module(_hf_class(m).__module__))}
-        return any(_family_patched(model_type) for model_type in specs)
-    return _family_patched(_family_of_target(target).model_type)
+        return any(_class_spec(_hf_class(m)) in _class_patches for m in target.modules())
+    if not isinstance(target, (str, type)):
+        raise _bad_target(target)
+    return _family_of_target(target) in _class_patches
 
 
-def _family_patched(model_type: str) -> bool:
-    return any(key[0] == model_type for key in _class_patches) or bool(_rope_users.get(model_type))
+def _class_spec(cls: type) -> FamilySpec | None:
+    spec = family_of_module(cls.__module__)
+    if spec is None and cls.__name__.endswith("ForCausalLM"):
+        return generic_spec(cls)
+    return spec

@@ -1,77 +1,166 @@
 """Per-family specs: which classes and functions of a Hugging Face modeling module fuselm replaces.
 
-One small :class:`FamilySpec` per model family; adding a family that reuses Llama's structure is one
-entry. Names are looked up in ``transformers.models.<family>.modeling_<family>`` when patching.
+One small :class:`FamilySpec` per modeling module; a family that reuses Llama's structure is one entry.
+Names are looked up in ``transformers.models.<family>.modeling_<family>`` when patching. A component a
+family does not have, or whose math differs from fuselm's kernels (an interleaved or complex RoPE, a
+non-gated MLP, experts stored as fused 3-D parameters, a centered LayerNorm), is None: it stays Hugging
+Face's, and :attr:`FamilySpec.keeps` says why. Everything a spec names computes exactly HF's math
+(``tests/hf/test_families.py`` checks loss, every gradient and the logits of each family).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # How a family's RMSNorm computes, as arguments of fuselm.rms_norm, and where its epsilon lives.
 NORM_STYLES = {
     # LlamaRMSNorm: normalize in fp32, cast to the input dtype, multiply by weight.
     "llama": {"eps_attr": "variance_epsilon", "offset": 0.0, "casting": "llama"},
+    # Llama 4's text RMSNorm: Llama's rounding, the epsilon under another name.
+    "llama4": {"eps_attr": "eps", "offset": 0.0, "casting": "llama"},
     # GemmaRMSNorm: everything in fp32 with (1 + weight), cast at the end.
     "gemma": {"eps_attr": "eps", "offset": 1.0, "casting": "gemma"},
+    # Olmo2RMSNorm (OLMo 3, gpt-oss): everything in fp32 with the weight, cast at the end.
+    "olmo2": {"eps_attr": "variance_epsilon", "offset": 0.0, "casting": "gemma"},
 }
 
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """What to swap in one Hugging Face model family.
+    """What to swap in one Hugging Face modeling module.
 
     Attributes:
         model_type: the config's ``model_type`` (also the key of :data:`FAMILIES`).
         module: the modeling module's import path.
-        causal_lm: the ``*ForCausalLM`` class (its forward gets the fused loss).
-        rms_norm: the RMSNorm class.
+        causal_lms: the classes whose ``forward`` gets the fused loss: the ``*ForCausalLM`` and, for a
+            multimodal family, its ``*ForConditionalGeneration``.
+        rms_norm: the RMSNorm class, or None (stays HF's).
         norm_style: a key of :data:`NORM_STYLES`.
-        mlp: the gated MLP class.
-        packed_mlp: the MLP has one ``gate_up_proj`` (gate first, Phi-3) instead of ``gate_proj`` and
-            ``up_proj``.
+        mlp: the gated MLP class (``gate_proj``/``up_proj``/``down_proj``, or ``gate_up_proj``), or None.
+        packed_mlp: the MLP has one ``gate_up_proj`` (gate first) instead of ``gate_proj`` and ``up_proj``.
         act_attr: the config attribute naming the MLP activation (``hidden_act`` or Gemma 2/3's
             ``hidden_activation``).
-        rope: the module-level rotary function the attention calls.
+        rope: the module-level rotary function the attention calls (HF's ``rotate_half`` RoPE), or None.
         softcap_attr: the config attribute of the final logit softcap (Gemma 2/3), or None.
+        keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
     model_type: str
     module: str
-    causal_lm: str
-    rms_norm: str
-    mlp: str
+    causal_lms: tuple[str, ...]
+    rms_norm: str | None
+    mlp: str | None
     norm_style: str = "llama"
     packed_mlp: bool = False
     act_attr: str = "hidden_act"
-    rope: str = "apply_rotary_pos_emb"
+    rope: str | None = "apply_rotary_pos_emb"
     softcap_attr: str | None = None
+    keeps: str = field(default="", compare=False)
+
+    @property
+    def causal_lm(self) -> str:
+        """The family's text-only ``*ForCausalLM`` (the first of :attr:`causal_lms`)."""
+        return self.causal_lms[0]
+
+    def components(self) -> dict[str, str]:
+        """Swappable component -> the class or function name it replaces (``causal_lm``: the first)."""
+        names = {"rms_norm": self.rms_norm, "rope": self.rope, "swiglu": self.mlp}
+        return {c: n for c, n in names.items() if n is not None}
 
 
-def _spec(model_type: str, prefix: str, **kw) -> FamilySpec:
-    return FamilySpec(
-        model_type=model_type,
-        module=f"transformers.models.{model_type}.modeling_{model_type}",
-        causal_lm=f"{prefix}ForCausalLM",
-        rms_norm=f"{prefix}RMSNorm",
-        mlp=f"{prefix}MLP",
+def _spec(model_type: str, prefix: str, *, module: str | None = None, **kw) -> FamilySpec:
+    """A spec with the usual names: ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>ForCausalLM`` in
+    ``transformers.models.<module or model_type>.modeling_<...>``; keyword arguments override."""
+    name = module or model_type
+    kw = {
+        "causal_lms": (f"{prefix}ForCausalLM",),
+        "rms_norm": f"{prefix}RMSNorm",
+        "mlp": f"{prefix}MLP",
         **kw,
-    )
+    }
+    return FamilySpec(model_type=model_type, module=f"transformers.models.{name}.modeling_{name}", **kw)
 
 
+# Reasons a component stays HF's (the table's "stays HF's" column).
+INTERLEAVED = "RoPE (interleaved pairs)"
+EXPERTS = "experts (fused 3-D parameters)"
 # Gemma 2 and 3: Gemma's norm, the activation under another config name, a final logit softcap.
 GEMMA2_LIKE = dict(norm_style="gemma", act_attr="hidden_activation", softcap_attr="final_logit_softcapping")
 FAMILIES: dict[str, FamilySpec] = {
     s.model_type: s
     for s in (
+        # dense
         _spec("llama", "Llama"),
         _spec("mistral", "Mistral"),
+        _spec("ministral", "Ministral"),
         _spec("qwen2", "Qwen2"),
         _spec("qwen3", "Qwen3"),
         _spec("phi3", "Phi3", packed_mlp=True),
         _spec("gemma", "Gemma", norm_style="gemma"),
         _spec("gemma2", "Gemma2", **GEMMA2_LIKE),
-        _spec("gemma3", "Gemma3", **GEMMA2_LIKE),
+        _spec(
+            "gemma3",
+            "Gemma3",
+            **GEMMA2_LIKE,
+            causal_lms=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ),
+        _spec("olmo2", "Olmo2", norm_style="olmo2"),
+        _spec("olmo3", "Olmo3", norm_style="olmo2"),
+        _spec("granite", "Granite"),
+        _spec("smollm3", "SmolLM3"),
+        _spec("glm4", "Glm4", packed_mlp=True, rope=None, keeps=INTERLEAVED),
+        _spec("cohere", "Cohere", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
+        _spec("cohere2", "Cohere2", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
+        _spec("starcoder2", "Starcoder2", rms_norm=None, mlp=None, keeps="nn.LayerNorm, MLP (not gated)"),
+        _spec("exaone4", "Exaone4"),
+        _spec("seed_oss", "SeedOss", mlp=None, keeps="MLP (a residual dropout after it)"),
+        _spec("ernie4_5", "Ernie4_5", rope=None, keeps=INTERLEAVED),
+        _spec("apertus", "Apertus", mlp=None, keeps="MLP (not gated, xIELU)"),
+        _spec("arcee", "Arcee", mlp=None, keeps="MLP (not gated, ReLU^2)"),
+        _spec("hunyuan_v1_dense", "HunYuanDenseV1"),
+        _spec("falcon_h1", "FalconH1", mlp=None, keeps="MLP (gate and down multipliers), Mamba mixer"),
+        # mixture of experts: the dense MLPs (shared experts, dense layers) are swapped, the experts not
+        _spec("qwen3_moe", "Qwen3Moe", keeps=EXPERTS),
+        _spec("qwen2_moe", "Qwen2Moe", keeps=EXPERTS),
+        _spec("qwen3_next", "Qwen3Next", norm_style="gemma", keeps=f"{EXPERTS}, gated DeltaNet"),
+        _spec("mixtral", "Mixtral", mlp=None, keeps=EXPERTS),
+        _spec("olmoe", "Olmoe", mlp=None, keeps=EXPERTS),
+        _spec("granitemoe", "GraniteMoe", mlp=None, keeps=EXPERTS),
+        _spec(
+            "gpt_oss",
+            "GptOss",
+            norm_style="olmo2",
+            mlp=None,
+            rope=None,
+            keeps=f"{EXPERTS}, RoPE (half-width cos/sin layout)",
+        ),
+        _spec("deepseek_v3", "DeepseekV3", keeps=f"{EXPERTS}, RoPE with rope_interleave=True"),
+        _spec(
+            "llama4_text",
+            "Llama4Text",
+            module="llama4",
+            causal_lms=("Llama4ForCausalLM",),
+            norm_style="llama4",
+            rope=None,
+            keeps=f"{EXPERTS}, RoPE (complex), L2 q/k norm",
+        ),
+        # multimodal: the text model's blocks; the vision tower stays HF's
+        _spec(
+            "qwen2_vl",
+            "Qwen2VL",
+            causal_lms=("Qwen2VLForConditionalGeneration",),
+            mlp="Qwen2MLP",
+            keeps="vision tower",
+        ),
+        _spec(
+            "llava",
+            "Llava",
+            causal_lms=("LlavaForConditionalGeneration",),
+            rms_norm=None,
+            mlp=None,
+            rope=None,
+            keeps="vision tower; the text model's blocks are its own family's",
+        ),
     )
 }
 # model_type values of configs that map to a family above (Gemma 3's text-only config).
@@ -95,6 +184,55 @@ def family_of_module(module_name: str) -> FamilySpec | None:
     return None
 
 
+def generic_spec(cls: type) -> FamilySpec:
+    """A spec for a ``*ForCausalLM`` / ``*ForConditionalGeneration`` class of a family without one: its
+    loss is fused, nothing else is swapped."""
+    model_type = getattr(getattr(cls, "config_class", None), "model_type", "") or cls.__name__
+    return FamilySpec(
+        model_type=model_type,
+        module=cls.__module__,
+        causal_lms=(cls.__name__,),
+        rms_norm=None,
+        mlp=None,
+        rope=None,
+        keeps="norms, RoPE, MLP (no fuselm spec for this family)",
+    )
+
+
+def is_lm_class_name(name: str) -> bool:
+    """A class name Hugging Face gives a language model with a head: ``*ForCausalLM`` or
+    ``*ForConditionalGeneration``."""
+    return name.endswith(("ForCausalLM", "ForConditionalGeneration"))
+
+
 def supported_model_types() -> list[str]:
-    """Every ``model_type`` fuselm.hf can patch, aliases included."""
+    """Every ``model_type`` fuselm.hf can patch with block kernels, aliases included."""
     return sorted([*FAMILIES, *ALIASES])
+
+
+_COMPONENT_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "gated MLP"}
+
+
+def markdown_table() -> str:
+    """The supported model types as a Markdown table: model type, loss classes, what fuselm swaps, what
+    stays Hugging Face's. ``src/fuselm/hf/README.md`` holds this table (a test keeps them equal)."""
+    rows = [
+        "| model_type | fused loss on | fuselm kernels | stays HF's |",
+        "|---|---|---|---|",
+    ]
+    aliases = {v: k for k, v in ALIASES.items()}
+    for key in sorted(FAMILIES):
+        spec = FAMILIES[key]
+        name = f"`{key}`" + (f" (`{aliases[key]}`)" if key in aliases else "")
+        lms = ", ".join(f"`{c}`" for c in spec.causal_lms)
+        kernels = []
+        for component, title in _COMPONENT_TITLES.items():
+            if component in spec.components():
+                detail = ""
+                if component == "rms_norm":
+                    detail = f" ({spec.norm_style})"
+                elif component == "swiglu" and spec.packed_mlp:
+                    detail = " (packed)"
+                kernels.append(title + detail)
+        rows.append(f"| {name} | {lms} | {', '.join(kernels) or '-'} | {spec.keeps or '-'} |")
+    return "\n".join(rows) + "\n"
