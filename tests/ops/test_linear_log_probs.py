@@ -259,7 +259,7 @@ def test_ignored_tokens_are_zero_and_cost_nothing(monkeypatch):
     compaction on == off."""
     x, w, b, t = _inputs(torch.float32, seed=5)
     valid = t != -100
-    up = _upstream(t.shape, torch.float32, ("log_probs", "entropy", "lse"))
+    up = {k: u.to(t.device) for k, u in _upstream(t.shape, torch.float32, ALL[:3]).items()}
     kw = dict(temperature=0.9, softcap=5.0)
     full = _run(_ours, x, w, b, t, up, **kw)
     for name in ALL:
@@ -576,7 +576,8 @@ def test_gpu_extra_memory(memory, limit_mib):
 @gpu
 @pytest.mark.slow
 def test_gpu_int64_rows_times_vocab():
-    """N * V > 2^31 (N=20000, V=128256): outputs and gradients under the numerics rule."""
+    """N * V > 2^31 (N=20000, V=128256): outputs and gradients under the numerics rule (float64 side: the
+    chunked reference)."""
     dtype = torch.bfloat16
     n, h, v = 20000, 128, 128256
     assert n * v > 2**31
@@ -584,13 +585,55 @@ def test_gpu_int64_rows_times_vocab():
     up = _upstream(t.shape, dtype, ("log_probs", "entropy"))
     ours = _run(_ours, x, w, None, t, up)
     eager = _run(_naive, x, w, None, t, up)
-    ref = _run(_naive, x, w, None, t, up, dtype=torch.float64)
+    ref = _run(_ours, x, w, None, t, up, dtype=torch.float64)
     _check(ours, eager, ref, dtype)
     rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device=x.device)
-    assert_numerics("dx rows", ours["dx"][rows], eager["dx"][rows], ref["dx"][rows], dtype)
+    for key in ("log_probs", "entropy", "dx"):
+        assert_numerics(key + " rows", ours[key][rows], eager[key][rows], ref[key][rows], dtype)
 
 
 def test_public_names():
     assert fuselm.linear_log_probs is linear_log_probs and fuselm.LogProbs is LogProbs
     assert llp_ref.OUTPUT_NAMES == ALL
     assert TRITON_PATH in (True, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("kept", ["all", "most", "few", "none"])
+def test_dx_accumulator_in_the_returned_storage(dtype, kept):
+    """The fp32 d input accumulator lives partly (16-bit) or wholly (fp32) in the storage of the returned d
+    input; rounding it in place and moving compacted rows to their places gives dx[rows] = acc, 0 elsewhere
+    (chunks of 3 rows: every overlap case of the in-place moves)."""
+    n_total, h = 13, 5
+    n = {"all": 13, "most": 10, "few": 4, "none": 0}[kept]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randperm(n_total, generator=g)[:n].sort().values if n < n_total else None
+    want = torch.randn(n, h, generator=g, dtype=torch.float64)
+    dx, top, bottom = llp_op._dx_accumulator(n_total, n, h, dtype, torch.device("cpu"))
+    assert top.shape[0] + bottom.shape[0] == n and top.dtype == bottom.dtype == torch.float32
+    assert top.shape[0] == min(n, n_total * dx.element_size() // 4)
+    top += want[: top.shape[0]].float()
+    bottom += want[top.shape[0] :].float()
+    llp_op._dx_finish(dx, top, bottom, rows, chunk_rows=3)
+    expect = torch.zeros(n_total, h, dtype=dtype)
+    expect[rows if rows is not None else slice(None)] = want.to(dtype)
+    torch.testing.assert_close(dx, expect, rtol=0, atol=0)
+
+
+def test_plan_sizes():
+    """Slab widths at the Llama-3 shapes in bf16 under "auto" (256 MiB) and "min" (8 MiB); README.md counts
+    them."""
+    n, h, v = 8192, 4096, 128256
+    per_row = n * (llp_op.STATE_ROWS * 4 + 64)
+    assert llp_op.slab_cols(256 * 2**20, per_row, n, v, 4, 1024) == 8064  # forward: fp32 logits
+    assert llp_op.slab_cols(8 * 2**20, 0, n, v, 4, 128) == 256
+    bottom = (n - llp_op.hosted_rows(n, 2)) * h * 4  # 64 MiB of fp32 accumulator beyond the bf16 d input
+    assert bottom == 64 * 2**20
+    assert llp_op.slab_cols(256 * 2**20, bottom + n * 64, n, v, 2, 1024) == 12160  # backward: bf16
+    assert llp_op.slab_cols(8 * 2**20, 0, n, v, 2, 128) == 512
+    n, v = 16384, 151936
+    bottom = (n - llp_op.hosted_rows(n, 2)) * h * 4  # 128 MiB
+    assert llp_op.slab_cols(256 * 2**20, n * (llp_op.STATE_ROWS * 4 + 64), n, v, 4, 1024) == 3968
+    assert llp_op.slab_cols(256 * 2**20, bottom + n * 64, n, v, 2, 1024) == 3968
+    assert llp_op.slab_cols(2**20, 0, 4, 100, 2, 1024) == 100
+    assert llp_op.slab_cols(0, 10, 8, 5000, 2, 1024) == 1024

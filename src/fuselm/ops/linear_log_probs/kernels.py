@@ -1,8 +1,9 @@
 """Triton kernels of linear_log_probs. The math is in README.md; reference.py holds the same three
 per-row functions in PyTorch (transform_logits, row_statistics, row_logit_grad).
 
-Forward: one program per row of a token chunk's fp32 logits, one read of the row, every requested
-statistic accumulated online over column blocks (base-2 exponentials around the running max).
+Forward: per vocabulary slab, programs of BLOCK_N rows read the slab's fp32 logits once and fold them
+into every requested statistic, online over column blocks and over slabs (base-2 exponentials around
+the running max; the per-row state crosses slabs in an fp32 [8, N] buffer).
 Backward: one program per (row, column block) of a vocabulary slab's logits: one read, one write in
 place of d/d(raw logits).
 """
@@ -15,12 +16,21 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _tanh(a):
+    """tanh in fp32 to a few ulp: an odd polynomial near 0 (where 1 - 2 / (exp(2a) + 1) would lose the
+    low bits to cancellation), that formula elsewhere (it saturates cleanly to +-1)."""
+    a2 = a * a
+    poly = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    return tl.where(a2 < 0.0625, poly, 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0))
+
+
+@triton.jit
 def _transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
     """(z, dz/du) of raw logits u (fp32): z = softcap * tanh(u * logit_scale / softcap) / temperature, or
     u * logit_scale / temperature without softcap (dz/du then a scalar)."""
     y = u * logit_scale
     if HAS_SOFTCAP:
-        th = 1.0 - 2.0 / (tl.exp(2.0 * y / softcap) + 1.0)  # tanh, saturating cleanly to +-1
+        th = _tanh(y / softcap)
         z = th * (softcap * inv_temp)
         dz_du = (1.0 - th * th) * (logit_scale * inv_temp)
     else:
@@ -107,6 +117,7 @@ def linear_log_probs_fwd_kernel(
     logits_row_stride,
     bias_ptr,
     target_ptr,
+    state_ptr,
     log_probs_ptr,
     entropy_ptr,
     lse_ptr,
@@ -115,6 +126,8 @@ def linear_log_probs_fwd_kernel(
     top1_ptr,
     n_rows,
     n_cols,
+    col_offset,
+    n_classes,
     ignore_index,
     logit_scale,
     softcap,
@@ -125,28 +138,41 @@ def linear_log_probs_fwd_kernel(
     HAS_SUM_SQ: tl.constexpr,
     HAS_MEAN: tl.constexpr,
     HAS_TOP1: tl.constexpr,
+    IS_FIRST: tl.constexpr,
+    IS_LAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Statistics of BLOCK_N rows of raw logits (fp32 [n_rows, n_cols], bias not yet added), each row read
-    once. Ignored rows get 0 (False) everywhere; a row whose target is outside [0, n_cols) gets a NaN
-    log_probs and 0 elsewhere."""
+    """Fold BLOCK_N rows of a vocabulary slab's raw logits (fp32 [n_rows, n_cols], classes col_offset ..
+    col_offset + n_cols of n_classes, bias not yet added) into each row's online statistics, each logit
+    read once. The statistics of the slabs before are read from state [8, n_rows] (unless IS_FIRST) and
+    written back for the next slab (unless IS_LAST); after the last slab the outputs are written: ignored
+    rows get 0 (False) everywhere, a row whose target is outside [0, n_classes) a NaN log_probs and 0
+    elsewhere."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-    in_range = (target >= 0) & (target < n_cols)
-    valid = (target != ignore_index) & in_range
-    bad = (target != ignore_index) & (in_range == 0)
+    local = target - col_offset
     u_rows = logits_ptr + rows[:, None] * logits_row_stride  # [BLOCK_N, 1]
     cols = tl.arange(0, BLOCK_V)
-    m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    sd = tl.zeros((BLOCK_N,), tl.float32)
-    sq = tl.zeros((BLOCK_N,), tl.float32)
-    z_sum = tl.zeros((BLOCK_N,), tl.float32)
-    z_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    before = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    if IS_FIRST:
+        m2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        sd = tl.zeros((BLOCK_N,), tl.float32)
+        sq = tl.zeros((BLOCK_N,), tl.float32)
+        z_sum = tl.zeros((BLOCK_N,), tl.float32)
+        z_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        before = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        z_t = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        m2 = tl.load(state_ptr + rows, mask=row_mask, other=0.0)
+        s = tl.load(state_ptr + n_rows + rows, mask=row_mask, other=0.0)
+        sd = tl.load(state_ptr + 2 * n_rows + rows, mask=row_mask, other=0.0)
+        sq = tl.load(state_ptr + 3 * n_rows + rows, mask=row_mask, other=0.0)
+        z_sum = tl.load(state_ptr + 4 * n_rows + rows, mask=row_mask, other=0.0)
+        z_max = tl.load(state_ptr + 5 * n_rows + rows, mask=row_mask, other=0.0)
+        before = tl.load(state_ptr + 6 * n_rows + rows, mask=row_mask, other=0.0)
+        z_t = tl.load(state_ptr + 7 * n_rows + rows, mask=row_mask, other=0.0)
     for start in range(0, n_cols, BLOCK_V):
         c = start + cols
         mask = (c < n_cols)[None, :] & (rows >= 0)[:, None]  # [BLOCK_N, BLOCK_V]
@@ -154,13 +180,13 @@ def linear_log_probs_fwd_kernel(
             u_rows + c[None, :], mask=mask & row_mask[:, None], other=0.0, eviction_policy="evict_first"
         )
         if HAS_BIAS:
-            u += tl.load(bias_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+            u += tl.load(bias_ptr + col_offset + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
         z, _ = _transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
         m2, s, sd, sq, z_sum, z_max, before, z_t = _row_stats_block(
             z,
             c,
             mask,
-            target,
+            local,
             m2,
             s,
             sd,
@@ -174,19 +200,32 @@ def linear_log_probs_fwd_kernel(
             HAS_MEAN,
             HAS_TOP1,
         )
-    log_s = tl.log(s)
-    lse = m2 * LN2 + log_s
-    log_probs = tl.where(valid, z_t - lse, 0.0)
-    tl.store(log_probs_ptr + rows, tl.where(bad, float("nan"), log_probs), mask=row_mask)
-    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
-    if HAS_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(valid, log_s - sd * LN2 / s, 0.0), mask=row_mask)
-    if HAS_SUM_SQ:
-        tl.store(log_sum_sq_ptr + rows, tl.where(valid, tl.log(sq) - 2.0 * log_s, 0.0), mask=row_mask)
-    if HAS_MEAN:
-        tl.store(mean_ptr + rows, tl.where(valid, z_sum / n_cols, 0.0), mask=row_mask)
-    if HAS_TOP1:
-        tl.store(top1_ptr + rows, valid & (z_t >= z_max) & (z_t > before), mask=row_mask)
+    if IS_LAST:
+        in_range = (target >= 0) & (target < n_classes)
+        valid = (target != ignore_index) & in_range
+        bad = (target != ignore_index) & (in_range == 0)
+        log_s = tl.log(s)
+        lse = m2 * LN2 + log_s
+        log_probs = tl.where(valid, z_t - lse, 0.0)
+        tl.store(log_probs_ptr + rows, tl.where(bad, float("nan"), log_probs), mask=row_mask)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
+        if HAS_ENTROPY:
+            tl.store(entropy_ptr + rows, tl.where(valid, log_s - sd * LN2 / s, 0.0), mask=row_mask)
+        if HAS_SUM_SQ:
+            tl.store(log_sum_sq_ptr + rows, tl.where(valid, tl.log(sq) - 2.0 * log_s, 0.0), mask=row_mask)
+        if HAS_MEAN:
+            tl.store(mean_ptr + rows, tl.where(valid, z_sum / n_classes, 0.0), mask=row_mask)
+        if HAS_TOP1:
+            tl.store(top1_ptr + rows, valid & (z_t >= z_max) & (z_t > before), mask=row_mask)
+    else:
+        tl.store(state_ptr + rows, m2, mask=row_mask)
+        tl.store(state_ptr + n_rows + rows, s, mask=row_mask)
+        tl.store(state_ptr + 2 * n_rows + rows, sd, mask=row_mask)
+        tl.store(state_ptr + 3 * n_rows + rows, sq, mask=row_mask)
+        tl.store(state_ptr + 4 * n_rows + rows, z_sum, mask=row_mask)
+        tl.store(state_ptr + 5 * n_rows + rows, z_max, mask=row_mask)
+        tl.store(state_ptr + 6 * n_rows + rows, before, mask=row_mask)
+        tl.store(state_ptr + 7 * n_rows + rows, z_t, mask=row_mask)
 
 
 @triton.jit

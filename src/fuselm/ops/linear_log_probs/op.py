@@ -25,6 +25,7 @@ CHUNK_ROW_MULTIPLE = 16  # forward chunks: a multiple of this many rows, and nev
 SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
 AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
 MIN_SLAB_FLOOR = 128  # memory="min" or an int budget
+STATE_ROWS = 8  # fp32 running statistics per row carried across the forward's slabs
 FWD_BLOCK = 4096  # elements per step of the forward's row loop ([BLOCK_N, BLOCK_V] tiles)
 BWD_BLOCK = 4096  # elements per program of the backward
 INTERPRET_ROWS = 32  # rows per program under the interpreter (numpy: programs are costly, tiles are not)
@@ -48,31 +49,20 @@ def _budget(memory, device: torch.device) -> int:
     return MIN_BUDGET if memory == "min" else memory_budget(memory, device)
 
 
-def fwd_chunk_rows(budget: int, n_classes: int, hidden: int, itemsize: int, gathered: bool) -> int:
-    """Rows C of a forward chunk: the fp32 [C, V] logits buffer (and, when ignored rows were compacted out,
-    the gathered [C, H] rows of the input, `itemsize` bytes each) fit `budget`. At least 16, a multiple of
-    16; the launcher clamps it to the number of rows."""
-    rows = budget // (n_classes * 4 + (hidden * itemsize if gathered else 0))
-    return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
-
-
-def bwd_slab_cols(
-    budget: int,
-    n_rows: int,
-    hidden: int,
-    n_classes: int,
-    itemsize: int,
-    need_dx: bool,
-    gathered: bool,
-    floor: int,
-) -> int:
-    """Classes Vs of a backward slab. The fp32 [N, H] accumulator of d input (when needed) and the gathered
-    [N, H] kept rows (when compacted) come first; the [N, Vs] slab buffer (`itemsize` bytes) gets what is
-    left of `budget`, a multiple of 128 classes, at least `floor` (then the budget is exceeded: README.md),
-    at most V."""
-    fixed = (n_rows * hidden * 4 if need_dx else 0) + (n_rows * hidden * itemsize if gathered else 0)
+def slab_cols(budget: int, fixed: int, n_rows: int, n_classes: int, itemsize: int, floor: int) -> int:
+    """Classes Vs of a vocabulary slab: its [N, Vs] buffer (`itemsize` bytes: 4 for the forward's fp32
+    logits, the input's for the backward) gets what `fixed` bytes (the gathered kept rows, per-row vectors,
+    and in the backward the fp32 d input accumulator beyond what the returned d input holds) leave of
+    `budget`: a multiple of 128 classes, at least `floor` (the budget is then exceeded: README.md), at
+    most V."""
     cols = (budget - fixed) // max(n_rows * itemsize, 1) // SLAB_MULTIPLE * SLAB_MULTIPLE
     return max(min(floor, n_classes), min(cols, n_classes))
+
+
+def hosted_rows(n_total: int, itemsize: int) -> int:
+    """Rows of the fp32 [n, H] d input accumulator that fit in the storage of the returned d input
+    [n_total, H] of `itemsize`-byte elements: n_total / 2 for 16-bit inputs, n_total for fp32."""
+    return n_total * itemsize // 4
 
 
 def _capturing(device: torch.device) -> bool:
@@ -141,16 +131,21 @@ def _rows(x, target, rows):
     return x.index_select(0, rows), target.index_select(0, rows)
 
 
-def linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats):
-    """Token-chunked forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
-    rows to compute (ignored ones compacted out) or None for all. options = (ignore_index, logit_scale,
-    softcap or 0, 1 / temperature); stats: bits of the optional statistics. Returns (log_probs, entropy,
-    lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where not asked."""
+def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
+    """Vocabulary-slab forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
+    rows to compute (ignored ones compacted out) or None for all. plan = (budget, slab_floor,
+    fixed_in_budget); options = (ignore_index, logit_scale, softcap or 0, 1 / temperature); stats: bits of
+    the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into one
+    reused [n, Vs] buffer, one kernel folds them into the rows' running statistics. Returns (log_probs,
+    entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where
+    not asked."""
+    budget, slab_floor, fixed_in_budget = plan
     ignore_index, logit_scale, softcap, inv_temp = options
-    n_total, h = x.shape
+    h = x.shape[1]
     v = w.shape[0]
     assert w.shape[1] == h and target.is_contiguous() and (b is None or b.is_contiguous())
-    n = n_total if rows is None else rows.shape[0]
+    xk, tk = _rows(x, target, rows)  # [n, H]: a gathered copy when rows were compacted
+    n = xk.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     log_probs, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n, **f32) if stats & ENTROPY else None
@@ -160,31 +155,30 @@ def linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats):
     outs = (log_probs, entropy, lse, log_sum_sq, mean, top1)
     if n == 0:
         return outs
-    c = min(fwd_chunk_rows(budget, v, h, x.element_size(), rows is not None), n)
-    buf = torch.empty((c, v), **f32)  # the only tensor of V columns
-    block_n, block_v, num_warps = _tile(v, FWD_BLOCK)
-
-    def at(t, s):  # rows s.. of an output (unused pointers point at log_probs)
-        return t[s:] if t is not None else log_probs
-
-    for s in range(0, n, c):
-        e = min(s + c, n)
-        xc, tc = (x[s:e], target[s:e]) if rows is None else _rows(x, target, rows[s:e])
-        logits = _logits_fp32_into(buf[: e - s], xc, w)
-
-        linear_log_probs_fwd_kernel[(triton.cdiv(e - s, block_n),)](
+    fixed = n * (STATE_ROWS * 4 + 64) + (xk.numel() * x.element_size() if rows is not None else 0)
+    vs = slab_cols(budget, fixed if fixed_in_budget else 0, n, v, 4, slab_floor)
+    state = torch.empty((STATE_ROWS, n), **f32) if vs < v else log_probs  # running statistics
+    flat = torch.empty(n * vs, **f32)  # the only tensor of many classes
+    block_n, block_v, num_warps = _tile(vs, FWD_BLOCK)
+    for v0 in range(0, v, vs):
+        v1 = min(v0 + vs, v)
+        logits = _logits_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1])
+        linear_log_probs_fwd_kernel[(triton.cdiv(n, block_n),)](
             logits_ptr=logits,
             logits_row_stride=logits.stride(0),
             bias_ptr=b if b is not None else logits,
-            target_ptr=tc,
-            log_probs_ptr=log_probs[s:],
-            entropy_ptr=at(entropy, s),
-            lse_ptr=lse[s:],
-            log_sum_sq_ptr=at(log_sum_sq, s),
-            mean_ptr=at(mean, s),
-            top1_ptr=at(top1, s),
-            n_rows=e - s,
-            n_cols=v,
+            target_ptr=tk,
+            state_ptr=state,
+            log_probs_ptr=log_probs,
+            entropy_ptr=entropy if entropy is not None else log_probs,
+            lse_ptr=lse,
+            log_sum_sq_ptr=log_sum_sq if log_sum_sq is not None else log_probs,
+            mean_ptr=mean if mean is not None else log_probs,
+            top1_ptr=top1 if top1 is not None else log_probs,
+            n_rows=n,
+            n_cols=v1 - v0,
+            col_offset=v0,
+            n_classes=v,
             ignore_index=ignore_index,
             logit_scale=logit_scale,
             softcap=softcap,
@@ -195,6 +189,8 @@ def linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats):
             HAS_SUM_SQ=log_sum_sq is not None,
             HAS_MEAN=mean is not None,
             HAS_TOP1=top1 is not None,
+            IS_FIRST=v0 == 0,
+            IS_LAST=v1 == v,
             BLOCK_N=block_n,
             BLOCK_V=block_v,
             num_warps=num_warps,
@@ -202,12 +198,51 @@ def linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats):
     return outs
 
 
-def linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs):
+def _dx_accumulator(n_total, n, h, dtype, device):
+    """(dx, top, bottom): dx [n_total, H] in `dtype` is the gradient that will be returned; the fp32
+    accumulator of the n computed rows is `top` (its first rows, a view of dx's own storage) and `bottom`
+    (the rest, a separate fp32 tensor: n - n_total / 2 rows for 16-bit inputs, none for fp32)."""
+    dx = torch.empty((n_total, h), dtype=dtype, device=device)
+    m = min(n, hosted_rows(n_total, dx.element_size()))
+    top = dx.view(-1)[: m * h * 4 // dx.element_size()].view(torch.float32).view(m, h).zero_()
+    bottom = torch.zeros((n - m, h), dtype=torch.float32, device=device)
+    return dx, top, bottom
+
+
+def _dx_finish(dx, top, bottom, rows, chunk_rows):
+    """Turn the accumulator into the returned d input, in dx's own storage: the fp32 rows of `top` rounded
+    in place to the compact rows 0.. of dx (ascending chunks through a [chunk_rows, H] temporary: a chunk's
+    destination never reaches a row not yet read), then `bottom` after them; with compacted rows, the
+    compact rows moved to their places (descending chunks: a row never moves up) and the others zeroed."""
+    n_total, h = dx.shape
+    m = top.shape[0]
+    n = m + bottom.shape[0]
+    flat = dx.view(-1)
+    if dx.dtype != torch.float32:
+        for a in range(0, m, chunk_rows):
+            e = min(a + chunk_rows, m)
+            flat[a * h : e * h].copy_(top[a:e].to(dx.dtype).view(-1))
+    if bottom.shape[0]:
+        flat[m * h : n * h].view(n - m, h).copy_(bottom)
+    if rows is not None:
+        for e in range(n, 0, -chunk_rows):
+            a = max(e - chunk_rows, 0)
+            dx.index_copy_(0, rows[a:e], dx[a:e].clone())
+        ignored = torch.ones(n_total, dtype=torch.bool, device=dx.device).index_fill_(0, rows, False)
+        dx.masked_fill_(ignored[:, None], 0)
+    return dx
+
+
+def linear_log_probs_bwd(
+    x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, fixed_in_budget, options, needs
+):
     """Vocabulary-slab backward. lse, entropy (or None): [n] per computed row, from the forward; grads =
     (dlog_probs, dentropy, dlse), each fp32 [n] or None. Per slab of Vs classes: its logits for all n
     rows into one reused [n, Vs] buffer (input dtype), d/dlogits written over them in place, then
     dW[slab] = G^T X (one cuBLAS product over all rows, rounded once), db[slab] = sum_rows G (fp32) and
-    acc += G W[slab] (fp32). Returns dx [N, H] (zero on rows not computed), dw [V, H], db [V] fp32."""
+    acc += G W[slab] (fp32; half of it, or all of it for fp32 inputs, lives in the storage of the returned
+    dx). `fixed` memory (the accumulator part beyond dx, gathered rows) counts against `budget` when
+    fixed_in_budget. Returns dx [N, H] (zero on rows not computed), dw [V, H], db [V] fp32."""
     ignore_index, logit_scale, softcap, inv_temp = options
     need_dx, need_dw, need_db = needs
     n_total, h = x.shape
@@ -215,64 +250,70 @@ def linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, budget, sla
     dlog_probs, dentropy, dlse = grads
     xk, tk = _rows(x, target, rows)  # [n, H]: a gathered copy when rows were compacted
     n = xk.shape[0]
-    acc = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_dx else None
+    itemsize = x.element_size()
+    dx = top = bottom = None
+    if need_dx:
+        dx, top, bottom = _dx_accumulator(n_total, n, h, x.dtype, x.device)
     dw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=x.device) if need_db else None
-    if n == 0:
-        for t in (dw, db):
-            if t is not None:
-                t.zero_()
-    else:
-        itemsize = x.element_size()
-        vs = bwd_slab_cols(budget, n, h, v, itemsize, need_dx, rows is not None, slab_floor)
-        flat = torch.empty(n * vs, dtype=x.dtype, device=x.device)  # the only tensor of many classes
-        block_n, block_v, num_warps = _tile(vs, BWD_BLOCK)
-        for v0 in range(0, v, vs):
-            v1 = min(v0 + vs, v)
-            g = flat[: n * (v1 - v0)].view(n, v1 - v0)
-            w_slab = w[v0:v1]
-            torch.mm(xk, w_slab.t(), out=g)
-            linear_log_probs_bwd_kernel[(triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v))](
-                logits_ptr=g,
-                logits_row_stride=g.stride(0),
-                bias_ptr=b if b is not None else g,
-                target_ptr=tk,
-                lse_ptr=lse,
-                entropy_ptr=entropy if entropy is not None else lse,
-                dlog_probs_ptr=dlog_probs if dlog_probs is not None else lse,
-                dentropy_ptr=dentropy if dentropy is not None else lse,
-                dlse_ptr=dlse if dlse is not None else lse,
-                n_rows=n,
-                n_cols=v1 - v0,
-                col_offset=v0,
-                n_classes=v,
-                ignore_index=ignore_index,
-                logit_scale=logit_scale,
-                softcap=softcap,
-                inv_temp=inv_temp,
-                HAS_BIAS=b is not None,
-                HAS_SOFTCAP=softcap > 0,
-                HAS_DLOG_PROBS=dlog_probs is not None,
-                HAS_DENTROPY=dentropy is not None,
-                HAS_DLSE=dlse is not None,
-                BLOCK_N=block_n,
-                BLOCK_V=block_v,
-                num_warps=num_warps,
-            )
-            if acc is not None:
-                _addmm_fp32_(acc, g, w_slab)
-            if dw is not None:
-                torch.mm(g.t(), xk, out=dw[v0:v1])  # fp32 inside cuBLAS, rounded once
-            if db is not None:
-                torch.sum(g, dim=0, dtype=torch.float32, out=db[v0:v1])
-        del flat, xk
-    dx = None
-    if acc is not None:
-        if rows is None:
-            dx = acc.to(x.dtype)
-        else:
-            dx = torch.zeros((n_total, h), dtype=x.dtype, device=x.device)
-            dx.index_copy_(0, rows, acc.to(x.dtype))
+    for t in (dw, db):
+        if t is not None and n == 0:
+            t.zero_()
+    if n == 0 and dx is not None:
+        dx.zero_()
+        return dx, dw, db
+    fixed = n * 64 + (n * h * itemsize if rows is not None else 0)  # per-row vectors, gathered rows
+    if bottom is not None:
+        fixed += bottom.numel() * 4
+    fixed = fixed if fixed_in_budget else 0
+    vs = slab_cols(budget, fixed, n, v, itemsize, slab_floor)
+    flat = torch.empty(n * vs, dtype=x.dtype, device=x.device)  # the only tensor of many classes
+    block_n, block_v, num_warps = _tile(vs, BWD_BLOCK)
+    m = top.shape[0] if top is not None else 0
+    for v0 in range(0, v, vs):
+        v1 = min(v0 + vs, v)
+        g = flat[: n * (v1 - v0)].view(n, v1 - v0)
+        w_slab = w[v0:v1]
+        torch.mm(xk, w_slab.t(), out=g)
+        linear_log_probs_bwd_kernel[(triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v))](
+            logits_ptr=g,
+            logits_row_stride=g.stride(0),
+            bias_ptr=b if b is not None else g,
+            target_ptr=tk,
+            lse_ptr=lse,
+            entropy_ptr=entropy if entropy is not None else lse,
+            dlog_probs_ptr=dlog_probs if dlog_probs is not None else lse,
+            dentropy_ptr=dentropy if dentropy is not None else lse,
+            dlse_ptr=dlse if dlse is not None else lse,
+            n_rows=n,
+            n_cols=v1 - v0,
+            col_offset=v0,
+            n_classes=v,
+            ignore_index=ignore_index,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            inv_temp=inv_temp,
+            HAS_BIAS=b is not None,
+            HAS_SOFTCAP=softcap > 0,
+            HAS_DLOG_PROBS=dlog_probs is not None,
+            HAS_DENTROPY=dentropy is not None,
+            HAS_DLSE=dlse is not None,
+            BLOCK_N=block_n,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+        if dx is not None:
+            _addmm_fp32_(top, g[:m], w_slab)
+            if m < n:
+                _addmm_fp32_(bottom, g[m:], w_slab)
+        if dw is not None:
+            torch.mm(g.t(), xk, out=dw[v0:v1])  # fp32 inside cuBLAS, rounded once
+        if db is not None:
+            torch.sum(g, dim=0, dtype=torch.float32, out=db[v0:v1])
+    chunk_rows = max(1, flat.numel() * itemsize // (h * 4))
+    del xk, flat, g, w_slab  # the slab buffer is free before d input is rounded into place
+    if dx is not None:
+        _dx_finish(dx, top, bottom, rows, chunk_rows)
     return dx, dw, db
 
 
@@ -290,21 +331,26 @@ def _fwd_op(
     b: torch.Tensor | None,
     target: torch.Tensor,
     budget: int,
+    slab_floor: int,
+    fixed_in_budget: bool,
     ignore_index: int,
     logit_scale: float,
     softcap: float,
     inv_temp: float,
     stats: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = (budget, slab_floor, fixed_in_budget)
     outs = linear_log_probs_fwd(
-        x, w, b, target, None, budget, (ignore_index, logit_scale, softcap, inv_temp), stats
+        x, w, b, target, None, plan, (ignore_index, logit_scale, softcap, inv_temp), stats
     )
     log_probs = outs[0]
     return tuple(_or_empty(o, log_probs) for o in outs[:5]) + (_or_empty(outs[5], log_probs, torch.bool),)
 
 
 @_fwd_op.register_fake
-def _(x, w, b, target, budget, ignore_index, logit_scale, softcap, inv_temp, stats):
+def _(
+    x, w, b, target, budget, slab_floor, fixed_in_budget, ignore_index, logit_scale, softcap, inv_temp, stats
+):
     n = x.shape[0]
 
     def out(bit, dtype=torch.float32):
@@ -326,6 +372,7 @@ def _bwd_op(
     dlse: torch.Tensor | None,
     budget: int,
     slab_floor: int,
+    fixed_in_budget: bool,
     ignore_index: int,
     logit_scale: float,
     softcap: float,
@@ -345,6 +392,7 @@ def _bwd_op(
         None,
         budget,
         slab_floor,
+        fixed_in_budget,
         (ignore_index, logit_scale, softcap, inv_temp),
         (need_dx, need_dw, need_db),
     )
@@ -364,6 +412,7 @@ def _(
     dlse,
     budget,
     slab_floor,
+    fixed_in_budget,
     ignore_index,
     logit_scale,
     softcap,
@@ -382,21 +431,19 @@ def _(
 # ops above stand in, on all rows (no data-dependent shapes, no host sync).
 
 
-def _run_fwd(x, w, b, target, rows, budget, options, stats):
+def _run_fwd(x, w, b, target, rows, plan, options, stats):
     if torch.compiler.is_compiling():
-        outs = _fwd_op(x, w, b, target, budget, *options, stats)
+        outs = _fwd_op(x, w, b, target, *plan, *options, stats)
         keep = (True, stats & ENTROPY, True, stats & SUM_SQ, stats & MEAN, stats & TOP1)
         return tuple(o if k else None for o, k in zip(outs, keep, strict=True))
-    return linear_log_probs_fwd(x, w, b, target, rows, budget, options, stats)
+    return linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats)
 
 
-def _run_bwd(x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs):
+def _run_bwd(x, w, b, target, lse, entropy, grads, rows, plan, options, needs):
     if torch.compiler.is_compiling():
-        out = _bwd_op(x, w, b, target, lse, entropy, *grads, budget, slab_floor, *options, *needs)
+        out = _bwd_op(x, w, b, target, lse, entropy, *grads, *plan, *options, *needs)
         return tuple(t if need else None for t, need in zip(out, needs, strict=True))
-    return linear_log_probs_bwd(
-        x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, options, needs
-    )
+    return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, *plan, options, needs)
 
 
 # ---- autograd ----
@@ -409,12 +456,12 @@ class LinearLogProbsFunction(torch.autograd.Function):
     the non-ignored rows, or None to compute every row."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, rows, budget, slab_floor, options, stats):
+    def forward(ctx, x, w, b, target, rows, plan, options, stats):
         ctx.set_materialize_grads(False)
-        outs = _run_fwd(x, w, b, target, rows, budget, options, stats)
+        outs = _run_fwd(x, w, b, target, rows, plan, options, stats)
         _, entropy, lse, *_ = outs
         ctx.save_for_backward(x, w, b, target, rows, lse, entropy)
-        ctx.plan = (budget, slab_floor, options)
+        ctx.plan, ctx.options = plan, options
         if rows is not None:  # back to one value per token: 0 (False) on ignored ones
             n = x.shape[0]
             outs = tuple(o.new_zeros(n).index_copy_(0, rows, o) if o is not None else None for o in outs)
@@ -424,7 +471,6 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dlog_probs, dentropy, dlse, *_):
         x, w, b, target, rows, lse, entropy = ctx.saved_tensors
-        budget, slab_floor, options = ctx.plan
         needs = tuple(bool(k) for k in ctx.needs_input_grad[:3])
         grads = []
         for g in (dlog_probs, dentropy, dlse):
@@ -433,13 +479,11 @@ class LinearLogProbsFunction(torch.autograd.Function):
                 g = (g.index_select(0, rows) if rows is not None else g).contiguous()
             grads.append(g)
         if all(g is None for g in grads) or not any(needs):
-            return (None,) * 9
-        dx, dw, db = _run_bwd(
-            x, w, b, target, lse, entropy, tuple(grads), rows, budget, slab_floor, options, needs
-        )
+            return (None,) * 8
+        dx, dw, db = _run_bwd(x, w, b, target, lse, entropy, tuple(grads), rows, ctx.plan, ctx.options, needs)
         if db is not None:
             db = db.to(b.dtype)
-        return dx, dw, db, *([None] * 6)
+        return dx, dw, db, *([None] * 5)
 
 
 # ---- public function ----
@@ -605,6 +649,8 @@ def linear_log_probs(
         )
     else:
         options = (ignore_index, logit_scale, softcap or 0.0, 1.0 / temperature)
+        # (bytes, least classes of a slab, does the fp32 d input accumulator count against the bytes?)
+        plan = (budget, AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR, memory != "min")
         stat_bits = sum(bit for name, bit in STAT_BITS.items() if name in names)
         stats = LinearLogProbsFunction.apply(
             rows_view(input),
@@ -612,8 +658,7 @@ def linear_log_probs(
             linear_bias.contiguous() if linear_bias is not None else None,
             t1.contiguous(),
             rows,
-            budget,
-            AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR,
+            plan,
             options,
             stat_bits,
         )
