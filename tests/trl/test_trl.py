@@ -68,8 +68,9 @@ def restore_trl():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts calls of TRL's kernel (its forward) and of fuselm's op (through the adapter)."""
-    counts = {"trl": 0, "fuselm": 0}
+    """Counts calls of TRL's kernel (its forward) and of fuselm's op (through the adapter), and records
+    the dtypes of the hidden states fuselm's op gets."""
+    counts = {"trl": 0, "fuselm": 0, "fuselm_dtypes": set()}
     trl_forward = ChunkedLogProbFunction.forward
     fuselm_op = patching.linear_log_probs
 
@@ -80,6 +81,7 @@ def calls(monkeypatch):
 
     def spy_fuselm(*args, **kwargs):
         counts["fuselm"] += 1
+        counts["fuselm_dtypes"].add(args[0].dtype)
         return fuselm_op(*args, **kwargs)
 
     monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(spy_trl))
@@ -285,8 +287,7 @@ def _train(config_cls, trainer_cls, kind, dtype, checkpoint, tmp_path, config, *
     args = config_cls(
         output_dir=str(tmp_path / kind),
         model_init_kwargs={"dtype": dtype, "attn_implementation": "eager"},
-        **COMMON,
-        **config,
+        **{**COMMON, **config},
     )
     with head(kind):
         trainer = trainer_cls(model=checkpoint, args=args, processing_class=tm.tokenizer(), **trainer_kwargs)
@@ -303,7 +304,7 @@ def _train(config_cls, trainer_cls, kind, dtype, checkpoint, tmp_path, config, *
 TIMINGS = ("time", "runtime", "per_second")  # logged keys that are clock readings
 
 
-def _check_runs(calls, run, skip=()):
+def _check_runs(calls, run, skip=(), dtype=torch.float32):
     """Reference, TRL and fuselm runs of `run(kind, dtype)`: the spies, then the numerics rule on every
     logged value but clock readings (losses, gradient norms, entropies, rewards, ...) and on every trained
     parameter. Returns the reference run's logs."""
@@ -321,15 +322,15 @@ def _check_runs(calls, run, skip=()):
             values = [
                 torch.tensor(logs[key], dtype=torch.float64) for logs in (ours_logs, eager_logs, ref_logs)
             ]
-            assert_numerics(f"logged {key}", *values, torch.float32)
+            assert_numerics(f"logged {key}", *values, dtype)
     assert ref_params.keys() == eager_params.keys() == ours_params.keys() and ref_params
     for name in ref_params:
         ours, eager, ref = ours_params[name], eager_params[name], ref_params[name]
-        assert_numerics(f"trained {name}", ours, eager, ref, torch.float32)
+        assert_numerics(f"trained {name}", ours, eager, ref, dtype)
     return ref_logs
 
 
-@pytest.mark.parametrize("mode", ["completion_only", "padding_free", "peft"])
+@pytest.mark.parametrize("mode", ["completion_only", "padding_free", "peft", "autocast"])
 def test_sft(calls, checkpoint, tmp_path, mode):
     """SFTTrainer on prompt/completion pairs (loss on the completions only); padding-free (one packed
     row, -100 at the document starts); LoRA adapters (the head's weight is frozen: no weight gradient)."""
@@ -339,6 +340,8 @@ def test_sft(calls, checkpoint, tmp_path, mode):
     kwargs = dict(train_dataset=tm.prompt_completion(16))
     if mode == "padding_free":
         config.update(padding_free=True, max_length=None)
+    if mode == "autocast":
+        config["bf16"] = True  # fp32 weights, bf16 autocast (the reference run stays float64 throughout)
     if mode == "peft":
         from peft import LoraConfig
 
@@ -346,16 +349,23 @@ def test_sft(calls, checkpoint, tmp_path, mode):
         config["learning_rate"] = 1.0
 
     def run(kind, dtype):
-        return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, config, **kwargs)
+        run_config = {**config, "bf16": False} if kind == "reference" else config
+        return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, run_config, **kwargs)
 
-    logs = _check_runs(calls, run)
+    logs = _check_runs(calls, run, dtype=torch.bfloat16 if mode == "autocast" else torch.float32)
+    assert calls["fuselm_dtypes"] == {torch.bfloat16 if mode == "autocast" else torch.float32}
     assert logs["loss"][-1] < logs["loss"][0]
 
 
-def test_dpo(calls, checkpoint, tmp_path):
+@pytest.mark.parametrize("rows", ["all", "valid"])
+def test_dpo(calls, checkpoint, tmp_path, monkeypatch, rows):
     """DPOTrainer (sigmoid loss, WPO weights: every output of the head is used), reference model loaded from
-    the checkpoint (its head runs under no_grad)."""
+    the checkpoint (its head runs under no_grad). rows="valid": add_fused_lm_head's CUDA path, where the
+    head gets only the rows whose label is not -100 (on CPU it gets every row, ignored labels as 0)."""
     from trl import DPOConfig, DPOTrainer
+
+    if rows == "valid":
+        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)  # only picks the rows
 
     config = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1.0, use_weighting=True)
 
