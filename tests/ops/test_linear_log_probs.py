@@ -196,6 +196,17 @@ def test_memory_plans(memory):
     _compare(torch.float32, _inputs(torch.float32), temperature=0.8, softcap=6.0, memory=memory)
 
 
+def test_slab_edges():
+    """Slabs whose width is not a multiple of the kernels' column block, with targets just past a slab's
+    end (in the masked columns of its last block) and at both ends of the vocabulary."""
+    dtype = torch.float32
+    x, w, b, t = _inputs(dtype, shape=(22,), h=16, v=781, ignore=False)
+    t[:6] = torch.tensor([384, 400, 450, 511, 0, 780])
+    budget = 22 * (llp_op.STATE_ROWS * 4 + 64) + 384 * 22 * 4  # forward slabs of 384 classes
+    assert llp_op.slab_cols(budget, 22 * (llp_op.STATE_ROWS * 4 + 64), 22, 781, 4, 128) == 384
+    _compare(dtype, (x, w, b, t), temperature=0.9, memory=budget)
+
+
 @pytest.mark.parametrize(
     "shape,v",
     [((1,), 781), ((63,), 3000), ((3, 1, 5), 64), ((1, 1), 1)],

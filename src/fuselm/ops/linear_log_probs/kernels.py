@@ -82,7 +82,8 @@ def _row_stats_block(
         before = tl.maximum(
             before, tl.max(tl.where(cols[None, :] < target[:, None], z, float("-inf")), axis=1)
         )
-    z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+    z_t += tl.sum(tl.where((cols[None, :] == target[:, None]) & mask, z, 0.0), axis=1)  # a target past the
+    # slab's end may equal a masked column id of its last block
     return m2_new, s, sd, sq, z_sum, z_max, before, z_t
 
 
