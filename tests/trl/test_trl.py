@@ -254,6 +254,61 @@ def test_adapter_outputs_not_asked_are_none():
     assert out[0].shape == (4,) and out[1:] == (None, None, None, None)
 
 
+def test_adapter_empty_batch():
+    """A micro-batch without a valid label (add_fused_lm_head's CUDA path hands the head 0 rows): empty
+    outputs, and a backward through add_fused_lm_head's masked_scatter gives zero gradients, as TRL's."""
+    fuselm.trl.patch()
+    hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    out = trl_utils._ChunkedLogProbFunction.apply(
+        hidden, weight, None, torch.zeros(0, dtype=torch.long), 1.0, 32768, None, 1.0, patching.TRL_OUTPUTS
+    )
+    assert [o.shape for o in out] == [(0,)] * 5
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    out[0].new_zeros(mask.shape).masked_scatter(mask, out[0]).sum().backward()
+    assert hidden.grad.shape == (0, 8) and weight.grad is not None and not weight.grad.any()
+
+
+def test_adapter_refuses_zero3_weights():
+    weight = torch.randn(16, 8)
+    weight.ds_status = "NOT_AVAILABLE"  # what DeepSpeed ZeRO-3 puts on its parameters
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        fuselm.trl.FusedLogProbs.apply(torch.randn(3, 8), weight, None, torch.tensor([1, 2, 3]), 1.0, 64)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_add_fused_lm_head(calls, when):
+    """A model given TRL's fused head by add_fused_lm_head (temperature 0.7; the config's
+    final_logit_softcapping and logit_scale, which add_fused_lm_head reads from any config), patched before
+    or after: the output fields, the loss and every parameter's gradient against TRL's and float64."""
+    model = tm.model(seed=3, final_logit_softcapping=20.0, logit_scale=0.5)
+    ids = torch.randint(3, tm.VOCAB, (3, 11), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    labels[1, 7:] = -100
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    results = []
+    for kind, dtype in (("reference", torch.float64), ("trl", torch.float32), ("fuselm", torch.float32)):
+        m = tm.clone(model, dtype)
+        if when == "before":
+            with head(kind):
+                trl_utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
+                out = m(input_ids=ids, labels=labels, fused_lm_head=True)
+        else:
+            trl_utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
+            with head(kind):
+                out = m(input_ids=ids, labels=labels, fused_lm_head=True)
+        (out.loss + out.entropy.sum() / 10).backward()
+        fields = [out.loss, *(getattr(out, name).double() for name in outputs)]
+        results.append((fields, {n: p.grad for n, p in m.named_parameters()}))
+    assert calls["trl"] == 1 and calls["fuselm"] == 1
+    (ref, ref_grads), (eager, eager_grads), (ours, ours_grads) = results
+    for name, o, e, r in zip(("loss", *outputs), ours, eager, ref, strict=True):
+        assert_numerics(name, o, e, r, torch.float32)
+    for name in ref_grads:
+        assert_numerics(f"d {name}", ours_grads[name], eager_grads[name], ref_grads[name], torch.float32)
+    assert (ours[1] == 0).sum() == (labels[:, 1:] == -100).sum()  # zero on ignored positions
+
+
 # ---- trainers: reference (float64) vs TRL (fp32) vs fuselm (fp32) ----
 
 
