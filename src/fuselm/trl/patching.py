@@ -62,8 +62,10 @@ class FusedLogProbs:
       head's weight is fp32 under bf16 autocast, that cast is one bf16 copy of the weight, and its
       gradient, accumulated in fp32 by fuselm, is rounded to bf16 once before autograd adds it to the
       fp32 ``.grad`` (TRL's returns its fp32 accumulator as is).
+    - Outputs of float64 inputs are float64 (TRL's are fp32 whatever the inputs).
     - A target equal to ``-100`` gives 0 log-prob and 0 entropy (TRL's kernel is never called with one:
-      ``add_fused_lm_head`` drops or clamps ignored labels and zeroes their outputs afterwards).
+      ``add_fused_lm_head`` drops or clamps ignored labels and zeroes their outputs afterwards); an
+      out-of-range target raises ``ValueError``.
     - An unknown name in ``outputs`` raises ``ValueError`` (TRL's kernel ignores it).
     - DeepSpeed ZeRO-3 partitioned weights are refused with a clear error: the backward recomputes the
       logits from ``weight``, which ZeRO-3 has partitioned again by then.
