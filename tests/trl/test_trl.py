@@ -162,6 +162,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown"):
         outputs = ("log_probs", "lse")
         fuselm.trl.FusedLogProbs.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, outputs)
+    with pytest.raises(ValueError, match="outside"):  # TRL's kernel would return a wrong number
+        fuselm.trl.FusedLogProbs.apply(hidden, weight, None, torch.tensor([1, 2, 10]), 1.0, 32768)
 
 
 def test_docstring_example():
