@@ -8,6 +8,7 @@ import torch
 import triton
 
 from .._common.dispatch import use_triton
+from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
 from .._common.launch import persistent_grid
 from ..rms_norm.op import reduce_partials_, resident_programs, tile_config
@@ -283,6 +284,9 @@ def layer_norm(
     Returns:
         ``y`` with the shape and dtype of x; with ``residual``, the tuple ``(y, x + residual)``.
 
+    DTensor: as :func:`fuselm.rms_norm` (x and residual sharded on leading dimensions or replicated,
+    weight and bias plain or ``Replicate()``; anything else raises ValueError saying what to pass).
+
     The backward saves only what was normalized (x, or the sum) and mean and rstd (float32, one per
     row); dweight and dbias are reduced in fp32 without atomics.
 
@@ -298,6 +302,15 @@ def layer_norm(
         >>> x.grad.shape
         torch.Size([2, 5, 64])
     """
+    if has_dtensor(x, residual, weight, bias):
+        return run_local(
+            "layer_norm",
+            lambda x, residual, weight, bias: layer_norm(x, weight, bias, eps, residual=residual),
+            {"x": x, "residual": residual},
+            {"weight": weight, "bias": bias},
+            shardable=leading_dims_only,
+            hint=ROWWISE_HINT,
+        )
     _check_args(x, weight, bias, eps, residual)
     eps = float(eps)
     if (

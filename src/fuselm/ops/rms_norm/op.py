@@ -9,6 +9,7 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode, use_triton
+from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
 from .._common.launch import persistent_grid
 from .kernels import rms_norm_bwd_kernel, rms_norm_bwd_kernel_reduce, rms_norm_fwd_kernel
@@ -485,6 +486,12 @@ def rms_norm(
         ``y`` of shape ``x.shape`` (dtype: x's, or promoted with weight's for ``"llama"``); with
         ``residual``, the tuple ``(y, x + residual)``.
 
+    DTensor: x (and residual, with x's placements) may be DTensors replicated or sharded on leading
+    dimensions (sequence parallel: ``Shard(1)`` of ``[B, T, H]``), with weight a plain tensor or a
+    ``Replicate()`` DTensor: each rank normalizes its rows, outputs have x's placements, weight's
+    gradient is ``Partial()`` over the sharded mesh dimensions. Sharding on H or a sharded weight
+    raises ValueError saying what to pass (ops/_common/dtensor.py).
+
     The backward saves only what was normalized (x, or the sum, which is an output anyway) and
     rstd (float32, one per row); dweight is reduced in fp32 without atomics. A second backward
     through a retained graph is right with or without ``in_place`` (no saved buffer is written).
@@ -503,6 +510,17 @@ def rms_norm(
         >>> x.grad.shape, w.grad.shape
         (torch.Size([2, 5, 64]), torch.Size([64]))
     """
+    if has_dtensor(x, residual, weight):
+        return run_local(
+            "rms_norm",
+            lambda x, residual, weight: rms_norm(
+                x, weight, eps, offset=offset, residual=residual, casting=casting, in_place=in_place
+            ),
+            {"x": x, "residual": residual},
+            {"weight": weight},
+            shardable=leading_dims_only,
+            hint=ROWWISE_HINT,
+        )
     _check_args(x, weight, eps, offset, residual, casting, in_place)
     eps, offset = float(eps), float(offset)
     if (

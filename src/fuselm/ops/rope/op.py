@@ -8,8 +8,10 @@ import torch
 import triton
 
 from .._common.dispatch import use_triton
+from .._common.dtensor import has_dtensor, run_local
+from .._common.guard import check_choice
 from .kernels import rope_fwd_kernel
-from .reference import apply_rotary_reference, broadcast_tables, check_qk
+from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
 # Launch config (to tune on the GPU). A program rotates all heads of one (b, t) position in tiles of
 # [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R / 2) and BLOCK_H the head count
@@ -207,6 +209,29 @@ class RotaryFunction(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+_HEADS_HINT = (
+    "apply_rotary runs per head: shard q and k on the head dimension (tensor parallel) or replicate "
+    "them; for a sharded batch or sequence, pass q.to_local() and k.to_local() with the matching local "
+    "rows of cos and sin (or of position_ids)"
+)
+
+
+def _apply_rotary_dtensor(q, k, cos, sin, position_ids, layout):
+    check_choice("layout", layout, LAYOUTS)
+    head_dim = 1 if layout == "bhtd" else 2
+    return run_local(
+        "apply_rotary",
+        lambda q, k, cos, sin, position_ids: apply_rotary(
+            q, k, cos, sin, position_ids=position_ids, layout=layout
+        ),
+        {"q": q, "k": k},
+        {"cos": cos, "sin": sin, "position_ids": position_ids},
+        shardable=lambda dim, ndim: ndim == 4 and dim == head_dim,
+        hint=_HEADS_HINT,
+        like=("q", "k"),
+    )
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -250,6 +275,11 @@ def apply_rotary(
         an input is dense (e.g. a transposed view), its output has the same strides (the same memory
         order); otherwise it is contiguous.
 
+    DTensor: q and k may be DTensors (the same mesh and placements) sharded on the head dimension
+    (tensor parallel) or replicated, with cos, sin and position_ids plain tensors or ``Replicate()``
+    DTensors: each rank rotates its heads, the outputs have q's and k's placements. A sharded batch or
+    sequence dimension raises ValueError saying what to pass (the local rows of the tables).
+
     Gradients: q and k get exact gradients (the rotation by ``-theta``, from the same kernel). cos and
     sin are treated as constants (Hugging Face makes them from non-learned buffers); if either requires
     grad while grad mode is on, the call runs the differentiable PyTorch reference instead (slower, but
@@ -269,6 +299,8 @@ def apply_rotary(
         >>> q_embed.shape, k.grad.shape
         (torch.Size([2, 4, 5, 8]), torch.Size([2, 2, 5, 8]))
     """
+    if has_dtensor(q, k, cos, sin, position_ids):
+        return _apply_rotary_dtensor(q, k, cos, sin, position_ids, layout)
     batch, seq_len, _, _, head_dim = check_qk(q, k, layout)
     cos_b, sin_b, pos_b = broadcast_tables(cos, sin, position_ids, batch, seq_len, head_dim, layout, q.device)
     tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)

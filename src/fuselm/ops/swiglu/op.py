@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import triton
 
 from .._common.dispatch import use_triton
+from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
@@ -347,6 +348,26 @@ def _gated_packed(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return out.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
+_PACKED_HINT = (
+    "the last dimension holds [gate | up] and must be whole on each rank: redistribute gate_up to "
+    "Replicate() or Shard() of a leading dimension, or pass gate_up.to_local() (a tensor-parallel "
+    "fused projection whose local block is [gate_i | up_i] is computed right from its local tensor)"
+)
+
+
+def _any_dim(dim: int, ndim: int) -> bool:
+    return True
+
+
+def _gated_dtensor(op, fn, gate, up):
+    """swiglu / geglu on DTensors: elementwise, so any placements (the same for gate and up)."""
+    return run_local(op, fn, {"gate": gate, "up": up}, {}, shardable=_any_dim, hint="")
+
+
+def _gated_packed_dtensor(op, fn, gate_up):
+    return run_local(op, fn, {"gate_up": gate_up}, {}, shardable=leading_dims_only, hint=_PACKED_HINT)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``silu(gate) * up``, fused in one kernel forward and one kernel backward.
 
@@ -363,6 +384,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``[..., I]`` in the dtype of ``gate``.
+
+    DTensor: gate and up may be DTensors with the same mesh and placements, sharded on any dimension
+    (tensor parallel: ``Shard(-1)`` of the column-parallel projections) or replicated; each rank
+    computes its shard, the output has their placements. The same holds for :func:`fuselm.geglu`.
+    :func:`fuselm.swiglu_packed` / :func:`fuselm.geglu_packed` take a DTensor sharded on a leading
+    dimension or replicated; sharded on the last (``[gate | up]``) dimension raises ValueError.
 
     Raises:
         ValueError: naming the argument, for a non-tensor, an unsupported dtype, or ``up`` whose
@@ -381,6 +408,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         >>> gate.grad.shape, up.grad.shape
         (torch.Size([2, 3, 8]), torch.Size([2, 3, 8]))
     """
+    if has_dtensor(gate, up):
+        return _gated_dtensor("swiglu", swiglu, gate, up)
     _check_pair(gate, up)
     return _gated(gate, up, "silu")
 
@@ -413,6 +442,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
         True
     """
     check_choice("approximate", approximate, tuple(_APPROXIMATE))
+    if has_dtensor(gate, up):
+        return _gated_dtensor("geglu", lambda gate, up: geglu(gate, up, approximate), gate, up)
     _check_pair(gate, up)
     return _gated(gate, up, _APPROXIMATE[approximate])
 
@@ -445,6 +476,8 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
         >>> gate_up.grad.shape
         torch.Size([3, 10])
     """
+    if has_dtensor(gate_up):
+        return _gated_packed_dtensor("swiglu_packed", swiglu_packed, gate_up)
     _check_packed(gate_up)
     return _gated_packed(gate_up, "silu")
 
@@ -472,6 +505,9 @@ def geglu_packed(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tens
         True
     """
     check_choice("approximate", approximate, tuple(_APPROXIMATE))
+    if has_dtensor(gate_up):
+        fn = lambda gate_up: geglu_packed(gate_up, approximate)  # noqa: E731
+        return _gated_packed_dtensor("geglu_packed", fn, gate_up)
     _check_packed(gate_up)
     return _gated_packed(gate_up, _APPROXIMATE[approximate])
 
@@ -516,6 +552,11 @@ def swiglu_linear(
         torch.Size([8, 32])
     """
     check_choice("activation", activation, ACTIVATIONS)
+    if has_dtensor(gate, up, weight, bias):
+        raise ValueError(
+            "swiglu_linear does not take DTensors (gate, up, weight, bias): call swiglu / geglu on the "
+            "DTensors and then torch.nn.functional.linear, or pass .to_local() of every input"
+        )
     _check_pair(gate, up)
     device_type = gate.device.type
     if torch.is_autocast_enabled(device_type):
