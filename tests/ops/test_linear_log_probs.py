@@ -248,8 +248,8 @@ def test_outputs_selection():
         asked = {names} if isinstance(names, str) else set(names)
         for name in ALL:
             value = getattr(out, name)
-            if name == "log_probs" or name in asked:
-                torch.testing.assert_close(value, getattr(full, name), rtol=0, atol=0)
+            if name == "log_probs" or name in asked:  # kernels specialized per selection: a few ulp apart
+                torch.testing.assert_close(value, getattr(full, name))
             else:
                 assert value is None, name
     assert isinstance(full, LogProbs) and isinstance(full, tuple)

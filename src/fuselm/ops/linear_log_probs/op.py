@@ -1,11 +1,12 @@
 """fuselm.linear_log_probs: launchers -> custom ops -> autograd Function -> public function.
 
-Forward: token chunks. Per chunk of C rows, cuBLAS writes the fp32 logits into one reused [C, V] buffer
-and one Triton kernel reads each row once, computing every requested statistic online over column blocks.
-Backward: vocabulary slabs. Per slab of Vs classes, cuBLAS recomputes the slab's logits for every kept
-row into one reused [N, Vs] buffer, one Triton kernel overwrites them with d/dlogits in place, and cuBLAS
-writes d linear_weight[slab] = G^T X (one product over all N rows: summed in fp32, rounded once), while
-d input is summed over the slabs in an fp32 [N, H] accumulator. The math and the costs are in README.md.
+Both passes walk slabs of the vocabulary, each covering every kept token. Forward: per slab, cuBLAS
+writes the fp32 logits into one reused [N, Vs] buffer and one Triton kernel folds them, read once, into
+each row's running statistics. Backward: per slab, cuBLAS recomputes the logits into one reused [N, Vs]
+buffer, one Triton kernel overwrites them with d/dlogits in place, and cuBLAS writes
+d linear_weight[slab] = G^T X (one product over all N rows: summed in fp32, rounded once) while d input
+is summed over the slabs in fp32 (half of the accumulator in the returned gradient's own storage).
+The math and the costs are in README.md.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from ..linear_cross_entropy.op import linear_operands, memory_budget
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
-MIN_BUDGET = 8 * 2**20  # memory="min": bytes of the chunk / slab buffers (the fp32 d input sum comes on top)
-CHUNK_ROW_MULTIPLE = 16  # forward chunks: a multiple of this many rows, and never fewer
+MIN_BUDGET = 8 * 2**20  # memory="min": bytes of a slab buffer (the fp32 d input accumulator comes on top)
 SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
 AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
 MIN_SLAB_FLOOR = 128  # memory="min" or an int budget
@@ -569,13 +569,15 @@ def linear_log_probs(
             logits; the others are returned as None.
         memory: how much memory the plan may take.
 
-            - ``"auto"`` (default): ``min(256 MiB, a quarter of the free device memory)`` for the forward's
-              ``[C, V]`` fp32 chunk buffer, and in the backward for the ``[N, Vs]`` slab buffer together with
-              the fp32 ``[N, H]`` accumulator of the input gradient (the accumulator comes first; the slab
-              then gets what is left, at least 1024 classes; README.md counts it).
-            - an int: that many bytes, the same way.
-            - ``"min"``: 8 MiB for the chunk and slab buffers (at least 16 rows / 128 classes), plus the
-              fp32 ``[N, H]`` accumulator: O(N) memory besides what the gradient of ``input`` itself takes.
+            - ``"auto"`` (default): a budget of ``min(256 MiB, a quarter of the free device memory)``.
+              Both passes walk slabs of the vocabulary: the forward's fp32 ``[N, Vs]`` logits buffer, and
+              in the backward the ``[N, Vs]`` buffer together with the part of the fp32 ``[N, H]``
+              accumulator of the input gradient that the returned gradient's own storage does not hold
+              (half of it for 16-bit inputs, none for fp32), fit the budget; the slab keeps at least 1024
+              classes (the budget is then exceeded; README.md counts it).
+            - an int: that many bytes, the same way (slabs of at least 128 classes).
+            - ``"min"``: 8 MiB slab buffers (at least 128 classes), plus that accumulator part: O(N)
+              memory besides what the gradient of ``input`` itself takes; narrow slabs, so slower.
 
     Ignored tokens: in eager mode (not under ``torch.compile``, not while capturing a CUDA graph) the kept
     rows are found first, at the cost of one host synchronization, and only they go through the GEMMs.
@@ -589,7 +591,8 @@ def linear_log_probs(
     16 bits), and every statistic is computed in fp32. In the backward, the recomputed logits and the
     gradient written over them are in the input dtype (as eager PyTorch's), ``d linear_weight`` of each
     slab is one cuBLAS product over all tokens (fp32 inside, rounded once to its dtype, never summed in
-    16 bits), ``d input`` is summed over the slabs in fp32 and ``d linear_bias`` in fp32.
+    16 bits), ``d input`` is summed over the slabs in fp32 and ``d linear_bias`` in fp32. No host sync
+    besides the one of ignored-row compaction (eager only).
 
     Returns:
         :class:`fuselm.LogProbs` ``(log_probs, entropy, lse, log_sum_sq_probs, mean_logits, is_top1)``: each
