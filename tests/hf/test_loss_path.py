@@ -446,3 +446,22 @@ def test_scaled_logits_families(model_type):
     the scale folded into the hidden states gives HF's loss and gradients."""
     ids, labels = _batch()
     _check_step(_three(_small(model_type)), input_ids=ids, labels=labels)
+
+
+# ---- GPU: the Triton path of the same loss ----
+
+
+@pytest.mark.gpu
+def test_gpu_fused_path_numerics_empty_batch_and_bad_labels():
+    """On CUDA the patched loss runs the Triton kernels: loss and gradients as HF's; an all-ignored batch
+    with num_items_in_batch = 0 leaves every gradient zero; a bad label raises ValueError in eager."""
+    ref, eager, ours = (m.cuda() for m in _three(_small()))
+    ids, labels = (a.cuda() for a in _batch())
+    _check_step((ref, eager, ours), input_ids=ids, labels=labels)
+    empty = torch.full_like(labels, -100)
+    out = _step(ours, input_ids=ids, labels=empty, num_items_in_batch=torch.tensor(0, device="cuda"))
+    assert torch.isnan(out.loss)
+    assert all(torch.all(g == 0) for g in _grads(ours).values())
+    labels[1, 3] = VOCAB
+    with pytest.raises(ValueError, match=f"labels hold {VOCAB}"):
+        ours(input_ids=ids, labels=labels)
