@@ -109,6 +109,19 @@ def _logged(trainer, key="loss"):
     return torch.tensor([h[key] for h in trainer.state.log_history if key in h])
 
 
+def test_positional_arguments_are_read_by_name():
+    """model(input_ids, attention_mask, ...) positionally, labels and num_items_in_batch by keyword."""
+    ref, eager, ours = _three(_small())
+    ids, labels = _batch()
+    mask = torch.ones_like(ids)
+    outs = []
+    for m in (ref, eager, ours):
+        m.train()
+        outs.append(m(ids, mask, labels=labels, num_items_in_batch=torch.tensor(13)))
+    assert outs[2].logits is None
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss)
+
+
 # ---- 1. evaluation: logits and HF's loss ----
 
 

@@ -363,7 +363,7 @@ def _call_args(forward: Callable, self, args: tuple, kwargs: dict) -> dict:
     """The arguments of a call by name (positional ones bound to the forward's signature)."""
     if not args:
         return kwargs
-    return _signature(forward).bind_partial(self, *args, **kwargs).arguments
+    return {**_signature(forward).bind_partial(self, *args).arguments, **kwargs}
 
 
 def _fallback_reason(model: nn.Module, facts: HeadFacts) -> str | None:
