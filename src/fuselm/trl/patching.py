@@ -149,8 +149,9 @@ def _trl_utils():
     found = tuple(inspect.signature(forward).parameters) if forward is not None else None
     if not hasattr(utils, "add_fused_lm_head") or found != TRL_PARAMETERS:
         raise RuntimeError(
-            f"trl {version}: {TRL_MODULE}.{TRL_GLOBAL}.forward has parameters {found}, fuselm.trl expects "
-            f"{TRL_PARAMETERS} (trl {SUPPORTED}); nothing was patched"
+            f"trl {version}: {TRL_MODULE}.{TRL_GLOBAL} is {trl_class!r} with forward parameters {found}; "
+            f"fuselm.trl expects TRL's ChunkedLogProbFunction with {TRL_PARAMETERS} (trl {SUPPORTED}) and "
+            "add_fused_lm_head; nothing was patched"
         )
     return utils
 
