@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,10 @@ def test_multimodal_wrapper_from_auto_class_gets_the_fused_loss(model_type):
     fuselm.hf.patch(model)
     ids, labels = _batch(model.config.get_text_config().vocab_size)
     assert model(input_ids=ids, labels=labels).logits is None
+
+
+def test_readme_table_is_the_registry():
+    readme = (Path(fuselm.hf.__file__).parent / "README.md").read_text()
+    begin, end = "<!-- fuselm.hf.markdown_table() -->\n", "<!-- end of table -->"
+    table = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert table == fuselm.hf.markdown_table(), "regenerate the README's table: fuselm.hf.markdown_table()"

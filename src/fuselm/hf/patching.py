@@ -415,7 +415,7 @@ def patch(
         _patch_family(spec, plan)
         if spec.model_type not in supported_model_types() and family_of_module(spec.module) is None:
             warnings.warn(
-                f"fuselm.hf: no spec for {spec.causal_lm} ({spec.model_type}): its loss is fused; its "
+                f"fuselm.hf: no spec for {spec.causal_lms[0]} ({spec.model_type}): its loss is fused; its "
                 "norms, RoPE and MLP stay Hugging Face's",
                 stacklevel=2,
             )

@@ -41,7 +41,6 @@ class FamilySpec:
         act_attr: the config attribute naming the MLP activation (``hidden_act`` or Gemma 2/3's
             ``hidden_activation``).
         rope: the module-level rotary function the attention calls (HF's ``rotate_half`` RoPE), or None.
-        softcap_attr: the config attribute of the final logit softcap (Gemma 2/3), or None.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -54,16 +53,10 @@ class FamilySpec:
     packed_mlp: bool = False
     act_attr: str = "hidden_act"
     rope: str | None = "apply_rotary_pos_emb"
-    softcap_attr: str | None = None
     keeps: str = field(default="", compare=False)
 
-    @property
-    def causal_lm(self) -> str:
-        """The family's text-only ``*ForCausalLM`` (the first of :attr:`causal_lms`)."""
-        return self.causal_lms[0]
-
     def components(self) -> dict[str, str]:
-        """Swappable component -> the class or function name it replaces (``causal_lm``: the first)."""
+        """The block components the family swaps -> the class or function name each replaces."""
         names = {"rms_norm": self.rms_norm, "rope": self.rope, "swiglu": self.mlp}
         return {c: n for c, n in names.items() if n is not None}
 
@@ -84,8 +77,8 @@ def _spec(model_type: str, prefix: str, *, module: str | None = None, **kw) -> F
 # Reasons a component stays HF's (the table's "stays HF's" column).
 INTERLEAVED = "RoPE (interleaved pairs)"
 EXPERTS = "experts (fused 3-D parameters)"
-# Gemma 2 and 3: Gemma's norm, the activation under another config name, a final logit softcap.
-GEMMA2_LIKE = dict(norm_style="gemma", act_attr="hidden_activation", softcap_attr="final_logit_softcapping")
+# Gemma 2 and 3: Gemma's norm, the activation under another config name.
+GEMMA2_LIKE = dict(norm_style="gemma", act_attr="hidden_activation")
 FAMILIES: dict[str, FamilySpec] = {
     s.model_type: s
     for s in (
