@@ -34,6 +34,9 @@ from trl.trainer import utils as trl_utils  # noqa: E402
 import fuselm.trl  # noqa: E402
 from fuselm.trl import patching  # noqa: E402
 
+# CPU in CI; on a GPU machine the same tests run TRL's and fuselm's Triton kernels
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
 # ---- heads and spies ----
 
 
@@ -179,8 +182,9 @@ def test_docstring_example():
 SETTINGS = [(1.0, None, 1.0, False), (0.7, 30.0, 0.5, True), (1.3, 5.0, 2.0, False)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature, softcap, logit_scale, bias", SETTINGS)
-def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias):
+def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias, device):
     """The 5 outputs and the gradients (upstream gradients on log-probs and entropy) of one call: fuselm
     through the adapter vs TRL's kernel (fp32) vs the definition in float64."""
     g = torch.Generator().manual_seed(0)
@@ -191,6 +195,7 @@ def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias):
     t = torch.randint(0, v, (n,), generator=g)
     t[::5] = (x @ w.T).argmax(-1)[::5]  # some targets are the argmax (is_top1 true)
     g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
+    x, w, b, t, g_lp, g_ent = (None if a is None else a.to(device) for a in (x, w, b, t, g_lp, g_ent))
     results = []
     runs = ((ExactHead, torch.float64), (ChunkedLogProbFunction, torch.float32), (None, torch.float32))
     for fn, dtype in runs:
@@ -219,8 +224,9 @@ def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias):
     assert ref[4].sum() > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("leaf_dtype", [torch.float32, torch.bfloat16])
-def test_adapter_under_autocast(leaf_dtype):
+def test_adapter_under_autocast(leaf_dtype, device):
     """Under bf16 autocast (mixed-precision training, fp32 or bf16 weights) the head computes in bf16, as
     TRL's does, and the gradients come back in the leaves' dtypes; numerics rule at bf16 against float64."""
     g = torch.Generator().manual_seed(1)
@@ -229,6 +235,7 @@ def test_adapter_under_autocast(leaf_dtype):
     w = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5 * 3
     t = torch.randint(0, v, (n,), generator=g)
     g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
+    x, w, t, g_lp, g_ent = (a.to(device) for a in (x, w, t, g_lp, g_ent))
     results = []
     for fn in (ExactHead, ChunkedLogProbFunction, None):
         dtype = torch.float64 if fn is ExactHead else leaf_dtype
@@ -236,7 +243,7 @@ def test_adapter_under_autocast(leaf_dtype):
         if fn is None:
             fuselm.trl.patch()
             fn = trl_utils._ChunkedLogProbFunction
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=fn is not ExactHead)
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=fn is not ExactHead)
         with autocast:
             lp, ent, *_ = fn.apply(xx, ww, None, t, 0.9, 128, None, 1.0, ("log_probs", "entropy"))
         fuselm.trl.unpatch()
@@ -277,8 +284,9 @@ def test_adapter_refuses_zero3_weights():
         fuselm.trl.FusedLogProbs.apply(torch.randn(3, 8), weight, None, torch.tensor([1, 2, 3]), 1.0, 64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_add_fused_lm_head(calls, when):
+def test_add_fused_lm_head(calls, when, device):
     """A model given TRL's fused head by add_fused_lm_head (temperature 0.7; the config's
     final_logit_softcapping and logit_scale, which add_fused_lm_head reads from any config), patched before
     or after: the output fields, the loss and every parameter's gradient against TRL's and float64."""
@@ -287,10 +295,11 @@ def test_add_fused_lm_head(calls, when):
     labels = ids.clone()
     labels[:, :4] = -100
     labels[1, 7:] = -100
+    ids, labels = ids.to(device), labels.to(device)
     outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     results = []
     for kind, dtype in (("reference", torch.float64), ("trl", torch.float32), ("fuselm", torch.float32)):
-        m = tm.clone(model, dtype)
+        m = tm.clone(model, dtype).to(device)
         if when == "before":
             with head(kind):
                 trl_utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
@@ -387,18 +396,27 @@ def _check_runs(calls, run, skip=(), dtype=torch.float32):
     return ref_logs
 
 
-@pytest.mark.parametrize("mode", ["completion_only", "padding_free", "peft", "autocast"])
+GPU = pytest.mark.gpu
+SFT_MODES = ["completion_only", "padding_free", "peft", "autocast"]
+SFT_MODES += [pytest.param("cuda", marks=GPU), pytest.param("cuda_autocast", marks=GPU)]
+
+
+@pytest.mark.parametrize("mode", SFT_MODES)
 def test_sft(calls, checkpoint, tmp_path, mode):
     """SFTTrainer on prompt/completion pairs (loss on the completions only); padding-free (one packed
-    row, -100 at the document starts); LoRA adapters (the head's weight is frozen: no weight gradient)."""
+    row, -100 at the document starts); LoRA adapters (the head's weight is frozen: no weight gradient);
+    bf16 autocast on fp32 weights; on CUDA (Triton kernels on both sides, only valid rows scored)."""
     from trl import SFTConfig, SFTTrainer
 
     config = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=0.3)
     kwargs = dict(train_dataset=tm.prompt_completion(16))
     if mode == "padding_free":
         config.update(padding_free=True, max_length=None)
-    if mode == "autocast":
+    autocast = mode.endswith("autocast")
+    if autocast:
         config["bf16"] = True  # fp32 weights, bf16 autocast (the reference run stays float64 throughout)
+    if mode.startswith("cuda"):
+        config["use_cpu"] = False
     if mode == "peft":
         from peft import LoraConfig
 
@@ -409,8 +427,8 @@ def test_sft(calls, checkpoint, tmp_path, mode):
         run_config = {**config, "bf16": False} if kind == "reference" else config
         return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, run_config, **kwargs)
 
-    logs = _check_runs(calls, run, dtype=torch.bfloat16 if mode == "autocast" else torch.float32)
-    assert calls["fuselm_dtypes"] == {torch.bfloat16 if mode == "autocast" else torch.float32}
+    logs = _check_runs(calls, run, dtype=torch.bfloat16 if autocast else torch.float32)
+    assert calls["fuselm_dtypes"] == {torch.bfloat16 if autocast else torch.float32}
     assert logs["loss"][-1] < logs["loss"][0]
 
 
