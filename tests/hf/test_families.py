@@ -102,9 +102,9 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     calls = _Calls(monkeypatch)
     outs = [_train_step(m, ids, labels) for m in (ref, eager, ours)]
     assert outs[2].logits is None, "the training forward with labels made logits"
+    if model_type == "llava":  # its text model is a Llama: instance patching finds that family's blocks
+        assert {"LlamaRMSNorm", "LlamaMLP"} <= swapped
     for component in ["loss", *spec.components()]:
-        if component == "rope" and model_type == "llava":
-            continue
         assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
     grads = [_grads(m) for m in (ref, eager, ours)]

@@ -199,7 +199,13 @@ def is_lm_class_name(name: str) -> bool:
 
 
 def supported_model_types() -> list[str]:
-    """Every ``model_type`` fuselm.hf can patch with block kernels, aliases included."""
+    """Every ``model_type`` fuselm.hf has a spec for, aliases included.
+
+    Example:
+        >>> import fuselm.hf
+        >>> "qwen3_moe" in fuselm.hf.supported_model_types()
+        True
+    """
     return sorted([*FAMILIES, *ALIASES])
 
 
@@ -208,7 +214,13 @@ _COMPONENT_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "gated MLP
 
 def markdown_table() -> str:
     """The supported model types as a Markdown table: model type, loss classes, what fuselm swaps, what
-    stays Hugging Face's. ``src/fuselm/hf/README.md`` holds this table (a test keeps them equal)."""
+    stays Hugging Face's. ``src/fuselm/hf/README.md`` holds this table (a test keeps them equal).
+
+    Example:
+        >>> import fuselm.hf
+        >>> print(fuselm.hf.markdown_table().splitlines()[0])
+        | model_type | fused loss on | fuselm kernels | stays HF's |
+    """
     rows = [
         "| model_type | fused loss on | fuselm kernels | stays HF's |",
         "|---|---|---|---|",
