@@ -125,7 +125,8 @@ def cross_entropy(
             all-gather and a host sync per call).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
         ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, inplace_backward,
-        loss_dtype: as in :func:`fuselm.cross_entropy` (a target outside ``[0, V)`` gives a NaN loss and a zero gradient for its token).
+        loss_dtype: as in :func:`fuselm.cross_entropy` (a target outside ``[0, V)`` gives its token a NaN
+            loss and a zero gradient).
 
     Returns:
         ``loss`` (the same on every rank), and ``lse`` (``input.shape[:-1]``, global) when ``return_lse``.
