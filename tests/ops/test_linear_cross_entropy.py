@@ -520,14 +520,13 @@ def test_out_of_range_target_raises_in_eager(plan, value):
 
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_out_of_range_target_without_sync(monkeypatch, plan, reduction, label_smoothing):
+def test_out_of_range_target_without_sync(monkeypatch, plan, reduction):
     """Where no host sync is allowed (torch.compile, CUDA graph capture: no compaction, simulated here):
     the bad token's loss is NaN (visible in the loss), its gradient zero, so the weights are never poisoned;
     the other tokens are exactly as without it. FUSELM_VALIDATE=1 raises ValueError there too."""
     monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
     x, w, b, t = _bad_target(V + 3)
-    kw = dict(reduction=reduction, label_smoothing=label_smoothing, memory=_memory(plan))
+    kw = dict(reduction=reduction, label_smoothing=0.1, memory=_memory(plan))  # smoothing touches every class
     ours = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", **kw)
     loss = linear_cross_entropy(x, w, t, linear_bias=b, **kw)
     assert torch.isnan(loss).any()
