@@ -648,3 +648,102 @@ def test_plan_sizes():
     assert llp_op.slab_cols(256 * 2**20, bottom + n * 64, n, v, 2, 1024) == 3968
     assert llp_op.slab_cols(2**20, 0, 4, 100, 2, 1024) == 100
     assert llp_op.slab_cols(0, 10, 8, 5000, 2, 1024) == 1024
+
+
+def test_plan_sizes_two_buffers():
+    """On CUDA the slabs alternate between two buffers, each half the budget (README.md counts them)."""
+    n, h, v = 8192, 4096, 128256
+    bottom = (n - llp_op.hosted_rows(n, 2)) * h * 4
+    assert llp_op.slab_cols(256 * 2**20, n * (llp_op.STATE_ROWS * 4 + 64), n, v, 4, 1024, 2) == 3968
+    assert llp_op.slab_cols(256 * 2**20, bottom + n * 64, n, v, 2, 1024, 2) == 6016
+    assert llp_op.slab_cols(8 * 2**20, 0, n, v, 2, 128, 2) == 256
+    n, v = 16384, 151936
+    bottom = (n - llp_op.hosted_rows(n, 2)) * h * 4
+    assert llp_op.slab_cols(256 * 2**20, n * (llp_op.STATE_ROWS * 4 + 64), n, v, 4, 1024, 2) == 1920
+    assert llp_op.slab_cols(256 * 2**20, bottom + n * 64, n, v, 2, 1024, 2) == 1920
+    assert llp_op.slab_cols(2**20, 0, 4, 100, 2, 1024, 2) == 100
+    assert llp_op._slab_buffers(torch.device("cpu")) == 1
+
+
+@pytest.mark.skipif(not TRITON_PATH, reason="the slab buffers belong to the Triton path")
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_slab_buffers(monkeypatch, dtype, buffers):
+    """Slabs alternating between 1, 2 or 3 buffers (the backward queues the logits GEMMs of buffers - 1
+    slabs ahead; on CUDA with the kernels on the side stream): same numbers, ignored rows compacted out
+    and a slab width that is not a multiple of the kernels' column block."""
+    calls = []
+    monkeypatch.setattr(llp_op, "_slab_buffers", lambda device: calls.append(device) or buffers)
+    x, w, b, t = _inputs(dtype, shape=(22,), h=16, v=781)
+    _compare(dtype, (x, w, b, t), temperature=0.9, softcap=6.0, memory=1)  # slabs of 128 classes
+    fixed = 22 * (llp_op.STATE_ROWS * 4 + 64)
+    budget = fixed + buffers * 384 * 22 * 4  # forward slabs of 384 classes, every row kept
+    assert llp_op.slab_cols(budget, fixed, 22, 781, 4, 128, buffers) == 384
+    _compare(dtype, _inputs(dtype, shape=(22,), h=16, v=781, ignore=False, seed=2), memory=budget)
+    assert len(calls) == 4  # forward and backward, twice
+
+
+def _bitwise_equal(a, b, what):
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+@gpu
+def test_gpu_overlap_streams_bitwise(monkeypatch):
+    """OVERLAP_STREAMS on and off run the same kernels on the same slabs, in the same order per output:
+    bitwise the same outputs and gradients, in eager mode (ignored rows compacted out, or every row
+    computed) and replayed from CUDA graphs captured either way (every row computed) on inputs written
+    after the capture. The side stream must be forked from and joined into the capturing stream."""
+    dtype = torch.bfloat16
+    shape, h, v = (3, 1001), 512, 32003
+    kw = dict(outputs=ALL, temperature=0.9, softcap=30.0, memory=16 * 2**20)  # about 36 and 20 slabs
+    x, w, b, t = _inputs(dtype, shape=shape, h=h, v=v)
+    x2, w2, b2, _ = _inputs(dtype, shape=shape, h=h, v=v, seed=3)
+    up = _upstream(t.shape, dtype, ("log_probs", "entropy", "lse"))
+    ups = {k: u.to(device="cuda", dtype=torch.float32) for k, u in up.items()}
+
+    def eager(overlap, compaction, inputs):
+        with monkeypatch.context() as m:
+            m.setattr(llp_op, "OVERLAP_STREAMS", overlap)
+            if not compaction:
+                m.setattr(llp_op, "_compaction_allowed", lambda device: False)
+            return _run(linear_log_probs, *inputs, up, **kw)
+
+    def graph(overlap):
+        xs, ws, bs = (a.detach().clone().requires_grad_() for a in (x, w, b))
+
+        def step():
+            out = linear_log_probs(xs, ws, t, linear_bias=bs, **kw)
+            sum((getattr(out, k) * u).sum() for k, u in ups.items()).backward()
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(llp_op, "OVERLAP_STREAMS", overlap)
+            m.setattr(llp_op, "_compaction_allowed", lambda device: False)
+            warm = torch.cuda.Stream()
+            warm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm):
+                for _ in range(2):
+                    step()
+                    xs.grad = ws.grad = bs.grad = None
+            torch.cuda.current_stream().wait_stream(warm)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                out = step()
+        with torch.no_grad():
+            xs.copy_(x2)
+            ws.copy_(w2)
+            bs.copy_(b2)
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        res = {name: getattr(out, name).clone() for name in ALL}
+        res.update(dx=xs.grad.clone(), dw=ws.grad.clone(), db=bs.grad.clone())
+        return res
+
+    _bitwise_equal(eager(True, True, (x, w, b, t)), eager(False, True, (x, w, b, t)), "eager, compacted")
+    single = eager(False, False, (x2, w2, b2, t))
+    _bitwise_equal(eager(True, False, (x2, w2, b2, t)), single, "eager, every row")
+    assert llp_op._SIDE_STREAMS  # the overlapped runs went through the side stream
+    _bitwise_equal(graph(False), single, "graph without overlap")
+    _bitwise_equal(graph(True), single, "graph with overlap")
