@@ -1,13 +1,12 @@
 """fuselm.linear_log_probs: launchers -> custom ops -> autograd Function -> public function.
 
 Both passes walk slabs of the vocabulary, each covering every kept token. Forward: per slab, cuBLAS
-writes the fp32 logits into an [N, Vs] buffer and one Triton kernel folds them, read once, into each
-row's running statistics. Backward: per slab, cuBLAS recomputes the logits into an [N, Vs] buffer, one
-Triton kernel overwrites them with d/dlogits in place, and cuBLAS writes d linear_weight[slab] = G^T X
-(one product over all N rows: summed in fp32, rounded once) while d input is summed over the slabs in
-fp32 (half of the accumulator in the returned gradient's own storage). On CUDA the slabs alternate
-between two buffers (each half the budget) and the Triton kernels run on a side stream, under the GEMMs
-of the next slab (`_SideStream`). The math and the costs are in README.md.
+writes the fp32 logits into one reused [N, Vs] buffer and one Triton kernel folds them, read once, into
+each row's running statistics. Backward: per slab, cuBLAS recomputes the logits into one reused [N, Vs]
+buffer, one Triton kernel overwrites them with d/dlogits in place, and cuBLAS writes
+d linear_weight[slab] = G^T X (one product over all N rows: summed in fp32, rounded once) while d input
+is summed over the slabs in fp32 (half of the accumulator in the returned gradient's own storage).
+The math and the costs are in README.md.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ STATE_ROWS = 8  # fp32 running statistics per row carried across the forward's s
 FWD_BLOCK = 4096  # elements per step of the forward's row loop ([BLOCK_N, BLOCK_V] tiles)
 BWD_BLOCK = 4096  # elements per program of the backward
 INTERPRET_ROWS = 32  # rows per program under the interpreter (numpy: programs are costly, tiles are not)
-SLAB_BUFFERS = 2  # CUDA: slab buffers of each pass, each 1 / SLAB_BUFFERS of the budget (CPU: one)
-OVERLAP_STREAMS = True  # CUDA: Triton kernels on a side stream, under the next slab's GEMMs (read per call)
 # bits of the `stats` argument: which optional statistics the forward computes
 ENTROPY, SUM_SQ, MEAN, TOP1 = 1, 2, 4, 8
 STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN, "is_top1": TOP1}
@@ -52,23 +49,14 @@ def _budget(memory, device: torch.device) -> int:
     return MIN_BUDGET if memory == "min" else memory_budget(memory, device)
 
 
-def slab_cols(
-    budget: int, fixed: int, n_rows: int, n_classes: int, itemsize: int, floor: int, buffers: int = 1
-) -> int:
-    """Classes Vs of a vocabulary slab: its `buffers` [N, Vs] buffers (`itemsize` bytes: 4 for the
-    forward's fp32 logits, the input's for the backward) share what `fixed` bytes (the gathered kept rows,
-    per-row vectors, and in the backward the fp32 d input accumulator beyond what the returned d input
-    holds) leave of `budget`: a multiple of 128 classes, at least `floor` (the budget is then exceeded:
-    README.md), at most V."""
-    cols = (budget - fixed) // max(buffers * n_rows * itemsize, 1) // SLAB_MULTIPLE * SLAB_MULTIPLE
+def slab_cols(budget: int, fixed: int, n_rows: int, n_classes: int, itemsize: int, floor: int) -> int:
+    """Classes Vs of a vocabulary slab: its [N, Vs] buffer (`itemsize` bytes: 4 for the forward's fp32
+    logits, the input's for the backward) gets what `fixed` bytes (the gathered kept rows, per-row vectors,
+    and in the backward the fp32 d input accumulator beyond what the returned d input holds) leave of
+    `budget`: a multiple of 128 classes, at least `floor` (the budget is then exceeded: README.md), at
+    most V."""
+    cols = (budget - fixed) // max(n_rows * itemsize, 1) // SLAB_MULTIPLE * SLAB_MULTIPLE
     return max(min(floor, n_classes), min(cols, n_classes))
-
-
-def _slab_buffers(device: torch.device) -> int:
-    """Buffers the slabs alternate between: SLAB_BUFFERS on CUDA (a slab's kernel reads one while the next
-    slab's GEMM writes another), one elsewhere. The same on CUDA whether OVERLAP_STREAMS is on or off, so
-    both run the same kernels on the same slabs (bitwise the same results)."""
-    return SLAB_BUFFERS if device.type == "cuda" else 1
 
 
 def hosted_rows(n_total: int, itemsize: int) -> int:
@@ -88,51 +76,6 @@ def _capturing(device: torch.device) -> bool:
 def _compaction_allowed(device: torch.device) -> bool:
     """Finding the kept rows costs one host sync: only in eager mode, outside CUDA graph capture."""
     return not torch.compiler.is_compiling() and not _capturing(device)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-class _SideStream:
-    """The fork/join pattern of both passes: each slab's Triton kernel runs on a side CUDA stream while
-    the current ("main") stream goes on with the GEMMs of the next slab.
-
-    `fork(launch, *args)` queues `launch(*args)` on the side stream after everything queued so far on the
-    main stream (an event recorded on main, waited on by side) and returns an event recorded on the side
-    stream after it; `wait(event)` makes the main stream wait for that event; `join()` makes the main stream
-    wait for all side work, and must come before the pass returns or releases a tensor the side stream
-    used (every tensor is allocated on the main stream: once main has joined, the caching allocator may
-    hand the memory out again safely). These events also carry a CUDA graph capture on the main stream
-    over to the side stream and back (fork from and join into the capturing stream), so the captured
-    graph holds the same dependencies. Side kernels run in the order they were forked (one stream).
-    Off (OVERLAP_STREAMS False, CPU, the interpreter): `launch` runs in place and the events are None.
-    """
-
-    def __init__(self, device: torch.device):
-        self.main = self.side = None
-        if OVERLAP_STREAMS and device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            index = self.main.device_index
-            if index not in _SIDE_STREAMS:
-                _SIDE_STREAMS[index] = torch.cuda.Stream(device=self.main.device)
-            self.side = _SIDE_STREAMS[index]
-
-    def fork(self, launch, *args):
-        if self.side is None:
-            launch(*args)
-            return None
-        self.side.wait_stream(self.main)
-        with torch.cuda.stream(self.side):
-            launch(*args)
-        return self.side.record_event()
-
-    def wait(self, event) -> None:
-        if event is not None:
-            self.main.wait_event(event)
-
-    def join(self) -> None:
-        if self.side is not None:
-            self.main.wait_stream(self.side)
 
 
 def kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor | None:
@@ -192,11 +135,10 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
     """Vocabulary-slab forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
     rows to compute (ignored ones compacted out) or None for all. plan = (budget, slab_floor,
     fixed_in_budget); options = (ignore_index, logit_scale, softcap or 0, 1 / temperature); stats: bits of
-    the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into an
-    [n, Vs] buffer (slabs alternate between _slab_buffers of them), one kernel folds them into the
-    rows' running statistics, on the side stream while the main stream runs the next slab's GEMM.
-    Returns (log_probs, entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32;
-    bool), None where not asked."""
+    the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into one
+    reused [n, Vs] buffer, one kernel folds them into the rows' running statistics. Returns (log_probs,
+    entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where
+    not asked."""
     budget, slab_floor, fixed_in_budget = plan
     ignore_index, logit_scale, softcap, inv_temp = options
     h = x.shape[1]
@@ -214,14 +156,13 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
     if n == 0:
         return outs
     fixed = n * (STATE_ROWS * 4 + 64) + (xk.numel() * x.element_size() if rows is not None else 0)
-    n_buf = _slab_buffers(x.device)
-    vs = slab_cols(budget, fixed if fixed_in_budget else 0, n, v, 4, slab_floor, n_buf)
+    vs = slab_cols(budget, fixed if fixed_in_budget else 0, n, v, 4, slab_floor)
     state = torch.empty((STATE_ROWS, n), **f32) if vs < v else log_probs  # running statistics
-    # the slab buffers: the only tensors of many classes
-    bufs = [torch.empty(n * vs, **f32) for _ in range(min(n_buf, triton.cdiv(v, vs)))]
+    flat = torch.empty(n * vs, **f32)  # the only tensor of many classes
     block_n, block_v, num_warps = _tile(vs, FWD_BLOCK)
-
-    def fold(logits, v0, v1):  # one slab's logits into the running statistics (the last slab: the outputs)
+    for v0 in range(0, v, vs):
+        v1 = min(v0 + vs, v)
+        logits = _logits_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1])
         linear_log_probs_fwd_kernel[(triton.cdiv(n, block_n),)](
             logits_ptr=logits,
             logits_row_stride=logits.stride(0),
@@ -254,16 +195,6 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
-
-    streams = _SideStream(x.device)
-    done = [None] * len(bufs)  # per buffer: the end of the last kernel that reads it
-    for i, v0 in enumerate(range(0, v, vs)):
-        v1 = min(v0 + vs, v)
-        k = i % len(bufs)
-        streams.wait(done[k])  # the kernel of slab i - len(bufs) has read the buffer
-        logits = _logits_fp32_into(bufs[k][: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1])
-        done[k] = streams.fork(fold, logits, v0, v1)
-    streams.join()
     return outs
 
 
@@ -307,8 +238,7 @@ def linear_log_probs_bwd(
 ):
     """Vocabulary-slab backward. lse, entropy (or None): [n] per computed row, from the forward; grads =
     (dlog_probs, dentropy, dlse), each fp32 [n] or None. Per slab of Vs classes: its logits for all n
-    rows into an [n, Vs] buffer (input dtype; slabs alternate between _slab_buffers of them), d/dlogits
-    written over them in place (on the side stream, under the next slab's logits GEMM), then
+    rows into one reused [n, Vs] buffer (input dtype), d/dlogits written over them in place, then
     dW[slab] = G^T X (one cuBLAS product over all rows, rounded once), db[slab] = sum_rows G (fp32) and
     acc += G W[slab] (fp32; half of it, or all of it for fp32 inputs, lives in the storage of the returned
     dx). `fixed` memory (the accumulator part beyond dx, gathered rows) counts against `budget` when
@@ -336,15 +266,15 @@ def linear_log_probs_bwd(
     if bottom is not None:
         fixed += bottom.numel() * 4
     fixed = fixed if fixed_in_budget else 0
-    n_buf = _slab_buffers(x.device)
-    vs = slab_cols(budget, fixed, n, v, itemsize, slab_floor, n_buf)
-    slabs = [(v0, min(v0 + vs, v)) for v0 in range(0, v, vs)]
-    n_buf = min(n_buf, len(slabs))
-    bufs = [torch.empty(n * vs, dtype=x.dtype, device=x.device) for _ in range(n_buf)]  # many classes
+    vs = slab_cols(budget, fixed, n, v, itemsize, slab_floor)
+    flat = torch.empty(n * vs, dtype=x.dtype, device=x.device)  # the only tensor of many classes
     block_n, block_v, num_warps = _tile(vs, BWD_BLOCK)
     m = top.shape[0] if top is not None else 0
-
-    def logit_grad(g, v0, v1):  # raw logits -> d/d(raw logits), in place
+    for v0 in range(0, v, vs):
+        v1 = min(v0 + vs, v)
+        g = flat[: n * (v1 - v0)].view(n, v1 - v0)
+        w_slab = w[v0:v1]
+        torch.mm(xk, w_slab.t(), out=g)
         linear_log_probs_bwd_kernel[(triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v))](
             logits_ptr=g,
             logits_row_stride=g.stride(0),
@@ -372,39 +302,16 @@ def linear_log_probs_bwd(
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
-
-    streams = _SideStream(x.device)
-
-    def start(i):  # main stream: slab i's logits into its buffer; side stream: their gradient, in place
-        v0, v1 = slabs[i]
-        g = bufs[i % n_buf][: n * (v1 - v0)].view(n, v1 - v0)
-        torch.mm(xk, w[v0:v1].t(), out=g)
-        return g, streams.fork(logit_grad, g, v0, v1)
-
-    # The logits GEMMs of the next n_buf - 1 slabs are queued before slab i's d input and d weight GEMMs
-    # (so slab i's gradient kernel runs under them); the buffer a GEMM writes was last read by slab
-    # i + 1 - n_buf's GEMMs, queued before it on the main stream.
-    ahead = n_buf - 1
-    started = [start(i) for i in range(ahead)]
-    for i, (v0, v1) in enumerate(slabs):
-        if i + ahead < len(slabs):
-            started.append(start(i + ahead))
-        g, grad_done = started[i]
-        streams.wait(grad_done)
         if dx is not None:
-            _addmm_fp32_(top, g[:m], w[v0:v1])
+            _addmm_fp32_(top, g[:m], w_slab)
             if m < n:
-                _addmm_fp32_(bottom, g[m:], w[v0:v1])
+                _addmm_fp32_(bottom, g[m:], w_slab)
         if dw is not None:
             torch.mm(g.t(), xk, out=dw[v0:v1])  # fp32 inside cuBLAS, rounded once
         if db is not None:
             torch.sum(g, dim=0, dtype=torch.float32, out=db[v0:v1])
-    streams.join()
-    chunk_rows = max(1, n_buf * vs * n * itemsize // (h * 4))
-    del g
-    xk = None  # the slab buffers and the gathered rows are free before d input is rounded into place
-    bufs.clear()
-    started.clear()
+    chunk_rows = max(1, flat.numel() * itemsize // (h * 4))
+    del xk, flat, g, w_slab  # the slab buffer is free before d input is rounded into place
     if dx is not None:
         _dx_finish(dx, top, bottom, rows, chunk_rows)
     return dx, dw, db
