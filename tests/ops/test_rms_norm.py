@@ -416,162 +416,6 @@ def test_float64_runs_the_reference(gen):
     check_case("fp64", x, w, r, dict(casting="gemma", offset=1.0), gen)
 
 
-# ---- in_place: dx written over dy's buffer when autograd owns it ----
-
-
-@pytest.fixture
-def bwd_spy(monkeypatch):
-    """Records, per backward launch, whether dx was written over dy (the launcher's in_place)."""
-    calls = []
-    launcher = rms_op.rms_norm_bwd
-
-    def spy(*args, in_place=False):
-        out = launcher(*args, in_place=in_place)
-        calls.append(in_place and out[0] is args[1])
-        return out
-
-    monkeypatch.setattr(rms_op, "rms_norm_bwd", spy)
-    return calls
-
-
-def in_place_rms_norm(x, weight, **kw):
-    """rms_norm(in_place=True) whose outputs feed an op (``* 1``) whose backward makes the gradient:
-    autograd owns dy, as in a model (dy comes from a matmul), not the caller of autograd.grad."""
-    out = rms_norm(x, weight, in_place=True, **kw)
-    return tuple(o * 1 for o in out) if isinstance(out, tuple) else out * 1
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("hidden", (200, 600), ids=["one_block", "looped"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_in_place_numerics(dtype, hidden, residual, gen, bwd_spy):
-    """The numerics rule with dx written over dy (elementwise: bf16 is right under the interpreter)."""
-    x, r, w = make_inputs(gen, LEAD, hidden, dtype, residual=residual, offset=1.0)
-    check_case("in_place", x, w, r, dict(casting="gemma", offset=1.0), gen, fn=in_place_rms_norm)
-    assert bwd_spy == ([True] if TRITON_PATH else [])
-
-
-def _grads_and_dy_ptr(x, w, r, in_place, go):
-    """Leaf gradients of <y @ m, go> (and the address of the gradient reaching y)."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, r) if t is not None]
-    out = rms_norm(leaves[0], leaves[1], residual=leaves[2] if r is not None else None, in_place=in_place)
-    y = out[0] if r is not None else out
-    ptr = []
-    y.register_hook(lambda g: ptr.append(g.data_ptr()))  # keeps no reference to the gradient
-    m = torch.eye(x.shape[-1], dtype=y.dtype, device=y.device)
-    z = y @ m + (out[1] if r is not None else 0)
-    z.backward(go)
-    return [t.grad for t in leaves], ptr[0]
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
-def test_in_place_equals_out_of_place(dtype, residual, gen, bwd_spy):
-    """Same bits as in_place=False; dx (x.grad) is the buffer the gradient of y arrived in."""
-    x, r, w = make_inputs(gen, LEAD, 200, dtype, residual=residual)
-    go = torch.randn(x.shape, generator=gen).to(DEVICE, dtype)
-    ref, _ = _grads_and_dy_ptr(x, w, r, False, go)
-    got, dy_ptr = _grads_and_dy_ptr(x, w, r, True, go)
-    for a, b in zip(ref, got, strict=True):
-        assert torch.equal(a, b)
-    if TRITON_PATH:
-        assert bwd_spy == [False, True]
-        assert got[0].data_ptr() == dy_ptr
-
-
-def _shared_gradient_cases():
-    """Graphs where the gradient reaching y is also read elsewhere: writing over it would corrupt."""
-
-    def caller_gradient(x, w, kw, go):  # y.backward(g): g is the caller's tensor
-        y = rms_norm(x, w, **kw)
-        y.backward(go)
-        return [go]
-
-    def add_branch_pending(x, w, kw, go):  # z + y: the add hands the same gradient to z's branch
-        z = x.detach().clone().requires_grad_()
-        zz = z * 3.0  # recorded before y, so its backward runs after rms_norm's
-        y = rms_norm(x, w, **kw)
-        (zz + y).backward(go)
-        return [z.grad]
-
-    def hook_keeps_gradient(x, w, kw, go):
-        kept = []
-        y = rms_norm(x, w, **kw)
-        y.register_hook(lambda g: kept.append(g.detach()))
-        (y * 1).backward(go)
-        return kept
-
-    def y_and_sum_share_gradient(x, w, kw, go):  # (y + s) @ m: dy and d sum are one tensor
-        y, s = rms_norm(x, w, residual=torch.ones_like(x), **kw)
-        ((y + s) @ torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)).backward(go)
-        return []
-
-    return dict(
-        caller_gradient=caller_gradient,
-        add_branch_pending=add_branch_pending,
-        hook_keeps_gradient=hook_keeps_gradient,
-        y_and_sum_share_gradient=y_and_sum_share_gradient,
-    )
-
-
-@pytest.mark.parametrize("case", list(_shared_gradient_cases()))
-def test_in_place_never_writes_a_shared_gradient(case, gen, bwd_spy):
-    """in_place=True where autograd does not own dy alone: the backward allocates dx instead (Liger's
-    in_place writes over the caller's gradient in the first case); every gradient is unchanged."""
-    fn = _shared_gradient_cases()[case]
-    x, _, w = make_inputs(gen, LEAD, 200, torch.float32)
-    go = torch.randn(x.shape, generator=gen).to(DEVICE)
-    results = []
-    for in_place in (False, True):
-        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-        others = fn(xl, wl, dict(in_place=in_place), go.clone())
-        results.append([xl.grad, wl.grad, *others])
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-    assert not any(bwd_spy)
-    if TRITON_PATH:
-        assert len(bwd_spy) == 2
-
-
-def test_in_place_second_backward_with_retained_graph(gen, bwd_spy):
-    """dx over dy writes no saved buffer: a second backward through the retained graph is right."""
-    x, r, w = make_inputs(gen, LEAD, 200, torch.float32, residual=True)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y, s = rms_norm(xr, wr, residual=r, in_place=True)
-    loss = (y * y).sum() + s.sum()
-    loss.backward(retain_graph=True)
-    g1 = (xr.grad.clone(), wr.grad.clone())
-    loss.backward()
-    torch.testing.assert_close(xr.grad, 2 * g1[0])
-    torch.testing.assert_close(wr.grad, 2 * g1[1])
-    assert bwd_spy == ([True, True] if TRITON_PATH else [])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_in_place_saves_one_buffer_of_backward_peak_memory(residual, gen):
-    """The backward's peak allocated memory drops by one [N, H] buffer (dx) with in_place=True."""
-    n_rows, hidden, dtype = 8192, 4096, torch.bfloat16
-    x, r, w = make_inputs(gen, (n_rows,), hidden, dtype, residual=residual)
-    go = torch.randn(n_rows, hidden, device=DEVICE, dtype=dtype)
-    peaks, grads = [], []
-    for in_place in (False, True):
-        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = rms_norm(xl, wl, residual=r, in_place=in_place)
-        y = (out[0] if residual else out) * 2  # the gradient of y is made (and owned) by autograd
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        grads.append(torch.autograd.grad(y, (xl, wl), go))
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - before)
-        del out, y
-    for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b)
-    buffer = n_rows * hidden * x.element_size()
-    assert peaks[0] - peaks[1] >= 0.95 * buffer, (peaks, buffer)
-
-
 # ---- argument checking ----
 
 
@@ -596,7 +440,6 @@ def _bad_calls():
         "eps str": ("eps", lambda: f(x, w, eps="1e-6")),
         "offset inf": ("offset", lambda: f(x, w, offset=float("inf"))),
         "offset without weight": ("offset", lambda: f(x, None, offset=1.0)),
-        "in_place not a bool": ("in_place", lambda: f(x, w, in_place=1)),
     }
     if ON_GPU:
         cases["weight on another device"] = ("weight", lambda: f(x, w.cpu()))
@@ -657,7 +500,6 @@ def test_docstring_example_runs(monkeypatch):
 COMPILE_CASES = {
     "llama": dict(casting="llama"),
     "gemma+residual": dict(casting="gemma", offset=1.0, residual=True),
-    "llama+in_place": dict(casting="llama", in_place=True),  # no in place under compile: same results
 }
 
 
@@ -669,11 +511,10 @@ def test_torch_compile_fullgraph(case, backend, gen):
     torch._dynamo.reset()
     kw = dict(COMPILE_CASES[case])
     residual = kw.pop("residual", False)
-    in_place = kw.pop("in_place", False)
     dtype = torch.bfloat16 if ON_GPU else torch.float32
 
-    def fn(x, w, residual=None, **kw):  # the input is an activation of the graph
-        return rms_norm(x * 1.0, w, residual=residual, in_place=in_place, **kw)
+    def fn(x, w, residual=None, **kw):
+        return rms_norm(x * 1.0, w, residual=residual, **kw)  # the input is an activation of the graph
 
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     for _ in range(2):  # the second call with new data reuses the graph

@@ -19,8 +19,6 @@ class RMSNorm(torch.nn.Module):
 
     ``forward(x, residual=None)``: x ``[..., hidden_size]``; returns y, or ``(y, x + residual)``
     when a residual is given (the pre-norm residual stream: the sum is normalized and returned).
-    ``in_place=True``: the backward writes dx over the gradient of y when autograd alone owns it
-    (see :func:`fuselm.rms_norm`; one ``[N, hidden_size]`` buffer less, same gradients).
 
     Example:
         >>> import torch, fuselm
@@ -42,20 +40,16 @@ class RMSNorm(torch.nn.Module):
         *,
         offset: float = 0.0,
         casting: str = "llama",
-        in_place: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if casting not in CASTINGS:
             raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-        if not isinstance(in_place, bool):
-            raise ValueError(f"in_place must be a bool, got {in_place!r}")
         self.weight = torch.nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset = offset
         self.casting = casting
-        self.in_place = in_place
 
     @property
     def eps(self) -> float:
@@ -67,18 +61,11 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return rms_norm(
-            x,
-            self.weight,
-            self.variance_epsilon,
-            offset=self.offset,
-            residual=residual,
-            casting=self.casting,
-            in_place=self.in_place,
+            x, self.weight, self.variance_epsilon, offset=self.offset, residual=residual, casting=self.casting
         )
 
     def extra_repr(self) -> str:
         extra = f", offset={self.offset}" if self.offset else ""
-        extra += ", in_place=True" if self.in_place else ""
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{extra}, casting={self.casting!r}"
 
 

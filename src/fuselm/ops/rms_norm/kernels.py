@@ -211,7 +211,6 @@ def rms_norm_bwd_kernel(
     HAS_DSUM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
-    IN_PLACE: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -222,10 +221,7 @@ def rms_norm_bwd_kernel(
     x is what was normalized (the residual sum when there was one). Longer rows (not SINGLE_BLOCK)
     add their dweight share into dw_part[pid] block by block (the buffer is zeroed by the caller).
     PREFETCH (single block): the loads of the next row block are issued before the current one is
-    computed, so that a program keeps two row blocks in flight (latency hiding at low occupancy).
-    IN_PLACE: dx_ptr is dy_ptr (dx written over dy). Every element of dy is read before dx is
-    written over it: a barrier before each store, so that no thread of the program overwrites an
-    element another thread (a replica in a layout wider than the tile) has yet to load."""
+    computed, so that a program keeps two row blocks in flight (latency hiding at low occupancy)."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -306,8 +302,6 @@ def rms_norm_bwd_kernel(
                 dx = (g - n * c) * rstd
             if HAS_DSUM:
                 dx += ds.to(tl.float32)
-            if IN_PLACE:
-                tl.debug_barrier()
             dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
             tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
@@ -349,8 +343,6 @@ def rms_norm_bwd_kernel(
                 if HAS_DSUM:
                     ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
                     dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
-                if IN_PLACE:
-                    tl.debug_barrier()
                 dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
                 tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 if COMPUTE_DW:

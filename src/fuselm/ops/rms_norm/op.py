@@ -210,16 +210,11 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
     return y, summed, rstd
 
 
-def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=False):
+def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
     """dx [N, H] (x's dtype; it is also d residual) and dweight [H] (weight's dtype; an empty tensor
-    when not compute_dw). x is what was normalized (the residual sum when there was one).
-    in_place: dx is written over dy (then dy must be contiguous, in x's dtype) and dx is dy."""
+    when not compute_dw). x is what was normalized (the residual sum when there was one)."""
     n_rows, n_cols = x.shape
-    if in_place:
-        assert dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
-        dx = dy
-    else:
-        dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     compute_dw = bool(compute_dw) and weight is not None
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
@@ -248,7 +243,6 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=Fa
         HAS_DSUM=dsum is not None,
         HAS_WEIGHT=weight is not None,
         COMPUTE_DW=compute_dw,
-        IN_PLACE=dx is dy,
         SINGLE_BLOCK=single,
         PREFETCH=bool(BWD_PREFETCH) and single and block_rows == 1 and x.element_size() <= 2,
         BLOCK_ROWS=block_rows,
@@ -326,39 +320,6 @@ def _run_bwd(*args):
     return rms_norm_bwd(*args)
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-@functools.lru_cache(maxsize=1)
-def _storage_refs_alone() -> int:
-    """What _storage_refs reads for a tensor that nothing else shares its memory with."""
-    return _storage_refs(torch.empty(1))
-
-
-def owned_by_autograd(t: torch.Tensor) -> bool:
-    """May a backward write over the gradient t? True only when no other tensor can see its memory:
-    t is contiguous and spans its whole storage, does not require grad (no double backward), no other
-    reference to t exists (the caller's own tensor passed to ``.backward(g)``, the same gradient handed
-    to another branch of the graph by an add, a hook keeping it), and the only other tensor on its
-    storage is the base t is a view of (a reshape in the backward of a matmul or of a view), held by t
-    alone. Reads reference counts (CPU only, no device sync); False when they cannot be read."""
-    try:
-        if t.requires_grad or not t.is_contiguous() or t.storage_offset() != 0:
-            return False
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            return False
-        if t._use_count() != 1:
-            return False
-        base = t._base
-        if base is None:
-            return _storage_refs(t) == _storage_refs_alone()
-        # base: held by t's view and by the local name `base`; its storage by base and t
-        return base._base is None and base._use_count() == 2 and _storage_refs(t) == _storage_refs_alone() + 1
-    except Exception:  # noqa: BLE001 - reference counts not readable (another PyTorch): never in place
-        return False
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A gradient as [N, H] with unit column stride (a copy only when it has none)."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -373,12 +334,12 @@ class RMSNormFunction(torch.autograd.Function):
     which is also the gradient of the residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting, in_place=False):
+    def forward(ctx, x, residual, weight, eps, offset, casting):
         y, summed, rstd = _run_fwd(x, residual, weight, eps, offset, casting)
         has_res = residual is not None
         ctx.save_for_backward(summed if has_res else x, weight, rstd)
         ctx.has_res = has_res
-        ctx.eps, ctx.offset, ctx.in_place = eps, offset, in_place
+        ctx.eps, ctx.offset = eps, offset
         ctx.set_materialize_grads(False)
         if has_res:
             return y, summed
@@ -388,11 +349,11 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dsum=None):
         x, weight, rstd = ctx.saved_tensors
         if dy is None and dsum is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None
         if dy is None:  # only the sum was used
             dy = torch.zeros_like(x)
         compute_dw = ctx.needs_input_grad[2]
-        args = (
+        dx, dw = _run_bwd(
             x,
             _rows(dy),
             _rows(dsum) if dsum is not None else None,
@@ -402,19 +363,10 @@ class RMSNormFunction(torch.autograd.Function):
             ctx.offset,
             compute_dw,
         )
-        if (
-            ctx.in_place
-            and not torch.compiler.is_compiling()
-            and dy.dtype == x.dtype
-            and owned_by_autograd(dy)
-        ):
-            dx, dw = rms_norm_bwd(*args, in_place=True)  # dx is dy
-        else:
-            dx, dw = _run_bwd(*args)
-        return dx, (dx if ctx.has_res else None), (dw if compute_dw else None), None, None, None, None
+        return dx, (dx if ctx.has_res else None), (dw if compute_dw else None), None, None, None
 
 
-def _check_args(x, weight, eps, offset, residual, casting, in_place=False) -> None:
+def _check_args(x, weight, eps, offset, residual, casting) -> None:
     check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
     n_cols = x.shape[-1]
     if n_cols == 0:
@@ -438,8 +390,6 @@ def _check_args(x, weight, eps, offset, residual, casting, in_place=False) -> No
         raise ValueError(f"offset must be a finite number, got {offset!r}")
     if weight is None and offset != 0:
         raise ValueError(f"offset={offset} needs a weight (offset + weight scales the output)")
-    if not isinstance(in_place, bool):
-        raise ValueError(f"in_place must be a bool, got {in_place!r}")
 
 
 def rms_norm(
@@ -450,7 +400,6 @@ def rms_norm(
     offset: float = 0.0,
     residual: torch.Tensor | None = None,
     casting: str = "llama",
-    in_place: bool = False,
 ):
     """RMSNorm over the last dimension, optionally fused with the residual add before it.
 
@@ -472,15 +421,6 @@ def rms_norm(
             ``weight * that`` in the promoted dtype, so y is float32 for bf16 x with an fp32 weight, as
             in HF under autocast), ``"gemma"`` (GemmaRMSNorm: all in fp32, cast to x's dtype at the end)
             or ``"none"`` (every step in x's dtype).
-        in_place: the backward writes dx over the buffer of dy (the gradient of y) instead of
-            allocating one: one ``[N, H]`` buffer less at the backward's peak. Writing over a gradient
-            is wrong when something else still reads that memory, so it is done only when autograd
-            provably owns it (read from reference counts: no other reference to dy or to its memory);
-            otherwise (e.g. ``y.backward(g)`` with your own ``g``, y added to a tensor that needs grad
-            whose branch is yet to run, a hook keeping the gradient, dy's dtype not x's) the backward
-            allocates as with ``in_place=False``. The gradients are the same bits either way. Eager
-            Triton path only: under ``torch.compile`` (whose planner reuses buffers itself) and on
-            the PyTorch reference path (CPU, float64) the flag changes nothing.
 
     Returns:
         ``y`` of shape ``x.shape`` (dtype: x's, or promoted with weight's for ``"llama"``); with
@@ -493,8 +433,7 @@ def rms_norm(
     raises ValueError saying what to pass (ops/_common/dtensor.py).
 
     The backward saves only what was normalized (x, or the sum, which is an output anyway) and
-    rstd (float32, one per row); dweight is reduced in fp32 without atomics. A second backward
-    through a retained graph is right with or without ``in_place`` (no saved buffer is written).
+    rstd (float32, one per row); dweight is reduced in fp32 without atomics.
 
     Example:
         >>> import torch, fuselm
@@ -514,14 +453,14 @@ def rms_norm(
         return run_local(
             "rms_norm",
             lambda x, residual, weight: rms_norm(
-                x, weight, eps, offset=offset, residual=residual, casting=casting, in_place=in_place
+                x, weight, eps, offset=offset, residual=residual, casting=casting
             ),
             {"x": x, "residual": residual},
             {"weight": weight},
             shardable=leading_dims_only,
             hint=ROWWISE_HINT,
         )
-    _check_args(x, weight, eps, offset, residual, casting, in_place)
+    _check_args(x, weight, eps, offset, residual, casting)
     eps, offset = float(eps), float(offset)
     if (
         x.dtype == torch.float64
@@ -537,7 +476,6 @@ def rms_norm(
         eps,
         offset,
         casting,
-        in_place,
     )
     if residual is not None:
         y, summed = out
