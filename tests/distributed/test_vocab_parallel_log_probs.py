@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
-from test_linear_log_probs import _naive  # noqa: E402
+from test_linear_log_probs import naive_log_probs  # noqa: E402
 from test_vocab_parallel import split_sizes  # noqa: E402
 from workers import nccl_world_sizes, run_workers  # noqa: E402
 
@@ -116,7 +116,7 @@ def whole_vocabulary(name: str, dtype: torch.dtype, compute: torch.dtype):
         inputs[k].detach().to(compute).requires_grad_() for k in ("x", "w", "b") if inputs[k] is not None
     ]
     b = leaves[2] if len(leaves) == 3 else None
-    out = _naive(leaves[0], leaves[1], inputs["target"], linear_bias=b, **_options(kw))
+    out = naive_log_probs(leaves[0], leaves[1], inputs["target"], linear_bias=b, **_options(kw))
     grads = torch.autograd.grad(_objective(out, inputs["ups"]), leaves)
     return {k: getattr(out, k).detach() for k in kw["outputs"]}, [g.detach() for g in grads]
 

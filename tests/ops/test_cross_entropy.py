@@ -1,4 +1,4 @@
-"""fuselm.cross_entropy: numerics (DESIGN.md section 5), features, shapes, contracts and failure modes.
+"""fuselm.cross_entropy: numerics (docs/design.md section 5), features, shapes, contracts and failure modes.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype],
 errors measured against cross_entropy_reference run on float64 copies of the inputs.
@@ -663,7 +663,7 @@ def test_cuda_graph_capture_and_replay(kw, gen):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_rows_times_vocab_over_2_31():
-    """N * V > 2^31 elements: every offset needs int64 (DESIGN.md section 3). bf16, ~4.4 GB of logits."""
+    """N * V > 2^31 elements: every offset needs int64 (docs/design.md section 3). bf16, ~4.4 GB of logits."""
     n_rows, n_cols, dtype = 17000, 128256, torch.bfloat16
     assert n_rows * n_cols > 2**31
     free, _ = torch.cuda.mem_get_info()

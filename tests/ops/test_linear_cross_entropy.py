@@ -1,6 +1,6 @@
 """fuselm.ops.linear_cross_entropy against a float64 chunked reference, under the numerics rule.
 
-Every output and gradient: err(fuselm) <= 2 * err(torch eager, same dtype) + ATOL[dtype] (DESIGN.md 5).
+Every output and gradient: err(fuselm) <= 2 * err(torch eager, same dtype) + ATOL[dtype] (docs/design.md 5).
 Eager is torch's own composition in the input dtype: F.cross_entropy(F.linear(x, W, b), t, ...), with
 softcap / z-loss / lse spelled out in torch ops where F.cross_entropy lacks them.
 """

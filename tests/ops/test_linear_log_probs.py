@@ -37,7 +37,9 @@ def _dtype_id(dtype):
 # ---- helpers ----
 
 
-def _naive(x, w, t, *, linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0):
+def naive_log_probs(
+    x, w, t, *, linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0
+):
     """The full-logits formula, in x's dtype (eager) or float64 (reference): the six statistics."""
     z = F.linear(x, w, linear_bias) * logit_scale
     if softcap is not None:
@@ -122,8 +124,8 @@ def _compare(dtype, inputs, upstream_names=("log_probs", "entropy", "lse"), **kw
     up = _upstream(t.shape, dtype, upstream_names)
     ours = _run(_ours, x, w, b, t, up, **kw)
     opts = {k: a for k, a in kw.items() if k != "memory"}
-    eager = _run(_naive, x, w, b, t, up, **opts)
-    ref = _run(_naive, x, w, b, t, up, dtype=torch.float64, **opts)
+    eager = _run(naive_log_probs, x, w, b, t, up, **opts)
+    ref = _run(naive_log_probs, x, w, b, t, up, dtype=torch.float64, **opts)
     for name in FLOAT_OUTS:
         want = torch.float64 if dtype == torch.float64 else torch.float32
         assert ours[name].dtype == want, name
@@ -231,7 +233,7 @@ def test_reference_matches_naive_float64():
         return LogProbs(*linear_log_probs_reference(x, w, t, linear_bias=linear_bias, budget=40000, **k))
 
     ours = _run(ref, x, w, b, t, up, **kw)
-    want = _run(_naive, x, w, b, t, up, **kw)
+    want = _run(naive_log_probs, x, w, b, t, up, **kw)
     for key in want:
         torch.testing.assert_close(ours[key], want[key], rtol=1e-10, atol=1e-12)
 
@@ -462,8 +464,10 @@ def _compile_check(backend, dtype, memory="auto", device=DEVICE):
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     up = _upstream(t.shape, dtype, ("log_probs", "entropy", "lse"))
     ours = _run(compiled, x, w, b, t, up)
-    eager = _run(_naive, x, w, b, t, up, **{k: a for k, a in kw.items() if k != "memory"})
-    ref = _run(_naive, x, w, b, t, up, dtype=torch.float64, **{k: a for k, a in kw.items() if k != "memory"})
+    eager = _run(naive_log_probs, x, w, b, t, up, **{k: a for k, a in kw.items() if k != "memory"})
+    ref = _run(
+        naive_log_probs, x, w, b, t, up, dtype=torch.float64, **{k: a for k, a in kw.items() if k != "memory"}
+    )
     _check(ours, eager, ref, dtype)
 
 
@@ -498,7 +502,7 @@ def test_gpu_log_probs_closer_than_fp32_logits_torch():
     does with cast_lm_head_to_fp32, and TRL's kernel itself when importable)."""
     dtype = torch.bfloat16
     x, w, b, t = _inputs(dtype, shape=(2048,), h=1024, v=32003, bias=False, ignore=False)
-    ref = _naive(x.double(), w.double(), t).log_probs
+    ref = naive_log_probs(x.double(), w.double(), t).log_probs
     ours = linear_log_probs(x, w, t).log_probs
     z32 = F.linear(x.float(), w.float())
     fp32 = torch.log_softmax(z32, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
@@ -550,8 +554,8 @@ def test_gpu_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         ours = {name: getattr(out, name).clone() for name in ALL}
         ours.update(dx=xs.grad.clone(), dw=ws.grad.clone(), db=bs.grad.clone())
-        eager = _run(_naive, x2, w2, b2, t, up, **kw)
-        ref = _run(_naive, x2, w2, b2, t, up, dtype=torch.float64, **kw)
+        eager = _run(naive_log_probs, x2, w2, b2, t, up, **kw)
+        ref = _run(naive_log_probs, x2, w2, b2, t, up, dtype=torch.float64, **kw)
         _check(ours, eager, ref, dtype, f"graph seed {seed}:")
 
 
@@ -595,7 +599,7 @@ def test_gpu_int64_rows_times_vocab():
     x, w, _, t = _inputs(dtype, shape=(n,), h=h, v=v, bias=False)
     up = _upstream(t.shape, dtype, ("log_probs", "entropy"))
     ours = _run(_ours, x, w, None, t, up)
-    eager = _run(_naive, x, w, None, t, up)
+    eager = _run(naive_log_probs, x, w, None, t, up)
     ref = _run(_ours, x, w, None, t, up, dtype=torch.float64)
     _check(ours, eager, ref, dtype)
     rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device=x.device)
