@@ -166,8 +166,9 @@ def test_multimodal_wrapper_from_auto_class_gets_the_fused_loss(model_type):
     assert model(input_ids=ids, labels=labels).logits is None
 
 
-def test_readme_table_is_the_registry():
-    readme = (Path(fuselm.hf.__file__).parent / "README.md").read_text()
+@pytest.mark.parametrize("readme", ["src/fuselm/hf/README.md", "README.md"])
+def test_readme_table_is_the_registry(readme):
+    text = (Path(__file__).resolve().parents[2] / readme).read_text()
     begin, end = "<!-- fuselm.hf.markdown_table() -->\n", "<!-- end of table -->"
-    table = readme[readme.index(begin) + len(begin) : readme.index(end)]
-    assert table == fuselm.hf.markdown_table(), "regenerate the README's table: fuselm.hf.markdown_table()"
+    table = text[text.index(begin) + len(begin) : text.index(end)]
+    assert table == fuselm.hf.markdown_table(), f"regenerate {readme}'s table: fuselm.hf.markdown_table()"
