@@ -35,20 +35,19 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import fresh_process
+from .fresh_process import SkipRun
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of a Llama-3.2-1B-shaped model (HF transformers)"
@@ -140,10 +139,6 @@ CPU_PRESET = Preset(
 PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-
-
-class SkipRun(Exception):
-    """The provider cannot run here (missing package, needs CUDA); the message is the reason."""
 
 
 # ---- the model and one training run (what a worker process does) ----
@@ -269,73 +264,36 @@ def train(
     }
 
 
-def _error_text(e: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(e).split())
-    if isinstance(e, torch.cuda.OutOfMemoryError):  # keep "CUDA out of memory. Tried to allocate X GiB."
-        text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fuselm.bench.e2e --worker", description="one e2e run")
-    p.add_argument("--worker", action="store_true", required=True)
-    p.add_argument("--provider", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--result", required=True, help="file the JSON result is written to")
-    return p
-
-
 def worker_main(argv: Sequence[str]) -> int:
     """The worker process: one (provider, batch) run, its result as JSON in ``--result``.
 
     Status ``ok`` (exit 0), ``oom`` or ``skipped`` (exit 0: a result, not a failure), ``error`` (exit 1,
     with the exception and the tail of its traceback).
     """
-    args = _worker_parser().parse_args(argv)
+    case = [("--batch", {"type": int}), ("--seq", {"type": int}), ("--preset", {"choices": sorted(PRESETS)})]
+    parser = fresh_process.worker_parser(
+        "python -m fuselm.bench.e2e --worker", "one e2e run", case, dtypes=list(DTYPES), seed=SEED
+    )
+    args = parser.parse_args(argv)
     result: dict[str, Any] = {"provider": args.provider, "batch": args.batch, "seq": args.seq}
     device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # a tiny model: OpenMP thread wake-ups would cost more than the math
-    code = 0
-    try:
+
+    def run_one() -> dict[str, Any]:
         if args.provider not in PROVIDERS:
             raise ValueError(f"unknown provider {args.provider!r}; known: {', '.join(PROVIDERS)}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-        result.update(
-            train(
-                PRESETS[args.preset],
-                args.provider,
-                args.batch,
-                args.seq,
-                dtype=DTYPES[args.dtype],
-                device=device,
-                warmup=args.warmup,
-                steps=args.steps,
-                seed=args.seed,
-            )
+        return train(
+            PRESETS[args.preset],
+            args.provider,
+            args.batch,
+            args.seq,
+            dtype=DTYPES[args.dtype],
+            device=device,
+            warmup=args.warmup,
+            steps=args.steps,
+            seed=args.seed,
         )
-    except SkipRun as e:
-        result.update(status="skipped", error=str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        result.update(status="oom", error=_error_text(e), peak_bytes=peak)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the next run
-        tb = traceback.format_exc().strip().splitlines()
-        result.update(status="error", error=_error_text(e), traceback="\n".join(tb[-15:]))
-        code = 1
-    Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "traceback")}))
-    return code
+
+    return fresh_process.worker_main(result, device, args.result, run_one)
 
 
 # ---- the parent: one fresh process per (provider, batch) ----
@@ -425,19 +383,6 @@ def worker_command(
     ]
 
 
-def worker_env() -> dict[str, str]:
-    """The parent's environment, with the directory this fuselm was imported from first on PYTHONPATH
-    (so the worker runs the same code, whether fuselm is installed or run from ``src``)."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _tail(text: str, lines: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 def run_case(
     provider: str,
     batch: int,
@@ -452,10 +397,8 @@ def run_case(
 ) -> E2ERow:
     """Run one (provider, batch, seq) in a fresh worker process and return its row (never raises for a
     failure of the worker: the row's status is ``error`` and ``error`` says what happened)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fuselm-e2e-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        cmd = worker_command(
+    data = fresh_process.run_worker(
+        lambda result_path: worker_command(
             provider,
             batch,
             seq,
@@ -465,28 +408,11 @@ def run_case(
             warmup=warmup,
             steps=steps,
             result=result_path,
-        )
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return E2ERow(
-                provider, batch, seq, "error", error=f"worker timed out after {timeout:.0f} s", wall_s=timeout
-            )
-        wall = time.perf_counter() - t0
-        data: dict[str, Any] | None = None
-        if result_path.exists():
-            try:
-                data = json.loads(result_path.read_text())
-            except json.JSONDecodeError:
-                data = None
-    if data is None:
-        output = _tail((proc.stdout or "") + "\n" + (proc.stderr or ""))
-        error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{output}"
-        return E2ERow(provider, batch, seq, "error", error=error, wall_s=wall)
-    known = set(E2ERow.__dataclass_fields__) - {"provider", "batch", "seq"}
-    row = E2ERow(provider, batch, seq, **{k: v for k, v in data.items() if k in known})
-    row.wall_s = wall
-    return row
+        ),
+        timeout=timeout,
+        prefix="fuselm-e2e-",
+    )
+    return fresh_process.row_from_result(E2ERow, {"provider": provider, "batch": batch, "seq": seq}, data)
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
@@ -577,16 +503,9 @@ def run(
                 steps=steps,
                 timeout=timeout,
             )
-        if row.status == "skipped":
-            report.skipped[provider] = row.error or "skipped"
-            log(f"skipping provider {provider}: {row.error}")
-            continue
         if row.status == "oom":
             oom_at[(provider, seq)] = min(batch, oom_at.get((provider, seq), batch))
-        report.rows.append(row)
-        log(_summary(row))
-        if row.traceback:
-            log(row.traceback)
+        fresh_process.add_row(report, provider, row, log, _summary)
     bar.close()
     return report
 
@@ -782,11 +701,6 @@ def markdown(report: E2EReport) -> str:
 
 def to_json(report: E2EReport) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready."""
-    rows = []
-    for r in report.rows:
-        d = asdict(r)
-        d["peak_gib"] = r.peak_gib
-        rows.append(d)
     return {
         "suite": NAME,
         "description": DESCRIPTION,
@@ -800,7 +714,7 @@ def to_json(report: E2EReport) -> dict[str, Any]:
         "warmup": report.warmup,
         "steps": report.steps,
         "metadata": report.metadata,
-        "rows": rows,
+        "rows": fresh_process.rows_json(report.rows),
         "ratios": ratios(report),
         "acceptance": acceptance(report),
         "skipped": report.skipped,
@@ -864,17 +778,9 @@ def write_png(report: E2EReport, path: Path) -> None:
 
 def write_report(report: E2EReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``e2e.md``, ``e2e.json`` and ``e2e.png`` into ``out_dir``; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / f"{NAME}.md", "json": out / f"{NAME}.json", "png": out / f"{NAME}.png"}
-    paths["md"].write_text(markdown(report))
-    paths["json"].write_text(json.dumps(to_json(report), indent=2) + "\n")
-    try:
-        write_png(report, paths["png"])
-    except ImportError as e:
-        print(f"no plot written ({e}); pip install matplotlib")
-        del paths["png"]
-    return paths
+    return fresh_process.write_report_files(
+        NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
+    )
 
 
 # ---- command line ----
@@ -887,7 +793,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     (CUDA only: the CPU preset always runs fp32), ``--device``, ``--out``, ``--no-progress``; ``--modes``
     does not apply. Raises ``fuselm.cli.UsageError`` for bad values.
     """
-    from ..cli import DTYPES as CLI_DTYPES
     from ..cli import UsageError, parse_list, parse_shapes
     from .report import collect_metadata, gpu_slug
 
@@ -897,20 +802,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     preset = GPU_PRESET if cuda else CPU_PRESET
     shapes = parse_shapes(args.shapes, 2) if args.shapes else list(preset.shapes)
-    warmup = getattr(args, "warmup", None)
-    steps = getattr(args, "steps", None)
-    warmup = (preset.quick_warmup if args.quick else preset.warmup) if warmup is None else warmup
-    steps = (preset.quick_steps if args.quick else preset.steps) if steps is None else steps
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}")
-    if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
-    if cuda:
-        if args.dtype.lower() not in CLI_DTYPES:
-            raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
-        dtype = getattr(torch, CLI_DTYPES[args.dtype.lower()])
-    else:
-        dtype = torch.float32
+    warmup, steps, dtype = fresh_process.cli_steps_dtype(args, preset, cuda)
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     meta = collect_metadata(device, argv)
@@ -961,12 +853,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """``python -m fuselm.bench.e2e --worker ...`` runs one worker; anything else is ``fuselm bench e2e``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--worker" in argv:
-        return worker_main(argv)
-    from ..cli import main
-
-    return main(["bench", NAME, *argv])
+    return fresh_process.main(argv, NAME, worker_main)
 
 
 if __name__ == "__main__":

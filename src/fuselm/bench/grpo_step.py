@@ -32,21 +32,17 @@ and 32768 tokens a step). Without CUDA a tiny config runs in fp32 in seconds: a 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import e2e
+from . import e2e, fresh_process
 
 NAME = "grpo_step"
 DESCRIPTION = "GRPO-shaped training steps of a Llama-3.2-1B-shaped model: the LM head's per-token log-probs"
@@ -158,11 +154,6 @@ def policy_loss(log_probs: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) 
     return (per_token * m).sum() / m.sum().clamp(min=1)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train(
     plan: Plan,
     provider: str,
@@ -210,11 +201,11 @@ def train(
     t_build = time.perf_counter()
     for _ in range(warmup):
         logs.append(step())
-    _sync(device)
+    e2e._sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         logs.append(step())
-    _sync(device)
+    e2e._sync(device)
     elapsed = time.perf_counter() - t0
     values = torch.stack(logs).cpu().tolist()
     return {
@@ -233,35 +224,14 @@ def train(
     }
 
 
-def _error_text(e: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(e).split())
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fuselm.bench.grpo_step --worker", description="one run")
-    p.add_argument("--worker", action="store_true", required=True)
-    p.add_argument("--provider", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--prompt", type=int, required=True)
-    p.add_argument("--completion", type=int, required=True)
-    p.add_argument("--plan", choices=sorted(PLANS), required=True)
-    p.add_argument("--dtype", choices=sorted(e2e.DTYPES), required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, default=e2e.SEED)
-    p.add_argument("--result", required=True, help="file the JSON result is written to")
-    return p
-
-
 def worker_main(argv: Sequence[str]) -> int:
     """One (provider, shape) run; its result as JSON in ``--result`` (status ok, oom, skipped or error)."""
-    args = _worker_parser().parse_args(argv)
+    case = [(f"--{k}", {"type": int}) for k in ("batch", "prompt", "completion")]
+    case.append(("--plan", {"choices": sorted(PLANS)}))
+    parser = fresh_process.worker_parser(
+        "python -m fuselm.bench.grpo_step --worker", "one run", case, dtypes=list(e2e.DTYPES), seed=e2e.SEED
+    )
+    args = parser.parse_args(argv)
     result: dict[str, Any] = {
         "provider": args.provider,
         "batch": args.batch,
@@ -269,38 +239,22 @@ def worker_main(argv: Sequence[str]) -> int:
         "completion": args.completion,
     }
     device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    code = 0
-    try:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-        result.update(
-            train(
-                PLANS[args.plan],
-                args.provider,
-                args.batch,
-                args.prompt,
-                args.completion,
-                dtype=e2e.DTYPES[args.dtype],
-                device=device,
-                warmup=args.warmup,
-                steps=args.steps,
-                seed=args.seed,
-            )
+
+    def run_one() -> dict[str, Any]:
+        return train(
+            PLANS[args.plan],
+            args.provider,
+            args.batch,
+            args.prompt,
+            args.completion,
+            dtype=e2e.DTYPES[args.dtype],
+            device=device,
+            warmup=args.warmup,
+            steps=args.steps,
+            seed=args.seed,
         )
-    except e2e.SkipRun as e:
-        result.update(status="skipped", error=str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        result.update(status="oom", error=_error_text(e), peak_bytes=peak)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the next run
-        tb = traceback.format_exc().strip().splitlines()
-        result.update(status="error", error=_error_text(e), traceback="\n".join(tb[-15:]))
-        code = 1
-    Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "traceback")}))
-    return code
+
+    return fresh_process.worker_main(result, device, args.result, run_one)
 
 
 # ---- the parent ----
@@ -404,10 +358,8 @@ def run_case(
     timeout: float = WORKER_TIMEOUT_S,
 ) -> StepRow:
     """One (provider, shape) in a fresh worker process (a failure of the worker becomes the row's error)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fuselm-grpo-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        cmd = worker_command(
+    data = fresh_process.run_worker(
+        lambda result_path: worker_command(
             provider,
             shape,
             plan=plan.preset.name,
@@ -416,28 +368,14 @@ def run_case(
             warmup=warmup,
             steps=steps,
             result=result_path,
-        )
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=e2e.worker_env(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return StepRow(
-                provider, *shape, "error", error=f"worker timed out after {timeout:.0f} s", wall_s=timeout
-            )
-        wall = time.perf_counter() - t0
-        data = None
-        if result_path.exists():
-            try:
-                data = json.loads(result_path.read_text())
-            except json.JSONDecodeError:
-                data = None
-    if data is None:
-        tail = "\n".join(((proc.stdout or "") + "\n" + (proc.stderr or "")).strip().splitlines()[-12:])
-        error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{tail}"
-        return StepRow(provider, *shape, "error", error=error, wall_s=wall)
-    known = set(StepRow.__dataclass_fields__) - {"provider", "batch", "prompt", "completion"}
-    row = StepRow(provider, *shape, **{k: v for k, v in data.items() if k in known})
-    row.wall_s = wall
-    return row
+        ),
+        timeout=timeout,
+        prefix="fuselm-grpo-",
+    )
+    b, p, c = shape
+    return fresh_process.row_from_result(
+        StepRow, {"provider": provider, "batch": b, "prompt": p, "completion": c}, data
+    )
 
 
 def _summary(r: StepRow) -> str:
@@ -498,17 +436,11 @@ def run(
                     steps=steps,
                     timeout=timeout,
                 )
-            if row.status == "skipped":
-                report.skipped[provider] = row.error or "skipped"
-                log(f"skipping provider {provider}: {row.error}")
-                continue
             if row.status == "oom":
                 key = (provider, shape[1], shape[2])
                 oom_at[key] = min(shape[0], oom_at.get(key, shape[0]))
-            report.rows.append(row)
-            log(_summary(row))
-            if row.traceback:
-                log(row.traceback)
+            if not fresh_process.add_row(report, provider, row, log, _summary):
+                continue
             if on_row is not None:
                 on_row(report)
     return report
@@ -645,11 +577,6 @@ def markdown(report: StepReport) -> str:
 
 
 def to_json(report: StepReport) -> dict[str, Any]:
-    rows = []
-    for r in report.rows:
-        d = asdict(r)
-        d["peak_gib"] = r.peak_gib
-        rows.append(d)
     return {
         "suite": NAME,
         "description": DESCRIPTION,
@@ -662,7 +589,7 @@ def to_json(report: StepReport) -> dict[str, Any]:
         "warmup": report.warmup,
         "steps": report.steps,
         "metadata": report.metadata,
-        "rows": rows,
+        "rows": fresh_process.rows_json(report.rows),
         "ratios": ratios(report),
         "skipped": report.skipped,
         "notes": notes(report),
@@ -704,17 +631,9 @@ def write_png(report: StepReport, path: Path) -> None:
 
 def write_report(report: StepReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``grpo_step.md``, ``.json`` and ``.png`` into ``out_dir``; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / f"{NAME}.md", "json": out / f"{NAME}.json", "png": out / f"{NAME}.png"}
-    paths["md"].write_text(markdown(report))
-    paths["json"].write_text(json.dumps(to_json(report), indent=2) + "\n")
-    try:
-        write_png(report, paths["png"])
-    except ImportError as e:
-        print(f"no plot written ({e}); pip install matplotlib")
-        del paths["png"]
-    return paths
+    return fresh_process.write_report_files(
+        NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
+    )
 
 
 # ---- command line ----
@@ -724,7 +643,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
     ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
     ``fuselm.cli.UsageError``."""
-    from ..cli import DTYPES as CLI_DTYPES
     from ..cli import UsageError, parse_list, parse_shapes
     from .report import collect_metadata, gpu_slug
 
@@ -737,20 +655,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     for b, p, c in shapes:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c}: the prompt needs at least 1 token")
-    warmup = getattr(args, "warmup", None)
-    steps = getattr(args, "steps", None)
-    warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup
-    steps = (plan.quick_steps if args.quick else plan.steps) if steps is None else steps
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}")
-    if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
-    if cuda:
-        if args.dtype.lower() not in CLI_DTYPES:
-            raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
-        dtype = getattr(torch, CLI_DTYPES[args.dtype.lower()])
-    else:
-        dtype = torch.float32
+    warmup, steps, dtype = fresh_process.cli_steps_dtype(args, plan, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     meta = collect_metadata(device, argv)
     try:
@@ -797,12 +702,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 def _main(argv: Sequence[str] | None = None) -> int:
     """``python -m fuselm.bench.grpo_step --worker ...`` runs one worker; anything else is ``fuselm bench
     grpo_step``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--worker" in argv:
-        return worker_main(argv)
-    from ..cli import main
-
-    return main(["bench", NAME, *argv])
+    return fresh_process.main(argv, NAME, worker_main)
 
 
 if __name__ == "__main__":
