@@ -9,7 +9,6 @@ same dtype and in float64, under the numerics rule (docs/design.md section 5).
 
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
 from test_linear_log_probs import naive_log_probs  # noqa: E402
 from test_vocab_parallel import split_sizes  # noqa: E402
-from workers import nccl_world_sizes, run_workers  # noqa: E402
+from workers import case_results, nccl_world_sizes, run_workers  # noqa: E402
 
 import fuselm.distributed  # noqa: E402
 from fuselm.ops._common.testing import assert_numerics  # noqa: E402
@@ -142,15 +141,8 @@ def check_case(name: str, per_rank: list[dict], dtype: torch.dtype, world: int) 
         assert_numerics(f"{name} {what} grad", torch.cat(shards), eager_grads[i], ref_grads[i], dtype)
 
 
-_RESULTS: dict = {}
-
-
 def distributed_results(world: int, backend: str, dtype: torch.dtype) -> list[dict]:
-    key = (world, backend, dtype, os.environ.get("TRITON_INTERPRET", "0"))
-    if key not in _RESULTS:
-        kind = "cuda" if backend == "nccl" else "cpu"
-        _RESULTS[key] = run_workers(_worker, world, backend=backend, args=(list(CASES), dtype, kind))
-    return _RESULTS[key]
+    return case_results(_worker, CASES, world, backend, dtype)
 
 
 @pytest.mark.parametrize("name", list(CASES))

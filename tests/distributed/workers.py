@@ -91,3 +91,23 @@ def run_workers(
         if errors:  # every rank's error: the first one to fail is not always rank 0
             raise RuntimeError("\n".join(errors))
         return results
+
+
+_CASE_RESULTS: dict = {}
+
+
+def case_results(worker: Callable[..., Any], names, world: int, backend: str, dtype) -> list[Any]:
+    """Per-rank results of ``worker(rank, world, names, dtype, device_kind)``, every case in one spawn,
+    computed once per (worker, world size, backend, dtype, interpreter mode) in this test process."""
+    key = (
+        worker.__module__,
+        worker.__qualname__,
+        world,
+        backend,
+        dtype,
+        os.environ.get("TRITON_INTERPRET", "0"),
+    )
+    if key not in _CASE_RESULTS:
+        kind = "cuda" if backend == "nccl" else "cpu"
+        _CASE_RESULTS[key] = run_workers(worker, world, backend=backend, args=(list(names), dtype, kind))
+    return _CASE_RESULTS[key]
