@@ -17,7 +17,7 @@ target for the suite's shapes (``--device``, ``--shapes`` as in the CLI).
 
 Providers (mean over the non-ignored tokens, ignore_index -100, no target shift, no bias):
 
-- ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, eager ("logits.float()" in ANCHORS).
+- ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, eager ("logits.float()" in docs/peers.md).
 - ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
 - ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (its defaults: dW accumulated
   in the input dtype), CUDA only.
