@@ -222,7 +222,7 @@ def test_out_of_range_label_raises_in_eager(bad):
 def test_out_of_range_label_without_sync_leaves_weights_finite(monkeypatch):
     """Under torch.compile / CUDA graph capture (no host sync; simulated): the loss is NaN (visible) and the
     gradients are finite, those of the batch with that label ignored."""
-    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
+    monkeypatch.setattr(lce_op, "compaction_allowed", lambda device: False)
     model = fuselm.hf.patch(_small())
     ids, labels = _batch()
     n_items = torch.tensor(20)

@@ -458,7 +458,7 @@ def test_ignored_rows_compaction(monkeypatch, reduction, plan):
     assert torch.all(full["dx"][~valid] == 0)
 
     seen.clear()
-    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
+    monkeypatch.setattr(lce_op, "compaction_allowed", lambda device: False)
     off = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", weight=cw, **kw)
     if TRITON_PATH:
         assert seen == [False]
@@ -469,7 +469,7 @@ def test_ignored_rows_compaction(monkeypatch, reduction, plan):
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("compaction", [True, False])
 def test_all_ignored(monkeypatch, plan, compaction):
-    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: compaction)
+    monkeypatch.setattr(lce_op, "compaction_allowed", lambda device: compaction)
     memory = _memory(plan)
     x, w, b, t, _ = _inputs(torch.float32)
     t = torch.full_like(t, -100)
@@ -487,7 +487,7 @@ def test_all_ignored(monkeypatch, plan, compaction):
 def test_all_ignored_with_infinite_upstream_gradient(monkeypatch, plan, compaction):
     """Hugging Face divides the summed loss by num_items_in_batch, 0 for a batch without a target: the loss is
     0 / 0 = NaN (as HF's) and the upstream gradient inf; the gradients stay zero (as PyTorch's), never NaN."""
-    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: compaction)
+    monkeypatch.setattr(lce_op, "compaction_allowed", lambda device: compaction)
     x, w, b, t, _ = _inputs(torch.float32)
     t = torch.full_like(t, -100)
     xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
@@ -524,7 +524,7 @@ def test_out_of_range_target_without_sync(monkeypatch, plan, reduction):
     """Where no host sync is allowed (torch.compile, CUDA graph capture: no compaction, simulated here):
     the bad token's loss is NaN (visible in the loss), its gradient zero, so the weights are never poisoned;
     the other tokens are exactly as without it. FUSELM_VALIDATE=1 raises ValueError there too."""
-    monkeypatch.setattr(lce_op, "_compaction_allowed", lambda device: False)
+    monkeypatch.setattr(lce_op, "compaction_allowed", lambda device: False)
     x, w, b, t = _bad_target(V + 3)
     kw = dict(reduction=reduction, label_smoothing=0.1, memory=_memory(plan))  # smoothing touches every class
     ours = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", **kw)
@@ -734,14 +734,14 @@ def test_gpu_cuda_graph(monkeypatch, plan):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), monkeypatch.context() as m:
         # warm up on all rows, as the capture will run: every kernel specialization compiled beforehand
-        m.setattr(lce_op, "_compaction_allowed", lambda device: False)
+        m.setattr(lce_op, "compaction_allowed", lambda device: False)
         for _ in range(3):
             step().backward()
             xs.grad = ws.grad = bs.grad = None
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert not lce_op._compaction_allowed(xs.device)
+        assert not lce_op.compaction_allowed(xs.device)
         loss = step()
         loss.backward()
     for seed in (0, 7):  # new data in the static inputs, then replay

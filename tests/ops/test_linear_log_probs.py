@@ -284,7 +284,7 @@ def test_ignored_tokens_are_zero_and_cost_nothing(monkeypatch):
     for key in ("dw", "db"):
         torch.testing.assert_close(full[key], sub[key])
     torch.testing.assert_close(full["dx"][valid], sub["dx"])
-    monkeypatch.setattr(llp_op, "_compaction_allowed", lambda device: False)
+    monkeypatch.setattr(llp_op, "compaction_allowed", lambda device: False)
     off = _run(_ours, x, w, b, t, up, **kw)
     for key in full:
         torch.testing.assert_close(full[key], off[key])
@@ -292,7 +292,7 @@ def test_ignored_tokens_are_zero_and_cost_nothing(monkeypatch):
 
 @pytest.mark.parametrize("compaction", [True, False])
 def test_all_ignored(monkeypatch, compaction):
-    monkeypatch.setattr(llp_op, "_compaction_allowed", lambda device: compaction)
+    monkeypatch.setattr(llp_op, "compaction_allowed", lambda device: compaction)
     x, w, b, t = _inputs(torch.float32)
     t = torch.full_like(t, -100)
     up = _upstream(t.shape, torch.float32, ("log_probs", "entropy", "lse"))
@@ -319,7 +319,7 @@ def test_out_of_range_target(monkeypatch):
     t[0, 1] = -7
     with pytest.raises(ValueError, match="target"):
         linear_log_probs(x, w, t)
-    monkeypatch.setattr(llp_op, "_compaction_allowed", lambda device: False)
+    monkeypatch.setattr(llp_op, "compaction_allowed", lambda device: False)
     up = _upstream(t.shape, torch.float32, ("log_probs", "entropy", "lse"))
     up["log_probs"][0, 1] = 0.0  # the NaN itself would carry NaN into any sum
     res = _run(_ours, x, w, b, t, {k: u.nan_to_num() for k, u in up.items()})
@@ -536,7 +536,7 @@ def test_gpu_cuda_graph(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), monkeypatch.context() as m:
-        m.setattr(llp_op, "_compaction_allowed", lambda device: False)
+        m.setattr(llp_op, "compaction_allowed", lambda device: False)
         for _ in range(3):
             step()
             xs.grad = ws.grad = bs.grad = None

@@ -11,12 +11,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..ops._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype
+from ..ops._common.guard import (
+    FLOAT_DTYPES,
+    check_loss_args,
+    check_tensor,
+    resolve_loss_dtype,
+    validate_memory,
+)
 from ..ops.cross_entropy.op import apply_cross_entropy
 from ..ops.linear_cross_entropy.op import (
     AUTO_BUDGET,
     MIN_BUDGET,
-    _validate_memory,
     apply_linear_cross_entropy,
     chunk_rows_for,
     linear_operands,
@@ -236,7 +241,7 @@ def linear_cross_entropy(
         >>> dist.destroy_process_group()
     """
     _check_eager()
-    _validate_memory(memory)
+    validate_memory(memory)
     input = _local("input", input)
     target = _local("target", target)
     weight = _local("weight", weight)

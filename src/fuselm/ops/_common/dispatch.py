@@ -34,3 +34,17 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def validate_enabled() -> bool:
     """Opt-in checks that need a host sync (e.g. target range): FUSELM_VALIDATE=1."""
     return os.environ.get("FUSELM_VALIDATE", "0") == "1"
+
+
+def capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on the stream that work for `device` goes to?"""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def compaction_allowed(device: torch.device) -> bool:
+    """May an op find its kept (non-ignored) rows? That costs one host sync: only in eager mode, outside
+    torch.compile and CUDA graph capture."""
+    return not torch.compiler.is_compiling() and not capturing(device)

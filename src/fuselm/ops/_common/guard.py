@@ -126,3 +126,12 @@ def resolve_loss_dtype(loss_dtype, input: torch.Tensor) -> torch.dtype:
     if not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
         raise ValueError(f"loss_dtype must be a floating torch.dtype or None, got {loss_dtype!r}")
     return loss_dtype
+
+
+def validate_memory(memory) -> None:
+    """The ``memory=`` argument of the fused linear ops: "auto", "min" or a positive int (bytes)."""
+    if memory in ("auto", "min"):
+        return
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
+        return
+    raise ValueError(f"memory must be 'auto', 'min' or a positive int (bytes), got {memory!r}")

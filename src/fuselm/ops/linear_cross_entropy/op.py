@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import capturing, compaction_allowed, use_triton
 from .._common.guard import (
     FLOAT_DTYPES,
     bad_targets,
@@ -20,6 +20,7 @@ from .._common.guard import (
     raise_target_range,
     resolve_loss_dtype,
     rows_view,
+    validate_memory,
 )
 from ..cross_entropy.op import _run_scale_, cross_entropy_bwd, cross_entropy_fwd_into, loss_scales
 from ..cross_entropy.reference import scale_keeping_zeros
@@ -35,22 +36,6 @@ CHUNK_ROW_MULTIPLE = 16  # C is a multiple of this (GEMM tiles), and never below
 # ---- plan ----
 
 
-def _validate_memory(memory) -> None:
-    if memory in ("auto", "min"):
-        return
-    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
-        return
-    raise ValueError(f"memory must be 'auto', 'min' or a positive int (bytes), got {memory!r}")
-
-
-def _capturing(device: torch.device) -> bool:
-    """Is a CUDA graph being captured on the stream that work for `device` goes to?"""
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
 def memory_budget(memory, device: torch.device) -> int:
     """Bytes allowed for the [C, V] chunk buffer. "auto": min(256 MiB, a quarter of the free device
     memory; the query is skipped under torch.compile and CUDA graph capture); "min": 8 MiB; int: itself."""
@@ -59,7 +44,7 @@ def memory_budget(memory, device: torch.device) -> int:
     if memory != "auto":
         return int(memory)
     budget = AUTO_BUDGET
-    if device.type == "cuda" and not torch.compiler.is_compiling() and not _capturing(device):
+    if device.type == "cuda" and not torch.compiler.is_compiling() and not capturing(device):
         free, _ = torch.cuda.mem_get_info(device)  # asked every call: nothing cached across devices
         budget = min(budget, free // 4)
     return budget
@@ -580,11 +565,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dw, db, *([None] * 12)
 
 
-def _compaction_allowed(device: torch.device) -> bool:
-    """Compacting ignored rows costs one host sync: only in eager, outside CUDA graph capture."""
-    return not torch.compiler.is_compiling() and not _capturing(device)
-
-
 def eager_rows(target: torch.Tensor, ignore_index: int, n_classes: int) -> torch.Tensor | None:
     """Eager mode's one host sync, for two answers: the indices of the rows to compute (target !=
     ignore_index; None when that is every row), and whether a target is outside [0, n_classes) (then
@@ -726,11 +706,11 @@ def linear_cross_entropy(
         z_loss=z_loss,
         softcap=softcap,
     )
-    _validate_memory(memory)
+    validate_memory(memory)
 
     budget = memory_budget(memory, device)
     if input.dtype == torch.float64 or not use_triton(input):
-        if not return_lse and _compaction_allowed(device):  # eager: the range check, as on the Triton path
+        if not return_lse and compaction_allowed(device):  # eager: the range check, as on the Triton path
             eager_rows(target.reshape(-1), ignore_index, v)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         return linear_cross_entropy_reference(
@@ -823,7 +803,7 @@ def apply_linear_cross_entropy(
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
     rows = None
-    if not return_lse and _compaction_allowed(input.device):
+    if not return_lse and compaction_allowed(input.device):
         n_classes = shard.n_classes if shard is not None else linear_weight.shape[0]
         rows = eager_rows(t1, ignore_index, n_classes)  # the one host sync (and the target range check)
     loss, lse = LinearCrossEntropyFunction.apply(

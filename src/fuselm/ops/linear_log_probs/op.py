@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._common.dispatch import interpret_mode, use_triton
-from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
+from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
+from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view, validate_memory
 from .._common.launch import row_launch
 from ..linear_cross_entropy.op import linear_operands, memory_budget
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
@@ -37,14 +37,6 @@ STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN
 # ---- plan ----
 
 
-def _validate_memory(memory) -> None:
-    if memory in ("auto", "min"):
-        return
-    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
-        return
-    raise ValueError(f"memory must be 'auto', 'min' or a positive int (bytes), got {memory!r}")
-
-
 def _budget(memory, device: torch.device) -> int:
     return MIN_BUDGET if memory == "min" else memory_budget(memory, device)
 
@@ -63,19 +55,6 @@ def hosted_rows(n_total: int, itemsize: int) -> int:
     """Rows of the fp32 [n, H] d input accumulator that fit in the storage of the returned d input
     [n_total, H] of `itemsize`-byte elements: n_total / 2 for 16-bit inputs, n_total for fp32."""
     return n_total * itemsize // 4
-
-
-def _capturing(device: torch.device) -> bool:
-    """Is a CUDA graph being captured on the stream that work for `device` goes to?"""
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
-def _compaction_allowed(device: torch.device) -> bool:
-    """Finding the kept rows costs one host sync: only in eager mode, outside CUDA graph capture."""
-    return not torch.compiler.is_compiling() and not _capturing(device)
 
 
 def kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor | None:
@@ -632,10 +611,10 @@ def linear_log_probs(
         softcap = _check_float("softcap", softcap, positive=True)
     logit_scale = _check_float("logit_scale", logit_scale, positive=False)
     names = _check_outputs(outputs)
-    _validate_memory(memory)
+    validate_memory(memory)
 
     t1 = target.reshape(-1)
-    rows = kept_rows(t1, v, ignore_index) if _compaction_allowed(device) else None
+    rows = kept_rows(t1, v, ignore_index) if compaction_allowed(device) else None
     budget = _budget(memory, device)
     if input.dtype == torch.float64 or not use_triton(input):
         stats = linear_log_probs_reference(
