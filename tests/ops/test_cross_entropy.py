@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from conftest import TRITON_PATH, kernel_device
 
 import fuselm
+from fuselm.ops._common.loss import rows as loss_rows
+from fuselm.ops._common.loss.options import LossOptions, LossScales
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.cross_entropy import cross_entropy_reference
 from fuselm.ops.cross_entropy import op as ce_op
@@ -531,10 +533,10 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
         return cross_entropy_reference(*args, **kwargs)
 
     monkeypatch.setattr(
-        ce_op, "cross_entropy_fwd_kernel", KernelSpy("fwd_kernel", ce_op.cross_entropy_fwd_kernel)
+        loss_rows, "cross_entropy_fwd_kernel", KernelSpy("fwd_kernel", loss_rows.cross_entropy_fwd_kernel)
     )
     monkeypatch.setattr(
-        ce_op, "cross_entropy_bwd_kernel", KernelSpy("bwd_kernel", ce_op.cross_entropy_bwd_kernel)
+        loss_rows, "cross_entropy_bwd_kernel", KernelSpy("bwd_kernel", loss_rows.cross_entropy_bwd_kernel)
     )
     monkeypatch.setattr(ce_op, "cross_entropy_reference", reference_spy)
     x, t, _ = make_inputs(gen, (4,), 100, torch.float32)
@@ -747,7 +749,7 @@ def test_gpu_gradient_in_place_keeps_every_row_loss(dtype, v):
     for where in ("nowhere", "elsewhere", "in place"):
         buf = logits.clone()
         grad = {"nowhere": None, "elsewhere": torch.empty_like(buf), "in place": buf}[where]
-        loss, _ = ce_op.cross_entropy_fwd_into(buf, target, None, None, scale, grad, -100, 0.0, 0.0, 0.0)
+        loss, _ = loss_rows.rows_fwd_into(buf, target, LossOptions(), LossScales(None, scale), grad)
         assert_numerics(f"per-row loss, gradient {where}", loss, eager, ref, dtype)  # one lost row: ~1e-2
 
 

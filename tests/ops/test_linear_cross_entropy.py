@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from conftest import HAS_CUDA, TRITON_PATH, kernel_device
 
+import fuselm.ops._common.loss.budget as loss_budget
+import fuselm.ops._common.loss.rows as loss_rows
+import fuselm.ops.linear_cross_entropy.chunked as lce_chunked
 import fuselm.ops.linear_cross_entropy.fused as lce_fused
 import fuselm.ops.linear_cross_entropy.op as lce_op
 import fuselm.ops.linear_cross_entropy.reference as lce_ref
@@ -321,18 +324,18 @@ def test_some_gradients_needed(monkeypatch, needs, reduction, plan):
         return "".join(k for k, a in (("x", dx), ("w", dw), ("b", db)) if a)
 
     if plan == "chunked":
-        inner = lce_op._accumulate_grads
+        inner = lce_chunked._accumulate_grads
 
         def spy(g, xc, w_, idx, s, e, dx, dw, db_acc, first):
             computed.append(grads_of(dx is not None, dw is not None, db_acc is not None))
             return inner(g, xc, w_, idx, s, e, dx, dw, db_acc, first)
 
-        monkeypatch.setattr(lce_op, "_accumulate_grads", spy)
+        monkeypatch.setattr(lce_chunked, "_accumulate_grads", spy)
     else:
         inner = lce_fused.fused_tile_grads
 
         def spy(*args):
-            computed.append(grads_of(*args[-3:]))  # need_dx, need_dw, need_db
+            computed.append(grads_of(*args[-1]))  # needs = (need_dx, need_dw, need_db)
             return inner(*args)
 
         monkeypatch.setattr(lce_fused, "fused_tile_grads", spy)
@@ -394,7 +397,7 @@ def test_chunking(monkeypatch):
     dtype = torch.float16
     x, w, b, t, cw = _inputs(dtype, ignore=False)
     calls = []
-    module, name = (lce_op, "cross_entropy_fwd_into") if TRITON_PATH else (lce_ref, "chunk_loss_grad")
+    module, name = (loss_rows, "rows_fwd_into") if TRITON_PATH else (lce_ref, "chunk_loss_grad")
     inner = getattr(module, name)
 
     def spy(logits, *args):
@@ -416,14 +419,14 @@ def test_chunking(monkeypatch):
 
 
 def test_chunk_rows_rule():
-    assert lce_op.chunk_rows_for(1, 300, 32, 4) == 16
-    assert lce_op.chunk_rows_for((300 + 2 * 32) * 4 * 47, 300, 32, 4) == 32
-    assert lce_op.chunk_rows_for(256 * 2**20, 128256, 4096, 2) == 976  # Llama-3 bf16 under "auto"
-    assert lce_op.chunk_rows_for(8 * 2**20, 128256, 4096, 2) == 16
+    assert lce_chunked.chunk_rows_for(1, 300, 32, 4) == 16
+    assert lce_chunked.chunk_rows_for((300 + 2 * 32) * 4 * 47, 300, 32, 4) == 32
+    assert lce_chunked.chunk_rows_for(256 * 2**20, 128256, 4096, 2) == 976  # Llama-3 bf16 under "auto"
+    assert lce_chunked.chunk_rows_for(8 * 2**20, 128256, 4096, 2) == 16
     cpu = torch.device("cpu")
-    assert lce_op.memory_budget("min", cpu) == 8 * 2**20
-    assert lce_op.memory_budget("auto", cpu) == 256 * 2**20
-    assert lce_op.memory_budget(12345, cpu) == 12345
+    assert loss_budget.memory_budget("min", cpu) == 8 * 2**20
+    assert loss_budget.memory_budget("auto", cpu) == 256 * 2**20
+    assert loss_budget.memory_budget(12345, cpu) == 12345
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -434,13 +437,13 @@ def test_ignored_rows_compaction(monkeypatch, reduction, plan):
     x, w, b, t, cw = _inputs(dtype, class_weight=True, ignore=True, seed=5)
     valid = t != -100
     seen = []
-    inner = lce_op.linear_cross_entropy_fwd
+    inner = lce_op.run_forward
 
     def spy(*args):
-        seen.append(args[7] is not None)  # rows: the compacted row list, or None
+        seen.append(args[5] is not None)  # rows: the compacted row list, or None
         return inner(*args)
 
-    monkeypatch.setattr(lce_op, "linear_cross_entropy_fwd", spy)
+    monkeypatch.setattr(lce_op, "run_forward", spy)
     kw = dict(label_smoothing=0.1, reduction=reduction, memory=_memory(plan))
     full = _sum_backward(linear_cross_entropy, x, w, b, t, "xwb", weight=cw, **kw)
     full_loss = linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, **kw)

@@ -13,19 +13,15 @@ import torch.distributed as dist
 
 from ..ops._common.guard import (
     FLOAT_DTYPES,
-    check_loss_args,
     check_tensor,
+    linear_operands,
     resolve_loss_dtype,
     validate_memory,
 )
+from ..ops._common.loss.options import LossOptions
 from ..ops.cross_entropy.op import apply_cross_entropy
-from ..ops.linear_cross_entropy.op import (
-    AUTO_BUDGET,
-    MIN_BUDGET,
-    apply_linear_cross_entropy,
-    chunk_rows_for,
-    linear_operands,
-)
+from ..ops.linear_cross_entropy.op import apply_linear_cross_entropy
+from ..ops.linear_cross_entropy.plan import choose_plan
 from .shard import VocabShard, gather_sizes
 
 
@@ -154,10 +150,7 @@ def cross_entropy(
     target = _local("target", target)
     weight = _local("weight", weight)
     local, shard = _vocab_shard("input", input, -1, process_group, vocab_sizes)
-    check_loss_args(
-        local,
-        target,
-        shard.n_classes,
+    opts = LossOptions.of(
         weight=weight,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -165,17 +158,8 @@ def cross_entropy(
         z_loss=z_loss,
         softcap=softcap,
     )
-    args = (
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        return_lse,
-        inplace_backward,
-        loss_dtype,
-    )
-    return apply_cross_entropy(local, target, weight, *args, shard=shard)
+    opts.check(local, target, shard.n_classes)
+    return apply_cross_entropy(local, target, opts, return_lse, inplace_backward, loss_dtype, shard)
 
 
 def linear_cross_entropy(
@@ -220,8 +204,9 @@ def linear_cross_entropy(
         ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, loss_dtype: as in
             :func:`fuselm.linear_cross_entropy`.
         memory: ``"auto"`` (chunk buffer of 256 MiB; the free-memory query of the single-device function is
-            skipped, so that every rank chunks alike), ``"min"`` (8 MiB chunks: the fused tile plan does
-            not run split) or an int (bytes). The chunk rows follow the largest slice.
+            skipped, so that every rank chunks alike), ``"min"`` (temporaries within 8 MiB: chunks of 8 MiB,
+            the fused tile plan does not run split) or an int (bytes). The chunk rows follow the largest
+            slice.
 
     Returns:
         ``loss`` (the same on every rank), and ``lse`` (global) when ``return_lse``.
@@ -253,10 +238,7 @@ def linear_cross_entropy(
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     if ignore_index is None:
         ignore_index = -100
-    check_loss_args(
-        input,
-        target,
-        shard.n_classes,
+    opts = LossOptions.of(
         weight=weight,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -264,8 +246,8 @@ def linear_cross_entropy(
         z_loss=z_loss,
         softcap=softcap,
     )
-    budget = {"auto": AUTO_BUDGET, "min": MIN_BUDGET}.get(memory, memory)
-    itemsize = input.element_size()
-    chunk_rows = chunk_rows_for(budget, max(shard.max_size, 1), input.shape[-1], itemsize)
-    args = (ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, loss_dtype)
-    return apply_linear_cross_entropy(input, w_local, b_local, target, weight, chunk_rows, *args, shard=shard)
+    opts.check(input, target, shard.n_classes)
+    widest = max(shard.max_size, 1)
+    plan = choose_plan(memory, input.device, widest, input.shape[-1], input.element_size(), one_device=False)
+    args = (return_lse, loss_dtype)
+    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, *args)

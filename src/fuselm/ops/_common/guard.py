@@ -7,8 +7,6 @@ from collections.abc import Iterable
 
 import torch
 
-from .dispatch import validate_enabled
-
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -81,44 +79,6 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         raise_target_range(target, bad, n_classes, ignore_index)
 
 
-def check_loss_args(
-    input: torch.Tensor,
-    target: object,
-    n_classes: int,
-    *,
-    weight: object,
-    ignore_index: object,
-    reduction: object,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float | None,
-) -> None:
-    """The checks every cross-entropy-like op shares (each ValueError names its argument); under
-    FUSELM_VALIDATE=1 also the target range (a host sync)."""
-    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
-        )
-    if weight is not None:
-        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)
-        if weight.shape[0] != n_classes:
-            raise ValueError(
-                f"weight must have shape [{n_classes}] (one per class), got {tuple(weight.shape)}"
-            )
-    check_choice("reduction", reduction, ("mean", "sum", "none"))
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if validate_enabled():
-        check_target_range(target, n_classes, ignore_index)
-
-
 def resolve_loss_dtype(loss_dtype, input: torch.Tensor) -> torch.dtype:
     """The dtype a loss is returned in: ``loss_dtype`` (a floating dtype) or, when None, the input's."""
     if loss_dtype is None:
@@ -135,3 +95,34 @@ def validate_memory(memory) -> None:
     if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
         return
     raise ValueError(f"memory must be 'auto', 'min' or a positive int (bytes), got {memory!r}")
+
+
+def linear_operands(input, linear_weight, linear_bias, dtypes):
+    """(input, linear_weight, linear_bias) after autocast (cast to the autocast dtype, as F.linear would),
+    checked: input of one of `dtypes`, linear_weight [V, H] and linear_bias [V] of its dtype and device."""
+    check_tensor("input", input, dtypes=dtypes, min_ndim=1)
+    device = input.device
+    if torch.is_autocast_enabled(device.type) and input.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device.type)
+        input, linear_weight = input.to(dtype), linear_weight.to(dtype)
+        linear_bias = linear_bias.to(dtype) if linear_bias is not None else None
+    check_tensor("linear_weight", linear_weight, ndim=2, device=device)
+    if linear_weight.dtype != input.dtype:
+        raise ValueError(
+            f"linear_weight must have the dtype of input ({input.dtype}), got {linear_weight.dtype}"
+        )
+    h = input.shape[-1]
+    v = linear_weight.shape[0]
+    if linear_weight.shape[1] != h:
+        raise ValueError(
+            f"linear_weight must have shape [V, {h}] (input's last dim), got {tuple(linear_weight.shape)}"
+        )
+    if linear_bias is not None:
+        check_tensor("linear_bias", linear_bias, ndim=1, device=device)
+        if linear_bias.dtype != input.dtype:
+            raise ValueError(
+                f"linear_bias must have the dtype of input ({input.dtype}), got {linear_bias.dtype}"
+            )
+        if linear_bias.shape[0] != v:
+            raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
+    return input, linear_weight, linear_bias

@@ -1,490 +1,51 @@
-"""fuselm.cross_entropy: launchers -> custom ops -> autograd Function -> public function."""
+"""fuselm.cross_entropy: the autograd Function over a row backend, and the public function.
+
+The kernels are the family's row kernels (ops/_common/loss/): LocalRows runs them on one device;
+fuselm.distributed passes a VocabShard instead, which runs them on a slice of the classes.
+"""
 
 from __future__ import annotations
 
 import torch
-import triton
 
-from .._common.dispatch import interpret_mode, use_triton
-from .._common.guard import FLOAT_DTYPES, check_loss_args, check_tensor, resolve_loss_dtype, rows_view
-from .._common.launch import persistent_grid, row_launch
-from .kernels import (
-    cross_entropy_bwd_kernel,
-    cross_entropy_bwd_kernel_scale,
-    cross_entropy_fwd_kernel,
-    cross_entropy_fwd_kernel_shard_stats,
-)
-from .reference import cross_entropy_reference, scale_keeping_zeros
-
-# Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
-# SINGLE_BLOCK_MAX columns are held in registers and read once; longer rows loop in blocks whose
-# size grows with V, FWD_PROGRAMS_PER_SM rows in flight per multiprocessor (persistent grid).
-SINGLE_BLOCK_MAX = 4096
-LOOP_CONFIGS = ((65536, 16384, 16), (16384, 8192, 8), (0, 4096, 4))  # (min V, BLOCK_V, num_warps)
-FWD_PROGRAMS_PER_SM = 4
-BWD_BLOCK = 8192
-SCALE_BLOCK = 8192
-
-
-def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
-    """(row held in one block?, BLOCK_V, num_warps, programs per SM)."""
-    block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
-    if block >= n_cols:
-        return True, block, num_warps, FWD_PROGRAMS_PER_SM
-    block, num_warps = next((b, w) for min_v, b, w in LOOP_CONFIGS if n_cols >= min_v)
-    if interpret_mode():
-        block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
-    return False, block, num_warps, FWD_PROGRAMS_PER_SM
-
-
-def cross_entropy_fwd_into(
-    logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
-):
-    """Per-row loss and lse (fp32 [N]); with `grad` (may be `logits` itself), also writes
-    d(sum_i loss_i * grad_scale) / d logits into it. logits [N, V] with stride(-1) == 1, target [N]."""
-    n_rows, n_cols = logits.shape
-    assert logits.stride(-1) == 1 and target.is_contiguous()
-    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    if n_rows == 0:
-        return loss, lse
-    single, block, num_warps, per_sm = _fwd_config(n_cols)
-    if grad is not None:
-        assert grad.stride(-1) == 1 and grad.shape == logits.shape
-    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, per_sm),)](
-        logits_ptr=logits,
-        logits_row_stride=logits.stride(0),
-        target_ptr=target,
-        weight_ptr=weight if weight is not None else logits,
-        weight_sum_ptr=weight_sum if weight_sum is not None else grad_scale,
-        grad_ptr=grad if grad is not None else logits,
-        grad_row_stride=grad.stride(0) if grad is not None else 0,
-        grad_scale_ptr=grad_scale,
-        loss_ptr=loss,
-        lse_ptr=lse,
-        n_rows=n_rows,
-        n_cols=n_cols,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        HAS_WEIGHT=weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0,
-        HAS_Z_LOSS=z_loss != 0,
-        HAS_SOFTCAP=softcap > 0,
-        COMPUTE_GRAD=grad is not None,
-        SINGLE_BLOCK=single,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-    return loss, lse
-
-
-def cross_entropy_fwd(
-    logits,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    compute_grad,
-):
-    """Per-row loss and lse (fp32); with compute_grad, also d(sum of loss * grad_scale)/d logits."""
-    grad = torch.empty_like(logits) if compute_grad else None
-    loss, lse = cross_entropy_fwd_into(
-        logits, target, weight, weight_sum, grad_scale, grad, ignore_index, label_smoothing, z_loss, softcap
-    )
-    return loss, lse, grad if grad is not None else logits.new_empty(0)
-
-
-def cross_entropy_bwd(
-    logits,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    dloss,
-    dlse,
-    lse,
-    grad,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    col_offset=0,
-    n_classes=None,
-):
-    """Gradient from the saved lse into `grad` (may be `logits` itself): one read, one write per logit.
-    A vocabulary shard: `logits` holds classes col_offset .. col_offset + V_local of `n_classes`; target,
-    weight [n_classes] and lse are global."""
-    n_rows, n_cols = logits.shape
-    if n_rows == 0:
-        return grad
-    block, num_warps = row_launch(n_cols, max_block=BWD_BLOCK)
-    cross_entropy_bwd_kernel[(n_rows,)](
-        logits_ptr=logits,
-        logits_row_stride=logits.stride(0),
-        target_ptr=target,
-        weight_ptr=weight if weight is not None else logits,
-        weight_sum_ptr=weight_sum if weight_sum is not None else grad_scale,
-        grad_ptr=grad,
-        grad_row_stride=grad.stride(0),
-        grad_scale_ptr=grad_scale,
-        dloss_ptr=dloss,
-        dloss_stride=0 if dloss.numel() == 1 else 1,
-        dlse_ptr=dlse if dlse is not None else lse,
-        lse_ptr=lse,
-        n_cols=n_cols,
-        col_offset=col_offset,
-        n_classes=n_cols if n_classes is None else n_classes,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        HAS_WEIGHT=weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0,
-        HAS_Z_LOSS=z_loss != 0,
-        HAS_SOFTCAP=softcap > 0,
-        HAS_DLSE=dlse is not None,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-    return grad
-
-
-def cross_entropy_shard_stats(logits, target, col_offset, weight, label_smoothing, softcap):
-    """Per-row statistics of a vocabulary shard (classes col_offset .. col_offset + V_local of the
-    vocabulary), fp32 [3, N]: shard lse, target logit if the shard holds it (else 0), sum_j w_j z_j
-    (label smoothing only, else 0). logits [N, V_local] with stride(-1) == 1, target [N] (global ids),
-    weight None or [V] (global)."""
-    n_rows, n_cols = logits.shape
-    assert logits.stride(-1) == 1 and target.is_contiguous()
-    stats = torch.empty((3, n_rows), dtype=torch.float32, device=logits.device)
-    if n_rows == 0:
-        return stats
-    block, num_warps = row_launch(max(n_cols, 1), max_block=BWD_BLOCK)
-    cross_entropy_fwd_kernel_shard_stats[(n_rows,)](
-        logits_ptr=logits,
-        logits_row_stride=logits.stride(0),
-        target_ptr=target,
-        weight_ptr=weight if weight is not None else logits,
-        stats_ptr=stats,
-        n_rows=n_rows,
-        n_cols=n_cols,
-        col_offset=col_offset,
-        softcap=softcap,
-        HAS_WEIGHT=weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0,
-        HAS_SOFTCAP=softcap > 0,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-    return stats
-
-
-def cross_entropy_bwd_scale_(grad, dloss):
-    """grad *= dloss (0-d or 1-element tensor), in place, skipped on the device when dloss == 1."""
-    n_rows, n_cols = grad.shape
-    if n_rows == 0:
-        return
-    block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
-    cross_entropy_bwd_kernel_scale[(n_rows, triton.cdiv(n_cols, block))](
-        grad_ptr=grad,
-        grad_row_stride=grad.stride(0),
-        dloss_ptr=dloss,
-        n_cols=n_cols,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-
-
-# ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
-
-
-@torch.library.custom_op("fuselm::cross_entropy_fwd", mutates_args=())
-def _ce_fwd_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(
-        logits,
-        target,
-        weight,
-        weight_sum,
-        grad_scale,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        softcap,
-        compute_grad,
-    )
-
-
-@_ce_fwd_op.register_fake
-def _(
-    logits,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    compute_grad,
-):
-    n = logits.shape[0]
-    stats = logits.new_empty(n, dtype=torch.float32)
-    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
-    return stats, logits.new_empty(n, dtype=torch.float32), grad
-
-
-@torch.library.custom_op("fuselm::cross_entropy_fwd_inplace", mutates_args=("logits",))
-def _ce_fwd_inplace_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd_into(
-        logits, target, weight, weight_sum, grad_scale, logits, ignore_index, label_smoothing, z_loss, softcap
-    )
-
-
-@_ce_fwd_inplace_op.register_fake
-def _(logits, target, weight, weight_sum, grad_scale, ignore_index, label_smoothing, z_loss, softcap):
-    n = logits.shape[0]
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
-
-
-@torch.library.custom_op("fuselm::cross_entropy_bwd", mutates_args=())
-def _ce_bwd_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    dloss: torch.Tensor,
-    dlse: torch.Tensor | None,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-) -> torch.Tensor:
-    grad = torch.empty_like(logits)
-    return cross_entropy_bwd(
-        logits,
-        target,
-        weight,
-        weight_sum,
-        grad_scale,
-        dloss,
-        dlse,
-        lse,
-        grad,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        softcap,
-    )
-
-
-@_ce_bwd_op.register_fake
-def _(
-    logits,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    dloss,
-    dlse,
-    lse,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-):
-    return torch.empty_like(logits)
-
-
-@torch.library.custom_op("fuselm::cross_entropy_bwd_inplace", mutates_args=("logits",))
-def _ce_bwd_inplace_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    dloss: torch.Tensor,
-    dlse: torch.Tensor | None,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-) -> None:
-    cross_entropy_bwd(
-        logits,
-        target,
-        weight,
-        weight_sum,
-        grad_scale,
-        dloss,
-        dlse,
-        lse,
-        logits,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        softcap,
-    )
-
-
-@torch.library.custom_op("fuselm::cross_entropy_bwd_scale_", mutates_args=("grad",))
-def _ce_bwd_scale_op(grad: torch.Tensor, dloss: torch.Tensor) -> None:
-    cross_entropy_bwd_scale_(grad, dloss)
-
-
-# Eager calls launch directly (a custom op costs tens of microseconds of host time per call);
-# under torch.compile the custom ops above stand in, so the graph has no break.
-
-
-def _run_fwd(logits, target, weight, weight_sum, grad_scale, args, compute_grad, inplace):
-    if torch.compiler.is_compiling():
-        if inplace:
-            return (*_ce_fwd_inplace_op(logits, target, weight, weight_sum, grad_scale, *args), logits)
-        return _ce_fwd_op(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
-    if inplace:
-        loss, lse = cross_entropy_fwd_into(logits, target, weight, weight_sum, grad_scale, logits, *args)
-        torch.autograd.graph.increment_version(logits)
-        return loss, lse, logits
-    return cross_entropy_fwd(logits, target, weight, weight_sum, grad_scale, *args, compute_grad)
-
-
-def _run_bwd(inputs, args, inplace):
-    logits = inputs[0]
-    if torch.compiler.is_compiling():
-        if inplace:
-            _ce_bwd_inplace_op(*inputs, *args)
-            return logits
-        return _ce_bwd_op(*inputs, *args)
-    grad = logits if inplace else torch.empty_like(logits)
-    return cross_entropy_bwd(*inputs, grad, *args)
-
-
-def _run_scale_(grad, dloss):
-    """grad *= dloss in place, zeros kept (cross_entropy_bwd_scale_)."""
-    if not use_triton(grad):  # a CPU vocabulary shard (fuselm.distributed on the reference path)
-        grad.copy_(scale_keeping_zeros(grad, dloss))
-    elif torch.compiler.is_compiling():
-        _ce_bwd_scale_op(grad, dloss)
-    else:
-        cross_entropy_bwd_scale_(grad, dloss)
-
-
-# ---- autograd ----
-
-
-def loss_scales(target, weight, ignore_index, reduction, label_smoothing, n_cols):
-    """Device tensors the kernels read, computed without a host sync: sum of the class weights
-    ([1] fp32, when weights and smoothing are used, else None) and the gradient scale ([1] fp32:
-    1 / (number of valid targets, or sum of their weights) for "mean", 1 otherwise)."""
-    valid = target != ignore_index
-    weight_sum = None
-    if weight is not None:
-        t_safe = torch.where(valid & (target >= 0) & (target < n_cols), target, 0)
-        w_t = torch.where(valid, weight.float()[t_safe], 0.0)
-        weight_sum = weight.float().sum().reshape(1) if label_smoothing > 0 else None
-    if reduction == "mean":
-        denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
-        return weight_sum, denom.reciprocal().reshape(1)
-    return weight_sum, torch.ones(1, dtype=torch.float32, device=target.device)
+from .._common.dispatch import use_triton
+from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
+from .._common.loss.options import LossOptions, LossScales, loss_scales, reduce_rows
+from .._common.loss.rows import LocalRows, scale_grad_
+from .reference import cross_entropy_reference
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd for [N, V] logits and [N] targets. Two plans:
+    """Autograd for [N, C] logits and [N] targets through a row backend (LocalRows, or a vocabulary shard).
+    `weight` is opts.weight, passed beside the options because autograd Functions take tensors at the top
+    level. Two plans:
 
     - gradient in forward (reduction mean/sum, no lse output, grad needed): the forward writes
       d loss / d logits (into the logits buffer with inplace_backward); the backward rescales it
       by grad_output in place, which the device skips when grad_output == 1.
     - gradient in backward (reduction none, or return_lse): the forward saves lse; the backward
       reads the logits once and writes the gradient once.
-
-    `shard` (fuselm.distributed, eager only): the logits are one rank's vocabulary shard; its
-    `fwd_into` / `bwd` replace cross_entropy_fwd_into / cross_entropy_bwd (same arguments, global
-    statistics exchanged between ranks) and `n_classes` is the whole vocabulary.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        logits,
-        target,
-        weight,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        return_lse,
-        inplace_backward,
-        compute_grad,
-        shard=None,
-    ):
-        n_classes = shard.n_classes if shard is not None else logits.shape[1]
-        weight_sum, grad_scale = loss_scales(
-            target, weight, ignore_index, reduction, label_smoothing, n_classes
-        )
-        grad_in_forward = compute_grad and reduction != "none" and not return_lse
-        args = (ignore_index, label_smoothing, z_loss, softcap)
-        if shard is None:
-            loss, lse, grad = _run_fwd(
-                logits,
-                target,
-                weight,
-                weight_sum,
-                grad_scale,
-                args,
-                grad_in_forward,
-                grad_in_forward and inplace_backward,
-            )
-        else:
-            grad = None
-            if grad_in_forward:
-                grad = logits if inplace_backward else torch.empty_like(logits)
-            loss, lse = shard.fwd_into(logits, target, weight, weight_sum, grad_scale, grad, *args)
-            if grad is logits:
-                torch.autograd.graph.increment_version(logits)
+    def forward(ctx, logits, target, weight, opts, backend, return_lse, inplace_backward, compute_grad):
+        opts = opts._replace(weight=weight)
+        scales = loss_scales(target, opts, backend.n_classes)
+        grad_in_forward = compute_grad and opts.reduction != "none" and not return_lse
+        mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
+        loss, lse, grad = backend.forward(logits, target, opts, scales, mode)
+        if mode == "inplace" and not torch.compiler.is_compiling():
+            torch.autograd.graph.increment_version(logits)
         if grad_in_forward:
             ctx.save_for_backward(grad)
         else:
-            ctx.save_for_backward(logits, target, weight, weight_sum, grad_scale, lse)
+            ctx.save_for_backward(logits, target, weight, *scales, lse)
         ctx.grad_in_forward = grad_in_forward
         ctx.inplace = inplace_backward
-        ctx.args = args
-        ctx.shard = shard
+        ctx.opts = opts._replace(weight=None)
+        ctx.backend = backend
         ctx.consumed = False
-        if reduction == "sum":
-            loss = loss.sum()
-        elif reduction == "mean":
-            loss = loss.sum() * grad_scale[0]
-        return loss, lse  # fp32; the caller casts to loss_dtype
+        return reduce_rows(loss, opts, scales), lse  # fp32; the caller casts to loss_dtype
 
     @staticmethod
     def backward(ctx, dloss, dlse):
@@ -498,17 +59,15 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.consumed = True
         if ctx.grad_in_forward:
             (grad,) = ctx.saved_tensors
-            _run_scale_(grad, dloss.float().reshape(1))
+            scale_grad_(grad, dloss.float().reshape(1))
         else:
             logits, target, weight, weight_sum, grad_scale, lse = ctx.saved_tensors
             dloss = dloss.float().reshape(-1).contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            inputs = (logits, target, weight, weight_sum, grad_scale, dloss, dlse, lse)
-            if ctx.shard is None:
-                grad = _run_bwd(inputs, ctx.args, ctx.inplace)
-            else:
-                grad = ctx.shard.bwd(*inputs, logits if ctx.inplace else torch.empty_like(logits), *ctx.args)
-        return grad, *([None] * 11)
+            opts = ctx.opts._replace(weight=weight)
+            scales = LossScales(weight_sum, grad_scale)
+            grad = ctx.backend.backward(logits, target, opts, scales, dloss, dlse, lse, ctx.inplace)
+        return grad, *([None] * 7)
 
 
 def cross_entropy(
@@ -574,10 +133,7 @@ def cross_entropy(
     n_cols = input.shape[-1]
     if n_cols == 0:
         raise ValueError("input must have at least one class (last dimension is 0)")
-    check_loss_args(
-        input,
-        target,
-        n_cols,
+    opts = LossOptions.of(
         weight=weight,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -585,6 +141,7 @@ def cross_entropy(
         z_loss=z_loss,
         softcap=softcap,
     )
+    opts.check(input, target, n_cols)
     if input.dtype == torch.float64 or not use_triton(input):
         return cross_entropy_reference(
             input,
@@ -598,54 +155,26 @@ def cross_entropy(
             return_lse=return_lse,
             loss_dtype=loss_dtype,
         )
-
     return apply_cross_entropy(
-        input,
-        target,
-        weight,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        return_lse,
-        inplace_backward,
-        loss_dtype,
+        input, target, opts, return_lse, inplace_backward, loss_dtype, LocalRows(n_cols)
     )
 
 
-def apply_cross_entropy(
-    input,
-    target,
-    weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-    return_lse,
-    inplace_backward,
-    loss_dtype,
-    shard=None,
-):
-    """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction,
-    output shapes and dtype."""
+def apply_cross_entropy(input, target, opts: LossOptions, return_lse, inplace_backward, loss_dtype, backend):
+    """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction over
+    `backend`, output shapes and dtype."""
     loss, lse = CrossEntropyFunction.apply(
         rows_view(input),
         target.reshape(-1).contiguous(),
-        weight.contiguous() if weight is not None else None,
-        ignore_index,
-        reduction,
-        float(label_smoothing),
-        float(z_loss),
-        float(softcap or 0.0),
+        opts.weight,
+        opts._replace(weight=None),
+        backend,
         return_lse,
         inplace_backward,
         torch.is_grad_enabled() and input.requires_grad,
-        shard,
     )
     loss = loss.to(loss_dtype)
-    if reduction == "none":
+    if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if return_lse:
         return loss, lse.reshape(target.shape)

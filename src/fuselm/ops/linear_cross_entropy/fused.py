@@ -1,4 +1,4 @@
-"""Launchers of the fused tile plan (memory="min"): O(N) extra memory, logits only as on-chip tiles.
+"""The fused tile plan (memory="min" on one device): O(N) extra memory, logits only as on-chip tiles.
 
 Forward: ``lce_stats_kernel`` (2NHV FLOPs) writes per-split softmax statistics, torch combines them
 into lse and the per-row loss and gradient coefficients ([4, N] fp32); with the gradient wanted,
@@ -15,6 +15,9 @@ import triton
 
 from .._common.dispatch import interpret_mode
 from .._common.launch import persistent_grid
+from .._common.loss.options import LossOptions, LossScales
+from .._common.loss.reference import loss_from_stats, loss_grad_coefs
+from .._common.loss.rows import LocalRows
 from .kernels import lce_dx_unscale_kernel, lce_stats_kernel, lce_tile_grad_kernel
 
 # Tile configs (tuned on the H200, see benchmarks/NOTES.md). fp32 inputs take half the H block (the
@@ -42,7 +45,7 @@ def _work_rows(target: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, to
     return rows.shape[0], target.index_select(0, rows)
 
 
-def _common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config):
+def _common_args(x, w, b, rows, target, opts, config):
     return dict(
         x_ptr=x,
         x_stride=x.stride(0),
@@ -51,21 +54,21 @@ def _common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config
         b_ptr=b if b is not None else w,
         rows_ptr=rows if rows is not None else target,
         target_ptr=target,
-        class_weight_ptr=weight if weight is not None else w,
+        class_weight_ptr=opts.weight if opts.weight is not None else w,
         v=w.shape[0],
         h=x.shape[1],
-        softcap=softcap,
+        softcap=opts.softcap,
         HAS_ROWS=rows is not None,
         HAS_BIAS=b is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0,
-        HAS_SOFTCAP=softcap > 0,
+        HAS_WEIGHT=opts.weight is not None,
+        HAS_SMOOTHING=opts.label_smoothing > 0,
+        HAS_SOFTCAP=opts.softcap > 0,
         EVEN_H=x.shape[1] % config["BLOCK_H"] == 0,
         IEEE=x.dtype == torch.float32,
     )
 
 
-def fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap):
+def fused_stats(x, w, b, target, rows, opts: LossOptions):
     """(lse, target logit, sum_j w_j z_j) per work row, fp32 [n] each."""
     n, _ = _work_rows(target, rows)
     v = w.shape[0]
@@ -78,7 +81,7 @@ def fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap):
     splits = triton.cdiv(n_vt, tiles_per_split)
     part = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
     lce_stats_kernel[(n_rb * splits,)](
-        **_common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config),
+        **_common_args(x, w, b, rows, target, opts, config),
         part_ptr=part,
         n=n,
         n_splits=splits,
@@ -95,65 +98,26 @@ def fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap):
     return lse, part[2].sum(dim=0), part[3].sum(dim=0)
 
 
-def row_terms(
-    lse,
-    z_t,
-    smooth_dot,
-    target_rows,
-    weight,
-    weight_sum,
-    grad_scale,
-    dloss,
-    dlse,
-    n_cols,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-):
+def row_terms(lse, z_t, smooth_dot, target_rows, opts: LossOptions, scales: LossScales, dloss, dlse, n_cols):
     """Per work row: the loss (fp32 [n]; None when z_t is None) and the gradient coefficients
     coef [4, n] = (lse, p_coef, t_coef, s_coef) of d loss / d z = softmax * p_coef - onehot * t_coef -
-    w * s_coef, scaled by grad_scale * dloss (plus dlse on p_coef). Ignored rows: 0; a target outside
-    [0, V): NaN loss, zero gradient. The same formulas as the cross-entropy kernels (see its README)."""
-    valid = target_rows != ignore_index
-    ok = valid & (target_rows >= 0) & (target_rows < n_cols)
-    if weight is not None:
-        w_t = weight.float()[torch.where(ok, target_rows, 0)]
-    else:
-        w_t = torch.ones_like(lse)
-    ls = label_smoothing
-    w_sum = weight_sum if weight_sum is not None else float(n_cols)
+    w * s_coef, scaled by grad_scale * dloss (plus dlse on p_coef): the family's per-row math
+    (ops/_common/loss/reference.py)."""
     loss = None
     if z_t is not None:
-        loss = w_t * (lse - z_t)
-        if ls > 0:
-            loss = (1.0 - ls) * loss + ls / n_cols * (w_sum * lse - smooth_dot)
-        if z_loss:
-            loss = loss + z_loss * lse * lse
-        loss = torch.where(ok, loss, torch.where(valid, float("nan"), 0.0))
-    scale = grad_scale * dloss
-    if ls > 0:
-        p_coef = (1.0 - ls) * w_t + ls / n_cols * w_sum
-        t_coef = (1.0 - ls) * w_t * scale
-        s_coef = (ls / n_cols) * scale.expand_as(lse)
-    else:
-        p_coef, t_coef, s_coef = w_t, w_t * scale, torch.zeros_like(lse)
-    if z_loss:
-        p_coef = p_coef + 2.0 * z_loss * lse
-    p_coef = torch.where(ok, p_coef * scale, 0.0)
-    if dlse is not None:
-        p_coef = p_coef + dlse
-    zero = torch.zeros_like(lse)
-    coef = torch.stack([lse, p_coef, torch.where(ok, t_coef, zero), torch.where(ok, s_coef, zero)])
-    return loss, coef
+        loss = loss_from_stats(lse, z_t, smooth_dot, target_rows, n_cols, opts)
+    scale = scales.grad_scale * dloss
+    coefs = loss_grad_coefs(lse, target_rows, n_cols, opts, scale, dlse, scales.weight_sum)
+    return loss, torch.stack([lse, *coefs])
 
 
-def dx_row_scales(coef, w, weight, label_smoothing):
+def dx_row_scales(coef, w, opts):
     """Per work row, a power of two s with s * B <= DX_ACC_LIMIT, where B bounds |partial sums of dX_i|:
     |sum_v G_iv W_v| <= (|p_coef| + |t_coef| + |s_coef| * sum_v |w_v|) * max |W| (softmax sums to 1,
     softcap' <= 1). 1 where the bound is 0 or not finite (ignored rows, bad targets)."""
-    w_sum = weight.float().abs().sum() if weight is not None else float(w.shape[0])
+    w_sum = opts.weight.float().abs().sum() if opts.weight is not None else float(w.shape[0])
     row_sum = coef[1].abs() + coef[2].abs()
-    if label_smoothing > 0:
+    if opts.label_smoothing > 0:
         row_sum = row_sum + coef[3].abs() * w_sum
     w_min, w_max = torch.aminmax(w)  # max |W| without an |W| temporary
     bound = row_sum * torch.maximum(w_max.float(), -w_min.float())
@@ -161,11 +125,10 @@ def dx_row_scales(coef, w, weight, label_smoothing):
     return torch.where(torch.isfinite(scale) & (bound > 0), scale, 1.0).contiguous()
 
 
-def fused_tile_grads(
-    x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
-):
+def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs):
     """dx [N, H] (x's dtype; zero on rows not in `rows`), dw [V, H] (w's dtype), db [V] fp32: the
     gradients of sum_i loss_i as weighted by coef [4, n] (see row_terms); None where not needed."""
+    need_dx, need_dw, need_db = needs
     n, _ = _work_rows(target, rows)
     v, h = w.shape
     dx = torch.zeros((x.shape[0], h), dtype=x.dtype, device=x.device) if need_dx else None
@@ -175,10 +138,10 @@ def fused_tile_grads(
         return dx, dw, db
     config = _config(x)
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
-    dx_scale = dx_row_scales(coef, w, weight, label_smoothing) if dx_scaled else None
+    dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
     grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
     lce_tile_grad_kernel[grid](
-        **_common_args(x, w, b, rows, target, weight, softcap, label_smoothing, config),
+        **_common_args(x, w, b, rows, target, opts, config),
         coef_ptr=coef,
         dx_ptr=(dx.view(torch.float16) if dx_scaled else dx) if dx is not None else x,
         dx_stride=dx.stride(0) if dx is not None else 0,
@@ -207,93 +170,26 @@ def fused_tile_grads(
     return dx, dw, db
 
 
-def fused_fwd(
-    x,
-    w,
-    b,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    rows,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    compute_grad,
-    need_dx,
-    need_dw,
-    need_db,
-):
-    """The fused plan's forward, with the contract of op.linear_cross_entropy_fwd (no chunks)."""
+def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, backend, compute_grad, needs):
+    """The fused plan's forward, with the contract of chunked.forward (one device only: no chunks to
+    exchange statistics for)."""
+    assert isinstance(backend, LocalRows), "the fused tile plan runs on one device"
     n, target_rows = _work_rows(target, rows)
     if n == 0:
         lse = torch.empty(0, dtype=torch.float32, device=x.device)
         loss = lse
         coef = torch.empty((4, 0), dtype=torch.float32, device=x.device)
     else:
-        lse, z_t, smooth_dot = fused_stats(x, w, b, target, weight, rows, label_smoothing, softcap)
+        lse, z_t, smooth_dot = fused_stats(x, w, b, target, rows, opts)
         one = torch.ones(1, dtype=torch.float32, device=x.device)
-        loss, coef = row_terms(
-            lse,
-            z_t,
-            smooth_dot,
-            target_rows,
-            weight,
-            weight_sum,
-            grad_scale,
-            one,
-            None,
-            w.shape[0],
-            ignore_index,
-            label_smoothing,
-            z_loss,
-        )
+        loss, coef = row_terms(lse, z_t, smooth_dot, target_rows, opts, scales, one, None, w.shape[0])
     if not compute_grad:
         return loss, lse, None, None, None
-    grads = fused_tile_grads(
-        x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
-    )
-    return loss, lse, *grads
+    return loss, lse, *fused_tile_grads(x, w, b, target, rows, coef, opts, needs)
 
 
-def fused_bwd(
-    x,
-    w,
-    b,
-    target,
-    weight,
-    weight_sum,
-    grad_scale,
-    dloss,
-    dlse,
-    lse,
-    rows,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    need_dx,
-    need_dw,
-    need_db,
-):
-    """The fused plan's recompute backward, with the contract of op.linear_cross_entropy_bwd."""
+def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
+    """The fused plan's recompute backward, with the contract of chunked.backward."""
     _, target_rows = _work_rows(target, rows)
-    _, coef = row_terms(
-        lse,
-        None,
-        None,
-        target_rows,
-        weight,
-        weight_sum,
-        grad_scale,
-        dloss,
-        dlse,
-        w.shape[0],
-        ignore_index,
-        label_smoothing,
-        z_loss,
-    )
-    return fused_tile_grads(
-        x, w, b, target, weight, rows, coef, label_smoothing, softcap, need_dx, need_dw, need_db
-    )
+    _, coef = row_terms(lse, None, None, target_rows, opts, scales, dloss, dlse, w.shape[0])
+    return fused_tile_grads(x, w, b, target, rows, coef, opts, needs)

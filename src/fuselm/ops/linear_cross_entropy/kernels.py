@@ -13,7 +13,7 @@ The math and the costs are in README.md.
 import triton
 import triton.language as tl
 
-from ..cross_entropy.kernels import LOG2E, _softcap
+from .._common.loss.row_math import LOG2E, loss_logit_grad, softcapped
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _tile_logits(
     IEEE: tl.constexpr,
 ):
     """Vocabulary tile vt of the rows: (class indices, their mask, safe int64 indices, logits z after
-    bias and softcap; fp32 [BLOCK_M, BLOCK_V])."""
+    bias and softcap and dz/d(logits); fp32 [BLOCK_M, BLOCK_V])."""
     c = vt * BLOCK_V + tl.arange(0, BLOCK_V)
     c_mask = c < v
     c_safe = tl.where(c_mask, c, 0).to(tl.int64)
@@ -96,8 +96,8 @@ def _tile_logits(
     )
     if HAS_BIAS:
         z += tl.load(b_ptr + c_safe).to(tl.float32)[None, :]
-    z = _softcap(z, softcap, HAS_SOFTCAP)
-    return c, c_mask, c_safe, z
+    z, dz_dx = softcapped(z, softcap, HAS_SOFTCAP)
+    return c, c_mask, c_safe, z, dz_dx
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def lce_stats_kernel(
     z_t = tl.zeros((BLOCK_M,), tl.float32)
     smooth_dot = tl.zeros((BLOCK_M,), tl.float32)
     for j in range(0, tiles_per_split):
-        c, c_mask, c_safe, z = _tile_logits(
+        c, c_mask, c_safe, z, _ = _tile_logits(
             x_ptr,
             x_stride,
             w_ptr,
@@ -233,7 +233,7 @@ def lce_tile_grad_kernel(
     vt = (pid % per_group) // group_rows
 
     i_mask, i_safe, rows = _tile_rows(rows_ptr, rb, n, BLOCK_M, HAS_ROWS)
-    c, c_mask, c_safe, z = _tile_logits(
+    c, c_mask, c_safe, z, dz_dx = _tile_logits(
         x_ptr,
         x_stride,
         w_ptr,
@@ -256,17 +256,24 @@ def lce_tile_grad_kernel(
     p_coef = tl.load(coef_ptr + n + i_safe, mask=i_mask, other=0.0)
     t_coef = tl.load(coef_ptr + 2 * n + i_safe, mask=i_mask, other=0.0)
     t = tl.load(target_ptr + rows).to(tl.int64)
-    g = tl.exp2(z * LOG2E - lse[:, None] * LOG2E) * p_coef[:, None]
-    g -= tl.where(c[None, :] == t[:, None], t_coef[:, None], 0.0)
+    s_coef = 0.0
+    w_c = 1.0
     if HAS_SMOOTHING:
-        s_coef = tl.load(coef_ptr + 3 * n + i_safe, mask=i_mask, other=0.0)
+        s_coef = tl.load(coef_ptr + 3 * n + i_safe, mask=i_mask, other=0.0)[:, None]
         if HAS_WEIGHT:
-            w_c = tl.load(class_weight_ptr + c_safe, mask=c_mask, other=0.0).to(tl.float32)
-            g -= s_coef[:, None] * w_c[None, :]
-        else:
-            g -= s_coef[:, None]
-    if HAS_SOFTCAP:
-        g *= 1.0 - (z / softcap) * (z / softcap)
+            w_c = tl.load(class_weight_ptr + c_safe, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    g = loss_logit_grad(
+        z,
+        dz_dx,
+        lse[:, None],
+        c[None, :] == t[:, None],
+        p_coef[:, None],
+        t_coef[:, None],
+        s_coef,
+        w_c,
+        HAS_SMOOTHING,
+        HAS_SOFTCAP,
+    )
     g = tl.where(i_mask[:, None] & c_mask[None, :], g, 0.0)
     if NEED_DB:
         tl.atomic_add(db_ptr + c_safe, tl.sum(g, axis=0), mask=c_mask, sem="relaxed")

@@ -4,8 +4,8 @@
     loss   = cross_entropy(logits, target, ...)               # fuselm.cross_entropy semantics
 
 Tokens are processed in chunks of `chunk_rows` rows, so at most a few [chunk_rows, V] tensors
-exist at a time (never [N, V]). The per-row math is `cross_entropy_reference` (one definition);
-its gradient d loss / d logits comes from autograd on one chunk at a time.
+exist at a time (never [N, V]). The per-row math is the family's `row_losses`
+(ops/_common/loss/reference.py); its gradient d loss / d logits comes from autograd on one chunk at a time.
 
 Two plans, the same as the Triton path (see README.md):
 - reduction "mean"/"sum" without lse output: the forward computes each chunk's gradient G and
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cross_entropy.reference import cross_entropy_reference, scale_keeping_zeros
+from .._common.loss.options import LossOptions
+from .._common.loss.reference import row_losses, scale_keeping_zeros
 
 # Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -29,24 +30,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_loss_grad(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, dloss, dlse):
+def chunk_loss_grad(logits, target, opts: LossOptions, dloss, dlse):
     """One chunk: (loss_rows, lse, grad) with grad = d(sum(loss_rows * dloss) + sum(lse * dlse)) / d logits.
 
     logits [C, V] in the compute dtype; dloss is a scalar or [C] tensor (None: no gradient), dlse [C] or None.
     """
     with torch.enable_grad():
         z = logits.detach().requires_grad_(dloss is not None)
-        loss, lse = cross_entropy_reference(
-            z,
-            target,
-            weight=weight,
-            ignore_index=ignore_index,
-            reduction="none",
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            softcap=softcap,
-            return_lse=True,
-        )
+        loss, lse = row_losses(z, target, opts)
         if dloss is None:
             return loss.detach(), lse.detach(), None
         objective = (loss * dloss).sum()
@@ -58,15 +49,15 @@ def chunk_loss_grad(logits, target, weight, ignore_index, label_smoothing, z_los
 
 class _LinearCrossEntropyReference(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, w, b, target, weight, chunk_rows, ignore_index, reduction, ls, z_loss, softcap, return_lse
-    ):
+    def forward(ctx, x, w, b, target, weight, opts, chunk_rows, return_lse):
         with torch.autocast(x.device.type, enabled=False):  # fp32 math whatever autocast says
             cd = _compute_dtype(x.dtype)
             n, v = x.shape[0], w.shape[0]
             wc = w.to(cd)
             bc = b.to(cd) if b is not None else None
-            valid = target != ignore_index
+            opts = opts._replace(weight=weight)
+            reduction = opts.reduction
+            valid = target != opts.ignore_index
             if weight is not None:
                 t_safe = torch.where(valid & (target >= 0) & (target < v), target, 0)
                 denom = torch.where(valid, weight.to(cd)[t_safe], 0).sum()
@@ -84,9 +75,8 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 e = min(s + chunk_rows, n)
                 xc = x[s:e].to(cd)
                 logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)  # [C, V]
-                args = (weight, ignore_index, ls, z_loss, softcap)
                 loss[s:e], lse[s:e], g = chunk_loss_grad(
-                    logits, target[s:e], *args, scale if grad_in_forward else None, None
+                    logits, target[s:e], opts, scale if grad_in_forward else None, None
                 )
                 if grad_in_forward:
                     dx[s:e] = g @ wc
@@ -96,7 +86,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             ctx.grad_in_forward = grad_in_forward
             ctx.device_type = x.device.type
             ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
-            ctx.args = (chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse)
+            ctx.args = (chunk_rows, opts._replace(weight=None), return_lse)
             if grad_in_forward:
                 ctx.save_for_backward(dx, dw, db)
             else:
@@ -114,14 +104,14 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss, dlse):
         with torch.autocast(ctx.device_type, enabled=False):
-            chunk_rows, ignore_index, ls, z_loss, softcap, reduction, return_lse = ctx.args
+            chunk_rows, opts, return_lse = ctx.args
             if ctx.grad_in_forward:
                 dx, dw, db = ctx.saved_tensors
                 d = dloss.to(dx.dtype)
                 x_dtype, w_dtype, b_dtype = ctx.dtypes
                 db = scale_keeping_zeros(db, d).to(b_dtype) if db is not None else None
                 dx, dw = scale_keeping_zeros(dx, d).to(x_dtype), scale_keeping_zeros(dw, d).to(w_dtype)
-                return dx, dw, db, *([None] * 9)
+                return dx, dw, db, *([None] * 5)
             x, w, b, target, weight, scale = ctx.saved_tensors
             cd = _compute_dtype(x.dtype)
             n, v = x.shape[0], w.shape[0]
@@ -136,25 +126,16 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 e = min(s + chunk_rows, n)
                 xc = x[s:e].to(cd)
                 logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
-                coef = dloss[s:e] if reduction == "none" else dloss * scale
-                _, _, g = chunk_loss_grad(
-                    logits,
-                    target[s:e],
-                    weight,
-                    ignore_index,
-                    ls,
-                    z_loss,
-                    softcap,
-                    coef,
-                    dlse[s:e] if dlse is not None else None,
-                )
+                coef = dloss[s:e] if opts.reduction == "none" else dloss * scale
+                dlse_c = dlse[s:e] if dlse is not None else None
+                _, _, g = chunk_loss_grad(logits, target[s:e], opts._replace(weight=weight), coef, dlse_c)
                 dx[s:e] = g @ wc
                 dw += g.T @ xc
                 if db is not None:
                     db += g.sum(0)
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             db = db.to(b_dtype) if db is not None else None
-            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 9)
+            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 5)
 
 
 def linear_cross_entropy_reference(
@@ -198,18 +179,21 @@ def linear_cross_entropy_reference(
             v * torch.tensor([], dtype=_compute_dtype(input.dtype)).element_size()
         )
     chunk_rows = max(1, int(chunk_rows))
+    opts = LossOptions.of(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+    )
     loss, lse = _LinearCrossEntropyReference.apply(
         input.reshape(-1, h),
         linear_weight,
         linear_bias,
         target.reshape(-1),
         weight,
+        opts,
         chunk_rows,
-        ignore_index,
-        reduction,
-        float(label_smoothing),
-        float(z_loss),
-        softcap,
         return_lse,
     )
     loss = loss.to(loss_dtype or input.dtype)

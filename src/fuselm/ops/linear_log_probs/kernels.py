@@ -1,5 +1,6 @@
-"""Triton kernels of linear_log_probs. The math is in README.md; reference.py holds the same three
-per-row functions in PyTorch (transform_logits, row_statistics, row_logit_grad).
+"""Triton kernels of linear_log_probs. The math is in README.md; reference.py holds the same per-row
+functions in PyTorch (row_statistics, row_logit_grad); the logit transform and the softmax gradient are
+the family's (ops/_common/loss/row_math.py).
 
 Forward: per vocabulary slab, programs of BLOCK_N rows read the slab's fp32 logits once and fold them
 into every requested statistic, online over column blocks and over slabs (base-2 exponentials around
@@ -11,32 +12,7 @@ place of d/d(raw logits).
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _tanh(a):
-    """tanh in fp32 to a few ulp: an odd polynomial near 0 (where 1 - 2 / (exp(2a) + 1) would lose the
-    low bits to cancellation), that formula elsewhere (it saturates cleanly to +-1)."""
-    a2 = a * a
-    poly = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
-    return tl.where(a2 < 0.0625, poly, 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0))
-
-
-@triton.jit
-def _transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
-    """(z, dz/du) of raw logits u (fp32): z = softcap * tanh(u * logit_scale / softcap) / temperature, or
-    u * logit_scale / temperature without softcap (dz/du then a scalar)."""
-    y = u * logit_scale
-    if HAS_SOFTCAP:
-        th = _tanh(y / softcap)
-        z = th * (softcap * inv_temp)
-        dz_du = (1.0 - th * th) * (logit_scale * inv_temp)
-    else:
-        z = y * inv_temp
-        dz_du = logit_scale * inv_temp
-    return z, dz_du
+from .._common.loss.row_math import LN2, LOG2E, softmax_grad, transform
 
 
 @triton.jit
@@ -104,11 +80,9 @@ def _row_logit_grad_block(
     entropy), with p_j = exp(z_j - lse)."""
     log_p = z - lse
     p = tl.exp2(log_p * LOG2E)
-    g = p * (dlse - dlog_probs)
+    g = softmax_grad(p, is_target, dlse - dlog_probs, -dlog_probs)
     if HAS_DENTROPY:
         g -= (dentropy * p) * (log_p + entropy)
-    if HAS_DLOG_PROBS:
-        g += tl.where(is_target, dlog_probs, 0.0)
     return g
 
 
@@ -182,7 +156,7 @@ def linear_log_probs_fwd_kernel(
         )
         if HAS_BIAS:
             u += tl.load(bias_ptr + col_offset + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
-        z, _ = _transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+        z, _ = transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
         m2, s, sd, sq, z_sum, z_max, before, z_t = _row_stats_block(
             z,
             c,
@@ -269,7 +243,7 @@ def linear_log_probs_bwd_kernel(
     u = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_BIAS:
         u += tl.load(bias_ptr + col_offset + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    z, dz_du = _transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
+    z, dz_du = transform(u, logit_scale, softcap, inv_temp, HAS_SOFTCAP)
     dlog_probs = tl.zeros((BLOCK_N,), tl.float32)
     dentropy = tl.zeros((BLOCK_N,), tl.float32)
     dlse = tl.zeros((BLOCK_N,), tl.float32)

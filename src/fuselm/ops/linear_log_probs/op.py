@@ -15,13 +15,14 @@ import torch
 import triton
 
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
-from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view, validate_memory
+from .._common.guard import FLOAT_DTYPES, check_tensor, linear_operands, rows_view, validate_memory
 from .._common.launch import row_launch
-from ..linear_cross_entropy.op import linear_operands, memory_budget
+from .._common.loss.budget import memory_budget
+from .._common.loss.compaction import kept_rows
+from .._common.loss.options import LossOptions
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
-MIN_BUDGET = 8 * 2**20  # memory="min": bytes of a slab buffer (the fp32 d input accumulator comes on top)
 SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
 AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
 MIN_SLAB_FLOOR = 128  # memory="min" or an int budget
@@ -35,10 +36,6 @@ STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN
 
 
 # ---- plan ----
-
-
-def _budget(memory, device: torch.device) -> int:
-    return MIN_BUDGET if memory == "min" else memory_budget(memory, device)
 
 
 def slab_cols(budget: int, fixed: int, n_rows: int, n_classes: int, itemsize: int, floor: int) -> int:
@@ -55,23 +52,6 @@ def hosted_rows(n_total: int, itemsize: int) -> int:
     """Rows of the fp32 [n, H] d input accumulator that fit in the storage of the returned d input
     [n_total, H] of `itemsize`-byte elements: n_total / 2 for 16-bit inputs, n_total for fp32."""
     return n_total * itemsize // 4
-
-
-def kept_rows(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor | None:
-    """Eager only, one host sync: int64 indices of the rows of target [N] that are not ignore_index, or None
-    when every row is kept. Raises ValueError if a target is outside [0, n_classes) and not ignore_index."""
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= n_classes))
-    n_kept, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # the one host sync
-    if n_bad:
-        value = target[bad][0].item()
-        raise ValueError(
-            f"target holds {value}, outside [0, {n_classes}) and not ignore_index={ignore_index} "
-            f"({n_bad} such tokens)"
-        )
-    if n_kept == target.shape[0]:
-        return None
-    return torch.nonzero_static(valid, size=n_kept).reshape(-1)
 
 
 # ---- launchers ----
@@ -110,16 +90,25 @@ def _rows(x, target, rows):
     return x.index_select(0, rows), target.index_select(0, rows)
 
 
-def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
+def _kernel_options(opts: LossOptions) -> dict:
+    return dict(
+        ignore_index=opts.ignore_index,
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+        inv_temp=1.0 / opts.temperature,
+        HAS_SOFTCAP=opts.softcap > 0,
+    )
+
+
+def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
     """Vocabulary-slab forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
     rows to compute (ignored ones compacted out) or None for all. plan = (budget, slab_floor,
-    fixed_in_budget); options = (ignore_index, logit_scale, softcap or 0, 1 / temperature); stats: bits of
+    fixed_in_budget); opts: ignore_index, logit_scale, softcap, temperature; stats: bits of
     the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into one
     reused [n, Vs] buffer, one kernel folds them into the rows' running statistics. Returns (log_probs,
     entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where
     not asked."""
     budget, slab_floor, fixed_in_budget = plan
-    ignore_index, logit_scale, softcap, inv_temp = options
     h = x.shape[1]
     v = w.shape[0]
     assert w.shape[1] == h and target.is_contiguous() and (b is None or b.is_contiguous())
@@ -158,12 +147,7 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
             n_cols=v1 - v0,
             col_offset=v0,
             n_classes=v,
-            ignore_index=ignore_index,
-            logit_scale=logit_scale,
-            softcap=softcap,
-            inv_temp=inv_temp,
             HAS_BIAS=b is not None,
-            HAS_SOFTCAP=softcap > 0,
             HAS_ENTROPY=entropy is not None,
             HAS_SUM_SQ=log_sum_sq is not None,
             HAS_MEAN=mean is not None,
@@ -173,6 +157,7 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats):
             BLOCK_N=block_n,
             BLOCK_V=block_v,
             num_warps=num_warps,
+            **_kernel_options(opts),
         )
     return outs
 
@@ -213,7 +198,7 @@ def _dx_finish(dx, top, bottom, rows, chunk_rows):
 
 
 def linear_log_probs_bwd(
-    x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, fixed_in_budget, options, needs
+    x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, fixed_in_budget, opts, needs
 ):
     """Vocabulary-slab backward. lse, entropy (or None): [n] per computed row, from the forward; grads =
     (dlog_probs, dentropy, dlse), each fp32 [n] or None. Per slab of Vs classes: its logits for all n
@@ -222,7 +207,6 @@ def linear_log_probs_bwd(
     acc += G W[slab] (fp32; half of it, or all of it for fp32 inputs, lives in the storage of the returned
     dx). `fixed` memory (the accumulator part beyond dx, gathered rows) counts against `budget` when
     fixed_in_budget. Returns dx [N, H] (zero on rows not computed), dw [V, H], db [V] fp32."""
-    ignore_index, logit_scale, softcap, inv_temp = options
     need_dx, need_dw, need_db = needs
     n_total, h = x.shape
     v = w.shape[0]
@@ -268,18 +252,14 @@ def linear_log_probs_bwd(
             n_cols=v1 - v0,
             col_offset=v0,
             n_classes=v,
-            ignore_index=ignore_index,
-            logit_scale=logit_scale,
-            softcap=softcap,
-            inv_temp=inv_temp,
             HAS_BIAS=b is not None,
-            HAS_SOFTCAP=softcap > 0,
             HAS_DLOG_PROBS=dlog_probs is not None,
             HAS_DENTROPY=dentropy is not None,
             HAS_DLSE=dlse is not None,
             BLOCK_N=block_n,
             BLOCK_V=block_v,
             num_warps=num_warps,
+            **_kernel_options(opts),
         )
         if dx is not None:
             _addmm_fp32_(top, g[:m], w_slab)
@@ -313,23 +293,24 @@ def _fwd_op(
     slab_floor: int,
     fixed_in_budget: bool,
     ignore_index: int,
-    logit_scale: float,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
     softcap: float,
-    inv_temp: float,
+    logit_scale: float,
+    temperature: float,
     stats: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = (budget, slab_floor, fixed_in_budget)
-    outs = linear_log_probs_fwd(
-        x, w, b, target, None, plan, (ignore_index, logit_scale, softcap, inv_temp), stats
-    )
+    opts = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature)
+    outs = linear_log_probs_fwd(x, w, b, target, None, plan, opts, stats)
     log_probs = outs[0]
     return tuple(_or_empty(o, log_probs) for o in outs[:5]) + (_or_empty(outs[5], log_probs, torch.bool),)
 
 
 @_fwd_op.register_fake
-def _(
-    x, w, b, target, budget, slab_floor, fixed_in_budget, ignore_index, logit_scale, softcap, inv_temp, stats
-):
+def _(x, w, b, target, budget, slab_floor, fixed_in_budget, *scalars_and_stats):
+    stats = scalars_and_stats[-1]
     n = x.shape[0]
 
     def out(bit, dtype=torch.float32):
@@ -353,9 +334,12 @@ def _bwd_op(
     slab_floor: int,
     fixed_in_budget: bool,
     ignore_index: int,
-    logit_scale: float,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
     softcap: float,
-    inv_temp: float,
+    logit_scale: float,
+    temperature: float,
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
@@ -372,34 +356,15 @@ def _bwd_op(
         budget,
         slab_floor,
         fixed_in_budget,
-        (ignore_index, logit_scale, softcap, inv_temp),
+        LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature),
         (need_dx, need_dw, need_db),
     )
     return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
 
 
 @_bwd_op.register_fake
-def _(
-    x,
-    w,
-    b,
-    target,
-    lse,
-    entropy,
-    dlog_probs,
-    dentropy,
-    dlse,
-    budget,
-    slab_floor,
-    fixed_in_budget,
-    ignore_index,
-    logit_scale,
-    softcap,
-    inv_temp,
-    need_dx,
-    need_dw,
-    need_db,
-):
+def _(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, *plan_scalars_and_needs):
+    need_dx, need_dw, need_db = plan_scalars_and_needs[-3:]
     dx = x.new_empty(x.shape if need_dx else (0,))
     dw = w.new_empty(w.shape if need_dw else (0,))
     db = lse.new_empty(w.shape[0] if need_db else 0)
@@ -410,19 +375,19 @@ def _(
 # ops above stand in, on all rows (no data-dependent shapes, no host sync).
 
 
-def _run_fwd(x, w, b, target, rows, plan, options, stats):
+def _run_fwd(x, w, b, target, rows, plan, opts, stats):
     if torch.compiler.is_compiling():
-        outs = _fwd_op(x, w, b, target, *plan, *options, stats)
+        outs = _fwd_op(x, w, b, target, *plan, *opts.scalars(), stats)
         keep = (True, stats & ENTROPY, True, stats & SUM_SQ, stats & MEAN, stats & TOP1)
         return tuple(o if k else None for o, k in zip(outs, keep, strict=True))
-    return linear_log_probs_fwd(x, w, b, target, rows, plan, options, stats)
+    return linear_log_probs_fwd(x, w, b, target, rows, plan, opts, stats)
 
 
-def _run_bwd(x, w, b, target, lse, entropy, grads, rows, plan, options, needs):
+def _run_bwd(x, w, b, target, lse, entropy, grads, rows, plan, opts, needs):
     if torch.compiler.is_compiling():
-        out = _bwd_op(x, w, b, target, lse, entropy, *grads, *plan, *options, *needs)
+        out = _bwd_op(x, w, b, target, lse, entropy, *grads, *plan, *opts.scalars(), *needs)
         return tuple(t if need else None for t, need in zip(out, needs, strict=True))
-    return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, *plan, options, needs)
+    return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, *plan, opts, needs)
 
 
 # ---- autograd ----
@@ -435,12 +400,12 @@ class LinearLogProbsFunction(torch.autograd.Function):
     the non-ignored rows, or None to compute every row."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, rows, plan, options, stats):
+    def forward(ctx, x, w, b, target, rows, plan, opts, stats):
         ctx.set_materialize_grads(False)
-        outs = _run_fwd(x, w, b, target, rows, plan, options, stats)
+        outs = _run_fwd(x, w, b, target, rows, plan, opts, stats)
         _, entropy, lse, *_ = outs
         ctx.save_for_backward(x, w, b, target, rows, lse, entropy)
-        ctx.plan, ctx.options = plan, options
+        ctx.plan, ctx.opts = plan, opts
         if rows is not None:  # back to one value per token: 0 (False) on ignored ones
             n = x.shape[0]
             outs = tuple(o.new_zeros(n).index_copy_(0, rows, o) if o is not None else None for o in outs)
@@ -459,7 +424,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             grads.append(g)
         if all(g is None for g in grads) or not any(needs):
             return (None,) * 8
-        dx, dw, db = _run_bwd(x, w, b, target, lse, entropy, tuple(grads), rows, ctx.plan, ctx.options, needs)
+        dx, dw, db = _run_bwd(x, w, b, target, lse, entropy, tuple(grads), rows, ctx.plan, ctx.opts, needs)
         if db is not None:
             db = db.to(b.dtype)
         return dx, dw, db, *([None] * 5)
@@ -615,7 +580,7 @@ def linear_log_probs(
 
     t1 = target.reshape(-1)
     rows = kept_rows(t1, v, ignore_index) if compaction_allowed(device) else None
-    budget = _budget(memory, device)
+    budget = memory_budget(memory, device)
     if input.dtype == torch.float64 or not use_triton(input):
         stats = linear_log_probs_reference(
             input,
@@ -630,7 +595,13 @@ def linear_log_probs(
             rows=rows,
         )
     else:
-        options = (ignore_index, logit_scale, softcap or 0.0, 1.0 / temperature)
+        opts = LossOptions.of(
+            ignore_index=ignore_index,
+            reduction="none",
+            softcap=softcap,
+            logit_scale=logit_scale,
+            temperature=temperature,
+        )
         # (bytes, least classes of a slab, does the fp32 d input accumulator count against the bytes?)
         plan = (budget, AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR, memory != "min")
         stat_bits = sum(bit for name, bit in STAT_BITS.items() if name in names)
@@ -641,7 +612,7 @@ def linear_log_probs(
             t1.contiguous(),
             rows,
             plan,
-            options,
+            opts,
             stat_bits,
         )
         stats = tuple(s.reshape(target.shape) if s is not None else None for s in stats)

@@ -7,8 +7,8 @@ the test oracle.
     log_probs = z[target] - lse,  entropy = lse - sum_j p_j z_j,  lse = logsumexp(z),
     log_sum_sq_probs = log sum_j p_j^2,  mean_logits = mean_j z_j,  is_top1 = argmax_j z_j == target
 
-The per-row math is written once here (`transform_logits`, `row_statistics`, `row_logit_grad`); the
-Triton kernels implement the same three functions (kernels.py). The plan has the shape of the Triton
+The per-row math is written once here (`row_statistics`, `row_logit_grad`, on the family's
+`transform_logits` and `softmax_grad`); the Triton kernels implement the same functions (kernels.py). The plan has the shape of the Triton
 path (README.md): the forward walks chunks of tokens, the backward walks slabs of the vocabulary,
 recomputing each slab's logits for every kept token, so that d linear_weight[slab] is one product over
 all tokens (summed in the compute dtype, rounded once) and d input is summed in the compute dtype.
@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .._common.loss.reference import softmax_grad, transform_logits
 
 OUTPUT_NAMES = ("log_probs", "entropy", "lse", "log_sum_sq_probs", "mean_logits", "is_top1")
 DIFFERENTIABLE = ("log_probs", "entropy", "lse")
@@ -55,16 +57,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---- the per-row math (one definition) ----
 
 
-def transform_logits(u, logit_scale: float, softcap: float | None, temperature: float):
-    """(z, dz/du): z = softcap * tanh(u * logit_scale / softcap) / temperature, or u * logit_scale /
-    temperature without softcap. dz/du is a tensor like u with softcap, else a Python float."""
-    y = u * logit_scale
-    if softcap:
-        th = torch.tanh(y / softcap)
-        return th * (softcap / temperature), (1.0 - th * th) * (logit_scale / temperature)
-    return y / temperature, logit_scale / temperature
-
-
 def row_statistics(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Every per-row statistic of z [R, V] (compute dtype) for targets [R] in [0, V) (callers clamp others):
     (log_probs, entropy, lse, log_sum_sq_probs, mean_logits, is_top1). Sums are taken around the row max m
@@ -93,17 +85,12 @@ def row_logit_grad(z, target, lse, entropy, dlog_probs, dentropy, dlse):
     """
     log_p = z - lse[:, None]
     p = torch.exp(log_p)
-    coef = torch.zeros_like(lse)
-    if dlse is not None:
-        coef = coef + dlse
-    if dlog_probs is not None:
-        coef = coef - dlog_probs
-    g = p * coef[:, None]
+    a = dlog_probs if dlog_probs is not None else torch.zeros_like(lse)
+    p_coef = dlse - a if dlse is not None else -a
+    cols = torch.arange(z.shape[1], device=z.device)
+    g = softmax_grad(p, cols[None, :] == target[:, None], p_coef[:, None], -a[:, None])
     if dentropy is not None:
         g = g - (dentropy[:, None] * p) * (log_p + entropy[:, None])
-    if dlog_probs is not None:
-        cols = torch.arange(z.shape[1], device=z.device)
-        g = g + torch.where(cols[None, :] == target[:, None], dlog_probs[:, None], 0.0)
     return g
 
 

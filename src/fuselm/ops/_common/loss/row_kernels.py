@@ -1,4 +1,8 @@
-"""Triton kernels of cross-entropy on logits. The math is in README.md.
+"""The row kernels of the cross-entropy family: rows of logits in, per-row loss and lse out, and
+d loss / d logits (in place or into another buffer). fuselm.cross_entropy runs them on its input, the
+chunked plan of fuselm.linear_cross_entropy on each chunk's logits, a vocabulary shard
+(fuselm.distributed) with the class offset of its slice. The per-row math is row_math.py; the loss
+formula is in ops/cross_entropy/README.md.
 
 One program per row. The forward walks the row once for the statistics (online max and
 sum of exp) and, when the gradient is computed in the forward, once more to write it;
@@ -9,20 +13,7 @@ Rows that fit one block are read once.
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    if HAS_SOFTCAP:
-        # c * tanh(x / c) with tanh(y) = 1 - 2 / (exp(2y) + 1): saturates cleanly to +-1
-        x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
-    return x
-
-
-@triton.jit
-def _load_row_block(x_row, cols, n_cols, EVICT: tl.constexpr):
-    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy=EVICT)
+from .row_math import LOG2E, loss_grad_coefs, loss_logit_grad, online_lse_step, row_loss, softcapped
 
 
 @triton.jit
@@ -34,56 +25,27 @@ def _row_grad_block(
     target,
     lse,
     p_coef,
-    target_coef,
-    smooth_coef,
+    t_coef,
+    s_coef,
     weight_ptr,
     softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """d loss / d x on one block of a row: softmax * p_coef - onehot * target_coef - w * smooth_coef."""
+    """Write d(loss * scale)/dx of one block of a row (raw logits x) to g_row + cols."""
     mask = cols < n_cols
-    z = _softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
-    g = tl.exp2(z * LOG2E - lse * LOG2E) * p_coef - tl.where(cols == target, target_coef, 0.0)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            g -= w * smooth_coef
-        else:
-            g -= smooth_coef
-    if HAS_SOFTCAP:
-        g *= 1.0 - (z / softcap) * (z / softcap)
+    z, dz_dx = softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+    w = 1.0
+    if HAS_SMOOTHING and HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    g = loss_logit_grad(z, dz_dx, lse, cols == target, p_coef, t_coef, s_coef, w, HAS_SMOOTHING, HAS_SOFTCAP)
     tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 @triton.jit
-def _grad_coefs(
-    w_t,
-    weight_sum,
-    lse,
-    scale,
-    ok,
-    label_smoothing,
-    z_loss,
-    n_classes,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-):
-    """(p_coef, target_coef, smooth_coef) of _row_grad_block for a row whose loss is weighted by `scale`.
-    `ok`: the target is not ignored and in range; other rows get zeros (an out-of-range target's NaN loss
-    leaves the weights alone)."""
-    if HAS_SMOOTHING:
-        p_coef = (1.0 - label_smoothing) * w_t + label_smoothing / n_classes * weight_sum
-        target_coef = (1.0 - label_smoothing) * w_t * scale
-        smooth_coef = label_smoothing / n_classes * scale
-    else:
-        p_coef = w_t
-        target_coef = w_t * scale
-        smooth_coef = 0.0
-    if HAS_Z_LOSS:
-        p_coef += 2.0 * z_loss * lse
-    return tl.where(ok, p_coef * scale, 0.0), tl.where(ok, target_coef, 0.0), tl.where(ok, smooth_coef, 0.0)
+def _load_row_block(x_row, cols, n_cols, EVICT: tl.constexpr):
+    return tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -123,10 +85,11 @@ def cross_entropy_fwd_kernel(
         cols = tl.arange(0, BLOCK_V)
 
         # pass 1: lse = m + log(s), and sum_j w_j z_j for label smoothing   # [BLOCK_V] tiles
+        smooth_dot = 0.0
         if SINGLE_BLOCK:
             mask = cols < n_cols
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
+            z = tl.where(mask, softcapped(x, softcap, HAS_SOFTCAP)[0], float("-inf"))
             m = tl.max(z, axis=0)
             s = tl.sum(tl.exp(z - m), axis=0)
             if HAS_SMOOTHING:
@@ -139,17 +102,13 @@ def cross_entropy_fwd_kernel(
             # online softmax in base 2 (exp2(x * log2e - m2) is one FMA and one MUFU op per logit)
             m2 = float("-inf")
             s = 0.0
-            smooth_dot = 0.0
             for start in range(0, n_cols, BLOCK_V):
                 c = start + cols
                 x = tl.load(x_row + c, mask=c < n_cols, other=float("-inf"), eviction_policy="evict_last")
                 z = x.to(tl.float32)
                 if HAS_SOFTCAP:
-                    z = tl.where(c < n_cols, _softcap(z, softcap, HAS_SOFTCAP), float("-inf"))
-                m2_new = tl.maximum(m2, tl.max(z, axis=0) * LOG2E)
-                m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)  # a block of -inf logits adds 0
-                s = s * tl.exp2(m2 - m2_safe) + tl.sum(tl.exp2(z * LOG2E - m2_safe), axis=0)
-                m2 = m2_new
+                    z = tl.where(c < n_cols, softcapped(z, softcap, HAS_SOFTCAP)[0], float("-inf"))
+                m2, s = online_lse_step(m2, s, z)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -161,24 +120,27 @@ def cross_entropy_fwd_kernel(
 
         # per-row loss
         t_safe = tl.where(valid & in_range, target, 0)
-        z_t = _softcap(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)
+        z_t = softcapped(tl.load(x_row + t_safe).to(tl.float32), softcap, HAS_SOFTCAP)[0]
+        w_t = 1.0
+        weight_sum = n_cols * 1.0
         if HAS_WEIGHT:
             w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
-        else:
-            w_t = 1.0
-        loss = w_t * (lse - z_t)
-        weight_sum = 0.0
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
+            if HAS_SMOOTHING:
                 weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
-            else:
-                weight_sum = n_cols * 1.0
-            loss = (1.0 - label_smoothing) * loss + label_smoothing / n_cols * (weight_sum * lse - smooth_dot)
-        if HAS_Z_LOSS:
-            loss += z_loss * lse * lse
-        bad = valid & (in_range == 0)  # out-of-range target: NaN, never an out-of-bounds access
-        loss = tl.where(valid, loss, 0.0)
-        loss = tl.where(bad, float("nan"), loss)
+        loss = row_loss(
+            lse,
+            z_t,
+            smooth_dot,
+            w_t,
+            weight_sum,
+            valid,
+            in_range,
+            label_smoothing,
+            z_loss,
+            n_cols,
+            HAS_SMOOTHING,
+            HAS_Z_LOSS,
+        )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
 
@@ -188,7 +150,7 @@ def cross_entropy_fwd_kernel(
             # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
             tl.debug_barrier()
             scale = tl.load(grad_scale_ptr).to(tl.float32)
-            p_coef, target_coef, smooth_coef = _grad_coefs(
+            p_coef, target_coef, smooth_coef = loss_grad_coefs(
                 w_t,
                 weight_sum,
                 lse,
@@ -287,7 +249,7 @@ def cross_entropy_bwd_kernel(
     else:
         w_t = 1.0
         weight_sum = n_classes * 1.0
-    p_coef, target_coef, smooth_coef = _grad_coefs(
+    p_coef, target_coef, smooth_coef = loss_grad_coefs(
         w_t,
         weight_sum,
         lse,
@@ -320,57 +282,6 @@ def cross_entropy_bwd_kernel(
             HAS_SMOOTHING,
             HAS_SOFTCAP,
         )
-
-
-@triton.jit
-def cross_entropy_fwd_kernel_shard_stats(
-    logits_ptr,
-    logits_row_stride,
-    target_ptr,
-    weight_ptr,
-    stats_ptr,
-    n_rows,
-    n_cols,
-    col_offset,
-    softcap,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """Statistics of one row of a vocabulary shard (classes col_offset .. col_offset + n_cols), into
-    stats [3, n_rows] fp32: lse over the shard (-inf for an empty one), the target logit when the
-    shard holds the target (else 0), sum_j w_j z_j over the shard (0 without smoothing). Ranks
-    combine them (logsumexp, sum, sum) into the row's global statistics."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = logits_ptr + row * logits_row_stride
-    cols = tl.arange(0, BLOCK_V)
-    m2 = float("-inf")
-    s = 0.0
-    smooth_dot = 0.0
-    for start in range(0, n_cols, BLOCK_V):
-        c = start + cols
-        mask = c < n_cols
-        x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-        z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP), float("-inf"))
-        m2_new = tl.maximum(m2, tl.max(z, axis=0) * LOG2E)
-        m2_safe = tl.where(m2_new == float("-inf"), 0.0, m2_new)  # a block of -inf logits adds 0
-        s = s * tl.exp2(m2 - m2_safe) + tl.sum(tl.exp2(z * LOG2E - m2_safe), axis=0)
-        m2 = m2_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + col_offset + c, mask=mask, other=0.0).to(tl.float32)
-                smooth_dot += tl.sum(tl.where(mask, w * z, 0.0), axis=0)
-            else:
-                smooth_dot += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    lse = m2 / LOG2E + tl.log(s)
-    local = tl.load(target_ptr + row).to(tl.int64) - col_offset
-    owned = (local >= 0) & (local < n_cols)
-    x_t = tl.load(x_row + tl.where(owned, local, 0), mask=owned, other=0.0).to(tl.float32)
-    z_t = tl.where(owned, _softcap(x_t, softcap, HAS_SOFTCAP), 0.0)
-    tl.store(stats_ptr + row, lse)
-    tl.store(stats_ptr + n_rows + row, z_t)
-    tl.store(stats_ptr + 2 * n_rows + row, smooth_dot)
 
 
 @triton.jit

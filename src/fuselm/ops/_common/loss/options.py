@@ -1,0 +1,136 @@
+"""The options of the cross-entropy family, as one object from a public function down to the launchers."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..dispatch import validate_enabled
+from ..guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor
+
+
+class LossOptions(NamedTuple):
+    """What a loss of the family computes per row, besides the logits and the targets.
+
+    Per row with logits x, target t: ``z = transform(x)`` (``softcap * tanh(x * logit_scale / softcap) /
+    temperature``; without softcap ``x * logit_scale / temperature``), then the cross-entropy of z with
+    class weights, label smoothing and z-loss (ops/cross_entropy/README.md). ``softcap`` 0 means none,
+    ``weight`` None means ones. Launchers take the object whole; only a torch.library custom op needs it
+    flattened (``weight`` as a tensor argument, then :meth:`scalars`).
+
+    Example:
+        >>> opts = LossOptions.of(label_smoothing=0.1, softcap=None)
+        >>> opts.softcap, opts.has_smoothing
+        (0.0, True)
+    """
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float = 0.0
+    logit_scale: float = 1.0
+    temperature: float = 1.0
+    weight: torch.Tensor | None = None
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        weight=None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        logit_scale: float = 1.0,
+        temperature: float = 1.0,
+    ) -> LossOptions:
+        """The options, checked (each ValueError names its argument), with Python floats (softcap None ->
+        0.0) and a contiguous weight (checked against the input by :meth:`check`)."""
+        check_choice("reduction", reduction, ("mean", "sum", "none"))
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        if z_loss < 0:
+            raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+            raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        return cls(
+            ignore_index,
+            reduction,
+            float(label_smoothing),
+            float(z_loss),
+            float(softcap or 0.0),
+            float(logit_scale),
+            float(temperature),
+            weight.contiguous() if isinstance(weight, torch.Tensor) else weight,
+        )
+
+    @classmethod
+    def from_scalars(cls, weight, *scalars) -> LossOptions:
+        """The inverse of (``weight``, ``*scalars()``): the custom ops rebuild the object with it."""
+        return cls(*scalars, weight)
+
+    def scalars(self) -> tuple:
+        """Every field but ``weight``, in order: the custom ops' flat arguments."""
+        return tuple(self[:-1])
+
+    @property
+    def has_smoothing(self) -> bool:
+        return self.label_smoothing > 0
+
+    def check(self, input: torch.Tensor, target: object, n_classes: int) -> None:
+        """The checks of target and weight against the input (each ValueError names its argument); under
+        FUSELM_VALIDATE=1 also the target range (a host sync). ``input`` [..., C] gives the device and the
+        target shape ``input.shape[:-1]``."""
+        check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
+        if tuple(target.shape) != tuple(input.shape[:-1]):
+            expected = tuple(input.shape[:-1])
+            raise ValueError(
+                f"target must have shape input.shape[:-1] = {expected}, got {tuple(target.shape)}"
+            )
+        weight = self.weight
+        if weight is not None:
+            check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)
+            if weight.shape[0] != n_classes:
+                raise ValueError(
+                    f"weight must have shape [{n_classes}] (one per class), got {tuple(weight.shape)}"
+                )
+        if validate_enabled():
+            check_target_range(target, n_classes, self.ignore_index)
+
+
+class LossScales(NamedTuple):
+    """Device scalars the row kernels read (fp32 [1] each): the sum of the class weights (label smoothing
+    with class weights only, else None) and the gradient scale (1 / the mean's denominator, else 1)."""
+
+    weight_sum: torch.Tensor | None
+    grad_scale: torch.Tensor
+
+
+def loss_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> LossScales:
+    """The LossScales of target [N] (global class ids), computed without a host sync: "mean" divides by
+    the number of non-ignored targets, or by the sum of their class weights."""
+    valid = target != opts.ignore_index
+    weight = opts.weight
+    weight_sum = None
+    if weight is not None:
+        t_safe = torch.where(valid & (target >= 0) & (target < n_classes), target, 0)
+        w_t = torch.where(valid, weight.float()[t_safe], 0.0)
+        weight_sum = weight.float().sum().reshape(1) if opts.has_smoothing else None
+    if opts.reduction == "mean":
+        denom = w_t.sum() if weight is not None else valid.sum(dtype=torch.float32)
+        return LossScales(weight_sum, denom.reciprocal().reshape(1))
+    return LossScales(weight_sum, torch.ones(1, dtype=torch.float32, device=target.device))
+
+
+def reduce_rows(loss: torch.Tensor, opts: LossOptions, scales: LossScales) -> torch.Tensor:
+    """Per-row losses (fp32) reduced as opts.reduction asks ("none": unchanged)."""
+    if opts.reduction == "sum":
+        return loss.sum()
+    if opts.reduction == "mean":
+        return loss.sum() * scales.grad_scale[0]
+    return loss

@@ -1,0 +1,315 @@
+"""Launchers of the row kernels, their custom ops (what torch.compile sees), and LocalRows: the row backend
+of one device.
+
+A row backend turns rows of logits [N, C] into per-row losses and lse, and into d loss / d logits: the
+contract the autograd Functions of cross_entropy and linear_cross_entropy are written against. LocalRows
+holds every class of a row (C = V); fuselm.distributed's VocabShard holds a slice of them and exchanges
+per-row statistics with the other ranks. Both take a LossOptions and the LossScales of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..dispatch import interpret_mode, use_triton
+from ..launch import persistent_grid, row_launch
+from .options import LossOptions, LossScales
+from .reference import scale_keeping_zeros
+from .row_kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
+
+# Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
+# SINGLE_BLOCK_MAX columns are held in registers and read once; longer rows loop in blocks whose
+# size grows with V, FWD_PROGRAMS_PER_SM rows in flight per multiprocessor (persistent grid).
+SINGLE_BLOCK_MAX = 4096
+LOOP_CONFIGS = ((65536, 16384, 16), (16384, 8192, 8), (0, 4096, 4))  # (min V, BLOCK_V, num_warps)
+FWD_PROGRAMS_PER_SM = 4
+BWD_BLOCK = 8192
+SCALE_BLOCK = 8192
+
+
+def _fwd_config(n_cols: int) -> tuple[bool, int, int]:
+    """(row held in one block?, BLOCK_V, num_warps)."""
+    block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
+    if block >= n_cols:
+        return True, block, num_warps
+    block, num_warps = next((b, w) for min_v, b, w in LOOP_CONFIGS if n_cols >= min_v)
+    if interpret_mode():
+        block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
+    return False, block, num_warps
+
+
+def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
+    """The arguments every row kernel takes from the options and the scales."""
+    return dict(
+        weight_ptr=opts.weight if opts.weight is not None else scales.grad_scale,
+        weight_sum_ptr=scales.weight_sum if scales.weight_sum is not None else scales.grad_scale,
+        grad_scale_ptr=scales.grad_scale,
+        ignore_index=opts.ignore_index,
+        label_smoothing=opts.label_smoothing,
+        z_loss=opts.z_loss,
+        softcap=opts.softcap,
+        HAS_WEIGHT=opts.weight is not None,
+        HAS_SMOOTHING=opts.label_smoothing > 0,
+        HAS_Z_LOSS=opts.z_loss != 0,
+        HAS_SOFTCAP=opts.softcap > 0,
+    )
+
+
+def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad):
+    """Per-row loss and lse (fp32 [N]) of logits [N, V] (stride(-1) == 1), target [N]; with `grad` (may be
+    `logits` itself), also writes d(sum_i loss_i * grad_scale) / d logits into it."""
+    n_rows, n_cols = logits.shape
+    assert logits.stride(-1) == 1 and target.is_contiguous()
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows == 0:
+        return loss, lse
+    single, block, num_warps = _fwd_config(n_cols)
+    if grad is not None:
+        assert grad.stride(-1) == 1 and grad.shape == logits.shape
+    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, FWD_PROGRAMS_PER_SM),)](
+        logits_ptr=logits,
+        logits_row_stride=logits.stride(0),
+        target_ptr=target,
+        grad_ptr=grad if grad is not None else logits,
+        grad_row_stride=grad.stride(0) if grad is not None else 0,
+        loss_ptr=loss,
+        lse_ptr=lse,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        COMPUTE_GRAD=grad is not None,
+        SINGLE_BLOCK=single,
+        BLOCK_V=block,
+        num_warps=num_warps,
+        **_kernel_options(opts, scales),
+    )
+    return loss, lse
+
+
+def rows_bwd_into(
+    logits,
+    target,
+    opts: LossOptions,
+    scales: LossScales,
+    dloss,
+    dlse,
+    lse,
+    grad,
+    col_offset=0,
+    n_classes=None,
+):
+    """d(sum_i loss_i * grad_scale * dloss_i + lse_i * dlse_i) / d logits from the saved lse into `grad` (may
+    be `logits` itself): one read, one write per logit. dloss: fp32 [1] or [N]; dlse fp32 [N] or None.
+    A vocabulary shard: `logits` holds classes col_offset .. col_offset + C of `n_classes`; target, weight
+    [n_classes] and lse are global."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return grad
+    block, num_warps = row_launch(n_cols, max_block=BWD_BLOCK)
+    cross_entropy_bwd_kernel[(n_rows,)](
+        logits_ptr=logits,
+        logits_row_stride=logits.stride(0),
+        target_ptr=target,
+        grad_ptr=grad,
+        grad_row_stride=grad.stride(0),
+        dloss_ptr=dloss,
+        dloss_stride=0 if dloss.numel() == 1 else 1,
+        dlse_ptr=dlse if dlse is not None else lse,
+        lse_ptr=lse,
+        n_cols=n_cols,
+        col_offset=col_offset,
+        n_classes=n_cols if n_classes is None else n_classes,
+        HAS_DLSE=dlse is not None,
+        BLOCK_V=block,
+        num_warps=num_warps,
+        **_kernel_options(opts, scales),
+    )
+    return grad
+
+
+def _scale_grad_kernel_(grad, dloss):
+    n_rows, n_cols = grad.shape
+    if n_rows == 0:
+        return
+    block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
+    cross_entropy_bwd_kernel_scale[(n_rows, triton.cdiv(n_cols, block))](
+        grad_ptr=grad,
+        grad_row_stride=grad.stride(0),
+        dloss_ptr=dloss,
+        n_cols=n_cols,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+
+
+# ---- custom ops: torch.compile sees one opaque node per launch, no graph break. The options travel as
+# (weight, *LossOptions.scalars()) and the scales as their two tensors. ----
+
+
+@torch.library.custom_op("fuselm::loss_rows_fwd", mutates_args=())
+def _fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    grad = torch.empty_like(logits) if compute_grad else None
+    loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad)
+    return loss, lse, grad if grad is not None else logits.new_empty(0)
+
+
+@_fwd_op.register_fake
+def _(logits, target, weight, weight_sum, grad_scale, *scalars_and_compute_grad):
+    n = logits.shape[0]
+    grad = torch.empty_like(logits) if scalars_and_compute_grad[-1] else logits.new_empty(0)
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), grad
+
+
+@torch.library.custom_op("fuselm::loss_rows_fwd_inplace", mutates_args=("logits",))
+def _fwd_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    return rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits)
+
+
+@_fwd_inplace_op.register_fake
+def _(logits, *rest):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fuselm::loss_rows_bwd", mutates_args=())
+def _bwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+) -> torch.Tensor:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    scales = LossScales(weight_sum, grad_scale)
+    return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, torch.empty_like(logits))
+
+
+@_bwd_op.register_fake
+def _(logits, *rest):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("fuselm::loss_rows_bwd_inplace", mutates_args=("logits",))
+def _bwd_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+) -> None:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    rows_bwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), dloss, dlse, lse, logits)
+
+
+@torch.library.custom_op("fuselm::scale_grad_", mutates_args=("grad",))
+def _scale_grad_op(grad: torch.Tensor, dloss: torch.Tensor) -> None:
+    _scale_grad_kernel_(grad, dloss)
+
+
+def scale_grad_(grad: torch.Tensor, dloss: torch.Tensor) -> None:
+    """grad *= dloss (fp32 [1] on the device) in place, a zero kept zero whatever dloss (PyTorch's gradient of
+    an ignored token is 0 even for an inf or NaN upstream gradient); the device skips it when dloss == 1."""
+    if not use_triton(grad):  # a CPU vocabulary shard (fuselm.distributed on the reference path)
+        grad.copy_(scale_keeping_zeros(grad, dloss))
+    elif torch.compiler.is_compiling():
+        _scale_grad_op(grad, dloss)
+    else:
+        _scale_grad_kernel_(grad, dloss)
+
+
+class LocalRows:
+    """The row backend of one device: every class of a row is here (n_classes = the logits' width).
+
+    Eager calls launch the kernels directly (a custom op costs tens of microseconds of host time per
+    call); under torch.compile the custom ops stand in, so the graph has no break."""
+
+    def __init__(self, n_classes: int):
+        self.n_classes = n_classes
+
+    def forward(self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None):
+        """(loss, lse, grad or None) of logits [N, V]; grad None: no gradient, "new": d(sum_i loss_i *
+        grad_scale)/d logits in a new tensor, "inplace": written over the logits."""
+        if torch.compiler.is_compiling():
+            flat = (logits, target, opts.weight, *scales, *opts.scalars())
+            if grad == "inplace":
+                return (*_fwd_inplace_op(*flat), logits)
+            loss, lse, g = _fwd_op(*flat, grad is not None)
+            return loss, lse, g if grad is not None else None
+        buf = logits if grad == "inplace" else (torch.empty_like(logits) if grad else None)
+        return (*rows_fwd_into(logits, target, opts, scales, buf), buf)
+
+    def backward(
+        self, logits, target, opts: LossOptions, scales: LossScales, dloss, dlse, lse, inplace: bool
+    ):
+        """d(sum_i loss_i * grad_scale * dloss_i + lse_i * dlse_i) / d logits, written over the logits when
+        inplace."""
+        if torch.compiler.is_compiling():
+            flat = (logits, target, opts.weight, *scales, dloss, dlse, lse, *opts.scalars())
+            if inplace:
+                _bwd_inplace_op(*flat)
+                return logits
+            return _bwd_op(*flat)
+        grad = logits if inplace else torch.empty_like(logits)
+        return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, grad)
+
+    def reduce_input_grad_(self, dx: torch.Tensor) -> torch.Tensor:
+        """The gradient of the linear ops' input, summed over where the classes live: here, nothing to do."""
+        return dx

@@ -1,0 +1,168 @@
+"""The plans of linear_cross_entropy, chosen once by name, and the custom ops that stand for them under
+torch.compile.
+
+- ``"chunked"`` (chunked.py): token chunks through one reused [C, V] buffer; any row backend.
+- ``"fused"`` (fused.py): logit tiles on chip, O(N) extra memory; one device only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._common.loss.budget import MIN_BUDGET, memory_budget
+from .._common.loss.options import LossOptions, LossScales
+from .._common.loss.rows import LocalRows
+from . import chunked, fused
+
+PLANS = {"chunked": chunked, "fused": fused}
+
+
+class Plan(NamedTuple):
+    """A plan by name, with the chunk rows of the chunked plan (0 for the fused one)."""
+
+    name: str
+    chunk_rows: int = 0
+
+
+def choose_plan(
+    memory, device: torch.device, n_classes: int, hidden: int, itemsize: int, one_device: bool
+) -> Plan:
+    """memory="min" on one device: the fused tile plan; else chunks sized for the
+    budget (memory_budget; free memory is asked on one device only, so that the ranks of a vocabulary
+    split chunk alike; `n_classes`: the widest slice of the vocabulary)."""
+    if memory == "min" and one_device:
+        return Plan("fused")
+    budget = memory_budget(memory, device, query_free=one_device)
+    return Plan("chunked", chunked.chunk_rows_for(budget, n_classes, hidden, itemsize))
+
+
+def reference_chunk_rows(memory, n_classes: int, hidden: int, itemsize: int) -> int:
+    """Chunk rows of the PyTorch reference path (fp32 or fp64 temporaries of `itemsize` bytes)."""
+    budget = MIN_BUDGET if memory == "min" else memory_budget(memory, torch.device("cpu"))
+    return chunked.chunk_rows_for(budget, n_classes, hidden, itemsize)
+
+
+# ---- custom ops: under torch.compile each pass of a plan is one opaque node (no graph break, every row
+# computed, one device). The options travel as (weight, *LossOptions.scalars()). ----
+
+
+def _or_empty(t, like):
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    plan_name: str,
+    chunk_rows: int,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+    compute_grad: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    plan = Plan(plan_name, chunk_rows)
+    scales = LossScales(weight_sum, grad_scale)
+    needs = (need_dx, need_dw, need_db)
+    backend = LocalRows(w.shape[0])
+    loss, lse, dx, dw, db = PLANS[plan_name].forward(
+        plan, x, w, b, target, None, opts, scales, backend, compute_grad, needs
+    )
+    return loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, loss)
+
+
+@_fwd_op.register_fake
+def _(x, w, b, target, weight, weight_sum, grad_scale, plan_name, chunk_rows, *scalars_and_flags):
+    compute_grad, need_dx, need_dw, need_db = scalars_and_flags[-4:]
+    n, v = x.shape[0], w.shape[0]
+    loss = x.new_empty(n, dtype=torch.float32)
+    dx = x.new_empty(x.shape) if compute_grad and need_dx else x.new_empty(0)
+    dw = w.new_empty(w.shape) if compute_grad and need_dw else w.new_empty(0)
+    db = loss.new_empty(v) if compute_grad and need_db else loss.new_empty(0)
+    return loss, x.new_empty(n, dtype=torch.float32), dx, dw, db
+
+
+@torch.library.custom_op("fuselm::linear_cross_entropy_bwd", mutates_args=())
+def _bwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    dloss: torch.Tensor,
+    dlse: torch.Tensor | None,
+    lse: torch.Tensor,
+    plan_name: str,
+    chunk_rows: int,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    logit_scale: float,
+    temperature: float,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = LossOptions(
+        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+    )
+    plan = Plan(plan_name, chunk_rows)
+    scales = LossScales(weight_sum, grad_scale)
+    backend = LocalRows(w.shape[0])
+    needs = (need_dx, need_dw, need_db)
+    dx, dw, db = PLANS[plan_name].backward(
+        plan, x, w, b, target, None, opts, scales, backend, dloss, dlse, lse, needs
+    )
+    return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
+
+
+@_bwd_op.register_fake
+def _(x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse, *names_scalars_and_needs):
+    need_dx, need_dw, need_db = names_scalars_and_needs[-3:]
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
+    dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
+    db = lse.new_empty(w.shape[0]) if need_db else lse.new_empty(0)
+    return dx, dw, db
+
+
+def run_forward(plan: Plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs):
+    """The plan's forward: the launchers in eager mode (may compact ignored rows), the custom op under
+    torch.compile (one device)."""
+    if torch.compiler.is_compiling():
+        flat = (x, w, b, target, opts.weight, *scales, *plan, *opts.scalars())
+        loss, lse, dx, dw, db = _fwd_op(*flat, compute_grad, *needs)
+        kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
+        return (loss, lse, *kept)
+    return PLANS[plan.name].forward(plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs)
+
+
+def run_backward(plan: Plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
+    """The plan's recompute backward, as run_forward."""
+    if torch.compiler.is_compiling():
+        flat = (x, w, b, target, opts.weight, *scales, dloss, dlse, lse, *plan, *opts.scalars())
+        grads = _bwd_op(*flat, *needs)
+        return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
+    return PLANS[plan.name].backward(
+        plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs
+    )
