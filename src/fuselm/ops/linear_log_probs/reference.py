@@ -8,8 +8,9 @@ the test oracle.
     log_sum_sq_probs = log sum_j p_j^2,  mean_logits = mean_j z_j,  is_top1 = argmax_j z_j == target
 
 The per-row math is written once here (`row_statistics`, `row_logit_grad`, on the family's
-`transform_logits` and `softmax_grad`); the Triton kernels implement the same functions (kernels.py). The plan has the shape of the Triton
-path (README.md): the forward walks chunks of tokens, the backward walks slabs of the vocabulary,
+`transform_logits` and `softmax_grad`); the Triton kernels implement the same functions (kernels.py).
+The plan has the shape of the Triton path (README.md): the forward walks chunks of tokens, the backward
+walks slabs of the vocabulary,
 recomputing each slab's logits for every kept token, so that d linear_weight[slab] is one product over
 all tokens (summed in the compute dtype, rounded once) and d input is summed in the compute dtype.
 Math in fp32 (fp64 for fp64 input).
