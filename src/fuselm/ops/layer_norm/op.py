@@ -10,17 +10,18 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
-from .._common.launch import persistent_grid
-from ..rms_norm.op import reduce_partials_, resident_programs, tile_config
+from .._common.launch import persistent_grid, resident_programs
+from .._common.normalization import tile_config
+from .._common.partial_sums import reduce_partials_
 from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
 from .reference import layer_norm_reference
 
-# ---- launch configuration (the helpers and their other constants live in ops/rms_norm/op.py) ----
+# ---- launch configuration (as rms_norm's; the tile plan is ops/_common/normalization.py) ----
 MAX_FUSED_H = 16384  # rows up to this many columns are held in registers and read once
 LOOP_BLOCK_H = 4096  # column block of longer rows
 FWD_TILE = 4096  # elements a forward program holds (several short rows per program)
 BWD_TILE = 4096
-FWD_ELEMS_PER_WARP = 512  # num_warps = tile elements / this (clamped to the rms_norm MIN/MAX_WARPS)
+FWD_ELEMS_PER_WARP = 512  # num_warps = tile elements / this (clamped to normalization.MIN/MAX_WARPS)
 BWD_ELEMS_PER_WARP = 512
 FWD_PROGRAMS_PER_SM = 0  # 0: one program per row block; k > 0: persistent, k per multiprocessor
 BWD_PROGRAMS_PER_SM = 0  # 0: as many as are resident at once (at most BWD_MAX_PROGRAMS_PER_SM); k > 0: k
