@@ -1,5 +1,5 @@
-"""What the row normalizations (rms_norm, layer_norm) share: the tile plan of their kernels and the
-Triton helpers that walk those tiles.
+"""What the row normalizations (rms_norm, layer_norm) share: the checks of their arguments, the tile
+plan of their kernels and the Triton helpers that walk those tiles.
 
 A program holds BLOCK_ROWS rows x BLOCK_H columns. Rows of up to `max_fused` columns are held whole
 (SINGLE_BLOCK, read once; several short rows share a program); longer rows are walked in column
@@ -10,11 +10,14 @@ warp, max_fused, loop_block) at the top of its op.py and passes them here.
 from __future__ import annotations
 
 import functools
+import math
 
+import torch
 import triton
 import triton.language as tl
 
 from .dispatch import interpret_mode
+from .guard import FLOAT_DTYPES, check_tensor
 
 MAX_BLOCK_ROWS = 64
 # warps per program: tile elements / elems_per_warp, clamped to [MIN_WARPS, MAX_WARPS]
@@ -51,6 +54,30 @@ def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
         return False, 1, block_h, num_warps_for(block_h, elems_per_warp)
     block_rows = max(1, min(tile // block_h, MAX_BLOCK_ROWS, triton.next_power_of_2(max(n_rows, 1))))
     return True, block_rows, block_h, num_warps_for(block_rows * block_h, elems_per_warp)
+
+
+def check_norm_args(x, params: dict, residual, eps) -> None:
+    """ValueError naming the argument unless x is [..., H] (H > 0), each of `params` (name -> tensor
+    or None) None or [H], residual None or like x, and eps a finite number >= 0."""
+    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    n_cols = x.shape[-1]
+    if n_cols == 0:
+        raise ValueError(
+            f"x must have a non-empty last dimension (the normalized one), got shape {tuple(x.shape)}"
+        )
+    for name, t in params.items():
+        if t is not None:
+            check_tensor(name, t, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
+            if t.shape[0] != n_cols:
+                raise ValueError(f"{name} must have shape [{n_cols}] (x.shape[-1]), got {tuple(t.shape)}")
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
 # ---- Triton helpers of the kernels ----

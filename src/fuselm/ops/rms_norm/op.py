@@ -9,9 +9,9 @@ import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.guard import check_choice, rows_view
 from .._common.launch import persistent_grid, resident_programs
-from .._common.normalization import tile_config
+from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from .reference import CASTINGS, rms_norm_output_dtype, rms_norm_reference
@@ -260,25 +260,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, eps, offset, residual, casting) -> None:
-    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
-    n_cols = x.shape[-1]
-    if n_cols == 0:
-        raise ValueError(
-            f"x must have a non-empty last dimension (the normalized one), got shape {tuple(x.shape)}"
-        )
-    if weight is not None:
-        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
-        if weight.shape[0] != n_cols:
-            raise ValueError(f"weight must have shape [{n_cols}] (x.shape[-1]), got {tuple(weight.shape)}")
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
+    check_norm_args(x, {"weight": weight}, residual, eps)
     check_choice("casting", casting, CASTINGS)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset must be a finite number, got {offset!r}")
     if weight is None and offset != 0:
