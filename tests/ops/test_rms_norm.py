@@ -20,6 +20,7 @@ import torch
 from conftest import TRITON_PATH, kernel_device
 
 import fuselm
+from fuselm.ops._common import launch
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.rms_norm import op as rms_op
 from fuselm.ops.rms_norm import rms_norm, rms_norm_reference
@@ -323,12 +324,13 @@ def test_resident_programs_from_registers(monkeypatch):
                 raise RuntimeError("no warmup in this Triton")
             return Compiled(self.n_regs)
 
-    monkeypatch.setattr(rms_op, "_OCCUPANCY", {})
-    monkeypatch.setattr(rms_op, "_sm_limits", lambda index: (132, 65536, 2048, 233472))
-    monkeypatch.setattr(rms_op, "persistent_grid", lambda n, device, per_sm: min(n, 132 * per_sm))
+    monkeypatch.setattr(launch, "_OCCUPANCY", {})
+    monkeypatch.setattr(launch, "_sm_limits", lambda index: (132, 65536, 2048, 233472))
+    monkeypatch.setattr(launch, "persistent_grid", lambda n, device, per_sm: min(n, 132 * per_sm))
     cuda = SimpleNamespace(type="cuda", index=0)
+    caps = (rms_op.BWD_MAX_PROGRAMS_PER_SM, rms_op.BWD_FALLBACK_PROGRAMS_PER_SM)
     programs = lambda regs, warps, per_sm=0: rms_op.resident_programs(  # noqa: E731
-        Kernel(regs), dict(num_warps=warps), 10**6, cuda, per_sm
+        Kernel(regs), dict(num_warps=warps), 10**6, cuda, per_sm, *caps
     )
     assert programs(117, 8) == 2 * 132  # 120 x 256 threads: 2 per SM
     assert programs(41, 8) == 5 * 132  # 48 (not 41) x 256: 5 per SM

@@ -1,9 +1,10 @@
-"""One row-launch heuristic for every row-wise kernel."""
+"""Launch heuristics of the row-wise kernels: the block of a one-row program, and persistent grids."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
 import triton
 
 from .dispatch import interpret_mode
@@ -24,15 +25,72 @@ def row_launch(n_cols: int, max_block: int = 32768) -> tuple[int, int]:
     return block, num_warps
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
+@functools.lru_cache(maxsize=8)
+def _sm_limits(index: int) -> tuple[int, int, int, int]:
+    """(multiprocessors, registers, threads, shared memory bytes) per multiprocessor."""
+    p = torch.cuda.get_device_properties(index)
+    return (
+        p.multi_processor_count,
+        getattr(p, "regs_per_multiprocessor", 65536),
+        getattr(p, "max_threads_per_multi_processor", 2048),
+        getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
+    )
 
 
 def persistent_grid(n_items: int, device, programs_per_sm: int) -> int:
     """Programs of a persistent kernel over `n_items` rows: a few per multiprocessor, at most one a row."""
     if device.type != "cuda":
         return max(n_items, 1)
-    return max(1, min(n_items, _sm_count(device.index or 0) * programs_per_sm))
+    return max(1, min(n_items, _sm_limits(device.index or 0)[0] * programs_per_sm))
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _occupancy_key(kwargs: dict) -> tuple:
+    """What decides a compiled variant's registers: tensor dtypes, the constexprs (UPPER_CASE names)
+    and num_warps. The launch builds kwargs in a fixed order, so no sorting. Integer and alignment
+    specializations are left out: they change the registers little, and a wrong guess costs time only."""
+    return tuple(
+        v.dtype if isinstance(v, torch.Tensor) else v
+        for k, v in kwargs.items()
+        if k[0].isupper() or k == "num_warps" or isinstance(v, torch.Tensor)
+    )
+
+
+def resident_programs(
+    kernel,
+    kwargs: dict,
+    n_items: int,
+    device: torch.device,
+    per_sm: int,
+    max_per_sm: int = 8,
+    fallback_per_sm: int = 2,
+) -> int:
+    """Programs of a persistent `kernel` (launched with `kwargs`) over n_items row blocks: per_sm per
+    multiprocessor if per_sm > 0, else as many as are resident at once (one wave), from the compiled
+    kernel's register and shared memory use, at most max_per_sm per multiprocessor (fallback_per_sm
+    when this Triton cannot say). The occupancy is computed once per kernel variant and device."""
+    if device.type != "cuda":
+        return max(n_items, 1)
+    if per_sm <= 0:
+        name = getattr(getattr(kernel, "fn", None), "__name__", type(kernel).__name__)
+        key = (name, device.index, max_per_sm, _occupancy_key(kwargs))
+        per_sm = _OCCUPANCY.get(key, 0)
+        if not per_sm:
+            try:
+                compiled = kernel.warmup(grid=(1,), **kwargs)
+                compiled._init_handles()
+                _, regs, threads, smem = _sm_limits(device.index or 0)
+                threads_per_program = 32 * kwargs["num_warps"]
+                regs_per_thread = -(-max(1, compiled.n_regs) // 8) * 8  # allocated 256 per warp
+                per_sm = min(
+                    regs // (regs_per_thread * threads_per_program),
+                    threads // threads_per_program,
+                    smem // max(1, compiled.metadata.shared),
+                )
+                per_sm = max(1, min(per_sm, max_per_sm))
+            except Exception:  # noqa: BLE001 - an older or newer Triton: use the fixed count
+                per_sm = fallback_per_sm
+            _OCCUPANCY[key] = per_sm
+    return persistent_grid(n_items, device, per_sm)

@@ -4,23 +4,15 @@ Same plan as rms_norm (see ops/rms_norm/kernels.py): a program holds BLOCK_ROWS 
 columns; rows that fit one block are read once (two-pass mean / variance in registers); longer rows
 are walked in column blocks (three walks forward: mean, centred variance, output; two backward).
 The backward is persistent and writes per-program dweight / dbias partials [programs, H] in fp32,
-summed by rms_norm_bwd_kernel_reduce (no atomics, deterministic).
+summed by ops/_common/partial_sums.py (no atomics, deterministic). The tile plan and the helpers
+shared with rms_norm are in ops/_common/normalization.py.
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _load_input(x_ptrs, r_ptrs, s_ptrs, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
-    """The tile that is normalized, in fp32: x, or x + residual rounded to x's dtype (stored if asked)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if STORE_SUM:
-            tl.store(s_ptrs, x, mask=mask)
-    return x.to(tl.float32)
+from .._common.normalization import col_block, load_norm_input, store_dx
+from .._common.partial_sums import accumulate_partial_row
 
 
 @triton.jit
@@ -86,7 +78,7 @@ def layer_norm_fwd_kernel(
         row_mask = rows < n_rows
         if SINGLE_BLOCK:
             mask = row_mask[:, None] & col_mask[None, :]
-            s = _load_input(
+            s = load_norm_input(
                 x_ptr + rows[:, None] * x_row_stride + cols[None, :],
                 res_ptr + rows[:, None] * res_row_stride + cols[None, :],
                 sum_ptr + rows[:, None] * sum_row_stride + cols[None, :],
@@ -106,9 +98,8 @@ def layer_norm_fwd_kernel(
             # pass 1: mean (and the residual sum, stored)
             acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
-                c = start + cols
-                mask = row_mask[:, None] & (c < n_cols)[None, :]
-                acc += _load_input(
+                c, _, mask = col_block(start, cols, n_cols, row_mask)
+                acc += load_norm_input(
                     x_ptr + rows[:, None] * x_row_stride + c[None, :],
                     res_ptr + rows[:, None] * res_row_stride + c[None, :],
                     sum_ptr + rows[:, None] * sum_row_stride + c[None, :],
@@ -120,9 +111,8 @@ def layer_norm_fwd_kernel(
             # pass 2: variance of the centred values (no cancellation)
             acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
-                c = start + cols
-                mask = row_mask[:, None] & (c < n_cols)[None, :]
-                s = _load_input(
+                c, _, mask = col_block(start, cols, n_cols, row_mask)
+                s = load_norm_input(
                     x_ptr + rows[:, None] * x_row_stride + c[None, :],
                     res_ptr + rows[:, None] * res_row_stride + c[None, :],
                     sum_ptr,
@@ -138,10 +128,8 @@ def layer_norm_fwd_kernel(
             # pass 3, last block first: output
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
-                c = (n_col_blocks - 1 - i) * BLOCK_H + cols
-                c_mask = c < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
-                s = _load_input(
+                c, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
+                s = load_norm_input(
                     x_ptr + rows[:, None] * x_row_stride + c[None, :],
                     res_ptr + rows[:, None] * res_row_stride + c[None, :],
                     sum_ptr,
@@ -213,11 +201,7 @@ def layer_norm_bwd_kernel(
             c1 = tl.sum(g, axis=1)[:, None] * inv_n_cols
             c2 = tl.sum(g * xhat, axis=1)[:, None] * inv_n_cols
             dx = (g - c1 - xhat * c2) * rstd
-            if HAS_DSUM:
-                ds = tl.load(dsum_ptr + rows[:, None] * dsum_row_stride + cols[None, :], mask=mask, other=0.0)
-                dx += ds.to(tl.float32)
-            dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
-            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, cols, mask, HAS_DSUM)
             if COMPUTE_DW:
                 dw_acc += dy * xhat
             if COMPUTE_DB:
@@ -236,9 +220,7 @@ def layer_norm_bwd_kernel(
             acc1 = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
-                c_ = start + cols
-                c_mask = c_ < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
+                c_, c_mask, mask = col_block(start, cols, n_cols, row_mask)
                 x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
                 g = dy.to(tl.float32)
@@ -251,9 +233,7 @@ def layer_norm_bwd_kernel(
             # pass 2, last block first: dx, and the partials of this program
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
-                c_ = (n_col_blocks - 1 - i) * BLOCK_H + cols
-                c_mask = c_ < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
+                c_, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
                 x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
@@ -262,14 +242,8 @@ def layer_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     g = g * tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32)[None, :]
                 dx = (g - c1 - xhat * c2) * rstd
-                if HAS_DSUM:
-                    ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
-                    dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
-                dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
-                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
                 if COMPUTE_DW:
-                    part = tl.load(dw_row + c_, mask=c_mask, other=0.0)
-                    tl.store(dw_row + c_, part + tl.sum(dy * xhat, axis=0), mask=c_mask)
+                    accumulate_partial_row(dw_row, c_, c_mask, dy * xhat)
                 if COMPUTE_DB:
-                    part = tl.load(db_row + c_, mask=c_mask, other=0.0)
-                    tl.store(db_row + c_, part + tl.sum(dy, axis=0), mask=c_mask)
+                    accumulate_partial_row(db_row, c_, c_mask, dy)

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import FLOAT_DTYPES, check_tensor, rows_view
-from .._common.launch import persistent_grid
-from ..rms_norm.op import reduce_partials_, resident_programs, tile_config
+from .._common.guard import rows_view
+from .._common.launch import persistent_grid, resident_programs
+from .._common.normalization import check_norm_args, tile_config
+from .._common.partial_sums import reduce_partials_
 from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
 from .reference import layer_norm_reference
 
-# ---- launch configuration (the helpers and their other constants live in ops/rms_norm/op.py) ----
+# ---- launch configuration (as rms_norm's; the tile plan is ops/_common/normalization.py) ----
 MAX_FUSED_H = 16384  # rows up to this many columns are held in registers and read once
 LOOP_BLOCK_H = 4096  # column block of longer rows
 FWD_TILE = 4096  # elements a forward program holds (several short rows per program)
 BWD_TILE = 4096
-FWD_ELEMS_PER_WARP = 512  # num_warps = tile elements / this (clamped to the rms_norm MIN/MAX_WARPS)
+FWD_ELEMS_PER_WARP = 512  # num_warps = tile elements / this (clamped to normalization.MIN/MAX_WARPS)
 BWD_ELEMS_PER_WARP = 512
 FWD_PROGRAMS_PER_SM = 0  # 0: one program per row block; k > 0: persistent, k per multiprocessor
 BWD_PROGRAMS_PER_SM = 0  # 0: as many as are resident at once (at most BWD_MAX_PROGRAMS_PER_SM); k > 0: k
@@ -235,28 +234,6 @@ class LayerNormFunction(torch.autograd.Function):
         )
 
 
-def _check_args(x, weight, bias, eps, residual) -> None:
-    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
-    n_cols = x.shape[-1]
-    if n_cols == 0:
-        raise ValueError(
-            f"x must have a non-empty last dimension (the normalized one), got shape {tuple(x.shape)}"
-        )
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None:
-            check_tensor(name, t, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
-            if t.shape[0] != n_cols:
-                raise ValueError(f"{name} must have shape [{n_cols}] (x.shape[-1]), got {tuple(t.shape)}")
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-
-
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -311,7 +288,7 @@ def layer_norm(
             shardable=leading_dims_only,
             hint=ROWWISE_HINT,
         )
-    _check_args(x, weight, bias, eps, residual)
+    check_norm_args(x, {"weight": weight, "bias": bias}, residual, eps)
     eps = float(eps)
     if (
         x.dtype == torch.float64

@@ -7,28 +7,20 @@ it starts with the part most likely still in L2.
 
 The backward is persistent: each program walks row blocks pid, pid + grid, ... and keeps its
 share of dweight in fp32 registers, written once at the end into a [programs, H] fp32 buffer that
-`rms_norm_bwd_kernel_reduce` sums over the programs (no atomics, deterministic).
+ops/_common/partial_sums.py sums over the programs (no atomics, deterministic). The tile plan and the
+helpers shared with layer_norm are in ops/_common/normalization.py.
 """
 
 import triton
 import triton.language as tl
 
+from .._common.normalization import col_block, load_norm_input, store_dx
+from .._common.partial_sums import accumulate_partial_row
+
 # casting modes (the `casting` argument): where the PyTorch code being reproduced rounds
 CAST_LLAMA = tl.constexpr(0)  # fp32 statistics, x * rstd rounded to x's dtype, then * weight
 CAST_GEMMA = tl.constexpr(1)  # everything in fp32, rounded once at the end
 CAST_NONE = tl.constexpr(2)  # every step rounded to x's dtype
-
-
-@triton.jit
-def _load_input(x_ptrs, r_ptrs, s_ptrs, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
-    """The tile that is normalized, in fp32: x, or x + residual rounded to x's dtype (stored if asked)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if STORE_SUM:
-            tl.store(s_ptrs, x, mask=mask)
-    return x.to(tl.float32)
 
 
 @triton.jit
@@ -135,7 +127,7 @@ def rms_norm_fwd_kernel(
         row_mask = rows < n_rows
         if SINGLE_BLOCK:
             mask = row_mask[:, None] & col_mask[None, :]
-            s = _load_input(
+            s = load_norm_input(
                 x_ptr + rows[:, None] * x_row_stride + cols[None, :],
                 res_ptr + rows[:, None] * res_row_stride + cols[None, :],
                 sum_ptr + rows[:, None] * sum_row_stride + cols[None, :],
@@ -153,9 +145,8 @@ def rms_norm_fwd_kernel(
             # pass 1: sum of squares (and the residual sum, stored)
             acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
-                c = start + cols
-                mask = row_mask[:, None] & (c < n_cols)[None, :]
-                s = _load_input(
+                c, _, mask = col_block(start, cols, n_cols, row_mask)
+                s = load_norm_input(
                     x_ptr + rows[:, None] * x_row_stride + c[None, :],
                     res_ptr + rows[:, None] * res_row_stride + c[None, :],
                     sum_ptr + rows[:, None] * sum_row_stride + c[None, :],
@@ -170,10 +161,8 @@ def rms_norm_fwd_kernel(
             # pass 2, last block first: normalize and store
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
-                c = (n_col_blocks - 1 - i) * BLOCK_H + cols
-                c_mask = c < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
-                s = _load_input(
+                c, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
+                s = load_norm_input(
                     x_ptr + rows[:, None] * x_row_stride + c[None, :],
                     res_ptr + rows[:, None] * res_row_stride + c[None, :],
                     sum_ptr,
@@ -251,41 +240,26 @@ def rms_norm_bwd_kernel(
                 HAS_DSUM,
             )
         for rb in range(pid, n_blocks, n_programs):
-            if PREFETCH:
+            if PREFETCH:  # compute the row block loaded by the previous iteration, load the next one
                 x, dy, ds, rstd = x_n, dy_n, ds_n, rstd_n
-                x_n, dy_n, ds_n, rstd_n = _bwd_tile(
-                    x_ptr,
-                    x_row_stride,
-                    dy_ptr,
-                    dy_row_stride,
-                    dsum_ptr,
-                    dsum_row_stride,
-                    rstd_ptr,
-                    rb + n_programs,
-                    n_rows,
-                    cols,
-                    col_mask,
-                    row_ids,
-                    BLOCK_ROWS,
-                    HAS_DSUM,
-                )
-            else:
-                x, dy, ds, rstd = _bwd_tile(
-                    x_ptr,
-                    x_row_stride,
-                    dy_ptr,
-                    dy_row_stride,
-                    dsum_ptr,
-                    dsum_row_stride,
-                    rstd_ptr,
-                    rb,
-                    n_rows,
-                    cols,
-                    col_mask,
-                    row_ids,
-                    BLOCK_ROWS,
-                    HAS_DSUM,
-                )
+            x_n, dy_n, ds_n, rstd_n = _bwd_tile(
+                x_ptr,
+                x_row_stride,
+                dy_ptr,
+                dy_row_stride,
+                dsum_ptr,
+                dsum_row_stride,
+                rstd_ptr,
+                rb + n_programs if PREFETCH else rb,
+                n_rows,
+                cols,
+                col_mask,
+                row_ids,
+                BLOCK_ROWS,
+                HAS_DSUM,
+            )
+            if not PREFETCH:  # the row block just loaded is this one
+                x, dy, ds, rstd = x_n, dy_n, ds_n, rstd_n
             rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             dy = dy.to(tl.float32)
@@ -316,9 +290,7 @@ def rms_norm_bwd_kernel(
             # pass 1: c = mean(g * n)
             acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
-                c_ = start + cols
-                c_mask = c_ < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
+                c_, c_mask, mask = col_block(start, cols, n_cols, row_mask)
                 x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
                 g = dy.to(tl.float32)
@@ -329,9 +301,7 @@ def rms_norm_bwd_kernel(
             # pass 2, last block first: dx, and dweight into this program's partial row
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
-                c_ = (n_col_blocks - 1 - i) * BLOCK_H + cols
-                c_mask = c_ < n_cols
-                mask = row_mask[:, None] & c_mask[None, :]
+                c_, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
                 x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
@@ -340,32 +310,6 @@ def rms_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     g = g * (tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32) + offset)[None, :]
                 dx = (g - n * c) * rstd
-                if HAS_DSUM:
-                    ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
-                    dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
-                dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
-                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
                 if COMPUTE_DW:
-                    part = tl.load(part_row + c_, mask=c_mask, other=0.0)
-                    tl.store(part_row + c_, part + tl.sum(dy * n, axis=0), mask=c_mask)
-
-
-@triton.jit
-def rms_norm_bwd_kernel_reduce(
-    part_ptr,
-    out_ptr,
-    n_parts,
-    n_cols,
-    BLOCK_P: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """out[c] = sum_p part[p, c] (fp32 sums, stored in out's dtype): the per-program dweight
-    partials summed. Also used by layer_norm (dweight and dbias)."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < n_cols
-    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK_P):
-        p = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_P)
-        mask = (p < n_parts)[:, None] & col_mask[None, :]
-        acc += tl.load(part_ptr + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+                    accumulate_partial_row(part_row, c_, c_mask, dy * n)

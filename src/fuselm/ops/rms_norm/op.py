@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 
-from .._common.dispatch import interpret_mode, use_triton
+from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
-from .._common.launch import persistent_grid
-from .kernels import rms_norm_bwd_kernel, rms_norm_bwd_kernel_reduce, rms_norm_fwd_kernel
+from .._common.guard import check_choice, rows_view
+from .._common.launch import persistent_grid, resident_programs
+from .._common.normalization import check_norm_args, tile_config
+from .._common.partial_sums import reduce_partials_
+from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from .reference import CASTINGS, rms_norm_output_dtype, rms_norm_reference
 
-# ---- launch configuration: module constants, tuned on the GPU (layer_norm uses the same helpers) ----
+# ---- launch configuration: module constants, tuned on the GPU (tile plan: _common/normalization.py) ----
 # Rows of up to MAX_FUSED_H columns are held in registers and read once; longer rows are walked in
 # blocks of LOOP_BLOCK_H columns (twice). Short rows share a program: a tile holds about FWD_TILE /
 # BWD_TILE elements (rows per program = TILE // BLOCK_H, a power of two, at least 1).
@@ -23,11 +24,9 @@ MAX_FUSED_H = 16384
 LOOP_BLOCK_H = 4096
 FWD_TILE = 4096
 BWD_TILE = 4096
-MAX_BLOCK_ROWS = 64
-# warps per program: tile elements / *_ELEMS_PER_WARP (512: 16 per thread), clamped to [MIN_WARPS, MAX_WARPS]
+# warps per program: tile elements / *_ELEMS_PER_WARP (512: 16 per thread), clamped (MIN/MAX_WARPS)
 FWD_ELEMS_PER_WARP = 512
 BWD_ELEMS_PER_WARP = 512
-MIN_WARPS, MAX_WARPS = 4, 32
 # Forward grid: 0 = one program per row block; k > 0 = persistent, k programs per multiprocessor.
 FWD_PROGRAMS_PER_SM = 0
 # Backward grid (persistent; the dweight partial buffer is [programs, H] fp32): 0 = as many programs
@@ -39,126 +38,8 @@ BWD_FALLBACK_PROGRAMS_PER_SM = 2  # when the occupancy cannot be read
 # Backward, one row per program iteration (BLOCK_ROWS == 1) in 16-bit dtypes: load the next row
 # before computing the current one (two rows in flight per program; +15 registers per thread).
 BWD_PREFETCH = True
-# the interpreter (CPU tests): rows longer than this are looped, in blocks of this many columns
-INTERPRET_MAX_FUSED_H, INTERPRET_LOOP_BLOCK_H = 256, 512
-# reduction of the partials: BLOCK_P partial rows x BLOCK_C columns per step
-REDUCE_BLOCK_P, REDUCE_BLOCK_C, REDUCE_WARPS = 128, 32, 4
-INTERPRET_REDUCE_BLOCK_C = 1024
 
 _CAST_CODES = {"llama": 0, "gemma": 1, "none": 2}
-
-
-def num_warps_for(tile: int, elems_per_warp: int) -> int:
-    return max(MIN_WARPS, min(MAX_WARPS, tile // elems_per_warp))
-
-
-def tile_config(
-    n_rows: int,
-    n_cols: int,
-    tile: int,
-    elems_per_warp: int,
-    max_fused: int | None = None,
-    loop_block: int | None = None,
-) -> tuple[bool, int, int, int]:
-    """(row held in one block?, BLOCK_ROWS, BLOCK_H, num_warps) for rows of n_cols columns.
-
-    Under the interpreter (numpy) rows longer than INTERPRET_MAX_FUSED_H are looped in blocks of
-    INTERPRET_LOOP_BLOCK_H, so that CPU tests walk the looped path with short rows.
-    """
-    return _tile_config(
-        int(n_rows),
-        int(n_cols),
-        tile,
-        elems_per_warp,
-        max_fused or MAX_FUSED_H,
-        loop_block or LOOP_BLOCK_H,
-        interpret_mode(),
-    )
-
-
-@functools.lru_cache(maxsize=256)  # host time: called twice per forward + backward
-def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
-    if interpret:
-        fused, loop = min(fused, INTERPRET_MAX_FUSED_H), min(loop, INTERPRET_LOOP_BLOCK_H)
-    block_h = triton.next_power_of_2(max(int(n_cols), 1))
-    if block_h > fused:  # walk the row in blocks
-        block_h = min(block_h, loop)
-        return False, 1, block_h, num_warps_for(block_h, elems_per_warp)
-    block_rows = max(1, min(tile // block_h, MAX_BLOCK_ROWS, triton.next_power_of_2(max(n_rows, 1))))
-    return True, block_rows, block_h, num_warps_for(block_rows * block_h, elems_per_warp)
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_limits(index: int) -> tuple[int, int, int, int]:
-    """(multiprocessors, registers, threads, shared memory bytes) per multiprocessor."""
-    p = torch.cuda.get_device_properties(index)
-    return (
-        p.multi_processor_count,
-        getattr(p, "regs_per_multiprocessor", 65536),
-        getattr(p, "max_threads_per_multi_processor", 2048),
-        getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
-    )
-
-
-_OCCUPANCY: dict[tuple, int] = {}
-
-
-def _occupancy_key(kwargs: dict) -> tuple:
-    """What decides a compiled variant's registers: tensor dtypes, the constexprs (UPPER_CASE names)
-    and num_warps. The launch builds kwargs in a fixed order, so no sorting. Integer and alignment
-    specializations are left out: they change the registers little, and a wrong guess costs time only."""
-    return tuple(
-        v.dtype if isinstance(v, torch.Tensor) else v
-        for k, v in kwargs.items()
-        if k[0].isupper() or k == "num_warps" or isinstance(v, torch.Tensor)
-    )
-
-
-def resident_programs(
-    kernel, kwargs: dict, n_items: int, device: torch.device, per_sm: int, max_per_sm: int | None = None
-) -> int:
-    """Programs of a persistent kernel over n_items row blocks: per_sm per multiprocessor if per_sm > 0,
-    else as many as are resident at once (one wave), from the compiled kernel's register and shared
-    memory use, capped at max_per_sm (default BWD_MAX_PROGRAMS_PER_SM) per multiprocessor."""
-    if device.type != "cuda":
-        return max(n_items, 1)
-    if per_sm <= 0:
-        name = getattr(getattr(kernel, "fn", None), "__name__", type(kernel).__name__)
-        key = (name, device.index, max_per_sm, _occupancy_key(kwargs))
-        per_sm = _OCCUPANCY.get(key, 0)
-        if not per_sm:
-            try:
-                compiled = kernel.warmup(grid=(1,), **kwargs)
-                compiled._init_handles()
-                _, regs, threads, smem = _sm_limits(device.index or 0)
-                threads_per_program = 32 * kwargs["num_warps"]
-                regs_per_thread = -(-max(1, compiled.n_regs) // 8) * 8  # allocated 256 per warp
-                per_sm = min(
-                    regs // (regs_per_thread * threads_per_program),
-                    threads // threads_per_program,
-                    smem // max(1, compiled.metadata.shared),
-                )
-                per_sm = max(1, min(per_sm, max_per_sm or BWD_MAX_PROGRAMS_PER_SM))
-            except Exception:  # noqa: BLE001 - an older or newer Triton: use the fixed count
-                per_sm = BWD_FALLBACK_PROGRAMS_PER_SM
-            _OCCUPANCY[key] = per_sm
-    return persistent_grid(n_items, device, per_sm)
-
-
-def reduce_partials_(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[:] = part.sum(0) (fp32 sums, stored in out's dtype); part [P, H] fp32 contiguous, out [H]."""
-    n_parts, n_cols = part.shape
-    block_c = INTERPRET_REDUCE_BLOCK_C if interpret_mode() else REDUCE_BLOCK_C
-    rms_norm_bwd_kernel_reduce[(triton.cdiv(n_cols, block_c),)](
-        part_ptr=part,
-        out_ptr=out,
-        n_parts=n_parts,
-        n_cols=n_cols,
-        BLOCK_P=REDUCE_BLOCK_P,
-        BLOCK_C=block_c,
-        num_warps=REDUCE_WARPS,
-    )
-    return out
 
 
 # ---- launchers ----
@@ -179,7 +60,9 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
     if has_res:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         assert residual.stride(-1) == 1 or n_cols == 1
-    single, block_rows, block_h, num_warps = tile_config(n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP)
+    single, block_rows, block_h, num_warps = tile_config(
+        n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    )
     n_blocks = triton.cdiv(n_rows, block_rows)
     grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
     rms_norm_fwd_kernel[(grid,)](
@@ -221,7 +104,9 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
         return dx, dw
     for t in (x, dy, dsum):
         assert t is None or t.stride(-1) == 1 or n_cols == 1
-    single, block_rows, block_h, num_warps = tile_config(n_rows, n_cols, BWD_TILE, BWD_ELEMS_PER_WARP)
+    single, block_rows, block_h, num_warps = tile_config(
+        n_rows, n_cols, BWD_TILE, BWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    )
     n_blocks = triton.cdiv(n_rows, block_rows)
     kwargs = dict(
         x_ptr=x,
@@ -249,7 +134,15 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
         BLOCK_H=block_h,
         num_warps=num_warps,
     )
-    grid = resident_programs(rms_norm_bwd_kernel, kwargs, n_blocks, x.device, BWD_PROGRAMS_PER_SM)
+    grid = resident_programs(
+        rms_norm_bwd_kernel,
+        kwargs,
+        n_blocks,
+        x.device,
+        BWD_PROGRAMS_PER_SM,
+        BWD_MAX_PROGRAMS_PER_SM,
+        BWD_FALLBACK_PROGRAMS_PER_SM,
+    )
     if compute_dw:
         alloc = torch.empty if single else torch.zeros  # single-block programs write their row once
         part = alloc((grid, n_cols), dtype=torch.float32, device=x.device)
@@ -367,25 +260,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, eps, offset, residual, casting) -> None:
-    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
-    n_cols = x.shape[-1]
-    if n_cols == 0:
-        raise ValueError(
-            f"x must have a non-empty last dimension (the normalized one), got shape {tuple(x.shape)}"
-        )
-    if weight is not None:
-        check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
-        if weight.shape[0] != n_cols:
-            raise ValueError(f"weight must have shape [{n_cols}] (x.shape[-1]), got {tuple(weight.shape)}")
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
+    check_norm_args(x, {"weight": weight}, residual, eps)
     check_choice("casting", casting, CASTINGS)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset must be a finite number, got {offset!r}")
     if weight is None and offset != 0:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor
+from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
 
@@ -203,15 +201,6 @@ def _(dout, gate_up, activation):
 # (CPU without TRITON_INTERPRET=1, float64) run the closed forms of reference.py.
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., C] -> [R, C] with unit column stride (a view when one exists); also for R or C == 0."""
-    n_cols = t.shape[-1]
-    t2 = t.reshape(t.numel() // n_cols if n_cols else math.prod(t.shape[:-1]), n_cols)
-    if n_cols > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
-
 def _kernels(t: torch.Tensor) -> bool:
     return t.dtype != torch.float64 and use_triton(t)
 
@@ -225,7 +214,7 @@ def _run_fwd(gate, up, activation):
 
 
 def _run_bwd(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
-    dout = _rows(dout)
+    dout = rows_view(dout)
     if not _kernels(gate):
         return gated_bwd_reference(dout, gate, up, activation, want_out)
     if torch.compiler.is_compiling():
@@ -243,7 +232,7 @@ def _run_packed_fwd(gate_up, activation):
 
 
 def _run_packed_bwd(dout, gate_up, activation):
-    dout = _rows(dout)
+    dout = rows_view(dout)
     if not _kernels(gate_up):
         return torch.cat(gated_bwd_reference(dout, *split_packed(gate_up), activation), dim=-1)
     if torch.compiler.is_compiling():
@@ -331,7 +320,7 @@ def _check_pair(gate: object, up: object) -> None:
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    out = SwiGLUFunction.apply(_rows(gate), _rows(up), activation)
+    out = SwiGLUFunction.apply(rows_view(gate), rows_view(up), activation)
     return out.reshape(gate.shape)
 
 
@@ -344,7 +333,7 @@ def _check_packed(gate_up: object) -> None:
 
 
 def _gated_packed(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    out = SwiGLUPackedFunction.apply(_rows(gate_up), activation)
+    out = SwiGLUPackedFunction.apply(rows_view(gate_up), activation)
     return out.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
@@ -572,5 +561,5 @@ def swiglu_linear(
         check_tensor("bias", bias, dtypes=(gate.dtype,), ndim=1, device=gate.device)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-    y = SwiGLULinearFunction.apply(_rows(gate), _rows(up), weight, bias, activation)
+    y = SwiGLULinearFunction.apply(rows_view(gate), rows_view(up), weight, bias, activation)
     return y.reshape(*gate.shape[:-1], weight.shape[0])
