@@ -8,7 +8,33 @@ from ..ops.cross_entropy import cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class _LossModule(torch.nn.Module):
+    """The options every loss module of the family holds (class weights as a buffer)."""
+
+    def __init__(self, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.return_lse = return_lse
+
+    def loss_options(self) -> dict:
+        """The keyword arguments of the functional loss that this module holds."""
+        return dict(
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            return_lse=self.return_lse,
+        )
+
+
+class CrossEntropyLoss(_LossModule):
     """Module form of :func:`fuselm.cross_entropy`, argument for argument like ``torch.nn.CrossEntropyLoss``.
 
     Example:
@@ -30,29 +56,11 @@ class CrossEntropyLoss(torch.nn.Module):
         return_lse: bool = False,
         inplace_backward: bool = False,
     ) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.return_lse = return_lse
+        super().__init__(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse)
         self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
-        return cross_entropy(
-            input,
-            target,
-            weight=self.weight,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            softcap=self.softcap,
-            return_lse=self.return_lse,
-            inplace_backward=self.inplace_backward,
-        )
+        return cross_entropy(input, target, inplace_backward=self.inplace_backward, **self.loss_options())
 
     def extra_repr(self) -> str:
         return (
@@ -61,7 +69,7 @@ class CrossEntropyLoss(torch.nn.Module):
         )
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
+class LinearCrossEntropyLoss(_LossModule):
     """Module form of :func:`fuselm.linear_cross_entropy`: the loss of ``input @ linear_weight.T + bias``.
 
     The projection weight is an argument of ``forward`` (usually the model's ``lm_head.weight``), so
@@ -87,14 +95,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_lse: bool = False,
         memory: str | int = "auto",
     ) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.return_lse = return_lse
+        super().__init__(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse)
         self.memory = memory
 
     def forward(
@@ -104,19 +105,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         target: torch.Tensor,
         linear_bias: torch.Tensor | None = None,
     ):
+        options = self.loss_options()
         return linear_cross_entropy(
-            input,
-            linear_weight,
-            target,
-            linear_bias=linear_bias,
-            weight=self.weight,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            softcap=self.softcap,
-            return_lse=self.return_lse,
-            memory=self.memory,
+            input, linear_weight, target, linear_bias=linear_bias, memory=self.memory, **options
         )
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
 from .._common.loss.options import LossOptions, LossScales, loss_scales, reduce_rows
 from .._common.loss.rows import LocalRows, scale_grad_
-from .reference import cross_entropy_reference
+from .reference import cross_entropy_reference_of
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -143,18 +143,7 @@ def cross_entropy(
     )
     opts.check(input, target, n_cols)
     if input.dtype == torch.float64 or not use_triton(input):
-        return cross_entropy_reference(
-            input,
-            target,
-            weight=weight,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            softcap=softcap,
-            return_lse=return_lse,
-            loss_dtype=loss_dtype,
-        )
+        return cross_entropy_reference_of(input, target, opts, return_lse, loss_dtype)
     return apply_cross_entropy(
         input, target, opts, return_lse, inplace_backward, loss_dtype, LocalRows(n_cols)
     )

@@ -38,8 +38,6 @@ def cross_entropy_reference(
         >>> cross_entropy_reference(logits, torch.tensor([0, -100]))
         tensor(0.2395)
     """
-    n_cols = input.shape[-1]
-    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     opts = LossOptions.of(
         weight=weight,
         ignore_index=ignore_index,
@@ -48,6 +46,14 @@ def cross_entropy_reference(
         z_loss=z_loss,
         softcap=softcap,
     )
+    return cross_entropy_reference_of(input, target, opts, return_lse, loss_dtype)
+
+
+def cross_entropy_reference_of(input, target, opts: LossOptions, return_lse=False, loss_dtype=None):
+    """cross_entropy_reference with the options as one LossOptions (what fuselm.cross_entropy calls)."""
+    n_cols = input.shape[-1]
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    weight, ignore_index, reduction = opts.weight, opts.ignore_index, opts.reduction
     t = target.reshape(-1)
     loss, lse = row_losses(input.reshape(-1, n_cols).to(compute), t, opts)
     if reduction == "none":

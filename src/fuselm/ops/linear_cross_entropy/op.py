@@ -13,7 +13,7 @@ from .._common.loss.options import LossOptions, LossScales, loss_scales, reduce_
 from .._common.loss.reference import scale_keeping_zeros
 from .._common.loss.rows import LocalRows, scale_grad_
 from .plan import choose_plan, reference_chunk_rows, run_backward, run_forward
-from .reference import linear_cross_entropy_reference
+from .reference import linear_cross_entropy_reference_of
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -222,21 +222,9 @@ def linear_cross_entropy(
         ):  # eager: the range check, as on the Triton path
             kept_rows(target.reshape(-1), v, ignore_index)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
-        return linear_cross_entropy_reference(
-            input,
-            linear_weight,
-            target,
-            linear_bias=linear_bias,
-            weight=weight,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            softcap=softcap,
-            return_lse=return_lse,
-            chunk_rows=reference_chunk_rows(memory, v, h, compute_itemsize),
-            loss_dtype=loss_dtype,
-        )
+        chunk_rows = reference_chunk_rows(memory, v, h, compute_itemsize)
+        args = (opts, return_lse, chunk_rows, loss_dtype)
+        return linear_cross_entropy_reference_of(input, linear_weight, target, linear_bias, *args)
     plan = choose_plan(memory, input.device, v, h, input.element_size(), one_device=True)
     backend = LocalRows(v)
     return apply_linear_cross_entropy(

@@ -171,33 +171,44 @@ def linear_cross_entropy_reference(
         >>> x, w = torch.randn(6, 8, requires_grad=True), torch.randn(20, 8)
         >>> linear_cross_entropy_reference(x, w, torch.randint(0, 20, (6,)), chunk_rows=4).backward()
     """
-    h = input.shape[-1]
     v = linear_weight.shape[0]
     ignore_index = -100 if ignore_index is None else ignore_index
     if chunk_rows is None:
         chunk_rows = DEFAULT_CHUNK_BYTES // (
             v * torch.tensor([], dtype=_compute_dtype(input.dtype)).element_size()
         )
-    chunk_rows = max(1, int(chunk_rows))
     opts = LossOptions.of(
+        weight=weight,
         ignore_index=ignore_index,
         reduction=reduction,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
     )
+    return linear_cross_entropy_reference_of(
+        input, linear_weight, target, linear_bias, opts, return_lse, chunk_rows, loss_dtype
+    )
+
+
+def linear_cross_entropy_reference_of(
+    input, w, target, b, opts: LossOptions, return_lse, chunk_rows, loss_dtype
+):
+    """linear_cross_entropy_reference with the options as one LossOptions and chunk_rows given (what
+    fuselm.linear_cross_entropy calls)."""
+    h = input.shape[-1]
+    t1 = target.reshape(-1)
     loss, lse = _LinearCrossEntropyReference.apply(
         input.reshape(-1, h),
-        linear_weight,
-        linear_bias,
-        target.reshape(-1),
-        weight,
-        opts,
-        chunk_rows,
+        w,
+        b,
+        t1,
+        opts.weight,
+        opts._replace(weight=None),
+        max(1, int(chunk_rows)),
         return_lse,
     )
     loss = loss.to(loss_dtype or input.dtype)
-    if reduction == "none":
+    if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if return_lse:
         return loss, lse.reshape(target.shape)
