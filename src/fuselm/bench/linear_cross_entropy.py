@@ -374,7 +374,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """Print the mean softmax of the target for the suite's shapes (or --shapes) on one device."""
     import argparse
 
-    from ..cli import parse_shapes
+    from .arguments import parse_shapes
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
