@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import fuselm
 from fuselm.bench import linear_cross_entropy as suite
+from fuselm.bench.harness import SkipProvider
 from fuselm.ops._common.testing import ATOL
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy_reference
 from fuselm.ops.linear_cross_entropy.op import chunk_rows_for
@@ -45,7 +46,7 @@ def providers(h: int, v: int):
     for name, setup in (("liger", suite.setup_liger), ("cce", suite.setup_cce)):
         try:
             run = setup(DEVICE)
-        except suite.SkipProvider as e:
+        except SkipProvider as e:
             print(f"# {name} skipped: {e}")
             continue
         out[name] = lambda x, w, t, run=run: run({"input": x, "linear_weight": w, "target": t})

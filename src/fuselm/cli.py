@@ -21,54 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
-DTYPES.update({"fp32": "float32", "float32": "float32"})
+from .bench.arguments import UsageError, parse_list, parse_shapes, pick_device, positive_int
 
-
-class UsageError(Exception):
-    """A bad command-line value; main prints it and returns 2."""
-
-
-def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
-    """'8192x128256,16384x32000' -> [(8192, 128256), (16384, 32000)]; checks dims when ``ndim`` is given.
-
-    Example:
-        >>> parse_shapes("8x16, 4X2")
-        [(8, 16), (4, 2)]
-    """
-    shapes = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            shape = tuple(int(d) for d in part.split("x"))
-        except ValueError:
-            raise UsageError(f"bad shape {part!r}: expected sizes joined by 'x', e.g. 8192x128256") from None
-        if any(d <= 0 for d in shape):
-            raise UsageError(f"bad shape {part!r}: sizes must be positive")
-        if ndim is not None and len(shape) != ndim:
-            raise UsageError(f"bad shape {part!r}: this suite takes {ndim} sizes")
-        shapes.append(shape)
-    if not shapes:
-        raise UsageError("no shapes given")
-    return shapes
-
-
-def parse_list(text: str, known: Sequence[str], what: str) -> list[str]:
-    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped)."""
-    items: list[str] = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item or item in items:
-            continue
-        if item not in known:
-            raise UsageError(f"unknown {what} {item!r}; known: {', '.join(known)}")
-        items.append(item)
-    if not items:
-        raise UsageError(f"no {what}s given")
-    return items
+# UsageError and the parsers live in fuselm.bench.arguments (the runners raise and use them); named here too
+__all__ = ["UsageError", "build_parser", "main", "parse_list", "parse_shapes"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="linear_cross_entropy only: split the vocabulary over this many GPUs (gloo processes on a CPU) "
         "and compare with one GPU and with all-gathered logits; writes linear_cross_entropy_ws<N>.*",
@@ -142,11 +99,8 @@ def _list_suites() -> None:
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    import torch
-
-    from .bench.harness import MODES, measure_ceilings, run_suite
     from .bench.registry import TRAINING_SUITES, get_suite, get_training_runner, suite_names
-    from .bench.report import collect_metadata, gpu_slug, markdown, markdown_table, write_report
+    from .bench.runner import run_op_suites
 
     if args.suite is None:
         _list_suites()
@@ -159,83 +113,13 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         return run_cli(args, argv)
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)
-    names = suite_names() if args.suite == "all" else [args.suite]
     if args.suite != "all" and args.suite not in suite_names():
         known = ", ".join([*suite_names(), "all", *TRAINING_SUITES])
         raise UsageError(f"unknown suite {args.suite!r}; known: {known}")
     if args.suite == "all" and args.shapes:
         raise UsageError("--shapes needs a single suite")
-    if args.dtype.lower() not in DTYPES:
-        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
-    dtype = getattr(torch, DTYPES[args.dtype.lower()])
-    modes = parse_list(args.modes, MODES, "mode")
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    meta = collect_metadata(device, argv)
-    if not cuda:
-        print(
-            "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
-            "not comparable to GPU results."
-        )
-    print(
-        f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, fuselm @ {meta['commit']}"
-    )
-    out_dir = (
-        Path(args.out)
-        if args.out
-        else Path("benchmarks") / "results" / gpu_slug(meta["device"] if cuda else None)
-    )
-
-    suites = [get_suite(n) for n in names]
-    plans = []
-    for suite in suites:
-        if args.shapes:
-            shapes = parse_shapes(args.shapes, len(suite.shape_dims))
-        else:
-            shapes = list(suite.gpu_shapes if cuda else suite.cpu_shapes)
-        providers = parse_list(args.providers, suite.provider_names, "provider") if args.providers else None
-        plans.append((suite, shapes, providers or suite.provider_names))
-
-    print("measuring ceilings ...", flush=True)
-    ceilings = measure_ceilings(device, quick=args.quick)
-    copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
-    gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
-    print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})")
-
-    status = 0
-    for suite, shapes, providers in plans:
-        report = run_suite(
-            suite,
-            shapes=shapes,
-            dtype=dtype,
-            modes=modes,
-            providers=providers,
-            device=device,
-            quick=args.quick,
-            ceilings=ceilings,
-            metadata=meta,
-            progress=not args.no_progress,
-        )
-        paths = write_report(report, out_dir)
-        print()
-        print(markdown(report) if len(plans) == 1 else markdown_table(report))
-        print("wrote " + ", ".join(str(p) for p in paths.values()))
-        if not any(r.ms is not None for r in report.rows):
-            status = 1
-    return status
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    names = suite_names() if args.suite == "all" else [args.suite]
+    return run_op_suites([get_suite(n) for n in names], args, argv)
 
 
 def _add_demo_parser(sub) -> None:
@@ -256,21 +140,17 @@ def _add_demo_parser(sub) -> None:
         default="auto",
         help="auto: cuda when available (default)",
     )
-    demo.add_argument("--steps", type=_positive_int, help="steps per run (default: CUDA 30, CPU 100)")
-    demo.add_argument("--batch", type=_positive_int, help="sequences per step (default: CUDA 2, CPU 4)")
-    demo.add_argument("--seq", type=_positive_int, help="tokens per sequence (default: CUDA 2048, CPU 128)")
+    demo.add_argument("--steps", type=positive_int, help="steps per run (default: CUDA 30, CPU 100)")
+    demo.add_argument("--batch", type=positive_int, help="sequences per step (default: CUDA 2, CPU 4)")
+    demo.add_argument("--seq", type=positive_int, help="tokens per sequence (default: CUDA 2048, CPU 128)")
     demo.add_argument("--out", default=".", help="folder for fuselm_demo.png/.json (default: current folder)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
-
     from .demo.train import INSTALL_HINT, default_settings, format_table, load_corpus, run_demo
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    cuda = pick_device(args.device).type == "cuda"
     settings = default_settings("cuda" if cuda else "cpu", steps=args.steps, batch=args.batch, seq=args.seq)
     corpus_len = len(load_corpus())
     if settings.seq > corpus_len:

@@ -181,7 +181,7 @@ def test_cli_cpu_end_to_end(tmp_path, capsys, reference_path):
     assert abs(fl_loss - hf_loss) / abs(hf_loss) < 1e-4, (hf_loss, fl_loss)
 
 
-# ---- report from given rows (the GPU layout: OOM, errors, ratios, targets) ----
+# ---- report from given rows (the GPU layout: OOM, errors, ratios) ----
 
 
 def _gpu_report() -> e2e.E2EReport:
@@ -217,17 +217,21 @@ def _gpu_report() -> e2e.E2EReport:
     )
 
 
-def test_ratios_and_acceptance():
+def test_ratios():
     report = _gpu_report()
     by_batch = {r["batch"]: r for r in e2e.ratios(report)}
     assert by_batch[8]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
     assert by_batch[8]["peak_vs_liger"] == pytest.approx(38.0 / 45.2, rel=1e-6)
     assert by_batch[8]["tokens_vs_hf"] == pytest.approx(70.0 / 49.6)
     assert by_batch[16]["tokens_vs_liger"] is None and by_batch[16]["peak_vs_hf"] is None
-    a = e2e.acceptance(report)
-    assert a["batch"] == 8 and a["tokens_met"] and a["peak_met"]
-    report.rows[5].peak_bytes = int(44.0 * GIB)  # 0.97x Liger's: the memory target is missed
-    assert not e2e.acceptance(report)["peak_met"]
+    assert list(by_batch[4]) == [
+        "batch",
+        "seq",
+        "tokens_vs_liger",
+        "peak_vs_liger",
+        "tokens_vs_hf",
+        "peak_vs_hf",
+    ]
 
 
 def test_gpu_report_files(tmp_path):
@@ -237,10 +241,10 @@ def test_gpu_report_files(tmp_path):
     assert "| 16x4096 | hf | OOM |" in md and "| 16x4096 | fuselm | error |" in md
     assert "| 8x4096 | liger | 64.4k | 508.8 | 45.2 |" in md
     assert "| 8x4096 | 1.09x | 0.84x | 1.41x | 0.33x |" in md
-    assert "tokens/s 1.087x (>= 1.05x: met); peak memory 0.841x (<= 0.9x: met)" in md
+    assert "Targets" not in md and ">= 1.05x" not in md  # measured ratios only: targets live in issues
     assert "CPU figures" not in md and "NVIDIA H200" in md
     data = json.loads(paths["json"].read_text())
-    assert data["acceptance"]["tokens_met"] is True
+    assert "acceptance" not in data and data["ratios"][1]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
     assert [r["status"] for r in data["rows"]].count("oom") == 1
     assert data["rows"][0]["peak_gib"] == pytest.approx(61.2, abs=1e-3)
     assert paths["png"].stat().st_size > 0

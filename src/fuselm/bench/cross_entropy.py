@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
@@ -48,13 +48,7 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return lambda x: _torch_ce(x["logits"], x["target"])
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
-    compiled = torch.compile(_torch_ce, dynamic=False)
-    return lambda x: compiled(x["logits"], x["target"])
+setup_torch_compile = compiled_setup(_torch_ce, lambda x: (x["logits"], x["target"]))
 
 
 def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
@@ -73,12 +67,7 @@ def setup_fuselm_inplace(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's cross-entropy (needs CUDA and an importable liger_kernel)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.transformers.functional import liger_cross_entropy
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    liger_cross_entropy = import_peer(device, "liger_kernel.transformers.functional", "liger_cross_entropy")
 
     def run(x: Inputs) -> torch.Tensor:
         out = liger_cross_entropy(x["logits"], x["target"], ignore_index=-100, reduction="mean")
@@ -105,7 +94,6 @@ SUITE = Suite(
     make_inputs=make_inputs,
     cost=cost,
     columns=("ms", "tbps", "x_copy", "extra_mib"),
-    forward_grad=False,
     notes=(
         "Bytes counted: fwd reads each logit once (2 B in bf16), full also writes its gradient once "
         "(4 B in bf16), bwd the difference.",

@@ -34,20 +34,19 @@ this benchmark (minutes long on a GPU): run it by name.
 from __future__ import annotations
 
 import argparse
-import inspect
-import math
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from . import fresh_process
+from . import fresh_process, training
 from .fresh_process import SkipRun
+from .report import DTYPE_NAMES, md_table
+from .runner import print_written
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of a Llama-3.2-1B-shaped model (HF transformers)"
@@ -57,13 +56,9 @@ PROVIDER_DESCRIPTIONS = {
     "liger": "transformers + Liger-Kernel apply_liger_kernel_to_llama (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
 }
-GIB = 1 << 30
 SEED = 0
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
-ACCEPTANCE_BATCH = 8
-ACCEPTANCE_TOKENS = 1.05  # fuselm tokens/s >= 1.05x Liger's
-ACCEPTANCE_PEAK = 0.90  # fuselm peak memory <= 0.9x Liger's
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -137,7 +132,6 @@ CPU_PRESET = Preset(
     fused_adamw=False,
 )
 PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
@@ -145,20 +139,9 @@ DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def llama_config(model: dict[str, Any]):
-    """A ``transformers.LlamaConfig`` from the preset's keyword arguments (no cache, SDPA attention).
-
-    transformers 5 takes the rope settings as ``rope_parameters`` (theta inside); older versions as
-    ``rope_theta`` and ``rope_scaling``: whichever the installed ``LlamaConfig`` accepts is used.
-    """
-    from transformers import LlamaConfig
-
-    kwargs = dict(model)
-    theta, scaling = kwargs.pop("rope_theta"), kwargs.pop("rope_scaling")
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
-        kwargs["rope_parameters"] = {**scaling, "rope_theta": theta}
-    else:
-        kwargs.update(rope_theta=theta, rope_scaling=scaling)
-    return LlamaConfig(use_cache=False, **kwargs)
+    """A ``transformers.LlamaConfig`` from the preset's keyword arguments (no cache, SDPA attention;
+    :func:`fuselm.bench.training.llama_config`)."""
+    return training.llama_config(model, "sdpa")
 
 
 def apply_provider_before_build(provider: str, device: torch.device) -> None:
@@ -182,23 +165,14 @@ def build_model(preset: Preset, provider: str, dtype: torch.dtype, device: torch
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     apply_provider_before_build(provider, device)
-    from transformers import LlamaForCausalLM
-
     config = llama_config(preset.model)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.train()
+    model = training.build_llama(config, device, dtype)
     if provider == "fuselm":
         import fuselm.hf
 
         fuselm.hf.patch(model)
     return model
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def train(
@@ -215,9 +189,10 @@ def train(
 ) -> dict[str, Any]:
     """Build the model, run ``warmup`` + ``steps`` training steps, return the measurements.
 
-    One step: ``model(input_ids=ids, labels=ids).loss.backward()``, ``optimizer.step()``,
-    ``optimizer.zero_grad(set_to_none=True)``. The losses stay on the device until the end (no host
-    sync inside the timed region). Raises ``torch.cuda.OutOfMemoryError`` and anything else unchanged.
+    One step (:func:`fuselm.bench.training.train`): ``model(input_ids=ids, labels=ids).loss.backward()``,
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. The losses stay on the device until the
+    end (no host sync inside the timed region). Raises ``torch.cuda.OutOfMemoryError`` and anything else
+    unchanged.
     """
     cuda = device.type == "cuda"
     if cuda:
@@ -225,42 +200,27 @@ def train(
     model = build_model(preset, provider, dtype, device, seed)
     params = sum(p.numel() for p in model.parameters())
     weights_bytes = torch.cuda.memory_allocated(device) if cuda else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=preset.fused_adamw and cuda)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-
-    def step() -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids)
-        loss = out.loss
-        del out  # HF eager returns the logits too: do not keep them alive into the next step
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    losses = []
-    t_build = time.perf_counter()
-    for _ in range(warmup):
-        losses.append(step())
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        losses.append(step())
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    loss_values = [float(x) for x in torch.stack(losses).float().cpu()]
+    run = training.train(
+        training.causal_lm_loss(model),
+        list(model.parameters()),
+        [ids] * (warmup + steps),
+        lr=LR,
+        fused_adamw=preset.fused_adamw and cuda,
+        warmup=warmup,
+    )
     return {
         "status": "ok",
-        "tokens_per_s": batch * seq * steps / elapsed,
-        "step_ms": elapsed / steps * 1e3,
-        "warmup_s": t0 - t_build,
-        "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "tokens_per_s": run.tokens_per_s(batch * seq),
+        "step_ms": run.timed_s / steps * 1e3,
+        "warmup_s": run.warmup_s,
+        **fresh_process.memory_figures(device),
         "weights_bytes": weights_bytes,
         "params": params,
-        "losses": loss_values,
-        "first_loss": loss_values[0],
-        "final_loss": loss_values[-1],
+        "losses": run.logged,
+        "first_loss": run.logged[0],
+        "final_loss": run.logged[-1],
     }
 
 
@@ -300,8 +260,10 @@ def worker_main(argv: Sequence[str]) -> int:
 
 
 @dataclass
-class E2ERow:
+class E2ERow(fresh_process.WorkerRow):
     """One (provider, B, T) result. ``status``: ok, oom, error or skipped; ``error`` says why."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "seq")
 
     provider: str
     batch: int
@@ -321,18 +283,10 @@ class E2ERow:
     error: str | None = None
     traceback: str | None = None
 
-    @property
-    def peak_gib(self) -> float | None:
-        return None if self.peak_bytes is None else self.peak_bytes / GIB
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.batch, self.seq)
-
 
 @dataclass
-class E2EReport:
-    """Everything one ``fuselm bench e2e`` run produced."""
+class E2EReport(fresh_process.CaseRows):
+    """Everything one ``fuselm bench e2e`` run produced; ``row(provider, (B, T))`` finds a row."""
 
     preset: Preset
     dtype: torch.dtype
@@ -344,13 +298,6 @@ class E2EReport:
     metadata: dict[str, Any]
     rows: list[E2ERow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-
-    def row(self, provider: str, shape: tuple[int, int]) -> E2ERow | None:
-        """The row of (provider, (B, T)), or None."""
-        for r in self.rows:
-            if r.provider == provider and r.shape == tuple(shape):
-                return r
-        return None
 
 
 def worker_command(
@@ -366,21 +313,15 @@ def worker_command(
     result: Path,
 ) -> list[str]:
     """The command line of one worker process."""
-    return [
-        sys.executable,
-        "-m",
-        "fuselm.bench.e2e",
-        "--worker",
-        f"--provider={provider}",
-        f"--batch={batch}",
-        f"--seq={seq}",
-        f"--preset={preset}",
-        f"--dtype={DTYPE_NAMES[dtype]}",
-        f"--device={device}",
-        f"--warmup={warmup}",
-        f"--steps={steps}",
-        f"--result={result}",
-    ]
+    case = {"batch": batch, "seq": seq, "preset": preset}
+    options = {
+        "dtype": DTYPE_NAMES[dtype],
+        "device": device,
+        "warmup": warmup,
+        "steps": steps,
+        "result": result,
+    }
+    return fresh_process.worker_command("fuselm.bench.e2e", provider, case, **options)
 
 
 def run_case(
@@ -397,18 +338,9 @@ def run_case(
 ) -> E2ERow:
     """Run one (provider, batch, seq) in a fresh worker process and return its row (never raises for a
     failure of the worker: the row's status is ``error`` and ``error`` says what happened)."""
+    options = {"dtype": dtype, "device": device.type, "warmup": warmup, "steps": steps}
     data = fresh_process.run_worker(
-        lambda result_path: worker_command(
-            provider,
-            batch,
-            seq,
-            preset=preset.name,
-            dtype=dtype,
-            device=device.type,
-            warmup=warmup,
-            steps=steps,
-            result=result_path,
-        ),
+        lambda result: worker_command(provider, batch, seq, preset=preset.name, result=result, **options),
         timeout=timeout,
         prefix="fuselm-e2e-",
     )
@@ -459,8 +391,6 @@ def run(
     timeout: float = WORKER_TIMEOUT_S,
 ) -> E2EReport:
     """Run every (shape, provider) in its own worker process; return the report (nothing written)."""
-    from tqdm.auto import tqdm
-
     for p in providers:
         if p not in PROVIDERS:
             raise ValueError(f"unknown provider {p!r}; known: {', '.join(PROVIDERS)}")
@@ -479,76 +409,27 @@ def run(
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
-    oom_at: dict[tuple[str, int], int] = {}  # (provider, seq) -> smallest batch that ran out of memory
-    cases = [(s, p) for s in report.shapes for p in providers]
-    bar = tqdm(cases, desc=NAME, disable=not progress, leave=False)
-    for (batch, seq), provider in bar:
-        if provider in report.skipped:
-            continue
-        bar.set_postfix_str(f"{provider} {batch}x{seq}")
-        smallest = oom_at.get((provider, seq))
-        if smallest is not None and batch >= smallest:
-            row = E2ERow(
-                provider, batch, seq, "oom", error=f"not run: out of memory at batch {smallest} already"
-            )
-        else:
-            row = run_case(
-                provider,
-                batch,
-                seq,
-                preset=preset,
-                dtype=dtype,
-                device=device,
-                warmup=warmup,
-                steps=steps,
-                timeout=timeout,
-            )
-        if row.status == "oom":
-            oom_at[(provider, seq)] = min(batch, oom_at.get((provider, seq), batch))
-        fresh_process.add_row(report, provider, row, log, _summary)
-    bar.close()
+    options = {"preset": preset, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
+    fresh_process.run_cases(
+        report,
+        lambda provider, shape: run_case(provider, *shape, timeout=timeout, **options),
+        E2ERow,
+        name=NAME,
+        log=log,
+        summary=_summary,
+        progress=progress,
+    )
     return report
 
 
 # ---- ratios and report files ----
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not b > 0:
-        return None
-    return a / b
-
-
 def ratios(report: E2EReport) -> list[dict[str, Any]]:
     """Per shape: fuselm's tokens/s and peak memory over Liger's and over HF's (None where missing)."""
-    out = []
-    for shape in report.shapes:
-        f, lg, hf = (report.row(p, shape) for p in ("fuselm", "liger", "hf"))
-        entry: dict[str, Any] = {"batch": shape[0], "seq": shape[1]}
-        for key, other in (("liger", lg), ("hf", hf)):
-            ok = f is not None and f.status == "ok" and other is not None and other.status == "ok"
-            entry[f"tokens_vs_{key}"] = _ratio(f.tokens_per_s, other.tokens_per_s) if ok else None
-            entry[f"peak_vs_{key}"] = _ratio(f.peak_bytes, other.peak_bytes) if ok else None
-        out.append(entry)
-    return out
-
-
-def acceptance(report: E2EReport) -> dict[str, Any] | None:
-    """The targets at batch 8 (tokens/s >= 1.05x Liger's, peak <= 0.9x Liger's); None without both rows."""
-    for r in ratios(report):
-        if r["batch"] == ACCEPTANCE_BATCH and r["tokens_vs_liger"] is not None:
-            peak = r["peak_vs_liger"]
-            return {
-                "batch": r["batch"],
-                "seq": r["seq"],
-                "tokens_vs_liger": r["tokens_vs_liger"],
-                "tokens_target": ACCEPTANCE_TOKENS,
-                "tokens_met": r["tokens_vs_liger"] >= ACCEPTANCE_TOKENS,
-                "peak_vs_liger": peak,
-                "peak_target": ACCEPTANCE_PEAK,
-                "peak_met": None if peak is None else peak <= ACCEPTANCE_PEAK,
-            }
-    return None
+    return fresh_process.ratios(
+        report, E2ERow, ("liger", "hf"), {"tokens": "tokens_per_s", "peak": "peak_bytes"}
+    )
 
 
 def _model_line(preset: Preset) -> str:
@@ -607,10 +488,8 @@ def _cell_num(x: float | None, r: E2ERow, fmt: str) -> str:
 def markdown_table(report: E2EReport) -> str:
     """One line per (B x T, provider): tokens/s, ms per step, peak GiB, first and final loss, note."""
     head = ["B x T", "provider", "tokens/s", "ms/step", "peak GiB", "first loss", "final loss", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report.rows:
-        note = (r.error or "").replace("|", "/").replace("\n", " ")
-        cells = [
+    rows = [
+        [
             f"{r.batch}x{r.seq}",
             r.provider,
             _cell_tokens(r),
@@ -618,14 +497,11 @@ def markdown_table(report: E2EReport) -> str:
             _cell_num(r.peak_gib, r, ".1f"),
             _cell_num(r.first_loss, r, ".4f"),
             _cell_num(r.final_loss, r, ".4f"),
-            note,
+            (r.error or "").replace("|", "/").replace("\n", " "),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _x(v: float | None) -> str:
-    return "—" if v is None else f"{v:.2f}x"
+        for r in report.rows
+    ]
+    return md_table(head, rows)
 
 
 def ratio_table(report: E2EReport) -> str:
@@ -637,66 +513,26 @@ def ratio_table(report: E2EReport) -> str:
         "tokens/s fuselm / HF",
         "peak fuselm / HF",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in ratios(report):
-        cells = [f"{r['batch']}x{r['seq']}"] + [
-            _x(r[k]) for k in ("tokens_vs_liger", "peak_vs_liger", "tokens_vs_hf", "peak_vs_hf")
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _acceptance_line(report: E2EReport) -> str:
-    a = acceptance(report)
-    if a is None:
-        return f"Targets at batch {ACCEPTANCE_BATCH} (fuselm vs Liger): not measured in this run."
-
-    def verdict(met: bool | None) -> str:
-        return "n/a" if met is None else ("met" if met else "NOT met")
-
-    peak = "n/a" if a["peak_vs_liger"] is None else f"{a['peak_vs_liger']:.3f}x"
-    return (
-        f"Targets at batch {a['batch']} (fuselm vs Liger): tokens/s {a['tokens_vs_liger']:.3f}x "
-        f"(>= {ACCEPTANCE_TOKENS}x: {verdict(a['tokens_met'])}); peak memory {peak} "
-        f"(<= {ACCEPTANCE_PEAK}x: {verdict(a['peak_met'])})."
-    )
+    return fresh_process.ratio_table(head, ratios(report), lambda r: f"{r['batch']}x{r['seq']}")
 
 
 def markdown(report: E2EReport) -> str:
     """The whole report: header (device, versions, commit, model, method), results, ratios, notes."""
-    m = report.metadata
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    lines = [f"# fuselm bench {NAME}", "", f"{DESCRIPTION}, {dtype} weights.", ""]
-    if report.device_type != "cuda":
-        lines += [
-            "**CPU figures** (no CUDA device): a tiny config, fp32, a few steps; a smoke test of the path, "
-            "not comparable to GPU results.",
-            "",
-        ]
-    versions = ", ".join(
-        f"{k} {m[k]}" for k in ("torch", "triton", "transformers", "liger-kernel") if m.get(k) is not None
+    return fresh_process.markdown(
+        report,
+        name=NAME,
+        description=DESCRIPTION,
+        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, a few steps; a smoke test of the "
+        "path, not comparable to GPU results.",
+        versions=("torch", "triton", "transformers", "liger-kernel"),
+        facts=[
+            f"model ({report.preset.name} preset, random init, SDPA attention, no activation checkpointing): "
+            f"{_model_line(report.preset)}",
+            f"steps: {report.warmup} warmup + {report.steps} timed per run",
+        ],
+        sections=[markdown_table(report), ratio_table(report)],
+        notes=[*notes(report), *(f"{p}: {PROVIDER_DESCRIPTIONS[p]}" for p in report.providers)],
     )
-    lines += [
-        f"- device: {m.get('device')}",
-        f"- versions: {versions}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
-        f"- date: {m.get('date')}",
-        f"- model ({report.preset.name} preset, random init, SDPA attention, no activation checkpointing): "
-        f"{_model_line(report.preset)}",
-        f"- steps: {report.warmup} warmup + {report.steps} timed per run",
-        f"- command: `{m.get('command')}`",
-        "",
-        markdown_table(report),
-        "",
-        ratio_table(report),
-        "",
-        _acceptance_line(report),
-        "",
-    ]
-    lines += [f"- {n}" for n in notes(report)]
-    lines += [f"- {p}: {PROVIDER_DESCRIPTIONS[p]}" for p in report.providers]
-    for name, reason in report.skipped.items():
-        lines.append(f"- skipped {name}: {reason}")
-    return "\n".join(lines) + "\n"
 
 
 def to_json(report: E2EReport) -> dict[str, Any]:
@@ -716,7 +552,6 @@ def to_json(report: E2EReport) -> dict[str, Any]:
         "metadata": report.metadata,
         "rows": fresh_process.rows_json(report.rows),
         "ratios": ratios(report),
-        "acceptance": acceptance(report),
         "skipped": report.skipped,
         "notes": notes(report),
     }
@@ -724,56 +559,17 @@ def to_json(report: E2EReport) -> dict[str, Any]:
 
 def write_png(report: E2EReport, path: Path) -> None:
     """Two panels of grouped bars per (B x T) and provider: tokens/s and peak GiB (OOM marked)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    providers = [p for p in report.providers if p not in report.skipped]
-    labels = [f"{b}x{t}" for b, t in report.shapes]
-    width = 0.8 / max(1, len(providers))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 3.0 + 1.6 * len(labels) * 2), 4))
-    panels = (("tokens_per_s", "tokens/s (k)", 1e-3), ("peak_gib", "peak GiB", 1.0))
-    for ax, (attr, title, scale) in zip(axes, panels, strict=True):
-        any_value = False
-        for i, prov in enumerate(providers):
-            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(labels))]
-            vals = []
-            for x, shape in zip(xs, report.shapes, strict=True):
-                r = report.row(prov, shape)
-                v = getattr(r, attr) if r is not None and r.status == "ok" else None
-                vals.append(float("nan") if v is None else v * scale)
-                any_value |= v is not None
-                if r is not None and r.status != "ok":
-                    ax.text(
-                        x,
-                        0,
-                        "OOM" if r.status == "oom" else "error",
-                        ha="center",
-                        va="bottom",
-                        rotation=90,
-                        fontsize=8,
-                    )
-            bars = ax.bar(xs, vals, width=width, label=prov)
-            texts = ["" if math.isnan(v) else f"{v:.1f}" for v in vals]
-            ax.bar_label(bars, labels=texts, fontsize=7)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_xlim(-0.5, len(labels) - 0.5)
-        ax.set_xlabel("B x T")
-        ax.set_title(title)
-        if any_value:
-            ax.legend(fontsize=8)
-        else:
-            ax.set_yticks([])
-            text = "n/a (no CUDA)" if attr == "peak_gib" else "no results"
-            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    title = f"fuselm bench {NAME} ({report.preset.name} preset), {dtype}, {report.metadata.get('device')}"
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fresh_process.write_bars(
+        report,
+        path,
+        panels=(("tokens_per_s", "tokens/s (k)", 1e-3), ("peak_gib", "peak GiB", 1.0)),
+        labels=[f"{b}x{t}" for b, t in report.shapes],
+        title=f"fuselm bench {NAME} ({report.preset.name} preset), {dtype}, {report.metadata.get('device')}",
+        width_per_shape=3.2,
+        mark_failures=True,
+        xlabel="B x T",
+    )
 
 
 def write_report(report: E2EReport, out_dir: str | Path) -> dict[str, Path]:
@@ -791,30 +587,15 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
     Uses ``--shapes`` (BxT pairs), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
     (CUDA only: the CPU preset always runs fp32), ``--device``, ``--out``, ``--no-progress``; ``--modes``
-    does not apply. Raises ``fuselm.cli.UsageError`` for bad values.
+    does not apply. Raises ``fuselm.bench.arguments.UsageError`` for bad values.
     """
-    from ..cli import UsageError, parse_list, parse_shapes
-    from .report import collect_metadata, gpu_slug
-
-    providers = parse_list(args.providers, PROVIDERS, "provider") if args.providers else list(PROVIDERS)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    preset = GPU_PRESET if cuda else CPU_PRESET
-    shapes = parse_shapes(args.shapes, 2) if args.shapes else list(preset.shapes)
-    warmup, steps, dtype = fresh_process.cli_steps_dtype(args, preset, cuda)
-
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    meta = collect_metadata(device, argv)
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        raise UsageError('fuselm bench e2e needs transformers: pip install "fuselm[hf]"') from None
+    c = fresh_process.start_cli(
+        args, argv, name=NAME, providers=PROVIDERS, plans=(GPU_PRESET, CPU_PRESET), ndim=2
+    )
+    meta = c.metadata
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         meta["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    if not cuda:
+    if c.device.type != "cuda":
         print(
             "No CUDA device in use: these are CPU figures (tiny model, fp32, a few steps, no memory "
             "figures), not comparable to GPU results."
@@ -824,37 +605,24 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         f"{meta['transformers']}, liger-kernel {meta.get('liger-kernel', 'n/a')}, fuselm @ {meta['commit']}"
     )
     print(
-        f"{NAME}: {len(shapes)} shapes x {len(providers)} providers, {warmup} warmup + {steps} timed steps, "
-        "one fresh process each",
+        f"{NAME}: {len(c.shapes)} shapes x {len(c.providers)} providers, {c.warmup} warmup + {c.steps} timed "
+        "steps, one fresh process each",
         flush=True,
     )
-    out_dir = (
-        Path(args.out)
-        if args.out
-        else Path("benchmarks") / "results" / gpu_slug(meta["device"] if cuda else None)
-    )
     report = run(
-        preset=preset,
-        shapes=shapes,
-        providers=providers,
-        dtype=dtype,
-        device=device,
-        warmup=warmup,
-        steps=steps,
+        preset=c.plan,
+        shapes=c.shapes,
+        providers=c.providers,
+        dtype=c.dtype,
+        device=c.device,
+        warmup=c.warmup,
+        steps=c.steps,
         metadata=meta,
         progress=not args.no_progress,
     )
-    paths = write_report(report, out_dir)
-    print()
-    print(markdown(report))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print_written(markdown(report), write_report(report, c.out_dir))
     return 0 if any(r.status == "ok" for r in report.rows) else 1
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fuselm.bench.e2e --worker ...`` runs one worker; anything else is ``fuselm bench e2e``."""
-    return fresh_process.main(argv, NAME, worker_main)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+if __name__ == "__main__":  # a worker: python -m fuselm.bench.e2e --worker ... (the benchmark: fuselm bench)
+    sys.exit(worker_main(sys.argv[1:]))

@@ -2,7 +2,8 @@
 
 The worker side (:func:`worker_main`) runs one case and writes its result as JSON to the file the parent
 named; the parent side (:func:`run_worker`) starts that process with a timeout and reads the result back
-(a failure of the worker becomes an ``error`` result, never an exception). :func:`row_from_result`,
+(a failure of the worker becomes an ``error`` result, never an exception). :func:`run_cases` runs every
+(shape, provider) of a report that way, :class:`CaseRows` looks rows up; :func:`row_from_result`,
 :func:`rows_json` and :func:`write_report_files` are the parts of the row and report handling both share.
 """
 
@@ -17,11 +18,14 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
+from .report import DTYPE_NAMES, collect_metadata, md_table, ratio
 
 
 class SkipRun(Exception):
@@ -94,6 +98,27 @@ def worker_main(
     return code
 
 
+def memory_figures(device: torch.device) -> dict[str, int | None]:
+    """``peak_bytes`` and ``reserved_bytes``: ``torch.cuda``'s maxima since the last reset (None on CPU)."""
+    cuda = device.type == "cuda"
+    return {
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+    }
+
+
+def worker_command(module: str, provider: str, case: dict[str, Any], **options: Any) -> list[str]:
+    """``python -m <module> --worker --provider=<provider>`` with ``--<key>=<value>`` for each entry of
+    ``case`` then of ``options`` (dtype, device, warmup, steps, result).
+
+    Example:
+        >>> worker_command("fuselm.bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
+        ['fuselm.bench.e2e', '--worker', '--provider=hf', '--batch=2', '--steps=3']
+    """
+    flags = [f"--{key}={value}" for key, value in {**case, **options}.items()]
+    return [sys.executable, "-m", module, "--worker", f"--provider={provider}", *flags]
+
+
 def worker_env() -> dict[str, str]:
     """The parent's environment, with the directory this fuselm was imported from first on PYTHONPATH
     (so the worker runs the same code, whether fuselm is installed or run from ``src``)."""
@@ -157,6 +182,76 @@ def add_row(
     return True
 
 
+GIB = 1 << 30
+
+
+class WorkerRow:
+    """For a row dataclass of a worker's result: ``shape`` (its ``SHAPE_FIELDS``) and ``peak_gib``."""
+
+    SHAPE_FIELDS: tuple[str, ...] = ()
+    peak_bytes: int | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE_FIELDS)
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / GIB
+
+
+class CaseRows:
+    """For a report dataclass with ``rows`` whose items have ``provider`` and ``shape``: :meth:`row`."""
+
+    rows: list[Any]
+
+    def row(self, provider: str, shape: Sequence[int]) -> Any:
+        """The row of (provider, shape), or None."""
+        for r in self.rows:
+            if r.provider == provider and r.shape == tuple(shape):
+                return r
+        return None
+
+
+def run_cases(
+    report: Any,
+    run_case: Callable[[str, tuple[int, ...]], Any],
+    row_type: Any,
+    *,
+    name: str,
+    log: Callable[[str], None],
+    summary: Callable[[Any], str],
+    progress: bool = True,
+    on_row: Callable[[Any], None] | None = None,
+) -> None:
+    """Every (shape, provider) of ``report`` (shapes outer) not yet skipped: ``run_case(provider, shape)``,
+    its row added with :func:`add_row`, then ``on_row(report)``. The first size of a shape is its batch: a
+    provider out of memory at batch B is not run at a larger batch of the same other sizes (its row says
+    so: ``row_type(provider, *shape, "oom", error=...)``)."""
+    from tqdm.auto import tqdm
+
+    oom_at: dict[tuple[str, tuple[int, ...]], int] = {}  # (provider, other sizes) -> smallest batch out
+    cases = [(s, p) for s in report.shapes for p in report.providers]
+    bar = tqdm(cases, desc=name, disable=not progress, leave=False)
+    for shape, provider in bar:
+        if provider in report.skipped:
+            continue
+        bar.set_postfix_str(f"{provider} {'x'.join(map(str, shape))}")
+        batch, key = shape[0], (provider, shape[1:])
+        smallest = oom_at.get(key)
+        if smallest is not None and batch >= smallest:
+            row = row_type(
+                provider, *shape, "oom", error=f"not run: out of memory at batch {smallest} already"
+            )
+        else:
+            row = run_case(provider, shape)
+        if row.status == "oom":
+            oom_at[key] = min(batch, oom_at.get(key, batch))
+        if add_row(report, provider, row, log, summary) and on_row is not None:
+            on_row(report)
+    bar.close()
+
+
 def rows_json(rows: Sequence[Any]) -> list[dict[str, Any]]:
     """The rows as dicts, each with its ``peak_gib``."""
     out = []
@@ -185,33 +280,162 @@ def write_report_files(
     return paths
 
 
-def cli_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
-    """``(warmup, steps, dtype)`` of a ``fuselm bench`` run: ``--warmup`` / ``--steps`` or the plan's (its
-    quick ones with ``--quick``), ``--dtype`` on CUDA, fp32 otherwise. Raises ``fuselm.cli.UsageError``."""
-    from ..cli import DTYPES as CLI_DTYPES
-    from ..cli import UsageError
-
-    warmup = getattr(args, "warmup", None)
-    steps = getattr(args, "steps", None)
-    warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup
-    steps = (plan.quick_steps if args.quick else plan.steps) if steps is None else steps
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}")
-    if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
-    if not cuda:
-        return warmup, steps, torch.float32
-    if args.dtype.lower() not in CLI_DTYPES:
-        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
-    return warmup, steps, getattr(torch, CLI_DTYPES[args.dtype.lower()])
+def ratios(report: Any, row_type: Any, peers: Sequence[str], metrics: dict[str, str]) -> list[dict[str, Any]]:
+    """Per shape of ``report``: its sizes (``row_type.SHAPE_FIELDS``), then for each peer and each
+    ``metrics`` entry (key -> row attribute) ``<key>_vs_<peer>``, fuselm's figure over the peer's (None
+    unless both rows are ok)."""
+    out = []
+    for shape in report.shapes:
+        mine = report.row("fuselm", shape)
+        entry: dict[str, Any] = dict(zip(row_type.SHAPE_FIELDS, shape, strict=True))
+        for peer in peers:
+            other = report.row(peer, shape)
+            ok = mine is not None and mine.status == "ok" and other is not None and other.status == "ok"
+            for key, attr in metrics.items():
+                entry[f"{key}_vs_{peer}"] = ratio(getattr(mine, attr), getattr(other, attr)) if ok else None
+        out.append(entry)
+    return out
 
 
-def main(argv: Sequence[str] | None, name: str, worker: Callable[[Sequence[str]], int]) -> int:
-    """``python -m fuselm.bench.<name> --worker ...`` runs ``worker(argv)``; anything else is ``fuselm bench
-    <name> ...``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--worker" in argv:
-        return worker(argv)
-    from ..cli import main as cli_main
+def ratio_table(
+    head: Sequence[str], entries: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]
+) -> str:
+    """A markdown table of :func:`ratios`: ``label(entry)``, then each ratio as ``1.23x`` (``—`` if None)."""
+    rows = []
+    for entry in entries:
+        values = [v for k, v in entry.items() if "_vs_" in k]
+        rows.append([label(entry), *("—" if v is None else f"{v:.2f}x" for v in values)])
+    return md_table(head, rows)
 
-    return cli_main(["bench", name, *argv])
+
+def markdown(
+    report: Any,
+    *,
+    name: str,
+    description: str,
+    cpu_figures: str,
+    versions: Sequence[str],
+    facts: Sequence[str],
+    sections: Sequence[str],
+    notes: Sequence[str],
+) -> str:
+    """A training benchmark's report: title, ``cpu_figures`` (off CUDA), device, the ``versions`` found in
+    the metadata, date, ``facts``, command, the ``sections`` (tables), ``notes``, the skipped providers."""
+    m = report.metadata
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    lines = [f"# fuselm bench {name}", "", f"{description}, {dtype} weights.", ""]
+    if report.device_type != "cuda":
+        lines += [cpu_figures, ""]
+    found = ", ".join(f"{k} {m[k]}" for k in versions if m.get(k) is not None)
+    lines += [
+        f"- device: {m.get('device')}",
+        f"- versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
+        f"- date: {m.get('date')}",
+        *(f"- {fact}" for fact in facts),
+        f"- command: `{m.get('command')}`",
+        "",
+    ]
+    for section in sections:
+        lines += [section, ""]
+    lines += [f"- {n}" for n in notes]
+    lines += [f"- skipped {provider}: {reason}" for provider, reason in report.skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_bars(
+    report: Any,
+    path: Path,
+    *,
+    panels: Sequence[tuple[str, str, float]],
+    labels: Sequence[str],
+    title: str,
+    width_per_shape: float,
+    mark_failures: bool = False,
+    xlabel: str | None = None,
+) -> None:
+    """Panels of grouped bars, one group per shape of ``report`` (``labels``), one bar per provider that ran:
+    each panel ``(row attribute, title, scale)``, values of ok rows, labelled. ``mark_failures``: OOM or
+    error written where a row failed, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    providers = [p for p in report.providers if p not in report.skipped]
+    width = 0.8 / max(1, len(providers))
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + width_per_shape * len(labels)), 4))
+    for ax, (attr, panel_title, scale) in zip(axes, panels, strict=True):
+        any_value = False
+        for i, prov in enumerate(providers):
+            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(labels))]
+            vals = []
+            for x, shape in zip(xs, report.shapes, strict=True):
+                r = report.row(prov, shape)
+                v = getattr(r, attr) if r is not None and r.status == "ok" else None
+                vals.append(float("nan") if v is None else v * scale)
+                any_value |= v is not None
+                if mark_failures and r is not None and r.status != "ok":
+                    failure = "OOM" if r.status == "oom" else "error"
+                    ax.text(x, 0, failure, ha="center", va="bottom", rotation=90, fontsize=8)
+            bars = ax.bar(xs, vals, width=width, label=prov)
+            ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.1f}" for v in vals], fontsize=7)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(panel_title)
+        if not mark_failures:
+            if providers:
+                ax.legend(fontsize=8)
+            continue
+        ax.set_xlim(-0.5, len(labels) - 0.5)
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        if any_value:
+            ax.legend(fontsize=8)
+        else:
+            ax.set_yticks([])
+            text = "n/a (no CUDA)" if attr == "peak_gib" else "no results"
+            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@dataclass
+class CliRun:
+    """What a training benchmark's ``run_cli`` runs, from the parsed ``fuselm bench`` arguments."""
+
+    providers: list[str]
+    device: torch.device
+    plan: Any
+    shapes: list[tuple[int, ...]]
+    warmup: int
+    steps: int
+    dtype: torch.dtype
+    metadata: dict[str, Any]
+    out_dir: Path
+
+
+def start_cli(
+    args: Any, argv: list[str], *, name: str, providers: Sequence[str], plans: tuple[Any, Any], ndim: int
+) -> CliRun:
+    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, ``--shapes`` of
+    ``ndim`` sizes (default: the plan's), warmup, steps and dtype, the metadata with the transformers
+    version, the results folder. Raises ``UsageError`` for bad values and without transformers."""
+    chosen = parse_list(args.providers, providers, "provider") if args.providers else list(providers)
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
+    plan = plans[0] if cuda else plans[1]
+    shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
+    warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
+    meta = collect_metadata(device, argv)
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        raise UsageError(f'fuselm bench {name} needs transformers: pip install "fuselm[hf]"') from None
+    out_dir = results_dir(args.out, meta["device"] if cuda else None)
+    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir)

@@ -32,17 +32,17 @@ and 32768 tokens a step). Without CUDA a tiny config runs in fp32 in seconds: a 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from . import e2e, fresh_process
+from . import e2e, fresh_process, training
+from .report import DTYPE_NAMES, md_table
+from .runner import print_written
 
 NAME = "grpo_step"
 DESCRIPTION = "GRPO-shaped training steps of a Llama-3.2-1B-shaped model: the LM head's per-token log-probs"
@@ -167,7 +167,8 @@ def train(
     steps: int,
     seed: int = e2e.SEED,
 ) -> dict[str, Any]:
-    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps, return the measurements."""
+    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.bench.training.train`),
+    return the measurements."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -175,52 +176,39 @@ def train(
     head = make_head(provider, model)
     params = sum(p.numel() for p in model.parameters())
     weights_bytes = torch.cuda.memory_allocated(device) if cuda else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=e2e.LR, fused=plan.preset.fused_adamw and cuda)
     b = make_batch(model.config.vocab_size, batch, prompt, completion, device, seed)
     n_tokens = b["mask"].sum()
+    m = b["mask"].to(torch.float32)
 
-    def step() -> torch.Tensor:
+    def forward(b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = model.model(input_ids=b["ids"]).last_hidden_state
         h = hidden[:, prompt - 1 : prompt + completion - 1]  # position i predicts token i + 1
         log_probs, entropy = head(h, b["targets"])
         loss = policy_loss(log_probs, b["mask"], b["adv"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            m = b["mask"].to(torch.float32)
-            return torch.stack(
-                [
-                    loss.detach().float(),
-                    (log_probs.detach() * m).sum() / n_tokens,
-                    (entropy.detach() * m).sum() / n_tokens,
-                ]
-            )
+        with torch.no_grad():  # logged: the loss, mean log-prob and mean entropy of the completion tokens
+            mean_lp, mean_ent = ((x.detach() * m).sum() / n_tokens for x in (log_probs, entropy))
+            return loss, torch.stack([loss.detach().float(), mean_lp, mean_ent])
 
-    logs = []
-    t_build = time.perf_counter()
-    for _ in range(warmup):
-        logs.append(step())
-    e2e._sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logs.append(step())
-    e2e._sync(device)
-    elapsed = time.perf_counter() - t0
-    values = torch.stack(logs).cpu().tolist()
+    run = training.train(
+        forward,
+        list(model.parameters()),
+        [b] * (warmup + steps),
+        lr=e2e.LR,
+        fused_adamw=plan.preset.fused_adamw and cuda,
+        warmup=warmup,
+    )
     return {
         "status": "ok",
-        "step_ms": elapsed / steps * 1e3,
-        "tokens_per_s": batch * (prompt + completion) * steps / elapsed,
+        "step_ms": run.timed_s / steps * 1e3,
+        "tokens_per_s": run.tokens_per_s(batch * (prompt + completion)),
         "completion_tokens": int(n_tokens),
-        "warmup_s": t0 - t_build,
-        "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "warmup_s": run.warmup_s,
+        **fresh_process.memory_figures(device),
         "weights_bytes": weights_bytes,
         "params": params,
-        "losses": [v[0] for v in values],
-        "mean_log_probs": [v[1] for v in values],
-        "mean_entropy": [v[2] for v in values],
+        "losses": [v[0] for v in run.logged],
+        "mean_log_probs": [v[1] for v in run.logged],
+        "mean_entropy": [v[2] for v in run.logged],
     }
 
 
@@ -261,8 +249,10 @@ def worker_main(argv: Sequence[str]) -> int:
 
 
 @dataclass
-class StepRow:
+class StepRow(fresh_process.WorkerRow):
     """One (provider, B, P, C) result; ``status`` ok, oom, error or skipped."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "prompt", "completion")
 
     provider: str
     batch: int
@@ -284,18 +274,10 @@ class StepRow:
     error: str | None = None
     traceback: str | None = None
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.prompt, self.completion)
-
-    @property
-    def peak_gib(self) -> float | None:
-        return None if self.peak_bytes is None else self.peak_bytes / e2e.GIB
-
 
 @dataclass
-class StepReport:
-    """Everything one ``fuselm bench grpo_step`` run produced."""
+class StepReport(fresh_process.CaseRows):
+    """Everything one ``fuselm bench grpo_step`` run produced; ``row(provider, (B, P, C))`` finds a row."""
 
     plan: Plan
     dtype: torch.dtype
@@ -307,12 +289,6 @@ class StepReport:
     metadata: dict[str, Any]
     rows: list[StepRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-
-    def row(self, provider: str, shape: tuple[int, int, int]) -> StepRow | None:
-        for r in self.rows:
-            if r.provider == provider and r.shape == tuple(shape):
-                return r
-        return None
 
 
 def worker_command(
@@ -327,23 +303,9 @@ def worker_command(
     result: Path,
 ) -> list[str]:
     """The command line of one worker process."""
-    b, p, c = shape
-    return [
-        sys.executable,
-        "-m",
-        "fuselm.bench.grpo_step",
-        "--worker",
-        f"--provider={provider}",
-        f"--batch={b}",
-        f"--prompt={p}",
-        f"--completion={c}",
-        f"--plan={plan}",
-        f"--dtype={e2e.DTYPE_NAMES[dtype]}",
-        f"--device={device}",
-        f"--warmup={warmup}",
-        f"--steps={steps}",
-        f"--result={result}",
-    ]
+    case = {**dict(zip(StepRow.SHAPE_FIELDS, shape, strict=True)), "plan": plan}
+    options = {"dtype": DTYPE_NAMES[dtype], "device": device, "warmup": warmup, "steps": steps}
+    return fresh_process.worker_command("fuselm.bench.grpo_step", provider, case, **options, result=result)
 
 
 def run_case(
@@ -358,24 +320,14 @@ def run_case(
     timeout: float = WORKER_TIMEOUT_S,
 ) -> StepRow:
     """One (provider, shape) in a fresh worker process (a failure of the worker becomes the row's error)."""
+    options = {"dtype": dtype, "device": device.type, "warmup": warmup, "steps": steps}
     data = fresh_process.run_worker(
-        lambda result_path: worker_command(
-            provider,
-            shape,
-            plan=plan.preset.name,
-            dtype=dtype,
-            device=device.type,
-            warmup=warmup,
-            steps=steps,
-            result=result_path,
-        ),
+        lambda result: worker_command(provider, shape, plan=plan.preset.name, result=result, **options),
         timeout=timeout,
         prefix="fuselm-grpo-",
     )
-    b, p, c = shape
-    return fresh_process.row_from_result(
-        StepRow, {"provider": provider, "batch": b, "prompt": p, "completion": c}, data
-    )
+    key = {"provider": provider, **dict(zip(StepRow.SHAPE_FIELDS, shape, strict=True))}
+    return fresh_process.row_from_result(StepRow, key, data)
 
 
 def _summary(r: StepRow) -> str:
@@ -415,57 +367,26 @@ def run(
         steps=steps,
         metadata=dict(metadata or {}),
     )
-    oom_at: dict[tuple[str, int, int], int] = {}
-    for shape in report.shapes:
-        for provider in providers:
-            if provider in report.skipped:
-                continue
-            smallest = oom_at.get((provider, shape[1], shape[2]))
-            if smallest is not None and shape[0] >= smallest:
-                row = StepRow(
-                    provider, *shape, "oom", error=f"not run: out of memory at batch {smallest} already"
-                )
-            else:
-                row = run_case(
-                    provider,
-                    shape,
-                    plan=plan,
-                    dtype=dtype,
-                    device=device,
-                    warmup=warmup,
-                    steps=steps,
-                    timeout=timeout,
-                )
-            if row.status == "oom":
-                key = (provider, shape[1], shape[2])
-                oom_at[key] = min(shape[0], oom_at.get(key, shape[0]))
-            if not fresh_process.add_row(report, provider, row, log, _summary):
-                continue
-            if on_row is not None:
-                on_row(report)
+    options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
+    fresh_process.run_cases(
+        report,
+        lambda provider, shape: run_case(provider, shape, timeout=timeout, **options),
+        StepRow,
+        name=NAME,
+        log=log,
+        summary=_summary,
+        progress=False,
+        on_row=on_row,
+    )
     return report
 
 
 # ---- report ----
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or not b > 0 else a / b
-
-
 def ratios(report: StepReport) -> list[dict[str, Any]]:
     """Per shape: fuselm's ms/step and peak memory over TRL's and over HF's."""
-    out = []
-    for shape in report.shapes:
-        f = report.row("fuselm", shape)
-        entry: dict[str, Any] = {"batch": shape[0], "prompt": shape[1], "completion": shape[2]}
-        for key in ("trl", "hf"):
-            o = report.row(key, shape)
-            ok = f is not None and f.status == "ok" and o is not None and o.status == "ok"
-            entry[f"time_vs_{key}"] = _ratio(f.step_ms, o.step_ms) if ok else None
-            entry[f"peak_vs_{key}"] = _ratio(f.peak_bytes, o.peak_bytes) if ok else None
-        out.append(entry)
-    return out
+    return fresh_process.ratios(report, StepRow, ("trl", "hf"), {"time": "step_ms", "peak": "peak_bytes"})
 
 
 def _label(shape: tuple[int, int, int]) -> str:
@@ -477,35 +398,30 @@ def markdown_table(report: StepReport) -> str:
     the last step, note."""
     head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
     head += ["entropy last", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in report.rows:
         ok = r.status == "ok"
-        note = (r.error or "").replace("|", "/").replace("\n", " ")
-        cells = [
-            _label(r.shape),
-            r.provider,
-            f"{r.step_ms:.1f}" if ok else {"oom": "OOM"}.get(r.status, "error"),
-            e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
-            ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
-            f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
-            f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
-            f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
-            note,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(
+            [
+                _label(r.shape),
+                r.provider,
+                f"{r.step_ms:.1f}" if ok else {"oom": "OOM"}.get(r.status, "error"),
+                e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
+                ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
+                f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
+                f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
+                f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
+                (r.error or "").replace("|", "/").replace("\n", " "),
+            ]
+        )
+    return md_table(head, rows)
 
 
 def ratio_table(report: StepReport) -> str:
     """fuselm / TRL and fuselm / HF: time per step and peak memory, per shape."""
     head = ["B x (P + C)", "time fuselm / TRL", "peak fuselm / TRL", "time fuselm / HF", "peak fuselm / HF"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in ratios(report):
-        keys = ("time_vs_trl", "peak_vs_trl", "time_vs_hf", "peak_vs_hf")
-        cells = [_label((r["batch"], r["prompt"], r["completion"]))]
-        cells += ["—" if r[k] is None else f"{r[k]:.2f}x" for k in keys]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    label = lambda r: _label((r["batch"], r["prompt"], r["completion"]))  # noqa: E731
+    return fresh_process.ratio_table(head, ratios(report), label)
 
 
 def notes(report: StepReport) -> list[str]:
@@ -549,39 +465,29 @@ def _model_line(preset: e2e.Preset) -> str:
 
 
 def markdown(report: StepReport) -> str:
-    m = report.metadata
-    dtype = e2e.DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    lines = [f"# fuselm bench {NAME}", "", f"{DESCRIPTION}, {dtype} weights.", ""]
-    if report.device_type != "cuda":
-        lines += ["**CPU figures** (no CUDA device): a tiny config, fp32, a smoke test of the path.", ""]
-    versions = ", ".join(
-        f"{k} {m[k]}" for k in ("torch", "triton", "transformers", "trl") if m.get(k) is not None
+    """The whole report: header (device, versions, commit, model), results, ratios, notes."""
+    return fresh_process.markdown(
+        report,
+        name=NAME,
+        description=DESCRIPTION,
+        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, a smoke test of the path.",
+        versions=("torch", "triton", "transformers", "trl"),
+        facts=[
+            "model (random init, SDPA attention, no activation checkpointing): "
+            + _model_line(report.plan.preset)
+        ],
+        sections=[markdown_table(report), ratio_table(report)],
+        notes=[*notes(report), *(f"{p}: {PROVIDER_DESCRIPTIONS[p]}" for p in report.providers)],
     )
-    lines += [
-        f"- device: {m.get('device')}",
-        f"- versions: {versions}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
-        f"- date: {m.get('date')}",
-        "- model (random init, SDPA attention, no activation checkpointing): "
-        + _model_line(report.plan.preset),
-        f"- command: `{m.get('command')}`",
-        "",
-        markdown_table(report),
-        "",
-        ratio_table(report),
-        "",
-    ]
-    lines += [f"- {n}" for n in notes(report)]
-    lines += [f"- {p}: {PROVIDER_DESCRIPTIONS[p]}" for p in report.providers]
-    lines += [f"- skipped {name}: {reason}" for name, reason in report.skipped.items()]
-    return "\n".join(lines) + "\n"
 
 
 def to_json(report: StepReport) -> dict[str, Any]:
+    """All raw numbers and the metadata, JSON-ready."""
     return {
         "suite": NAME,
         "description": DESCRIPTION,
         "model": report.plan.preset.model,
-        "dtype": e2e.DTYPE_NAMES.get(report.dtype, str(report.dtype)),
+        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
         "device_type": report.device_type,
         "shape_dims": ["B", "P", "C"],
         "shapes": [list(s) for s in report.shapes],
@@ -598,35 +504,15 @@ def to_json(report: StepReport) -> dict[str, Any]:
 
 def write_png(report: StepReport, path: Path) -> None:
     """Two panels of grouped bars per shape and provider: ms/step and peak GiB."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    providers = [p for p in report.providers if p not in report.skipped]
-    labels = [_label(s) for s in report.shapes]
-    width = 0.8 / max(1, len(providers))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 3.0 + 2.4 * len(labels)), 4))
-    for ax, (attr, title) in zip(axes, (("step_ms", "ms / step"), ("peak_gib", "peak GiB")), strict=True):
-        for i, prov in enumerate(providers):
-            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(labels))]
-            vals = []
-            for shape in report.shapes:
-                r = report.row(prov, shape)
-                v = getattr(r, attr) if r is not None and r.status == "ok" else None
-                vals.append(float("nan") if v is None else v)
-            bars = ax.bar(xs, vals, width=width, label=prov)
-            ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.1f}" for v in vals], fontsize=7)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_title(title)
-        if providers:
-            ax.legend(fontsize=8)
-    dtype = e2e.DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    fig.suptitle(f"fuselm bench {NAME}, {dtype}, {report.metadata.get('device')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    fresh_process.write_bars(
+        report,
+        path,
+        panels=(("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0)),
+        labels=[_label(s) for s in report.shapes],
+        title=f"fuselm bench {NAME}, {dtype}, {report.metadata.get('device')}",
+        width_per_shape=2.4,
+    )
 
 
 def write_report(report: StepReport, out_dir: str | Path) -> dict[str, Path]:
@@ -642,68 +528,40 @@ def write_report(report: StepReport, out_dir: str | Path) -> dict[str, Path]:
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
     ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
-    ``fuselm.cli.UsageError``."""
-    from ..cli import UsageError, parse_list, parse_shapes
-    from .report import collect_metadata, gpu_slug
-
-    providers = parse_list(args.providers, PROVIDERS, "provider") if args.providers else list(PROVIDERS)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    plan = GPU_PLAN if cuda else CPU_PLAN
-    shapes = parse_shapes(args.shapes, 3) if args.shapes else list(plan.shapes)
-    for b, p, c in shapes:
-        if p < 1:
-            raise UsageError(f"bad shape {b}x{p}x{c}: the prompt needs at least 1 token")
-    warmup, steps, dtype = fresh_process.cli_steps_dtype(args, plan, cuda)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    meta = collect_metadata(device, argv)
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        raise UsageError('fuselm bench grpo_step needs transformers: pip install "fuselm[hf]"') from None
+    ``fuselm.bench.arguments.UsageError``."""
+    from .arguments import UsageError
     from .linear_log_probs import _peer_versions
 
-    meta.update({k: v for k, v in _peer_versions().items() if k == "trl"})
-    if not cuda:
+    c = fresh_process.start_cli(
+        args, argv, name=NAME, providers=PROVIDERS, plans=(GPU_PLAN, CPU_PLAN), ndim=3
+    )
+    for b, p, c_ in c.shapes:
+        if p < 1:
+            raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")
+    c.metadata.update({k: v for k, v in _peer_versions().items() if k == "trl"})
+    if c.device.type != "cuda":
         print("No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results.")
     print(
-        f"{NAME}: {len(shapes)} shapes x {len(providers)} providers, {warmup} warmup + {steps} timed steps, "
-        "one fresh process each",
+        f"{NAME}: {len(c.shapes)} shapes x {len(c.providers)} providers, {c.warmup} warmup + {c.steps} timed "
+        "steps, one fresh process each",
         flush=True,
     )
-    out_dir = (
-        Path(args.out)
-        if args.out
-        else Path("benchmarks") / "results" / gpu_slug(meta["device"] if cuda else None)
-    )
     report = run(
-        plan=plan,
-        shapes=shapes,
-        providers=providers,
-        dtype=dtype,
-        device=device,
-        warmup=warmup,
-        steps=steps,
-        metadata=meta,
-        on_row=lambda r: write_report(r, out_dir),
+        plan=c.plan,
+        shapes=c.shapes,
+        providers=c.providers,
+        dtype=c.dtype,
+        device=c.device,
+        warmup=c.warmup,
+        steps=c.steps,
+        metadata=c.metadata,
+        on_row=lambda r: write_report(r, c.out_dir),
     )
-    paths = write_report(report, out_dir)
-    print()
-    print(markdown(report))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print_written(markdown(report), write_report(report, c.out_dir))
     print()
     print(markdown_table(report))
     return 0 if any(r.status == "ok" for r in report.rows) else 1
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fuselm.bench.grpo_step --worker ...`` runs one worker; anything else is ``fuselm bench
-    grpo_step``."""
-    return fresh_process.main(argv, NAME, worker_main)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+if __name__ == "__main__":  # a worker: python -m fuselm.bench.grpo_step --worker ...
+    sys.exit(worker_main(sys.argv[1:]))

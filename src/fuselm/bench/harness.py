@@ -93,6 +93,37 @@ class SkipProvider(Exception):
     """Raised by ``Provider.setup`` when the provider cannot run here; the message is the reason."""
 
 
+Setup = Callable[[torch.device], Callable[[Inputs], Any]]
+
+
+def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None = None) -> Setup:
+    """The setup of a ``torch_compile`` provider: ``torch.compile(fn, dynamic=False)``, compiled afresh per
+    case (Dynamo's cache reset: no cache-limit surprises), called as ``fn(*args(inputs))`` (``fn(inputs)``
+    without ``args``). Skipped on CPU, where compile time would dominate a smoke run."""
+
+    def setup(device: torch.device) -> Callable[[Inputs], Any]:
+        if device.type != "cuda":
+            raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, dynamic=False)
+        return compiled if args is None else lambda x: compiled(*args(x))
+
+    return setup
+
+
+def import_peer(device: torch.device, module: str, name: str, package: str = "liger_kernel") -> Any:
+    """``module.name`` of a peer that runs on CUDA only; :class:`SkipProvider` with the reason on a CPU or
+    when it cannot be imported (any exception)."""
+    import importlib
+
+    if device.type != "cuda":
+        raise SkipProvider("needs CUDA")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        raise SkipProvider(f"{package} not importable ({type(e).__name__}: {e})") from None
+
+
 @dataclass(frozen=True)
 class Cost:
     """Work one call of a mode must at least do: bytes moved and FLOPs (``None``: not counted)."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 EPS = 1e-5
 
@@ -52,12 +52,7 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return _torch_fn
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of F.layer_norm; skipped on CPU (compile time would dominate a CPU run)."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()
-    return torch.compile(_torch_fn, dynamic=False)
+setup_torch_compile = compiled_setup(_torch_fn)
 
 
 def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
@@ -69,13 +64,8 @@ def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's LayerNorm (CUDA, importable liger_kernel)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
-    return lambda x: LigerLayerNormFunction.apply(x["x"], x["weight"], x["bias"], EPS)
+    function = import_peer(device, "liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
+    return lambda x: function.apply(x["x"], x["weight"], x["bias"], EPS)
 
 
 SUITE = Suite(
@@ -94,7 +84,6 @@ SUITE = Suite(
     cost=cost,
     columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
     cuda_graph=True,
-    forward_grad=False,
     notes=(
         "Bytes counted: 2 per element per itemsize forward (read x, write y), 3 backward (read x, dy, "
         "write dx): 10 bytes per element fwd + bwd in bf16; parameters not counted.",

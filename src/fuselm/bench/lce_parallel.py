@@ -18,7 +18,7 @@ backward of the mean loss, ``torch.autograd.grad`` w.r.t. x and the rank's weigh
   ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W
   times too much for a loss that every rank computes in full.
 - ``fuselm_single``: ``fuselm.linear_cross_entropy(x, W, target)`` with the whole W on rank 0 alone
-  (the other ranks wait): the single-GPU reference of the acceptance ratio.
+  (the other ranks wait): the single-GPU reference the split is compared with.
 
 Method: one group of W spawned processes (``torch.multiprocessing``, ``file://`` init in a temporary
 folder) first measures the card's ceilings on every rank (``harness.measure_ceilings``), then runs every
@@ -38,9 +38,6 @@ ranks go on to the next case together, a failed case reported as such (``OOM`` f
 it: each rank writes its results to a file as it goes, the parent watches them, kills a group that makes
 no progress (``CASE_TIMEOUT_S``; ``FAILED_GRACE_S`` once a rank has reported a failure) and starts a
 fresh group for the remaining cases.
-
-Acceptance (issue): on 2 GPUs, ``fuselm_split`` fwd + bwd of (8192, 4096, 128256) takes <= 0.6x the
-``fuselm_single`` time measured in the same run.
 """
 
 from __future__ import annotations
@@ -63,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import linear_cross_entropy as lce
+from .arguments import StepCounts, results_dir
 from .harness import (
     MIB,
     Ceilings,
@@ -82,15 +80,16 @@ from .harness import (
     peak_extra_bytes,
     sync,
 )
-from .report import fmt_num, shape_label
+from .report import fmt_num, md_table, ratio, shape_label
 
 SPLIT_PROVIDERS = ("fuselm_split", "allgather_logits")  # the work spread over every rank
 GPU_SHAPES: tuple[Shape, ...] = ((8192, 4096, 128256), (8192, 4096, 256000))
 CPU_SHAPES: tuple[Shape, ...] = ((256, 64, 1001),)
-ACCEPTANCE_SHAPE, ACCEPTANCE_WORLD_SIZE, ACCEPTANCE_RATIO = (8192, 4096, 128256), 2, 0.6
 SEED = 0
-# (warmup steps, timed steps) by (device type, --quick)
-STEPS = {("cuda", False): (3, 20), ("cuda", True): (2, 3), ("cpu", False): (1, 5), ("cpu", True): (1, 3)}
+STEPS = {
+    "cuda": StepCounts(3, 20, quick_warmup=2, quick_steps=3),
+    "cpu": StepCounts(1, 5, quick_warmup=1, quick_steps=3),
+}
 CASE_TIMEOUT_S = {"cuda": 600.0, "cpu": 300.0}  # no case finished for this long: the group is killed
 FAILED_GRACE_S = 60.0  # a rank reported a failure: how long the others may take to reach the agreement
 POLL_S = 0.2
@@ -505,10 +504,6 @@ def case_line(case: Case, records: list[dict[str, Any]]) -> str:
     return f"{label}: {fmt_num(max(ms))} ms (slowest rank), loss {records[0].get('loss', float('nan')):.5f}"
 
 
-def _ratio(a: float | int | None, b: float | int | None) -> float | None:
-    return None if a is None or b is None or not b > 0 else a / b
-
-
 def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
     """Per shape: the split against its GEMM floor, the single GPU and the all-gathered logits."""
     out = []
@@ -533,29 +528,13 @@ def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
                 "split_floor_ms": floor / (gemm * 1e9) if gemm else None,
                 **{f"{k}_ms": v for k, v in ms.items()},
                 **{f"{k}_extra_bytes": v for k, v in mem.items()},
-                "split_vs_single": _ratio(ms["split"], ms["single"]),
-                "allgather_vs_split": _ratio(ms["allgather"], ms["split"]),
-                "split_extra_vs_allgather": _ratio(mem["split"], mem["allgather"]),
-                "split_extra_vs_single": _ratio(mem["split"], mem["single"]),
+                "split_vs_single": ratio(ms["split"], ms["single"]),
+                "allgather_vs_split": ratio(ms["allgather"], ms["split"]),
+                "split_extra_vs_allgather": ratio(mem["split"], mem["allgather"]),
+                "split_extra_vs_single": ratio(mem["split"], mem["single"]),
             }
         )
     return out
-
-
-def acceptance(report: Report, world_size: int) -> dict[str, Any] | None:
-    """The issue's target (split <= 0.6x single at 8192x4096x128256 on 2 GPUs); None if not measured."""
-    if world_size != ACCEPTANCE_WORLD_SIZE:
-        return None
-    for s in summary(report, world_size):
-        if tuple(s["shape"]) == ACCEPTANCE_SHAPE and s["split_vs_single"] is not None:
-            ratio = s["split_vs_single"]
-            return {
-                "shape": s["shape"],
-                "split_vs_single": ratio,
-                "target": ACCEPTANCE_RATIO,
-                "met": ratio <= ACCEPTANCE_RATIO,
-            }
-    return None
 
 
 def _mib(b: int | None) -> str:
@@ -566,17 +545,9 @@ def _x(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f}x"
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
 def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, Any]]) -> str:
-    """The sections after the main table: split vs single and vs all-gathered logits, the acceptance line,
-    every rank's figures and ceilings, the providers."""
+    """The sections after the main table: split vs single and vs all-gathered logits, every rank's figures
+    and ceilings, the providers."""
     rows = [
         [
             shape_label(tuple(s["shape"])),
@@ -605,21 +576,8 @@ def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, An
     lines = [
         f"## Split over {world_size} ranks vs one GPU and vs all-gathered logits",
         "",
-        *_table(head, rows),
-        "",
+        md_table(head, rows),
     ]
-    a = acceptance(report, world_size)
-    if a is None:
-        lines.append(
-            f"Acceptance (split <= {ACCEPTANCE_RATIO}x single at {shape_label(ACCEPTANCE_SHAPE)} on "
-            f"{ACCEPTANCE_WORLD_SIZE} GPUs): not measured in this run."
-        )
-    else:
-        verdict = "PASS" if a["met"] else "FAIL"
-        lines.append(
-            f"Acceptance: split / single at {shape_label(ACCEPTANCE_SHAPE)} on {world_size} ranks = "
-            f"{a['split_vs_single']:.3f} (target <= {ACCEPTANCE_RATIO}): **{verdict}**."
-        )
     per_rank = [
         [
             shape_label(r.shape),
@@ -632,7 +590,7 @@ def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, An
         for r in report.rows
     ]
     head = ["N, H, V", "provider", "ms per rank", "extra MiB per rank", "loss", "grad norm"]
-    lines += ["", "### Per rank", "", *_table(head, per_rank), ""]
+    lines += ["", "### Per rank", "", md_table(head, per_rank), ""]
     for info in rank_info:
         c = Ceilings(**info["ceilings"]) if info.get("ceilings") else Ceilings()
         lines.append(
@@ -739,11 +697,11 @@ def run_cli(args, argv: list[str]) -> int:
 
     Uses ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
     (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
-    Raises ``fuselm.cli.UsageError`` for bad values.
+    Raises ``fuselm.bench.arguments.UsageError`` for bad values.
     """
-    from ..cli import DTYPES as CLI_DTYPES
-    from ..cli import UsageError, parse_list, parse_shapes
-    from .report import collect_metadata, device_name, gpu_slug, markdown, write_report
+    from .arguments import UsageError, parse_list, parse_shapes, pick_device, warmup_steps_dtype
+    from .report import collect_metadata, device_name, markdown, write_report
+    from .runner import print_written
 
     world_size = args.world_size
     suite = make_suite(world_size)
@@ -752,9 +710,7 @@ def run_cli(args, argv: list[str]) -> int:
         if args.providers
         else suite.provider_names
     )
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    cuda = pick_device(args.device).type == "cuda"
     if cuda and torch.cuda.device_count() < world_size:
         raise UsageError(
             f"--world-size {world_size}: needs {world_size} CUDA devices, {torch.cuda.device_count()} visible"
@@ -766,17 +722,7 @@ def run_cli(args, argv: list[str]) -> int:
     for s in shapes:
         if s[2] < world_size:
             raise UsageError(f"shape {shape_label(s)}: V must be at least the world size ({world_size})")
-    warmup, steps = STEPS[(device_type, args.quick)]
-    warmup = warmup if args.warmup is None else args.warmup
-    steps = steps if args.steps is None else args.steps
-    if steps < 1 or warmup < 0:
-        raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
-    if not cuda:
-        dtype = torch.float32
-    elif args.dtype.lower() in CLI_DTYPES:
-        dtype = getattr(torch, CLI_DTYPES[args.dtype.lower()])
-    else:
-        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
+    warmup, steps, dtype = warmup_steps_dtype(args, STEPS[device_type], cuda)
 
     meta = collect_metadata(torch.device("cpu"), argv)  # the device fields come from the ranks
     meta.update(
@@ -815,9 +761,7 @@ def run_cli(args, argv: list[str]) -> int:
     )
     meta["ranks"] = rank_info
     extra = extra_markdown(report, world_size, rank_info)
-    out_dir = (
-        Path(args.out) if args.out else Path("benchmarks") / "results" / gpu_slug(name if cuda else None)
-    )
+    out_dir = results_dir(args.out, name if cuda else None)
     paths = write_report(
         report,
         out_dir,
@@ -825,11 +769,8 @@ def run_cli(args, argv: list[str]) -> int:
         extra_json={
             "world_size": world_size,
             "summary": summary(report, world_size),
-            "acceptance": acceptance(report, world_size),
         },
         plot_metrics=("ms", "extra_mib") if cuda else ("ms",),
     )
-    print()
-    print(markdown(report, extra))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print_written(markdown(report, extra), paths)
     return 0 if any(r.ms is not None for r in report.rows) else 1

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 IGNORE_INDEX = -100
 RANDOM, PEAKED = 1, 2
@@ -259,30 +259,19 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return lambda x: _torch_lce(*_args(x))
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
-    compiled = torch.compile(_torch_lce, dynamic=False)
-    return lambda x: compiled(*_args(x))
+setup_torch_compile = compiled_setup(_torch_lce, _args)
 
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's fused linear cross-entropy (needs CUDA and an importable liger_kernel)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    function = import_peer(
+        device, "liger_kernel.ops.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction"
+    )
 
     def run(x: Inputs) -> torch.Tensor:
         # positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
         # label_smoothing, reduction (the same order since Liger 0.5; later arguments keep defaults)
-        out = LigerFusedLinearCrossEntropyFunction.apply(
-            *_args(x), None, None, IGNORE_INDEX, 0.0, 0.0, "mean"
-        )
+        out = function.apply(*_args(x), None, None, IGNORE_INDEX, 0.0, 0.0, "mean")
         return out[0] if isinstance(out, (tuple, list)) else out
 
     return run
@@ -290,12 +279,7 @@ def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_cce(device: torch.device) -> Callable[[Inputs], Any]:
     """Cut Cross-Entropy (needs CUDA and an importable cut_cross_entropy)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from cut_cross_entropy import linear_cross_entropy as cce_lce
-    except Exception as e:  # noqa: BLE001
-        raise SkipProvider(f"cut_cross_entropy not importable ({type(e).__name__}: {e})") from None
+    cce_lce = import_peer(device, "cut_cross_entropy", "linear_cross_entropy", "cut_cross_entropy")
 
     def run(x: Inputs) -> torch.Tensor:
         e, c, targets = _args(x)
@@ -374,7 +358,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """Print the mean softmax of the target for the suite's shapes (or --shapes) on one device."""
     import argparse
 
-    from ..cli import parse_shapes
+    from .arguments import parse_shapes
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -469,50 +468,23 @@ def _peer_versions() -> dict[str, str]:
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench linear_log_probs`` with the parsed ``fuselm bench`` arguments; returns the exit code
-    (0: something measured, 1: nothing). Raises ``fuselm.cli.UsageError`` for bad values."""
-    from ..cli import DTYPES, UsageError, parse_list, parse_shapes
-    from .harness import MODES, measure_ceilings
-    from .report import collect_metadata, gpu_slug, markdown, write_report
+    (0: something measured, 1: nothing). Raises ``fuselm.bench.arguments.UsageError`` for bad values."""
+    from .arguments import UsageError, parse_dtype, parse_list, pick_device
+    from .harness import MODES
+    from .report import markdown, write_report
+    from .runner import plan_suite, print_written, start
 
-    suite = SUITE
-    if args.dtype.lower() not in DTYPES:
-        raise UsageError(f"unknown dtype {args.dtype!r}; known: bf16, fp16, fp32")
-    dtype = getattr(torch, DTYPES[args.dtype.lower()])
+    dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
-    providers = parse_list(args.providers, suite.provider_names, "provider") if args.providers else None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    shapes = parse_shapes(args.shapes, len(suite.shape_dims)) if args.shapes else None
-    for s in shapes or ():
+    device = pick_device(args.device)
+    shapes, providers = plan_suite(SUITE, args, device)
+    for s in shapes:
         try:
             split_shape(s)
         except ValueError as e:
             raise UsageError(f"bad shape {'x'.join(map(str, s))}: {e}") from None
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    meta = collect_metadata(device, argv)
-    meta.update(_peer_versions())
-    if not cuda:
-        print(
-            "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
-            "not comparable to GPU results."
-        )
-    print(
-        f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, fuselm @ {meta['commit']}"
-    )
-    out_dir = (
-        Path(args.out)
-        if args.out
-        else Path("benchmarks") / "results" / gpu_slug(meta["device"] if cuda else None)
-    )
-    shapes = shapes or list(suite.gpu_shapes if cuda else suite.cpu_shapes)
-    providers = providers or suite.provider_names
-
-    print("measuring ceilings ...", flush=True)
-    ceilings = measure_ceilings(device, quick=args.quick)
-    copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
-    gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
-    print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
+    session = start(device, args, argv, _peer_versions())
+    out_dir = session.out_dir
 
     ACCURACY.clear()
 
@@ -528,8 +500,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         providers=providers,
         device=device,
         quick=args.quick,
-        ceilings=ceilings,
-        metadata=meta,
+        ceilings=session.ceilings,
+        metadata=session.metadata,
         progress=not args.no_progress,
         on_shape=write_partial,
     )
@@ -538,9 +510,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     paths = write_report(
         report, out_dir, extra_markdown=extra, extra_json={"accuracy": accuracy_rows(report)}
     )
-    print()
-    print(markdown(report, extra))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print_written(markdown(report, extra), paths)
     print()
     print(summary_table(report))
     return 0 if any(r.ms is not None for r in report.rows) else 1
@@ -596,16 +566,3 @@ def run_by_shape(
             on_shape(report, i + 1)
     assert report is not None, "no shapes"
     return report
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fuselm.bench.linear_log_probs ...`` is ``fuselm bench linear_log_probs ...``."""
-    import sys
-
-    from ..cli import main
-
-    return main(["bench", NAME, *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -163,6 +163,29 @@ def shape_label(shape: tuple[int, ...]) -> str:
     return "x".join(str(d) for d in shape)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is missing or ``b`` is not positive.
+
+    Example:
+        >>> ratio(3.0, 2.0), ratio(3.0, None), ratio(1.0, 0.0)
+        (1.5, None, None)
+    """
+    return None if a is None or b is None or not b > 0 else a / b
+
+
+def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of ``head`` and the cells of each row.
+
+    Example:
+        >>> print(md_table(["a", "b"], [["1", "2"]]))
+        | a | b |
+        |---|---|
+        | 1 | 2 |
+    """
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def _cell(row: Row, col: str) -> str:
     if col == "ms" and row.ms is None and row.error:
         return "OOM" if row.error.startswith("OutOfMemoryError") else "error"
@@ -177,15 +200,12 @@ def markdown_table(report: Report) -> str:
     cols = list(report.suite.columns)
     any_error = any(r.error or r.note for r in report.rows)
     head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
+    rows = [[shape_label(r.shape), r.provider, r.mode, *(_cell(r, c) for c in cols)] for r in report.rows]
     if any_error:
         head.append("note")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report.rows:
-        cells = [shape_label(r.shape), r.provider, r.mode, *(_cell(r, c) for c in cols)]
-        if any_error:
+        for cells, r in zip(rows, report.rows, strict=True):
             cells.append((r.error or r.note or "").replace("|", "/"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return md_table(head, rows)
 
 
 def _ceiling_line(report: Report) -> str:

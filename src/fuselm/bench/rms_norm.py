@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite, compiled_setup, import_peer
 
 EPS = 1e-6
 
@@ -95,27 +95,17 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return _torch_fn
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function; skipped on CPU (compile time would dominate a CPU run)."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()
-    return torch.compile(_torch_fn, dynamic=False)
+setup_torch_compile = compiled_setup(_torch_fn)
 
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's RMSNorm (CUDA, importable liger_kernel); with S = 2 an eager add first."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    function = import_peer(device, "liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
 
     def run(x: Inputs) -> Any:
         r = x.get("residual")
         s = x["x"] if r is None else x["x"] + r
-        y = LigerRMSNormFunction.apply(s, x["weight"], EPS, 0.0, "llama", False)
+        y = function.apply(s, x["weight"], EPS, 0.0, "llama", False)
         return y if r is None else (y, s)
 
     return run
@@ -178,7 +168,6 @@ SUITE = Suite(
     cost=cost,
     columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
     cuda_graph=True,
-    forward_grad=False,
     notes=(
         "S = 1: bytes counted are 2 per element per itemsize forward (read x, write y) and 3 backward "
         "(read x, dy, write dx): 10 bytes per element fwd + bwd in bf16.",

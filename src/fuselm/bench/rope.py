@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 ROPE_THETA = 500000.0  # Llama 3
 
@@ -84,13 +84,7 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return lambda x: hf_apply_rotary_pos_emb(*_args(x))
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
-    compiled = torch.compile(hf_apply_rotary_pos_emb, dynamic=False)
-    return lambda x: compiled(*_args(x))
+setup_torch_compile = compiled_setup(hf_apply_rotary_pos_emb, _args)
 
 
 def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
@@ -102,13 +96,8 @@ def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's RoPE (needs CUDA and an importable liger_kernel)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.ops.rope import LigerRopeFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
-    return lambda x: LigerRopeFunction.apply(*_args(x))
+    function = import_peer(device, "liger_kernel.ops.rope", "LigerRopeFunction")
+    return lambda x: function.apply(*_args(x))
 
 
 SUITE = Suite(
@@ -127,7 +116,6 @@ SUITE = Suite(
     cost=cost,
     columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
     cuda_graph=True,
-    forward_grad=False,
     notes=(
         "Bytes counted: fwd reads q, k and writes q_embed, k_embed (4 B per q/k element in bf16); bwd the "
         "same for the gradients; full both (8 B per element in bf16). cos/sin are not counted.",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 ACCESSES = {"fwd": 3, "bwd": 5, "full": 8}  # element reads + writes per mode
 
@@ -49,13 +49,7 @@ def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
     return lambda x: _torch_swiglu(x["gate"], x["up"])
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function; skipped on CPU to keep the CPU run short."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-    torch._dynamo.reset()  # a fresh static-shape compile per case, no cache-limit surprises
-    compiled = torch.compile(_torch_swiglu, dynamic=False)
-    return lambda x: compiled(x["gate"], x["up"])
+setup_torch_compile = compiled_setup(_torch_swiglu, lambda x: (x["gate"], x["up"]))
 
 
 def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
@@ -67,13 +61,8 @@ def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's LigerSiLUMulFunction (needs CUDA and an importable liger_kernel)."""
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA")
-    try:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
-    return lambda x: LigerSiLUMulFunction.apply(x["gate"], x["up"])
+    function = import_peer(device, "liger_kernel.ops.swiglu", "LigerSiLUMulFunction")
+    return lambda x: function.apply(x["gate"], x["up"])
 
 
 SUITE = Suite(
@@ -92,7 +81,6 @@ SUITE = Suite(
     cost=cost,
     columns=("ms", "ms_eager", "tbps", "x_copy", "extra_mib"),
     cuda_graph=True,
-    forward_grad=False,
     notes=(
         "Bytes counted per element: fwd reads gate and up and writes out (6 B in bf16); bwd reads dout, "
         "gate and up and writes dgate and dup (10 B); full 16 B.",

@@ -18,17 +18,17 @@ that trains in seconds, where fuselm dispatches to its PyTorch reference paths.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import platform
-import time
-import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from ..bench import training
+from ..bench.harness import free_memory
+from ..bench.training import SavedTensorMeter as SavedTensorMeter  # the demo's meter, named here too
 
 CORPUS = "corpus.txt"
 PNG_NAME = "fuselm_demo.png"
@@ -161,39 +161,30 @@ def _transformers():
 
 def llama_config(settings: DemoSettings):
     """The ``transformers.LlamaConfig`` of ``settings`` (built from code, nothing downloaded)."""
+    _transformers()
     s = settings.size
-    config = _transformers().LlamaConfig(
-        hidden_size=s.hidden,
-        intermediate_size=s.intermediate,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        vocab_size=s.vocab,
-        max_position_embeddings=max(settings.seq, 2048),
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        rms_norm_eps=s.rms_norm_eps,
-        tie_word_embeddings=s.tie_word_embeddings,
-        use_cache=False,
-    )
-    config._attn_implementation = settings.attn_implementation
-    return config
+    model = {
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "vocab_size": s.vocab,
+        "max_position_embeddings": max(settings.seq, 2048),
+        "rope_theta": s.rope_theta,
+        "rope_scaling": {"rope_type": "default"},
+        "rms_norm_eps": s.rms_norm_eps,
+        "tie_word_embeddings": s.tie_word_embeddings,
+    }
+    return training.llama_config(model, settings.attn_implementation)
 
 
 def build_model(config, device: str, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None):
-    """A ``LlamaForCausalLM`` of ``config`` on ``device`` in ``dtype`` (built with that default dtype, as
-    ``from_pretrained(dtype=...)`` does, so the rotary buffers stay fp32), loaded from ``state`` if given."""
-    transformers = _transformers()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    if state is not None:
-        model.load_state_dict(state)
-    return model.train()
+    """A ``LlamaForCausalLM`` of ``config`` on ``device`` in ``dtype``, loaded from ``state`` if given
+    (:func:`fuselm.bench.training.build_llama`)."""
+    _transformers()
+    return training.build_llama(config, device, dtype, state)
 
 
 def initial_state(settings: DemoSettings, config=None) -> dict[str, torch.Tensor]:
@@ -204,80 +195,11 @@ def initial_state(settings: DemoSettings, config=None) -> dict[str, torch.Tensor
     model = build_model(config, settings.device, settings.dtype)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     del model
-    _free(settings.device)
+    free_memory(torch.device(settings.device))
     return state
 
 
-def _free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ---- measurement ----
-
-
-class _Packed:
-    """What the pack hook hands autograd: a box whose lifetime is that of the saved tensor's slot."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class SavedTensorMeter:
-    """Bytes of the tensors autograd keeps for backward, counted while the context is open.
-
-    Every tensor packed by autograd passes through a pack hook; the meter keeps a weak reference to it.
-    :meth:`live_bytes`, called after the forward, sums the storages (each counted once, by
-    ``untyped_storage().data_ptr()``) of the packed tensors still referenced by the graph: tensors saved
-    by a graph that was already freed (e.g. an inner ``torch.autograd.grad`` inside a fused op) and the
-    storages of ``exclude`` (the parameters, which exist anyway) are not counted.
-
-    Example:
-        >>> w = torch.randn(8, 8, requires_grad=True)
-        >>> with SavedTensorMeter(exclude=[w]) as meter:
-        ...     y = (torch.randn(4, 8) @ w).sin().sum()
-        ...     saved = meter.live_bytes()
-        >>> saved  # the [4, 8] input of the matmul and the [4, 8] input of sin, fp32
-        256
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._boxes: list[weakref.ref] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> _Packed:
-        box = _Packed(tensor)
-        self._boxes.append(weakref.ref(box))
-        return box
-
-    @staticmethod
-    def _unpack(box: _Packed) -> torch.Tensor:
-        return box.tensor
-
-    def live_bytes(self) -> int:
-        """Bytes of the unique storages of the packed tensors that are still saved."""
-        gc.collect()
-        seen: dict[int, int] = {}
-        for ref in self._boxes:
-            box = ref()
-            if box is None:
-                continue
-            storage = box.tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in self._exclude:
-                seen[ptr] = storage.nbytes()
-        return sum(seen.values())
-
-    def __enter__(self) -> SavedTensorMeter:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 @dataclass
@@ -303,11 +225,6 @@ class RunResult:
     seconds: float = 0.0
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def train(
     model,
     batches: list[torch.Tensor],
@@ -320,8 +237,9 @@ def train(
     """Train ``model`` on ``batches`` (labels = input_ids; Hugging Face shifts them) with AdamW at a fixed
     ``lr``, one optimizer step per batch; returns the per-step losses and the measurements.
 
-    The first step runs inside a :class:`SavedTensorMeter` (the saved-activation figure); tokens/s counts
-    the steps after ``warmup``. On CUDA the peak memory statistics are reset at the start.
+    The loop is :func:`fuselm.bench.training.train`: the first step runs inside a :class:`SavedTensorMeter`
+    (the saved-activation figure); tokens/s counts the steps after ``warmup``; each step's loss is read as
+    it ends (the progress bar shows it). On CUDA the peak memory statistics are reset at the start.
 
     Shapes: every batch is ``[B, T]`` int64 token ids below the model's vocabulary size.
 
@@ -340,41 +258,34 @@ def train(
 
     params = list(model.parameters())
     device = params[0].device
-    dev = device.type
-    opt = torch.optim.AdamW(params, lr=lr, fused=dev == "cuda")
-    result = RunResult(name=name)
-    if dev == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(dev)
-    t_run = time.perf_counter()
-    t_timed = None
-    bar = tqdm(batches, desc=name, disable=not progress, leave=True, unit="step")
-    for step, ids in enumerate(bar):
-        if step == warmup:
-            _sync(dev)
-            t_timed = time.perf_counter()
-        ids = ids.to(device, non_blocking=True)
-        if step == 0:
-            with SavedTensorMeter(exclude=params) as meter:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                result.saved_bytes = meter.live_bytes()
-        else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        result.losses.append(loss.item())  # syncs: the step is done
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
-    _sync(dev)
-    t_end = time.perf_counter()
+    bar = tqdm(total=len(batches), desc=name, disable=not progress, leave=True, unit="step")
+
+    def show_loss(step: int, loss: torch.Tensor) -> None:
+        bar.set_postfix(loss=f"{loss.item():.4f}")  # syncs: the step is done
+        bar.update()
+
+    run = training.train(
+        training.causal_lm_loss(model),
+        params,
+        batches,
+        lr=lr,
+        fused_adamw=cuda,
+        warmup=warmup,
+        measure_saved=True,
+        on_step=show_loss,
+    )
     bar.close()
-    result.seconds = t_end - t_run
-    timed_steps = len(batches) - warmup
-    if t_timed is not None and timed_steps > 0:
-        result.tokens_per_s = timed_steps * batches[0].numel() / (t_end - t_timed)
-    if dev == "cuda":
-        result.peak_bytes = torch.cuda.max_memory_allocated(device)
-    return result
+    return RunResult(
+        name=name,
+        losses=run.logged,
+        tokens_per_s=run.tokens_per_s(batches[0].numel()),
+        peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+        saved_bytes=run.saved_bytes or 0,
+        seconds=run.seconds,
+    )
 
 
 # ---- the demo ----
@@ -508,7 +419,7 @@ def _run_both(settings: DemoSettings, *, progress: bool, log) -> DemoResult:
         )
     hf = train(model, batches, lr=settings.lr, name="HF eager", warmup=settings.warmup, progress=progress)
     del model
-    _free(settings.device)
+    free_memory(torch.device(settings.device))
 
     model = fuselm.hf.patch(build_model(config, settings.device, settings.dtype, state))
     try:
@@ -516,7 +427,7 @@ def _run_both(settings: DemoSettings, *, progress: bool, log) -> DemoResult:
     finally:
         fuselm.hf.unpatch(model)
         del model
-        _free(settings.device)
+        free_memory(torch.device(settings.device))
 
     return DemoResult(settings, hf, ours, compare(hf.losses, ours.losses), meta)
 

@@ -1,0 +1,133 @@
+"""The values of ``fuselm bench`` (and ``fuselm demo``) options: parsing, checking, defaults.
+
+What the benchmark runners and ``fuselm.cli`` share: :class:`UsageError` (a bad value; the command line
+prints it and exits with 2), the shape and list parsers, the dtype names, the device choice and the
+default results folder. Nothing here imports ``fuselm.cli``: the command line sits on top of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+DTYPES.update({"fp32": "float32", "float32": "float32"})
+
+
+class UsageError(Exception):
+    """A bad command-line value; ``fuselm.cli.main`` prints it and returns 2."""
+
+
+def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
+    """'8192x128256,16384x32000' -> [(8192, 128256), (16384, 32000)]; checks dims when ``ndim`` is given.
+
+    Example:
+        >>> parse_shapes("8x16, 4X2")
+        [(8, 16), (4, 2)]
+    """
+    shapes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            shape = tuple(int(d) for d in part.split("x"))
+        except ValueError:
+            raise UsageError(f"bad shape {part!r}: expected sizes joined by 'x', e.g. 8192x128256") from None
+        if any(d <= 0 for d in shape):
+            raise UsageError(f"bad shape {part!r}: sizes must be positive")
+        if ndim is not None and len(shape) != ndim:
+            raise UsageError(f"bad shape {part!r}: this suite takes {ndim} sizes")
+        shapes.append(shape)
+    if not shapes:
+        raise UsageError("no shapes given")
+    return shapes
+
+
+def parse_list(text: str, known: Sequence[str], what: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped).
+
+    Example:
+        >>> parse_list("full,fwd,full", ("fwd", "bwd", "full"), "mode")
+        ['full', 'fwd']
+    """
+    items: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item or item in items:
+            continue
+        if item not in known:
+            raise UsageError(f"unknown {what} {item!r}; known: {', '.join(known)}")
+        items.append(item)
+    if not items:
+        raise UsageError(f"no {what}s given")
+    return items
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """'bf16' -> torch.bfloat16 (also fp16, fp32 and the torch names); UsageError otherwise.
+
+    Example:
+        >>> parse_dtype("BF16"), parse_dtype("float32")
+        (torch.bfloat16, torch.float32)
+    """
+    if text.lower() not in DTYPES:
+        raise UsageError(f"unknown dtype {text!r}; known: bf16, fp16, fp32")
+    return getattr(torch, DTYPES[text.lower()])
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive integer, or ``argparse.ArgumentTypeError``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def pick_device(choice: str) -> torch.device:
+    """The device of ``--device auto|cuda|cpu``: the current CUDA device unless ``cpu`` or none is
+    available; ``cuda`` without one is a UsageError."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device available")
+    if torch.cuda.is_available() and choice != "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def results_dir(out: str | None, device_name: str | None) -> Path:
+    """``--out``, else ``benchmarks/results/<gpu>`` for the GPU called ``device_name`` (None: ``cpu``)."""
+    from .report import gpu_slug
+
+    return Path(out) if out else Path("benchmarks") / "results" / gpu_slug(device_name)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Default warmup and timed steps of a run, and with ``--quick``."""
+
+    warmup: int
+    steps: int
+    quick_warmup: int
+    quick_steps: int
+
+
+def warmup_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
+    """``(warmup, steps, dtype)`` of a training benchmark: ``--warmup`` / ``--steps`` or the ``plan``'s (a
+    :class:`StepCounts` or anything with its fields; its quick ones with ``--quick``), ``--dtype`` on CUDA,
+    fp32 otherwise. Raises :class:`UsageError`."""
+    warmup = getattr(args, "warmup", None)
+    steps = getattr(args, "steps", None)
+    warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup
+    steps = (plan.quick_steps if args.quick else plan.steps) if steps is None else steps
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}")
+    if warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+    return warmup, steps, parse_dtype(args.dtype) if cuda else torch.float32

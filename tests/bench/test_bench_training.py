@@ -1,0 +1,104 @@
+"""The shared pieces of the benchmarks and the demo: the training loop, the argument parsers, the report
+helpers (their docstring examples), and the import direction (the command line sits on top)."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+from pathlib import Path
+
+import pytest
+import torch
+
+import fuselm
+from fuselm.bench import arguments, fresh_process, report, training
+
+SRC = Path(fuselm.__file__).resolve().parent
+
+
+@pytest.mark.parametrize("module", [training, arguments, report, fresh_process], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_train_times_the_steps_after_warmup_and_meters_the_first():
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    seen = []
+
+    def forward(x):
+        loss = (x @ w).sin().sum()
+        return loss, torch.stack([loss.detach(), loss.detach() * 2])
+
+    run = training.train(
+        forward,
+        [w],
+        [torch.ones(2, 4)] * 5,
+        lr=0.01,
+        fused_adamw=False,
+        warmup=2,
+        measure_saved=True,
+        on_step=lambda step, values: seen.append(step),
+    )
+    assert seen == [0, 1, 2, 3, 4] and len(run.logged) == 5 and run.logged[0][1] == 2 * run.logged[0][0]
+    assert run.timed_steps == 3 and run.timed_s > 0 and run.seconds >= run.timed_s + run.warmup_s - 1e-9
+    assert run.tokens_per_s(8) == pytest.approx(3 * 8 / run.timed_s)
+    assert run.saved_bytes == 2 * 4 * 4 + 2 * 4 * 4  # the matmul's x and sin's input, fp32; w excluded
+    none_timed = training.train(forward, [w], [torch.ones(2, 4)], lr=0.01, fused_adamw=False, warmup=1)
+    assert (
+        none_timed.timed_s is None and none_timed.tokens_per_s(8) is None and none_timed.saved_bytes is None
+    )
+
+
+def test_build_llama_matches_transformers_own_build():
+    """The shared build (default dtype set, then the constructor) gives the weights transformers' own
+    ``_from_config(dtype=...)`` gives for the same seed: the e2e benchmark's init did not change."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    from fuselm.bench import e2e
+
+    config = e2e.llama_config(e2e.CPU_PRESET.model)
+    torch.manual_seed(0)
+    ours = training.build_llama(config, "cpu", torch.bfloat16)
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert ours.model.rotary_emb.inv_freq.dtype == torch.float32 and ours.training
+    assert config._attn_implementation == "sdpa" and not config.use_cache
+
+
+def _imports(path: Path) -> list[str]:
+    module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[: -node.level] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            names += [target, *(f"{target}.{a.name}" for a in node.names)]
+    return names
+
+
+@pytest.mark.parametrize("folder", ["bench", "demo"])
+def test_nothing_below_the_command_line_imports_it(folder):
+    bad = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted((SRC / folder).rglob("*.py"))
+        for name in _imports(path)
+        if name == "fuselm.cli" or name.startswith("fuselm.cli.")
+    ]
+    assert not bad, bad
+
+
+def test_bench_does_not_import_demo():
+    """One direction between the two: the demo uses the bench's training loop, never the reverse."""
+    bad = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted((SRC / "bench").rglob("*.py"))
+        for name in _imports(path)
+        if name == "fuselm.demo" or name.startswith("fuselm.demo.")
+    ]
+    assert not bad, bad
