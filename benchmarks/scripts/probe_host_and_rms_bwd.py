@@ -20,6 +20,7 @@ import triton
 
 import fuselm
 from fuselm.bench.harness import capture_graph
+from fuselm.ops._common import launch, partial_sums
 from fuselm.ops.rms_norm import op as rms_op
 
 DEV = "cuda"
@@ -143,8 +144,8 @@ def main():
         (1, 2, 3, 4, 8), (512, 1024), ((128, 32, 4), (32, 128, 4), (64, 64, 4), (16, 256, 4))
     ):
         rms_op.BWD_MAX_PROGRAMS_PER_SM, rms_op.BWD_ELEMS_PER_WARP = cap, epw
-        rms_op.REDUCE_BLOCK_P, rms_op.REDUCE_BLOCK_C, rms_op.REDUCE_WARPS = bp, bc, rw
-        rms_op._OCCUPANCY.clear()
+        partial_sums.REDUCE_BLOCK_P, partial_sums.REDUCE_BLOCK_C, partial_sums.REDUCE_WARPS = bp, bc, rw
+        launch._OCCUPANCY.clear()
         g = capture_graph(full, torch.device(DEV))
         ms = med_ms(g.replay, reps=3, rep_ms=50)
         results.append((ms, cap, epw, bp, bc, rw))
@@ -154,12 +155,12 @@ def main():
     print("best 5:", results[:5])
     for k, v in saved.items():
         setattr(rms_op, k, v)
-    rms_op._OCCUPANCY.clear()
+    launch._OCCUPANCY.clear()
     print(f"default eager {med_ms(full):.4f} ms")
     _, cap, epw, bp, bc, rw = results[0]
     rms_op.BWD_MAX_PROGRAMS_PER_SM, rms_op.BWD_ELEMS_PER_WARP = cap, epw
-    rms_op.REDUCE_BLOCK_P, rms_op.REDUCE_BLOCK_C, rms_op.REDUCE_WARPS = bp, bc, rw
-    rms_op._OCCUPANCY.clear()
+    partial_sums.REDUCE_BLOCK_P, partial_sums.REDUCE_BLOCK_C, partial_sums.REDUCE_WARPS = bp, bc, rw
+    launch._OCCUPANCY.clear()
     print(f"best-config eager {med_ms(full):.4f} ms")
     kernel_table(full)
 
