@@ -33,10 +33,10 @@ def bench(label, fn):
 print(f"## {suite.describe(shape)}")
 bench("auto (default)", step)
 bench("int budget 256 MiB", lambda: step(256 * 2**20))
-allowed = lce_op._compaction_allowed
-lce_op._compaction_allowed = lambda device: False
+allowed = lce_op.compaction_allowed
+lce_op.compaction_allowed = lambda device: False
 bench("compaction off (every row computed, no sync)", step)
-lce_op._compaction_allowed = allowed
+lce_op.compaction_allowed = allowed
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 step()
 torch.cuda.synchronize()

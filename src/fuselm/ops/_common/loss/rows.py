@@ -28,15 +28,16 @@ BWD_BLOCK = 8192
 SCALE_BLOCK = 8192
 
 
-def _fwd_config(n_cols: int) -> tuple[bool, int, int]:
-    """(row held in one block?, BLOCK_V, num_warps)."""
+def _fwd_config(n_cols: int) -> tuple[bool, int, int, int]:
+    """(row held in one block?, BLOCK_V, num_warps, programs per SM); benchmarks/scripts/tune_cross_entropy.py
+    replaces it to try configs."""
     block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
     if block >= n_cols:
-        return True, block, num_warps
+        return True, block, num_warps, FWD_PROGRAMS_PER_SM
     block, num_warps = next((b, w) for min_v, b, w in LOOP_CONFIGS if n_cols >= min_v)
     if interpret_mode():
         block, num_warps = row_launch(n_cols, max_block=SINGLE_BLOCK_MAX)
-    return False, block, num_warps
+    return False, block, num_warps, FWD_PROGRAMS_PER_SM
 
 
 def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
@@ -65,10 +66,10 @@ def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad):
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return loss, lse
-    single, block, num_warps = _fwd_config(n_cols)
+    single, block, num_warps, per_sm = _fwd_config(n_cols)
     if grad is not None:
         assert grad.stride(-1) == 1 and grad.shape == logits.shape
-    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, FWD_PROGRAMS_PER_SM),)](
+    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, per_sm),)](
         logits_ptr=logits,
         logits_row_stride=logits.stride(0),
         target_ptr=target,
