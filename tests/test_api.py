@@ -98,8 +98,8 @@ RULES = {
         "distributed",
         ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.bench", "fuselm.cli", "transformers", "trl"),
     ),
-    "bench": ("bench", ("fuselm.cli",)),
-    "demo": ("demo", ("fuselm.cli", "fuselm.bench")),
+    "bench": ("bench", ("fuselm.cli", "fuselm.demo")),
+    "demo": ("demo", ("fuselm.cli",)),
     "src": (".", ("tests",)),
     # an op folder imports ops/_common and itself, never a sibling op folder
     **{
