@@ -29,7 +29,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, opts, backend, return_lse, inplace_backward, compute_grad):
-        opts = opts._replace(weight=weight)
+        opts = opts.with_weight(weight)
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = compute_grad and opts.reduction != "none" and not return_lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
@@ -42,7 +42,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, target, weight, *scales, lse)
         ctx.grad_in_forward = grad_in_forward
         ctx.inplace = inplace_backward
-        ctx.opts = opts._replace(weight=None)
+        ctx.opts = opts.with_weight(None)
         ctx.backend = backend
         ctx.consumed = False
         return reduce_rows(loss, opts, scales), lse  # fp32; the caller casts to loss_dtype
@@ -64,7 +64,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             logits, target, weight, weight_sum, grad_scale, lse = ctx.saved_tensors
             dloss = dloss.float().reshape(-1).contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            opts = ctx.opts._replace(weight=weight)
+            opts = ctx.opts.with_weight(weight)
             scales = LossScales(weight_sum, grad_scale)
             grad = ctx.backend.backward(logits, target, opts, scales, dloss, dlse, lse, ctx.inplace)
         return grad, *([None] * 7)
@@ -156,7 +156,7 @@ def apply_cross_entropy(input, target, opts: LossOptions, return_lse, inplace_ba
         rows_view(input),
         target.reshape(-1).contiguous(),
         opts.weight,
-        opts._replace(weight=None),
+        opts.with_weight(None),
         backend,
         return_lse,
         inplace_backward,

@@ -33,7 +33,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, target, weight, rows, opts, plan, backend, return_lse, needs):
         n = x.shape[0]
-        opts = opts._replace(weight=weight)
+        opts = opts.with_weight(weight)
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = any(needs) and opts.reduction != "none" and not return_lse
         loss, lse, dx, dw, db = run_forward(
@@ -43,7 +43,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.grad_in_forward = grad_in_forward
         ctx.needs = needs
-        ctx.opts = opts._replace(weight=None)
+        ctx.opts = opts.with_weight(None)
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.consumed = False
         if grad_in_forward:
@@ -81,7 +81,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dloss = dloss.index_select(0, rows)
             dloss = dloss.contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            opts = ctx.opts._replace(weight=weight)
+            opts = ctx.opts.with_weight(weight)
             scales = LossScales(weight_sum, grad_scale)
             dx, dw, db = run_backward(
                 ctx.plan, x, w, b, target, rows, opts, scales, ctx.backend, dloss, dlse, lse, ctx.needs
@@ -254,7 +254,7 @@ def apply_linear_cross_entropy(
         t1,
         opts.weight,
         rows,
-        opts._replace(weight=None),
+        opts.with_weight(None),
         plan,
         backend,
         return_lse,

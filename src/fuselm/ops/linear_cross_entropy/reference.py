@@ -55,7 +55,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             n, v = x.shape[0], w.shape[0]
             wc = w.to(cd)
             bc = b.to(cd) if b is not None else None
-            opts = opts._replace(weight=weight)
+            opts = opts.with_weight(weight)
             reduction = opts.reduction
             valid = target != opts.ignore_index
             if weight is not None:
@@ -86,7 +86,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             ctx.grad_in_forward = grad_in_forward
             ctx.device_type = x.device.type
             ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
-            ctx.args = (chunk_rows, opts._replace(weight=None), return_lse)
+            ctx.args = (chunk_rows, opts.with_weight(None), return_lse)
             if grad_in_forward:
                 ctx.save_for_backward(dx, dw, db)
             else:
@@ -128,7 +128,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
                 coef = dloss[s:e] if opts.reduction == "none" else dloss * scale
                 dlse_c = dlse[s:e] if dlse is not None else None
-                _, _, g = chunk_loss_grad(logits, target[s:e], opts._replace(weight=weight), coef, dlse_c)
+                _, _, g = chunk_loss_grad(logits, target[s:e], opts.with_weight(weight), coef, dlse_c)
                 dx[s:e] = g @ wc
                 dw += g.T @ xc
                 if db is not None:
@@ -203,7 +203,7 @@ def linear_cross_entropy_reference_of(
         b,
         t1,
         opts.weight,
-        opts._replace(weight=None),
+        opts.with_weight(None),
         max(1, int(chunk_rows)),
         return_lse,
     )

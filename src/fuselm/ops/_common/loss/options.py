@@ -69,10 +69,20 @@ class LossOptions(NamedTuple):
             weight.contiguous() if isinstance(weight, torch.Tensor) else weight,
         )
 
-    @classmethod
-    def from_scalars(cls, weight, *scalars) -> LossOptions:
-        """The inverse of (``weight``, ``*scalars()``): the custom ops rebuild the object with it."""
-        return cls(*scalars, weight)
+    def with_weight(self, weight) -> LossOptions:
+        """The same options with these class weights (None: without). Autograd Functions take the weights
+        as a tensor argument of their own and carry the options without them. (Built field by field:
+        NamedTuple._replace does not survive a graph break under torch 2.11's dynamo.)"""
+        return LossOptions(
+            self.ignore_index,
+            self.reduction,
+            self.label_smoothing,
+            self.z_loss,
+            self.softcap,
+            self.logit_scale,
+            self.temperature,
+            weight,
+        )
 
     def scalars(self) -> tuple:
         """Every field but ``weight``, in order: the custom ops' flat arguments."""
