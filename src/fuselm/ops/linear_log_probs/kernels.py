@@ -72,7 +72,6 @@ def _row_logit_grad_block(
     dlog_probs,
     dentropy,
     dlse,
-    HAS_DLOG_PROBS: tl.constexpr,
     HAS_DENTROPY: tl.constexpr,
 ):
     """d(a log_probs + e entropy + l lse) / dz on a block of logits z [BLOCK_N, BLOCK_V] (fp32) from each
@@ -263,7 +262,6 @@ def linear_log_probs_bwd_kernel(
         dlog_probs[:, None],
         dentropy[:, None],
         dlse[:, None],
-        HAS_DLOG_PROBS,
         HAS_DENTROPY,
     )
     g = tl.where(valid[:, None], g * dz_du, 0.0)
