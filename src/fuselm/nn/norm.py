@@ -20,6 +20,12 @@ class RMSNorm(torch.nn.Module):
     ``forward(x, residual=None)``: x ``[..., hidden_size]``; returns y, or ``(y, x + residual)``
     when a residual is given (the pre-norm residual stream: the sum is normalized and returned).
 
+    ``in_place=True`` (Liger-Kernel's ``in_place``; off by default): the backward writes the gradient of
+    x over the gradient of y, one ``[N, hidden_size]`` allocation less. It is a promise that nothing
+    reads the gradient of y afterwards (not a gradient you pass to ``backward``, not another branch of
+    the graph fed the same gradient); what fuselm can check it still checks (see
+    :func:`fuselm.rms_norm`, argument ``in_place``). The attribute can be changed after construction.
+
     Example:
         >>> import torch, fuselm
         >>> norm = fuselm.nn.RMSNorm(64, eps=1e-6)
@@ -40,16 +46,20 @@ class RMSNorm(torch.nn.Module):
         *,
         offset: float = 0.0,
         casting: str = "llama",
+        in_place: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if casting not in CASTINGS:
             raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+        if not isinstance(in_place, bool):
+            raise ValueError(f"in_place must be a bool, got {in_place!r}")
         self.weight = torch.nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset = offset
         self.casting = casting
+        self.in_place = in_place
 
     @property
     def eps(self) -> float:
@@ -61,12 +71,20 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return rms_norm(
-            x, self.weight, self.variance_epsilon, offset=self.offset, residual=residual, casting=self.casting
+            x,
+            self.weight,
+            self.variance_epsilon,
+            offset=self.offset,
+            residual=residual,
+            casting=self.casting,
+            in_place=self.in_place,
         )
 
     def extra_repr(self) -> str:
-        extra = f", offset={self.offset}" if self.offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{extra}, casting={self.casting!r}"
+        offset = f", offset={self.offset}" if self.offset else ""
+        in_place = ", in_place=True" if self.in_place else ""
+        options = f"{offset}, casting={self.casting!r}{in_place}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{options}"
 
 
 class LayerNorm(torch.nn.Module):

@@ -204,13 +204,21 @@ def rms_norm_bwd_kernel(
     PREFETCH: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    IN_PLACE: tl.constexpr = False,
 ):
     """dx = rstd * (g - n * mean(g * n)) [+ dsum] with n = x * rstd, g = dy * (offset + w); this
     program's share of dweight = sum over its rows of dy * n, into dw_part[pid] (fp32).
     x is what was normalized (the residual sum when there was one). Longer rows (not SINGLE_BLOCK)
     add their dweight share into dw_part[pid] block by block (the buffer is zeroed by the caller).
     PREFETCH (single block): the loads of the next row block are issued before the current one is
-    computed, so that a program keeps two row blocks in flight (latency hiding at low occupancy)."""
+    computed, so that a program keeps two row blocks in flight (latency hiding at low occupancy).
+    IN_PLACE: dx_ptr is dy_ptr with dx_row_stride == dy_row_stride (dx written over dy; d sum may be dy
+    too). Safe because a row block belongs to one program, which reads every element of it (dy, d sum)
+    before writing dx there: the prefetch reads row block rb + programs, which this same program writes
+    only in its next iteration; a looped row reads all of dy in pass 1, and pass 2 writes a column
+    block only after reading it, never reading it again; dweight comes from dy in registers. What is
+    left is a thread writing dx over an element that another thread of the program (a replica in a
+    layout wider than the tile) has yet to load: a barrier before each store of dx."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -276,6 +284,8 @@ def rms_norm_bwd_kernel(
                 dx = (g - n * c) * rstd
             if HAS_DSUM:
                 dx += ds.to(tl.float32)
+            if IN_PLACE:  # every thread has loaded this row block's dy (and d sum) before it is overwritten
+                tl.debug_barrier()
             dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
             tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
@@ -310,6 +320,14 @@ def rms_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     g = g * (tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32) + offset)[None, :]
                 dx = (g - n * c) * rstd
-                store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
+                if IN_PLACE:  # d sum (possibly dy itself) loaded by every thread, then the barrier, then dx
+                    if HAS_DSUM:
+                        ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
+                        dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
+                    tl.debug_barrier()
+                    dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
+                    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                else:
+                    store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
                 if COMPUTE_DW:
                     accumulate_partial_row(part_row, c_, c_mask, dy * n)

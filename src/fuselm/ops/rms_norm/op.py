@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import triton
@@ -93,11 +94,17 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
     return y, summed, rstd
 
 
-def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
+def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=False):
     """dx [N, H] (x's dtype; it is also d residual) and dweight [H] (weight's dtype; an empty tensor
-    when not compute_dw). x is what was normalized (the residual sum when there was one)."""
+    when not compute_dw). x is what was normalized (the residual sum when there was one).
+    in_place: dx is written over dy and dy is returned as dx (dy then [N, H] contiguous in x's dtype;
+    the caller has checked that nothing the backward reads shares its memory: in_place_refusal)."""
     n_rows, n_cols = x.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if in_place:
+        assert dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
+        dx = dy
+    else:
+        dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     compute_dw = bool(compute_dw) and weight is not None
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
@@ -132,6 +139,7 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
         PREFETCH=bool(BWD_PREFETCH) and single and block_rows == 1 and x.element_size() <= 2,
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
+        IN_PLACE=bool(in_place),
         num_warps=num_warps,
     )
     grid = resident_programs(
@@ -218,6 +226,62 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+# ---- in_place: may the backward write dx over dy? ----
+
+
+def _memory_range(storage) -> tuple[int, int]:
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def input_storages(*tensors) -> tuple:
+    """Weak references to the storages of the call's tensors (x, residual, weight as the caller passed
+    them): the backward refuses to write over memory any of them still holds, without keeping it alive
+    (a tensor freed since the forward no longer counts, so a gradient that reuses its memory may be
+    written over)."""
+    return tuple(weakref.ref(t.untyped_storage()) for t in tensors if t is not None)
+
+
+def in_place_refusal(dy, dsum, saved, storages) -> str | None:
+    """Why dx may not be written over dy (None: it may). Structural checks only, no reference counts
+    and no sync: dy must be a dense [N, H] tensor (contiguous, no zero stride: not the expanded
+    gradient of a sum) of x's dtype, outside any graph (not requiring grad), sharing no memory with
+    the tensors the backward reads (saved: what was normalized, the weight) or with the call's inputs
+    still alive (storages: x, residual, weight), and d sum (the residual variant) either dy itself or
+    apart from it. That dy is not read after this backward (by the caller or another branch of the
+    graph) is the caller's promise (in_place=True); fuselm cannot see it."""
+    if torch.compiler.is_compiling():
+        return "torch.compile: the backward graph is functionalized (the out-of-place op runs)"
+    if dy.requires_grad:
+        return "dy requires grad (double backward)"
+    x = saved[0]
+    if dy.dtype != x.dtype:
+        return f"dy is {dy.dtype}, dx is {x.dtype}"
+    if dy.shape != x.shape or not dy.is_contiguous() or 0 in dy.stride():
+        return "dy is not a contiguous [N, H] tensor (strided, expanded or overlapping)"
+    if dy.numel() == 0:
+        return None
+    dy_range = _memory_range(dy.untyped_storage())
+    for name, t in zip(("x", "weight"), saved, strict=True):
+        if t is not None and t.numel() and _overlap(dy_range, _memory_range(t.untyped_storage())):
+            return f"dy shares memory with the saved {name}"
+    for ref in storages:
+        storage = ref()
+        if storage is not None and storage.nbytes() and _overlap(dy_range, _memory_range(storage)):
+            return "dy shares memory with an input (x, residual or weight)"
+    if dsum is not None and _overlap(dy_range, _memory_range(dsum.untyped_storage())):
+        same_view = (
+            dsum.data_ptr() == dy.data_ptr() and dsum.stride() == dy.stride() and dsum.dtype == dy.dtype
+        )
+        if not same_view:
+            return "d sum overlaps dy without being dy"
+    return None
+
+
 # ---- autograd ----
 
 
@@ -227,12 +291,13 @@ class RMSNormFunction(torch.autograd.Function):
     which is also the gradient of the residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting):
+    def forward(ctx, x, residual, weight, eps, offset, casting, in_place=False, storages=()):
         y, summed, rstd = _run_fwd(x, residual, weight, eps, offset, casting)
         has_res = residual is not None
         ctx.save_for_backward(summed if has_res else x, weight, rstd)
         ctx.has_res = has_res
         ctx.eps, ctx.offset = eps, offset
+        ctx.in_place, ctx.storages = in_place, storages
         ctx.set_materialize_grads(False)
         if has_res:
             return y, summed
@@ -242,26 +307,26 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dsum=None):
         x, weight, rstd = ctx.saved_tensors
         if dy is None and dsum is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         if dy is None:  # only the sum was used
             dy = torch.zeros_like(x)
         compute_dw = ctx.needs_input_grad[2]
-        dx, dw = _run_bwd(
-            x,
-            _rows(dy),
-            _rows(dsum) if dsum is not None else None,
-            weight,
-            rstd,
-            ctx.eps,
-            ctx.offset,
-            compute_dw,
-        )
-        return dx, (dx if ctx.has_res else None), (dw if compute_dw else None), None, None, None
+        dsum = _rows(dsum) if dsum is not None else None
+        args = (x, dy, dsum, weight, rstd, ctx.eps, ctx.offset, compute_dw)
+        if ctx.in_place and in_place_refusal(dy, dsum, (x, weight), ctx.storages) is None:
+            dx, dw = rms_norm_bwd(*args, in_place=True)  # dx is dy
+            torch.autograd.graph.increment_version(dy)  # a saved view of dy now fails loudly on unpack
+        else:
+            dx, dw = _run_bwd(x, _rows(dy), *args[2:])
+        none = (None,) * 5
+        return dx, (dx if ctx.has_res else None), (dw if compute_dw else None), *none
 
 
-def _check_args(x, weight, eps, offset, residual, casting) -> None:
+def _check_args(x, weight, eps, offset, residual, casting, in_place) -> None:
     check_norm_args(x, {"weight": weight}, residual, eps)
     check_choice("casting", casting, CASTINGS)
+    if not isinstance(in_place, bool):
+        raise ValueError(f"in_place must be a bool, got {in_place!r}")
     if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset must be a finite number, got {offset!r}")
     if weight is None and offset != 0:
@@ -276,6 +341,7 @@ def rms_norm(
     offset: float = 0.0,
     residual: torch.Tensor | None = None,
     casting: str = "llama",
+    in_place: bool = False,
 ):
     """RMSNorm over the last dimension, optionally fused with the residual add before it.
 
@@ -297,6 +363,22 @@ def rms_norm(
             ``weight * that`` in the promoted dtype, so y is float32 for bf16 x with an fp32 weight, as
             in HF under autocast), ``"gemma"`` (GemmaRMSNorm: all in fp32, cast to x's dtype at the end)
             or ``"none"`` (every step in x's dtype).
+        in_place: the backward writes dx over the memory of dy (the gradient of y) and returns it as
+            the gradient of x (and of residual): one ``[N, H]`` allocation less in the backward, as
+            Liger-Kernel's ``in_place``. With ``True`` you promise that nothing reads dy after this
+            backward: not your own tensor passed as ``y.backward(g)`` / ``grad_outputs`` (it then holds
+            dx), not another branch of the graph that receives the same gradient (``y + z`` hands one
+            gradient to both: Liger sets ``in_place=False`` for Gemma 2's norms for this reason), not a
+            hook keeping it. fuselm still computes a new dx, with the same result, where writing over
+            dy could not be right: dy of another dtype than x (e.g. float32 y from ``"llama"`` with
+            an fp32 weight), not a contiguous ``[N, H]`` tensor (strided, or the expanded gradient
+            of ``y.sum()``), requiring grad (double backward), or sharing memory with x, the
+            residual, the weight or the saved sum (``in_place_refusal`` in op.py says why). dy's
+            version counter is bumped, so a saved view of it raises at its unpacking. Eager Triton
+            path only: under ``torch.compile`` the backward graph is functionalized (a kernel
+            writing over the tangent would run on a copy of it: a pass more, no memory saved, and
+            fake tensors have no addresses to check) and Inductor plans its buffers itself, so the
+            out-of-place op runs; the PyTorch reference path (CPU, float64) ignores the flag.
 
     Returns:
         ``y`` of shape ``x.shape`` (dtype: x's, or promoted with weight's for ``"llama"``); with
@@ -329,14 +411,14 @@ def rms_norm(
         return run_local(
             "rms_norm",
             lambda x, residual, weight: rms_norm(
-                x, weight, eps, offset=offset, residual=residual, casting=casting
+                x, weight, eps, offset=offset, residual=residual, casting=casting, in_place=in_place
             ),
             {"x": x, "residual": residual},
             {"weight": weight},
             shardable=leading_dims_only,
             hint=ROWWISE_HINT,
         )
-    _check_args(x, weight, eps, offset, residual, casting)
+    _check_args(x, weight, eps, offset, residual, casting, in_place)
     eps, offset = float(eps), float(offset)
     if (
         x.dtype == torch.float64
@@ -345,6 +427,7 @@ def rms_norm(
     ):
         return rms_norm_reference(x, weight, eps, offset=offset, residual=residual, casting=casting)
     shape = x.shape
+    in_place = in_place and not torch.compiler.is_compiling()  # see the docstring
     out = RMSNormFunction.apply(
         rows_view(x),
         rows_view(residual) if residual is not None else None,
@@ -352,6 +435,8 @@ def rms_norm(
         eps,
         offset,
         casting,
+        in_place,
+        input_storages(x, residual, weight) if in_place else (),
     )
     if residual is not None:
         y, summed = out
