@@ -774,3 +774,74 @@ def test_loss_dtype(reduction):
     torch.testing.assert_close(g16, g32, rtol=0, atol=0)
     with pytest.raises(ValueError, match="loss_dtype"):
         fuselm.cross_entropy(logits, target, loss_dtype="float32")
+
+
+# ---- the z-loss value (return_z_loss) and the z-loss under a weighted mean ----
+
+
+def _z_loss_by_hand(x64, t, w64, z_loss, reduction, ignore_index=-100):
+    """float64, written from the definition: the z-loss term zl * lse**2 of each non-ignored token, reduced
+    as the loss ("mean": divided by the sum of the targets' class weights, like every term of the loss)."""
+    lse = torch.logsumexp(x64.reshape(-1, x64.shape[-1]), dim=-1)
+    tt = t.reshape(-1)
+    valid = tt != ignore_index
+    rows = torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return rows.reshape(t.shape)
+    if reduction == "sum":
+        return rows.sum()
+    w_t = w64[torch.where(valid, tt, 0)] if w64 is not None else torch.ones_like(lse)
+    return rows.sum() / torch.where(valid, w_t, torch.zeros_like(w_t)).sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_return_z_loss(gen, dtype, reduction):
+    """return_z_loss gives the z-loss part of the loss, reduced as the loss, detached, after lse; the loss
+    and the gradient are those of the call without it."""
+    x, t, w = make_inputs(gen, LEAD, VOCABS[0], dtype, weight=True)
+    kw = dict(weight=w, z_loss=1e-2, label_smoothing=0.1, reduction=reduction)
+    xa = x.clone().requires_grad_()
+    loss, lse, z = fuselm.cross_entropy(xa, t, return_lse=True, return_z_loss=True, **kw)
+    assert not z.requires_grad and z.dtype == loss.dtype and z.shape == loss.shape
+    expected = _z_loss_by_hand(x.double(), t, w.double(), 1e-2, reduction)
+    eager = _z_loss_by_hand(x, t, w, 1e-2, reduction)
+    assert_numerics("z_loss", z, eager, expected, dtype)
+    xb = x.clone().requires_grad_()
+    plain = fuselm.cross_entropy(xb, t, **kw)
+    assert torch.equal(loss.detach(), plain.detach())
+    (g,) = grad_outputs(gen, [tuple(loss.shape)], dtype)
+    loss.backward(g.to(loss.dtype))
+    plain.backward(g.to(plain.dtype))
+    assert torch.equal(xa.grad, xb.grad)
+    only_z = fuselm.cross_entropy(x, t, return_z_loss=True, **kw)
+    assert isinstance(only_z, tuple) and len(only_z) == 2 and torch.equal(only_z[1], z)
+
+
+def test_z_loss_with_class_weights_divides_by_the_weight_sum(gen):
+    """The documented choice (README): with class weights and reduction="mean" the z-loss term is divided
+    by the sum of the targets' weights, like the rest of the loss (not by the token count): checked against
+    the loss written by hand in float64."""
+    x, t, w = make_inputs(gen, (4, 9), 50, torch.float64, weight=True)
+    w = w * 3.0  # weights far from 1: the two definitions differ by their mean
+    zl = 0.05
+    loss = fuselm.cross_entropy(x, t, weight=w, z_loss=zl)
+    tt = t.reshape(-1)
+    valid = tt != -100
+    x2 = x.reshape(-1, 50)
+    lse = torch.logsumexp(x2, -1)
+    t_safe = torch.where(valid, tt, 0)
+    w_t = torch.where(valid, w[t_safe], torch.zeros_like(lse))
+    ce = lse - x2.gather(1, t_safe[:, None])[:, 0]
+    by_hand = (w_t * ce + torch.where(valid, zl * lse * lse, torch.zeros_like(lse))).sum() / w_t.sum()
+    per_token_count = (w_t * ce).sum() / w_t.sum() + (zl * lse * lse)[valid].mean()
+    assert torch.allclose(loss, by_hand, rtol=1e-12, atol=0)
+    assert not torch.allclose(loss, per_token_count, rtol=1e-6, atol=0)
+
+
+def test_module_return_z_loss(gen):
+    x, t, w = make_inputs(gen, (2, 3), 300, torch.float32, weight=True)
+    module = fuselm.nn.CrossEntropyLoss(w, z_loss=1e-2, return_z_loss=True)
+    ours = module(x, t)
+    functional = fuselm.cross_entropy(x, t, weight=w, z_loss=1e-2, return_z_loss=True)
+    assert len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(ours, functional, strict=True))

@@ -21,6 +21,7 @@ import fuselm.ops.linear_cross_entropy.fused as lce_fused
 import fuselm.ops.linear_cross_entropy.op as lce_op
 import fuselm.ops.linear_cross_entropy.reference as lce_ref
 from fuselm.ops._common.testing import assert_numerics
+from fuselm.nn import LinearCrossEntropyLoss
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 DEVICE = kernel_device()
@@ -783,3 +784,38 @@ def test_gpu_int64_rows_times_vocab(plan):
     assert_numerics("dx rows", ours["dx"][rows], eager["dx"][rows], ref["dx"][rows], dtype)
     assert_numerics("dx", ours["dx"], eager["dx"], ref["dx"], dtype)
     assert_numerics("dw", ours["dw"], eager["dw"], ref["dw"], dtype)
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_return_z_loss(plan, reduction):
+    """return_z_loss: the z-loss part of the loss (from the lse the op computes anyway), detached, reduced as
+    the loss; the loss and the gradients are those of the call without it (same plan, compaction on)."""
+    dtype = torch.float32
+    x, w, b, t, cw = _inputs(dtype, class_weight=True, ignore=True, seed=3)
+    kw = dict(linear_bias=b, weight=cw, z_loss=1e-2, reduction=reduction, memory=_memory(plan))
+    loss, z = linear_cross_entropy(x, w, t, return_z_loss=True, **kw)
+    assert not z.requires_grad and z.shape == loss.shape
+    valid = t != -100
+
+    def by_hand(x, w, b, cw):  # the definition, in the dtype of its inputs
+        lse = torch.logsumexp(x @ w.T + b, -1)
+        rows = torch.where(valid, 1e-2 * lse * lse, torch.zeros_like(lse))
+        if reduction == "none":
+            return rows
+        return rows.sum() / torch.where(valid, cw[torch.where(valid, t, 0)], torch.zeros_like(lse)).sum()
+
+    expected = by_hand(x.double(), w.double(), b.double(), cw.double())
+    assert_numerics("z_loss", z, by_hand(x, w, b, cw), expected, dtype)
+    plain = linear_cross_entropy(x, w, t, **kw)
+    assert torch.equal(loss, plain)
+    out = linear_cross_entropy(x, w, t, return_lse=True, return_z_loss=True, **kw)
+    assert len(out) == 3 and out[1].shape == t.shape
+
+
+def test_module_return_z_loss():
+    x, w, b, t, cw = _inputs(torch.float32, class_weight=True)
+    module = LinearCrossEntropyLoss(cw, z_loss=1e-2, return_z_loss=True)
+    ours = module(x, w, t, b)
+    functional = linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, z_loss=1e-2, return_z_loss=True)
+    assert len(ours) == 2 and all(torch.equal(a, c) for a, c in zip(ours, functional, strict=True))

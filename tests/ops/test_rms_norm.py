@@ -418,6 +418,225 @@ def test_float64_runs_the_reference(gen):
     check_case("fp64", x, w, r, dict(casting="gemma", offset=1.0), gen)
 
 
+# ---- in_place: dx written over dy where that is right, a new dx where it is not ----
+
+
+@pytest.fixture
+def refusals(monkeypatch):
+    """The reasons the backward gave for not writing over dy, one per backward (None: written over)."""
+    seen = []
+
+    def spy(*args):
+        reason = real(*args)
+        seen.append(reason)
+        return reason
+
+    real = rms_op.in_place_refusal
+    monkeypatch.setattr(rms_op, "in_place_refusal", spy)
+    return seen
+
+
+def in_place_case(name, x, w, r, kw, gos, *, fn=rms_norm, engaged, create_graph=False):
+    """The gradients with in_place=True for the gradients gos of (y[, sum]) (handed to autograd as they
+    are: they may be written over), checked by the numerics rule against eager and the float64 reference
+    run on copies of gos made before; on the Triton path dx is gos[0]'s memory exactly when `engaged`,
+    and a dy that is not written over keeps its values. The leaves share the memory of x, w and r (a
+    gradient may alias them)."""
+    kept = [g.detach().clone() for g in gos]
+    ptrs = [g.data_ptr() for g in gos]
+    leaves = [t.detach().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())]
+    outs = fn(leaves[0], leaves[1], residual=leaves[2] if r is not None else None, in_place=True, **kw)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = torch.autograd.grad(outs, leaves, gos, create_graph=create_graph)
+    _, g_eager = fwd_bwd(eager_rms_norm, x, w, r, kw, kept)
+    _, g_ref = fwd_bwd(reference64, x, w, r, kw, kept, torch.float64)
+    names = ("dx", "dweight", "dresidual")[: len(grads)]
+    for what, o, e, g in zip(names, grads, g_eager, g_ref, strict=True):
+        assert_numerics(f"{name} {what}", o, e, g, x.dtype)
+    if TRITON_PATH:
+        assert (grads[0].data_ptr() == ptrs[0]) == engaged, name
+        if r is not None and engaged:
+            assert grads[2].data_ptr() == grads[0].data_ptr()  # d residual is dx
+    if not (TRITON_PATH and engaged):
+        assert all(torch.equal(g, k) for g, k in zip(gos, kept, strict=True)), f"{name}: dy written over"
+    return grads
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [1, 200, HIDDEN[1]], ids=["H1", "one_block", "looped"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_in_place_engages(dtype, hidden, residual, gen, refusals):
+    """A fresh contiguous gradient of x's dtype: dx is written over it (the returned gradient is dy's
+    memory), in every kernel path (rows in one block, looped rows, H = 1), plain and residual."""
+    x, r, w = make_inputs(gen, LEAD, hidden, dtype, residual=residual)
+    gos = [torch.randn(x.shape, generator=gen).to(DEVICE, dtype) for _ in range(1 + residual)]
+    in_place_case("in place", x, w, r, dict(), gos, engaged=True)
+    assert refusals == ([None] if TRITON_PATH else [])
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
+@pytest.mark.parametrize("hidden", [200, 600], ids=["one_block", "looped"])
+def test_in_place_persistent_grids(hidden, prefetch, monkeypatch, gen, refusals):
+    """Few programs walking many row blocks, one row per iteration (the prefetch of the next row): every
+    row of dy is read before dx is written over it, the dweight partials come from dy as read."""
+    monkeypatch.setattr(rms_op, "resident_programs", lambda kernel, kw, n, *a, **k: min(n, 3))
+    monkeypatch.setattr(rms_op, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(rms_op, "BWD_TILE", 256)
+    monkeypatch.setattr(rms_op, "MAX_FUSED_H", 256)  # 600 columns looped on the GPU too
+    monkeypatch.setattr(rms_op, "LOOP_BLOCK_H", 256)
+    for residual in (False, True):
+        x, r, w = make_inputs(gen, (11,), hidden, torch.bfloat16, residual=residual)
+        gos = [torch.randn(x.shape, generator=gen).to(DEVICE, x.dtype) for _ in range(1 + residual)]
+        in_place_case("persistent", x, w, r, dict(casting="gemma", offset=1.0), gos, engaged=True)
+    assert refusals == ([None, None] if TRITON_PATH else [])
+
+
+@pytest.mark.parametrize("hidden", [200, 600], ids=["one_block", "looped"])
+def test_in_place_same_bits_as_a_new_dx(hidden, gen, refusals):
+    """A gradient made by autograd (a matmul's backward) in a small model: written over, and the
+    gradients are the bits of in_place=False."""
+    x, _, w = make_inputs(gen, (3, 5), hidden, torch.float16)
+    m = (torch.randn(hidden, 7, generator=gen) / hidden**0.5).to(DEVICE, x.dtype)
+    grads = []
+    for in_place in (False, True):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = (rms_norm(xl * 2, wl, in_place=in_place) @ m).float().square().sum()
+        grads.append(torch.autograd.grad(loss, (xl, wl)))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert refusals == ([None] if TRITON_PATH else [])
+
+
+def test_in_place_residual_one_gradient_for_both_outputs(gen, refusals):
+    """(y + sum) hands one gradient to both outputs: d sum is dy itself (same memory and strides), read
+    before dx is written over it."""
+    x, r, w = make_inputs(gen, LEAD, 200, torch.bfloat16, residual=True)
+    g = torch.randn(x.shape, generator=gen).to(DEVICE, x.dtype)
+    kept = g.clone()
+    leaves = [t.clone().requires_grad_() for t in (x, w, r)]
+    y, s = rms_norm(leaves[0], leaves[1], residual=leaves[2], in_place=True)
+    grads = torch.autograd.grad(y + s, leaves, g)
+    _, g_eager = fwd_bwd(eager_rms_norm, x, w, r, {}, [kept, kept])
+    _, g_ref = fwd_bwd(reference64, x, w, r, {}, [kept, kept], torch.float64)
+    order = (0, 1, 2)
+    for what, i in zip(("dx", "dweight", "dresidual"), order, strict=True):
+        assert_numerics(f"y + sum: {what}", grads[i], g_eager[i], g_ref[i], x.dtype)
+    if TRITON_PATH:
+        assert refusals == [None] and grads[0].data_ptr() == g.data_ptr()
+
+
+def _fallback_cases(gen):
+    """name: (x, weight, residual, kwargs, gradients of (y[, sum]), expected refusal) for the gradients
+    that may not be written over (on the Triton path the backward says why)."""
+    dtype = torch.bfloat16
+    shape = (*LEAD, 200)
+    x, r, w = make_inputs(gen, LEAD, 200, dtype, residual=True)
+    fresh = lambda: torch.randn(shape, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    n = x.numel()
+    cases = {}
+    wide = torch.randn(*LEAD, 237, generator=gen).to(DEVICE, dtype)
+    cases["row-strided dy"] = (x, w, None, {}, [wide[..., :200]], "not a contiguous")
+    columns = torch.randn(200, *LEAD, generator=gen).to(DEVICE, dtype).permute(*range(1, len(shape)), 0)
+    cases["column-strided dy"] = (x, w, None, {}, [columns], "not a contiguous")
+    ones = torch.ones((), device=DEVICE, dtype=dtype)
+    cases["expanded dy (y.sum())"] = (x, w, None, {}, [ones.expand(shape)], "not a contiguous")
+    w32 = w.float()  # "llama" with an fp32 weight: y and dy are fp32, dx bf16
+    cases["dy of another dtype"] = (x, w32, None, {}, [fresh().float()], "dy is torch.float32")
+    cases["dy is x"] = (x, w, None, {}, [x], "saved x")
+    buf = torch.randn(200 + n, generator=gen).to(DEVICE, dtype)
+    cases["dy shares weight's memory"] = (x, buf[:200], None, {}, [buf[200:].view(shape)], "saved weight")
+    cases["dy is residual"] = (x, w, r, {}, [r, fresh()], "an input")
+    xbuf = torch.randn(2 * n, generator=gen).to(DEVICE, dtype)
+    x_in = xbuf[:n].view(shape)  # the residual variant saves the sum, not x: x is checked as an input
+    cases["dy shares x's memory (residual)"] = (x_in, w, r, {}, [xbuf[n:].view(shape), fresh()], "an input")
+    sbuf = torch.randn(n + 200, generator=gen).to(DEVICE, dtype)
+    shifted = [sbuf[:n].view(shape), sbuf[200:].view(shape)]  # d sum = dy one row on
+    cases["d sum overlaps dy"] = (x, w, r, {}, shifted, "d sum overlaps")
+    return cases
+
+
+FALLBACKS = list(_fallback_cases(torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_in_place_falls_back(case, gen, refusals):
+    """Where writing dx over dy could give a wrong answer, a new dx (no error): dy keeps its values and
+    the gradients follow the numerics rule."""
+    x, w, r, kw, gos, reason = _fallback_cases(gen)[case]
+    in_place_case(case, x, w, r, kw, gos, engaged=False)
+    if TRITON_PATH:
+        assert len(refusals) == 1 and refusals[0] is not None and reason in refusals[0], refusals
+
+
+def test_in_place_sum_backward_falls_back(gen, refusals):
+    """`y.sum().backward()`: the gradient reaching the norm is an expanded scalar (zero strides)."""
+    x, _, w = make_inputs(gen, LEAD, 200, torch.float32)
+    xl = x.clone().requires_grad_()
+    rms_norm(xl, w, in_place=True).sum().backward()
+    _, g_eager = fwd_bwd(eager_rms_norm, x, w, None, {}, [torch.ones_like(x)])
+    _, g_ref = fwd_bwd(reference64, x, w, None, {}, [torch.ones_like(x)], torch.float64)
+    assert_numerics("y.sum() dx", xl.grad, g_eager[0], g_ref[0], x.dtype)
+    if TRITON_PATH:
+        assert len(refusals) == 1 and "not a contiguous" in refusals[0]
+
+
+def test_in_place_dy_requiring_grad_falls_back(gen, refusals):
+    """A double backward (create_graph=True) with a gradient that requires grad: dy is part of a graph,
+    not written over."""
+    x, _, w = make_inputs(gen, LEAD, 200, torch.float32)
+    g = torch.randn(x.shape, generator=gen).to(DEVICE).requires_grad_()
+    in_place_case("dy requires grad", x, w, None, {}, [g], engaged=False, create_graph=True)
+    if TRITON_PATH:
+        assert len(refusals) == 1 and "requires grad" in refusals[0]
+
+
+@triton_path_only
+def test_in_place_bumps_the_version_of_dy(gen):
+    """dx written over dy bumps dy's version: an op that saved dy raises at its backward instead of
+    reading dx (the caller broke the in_place promise, and is told)."""
+    x, _, w = make_inputs(gen, LEAD, 200, torch.float32)
+    g = torch.randn(x.shape, generator=gen).to(DEVICE)
+    a = torch.randn(x.shape, generator=gen).to(DEVICE).requires_grad_()
+    saved_g = a * g  # mul saves g for the gradient of a
+    xl = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(rms_norm(xl, w, in_place=True), xl, g)
+    assert dx.data_ptr() == g.data_ptr()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved_g.sum().backward()
+
+
+def test_in_place_retained_graph_second_backward(gen):
+    """Nothing saved is written over: a second backward through a retained graph (with a new gradient)
+    is right."""
+    x, r, w = make_inputs(gen, LEAD, 200, torch.float32, residual=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, s = rms_norm(xr, wr, residual=r, in_place=True)
+    gos = [torch.randn(x.shape, generator=gen).to(DEVICE) for _ in range(2)]
+    first = torch.autograd.grad((y, s), (xr, wr), [g.clone() for g in gos], retain_graph=True)
+    first = [t.clone() for t in first]
+    second = torch.autograd.grad((y, s), (xr, wr), [g.clone() for g in gos])
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
+def test_in_place_under_torch_compile(backend, gen):
+    """Under torch.compile(fullgraph=True) in_place is accepted and ignored (the out-of-place custom op
+    runs: the backward graph is functionalized): the gradients follow the numerics rule and the
+    caller's gradient keeps its values."""
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+
+    def fn(x, w, residual=None, in_place=False, **kw):
+        return rms_norm(x * 1.0, w, residual=residual, in_place=in_place, **kw)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for residual in (False, True):
+        x, r, w = make_inputs(gen, LEAD, 200, dtype, residual=residual)
+        gos = [torch.randn(x.shape, generator=gen).to(DEVICE, dtype) for _ in range(1 + residual)]
+        in_place_case("compiled", x, w, r, dict(casting="gemma", offset=1.0), gos, fn=compiled, engaged=False)
+    torch._dynamo.reset()
+
+
 # ---- argument checking ----
 
 
@@ -442,6 +661,7 @@ def _bad_calls():
         "eps str": ("eps", lambda: f(x, w, eps="1e-6")),
         "offset inf": ("offset", lambda: f(x, w, offset=float("inf"))),
         "offset without weight": ("offset", lambda: f(x, None, offset=1.0)),
+        "in_place not a bool": ("in_place", lambda: f(x, w, in_place=1)),
     }
     if ON_GPU:
         cases["weight on another device"] = ("weight", lambda: f(x, w.cpu()))

@@ -107,6 +107,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     inplace_backward: bool = False,
     loss_dtype: torch.dtype | None = None,
 ):
@@ -125,12 +126,13 @@ def cross_entropy(
         vocab_sizes: every rank's slice size in rank order; by default gathered from the ranks (a small
             all-gather and a host sync per call).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, inplace_backward,
-        loss_dtype: as in :func:`fuselm.cross_entropy` (a target outside ``[0, V)`` gives its token a NaN
-            loss and a zero gradient).
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss,
+        inplace_backward, loss_dtype: as in :func:`fuselm.cross_entropy` (a target outside ``[0, V)``
+            gives its token a NaN loss and a zero gradient).
 
     Returns:
-        ``loss`` (the same on every rank), and ``lse`` (``input.shape[:-1]``, global) when ``return_lse``.
+        ``loss`` (the same on every rank); with ``return_lse`` (``input.shape[:-1]``, global) /
+        ``return_z_loss`` a tuple ``(loss, lse, z_loss)`` of the requested ones.
 
     Example:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -159,7 +161,8 @@ def cross_entropy(
         softcap=softcap,
     )
     opts.check(local, target, shard.n_classes)
-    return apply_cross_entropy(local, target, opts, return_lse, inplace_backward, loss_dtype, shard)
+    outputs = (return_lse, return_z_loss, loss_dtype)
+    return apply_cross_entropy(local, target, opts, inplace_backward, shard, *outputs)
 
 
 def linear_cross_entropy(
@@ -177,6 +180,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     memory: str | int = "auto",
     loss_dtype: torch.dtype | None = None,
 ):
@@ -201,15 +205,16 @@ def linear_cross_entropy(
             all-gather and a host sync per call).
         linear_bias: this rank's ``[V_r]`` (or a DTensor placed like the weight).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, loss_dtype: as in
-            :func:`fuselm.linear_cross_entropy`.
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss, loss_dtype:
+            as in :func:`fuselm.linear_cross_entropy`.
         memory: ``"auto"`` (chunk buffer of 256 MiB; the free-memory query of the single-device function is
             skipped, so that every rank chunks alike), ``"min"`` (temporaries within 8 MiB: chunks of 8 MiB,
             the fused tile plan does not run split) or an int (bytes). The chunk rows follow the largest
             slice.
 
     Returns:
-        ``loss`` (the same on every rank), and ``lse`` (global) when ``return_lse``.
+        ``loss`` (the same on every rank); with ``return_lse`` (global) / ``return_z_loss`` a tuple
+        ``(loss, lse, z_loss)`` of the requested ones.
 
     Example:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -249,5 +254,5 @@ def linear_cross_entropy(
     opts.check(input, target, shard.n_classes)
     widest = max(shard.max_size, 1)
     plan = choose_plan(memory, input.device, widest, input.shape[-1], input.element_size(), one_device=False)
-    args = (return_lse, loss_dtype)
-    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, *args)
+    outputs = (return_lse, return_z_loss, loss_dtype)
+    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, *outputs)

@@ -11,7 +11,9 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 class _LossModule(torch.nn.Module):
     """The options every loss module of the family holds (class weights as a buffer)."""
 
-    def __init__(self, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse) -> None:
+    def __init__(
+        self, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
@@ -20,6 +22,7 @@ class _LossModule(torch.nn.Module):
         self.z_loss = z_loss
         self.softcap = softcap
         self.return_lse = return_lse
+        self.return_z_loss = return_z_loss
 
     def loss_options(self) -> dict:
         """The keyword arguments of the functional loss that this module holds."""
@@ -31,6 +34,7 @@ class _LossModule(torch.nn.Module):
             z_loss=self.z_loss,
             softcap=self.softcap,
             return_lse=self.return_lse,
+            return_z_loss=self.return_z_loss,
         )
 
 
@@ -54,9 +58,12 @@ class CrossEntropyLoss(_LossModule):
         z_loss: float = 0.0,
         softcap: float | None = None,
         return_lse: bool = False,
+        return_z_loss: bool = False,
         inplace_backward: bool = False,
     ) -> None:
-        super().__init__(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse)
+        super().__init__(
+            weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
+        )
         self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
@@ -93,9 +100,12 @@ class LinearCrossEntropyLoss(_LossModule):
         z_loss: float = 0.0,
         softcap: float | None = None,
         return_lse: bool = False,
+        return_z_loss: bool = False,
         memory: str | int = "auto",
     ) -> None:
-        super().__init__(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse)
+        super().__init__(
+            weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
+        )
         self.memory = memory
 
     def forward(

@@ -25,19 +25,38 @@ def is_plain_linear(m: nn.Module) -> bool:
 
 
 def gated_mlp(
-    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, activation: str
+    x: torch.Tensor,
+    gate_proj: nn.Module,
+    up_proj: nn.Module,
+    down_proj: nn.Module,
+    activation: str,
+    *,
+    gate_multiplier: float = 1.0,
+    down_multiplier: float = 1.0,
 ) -> torch.Tensor:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation fused and, when ``down_proj`` is
-    a plain ``nn.Linear``, the product recomputed in backward instead of saved (``swiglu_linear``).
+    """``down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier`` with the
+    activation fused and, when ``down_proj`` is a plain ``nn.Linear``, the product recomputed in backward
+    instead of saved (``swiglu_linear``).
 
     ``activation`` is a key of ``ACTIVATIONS`` (a Hugging Face ``hidden_act`` name). Shared by
     :class:`SwiGLUMLP` and the Hugging Face patches (``fuselm.hf``).
+
+    The multipliers (Falcon-H1's ``config.mlp_multipliers``, muP scalings) are the same PyTorch
+    multiplications by a Python number as Hugging Face's, around the fused op, each skipped when it is 1
+    (``t * 1.0`` is ``t`` exactly): the gate one reads and writes the ``[..., I]`` gate once more (a
+    temporary; nothing more is saved for backward, the fused op saves the scaled gate in place of the
+    projection's output, and a product with a Python number saves nothing), the down one reads and writes
+    the ``[..., H]`` output once more, forward and backward.
     """
     gate, up = gate_proj(x), up_proj(x)
+    if gate_multiplier != 1:
+        gate = gate * gate_multiplier
     act = ACTIVATIONS[activation]
     if is_plain_linear(down_proj):
-        return swiglu_linear(gate, up, down_proj.weight, down_proj.bias, activation=act)
-    return down_proj(gated(gate, up, act))
+        out = swiglu_linear(gate, up, down_proj.weight, down_proj.bias, activation=act)
+    else:
+        out = down_proj(gated(gate, up, act))
+    return out * down_multiplier if down_multiplier != 1 else out
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:

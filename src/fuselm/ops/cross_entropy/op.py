@@ -10,7 +10,8 @@ import torch
 
 from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
-from .._common.loss.options import LossOptions, LossScales, loss_scales, reduce_rows
+from .._common.loss.options import LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.reference import z_loss_rows
 from .._common.loss.rows import LocalRows, scale_grad_
 from .reference import cross_entropy_reference_of
 
@@ -81,6 +82,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     inplace_backward: bool = False,
     loss_dtype: torch.dtype | None = None,
 ):
@@ -108,6 +110,9 @@ def cross_entropy(
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM).
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_lse: also return ``lse`` (float32, shape ``input.shape[:-1]``), differentiable.
+        return_z_loss: also return the z-loss part of the loss (``z_loss * lse**2`` summed over the
+            non-ignored tokens and reduced as the loss; with class weights, "mean" divides it by the sum of
+            the targets' weights like the rest of the loss), detached: for logging.
         inplace_backward: write the gradient into ``input``'s buffer (no ``[N, V]`` allocation).
             ``input`` is overwritten by the forward (or backward) and must not be used afterwards;
             a second backward through the same graph raises RuntimeError.
@@ -117,7 +122,8 @@ def cross_entropy(
 
     Returns:
         ``loss`` in ``loss_dtype`` (default: the dtype of ``input``; a scalar, or ``input.shape[:-1]``
-        for ``"none"``), and ``lse`` when ``return_lse``.
+        for ``"none"``); with ``return_lse`` / ``return_z_loss`` a tuple ``(loss, lse, z_loss)`` of the
+        requested ones, in that order.
 
     Example:
         >>> import torch, fuselm
@@ -143,18 +149,20 @@ def cross_entropy(
     )
     opts.check(input, target, n_cols)
     if input.dtype == torch.float64 or not use_triton(input):
-        return cross_entropy_reference_of(input, target, opts, return_lse, loss_dtype)
-    return apply_cross_entropy(
-        input, target, opts, return_lse, inplace_backward, loss_dtype, LocalRows(n_cols)
-    )
+        return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
+    outputs = (return_lse, return_z_loss, loss_dtype)
+    return apply_cross_entropy(input, target, opts, inplace_backward, LocalRows(n_cols), *outputs)
 
 
-def apply_cross_entropy(input, target, opts: LossOptions, return_lse, inplace_backward, loss_dtype, backend):
+def apply_cross_entropy(
+    input, target, opts: LossOptions, inplace_backward, backend, return_lse, return_z_loss, loss_dtype
+):
     """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction over
-    `backend`, output shapes and dtype."""
+    `backend`, the outputs asked for (loss_outputs)."""
+    t1 = target.reshape(-1).contiguous()
     loss, lse = CrossEntropyFunction.apply(
         rows_view(input),
-        target.reshape(-1).contiguous(),
+        t1,
         opts.weight,
         opts.with_weight(None),
         backend,
@@ -162,9 +170,8 @@ def apply_cross_entropy(input, target, opts: LossOptions, return_lse, inplace_ba
         inplace_backward,
         torch.is_grad_enabled() and input.requires_grad,
     )
-    loss = loss.to(loss_dtype)
-    if opts.reduction == "none":
-        loss = loss.reshape(target.shape)
-    if return_lse:
-        return loss, lse.reshape(target.shape)
-    return loss
+    z_loss = None
+    if return_z_loss:
+        n_classes = backend.n_classes
+        z_loss = reduce_rows(z_loss_rows(lse, t1, n_classes, opts), opts, loss_scales(t1, opts, n_classes))
+    return loss_outputs(loss, lse, target.shape, opts, loss_dtype, return_lse, z_loss)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common.loss.options import LossOptions
-from .._common.loss.reference import row_losses
+from .._common.loss.options import LossOptions, loss_outputs
+from .._common.loss.reference import row_losses, z_loss_rows
 
 
 def cross_entropy_reference(
@@ -25,6 +25,7 @@ def cross_entropy_reference(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     loss_dtype: torch.dtype | None = None,
 ):
     """Cross-entropy in fp32 (fp64 for fp64 input); loss in ``loss_dtype`` (default: the input dtype),
@@ -46,25 +47,24 @@ def cross_entropy_reference(
         z_loss=z_loss,
         softcap=softcap,
     )
-    return cross_entropy_reference_of(input, target, opts, return_lse, loss_dtype)
+    return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
 
 
-def cross_entropy_reference_of(input, target, opts: LossOptions, return_lse=False, loss_dtype=None):
+def cross_entropy_reference_of(input, target, opts: LossOptions, return_lse, return_z_loss, loss_dtype):
     """cross_entropy_reference with the options as one LossOptions (what fuselm.cross_entropy calls)."""
     n_cols = input.shape[-1]
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     weight, ignore_index, reduction = opts.weight, opts.ignore_index, opts.reduction
     t = target.reshape(-1)
     loss, lse = row_losses(input.reshape(-1, n_cols).to(compute), t, opts)
-    if reduction == "none":
-        out = loss.reshape(target.shape)
-    elif reduction == "sum":
-        out = loss.sum()
-    else:
-        valid = (t != ignore_index) & (t >= 0) & (t < n_cols)
-        w_t = weight.to(compute)[torch.where(valid, t, 0)] if weight is not None else torch.ones_like(lse)
-        out = loss.sum() / torch.where(t != ignore_index, w_t, torch.zeros_like(w_t)).sum()
-    out = out.to(loss_dtype or input.dtype)
-    if return_lse:
-        return out, lse.reshape(target.shape)
-    return out
+    valid = (t != ignore_index) & (t >= 0) & (t < n_cols)
+    w_t = weight.to(compute)[torch.where(valid, t, 0)] if weight is not None else torch.ones_like(lse)
+    denominator = torch.where(t != ignore_index, w_t, torch.zeros_like(w_t)).sum()
+
+    def reduce(rows):
+        if reduction == "sum":
+            return rows.sum()
+        return rows.sum() / denominator if reduction == "mean" else rows
+
+    z_loss = reduce(z_loss_rows(lse, t, n_cols, opts)) if return_z_loss else None
+    return loss_outputs(reduce(loss), lse, target.shape, opts, loss_dtype or input.dtype, return_lse, z_loss)

@@ -9,8 +9,8 @@ import torch
 from .._common.dispatch import compaction_allowed, use_triton
 from .._common.guard import FLOAT_DTYPES, linear_operands, resolve_loss_dtype, rows_view, validate_memory
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import LossOptions, LossScales, loss_scales, reduce_rows
-from .._common.loss.reference import scale_keeping_zeros
+from .._common.loss.options import LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, scale_grad_
 from .plan import choose_plan, reference_chunk_rows, run_backward, run_forward
 from .reference import linear_cross_entropy_reference_of
@@ -104,6 +104,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     memory: str | int = "auto",
     loss_dtype: torch.dtype | None = None,
 ):
@@ -143,6 +144,8 @@ def linear_cross_entropy(
         softcap: if set (``> 0``), logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_lse: also return the log-sum-exp of each token's logits (float32, shape
             ``input.shape[:-1]``), differentiable.
+        return_z_loss: also return the z-loss part of the loss, detached (as :func:`fuselm.cross_entropy`);
+            it comes from the lse the op computes anyway (no extra pass, the plan is unchanged).
         memory: how much memory the temporaries may take (the plan follows from it).
 
             - ``"auto"`` (default): the chunked plan, a ``[C, V]`` chunk buffer of ``min(256 MiB, a quarter
@@ -180,8 +183,8 @@ def linear_cross_entropy(
     ``return_lse`` every row is computed as well (the lse of every row is returned).
 
     Returns:
-        ``loss`` in the dtype of ``input`` (a scalar, or ``input.shape[:-1]`` for ``"none"``), and ``lse``
-        when ``return_lse``.
+        ``loss`` in ``loss_dtype`` (a scalar, or ``input.shape[:-1]`` for ``"none"``); with ``return_lse`` /
+        ``return_z_loss`` a tuple ``(loss, lse, z_loss)`` of the requested ones, in that order.
 
     Example:
         >>> import torch
@@ -223,20 +226,21 @@ def linear_cross_entropy(
             kept_rows(target.reshape(-1), v, ignore_index)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         chunk_rows = reference_chunk_rows(memory, v, h, compute_itemsize)
-        args = (opts, return_lse, chunk_rows, loss_dtype)
+        args = (opts, chunk_rows, return_lse, return_z_loss, loss_dtype)
         return linear_cross_entropy_reference_of(input, linear_weight, target, linear_bias, *args)
     plan = choose_plan(memory, input.device, v, h, input.element_size(), one_device=True)
     backend = LocalRows(v)
+    outputs = (return_lse, return_z_loss, loss_dtype)
     return apply_linear_cross_entropy(
-        input, linear_weight, linear_bias, target, opts, plan, backend, return_lse, loss_dtype
+        input, linear_weight, linear_bias, target, opts, plan, backend, *outputs
     )
 
 
 def apply_linear_cross_entropy(
-    input, linear_weight, linear_bias, target, opts, plan, backend, return_lse, loss_dtype
+    input, linear_weight, linear_bias, target, opts, plan, backend, return_lse, return_z_loss, loss_dtype
 ):
     """The Triton path of the public functions (arguments checked): rows view, compaction of ignored rows
-    (eager), LinearCrossEntropyFunction, output shapes and dtype."""
+    (eager), LinearCrossEntropyFunction, the outputs asked for (loss_outputs)."""
     t1 = target.reshape(-1).contiguous()
     grad_on = torch.is_grad_enabled()
     needs = (
@@ -260,9 +264,11 @@ def apply_linear_cross_entropy(
         return_lse,
         needs,
     )
-    loss = loss.to(loss_dtype)
-    if opts.reduction == "none":
-        loss = loss.reshape(target.shape)
-    if return_lse:
-        return loss, lse.reshape(target.shape)
-    return loss
+    z_loss = None
+    if return_z_loss:  # from the lse of the computed rows (the others add 0)
+        n_classes = backend.n_classes
+        z_rows = z_loss_rows(lse, t1 if rows is None else t1.index_select(0, rows), n_classes, opts)
+        if rows is not None:
+            z_rows = z_rows.new_zeros(t1.shape[0]).index_copy_(0, rows, z_rows)
+        z_loss = reduce_rows(z_rows, opts, loss_scales(t1, opts, n_classes))
+    return loss_outputs(loss, lse, target.shape, opts, loss_dtype, return_lse, z_loss)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common.loss.options import LossOptions
-from .._common.loss.reference import row_losses, scale_keeping_zeros
+from .._common.loss.options import LossOptions, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.reference import row_losses, scale_keeping_zeros, z_loss_rows
 
 # Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -151,6 +151,7 @@ def linear_cross_entropy_reference(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_z_loss: bool = False,
     chunk_rows: int | None = None,
     loss_dtype: torch.dtype | None = None,
 ):
@@ -185,13 +186,14 @@ def linear_cross_entropy_reference(
         z_loss=z_loss,
         softcap=softcap,
     )
+    outputs = (return_lse, return_z_loss, loss_dtype)
     return linear_cross_entropy_reference_of(
-        input, linear_weight, target, linear_bias, opts, return_lse, chunk_rows, loss_dtype
+        input, linear_weight, target, linear_bias, opts, chunk_rows, *outputs
     )
 
 
 def linear_cross_entropy_reference_of(
-    input, w, target, b, opts: LossOptions, return_lse, chunk_rows, loss_dtype
+    input, w, target, b, opts: LossOptions, chunk_rows, return_lse, return_z_loss, loss_dtype
 ):
     """linear_cross_entropy_reference with the options as one LossOptions and chunk_rows given (what
     fuselm.linear_cross_entropy calls)."""
@@ -207,9 +209,8 @@ def linear_cross_entropy_reference_of(
         max(1, int(chunk_rows)),
         return_lse,
     )
-    loss = loss.to(loss_dtype or input.dtype)
-    if opts.reduction == "none":
-        loss = loss.reshape(target.shape)
-    if return_lse:
-        return loss, lse.reshape(target.shape)
-    return loss
+    z_loss = None
+    if return_z_loss:
+        v = w.shape[0]
+        z_loss = reduce_rows(z_loss_rows(lse, t1, v, opts), opts, loss_scales(t1, opts, v))
+    return loss_outputs(loss, lse, target.shape, opts, loss_dtype or input.dtype, return_lse, z_loss)

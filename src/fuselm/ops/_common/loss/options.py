@@ -137,6 +137,22 @@ def loss_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Loss
     return LossScales(weight_sum, torch.ones(1, dtype=torch.float32, device=target.device))
 
 
+def loss_outputs(loss, lse, target_shape, opts: LossOptions, loss_dtype, return_lse: bool, z_loss=None):
+    """What the public losses return: ``loss`` in loss_dtype (per token in the target's shape for
+    reduction "none"), then ``lse`` (fp32, target's shape) if return_lse, then the z-loss value if given
+    (reduced as the loss, in loss_dtype, detached): one tensor alone, else a tuple in that order."""
+    loss = loss.to(loss_dtype)
+    if opts.reduction == "none":
+        loss = loss.reshape(target_shape)
+    out = [loss]
+    if return_lse:
+        out.append(lse.reshape(target_shape))
+    if z_loss is not None:
+        z_loss = z_loss.to(loss_dtype)
+        out.append(z_loss.reshape(target_shape) if opts.reduction == "none" else z_loss)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 def reduce_rows(loss: torch.Tensor, opts: LossOptions, scales: LossScales) -> torch.Tensor:
     """Per-row losses (fp32) reduced as opts.reduction asks ("none": unchanged)."""
     if opts.reduction == "sum":

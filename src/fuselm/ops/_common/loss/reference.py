@@ -90,6 +90,14 @@ def loss_grad_coefs(lse, target, n_classes: int, opts: LossOptions, scale, dlse=
     return p_coef, torch.where(ok, t_coef, zero), torch.where(ok, s_coef, zero)
 
 
+def z_loss_rows(lse, target, n_classes: int, opts: LossOptions) -> torch.Tensor:
+    """The z-loss term of each row's loss, detached: z_loss * lse**2 where the loss is defined, 0 for an
+    ignored target, NaN for one outside [0, n_classes) (as the loss)."""
+    valid, ok, _, _ = _target_rows(target, n_classes, opts, lse.dtype)
+    z = torch.where(ok, opts.z_loss * lse.detach() * lse.detach(), 0.0)
+    return torch.where(valid & ~ok, float("nan"), z)
+
+
 def softmax_grad(p, is_target, p_coef, t_coef):
     """p * p_coef - 1[target] * t_coef (coefficients broadcast over the row)."""
     return p * p_coef - torch.where(is_target, t_coef, 0.0)
