@@ -20,8 +20,8 @@ import fuselm.ops.linear_cross_entropy.chunked as lce_chunked
 import fuselm.ops.linear_cross_entropy.fused as lce_fused
 import fuselm.ops.linear_cross_entropy.op as lce_op
 import fuselm.ops.linear_cross_entropy.reference as lce_ref
-from fuselm.ops._common.testing import assert_numerics
 from fuselm.nn import LinearCrossEntropyLoss
+from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 DEVICE = kernel_device()
