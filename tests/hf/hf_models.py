@@ -14,6 +14,25 @@ transformers = __import__("pytest").importorskip("transformers")
 
 _HF_5_23 = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 23)
 GEMMA2 = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16}
+# Gemma 4 (E2B-like and 26B-A4B-like at once): sliding and full layers (the full ones with a wider head
+# and proportional partial RoPE), the last two layers reusing earlier k/v with a double-wide MLP, k = v on
+# full layers, per-layer inputs, a MoE block beside the MLP, the final logit softcap.
+GEMMA4 = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=8,
+    global_head_dim=32,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    attention_k_eq_v=True,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=300,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=48,
+    final_logit_softcapping=30.0,
+)
 # MoE: 4 experts, 2 per token, the router's auxiliary loss in the outputs and the loss.
 MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.01}
 
@@ -53,8 +72,17 @@ DENSE = {
     "falcon_h1": (
         "FalconH1Config",
         "FalconH1ForCausalLM",
-        dict(lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_chunk_size=8),
+        dict(
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.7, 1.3],  # gate, down: not powers of two, so dropping one changes the bits
+            mlp_bias=True,  # the down multiplier scales the bias too
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_chunk_size=8,
+        ),
     ),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4),
 }
 MIXTURE = {
     "qwen3_moe": (
@@ -123,6 +151,7 @@ MIXTURE = {
 }
 MULTIMODAL = {
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
@@ -180,6 +209,25 @@ def tiny_config(model_type: str, *, hidden: int = 64, layers: int = 2, vocab: in
             image_token_index=vocab - 1,
             boi_token_index=vocab - 2,
             eoi_token_index=vocab - 3,
+        )
+    elif model_type == "gemma4":
+        vision = _vision("gemma4_vision")
+        del vision["image_size"]  # variable resolution: patches with 2-D positions
+        config = transformers.Gemma4Config(
+            text_config=transformers.Gemma4TextConfig(**{**text, **GEMMA4}).to_dict(),
+            # 4 x 4 patches of 4 x 4 pixels pooled 2 x 2: 4 soft tokens an image
+            vision_config={
+                **vision,
+                "head_dim": 16,
+                "num_key_value_heads": 2,
+                "patch_size": 4,
+                "pooling_kernel_size": 2,
+            },
+            image_token_id=vocab - 1,
+            video_token_id=vocab - 2,
+            audio_token_id=vocab - 3,
+            boi_token_id=vocab - 4,
+            eoi_token_id=vocab - 5,
         )
     elif model_type == "llava":
         config = transformers.LlavaConfig(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 import fuselm.hf
 from fuselm.hf import layers
 from fuselm.hf.registry import ALIASES, FAMILIES, family
+from fuselm.nn.mlp import gated_mlp
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
@@ -77,10 +79,10 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_step(model, ids, labels):
+def _train_step(model, ids, labels, **inputs):
     model.train()
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels)
+    out = model(input_ids=ids, labels=labels, **inputs)
     out.loss.backward()
     return out
 
@@ -172,3 +174,190 @@ def test_readme_table_is_the_registry(readme):
     begin, end = "<!-- fuselm.hf.markdown_table() -->\n", "<!-- end of table -->"
     table = text[text.index(begin) + len(begin) : text.index(end)]
     assert table == fuselm.hf.markdown_table(), f"regenerate {readme}'s table: fuselm.hf.markdown_table()"
+
+
+# ---- Falcon-H1: the MLP's gate and down multipliers ----
+
+
+def _falcon_h1_mlp_runs(x: torch.Tensor):
+    """(float64 reference, eager HF, patched) first-layer MLPs of one tiny Falcon-H1 model, and x for each
+    (leaves: x.grad is the input gradient)."""
+    eager = build("falcon_h1")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager)))
+    mlps = [m.model.layers[0].feed_forward for m in models]
+    xs = [x.to(dtype).detach().requires_grad_() for dtype in (torch.float64, torch.float32, torch.float32)]
+    return mlps, xs
+
+
+def _mlp_step(mlp, x, dy):
+    mlp.zero_grad(set_to_none=True)
+    y = mlp(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, {n: p.grad for n, p in mlp.named_parameters()}
+
+
+def test_falcon_h1_patched_mlp_carries_the_multipliers():
+    """FalconH1MLP runs fuselm's gated MLP with HF's ``up * act(gate * g)`` and ``down(...) * d``: output,
+    input gradient and every parameter gradient (biases included) follow the numerics rule, with
+    multipliers that are read at each call (as HF's forward reads them)."""
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(2, 16, 64, generator=g), torch.randn(2, 16, 64, generator=g)
+    mlps, xs = _falcon_h1_mlp_runs(x)
+    assert (mlps[1].gate_multiplier, mlps[1].down_multiplier) == (0.7, 1.3)
+    assert mlps[2].forward.__qualname__ == "fuselm_FalconH1MLP.forward"
+    assert "forward" not in vars(mlps[1]) and mlps[1].down_proj.bias is not None
+    for gate, down in ((0.7, 1.3), (2.5, 0.25)):  # the config's, then changed on the modules
+        for mlp in mlps:
+            mlp.gate_multiplier, mlp.down_multiplier = gate, down
+        for x_ in xs:
+            x_.grad = None
+        runs = [_mlp_step(mlp, x_, dy) for mlp, x_ in zip(mlps, xs, strict=True)]
+        (y64, dx64, dp64), (y, dx, dp), (y_ours, dx_ours, dp_ours) = runs
+        assert_numerics("mlp output", y_ours, y, y64, torch.float32)
+        assert_numerics("mlp dx", dx_ours, dx, dx64, torch.float32)
+        for name in dp:
+            assert_numerics(f"mlp grad {name}", dp_ours[name], dp[name], dp64[name], torch.float32)
+
+
+@pytest.mark.parametrize("dropped", ["gate", "down", "both"])
+def test_falcon_h1_mlp_without_a_multiplier_fails_the_numerics_rule(dropped):
+    """The comparisons above would catch a fused MLP that dropped a multiplier: fuselm's gated MLP
+    without it is outside the numerics rule against HF's FalconH1MLP."""
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3))
+    mlps, xs = _falcon_h1_mlp_runs(x)
+    with torch.no_grad():
+        y64, y = mlps[0](xs[0]), mlps[1](xs[1])
+        mlp = mlps[2]
+        kept = {
+            "gate_multiplier": 1.0 if dropped in ("gate", "both") else mlp.gate_multiplier,
+            "down_multiplier": 1.0 if dropped in ("down", "both") else mlp.down_multiplier,
+        }
+        wrong = gated_mlp(xs[2], mlp.gate_proj, mlp.up_proj, mlp.down_proj, "silu", **kept)
+    with pytest.raises(AssertionError, match="mlp output"):
+        assert_numerics("mlp output", wrong, y, y64, torch.float32)
+
+
+def test_falcon_h1_model_with_dropped_multipliers_fails_the_family_check(monkeypatch):
+    """At the model level too: the patched Falcon-H1 with its MLP multipliers set to 1 gives a training
+    loss outside the numerics rule against HF's (multipliers 0.7 and 1.3), so
+    test_family_patched_matches_hf[falcon_h1] checks that the multipliers are applied."""
+    eager = build("falcon_h1")
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager))
+    for layer in ours.model.layers:
+        layer.feed_forward.gate_multiplier = layer.feed_forward.down_multiplier = 1.0
+    ids, labels = _batch(eager.config.vocab_size)
+    losses = [_train_step(m, ids, labels).loss for m in (ref, eager, ours)]
+    with pytest.raises(AssertionError, match="loss"):
+        assert_numerics("loss", losses[2], losses[1], losses[0], torch.float32)
+
+
+def test_falcon_h1_spec_patches_the_attention_blocks_and_leaves_the_mamba_mixer():
+    """FalconH1RMSNorm is Llama's (fp32 statistics, cast, then weight *), the attention calls the standard
+    ``apply_rotary_pos_emb(q, k, cos, sin)``, and the Mamba mixer's gated RMSNorm stays HF's."""
+    spec = family("falcon_h1")
+    assert (spec.rms_norm, spec.norm_style, spec.mlp, spec.rope) == (
+        "FalconH1RMSNorm",
+        "llama",
+        "FalconH1MLP",
+        "apply_rotary_pos_emb",
+    )
+    assert spec.mlp_multipliers == ("gate_multiplier", "down_multiplier") and not spec.rope_one_tensor
+    config = tiny_config("falcon_h1")
+    config.mamba_rms_norm = True  # the mixer's FalconH1RMSNormGated
+    model = fuselm.hf.patch(transformers.FalconH1ForCausalLM(config))
+    gated = [m for m in model.modules() if type(m).__name__ == "FalconH1RMSNormGated"]
+    assert gated and all("forward" not in vars(m) for m in gated)
+    module = importlib.import_module(spec.module)
+    assert module.apply_rotary_pos_emb.__qualname__ == "fuselm_falcon_h1_apply_rotary_pos_emb"
+
+
+# ---- Gemma 4: weight-only norms (some without weight), one-tensor RoPE, the vision tower ----
+
+
+def _random_norm_weights(model, seed=5):
+    """Gemma4RMSNorm weights away from their initial ones: a wrong offset or rounding would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "Gemma4RMSNorm" and m.with_scale:
+                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_gemma4_rms_norm_is_weight_times_norm(with_scale):
+    """Gemma4RMSNorm: fp32 statistics, times the weight itself (no ``1 + weight`` as Gemma 1-3) in fp32, cast
+    at the end; ``with_scale=False`` (v_norm, the router's norm) has no weight. fuselm's patched forward
+    follows the numerics rule in fp32 and bf16; Gemma 3's ``1 + weight`` would not."""
+    module = importlib.import_module(family("gemma4").module)
+    norms = [module.Gemma4RMSNorm(64, eps=1e-6, with_scale=with_scale) for _ in range(3)]
+    if with_scale:
+        w = 0.5 + torch.rand(64, generator=torch.Generator().manual_seed(2))
+        for n in norms:
+            n.weight.data.copy_(w)
+    norms[0].double()
+    fuselm.hf.patch("gemma4")
+    assert all(n.forward.__qualname__ == "fuselm_Gemma4RMSNorm.forward" for n in norms)
+    fuselm.hf.unpatch("gemma4")
+    patched = types.MethodType(layers.rms_norm_forward(family("gemma4")), norms[2])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ref, eager, ours = norms[0](x.double()), norms[1](x), patched(x)
+        assert ours.dtype == eager.dtype == dtype
+        assert_numerics(f"norm {dtype}", ours, eager, ref, dtype)
+        if with_scale:
+            gemma3_style = layers.rms_norm(x, norms[2].weight, 1e-6, offset=1.0, casting="gemma")
+            with pytest.raises(AssertionError):
+                assert_numerics(f"norm {dtype}", gemma3_style, eager, ref, dtype)
+
+
+def _gemma4_image_batch(config, seed=1):
+    """Two texts with one 4 x 4-patch image each (pooled 2 x 2: 4 soft tokens), image tokens unlabelled."""
+    vocab = config.text_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab - 5, (2, 16), generator=g)
+    ids[:, 3:7] = config.image_token_id
+    labels = torch.where(ids == config.image_token_id, -100, ids)
+    patch = config.vision_config.patch_size
+    pixels = torch.rand(2, 16, 3 * patch * patch, generator=g)
+    grid = torch.arange(4)
+    positions = (
+        torch.stack(torch.meshgrid(grid, grid, indexing="xy"), dim=-1).reshape(1, 16, 2).expand(2, 16, 2)
+    )
+    return ids, labels, dict(pixel_values=pixels, image_position_ids=positions)
+
+
+def test_gemma4_with_an_image_matches_hf(monkeypatch):
+    """Gemma4ForConditionalGeneration on text with images and random norm weights: loss and every gradient
+    (vision tower included) follow the numerics rule; the text attention's RoPE (q and k in separate
+    calls, head dims 16 and 32) and the vision tower's 2-D RoPE (two 8-wide parts of
+    apply_multidimensional_rope) both ran fuselm's kernel; the weightless norms ran fuselm's forward."""
+    eager = build("gemma4")
+    _random_norm_weights(eager)
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager)))
+    ours = models[2]
+    weightless = [
+        n for n, m in ours.named_modules() if type(m).__name__ == "Gemma4RMSNorm" and not m.with_scale
+    ]
+    assert any("v_norm" in n for n in weightless) and any("router.norm" in n for n in weightless)
+    assert all(
+        ours.get_submodule(n).forward.__qualname__ == "fuselm_Gemma4RMSNorm.forward" for n in weightless
+    )
+    assert "forward" not in vars(ours.model.vision_tower.encoder.layers[0].mlp)  # clippable linears: HF's
+
+    widths = []
+    rope = layers.apply_rotary
+    monkeypatch.setattr(
+        layers, "apply_rotary", lambda q, k, *a, **kw: widths.append(q.shape[-1]) or rope(q, k, *a, **kw)
+    )
+    ids, labels, images = _gemma4_image_batch(eager.config)
+    outs = [
+        _train_step(m, ids, labels, **images) for m in models[1:]
+    ]  # HF's, then fuselm's: widths are fuselm's only
+    assert outs[1].logits is None and outs[1].image_hidden_states is not None
+    assert sorted(set(widths)) == [8, 16, 32], widths  # vision parts, sliding heads, full (global) heads
+    ref = _train_step(models[0], ids, labels, **images)
+    assert_numerics("loss", outs[1].loss, outs[0].loss, ref.loss, torch.float32)
+    grads = [_grads(m) for m in models]
+    assert grads[2].keys() == grads[1].keys() and any("vision_tower" in n for n in grads[2])
+    for name in grads[1]:
+        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)

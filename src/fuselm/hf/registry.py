@@ -22,6 +22,9 @@ NORM_STYLES = {
     "gemma": {"eps_attr": "eps", "offset": 1.0, "casting": "gemma"},
     # Olmo2RMSNorm (OLMo 3, gpt-oss): everything in fp32 with the weight, cast at the end.
     "olmo2": {"eps_attr": "variance_epsilon", "offset": 0.0, "casting": "gemma"},
+    # Gemma4RMSNorm: everything in fp32 with the weight itself (no 1 + weight, unlike Gemma 1-3), cast at
+    # the end; ``with_scale=False`` instances (Gemma 4's v_norm, router norm) have no weight at all.
+    "gemma4": {"eps_attr": "eps", "offset": 0.0, "casting": "gemma", "scale_flag": "with_scale"},
 }
 
 
@@ -40,7 +43,13 @@ class FamilySpec:
         packed_mlp: the MLP has one ``gate_up_proj`` (gate first) instead of ``gate_proj`` and ``up_proj``.
         act_attr: the config attribute naming the MLP activation (``hidden_act`` or Gemma 2/3's
             ``hidden_activation``).
+        mlp_multipliers: the MLP's attributes holding (gate multiplier, down multiplier) when its forward
+            is ``down_proj(act(gate_proj(x) * g) * up_proj(x)) * d`` (Falcon-H1's ``mlp_multipliers``), or
+            None (no multipliers). Split projections only.
         rope: the module-level rotary function the attention calls (HF's ``rotate_half`` RoPE), or None.
+        rope_one_tensor: that function rotates one tensor, ``apply_rotary_pos_emb(x, cos, sin,
+            unsqueeze_dim=1)`` (Gemma 4: called once for q, once for k), instead of
+            ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -52,8 +61,14 @@ class FamilySpec:
     norm_style: str = "llama"
     packed_mlp: bool = False
     act_attr: str = "hidden_act"
+    mlp_multipliers: tuple[str, str] | None = None
     rope: str | None = "apply_rotary_pos_emb"
+    rope_one_tensor: bool = False
     keeps: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.mlp_multipliers is not None and self.packed_mlp:
+            raise ValueError(f"{self.model_type}: MLP multipliers need split gate_proj / up_proj projections")
 
     def components(self) -> dict[str, str]:
         """The block components the family swaps -> the class or function name each replaces."""
@@ -97,6 +112,18 @@ FAMILIES: dict[str, FamilySpec] = {
             **GEMMA2_LIKE,
             causal_lms=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ),
+        # Gemma 4: the norm has no 1 + weight (and may have no weight), RoPE rotates q and k in separate
+        # calls; the MLP of the text layers is Gemma's GeGLU (the vision tower's has clipped linears)
+        _spec(
+            "gemma4",
+            "Gemma4",
+            norm_style="gemma4",
+            act_attr="hidden_activation",
+            mlp="Gemma4TextMLP",
+            rope_one_tensor=True,
+            causal_lms=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+            keeps=f"{EXPERTS}, per-layer-input gate, vision MLP (clippable linears), audio feed-forward",
+        ),
         _spec("olmo2", "Olmo2", norm_style="olmo2"),
         _spec("olmo3", "Olmo3", norm_style="olmo2"),
         _spec("granite", "Granite"),
@@ -111,7 +138,14 @@ FAMILIES: dict[str, FamilySpec] = {
         _spec("apertus", "Apertus", mlp=None, keeps="MLP (not gated, xIELU)"),
         _spec("arcee", "Arcee", mlp=None, keeps="MLP (not gated, ReLU^2)"),
         _spec("hunyuan_v1_dense", "HunYuanDenseV1"),
-        _spec("falcon_h1", "FalconH1", mlp=None, keeps="MLP (gate and down multipliers), Mamba mixer"),
+        # hybrid: attention and a Mamba-2 mixer side by side in every layer; the MLP scales its gate
+        # projection and its output (config.mlp_multipliers), which the patched forward does too
+        _spec(
+            "falcon_h1",
+            "FalconH1",
+            mlp_multipliers=("gate_multiplier", "down_multiplier"),
+            keeps="Mamba mixer (and its gated RMSNorm)",
+        ),
         # mixture of experts: the dense MLPs (shared experts, dense layers) are swapped, the experts not
         _spec("qwen3_moe", "Qwen3Moe", keeps=EXPERTS),
         _spec("qwen2_moe", "Qwen2Moe", keeps=EXPERTS),
@@ -156,8 +190,8 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
     )
 }
-# model_type values of configs that map to a family above (Gemma 3's text-only config).
-ALIASES = {"gemma3_text": "gemma3"}
+# model_type values of configs that map to a family above (Gemma 3's and Gemma 4's text-only configs).
+ALIASES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 
 
 def family(model_type: str) -> FamilySpec:
@@ -238,6 +272,8 @@ def markdown_table() -> str:
                     detail = f" ({spec.norm_style})"
                 elif component == "swiglu" and spec.packed_mlp:
                     detail = " (packed)"
+                elif component == "swiglu" and spec.mlp_multipliers:
+                    detail = " (multipliers)"
                 kernels.append(title + detail)
         rows.append(f"| {name} | {lms} | {', '.join(kernels) or '-'} | {spec.keeps or '-'} |")
     return "\n".join(rows) + "\n"
