@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from fuselm.bench import e2e, registry
+from fuselm.bench import e2e, fresh_process, registry, training
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def test_unknown_suite_lists_e2e(capsys):
 
 
 def test_gpu_preset_is_llama_3_2_1b():
-    config = e2e.llama_config(e2e.GPU_PRESET.model)
+    config = training.llama_config(e2e.GPU_PRESET.model, "sdpa")
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (2048, 8192, 16)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 64)
     assert (config.vocab_size, config.max_position_embeddings, config.rms_norm_eps) == (128256, 131072, 1e-5)
@@ -102,7 +102,7 @@ def test_hf_and_fuselm_start_from_the_same_weights():
 
 def test_liger_skip_reasons(monkeypatch):
     assert "needs CUDA" in e2e._precheck("liger", CPU)
-    with pytest.raises(e2e.SkipRun, match="needs CUDA"):
+    with pytest.raises(e2e.SkipProvider, match="needs CUDA"):
         e2e.apply_provider_before_build("liger", CPU)
     # not importable: the parent skips without a process, the worker (if asked anyway) says so too
     import importlib.util
@@ -114,7 +114,7 @@ def test_liger_skip_reasons(monkeypatch):
     assert "not importable" in e2e._precheck("liger", torch.device("cuda"))
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # `import liger_kernel...` raises ImportError
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
-    with pytest.raises(e2e.SkipRun, match="liger_kernel not importable"):
+    with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
         e2e.apply_provider_before_build("liger", torch.device("cuda"))
     assert e2e._precheck("hf", CPU) is None and e2e._precheck("fuselm", CPU) is None
 
@@ -124,8 +124,8 @@ def test_liger_skip_reasons(monkeypatch):
 
 def test_worker_error_is_reported(reference_path):
     """An exception inside the worker comes back as the row's error, with its traceback."""
-    row = e2e.run_case(
-        "bogus", 2, 16, preset=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1
+    row = fresh_process.run_case(
+        e2e.BENCH, "bogus", (2, 16), plan=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1
     )
     assert row.status == "error" and row.tokens_per_s is None
     assert "ValueError: unknown provider 'bogus'" in row.error
@@ -135,8 +135,10 @@ def test_worker_error_is_reported(reference_path):
 def test_worker_without_result_is_reported(monkeypatch):
     """A worker that dies before writing its result: the exit code and its last output are reported."""
     script = "import sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); sys.exit(3)"
-    monkeypatch.setattr(e2e, "worker_command", lambda *a, **k: [sys.executable, "-c", script])
-    row = e2e.run_case("hf", 2, 16, preset=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1)
+    monkeypatch.setattr(fresh_process, "worker_command", lambda *a, **k: [sys.executable, "-c", script])
+    row = fresh_process.run_case(
+        e2e.BENCH, "hf", (2, 16), plan=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1
+    )
     assert row.status == "error"
     assert "exited with code 3 and wrote no result" in row.error and "worker blew up" in row.error
 
@@ -184,7 +186,7 @@ def test_cli_cpu_end_to_end(tmp_path, capsys, reference_path):
 # ---- report from given rows (the GPU layout: OOM, errors, ratios) ----
 
 
-def _gpu_report() -> e2e.E2EReport:
+def _gpu_report() -> fresh_process.CaseReport:
     def ok(provider, batch, tok, gib):
         return e2e.E2ERow(
             provider, batch, 4096, "ok", tokens_per_s=tok, step_ms=batch * 4096 / tok * 1e3,
@@ -204,8 +206,8 @@ def _gpu_report() -> e2e.E2EReport:
         ok("liger", 16, 65.8e3, 82.9),
         e2e.E2ERow("fuselm", 16, 4096, "error", error="RuntimeError: boom"),
     ]
-    return e2e.E2EReport(
-        preset=e2e.GPU_PRESET,
+    return fresh_process.CaseReport(
+        plan=e2e.GPU_PRESET,
         dtype=torch.bfloat16,
         device_type="cuda",
         shapes=e2e.GPU_PRESET.shapes,
@@ -219,7 +221,7 @@ def _gpu_report() -> e2e.E2EReport:
 
 def test_ratios():
     report = _gpu_report()
-    by_batch = {r["batch"]: r for r in e2e.ratios(report)}
+    by_batch = {r["batch"]: r for r in fresh_process.ratios(e2e.BENCH, report)}
     assert by_batch[8]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
     assert by_batch[8]["peak_vs_liger"] == pytest.approx(38.0 / 45.2, rel=1e-6)
     assert by_batch[8]["tokens_vs_hf"] == pytest.approx(70.0 / 49.6)
@@ -253,7 +255,8 @@ def test_gpu_report_files(tmp_path):
 def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
     calls = []
 
-    def fake_run_case(provider, batch, seq, **kwargs):
+    def fake_run_case(bench, provider, shape, **kwargs):
+        (batch, seq) = shape
         calls.append((provider, batch))
         if batch >= 8:
             return e2e.E2ERow(provider, batch, seq, "oom", error="OutOfMemoryError: CUDA out of memory.")
@@ -261,9 +264,10 @@ def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
             provider, batch, seq, "ok", tokens_per_s=1.0, step_ms=1.0, first_loss=1.0, final_loss=1.0
         )
 
-    monkeypatch.setattr(e2e, "run_case", fake_run_case)
-    report = e2e.run(
-        preset=e2e.CPU_PRESET,
+    monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
+    report = fresh_process.run(
+        e2e.BENCH,
+        plan=e2e.CPU_PRESET,
         shapes=[(4, 64), (8, 64), (16, 64)],
         providers=["hf"],
         dtype=torch.float32,

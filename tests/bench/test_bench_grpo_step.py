@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fuselm
-from fuselm.bench import e2e, grpo_step, registry
+from fuselm.bench import e2e, fresh_process, grpo_step, registry
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -99,7 +99,7 @@ def _row(provider, shape, step_ms, peak, status="ok"):
 
 
 def test_ratios_and_tables():
-    report = grpo_step.StepReport(
+    report = fresh_process.CaseReport(
         plan=grpo_step.GPU_PLAN,
         dtype=torch.bfloat16,
         device_type="cuda",
@@ -115,25 +115,28 @@ def test_ratios_and_tables():
         _row("trl", s, 300.0, 30 << 30),
         _row("fuselm", s, 240.0, 24 << 30),
     ]
-    (r,) = grpo_step.ratios(report)
+    (r,) = fresh_process.ratios(grpo_step.BENCH, report)
     assert r["time_vs_trl"] == pytest.approx(0.8) and r["peak_vs_trl"] == pytest.approx(0.8)
     assert r["time_vs_hf"] == pytest.approx(0.6) and r["peak_vs_hf"] == pytest.approx(0.4)
-    assert "| 8x(512+1536) | 0.80x | 0.80x | 0.60x | 0.40x |" in grpo_step.ratio_table(report)
+    assert "| 8x(512+1536) | 0.80x | 0.80x | 0.60x | 0.40x |" in fresh_process.ratio_table(
+        grpo_step.BENCH, report
+    )
     assert "| 8x(512+1536) | fuselm | 240.0 |" in grpo_step.markdown_table(report)
 
 
 def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
     calls = []
 
-    def fake_run_case(provider, shape, **kw):
+    def fake_run_case(bench, provider, shape, **kw):
         calls.append((provider, shape))
         if shape[0] >= 8:
             return grpo_step.StepRow(provider, *shape, "oom", error="OutOfMemoryError: CUDA out of memory.")
         return grpo_step.StepRow(provider, *shape, "ok", step_ms=1.0, mean_entropy=[1.0])
 
-    monkeypatch.setattr(grpo_step, "run_case", fake_run_case)
+    monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     shapes = [(4, 8, 8), (8, 8, 8), (16, 8, 8)]
-    report = grpo_step.run(
+    report = fresh_process.run(
+        grpo_step.BENCH,
         plan=grpo_step.CPU_PLAN,
         shapes=shapes,
         providers=["hf"],

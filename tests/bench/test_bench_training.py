@@ -58,7 +58,7 @@ def test_build_llama_matches_transformers_own_build():
 
     from fuselm.bench import e2e
 
-    config = e2e.llama_config(e2e.CPU_PRESET.model)
+    config = training.llama_config(e2e.CPU_PRESET.model, "sdpa")
     torch.manual_seed(0)
     ours = training.build_llama(config, "cpu", torch.bfloat16)
     torch.manual_seed(0)

@@ -1,10 +1,12 @@
 """What the ``e2e`` and ``grpo_step`` benchmarks share: one case per fresh ``python -m ... --worker`` process.
 
-The worker side (:func:`worker_main`) runs one case and writes its result as JSON to the file the parent
-named; the parent side (:func:`run_worker`) starts that process with a timeout and reads the result back
-(a failure of the worker becomes an ``error`` result, never an exception). :func:`run_cases` runs every
-(shape, provider) of a report that way, :class:`CaseRows` looks rows up; :func:`row_from_result`,
-:func:`rows_json` and :func:`write_report_files` are the parts of the row and report handling both share.
+A benchmark describes itself with a :class:`Bench` (its name, providers, row type, plans, peers, and its
+``train`` function); everything else is here. The worker side (:func:`worker_main`) runs one case and writes
+its result as JSON to the file the parent named; the parent side (:func:`run_case`) starts that process with
+a timeout and reads the result back (a failure of the worker becomes an ``error`` row, never an exception).
+:func:`run` runs every (shape, provider) of a report that way; :func:`ratios`, :func:`ratio_table`,
+:func:`markdown`, :func:`report_json`, :func:`write_bars` and :func:`write_report` build the report files;
+:func:`start_cli` and :func:`run_cli` are the command line's steps.
 """
 
 from __future__ import annotations
@@ -18,84 +20,165 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
+from .harness import SkipProvider, error_text
 from .report import DTYPE_NAMES, collect_metadata, md_table, ratio
+from .runner import print_written
+
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
+GIB = 1 << 30
 
 
-class SkipRun(Exception):
-    """The provider cannot run here (missing package, needs CUDA); the message is the reason."""
+class WorkerRow:
+    """For a row dataclass of a worker's result: its sizes (``SHAPE_FIELDS``), how a shape is named
+    (``SHAPE_DIMS`` in the JSON, ``SHAPE_TITLE`` over the tables' first column, ``SHAPE_FORMAT`` of a label),
+    ``shape`` and ``peak_gib``."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
+    SHAPE_TITLE: ClassVar[str] = ""
+    SHAPE_FORMAT: ClassVar[str] = ""
+    provider: str
+    status: str
+    peak_bytes: int | None
+    error: str | None
+    traceback: str | None
+
+    @classmethod
+    def label(cls, shape: Sequence[int]) -> str:
+        return cls.SHAPE_FORMAT.format(*shape)
+
+    def figures(self) -> tuple[str, str]:
+        """An ok row's main figure and what follows its peak memory in :meth:`summary`."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """The row's progress line: ``<provider> <shape>: <figure>, peak X GiB, <more>``, or its status and
+        error."""
+        label = f"{self.provider} {self.label(self.shape)}"
+        if self.status != "ok":
+            return f"{label}: {self.status}: {self.error}"
+        figure, more = self.figures()
+        peak = f", peak {self.peak_gib:.1f} GiB" if self.peak_gib is not None else ""
+        return f"{label}: {figure}{peak}, {more}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE_FIELDS)
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / GIB
 
 
-def error_text(e: BaseException, limit: int = 200) -> str:
-    """``Type: message`` on one line, at most ``limit`` characters of message (OOM: its first two
-    sentences, "CUDA out of memory. Tried to allocate X GiB.")."""
-    text = " ".join(str(e).split())
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+Train = Callable[..., dict[str, Any]]
+"""A worker's run: ``train(plan, provider, *shape, dtype=, device=, warmup=, steps=, seed=) -> result``."""
 
 
-def worker_parser(
-    prog: str,
-    description: str,
-    case: Sequence[tuple[str, dict[str, Any]]],
-    *,
-    dtypes: Sequence[str],
-    seed: int,
-) -> argparse.ArgumentParser:
-    """The worker's arguments: ``--worker``, ``--provider``, the ``case`` ones (flag, ``add_argument``
-    keywords; all required), ``--dtype``, ``--device``, ``--warmup``, ``--steps``, ``--seed``,
-    ``--result``."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--worker", action="store_true", required=True)
-    p.add_argument("--provider", required=True)
-    for flag, kwargs in case:
-        p.add_argument(flag, required=True, **kwargs)
-    p.add_argument("--dtype", choices=sorted(dtypes), required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, default=seed)
-    p.add_argument("--result", required=True, help="file the JSON result is written to")
-    return p
+@dataclass(frozen=True)
+class Bench:
+    """One fresh-process benchmark, as the shared parts need it.
+
+    ``plans``: name -> plan (what ``--<plan_flag>`` of a worker names); ``peers``: the providers fuselm's
+    figures are divided by, with the names the ratio table gives them; ``metrics``: ratio key -> (row
+    attribute, title in the ratio table); ``precheck(provider, device)``: a reason to skip a provider without
+    starting a process (None: try it).
+    """
+
+    name: str
+    description: str
+    providers: tuple[str, ...]
+    provider_descriptions: dict[str, str]
+    row_type: Any
+    plan_flag: str
+    plans: dict[str, Any]
+    train: Train
+    timeout_s: float
+    seed: int
+    versions: tuple[str, ...]
+    peers: dict[str, str]
+    metrics: dict[str, tuple[str, str]]
+    precheck: Callable[[str, torch.device], str | None] | None = None
+
+    @property
+    def module(self) -> str:
+        return f"fuselm.bench.{self.name}"
+
+    def check_providers(self, providers: Sequence[str]) -> None:
+        for p in providers:
+            if p not in self.providers:
+                raise ValueError(f"unknown provider {p!r}; known: {', '.join(self.providers)}")
 
 
-def worker_main(
-    result: dict[str, Any], device: torch.device, result_path: str | Path, run: Callable[[], dict[str, Any]]
-) -> int:
-    """The worker process: ``run()`` one case, ``result`` updated with what it returns, written as JSON to
-    ``result_path`` and printed (without losses and traceback); returns the exit code.
+# ---- the worker (a fresh process) ----
+
+
+def worker_main(bench: Bench, argv: Sequence[str]) -> int:
+    """The worker process: one (provider, shape) run of ``bench.train``, its result written as JSON to
+    ``--result`` and printed (without losses and traceback); returns the exit code.
 
     Status ``ok`` (exit 0), ``oom`` or ``skipped`` (exit 0: a result, not a failure), ``error`` (exit 1,
     with the exception and the tail of its traceback).
     """
+    sizes = bench.row_type.SHAPE_FIELDS
+    p = argparse.ArgumentParser(
+        prog=f"python -m {bench.module} --worker", description=f"one {bench.name} run"
+    )
+    p.add_argument("--worker", action="store_true", required=True)
+    p.add_argument("--provider", required=True)
+    for size in sizes:
+        p.add_argument(f"--{size}", type=int, required=True)
+    p.add_argument(f"--{bench.plan_flag}", choices=sorted(bench.plans), required=True)
+    p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
+    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--seed", type=int, default=bench.seed)
+    p.add_argument("--result", required=True, help="file the JSON result is written to")
+    args = p.parse_args(argv)
+    shape = [getattr(args, size) for size in sizes]
+    result: dict[str, Any] = {"provider": args.provider, **dict(zip(sizes, shape, strict=True))}
+    device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: OpenMP thread wake-ups would cost more than the math
     code = 0
     try:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-        result.update(run())
-    except SkipRun as e:
+        plan = bench.plans[getattr(args, bench.plan_flag)]
+        options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed}
+        result.update(
+            bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
+        )
+    except SkipProvider as e:  # the provider cannot run here: the message is the reason
         result.update(status="skipped", error=str(e))
     except torch.cuda.OutOfMemoryError as e:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        result.update(status="oom", error=error_text(e), peak_bytes=peak)
+        result.update(status="oom", error=error_text(e, 200), peak_bytes=peak)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the next run
         tb = traceback.format_exc().strip().splitlines()
-        result.update(status="error", error=error_text(e), traceback="\n".join(tb[-15:]))
+        result.update(status="error", error=error_text(e, 200), traceback="\n".join(tb[-15:]))
         code = 1
-    Path(result_path).write_text(json.dumps(result, indent=2) + "\n")
+    Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "traceback")}))
     return code
+
+
+def build_measured(build: Callable[[], Any], device: torch.device) -> tuple[Any, dict[str, int | None]]:
+    """``build()`` after resetting ``torch.cuda``'s peak statistics; the model and its ``params`` and
+    ``weights_bytes`` (allocated once it is built; None on CPU)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build()
+    params = sum(p.numel() for p in model.parameters())
+    return model, {"weights_bytes": torch.cuda.memory_allocated(device) if cuda else None, "params": params}
 
 
 def memory_figures(device: torch.device) -> dict[str, int | None]:
@@ -107,9 +190,12 @@ def memory_figures(device: torch.device) -> dict[str, int | None]:
     }
 
 
+# ---- the parent: one fresh process per case ----
+
+
 def worker_command(module: str, provider: str, case: dict[str, Any], **options: Any) -> list[str]:
     """``python -m <module> --worker --provider=<provider>`` with ``--<key>=<value>`` for each entry of
-    ``case`` then of ``options`` (dtype, device, warmup, steps, result).
+    ``case`` then of ``options`` (plan, dtype, device, warmup, steps, result).
 
     Example:
         >>> worker_command("fuselm.bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
@@ -128,10 +214,6 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def _tail(text: str, lines: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 def run_worker(command: Callable[[Path], list[str]], *, timeout: float, prefix: str) -> dict[str, Any]:
     """Run ``command(result file)`` in a fresh process; return the worker's result with ``wall_s`` added.
 
@@ -141,69 +223,64 @@ def run_worker(command: Callable[[Path], list[str]], *, timeout: float, prefix: 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         result_path = Path(tmp) / "result.json"
-        cmd = command(result_path)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=timeout)
+            proc = subprocess.run(
+                command(result_path), capture_output=True, text=True, env=worker_env(), timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"worker timed out after {timeout:.0f} s", "wall_s": timeout}
         wall = time.perf_counter() - t0
-        data: dict[str, Any] | None = None
-        if result_path.exists():
-            try:
-                data = json.loads(result_path.read_text())
-            except json.JSONDecodeError:
-                data = None
+        try:
+            data = json.loads(result_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            data = None
     if data is None:
-        output = _tail((proc.stdout or "") + "\n" + (proc.stderr or ""))
+        output = "\n".join(((proc.stdout or "") + "\n" + (proc.stderr or "")).strip().splitlines()[-12:])
         error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{output}"
         return {"status": "error", "error": error, "wall_s": wall}
     return {**data, "wall_s": wall}
 
 
-def row_from_result(cls: Any, key: dict[str, Any], data: dict[str, Any]) -> Any:
-    """``cls(**key, ...)`` with the fields of ``data`` that ``cls`` has (other than the key's)."""
-    known = set(cls.__dataclass_fields__) - set(key)
-    return cls(**key, **{k: v for k, v in data.items() if k in known})
+def run_case(
+    bench: Bench,
+    provider: str,
+    shape: Sequence[int],
+    *,
+    plan: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    timeout: float | None = None,
+) -> Any:
+    """Run one (provider, shape) in a fresh worker process and return its row (never raises for a failure
+    of the worker: the row's status is ``error`` and ``error`` says what happened)."""
+    case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
+    options = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup, "steps": steps}
+    data = run_worker(
+        lambda result: worker_command(bench.module, provider, case, **options, result=result),
+        timeout=bench.timeout_s if timeout is None else timeout,
+        prefix=f"fuselm-{bench.name}-",
+    )
+    key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
+    known = set(bench.row_type.__dataclass_fields__) - set(key)
+    return bench.row_type(**key, **{k: v for k, v in data.items() if k in known})
 
 
-def add_row(
-    report: Any, provider: str, row: Any, log: Callable[[str], None], summary: Callable[[Any], str]
-) -> bool:
-    """Put a worker's row into ``report`` and log it; a ``skipped`` row instead marks the provider skipped
-    (``report.skipped``) and returns False."""
-    if row.status == "skipped":
-        report.skipped[provider] = row.error or "skipped"
-        log(f"skipping provider {provider}: {row.error}")
-        return False
-    report.rows.append(row)
-    log(summary(row))
-    if row.traceback:
-        log(row.traceback)
-    return True
+@dataclass
+class CaseReport:
+    """Everything one run of a fresh-process benchmark produced; ``row(provider, shape)`` finds a row."""
 
-
-GIB = 1 << 30
-
-
-class WorkerRow:
-    """For a row dataclass of a worker's result: ``shape`` (its ``SHAPE_FIELDS``) and ``peak_gib``."""
-
-    SHAPE_FIELDS: tuple[str, ...] = ()
-    peak_bytes: int | None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE_FIELDS)
-
-    @property
-    def peak_gib(self) -> float | None:
-        return None if self.peak_bytes is None else self.peak_bytes / GIB
-
-
-class CaseRows:
-    """For a report dataclass with ``rows`` whose items have ``provider`` and ``shape``: :meth:`row`."""
-
-    rows: list[Any]
+    plan: Any
+    dtype: torch.dtype
+    device_type: str
+    shapes: tuple[tuple[int, ...], ...]
+    providers: tuple[str, ...]
+    warmup: int
+    steps: int
+    metadata: dict[str, Any]
+    rows: list[Any] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def row(self, provider: str, shape: Sequence[int]) -> Any:
         """The row of (provider, shape), or None."""
@@ -213,26 +290,44 @@ class CaseRows:
         return None
 
 
-def run_cases(
-    report: Any,
-    run_case: Callable[[str, tuple[int, ...]], Any],
-    row_type: Any,
+def run(
+    bench: Bench,
     *,
-    name: str,
-    log: Callable[[str], None],
-    summary: Callable[[Any], str],
+    plan: Any,
+    shapes: Sequence[Sequence[int]],
+    providers: Sequence[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    metadata: dict[str, Any] | None = None,
     progress: bool = True,
-    on_row: Callable[[Any], None] | None = None,
-) -> None:
-    """Every (shape, provider) of ``report`` (shapes outer) not yet skipped: ``run_case(provider, shape)``,
-    its row added with :func:`add_row`, then ``on_row(report)``. The first size of a shape is its batch: a
-    provider out of memory at batch B is not run at a larger batch of the same other sizes (its row says
-    so: ``row_type(provider, *shape, "oom", error=...)``)."""
+    log: Callable[[str], None] = print,
+    timeout: float | None = None,
+    on_row: Callable[[CaseReport], None] | None = None,
+) -> CaseReport:
+    """Every (shape, provider) (shapes outer) in its own worker process (:func:`run_case`); returns the
+    report (nothing written). Each row is logged (its summary and traceback) and then ``on_row(report
+    so far)`` is called. A provider that ``bench.precheck`` or a worker skips is not run again. The first
+    size of a shape is its batch: a provider out of memory at batch B is not run at a larger batch of the
+    same other sizes (its row says so)."""
     from tqdm.auto import tqdm
 
+    bench.check_providers(providers)
+    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    report = CaseReport(
+        plan, dtype, device.type, shapes, tuple(providers), warmup, steps, dict(metadata or {})
+    )
+    for p in providers:
+        reason = bench.precheck(p, device) if bench.precheck is not None else None
+        if reason:
+            report.skipped[p] = reason
+            log(f"skipping provider {p}: {reason}")
+    options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
     oom_at: dict[tuple[str, tuple[int, ...]], int] = {}  # (provider, other sizes) -> smallest batch out
-    cases = [(s, p) for s in report.shapes for p in report.providers]
-    bar = tqdm(cases, desc=name, disable=not progress, leave=False)
+    bar = tqdm(
+        [(s, p) for s in report.shapes for p in providers], desc=bench.name, disable=not progress, leave=False
+    )
     for shape, provider in bar:
         if provider in report.skipped:
             continue
@@ -240,29 +335,134 @@ def run_cases(
         batch, key = shape[0], (provider, shape[1:])
         smallest = oom_at.get(key)
         if smallest is not None and batch >= smallest:
-            row = row_type(
-                provider, *shape, "oom", error=f"not run: out of memory at batch {smallest} already"
-            )
+            error = f"not run: out of memory at batch {smallest} already"
+            row = bench.row_type(provider, *shape, "oom", error=error)
         else:
-            row = run_case(provider, shape)
+            row = run_case(bench, provider, shape, timeout=timeout, **options)
         if row.status == "oom":
             oom_at[key] = min(batch, oom_at.get(key, batch))
-        if add_row(report, provider, row, log, summary) and on_row is not None:
+        if row.status == "skipped":
+            report.skipped[provider] = row.error or "skipped"
+            log(f"skipping provider {provider}: {row.error}")
+            continue
+        report.rows.append(row)
+        log(row.summary())
+        if row.traceback:
+            log(row.traceback)
+        if on_row is not None:
             on_row(report)
     bar.close()
+    return report
 
 
-def rows_json(rows: Sequence[Any]) -> list[dict[str, Any]]:
-    """The rows as dicts, each with its ``peak_gib``."""
+def exit_code(report: CaseReport) -> int:
+    """0 when some case ran, 1 when none did."""
+    return 0 if any(r.status == "ok" for r in report.rows) else 1
+
+
+# ---- ratios, tables and report files ----
+
+
+def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
+    """Per shape of ``report``: its sizes, then for each of ``bench.peers`` and each of ``bench.metrics``
+    ``<key>_vs_<peer>``, fuselm's figure over the peer's (None unless both rows are ok)."""
     out = []
-    for r in rows:
-        d = asdict(r)
-        d["peak_gib"] = r.peak_gib
-        out.append(d)
+    for shape in report.shapes:
+        mine = report.row("fuselm", shape)
+        entry: dict[str, Any] = dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))
+        for peer in bench.peers:
+            other = report.row(peer, shape)
+            ok = mine is not None and mine.status == "ok" and other is not None and other.status == "ok"
+            for key, (attr, _) in bench.metrics.items():
+                entry[f"{key}_vs_{peer}"] = ratio(getattr(mine, attr), getattr(other, attr)) if ok else None
+        out.append(entry)
     return out
 
 
-def write_report_files(
+def ratio_table(bench: Bench, report: CaseReport) -> str:
+    """:func:`ratios` as a markdown table, each ratio as ``1.23x`` (``—`` if None)."""
+    head = [bench.row_type.SHAPE_TITLE]
+    head += [
+        f"{title} fuselm / {name}" for name in bench.peers.values() for _, title in bench.metrics.values()
+    ]
+    rows = []
+    for shape, entry in zip(report.shapes, ratios(bench, report), strict=True):
+        values = [v for k, v in entry.items() if "_vs_" in k]
+        rows.append([bench.row_type.label(shape), *("—" if v is None else f"{v:.2f}x" for v in values)])
+    return md_table(head, rows)
+
+
+def status_cell(row: WorkerRow, ok: str) -> str:
+    """``ok`` for an ok row, else OOM or error."""
+    return ok if row.status == "ok" else {"oom": "OOM"}.get(row.status, "error")
+
+
+def note_cell(row: WorkerRow) -> str:
+    """The row's error on one line, without the table's separators."""
+    return (row.error or "").replace("|", "/").replace("\n", " ")
+
+
+def markdown(
+    bench: Bench,
+    report: CaseReport,
+    *,
+    cpu_figures: str,
+    facts: Sequence[str],
+    table: str,
+    notes: Sequence[str],
+) -> str:
+    """The whole report: title, ``cpu_figures`` (off CUDA), device, the ``bench.versions`` found in the
+    metadata, date, ``facts``, command, the results ``table``, the ratio table, ``notes``, the providers, the
+    skipped ones."""
+    m = report.metadata
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    lines = [f"# fuselm bench {bench.name}", "", f"{bench.description}, {dtype} weights.", ""]
+    if report.device_type != "cuda":
+        lines += [cpu_figures, ""]
+    found = ", ".join(f"{k} {m[k]}" for k in bench.versions if m.get(k) is not None)
+    lines += [
+        f"- device: {m.get('device')}",
+        f"- versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
+        f"- date: {m.get('date')}",
+        *(f"- {fact}" for fact in facts),
+        f"- command: `{m.get('command')}`",
+        "",
+        table,
+        "",
+        ratio_table(bench, report),
+        "",
+    ]
+    lines += [f"- {n}" for n in notes]
+    lines += [f"- {p}: {bench.provider_descriptions[p]}" for p in report.providers]
+    lines += [f"- skipped {provider}: {reason}" for provider, reason in report.skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
+def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """All raw numbers and the metadata, JSON-ready; ``plan``: what the JSON says of the plan."""
+    rows = []
+    for r in report.rows:
+        rows.append({**asdict(r), "peak_gib": r.peak_gib})
+    return {
+        "suite": bench.name,
+        "description": bench.description,
+        **plan,
+        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
+        "device_type": report.device_type,
+        "shape_dims": list(bench.row_type.SHAPE_DIMS),
+        "shapes": [list(s) for s in report.shapes],
+        "providers": list(report.providers),
+        "warmup": report.warmup,
+        "steps": report.steps,
+        "metadata": report.metadata,
+        "rows": rows,
+        "ratios": ratios(bench, report),
+        "skipped": report.skipped,
+        "notes": notes,
+    }
+
+
+def write_report(
     name: str, out_dir: str | Path, markdown: str, data: dict[str, Any], write_png: Callable[[Path], None]
 ) -> dict[str, Path]:
     """Write ``<name>.md``, ``<name>.json`` and ``<name>.png`` (``write_png(path)``, skipped without
@@ -280,82 +480,20 @@ def write_report_files(
     return paths
 
 
-def ratios(report: Any, row_type: Any, peers: Sequence[str], metrics: dict[str, str]) -> list[dict[str, Any]]:
-    """Per shape of ``report``: its sizes (``row_type.SHAPE_FIELDS``), then for each peer and each
-    ``metrics`` entry (key -> row attribute) ``<key>_vs_<peer>``, fuselm's figure over the peer's (None
-    unless both rows are ok)."""
-    out = []
-    for shape in report.shapes:
-        mine = report.row("fuselm", shape)
-        entry: dict[str, Any] = dict(zip(row_type.SHAPE_FIELDS, shape, strict=True))
-        for peer in peers:
-            other = report.row(peer, shape)
-            ok = mine is not None and mine.status == "ok" and other is not None and other.status == "ok"
-            for key, attr in metrics.items():
-                entry[f"{key}_vs_{peer}"] = ratio(getattr(mine, attr), getattr(other, attr)) if ok else None
-        out.append(entry)
-    return out
-
-
-def ratio_table(
-    head: Sequence[str], entries: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]
-) -> str:
-    """A markdown table of :func:`ratios`: ``label(entry)``, then each ratio as ``1.23x`` (``—`` if None)."""
-    rows = []
-    for entry in entries:
-        values = [v for k, v in entry.items() if "_vs_" in k]
-        rows.append([label(entry), *("—" if v is None else f"{v:.2f}x" for v in values)])
-    return md_table(head, rows)
-
-
-def markdown(
-    report: Any,
-    *,
-    name: str,
-    description: str,
-    cpu_figures: str,
-    versions: Sequence[str],
-    facts: Sequence[str],
-    sections: Sequence[str],
-    notes: Sequence[str],
-) -> str:
-    """A training benchmark's report: title, ``cpu_figures`` (off CUDA), device, the ``versions`` found in
-    the metadata, date, ``facts``, command, the ``sections`` (tables), ``notes``, the skipped providers."""
-    m = report.metadata
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    lines = [f"# fuselm bench {name}", "", f"{description}, {dtype} weights.", ""]
-    if report.device_type != "cuda":
-        lines += [cpu_figures, ""]
-    found = ", ".join(f"{k} {m[k]}" for k in versions if m.get(k) is not None)
-    lines += [
-        f"- device: {m.get('device')}",
-        f"- versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
-        f"- date: {m.get('date')}",
-        *(f"- {fact}" for fact in facts),
-        f"- command: `{m.get('command')}`",
-        "",
-    ]
-    for section in sections:
-        lines += [section, ""]
-    lines += [f"- {n}" for n in notes]
-    lines += [f"- skipped {provider}: {reason}" for provider, reason in report.skipped.items()]
-    return "\n".join(lines) + "\n"
-
-
 def write_bars(
-    report: Any,
+    bench: Bench,
+    report: CaseReport,
     path: Path,
     *,
     panels: Sequence[tuple[str, str, float]],
-    labels: Sequence[str],
     title: str,
     width_per_shape: float,
     mark_failures: bool = False,
-    xlabel: str | None = None,
 ) -> None:
-    """Panels of grouped bars, one group per shape of ``report`` (``labels``), one bar per provider that ran:
-    each panel ``(row attribute, title, scale)``, values of ok rows, labelled. ``mark_failures``: OOM or
-    error written where a row failed, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
+    """Panels of grouped bars, one group per shape of ``report``, one bar per provider that ran: each panel
+    ``(row attribute, title, scale)``, values of ok rows, labelled; the title ``fuselm bench <name><title>,
+    <dtype>, <device>``. ``mark_failures``: OOM or error written where a row failed, an x label, and "n/a (no
+    CUDA)" / "no results" in an empty panel."""
     import math
 
     import matplotlib
@@ -363,6 +501,7 @@ def write_bars(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = [bench.row_type.label(s) for s in report.shapes]
     providers = [p for p in report.providers if p not in report.skipped]
     width = 0.8 / max(1, len(providers))
     fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + width_per_shape * len(labels)), 4))
@@ -389,23 +528,26 @@ def write_bars(
                 ax.legend(fontsize=8)
             continue
         ax.set_xlim(-0.5, len(labels) - 0.5)
-        if xlabel:
-            ax.set_xlabel(xlabel)
+        ax.set_xlabel(bench.row_type.SHAPE_TITLE)
         if any_value:
             ax.legend(fontsize=8)
         else:
             ax.set_yticks([])
             text = "n/a (no CUDA)" if attr == "peak_gib" else "no results"
             ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(title, fontsize=10)
+    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    fig.suptitle(f"fuselm bench {bench.name}{title}, {dtype}, {report.metadata.get('device')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+# ---- command line ----
+
+
 @dataclass
 class CliRun:
-    """What a training benchmark's ``run_cli`` runs, from the parsed ``fuselm bench`` arguments."""
+    """What a fresh-process benchmark's ``run_cli`` runs, from the parsed ``fuselm bench`` arguments."""
 
     providers: list[str]
     device: torch.device
@@ -418,16 +560,17 @@ class CliRun:
     out_dir: Path
 
 
-def start_cli(
-    args: Any, argv: list[str], *, name: str, providers: Sequence[str], plans: tuple[Any, Any], ndim: int
-) -> CliRun:
-    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, ``--shapes`` of
-    ``ndim`` sizes (default: the plan's), warmup, steps and dtype, the metadata with the transformers
-    version, the results folder. Raises ``UsageError`` for bad values and without transformers."""
+def start_cli(bench: Bench, args: Any, argv: list[str], *, plans: tuple[Any, Any]) -> CliRun:
+    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, ``--shapes`` (as
+    many sizes as the bench's rows have; default: the plan's), warmup, steps and dtype, the metadata with
+    the transformers version, the results folder. Raises ``UsageError`` for bad values and without
+    transformers."""
+    providers = bench.providers
     chosen = parse_list(args.providers, providers, "provider") if args.providers else list(providers)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]
+    ndim = len(bench.row_type.SHAPE_FIELDS)
     shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
     warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
     meta = collect_metadata(device, argv)
@@ -436,6 +579,39 @@ def start_cli(
 
         meta["transformers"] = transformers.__version__
     except ImportError:
-        raise UsageError(f'fuselm bench {name} needs transformers: pip install "fuselm[hf]"') from None
+        raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
     return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir)
+
+
+def run_cli(
+    bench: Bench,
+    c: CliRun,
+    *,
+    markdown: Callable[[CaseReport], str],
+    write: Callable[[CaseReport, Path], dict[str, Path]],
+    progress: bool,
+    write_each_row: bool = False,
+) -> CaseReport:
+    """Say what runs, :func:`run` it, then print the report and write its files (``write(report, folder)``;
+    after every row too with ``write_each_row``: a run stopped part-way keeps what it measured)."""
+    print(
+        f"{bench.name}: {len(c.shapes)} shapes x {len(c.providers)} providers, {c.warmup} warmup + {c.steps} "
+        "timed steps, one fresh process each",
+        flush=True,
+    )
+    report = run(
+        bench,
+        plan=c.plan,
+        shapes=c.shapes,
+        providers=c.providers,
+        dtype=c.dtype,
+        device=c.device,
+        warmup=c.warmup,
+        steps=c.steps,
+        metadata=c.metadata,
+        progress=progress,
+        on_row=(lambda r: write(r, c.out_dir)) if write_each_row else None,
+    )
+    print_written(markdown(report), write(report, c.out_dir))
+    return report

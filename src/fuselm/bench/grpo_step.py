@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,8 +41,8 @@ from typing import Any, ClassVar
 import torch
 
 from . import e2e, fresh_process, training
-from .report import DTYPE_NAMES, md_table
-from .runner import print_written
+from .harness import SkipProvider, import_peer
+from .report import md_table
 
 NAME = "grpo_step"
 DESCRIPTION = "GRPO-shaped training steps of a Llama-3.2-1B-shaped model: the LM head's per-token log-probs"
@@ -60,7 +60,7 @@ WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must n
 
 @dataclass(frozen=True)
 class Plan:
-    """Shapes and step counts of a run; ``preset`` is the e2e benchmark's model preset."""
+    """Shapes and step counts of a run; ``preset`` is the e2e benchmark's model preset (named as the plan)."""
 
     preset: e2e.Preset
     shapes: tuple[tuple[int, int, int], ...]  # (batch, prompt, completion)
@@ -69,12 +69,16 @@ class Plan:
     quick_warmup: int
     quick_steps: int
 
+    @property
+    def name(self) -> str:
+        return self.preset.name
+
 
 GPU_PLAN = Plan(
     e2e.GPU_PRESET, ((8, 512, 1536), (16, 512, 1536)), warmup=3, steps=8, quick_warmup=2, quick_steps=3
 )
 CPU_PLAN = Plan(e2e.CPU_PRESET, ((2, 16, 48),), warmup=1, steps=2, quick_warmup=1, quick_steps=1)
-PLANS = {p.preset.name: p for p in (GPU_PLAN, CPU_PLAN)}
+PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 
 
 # ---- the batch and the heads (what a worker runs) ----
@@ -115,16 +119,12 @@ def make_head(provider: str, model: Any) -> Head:
 
         return hf_head
     if provider == "trl":
-        try:
-            from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-        except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-            raise e2e.SkipRun(
-                f"trl.kernels.chunked_logprob not importable ({type(e).__name__}: {e})"
-            ) from None
+        trl = "trl.kernels.chunked_logprob"
+        chunked_log_probs = import_peer(weight.device, trl, "ChunkedLogProbFunction", trl, cuda=False)
 
         def trl_head(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keep = t != IGNORE_INDEX
-            res = ChunkedLogProbFunction.apply(
+            res = chunked_log_probs.apply(
                 h[keep], weight, None, t[keep], 1.0, TRL_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy")
             )
             return tuple(x.new_zeros(t.shape).masked_scatter(keep, x) for x in res[:2])  # type: ignore[return-value]
@@ -135,7 +135,7 @@ def make_head(provider: str, model: Any) -> Head:
 
         op = getattr(fuselm, "linear_log_probs", None)
         if op is None:
-            raise e2e.SkipRun("fuselm.linear_log_probs is not in this checkout")
+            raise SkipProvider("fuselm.linear_log_probs is not in this checkout")
 
         def fuselm_head(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             r = op(h, weight, t, outputs=("log_probs", "entropy"), memory="auto")
@@ -169,13 +169,10 @@ def train(
 ) -> dict[str, Any]:
     """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.bench.training.train`),
     return the measurements."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    model = e2e.build_model(plan.preset, "hf", dtype, device, seed)
+    model, figures = fresh_process.build_measured(
+        lambda: e2e.build_model(plan.preset, "hf", dtype, device, seed), device
+    )
     head = make_head(provider, model)
-    params = sum(p.numel() for p in model.parameters())
-    weights_bytes = torch.cuda.memory_allocated(device) if cuda else None
     b = make_batch(model.config.vocab_size, batch, prompt, completion, device, seed)
     n_tokens = b["mask"].sum()
     m = b["mask"].to(torch.float32)
@@ -194,7 +191,7 @@ def train(
         list(model.parameters()),
         [b] * (warmup + steps),
         lr=e2e.LR,
-        fused_adamw=plan.preset.fused_adamw and cuda,
+        fused_adamw=plan.preset.fused_adamw and device.type == "cuda",
         warmup=warmup,
     )
     return {
@@ -204,45 +201,11 @@ def train(
         "completion_tokens": int(n_tokens),
         "warmup_s": run.warmup_s,
         **fresh_process.memory_figures(device),
-        "weights_bytes": weights_bytes,
-        "params": params,
+        **figures,
         "losses": [v[0] for v in run.logged],
         "mean_log_probs": [v[1] for v in run.logged],
         "mean_entropy": [v[2] for v in run.logged],
     }
-
-
-def worker_main(argv: Sequence[str]) -> int:
-    """One (provider, shape) run; its result as JSON in ``--result`` (status ok, oom, skipped or error)."""
-    case = [(f"--{k}", {"type": int}) for k in ("batch", "prompt", "completion")]
-    case.append(("--plan", {"choices": sorted(PLANS)}))
-    parser = fresh_process.worker_parser(
-        "python -m fuselm.bench.grpo_step --worker", "one run", case, dtypes=list(e2e.DTYPES), seed=e2e.SEED
-    )
-    args = parser.parse_args(argv)
-    result: dict[str, Any] = {
-        "provider": args.provider,
-        "batch": args.batch,
-        "prompt": args.prompt,
-        "completion": args.completion,
-    }
-    device = torch.device(args.device)
-
-    def run_one() -> dict[str, Any]:
-        return train(
-            PLANS[args.plan],
-            args.provider,
-            args.batch,
-            args.prompt,
-            args.completion,
-            dtype=e2e.DTYPES[args.dtype],
-            device=device,
-            warmup=args.warmup,
-            steps=args.steps,
-            seed=args.seed,
-        )
-
-    return fresh_process.worker_main(result, device, args.result, run_one)
 
 
 # ---- the parent ----
@@ -253,6 +216,9 @@ class StepRow(fresh_process.WorkerRow):
     """One (provider, B, P, C) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "prompt", "completion")
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("B", "P", "C")
+    SHAPE_TITLE: ClassVar[str] = "B x (P + C)"
+    SHAPE_FORMAT: ClassVar[str] = "{}x({}+{})"
 
     provider: str
     batch: int
@@ -274,126 +240,31 @@ class StepRow(fresh_process.WorkerRow):
     error: str | None = None
     traceback: str | None = None
 
-
-@dataclass
-class StepReport(fresh_process.CaseRows):
-    """Everything one ``fuselm bench grpo_step`` run produced; ``row(provider, (B, P, C))`` finds a row."""
-
-    plan: Plan
-    dtype: torch.dtype
-    device_type: str
-    shapes: tuple[tuple[int, int, int], ...]
-    providers: tuple[str, ...]
-    warmup: int
-    steps: int
-    metadata: dict[str, Any]
-    rows: list[StepRow] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
+    def figures(self) -> tuple[str, str]:
+        return f"{self.step_ms:.1f} ms/step", f"mean entropy {self.mean_entropy[0]:.4f}"
 
 
-def worker_command(
-    provider: str,
-    shape: tuple[int, int, int],
-    *,
-    plan: str,
-    dtype: torch.dtype,
-    device: str,
-    warmup: int,
-    steps: int,
-    result: Path,
-) -> list[str]:
-    """The command line of one worker process."""
-    case = {**dict(zip(StepRow.SHAPE_FIELDS, shape, strict=True)), "plan": plan}
-    options = {"dtype": DTYPE_NAMES[dtype], "device": device, "warmup": warmup, "steps": steps}
-    return fresh_process.worker_command("fuselm.bench.grpo_step", provider, case, **options, result=result)
-
-
-def run_case(
-    provider: str,
-    shape: tuple[int, int, int],
-    *,
-    plan: Plan,
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    timeout: float = WORKER_TIMEOUT_S,
-) -> StepRow:
-    """One (provider, shape) in a fresh worker process (a failure of the worker becomes the row's error)."""
-    options = {"dtype": dtype, "device": device.type, "warmup": warmup, "steps": steps}
-    data = fresh_process.run_worker(
-        lambda result: worker_command(provider, shape, plan=plan.preset.name, result=result, **options),
-        timeout=timeout,
-        prefix="fuselm-grpo-",
-    )
-    key = {"provider": provider, **dict(zip(StepRow.SHAPE_FIELDS, shape, strict=True))}
-    return fresh_process.row_from_result(StepRow, key, data)
-
-
-def _summary(r: StepRow) -> str:
-    label = f"{r.provider} {r.batch}x({r.prompt}+{r.completion})"
-    if r.status == "ok":
-        peak = f", peak {r.peak_gib:.1f} GiB" if r.peak_gib is not None else ""
-        return f"{label}: {r.step_ms:.1f} ms/step{peak}, mean entropy {r.mean_entropy[0]:.4f}"
-    return f"{label}: {r.status}: {r.error}"
-
-
-def run(
-    *,
-    plan: Plan,
-    shapes: Sequence[tuple[int, int, int]],
-    providers: Sequence[str],
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    metadata: dict[str, Any] | None = None,
-    log: Callable[[str], None] = print,
-    timeout: float = WORKER_TIMEOUT_S,
-    on_row: Callable[[StepReport], None] | None = None,
-) -> StepReport:
-    """Run every (shape, provider) in its own worker process; return the report. ``on_row(report so far)``
-    after each result (the CLI writes the files then: a run stopped part-way keeps what it measured)."""
-    for p in providers:
-        if p not in PROVIDERS:
-            raise ValueError(f"unknown provider {p!r}; known: {', '.join(PROVIDERS)}")
-    report = StepReport(
-        plan=plan,
-        dtype=dtype,
-        device_type=device.type,
-        shapes=tuple((int(b), int(p), int(c)) for b, p, c in shapes),
-        providers=tuple(providers),
-        warmup=warmup,
-        steps=steps,
-        metadata=dict(metadata or {}),
-    )
-    options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
-    fresh_process.run_cases(
-        report,
-        lambda provider, shape: run_case(provider, shape, timeout=timeout, **options),
-        StepRow,
-        name=NAME,
-        log=log,
-        summary=_summary,
-        progress=False,
-        on_row=on_row,
-    )
-    return report
+BENCH = fresh_process.Bench(
+    name=NAME,
+    description=DESCRIPTION,
+    providers=PROVIDERS,
+    provider_descriptions=PROVIDER_DESCRIPTIONS,
+    row_type=StepRow,
+    plan_flag="plan",
+    plans=PLANS,
+    train=train,
+    timeout_s=WORKER_TIMEOUT_S,
+    seed=e2e.SEED,
+    versions=("torch", "triton", "transformers", "trl"),
+    peers={"trl": "TRL", "hf": "HF"},
+    metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
+)
 
 
 # ---- report ----
 
 
-def ratios(report: StepReport) -> list[dict[str, Any]]:
-    """Per shape: fuselm's ms/step and peak memory over TRL's and over HF's."""
-    return fresh_process.ratios(report, StepRow, ("trl", "hf"), {"time": "step_ms", "peak": "peak_bytes"})
-
-
-def _label(shape: tuple[int, int, int]) -> str:
-    return f"{shape[0]}x({shape[1]}+{shape[2]})"
-
-
-def markdown_table(report: StepReport) -> str:
+def markdown_table(report: fresh_process.CaseReport) -> str:
     """One line per (shape, provider): ms/step, tokens/s, peak GiB, mean log-prob / entropy of step 1 and of
     the last step, note."""
     head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
@@ -403,28 +274,21 @@ def markdown_table(report: StepReport) -> str:
         ok = r.status == "ok"
         rows.append(
             [
-                _label(r.shape),
+                StepRow.label(r.shape),
                 r.provider,
-                f"{r.step_ms:.1f}" if ok else {"oom": "OOM"}.get(r.status, "error"),
+                fresh_process.status_cell(r, f"{r.step_ms:.1f}" if ok else ""),
                 e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
                 ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
                 f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
                 f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
                 f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
-                (r.error or "").replace("|", "/").replace("\n", " "),
+                fresh_process.note_cell(r),
             ]
         )
     return md_table(head, rows)
 
 
-def ratio_table(report: StepReport) -> str:
-    """fuselm / TRL and fuselm / HF: time per step and peak memory, per shape."""
-    head = ["B x (P + C)", "time fuselm / TRL", "peak fuselm / TRL", "time fuselm / HF", "peak fuselm / HF"]
-    label = lambda r: _label((r["batch"], r["prompt"], r["completion"]))  # noqa: E731
-    return fresh_process.ratio_table(head, ratios(report), label)
-
-
-def notes(report: StepReport) -> list[str]:
+def notes(report: fresh_process.CaseReport) -> list[str]:
     cuda = report.device_type == "cuda"
     fused = "fused" if cuda and report.plan.preset.fused_adamw else "not fused"
     out = [
@@ -455,69 +319,44 @@ def notes(report: StepReport) -> list[str]:
     return out
 
 
-def _model_line(preset: e2e.Preset) -> str:
-    m = preset.model
-    return (
+def markdown(report: fresh_process.CaseReport) -> str:
+    """The whole report: header (device, versions, commit, model), results, ratios, notes."""
+    m = report.plan.preset.model
+    model = (
         f"hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
         f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} kv heads, vocab {m['vocab_size']}, "
         "tied embeddings"
     )
-
-
-def markdown(report: StepReport) -> str:
-    """The whole report: header (device, versions, commit, model), results, ratios, notes."""
     return fresh_process.markdown(
+        BENCH,
         report,
-        name=NAME,
-        description=DESCRIPTION,
         cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, a smoke test of the path.",
-        versions=("torch", "triton", "transformers", "trl"),
-        facts=[
-            "model (random init, SDPA attention, no activation checkpointing): "
-            + _model_line(report.plan.preset)
-        ],
-        sections=[markdown_table(report), ratio_table(report)],
-        notes=[*notes(report), *(f"{p}: {PROVIDER_DESCRIPTIONS[p]}" for p in report.providers)],
+        facts=["model (random init, SDPA attention, no activation checkpointing): " + model],
+        table=markdown_table(report),
+        notes=notes(report),
     )
 
 
-def to_json(report: StepReport) -> dict[str, Any]:
+def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready."""
-    return {
-        "suite": NAME,
-        "description": DESCRIPTION,
-        "model": report.plan.preset.model,
-        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
-        "device_type": report.device_type,
-        "shape_dims": ["B", "P", "C"],
-        "shapes": [list(s) for s in report.shapes],
-        "providers": list(report.providers),
-        "warmup": report.warmup,
-        "steps": report.steps,
-        "metadata": report.metadata,
-        "rows": fresh_process.rows_json(report.rows),
-        "ratios": ratios(report),
-        "skipped": report.skipped,
-        "notes": notes(report),
-    }
+    return fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
 
 
-def write_png(report: StepReport, path: Path) -> None:
+def write_png(report: fresh_process.CaseReport, path: Path) -> None:
     """Two panels of grouped bars per shape and provider: ms/step and peak GiB."""
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
     fresh_process.write_bars(
+        BENCH,
         report,
         path,
         panels=(("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0)),
-        labels=[_label(s) for s in report.shapes],
-        title=f"fuselm bench {NAME}, {dtype}, {report.metadata.get('device')}",
+        title="",
         width_per_shape=2.4,
     )
 
 
-def write_report(report: StepReport, out_dir: str | Path) -> dict[str, Path]:
+def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``grpo_step.md``, ``.json`` and ``.png`` into ``out_dir``; return their paths."""
-    return fresh_process.write_report_files(
+    return fresh_process.write_report(
         NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
     )
 
@@ -530,38 +369,22 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
     ``fuselm.bench.arguments.UsageError``."""
     from .arguments import UsageError
-    from .linear_log_probs import _peer_versions
+    from .linear_log_probs import peer_versions
 
-    c = fresh_process.start_cli(
-        args, argv, name=NAME, providers=PROVIDERS, plans=(GPU_PLAN, CPU_PLAN), ndim=3
-    )
+    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN))
     for b, p, c_ in c.shapes:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")
-    c.metadata.update({k: v for k, v in _peer_versions().items() if k == "trl"})
+    c.metadata.update({k: v for k, v in peer_versions().items() if k == "trl"})
     if c.device.type != "cuda":
         print("No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results.")
-    print(
-        f"{NAME}: {len(c.shapes)} shapes x {len(c.providers)} providers, {c.warmup} warmup + {c.steps} timed "
-        "steps, one fresh process each",
-        flush=True,
+    report = fresh_process.run_cli(
+        BENCH, c, markdown=markdown, write=write_report, progress=False, write_each_row=True
     )
-    report = run(
-        plan=c.plan,
-        shapes=c.shapes,
-        providers=c.providers,
-        dtype=c.dtype,
-        device=c.device,
-        warmup=c.warmup,
-        steps=c.steps,
-        metadata=c.metadata,
-        on_row=lambda r: write_report(r, c.out_dir),
-    )
-    print_written(markdown(report), write_report(report, c.out_dir))
     print()
     print(markdown_table(report))
-    return 0 if any(r.status == "ok" for r in report.rows) else 1
+    return fresh_process.exit_code(report)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm.bench.grpo_step --worker ...
-    sys.exit(worker_main(sys.argv[1:]))
+    sys.exit(fresh_process.worker_main(BENCH, sys.argv[1:]))

@@ -111,12 +111,14 @@ def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | Non
     return setup
 
 
-def import_peer(device: torch.device, module: str, name: str, package: str = "liger_kernel") -> Any:
-    """``module.name`` of a peer that runs on CUDA only; :class:`SkipProvider` with the reason on a CPU or
-    when it cannot be imported (any exception)."""
+def import_peer(
+    device: torch.device, module: str, name: str, package: str = "liger_kernel", *, cuda: bool = True
+) -> Any:
+    """``module.name`` of a peer (that runs on CUDA only, unless ``cuda`` is False); :class:`SkipProvider`
+    with the reason on a CPU or when it cannot be imported (any exception)."""
     import importlib
 
-    if device.type != "cuda":
+    if cuda and device.type != "cuda":
         raise SkipProvider("needs CUDA")
     try:
         return getattr(importlib.import_module(module), name)
@@ -472,7 +474,7 @@ def _measure(
         try:
             graph = capture_graph(call, device)
         except Exception as e:  # noqa: BLE001 - e.g. a host sync in the call: keep the eager time
-            row.note = f"eager time: graph capture failed ({_error_text(e)})"
+            row.note = f"eager time: graph capture failed ({error_text(e)})"
         else:
             row.ms = time_ms(graph.replay, device, quick=quick)
             del graph
@@ -505,12 +507,14 @@ def derive_bwd(
     return _finish(row, cost, ceilings)
 
 
-def _error_text(e: BaseException) -> str:
+def error_text(e: BaseException, limit: int = 120) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters of message (OOM: its first two
+    sentences, "CUDA out of memory. Tried to allocate X GiB.")."""
     text = " ".join(str(e).split())
-    if isinstance(e, torch.cuda.OutOfMemoryError):  # keep "CUDA out of memory. Tried to allocate X GiB."
+    if isinstance(e, torch.cuda.OutOfMemoryError):
         text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
-    if len(text) > 120:
-        text = text[:117] + "..."
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -566,8 +570,8 @@ def run_suite(
             log(f"skipping provider {name}: {e}")
             continue
         except Exception as e:  # noqa: BLE001
-            report.skipped[name] = f"setup failed: {_error_text(e)}"
-            log(f"skipping provider {name}: setup failed: {_error_text(e)}")
+            report.skipped[name] = f"setup failed: {error_text(e)}"
+            log(f"skipping provider {name}: setup failed: {error_text(e)}")
             continue
         active.append(p)
     free_memory(device)
@@ -583,7 +587,7 @@ def run_suite(
         except SkipProvider as e:
             row = Row(shape=shape, provider=provider.name, mode=mode, error=f"skipped: {e}")
         except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
-            row = Row(shape=shape, provider=provider.name, mode=mode, error=_error_text(e))
+            row = Row(shape=shape, provider=provider.name, mode=mode, error=error_text(e))
         free_memory(device)
         raw[(shape, provider.name, mode)] = _finish(row, suite.cost(shape, mode, dtype), ceilings)
     bar.close()

@@ -72,10 +72,11 @@ from .harness import (
     Shape,
     SkipProvider,
     Suite,
-    _error_text,
     _finish,
+    error_text,
     free_memory,
     fresh_bytes,
+    import_peer,
     measure_ceilings,
     peak_extra_bytes,
     sync,
@@ -157,10 +158,9 @@ def allgather_logits_loss(
 
 def setup_fuselm_split(device: torch.device) -> Callable[[Inputs], Any]:
     """fuselm.distributed.linear_cross_entropy on this rank's rows (the split passed: no size exchange)."""
-    try:
-        from fuselm.distributed import linear_cross_entropy as split_lce
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"fuselm.distributed not importable ({type(e).__name__}: {e})") from None
+    split_lce = import_peer(
+        device, "fuselm.distributed", "linear_cross_entropy", "fuselm.distributed", cuda=False
+    )
     return lambda x: split_lce(*lce._args(x), vocab_sizes=x["vocab_sizes"], memory="auto")
 
 
@@ -316,9 +316,9 @@ def _run_case(case: Case, plan: Plan, device: torch.device, rank: int, path: Pat
     except SkipProvider as e:
         record.update(status="skipped", error=str(e))
     except torch.cuda.OutOfMemoryError as e:
-        record.update(status="oom", error=_error_text(e))
+        record.update(status="oom", error=error_text(e))
     except Exception as e:  # noqa: BLE001 - reported in the row; the group goes on
-        record.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-3000:])
+        record.update(status="error", error=error_text(e), traceback=traceback.format_exc()[-3000:])
     if record["status"] != "ok":  # said now, in case the other ranks are stuck in a collective
         _append(path, {**record, "final": False})
     free_memory(device)
@@ -699,26 +699,20 @@ def run_cli(args, argv: list[str]) -> int:
     (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
     Raises ``fuselm.bench.arguments.UsageError`` for bad values.
     """
-    from .arguments import UsageError, parse_list, parse_shapes, pick_device, warmup_steps_dtype
-    from .report import collect_metadata, device_name, markdown, write_report
-    from .runner import print_written
+    from .arguments import UsageError, pick_device, warmup_steps_dtype
+    from .report import collect_metadata, device_name
+    from .runner import finish, plan_suite
 
     world_size = args.world_size
     suite = make_suite(world_size)
-    providers = (
-        parse_list(args.providers, suite.provider_names, "provider")
-        if args.providers
-        else suite.provider_names
-    )
-    cuda = pick_device(args.device).type == "cuda"
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
     if cuda and torch.cuda.device_count() < world_size:
         raise UsageError(
             f"--world-size {world_size}: needs {world_size} CUDA devices, {torch.cuda.device_count()} visible"
         )
-    device_type = "cuda" if cuda else "cpu"
-    shapes = (
-        parse_shapes(args.shapes, 3) if args.shapes else list(suite.gpu_shapes if cuda else suite.cpu_shapes)
-    )
+    device_type = device.type
+    shapes, providers = plan_suite(suite, args, device)
     for s in shapes:
         if s[2] < world_size:
             raise UsageError(f"shape {shape_label(s)}: V must be at least the world size ({world_size})")
@@ -760,17 +754,10 @@ def run_cli(args, argv: list[str]) -> int:
         device=f"{world_size} x {name}" if cuda else f"{world_size} gloo processes on {name}",
     )
     meta["ranks"] = rank_info
-    extra = extra_markdown(report, world_size, rank_info)
-    out_dir = results_dir(args.out, name if cuda else None)
-    paths = write_report(
+    return finish(
         report,
-        out_dir,
-        extra_markdown=extra,
-        extra_json={
-            "world_size": world_size,
-            "summary": summary(report, world_size),
-        },
+        results_dir(args.out, name if cuda else None),
+        extra_markdown=extra_markdown(report, world_size, rank_info),
+        extra_json={"world_size": world_size, "summary": summary(report, world_size)},
         plot_metrics=("ms", "extra_mib") if cuda else ("ms",),
     )
-    print_written(markdown(report, extra), paths)
-    return 0 if any(r.ms is not None for r in report.rows) else 1

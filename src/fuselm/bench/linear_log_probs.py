@@ -50,15 +50,14 @@ from typing import Any
 
 import torch
 
-from .harness import Ceilings, Cost, Inputs, Provider, Report, Shape, SkipProvider, Suite
-from .linear_cross_entropy import IGNORE_INDEX, RANDOM
+from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, import_peer
+from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
 from .linear_cross_entropy import make_inputs as lce_make_inputs
 
 NAME = "linear_log_probs"
 LOG_PROBS, WITH_ENTROPY = 1, 2
 OUTPUTS = {LOG_PROBS: ("log_probs",), WITH_ENTROPY: ("log_probs", "entropy")}
 OUTPUT_LABELS = {LOG_PROBS: "log_probs", WITH_ENTROPY: "log_probs + entropy"}
-DEFAULT_IGNORE_K = 7
 TRL_CHUNK_SIZE = 32768  # the vocabulary chunk TRL's fused LM head passes (trl.trainer.utils, TRL 1.16)
 ACCURACY_TOKENS = 256
 _REF_SLAB = 16384  # vocabulary rows per fp64 GEMM of the reference
@@ -91,8 +90,7 @@ def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
 def describe(shape: Shape) -> str:
     """(8192, 4096, 128256, 2, 2) -> 'N=8192 H=4096 V=128256, half ignored, log_probs + entropy'."""
     n, h, v, k, outputs = split_shape(shape)
-    ignored = "half" if k == 2 else ("all" if k == 1 else f"1/{k}")
-    return f"N={n} H={h} V={v}, {ignored} ignored, {OUTPUT_LABELS[outputs]}"
+    return f"N={n} H={h} V={v}, {ignored_share(k)} ignored, {OUTPUT_LABELS[outputs]}"
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
@@ -102,12 +100,6 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Input
     n, h, v, k, outputs = split_shape(shape)
     x = lce_make_inputs((n, h, v, RANDOM, k), dtype, device)
     return {**x, "outputs": OUTPUTS[outputs], "case": (n, h, v, k, outputs)}  # type: ignore[dict-item]
-
-
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """FLOPs of the GEMMs over all N rows: fwd 2NHV (logits), bwd 4NHV (dX, dW), full 6NHV."""
-    n, h, v = shape[:3]
-    return Cost(flops=float({"fwd": 2, "bwd": 4, "full": 6}[mode] * n * h * v))
 
 
 # ---- accuracy (recorded on each provider's first call per shape) ----
@@ -221,15 +213,13 @@ def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_trl(device: torch.device) -> Callable[[Inputs], Any]:
     """TRL's ChunkedLogProbFunction on the non-ignored rows, as TRL's fused LM head calls it."""
-    try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
-        raise SkipProvider(f"trl.kernels.chunked_logprob not importable ({type(e).__name__}: {e})") from None
+    trl = "trl.kernels.chunked_logprob"
+    chunked_log_probs = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
 
     def run(x: Inputs) -> Any:
         a, w, t, outputs = _args(x)
         mask = t != IGNORE_INDEX
-        res = ChunkedLogProbFunction.apply(a[mask], w, None, t[mask], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
+        res = chunked_log_probs.apply(a[mask], w, None, t[mask], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
         lp = res[0].new_zeros(t.shape).masked_scatter(mask, res[0])
         if "entropy" not in outputs:
             return (lp,)
@@ -263,16 +253,14 @@ def setup_liger_cute(device: torch.device) -> Callable[[Inputs], Any]:
 
 def setup_liger_fallback(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's portable fallback of the fused scaled cross-entropy (what it runs off SM90)."""
-    try:
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import _FusedLinearPPOFallbackFunction
-    except Exception as e:  # noqa: BLE001
-        raise SkipProvider(f"liger_kernel not importable ({type(e).__name__}: {e})") from None
+    module = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
+    function = import_peer(device, module, "_FusedLinearPPOFallbackFunction", cuda=False)
 
     def run(x: Inputs) -> Any:
         a, w, t, outputs = _args(x)
         entropy = "entropy" in outputs
         # positional: input, weight, target, temperature, ignore_index, return_entropy
-        out = _FusedLinearPPOFallbackFunction.apply(a, w, t, 1.0, IGNORE_INDEX, entropy)
+        out = function.apply(a, w, t, 1.0, IGNORE_INDEX, entropy)
         return (-out[0], out[1]) if entropy else (-out,)
 
     return _with_accuracy("liger_fallback", run)
@@ -380,50 +368,24 @@ def accuracy_rows(report) -> list[dict[str, Any]]:
     return out
 
 
-def _ms(r) -> str:
-    from .report import fmt_num
-
-    if r is None:
-        return "—"
-    if r.ms is None and r.error:
-        return "OOM" if r.error.startswith("OutOfMemoryError") else "error"
-    return fmt_num(r.ms)
-
-
-def _mib(r) -> str:
-    from .report import fmt_num
-
-    return "—" if r is None or r.extra_mib is None else fmt_num(r.extra_mib)
-
-
 def summary_table(report) -> str:
     """One line per (shape, provider): fwd / bwd / fwd+bwd ms, x floor (fwd+bwd), extra MiB (fwd+bwd),
     max abs error of log_probs and entropy vs fp64."""
-    from .report import shape_label
+    from .report import cell, md_table, shape_label
 
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for shape in report.shapes:
-        case = split_shape(shape)
         for p in report.providers:
             if p in report.skipped:
                 continue
-            rows = {m: report.row(shape, p, m) for m in ("fwd", "bwd", "full")}
-
-            full = rows["full"]
-            floor = "—" if full is None or full.x_floor is None else f"{full.x_floor:.2f}"
-            acc = ACCURACY.get((case, p)) or {}
-            cells = [
-                shape_label(shape),
-                p,
-                *(_ms(rows[m]) for m in ("fwd", "bwd", "full")),
-                floor,
-                _mib(full),
-            ]
-            cells += [_sci(acc.get("log_probs")), _sci(acc.get("entropy"))]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            fwd, bwd, full = (report.row(shape, p, m) for m in ("fwd", "bwd", "full"))
+            cells = [shape_label(shape), p, *("—" if r is None else cell(r, "ms") for r in (fwd, bwd, full))]
+            cells += ["—" if full is None else cell(full, col) for col in ("x_floor", "extra_mib")]
+            acc = ACCURACY.get((split_shape(shape), p)) or {}
+            lines.append([*cells, _sci(acc.get("log_probs")), _sci(acc.get("entropy"))])
+    return md_table(head, lines)
 
 
 def extra_markdown(report) -> str:
@@ -443,7 +405,7 @@ def extra_markdown(report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _peer_versions() -> dict[str, str]:
+def peer_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
@@ -469,23 +431,11 @@ def _peer_versions() -> dict[str, str]:
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench linear_log_probs`` with the parsed ``fuselm bench`` arguments; returns the exit code
     (0: something measured, 1: nothing). Raises ``fuselm.bench.arguments.UsageError`` for bad values."""
-    from .arguments import UsageError, parse_dtype, parse_list, pick_device
-    from .harness import MODES
-    from .report import markdown, write_report
-    from .runner import plan_suite, print_written, start
+    from .report import write_report
+    from .runner import finish, start
 
-    dtype = parse_dtype(args.dtype)
-    modes = parse_list(args.modes, MODES, "mode")
-    device = pick_device(args.device)
-    shapes, providers = plan_suite(SUITE, args, device)
-    for s in shapes:
-        try:
-            split_shape(s)
-        except ValueError as e:
-            raise UsageError(f"bad shape {'x'.join(map(str, s))}: {e}") from None
-    session = start(device, args, argv, _peer_versions())
+    session, [(_, shapes, providers)] = start([SUITE], args, argv, peer_versions(), check_shape=split_shape)
     out_dir = session.out_dir
-
     ACCURACY.clear()
 
     def write_partial(report: Report, done: int) -> None:
@@ -493,47 +443,24 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         write_report(report, out_dir, extra_markdown=extra_markdown(report), extra_json=accuracy)
         print(f"{done}/{len(shapes)} shapes done; results so far written to {out_dir}", flush=True)
 
-    report = run_by_shape(
-        shapes=shapes,
-        dtype=dtype,
-        modes=modes,
-        providers=providers,
-        device=device,
-        quick=args.quick,
-        ceilings=session.ceilings,
-        metadata=session.metadata,
-        progress=not args.no_progress,
-        on_shape=write_partial,
-    )
+    report = run_by_shape(session, shapes, providers, on_shape=write_partial)
     _REFERENCE.clear()
-    extra = extra_markdown(report)
-    paths = write_report(
-        report, out_dir, extra_markdown=extra, extra_json={"accuracy": accuracy_rows(report)}
-    )
-    print_written(markdown(report, extra), paths)
+    accuracy = {"accuracy": accuracy_rows(report)}
+    code = finish(report, out_dir, extra_markdown=extra_markdown(report), extra_json=accuracy)
     print()
     print(summary_table(report))
-    return 0 if any(r.ms is not None for r in report.rows) else 1
+    return code
 
 
 def run_by_shape(
-    *,
+    session: Any,
     shapes: Sequence[Shape],
-    dtype: torch.dtype,
-    modes: Sequence[str],
     providers: Sequence[str],
-    device: torch.device,
-    quick: bool,
-    ceilings: Ceilings,
-    metadata: dict[str, Any],
-    progress: bool = True,
     on_shape: Callable[[Report, int], None] | None = None,
 ) -> Report:
-    """:func:`~fuselm.bench.harness.run_suite` one shape at a time, merged into one report; after each shape
-    ``on_shape(report so far, shapes done)`` (the CLI writes the files then: a run stopped part-way keeps
-    the shapes it finished). Each skip reason is printed once."""
-    from .harness import run_suite
-
+    """The suite run in ``session`` (a :class:`fuselm.bench.runner.Session`) one shape at a time, merged into
+    one report; after each shape ``on_shape(report so far, shapes done)`` (the CLI writes the files then: a
+    run stopped part-way keeps the shapes it finished). Each skip reason is printed once."""
     seen: set[str] = set()
 
     def log_once(msg: str) -> None:
@@ -543,19 +470,7 @@ def run_by_shape(
 
     report: Report | None = None
     for i, shape in enumerate(shapes):
-        part = run_suite(
-            SUITE,
-            shapes=[shape],
-            dtype=dtype,
-            modes=modes,
-            providers=providers,
-            device=device,
-            quick=quick,
-            ceilings=ceilings,
-            metadata=metadata,
-            progress=progress,
-            log=log_once,
-        )
+        part = session.run(SUITE, [shape], providers, log=log_once)
         if report is None:
             report = part
         else:

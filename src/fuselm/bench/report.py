@@ -186,7 +186,8 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-def _cell(row: Row, col: str) -> str:
+def cell(row: Row, col: str) -> str:
+    """A row's value of column ``col`` as the tables write it (OOM or error for a failed time)."""
     if col == "ms" and row.ms is None and row.error:
         return "OOM" if row.error.startswith("OutOfMemoryError") else "error"
     value = row.extra_mib if col == "extra_mib" else getattr(row, col)
@@ -200,7 +201,7 @@ def markdown_table(report: Report) -> str:
     cols = list(report.suite.columns)
     any_error = any(r.error or r.note for r in report.rows)
     head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
-    rows = [[shape_label(r.shape), r.provider, r.mode, *(_cell(r, c) for c in cols)] for r in report.rows]
+    rows = [[shape_label(r.shape), r.provider, r.mode, *(cell(r, c) for c in cols)] for r in report.rows]
     if any_error:
         head.append("note")
         for cells, r in zip(rows, report.rows, strict=True):

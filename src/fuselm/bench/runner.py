@@ -1,22 +1,24 @@
 """``fuselm bench <op suite>``: from the parsed command-line arguments to the printed and written reports.
 
 :func:`run_op_suites` runs registered op suites through :func:`~fuselm.bench.harness.run_suite`;
-:func:`plan_suite` and :func:`start` are the steps it shares with a suite that has a runner of its own
-(``linear_log_probs``): the shapes and providers asked for, then the device line, the results folder and
-the card's ceilings measured in this process.
+:func:`start` and :func:`finish` are the steps it shares with the suites that have a runner of their own
+(``linear_log_probs``, the vocabulary-parallel ``linear_cross_entropy``): the options, shapes and providers
+asked for, the device line, the results folder and the card's ceilings measured in this process; then the
+report written and printed.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .arguments import parse_dtype, parse_list, parse_shapes, pick_device, results_dir
-from .harness import MODES, Ceilings, Shape, Suite, measure_ceilings, run_suite
+from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
+from .harness import MODES, Ceilings, Report, Shape, Suite, measure_ceilings, run_suite
 from .report import collect_metadata, markdown, markdown_table, write_report
 
 CPU_NOTICE = (
@@ -27,29 +29,77 @@ CPU_NOTICE = (
 
 @dataclass
 class Session:
-    """Where a run measures and writes: the device, the run's metadata, the results folder, the ceilings."""
+    """Where and how a run measures and writes: the device, ``--dtype``, ``--modes``, ``--quick``, the
+    progress bar, the run's metadata, the results folder, the ceilings."""
 
     device: torch.device
+    dtype: torch.dtype
+    modes: list[str]
+    quick: bool
+    progress: bool
     metadata: dict[str, Any]
     out_dir: Path
     ceilings: Ceilings
 
+    def run(
+        self,
+        suite: Suite,
+        shapes: Sequence[Shape],
+        providers: Sequence[str],
+        log: Callable[[str], None] = print,
+    ) -> Report:
+        """:func:`~fuselm.bench.harness.run_suite` of ``suite`` with this session's options."""
+        return run_suite(
+            suite,
+            shapes=shapes,
+            dtype=self.dtype,
+            modes=self.modes,
+            providers=providers,
+            device=self.device,
+            quick=self.quick,
+            ceilings=self.ceilings,
+            metadata=self.metadata,
+            progress=self.progress,
+            log=log,
+        )
 
-def plan_suite(suite: Suite, args: argparse.Namespace, device: torch.device) -> tuple[list[Shape], list[str]]:
-    """The shapes (``--shapes``, else the suite's GPU or CPU shapes) and providers (``--providers``, else
-    all of the suite's) of a run of ``suite``. Raises ``UsageError``."""
+
+def plan_suite(
+    suite: Suite,
+    args: argparse.Namespace,
+    device: torch.device,
+    check_shape: Callable[[Shape], Any] | None = None,
+) -> tuple[list[Shape], list[str]]:
+    """The shapes (``--shapes``, else the suite's GPU or CPU shapes; each passed to ``check_shape``, whose
+    ``ValueError`` is a bad shape) and providers (``--providers``, else all of the suite's) of a run of
+    ``suite``. Raises ``UsageError``."""
     if args.shapes:
         shapes = parse_shapes(args.shapes, len(suite.shape_dims))
     else:
         shapes = list(suite.gpu_shapes if device.type == "cuda" else suite.cpu_shapes)
     providers = parse_list(args.providers, suite.provider_names, "provider") if args.providers else None
+    for shape in shapes if check_shape is not None else ():
+        try:
+            check_shape(shape)
+        except ValueError as e:
+            raise UsageError(f"bad shape {'x'.join(map(str, shape))}: {e}") from None
     return shapes, providers or suite.provider_names
 
 
 def start(
-    device: torch.device, args: argparse.Namespace, argv: list[str], metadata: dict[str, Any] | None = None
-) -> Session:
-    """Print what runs where (a notice on a CPU), pick the results folder and measure the ceilings."""
+    suites: Sequence[Suite],
+    args: argparse.Namespace,
+    argv: list[str],
+    metadata: dict[str, Any] | None = None,
+    check_shape: Callable[[Shape], Any] | None = None,
+) -> tuple[Session, list[tuple[Suite, list[Shape], list[str]]]]:
+    """The options and each suite's shapes and providers (:func:`plan_suite`; ``UsageError`` for bad values,
+    before anything runs); then print what runs where (a notice on a CPU), pick the results folder and
+    measure the ceilings. Returns the session and ``(suite, shapes, providers)`` per suite."""
+    dtype = parse_dtype(args.dtype)
+    modes = parse_list(args.modes, MODES, "mode")
+    device = pick_device(args.device)
+    plans = [(suite, *plan_suite(suite, args, device, check_shape)) for suite in suites]
     cuda = device.type == "cuda"
     meta = collect_metadata(device, argv)
     meta.update(metadata or {})
@@ -64,7 +114,8 @@ def start(
     copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
     gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
-    return Session(device, meta, out_dir, ceilings)
+    session = Session(device, dtype, modes, args.quick, not args.no_progress, meta, out_dir, ceilings)
+    return session, plans
 
 
 def print_written(text: str, paths: dict[str, Path]) -> None:
@@ -74,31 +125,24 @@ def print_written(text: str, paths: dict[str, Path]) -> None:
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
+def finish(
+    report: Report, out_dir: Path, *, extra_markdown: str = "", text: str | None = None, **options
+) -> int:
+    """Write the report (``extra_markdown`` and ``options`` as :func:`~fuselm.bench.report.write_report`
+    takes them), print ``text`` (default: the whole markdown) and the files; return the exit code: 0, or 1
+    when nothing was measured."""
+    paths = write_report(report, out_dir, extra_markdown=extra_markdown, **options)
+    print_written(markdown(report, extra_markdown) if text is None else text, paths)
+    return 0 if any(r.ms is not None for r in report.rows) else 1
+
+
 def run_op_suites(suites: list[Suite], args: argparse.Namespace, argv: list[str]) -> int:
     """Run each of ``suites`` with the parsed ``fuselm bench`` arguments; write and print the reports.
     Returns the exit code: 0, or 1 when a suite measured nothing. Raises ``UsageError`` for bad values."""
-    dtype = parse_dtype(args.dtype)
-    modes = parse_list(args.modes, MODES, "mode")
-    device = pick_device(args.device)
-    plans = [(suite, *plan_suite(suite, args, device)) for suite in suites]
-    session = start(device, args, argv)
-
+    session, plans = start(suites, args, argv)
     status = 0
     for suite, shapes, providers in plans:
-        report = run_suite(
-            suite,
-            shapes=shapes,
-            dtype=dtype,
-            modes=modes,
-            providers=providers,
-            device=device,
-            quick=args.quick,
-            ceilings=session.ceilings,
-            metadata=session.metadata,
-            progress=not args.no_progress,
-        )
-        paths = write_report(report, session.out_dir)
-        print_written(markdown(report) if len(plans) == 1 else markdown_table(report), paths)
-        if not any(r.ms is not None for r in report.rows):
-            status = 1
+        report = session.run(suite, shapes, providers)
+        text = None if len(plans) == 1 else markdown_table(report)
+        status = max(status, finish(report, session.out_dir, text=text))
     return status
