@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import kernel_device
+from conftest import TRITON_PATH, kernel_device
 
 import fuselm
 from fuselm.nn.norm import LayerNorm, RMSNorm
@@ -122,6 +122,36 @@ def test_rms_norm_module_matches_function(kw, residual, gen):
     sum(o.float().sum() for o in out_m).backward()
     sum(o.float().sum() for o in out_f).backward()
     assert torch.equal(xm.grad, xf.grad) and torch.equal(norm.weight.grad, wf.grad)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_module_in_place(residual, gen):
+    """RMSNorm(in_place=True) is rms_norm(..., in_place=True): same outputs and gradients as the module
+    without it, and on the Triton path the gradient of x is written over the gradient of y."""
+    hidden = 64
+    plain = RMSNorm(hidden, eps=1e-5).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(hidden, generator=gen))
+    in_place = RMSNorm(hidden, eps=1e-5, in_place=True).to(DEVICE, torch.bfloat16)
+    in_place.load_state_dict(plain.state_dict())
+    assert in_place.in_place and not plain.in_place
+    assert "in_place=True" in repr(in_place) and "in_place" not in repr(plain)
+    x = torch.randn(2, 3, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    r = torch.randn(2, 3, hidden, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
+    gos = [torch.randn(x.shape, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(1 + residual)]
+    results = []
+    for norm, grads_out in ((plain, [g.clone() for g in gos]), (in_place, gos)):
+        xl = x.clone().requires_grad_()
+        outs = norm(xl, residual=r)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        results.append((outs, torch.autograd.grad(outs, (xl, norm.weight), grads_out)))
+    (outs_p, grads_p), (outs_i, grads_i) = results
+    for a, b in zip(outs_p + grads_p, outs_i + grads_i, strict=True):
+        assert torch.equal(a, b)
+    if TRITON_PATH:
+        assert grads_i[0].data_ptr() == gos[0].data_ptr()
+    with pytest.raises(ValueError, match="in_place"):
+        RMSNorm(hidden, in_place="yes")
 
 
 @pytest.mark.parametrize("bias", [True, False])
