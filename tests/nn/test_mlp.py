@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import kernel_device
 
-from fuselm.nn.mlp import GeGLUMLP, SwiGLUMLP
+from fuselm.nn.mlp import GeGLUMLP, SwiGLUMLP, gated_mlp
 from fuselm.ops._common.testing import assert_numerics
 
 DEVICE = kernel_device()
@@ -173,6 +173,86 @@ def test_down_proj_with_a_hook_is_called_as_a_module(gen):
     torch.testing.assert_close(hooked[0], plain[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(hooked[1], plain[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---- multipliers (Falcon-H1's mlp_multipliers) ----
+
+
+def multiplied_mlp(activation, gate_multiplier, down_multiplier):
+    """fuselm's gated_mlp with multipliers, and what Hugging Face's FalconH1MLP computes with them:
+    ``down(up(x) * act(gate(x) * g)) * d``, in the module's dtype."""
+
+    def ours(m, x):
+        return gated_mlp(
+            x,
+            m.gate_proj,
+            m.up_proj,
+            m.down_proj,
+            activation,
+            gate_multiplier=gate_multiplier,
+            down_multiplier=down_multiplier,
+        )
+
+    def eager(m, x):
+        gate = F.linear(x, m.gate_proj.weight, m.gate_proj.bias) * gate_multiplier
+        product = F.linear(x, m.up_proj.weight, m.up_proj.bias) * TORCH_ACT[activation](gate)
+        return F.linear(product, m.down_proj.weight, m.down_proj.bias) * down_multiplier
+
+    return ours, eager
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_gated_mlp_multipliers(dtype, activation, gen):
+    """Output, dx and every parameter gradient (biases too: the down multiplier scales the bias) follow
+    the numerics rule against the eager composition with the multipliers; without one of them they would
+    not."""
+    mlp = build(gen, dtype, activation, bias=True)
+    ref = copy.deepcopy(mlp).double()
+    x = torch.randn(2, 7, HIDDEN, generator=gen).to(DEVICE, dtype)
+    dy = torch.randn(2, 7, HIDDEN, generator=gen).to(DEVICE, dtype)
+    ours, eager = multiplied_mlp(activation, 0.7, 1.3)
+    out, grads = fwd_bwd(ours, mlp, x, dy)
+    out_e, grads_e = fwd_bwd(eager, mlp, x, dy)
+    out_r, grads_r = fwd_bwd(eager, ref, x.double(), dy.double())
+    assert out.dtype == dtype
+    assert_numerics("out", out, out_e, out_r, dtype)
+    names = ["x"] + [n for n, _ in mlp.named_parameters()]
+    for n, g, e, r in zip(names, grads, grads_e, grads_r, strict=True):
+        assert_numerics(f"d{n}", g, e, r, dtype)
+    for gate_multiplier, down_multiplier in ((1.0, 1.3), (0.7, 1.0)):
+        dropped, _ = multiplied_mlp(activation, gate_multiplier, down_multiplier)
+        with torch.no_grad():
+            wrong = dropped(mlp, x)
+        with pytest.raises(AssertionError):
+            assert_numerics("out", wrong, out_e, out_r, dtype)
+
+
+def test_unit_multipliers_are_the_plain_mlp(gen):
+    """Multipliers of 1 compute nothing more: the very same bits as without them (other families)."""
+    mlp = build(gen, torch.float32, bias=True)
+    x = torch.randn(3, HIDDEN, generator=gen).to(DEVICE)
+    dy = torch.randn(3, HIDDEN, generator=gen).to(DEVICE)
+    plain = fwd_bwd(lambda m, x: m(x), mlp, x, dy)
+    unit = fwd_bwd(multiplied_mlp("silu", 1.0, 1)[0], mlp, x, dy)
+    assert torch.equal(plain[0], unit[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], unit[1], strict=True))
+
+
+def test_multipliers_save_nothing_more(gen):
+    """With multipliers autograd still keeps x and two [.., I] tensors (the scaled gate in place of the
+    gate projection, and up), nothing else."""
+    mlp = build(gen, torch.float32)
+    x = torch.randn(3, 5, HIDDEN, generator=gen).to(DEVICE).requires_grad_()
+    ours, _ = multiplied_mlp("silu", 0.7, 1.3)
+    params = {p.data_ptr() for p in mlp.parameters()}
+    with recording_saved_tensors() as saved:
+        ours(mlp, x)
+    saved = [t for t in saved if t.data_ptr() not in params]
+    inter = [t for t in saved if t.shape[-1] == INTER]
+    hidden = [t for t in saved if t.shape[-1] == HIDDEN]
+    assert len(inter) == 2 and len(inter) + len(hidden) == len(saved), [t.shape for t in saved]
+    assert {t.data_ptr() for t in hidden} == {x.data_ptr()}
 
 
 # ---- memory: what autograd keeps ----
