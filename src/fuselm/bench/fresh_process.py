@@ -28,7 +28,7 @@ import torch
 
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
 from .harness import SkipProvider, error_text
-from .report import DTYPE_NAMES, collect_metadata, md_table, ratio
+from .report import DTYPE_NAMES, collect_metadata, document, md_table, ratio
 from .runner import print_written
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
@@ -415,27 +415,23 @@ def markdown(
     metadata, date, ``facts``, command, the results ``table``, the ratio table, ``notes``, the providers, the
     skipped ones."""
     m = report.metadata
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    lines = [f"# fuselm bench {bench.name}", "", f"{bench.description}, {dtype} weights.", ""]
-    if report.device_type != "cuda":
-        lines += [cpu_figures, ""]
     found = ", ".join(f"{k} {m[k]}" for k in bench.versions if m.get(k) is not None)
-    lines += [
-        f"- device: {m.get('device')}",
-        f"- versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
-        f"- date: {m.get('date')}",
-        *(f"- {fact}" for fact in facts),
-        f"- command: `{m.get('command')}`",
-        "",
-        table,
-        "",
-        ratio_table(bench, report),
-        "",
+    facts = [
+        f"device: {m.get('device')}",
+        f"versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
+        f"date: {m.get('date')}",
+        *facts,
+        f"command: `{m.get('command')}`",
     ]
-    lines += [f"- {n}" for n in notes]
-    lines += [f"- {p}: {bench.provider_descriptions[p]}" for p in report.providers]
-    lines += [f"- skipped {provider}: {reason}" for provider, reason in report.skipped.items()]
-    return "\n".join(lines) + "\n"
+    return document(
+        bench.name,
+        f"{bench.description}, {DTYPE_NAMES.get(report.dtype, str(report.dtype))} weights.",
+        cpu_figures if report.device_type != "cuda" else None,
+        facts,
+        [table, ratio_table(bench, report)],
+        [*notes, *(f"{p}: {bench.provider_descriptions[p]}" for p in report.providers)],
+        report.skipped,
+    )
 
 
 def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: list[str]) -> dict[str, Any]:

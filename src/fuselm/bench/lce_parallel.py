@@ -508,19 +508,18 @@ def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
     """Per shape: the split against its GEMM floor, the single GPU and the all-gathered logits."""
     out = []
     for shape in report.shapes:
-        split, gather, single = (
-            report.row(shape, p, "full") for p in ("fuselm_split", "allgather_logits", "fuselm_single")
-        )
+        rows = {
+            k: report.row(shape, p, "full")
+            for k, p in (
+                ("split", "fuselm_split"),
+                ("allgather", "allgather_logits"),
+                ("single", "fuselm_single"),
+            )
+        }
         gemm = report.ceilings.gemm_tflops
         floor = lce.cost(shape, "full", report.dtype).flops / world_size
-        ms = {
-            k: None if r is None else r.ms
-            for k, r in (("split", split), ("allgather", gather), ("single", single))
-        }
-        mem = {
-            k: None if r is None else r.extra_bytes
-            for k, r in (("split", split), ("allgather", gather), ("single", single))
-        }
+        ms = {k: None if r is None else r.ms for k, r in rows.items()}
+        mem = {k: None if r is None else r.extra_bytes for k, r in rows.items()}
         out.append(
             {
                 "shape": list(shape),

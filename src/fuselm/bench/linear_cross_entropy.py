@@ -362,16 +362,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """Print the mean softmax of the target for the suite's shapes (or --shapes) on one device."""
     import argparse
 
-    from .arguments import parse_shapes
+    from .arguments import parse_dtype, parse_shapes, pick_device
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--shapes", help="like the CLI's, e.g. 8192x4096x128256x2x7")
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device, dtype = pick_device(args.device), parse_dtype(args.dtype)
+    cuda = device.type == "cuda"
     shapes = parse_shapes(args.shapes) if args.shapes else (SUITE.gpu_shapes if cuda else SUITE.cpu_shapes)
     for shape in shapes:
         torch.manual_seed(0)

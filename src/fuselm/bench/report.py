@@ -237,38 +237,55 @@ def notes(report: Report) -> list[str]:
     return out
 
 
+def document(
+    name: str,
+    intro: str,
+    cpu_figures: str | None,
+    facts: Sequence[str],
+    sections: Sequence[str],
+    notes: Sequence[str],
+    skipped: dict[str, str],
+) -> str:
+    """A markdown report as every suite writes it: title, ``intro``, ``cpu_figures`` (when given), the
+    ``facts`` as a list, each of ``sections``, the ``notes`` and the skipped providers as a list."""
+    lines = [f"# fuselm bench {name}", "", intro, ""]
+    if cpu_figures:
+        lines += [cpu_figures, ""]
+    lines += [*(f"- {fact}" for fact in facts), ""]
+    for section in sections:
+        lines += [section.rstrip("\n"), ""]
+    lines += [f"- {n}" for n in notes]
+    lines += [f"- skipped {provider}: {reason}" for provider, reason in skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: Report, extra: str = "") -> str:
     """The whole markdown report: header with device, versions, commit, date and ceilings; table; ``extra``
     (more sections, markdown); notes."""
     m = report.metadata
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    lines = [f"# fuselm bench {report.suite.name}", "", f"{report.suite.description}, {dtype}.", ""]
-    if m.get("device_type") == "cpu":
-        lines += [
-            "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU.",
-            "",
-        ]
+    cpu = "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU."
     versions = (
         f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
     )
     peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
-    lines += [
-        f"- device: {m.get('device')}",
-        f"- versions: {versions}" + (f"; peers: {peers}" if peers else ""),
-        f"- date: {m.get('date')}",
-        f"- ceilings (measured in this run): {_ceiling_line(report)}",
-        f"- timing: {m.get('timing')}",
-        f"- command: `{m.get('command')}`",
-        "",
-        markdown_table(report),
-        "",
+    facts = [
+        f"device: {m.get('device')}",
+        f"versions: {versions}" + (f"; peers: {peers}" if peers else ""),
+        f"date: {m.get('date')}",
+        f"ceilings (measured in this run): {_ceiling_line(report)}",
+        f"timing: {m.get('timing')}",
+        f"command: `{m.get('command')}`",
     ]
-    if extra:
-        lines += [extra.rstrip("\n"), ""]
-    lines += [f"- {n}" for n in notes(report)]
-    for name, reason in report.skipped.items():
-        lines.append(f"- skipped {name}: {reason}")
-    return "\n".join(lines) + "\n"
+    return document(
+        report.suite.name,
+        f"{report.suite.description}, {dtype}.",
+        cpu if m.get("device_type") == "cpu" else None,
+        facts,
+        [markdown_table(report), *([extra] if extra else [])],
+        notes(report),
+        report.skipped,
+    )
 
 
 def to_json(report: Report) -> dict[str, Any]:
