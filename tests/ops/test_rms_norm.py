@@ -618,6 +618,27 @@ def test_in_place_retained_graph_second_backward(gen):
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+def test_in_place_saves_one_buffer_on_cuda(gen):
+    """On CUDA the option engages (the earlier reference-count design never did there): the backward's
+    peak allocation is one [N, H] buffer lower."""
+    n_rows, hidden = 4096, 4096
+    x, _, w = make_inputs(gen, (n_rows,), hidden, torch.bfloat16)
+    peaks = {}
+    for in_place in (False, True):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = rms_norm(xl, wl, in_place=in_place)
+        g = torch.randn_like(y)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        dx, dw = torch.autograd.grad(y, (xl, wl), g)
+        peaks[in_place] = torch.cuda.max_memory_allocated() - base
+        assert (dx.data_ptr() == g.data_ptr()) == in_place
+        del y, g, dx, dw, xl, wl
+    assert peaks[False] - peaks[True] >= n_rows * hidden * 2, peaks
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
 def test_in_place_under_torch_compile(backend, gen):
     """Under torch.compile(fullgraph=True) in_place is accepted and ignored (the out-of-place custom op
