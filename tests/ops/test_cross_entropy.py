@@ -102,6 +102,7 @@ def eager_cross_entropy(
     softcap=None,
     return_lse=False,
     inplace_backward=False,
+    token_weights=None,
 ):
     """Eager PyTorch in the dtype of x: F.cross_entropy, plus tanh / logsumexp for what it lacks."""
     n_cols = x.shape[-1]
@@ -110,7 +111,7 @@ def eager_cross_entropy(
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     ce_kw = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
-    if not z_loss and not return_lse:
+    if not z_loss and not return_lse and token_weights is None:
         loss = F.cross_entropy(z, tt, reduction=reduction, **ce_kw)
         return loss.reshape(t.shape) if reduction == "none" else loss
     per_token = F.cross_entropy(z, tt, reduction="none", **ce_kw)
@@ -118,6 +119,8 @@ def eager_cross_entropy(
     valid = tt != ignore_index
     if z_loss:
         per_token = per_token + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if token_weights is not None:  # multiplies each token's loss; the mean's denominator is unchanged
+        per_token = per_token * token_weights.reshape(-1).to(per_token.dtype)
     if reduction == "none":
         loss = per_token.reshape(t.shape)
     elif reduction == "sum":
@@ -136,8 +139,9 @@ def reference64(x, t, **kw):
     """The oracle: cross_entropy_reference on float64 copies."""
     kw = dict(kw)
     kw.pop("inplace_backward", None)
-    if kw.get("weight") is not None:
-        kw["weight"] = kw["weight"].double()
+    for name in ("weight", "token_weights"):
+        if kw.get(name) is not None:
+            kw[name] = kw[name].double()
     return cross_entropy_reference(x.double(), t, **kw)
 
 
@@ -845,3 +849,70 @@ def test_module_return_z_loss(gen):
     ours = module(x, t)
     functional = fuselm.cross_entropy(x, t, weight=w, z_loss=1e-2, return_z_loss=True)
     assert len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(ours, functional, strict=True))
+
+
+# ---- per-token loss weights ----
+
+TOKEN_WEIGHT_CASES = {
+    "mean": dict(),
+    "sum+all": dict(reduction="sum", weight=True, label_smoothing=0.2, z_loss=0.02, softcap=4.0),
+    "none+lse": dict(reduction="none", return_lse=True, label_smoothing=0.1),
+    "mean+inplace": dict(z_loss=0.01, inplace_backward=True),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKEN_WEIGHT_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_token_weights(gen, case, dtype):
+    """token_weights multiply each token's loss and gradient (both plans: gradient in the forward, and
+    recompute); "mean" keeps its denominator. Weights in [0, 2), one exactly 0."""
+    kw = dict(TOKEN_WEIGHT_CASES[case])
+    want_weight = kw.pop("weight", False)
+    x, t, w = make_inputs(gen, LEAD, VOCABS[0], dtype, weight=want_weight)
+    tw = torch.rand(t.shape, generator=gen).to(DEVICE) * 2
+    tw.reshape(-1)[1] = 0.0
+    check_case(case, x, t, dict(kw, weight=w, token_weights=tw), gen)
+
+
+def test_token_weights_of_ones_change_nothing(gen):
+    x, t, _ = make_inputs(gen, LEAD, VOCABS[0], torch.float32)
+    ones = torch.ones(t.shape, device=DEVICE)
+    for reduction in ("mean", "none"):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a = fuselm.cross_entropy(xa, t, reduction=reduction, token_weights=ones)
+        b = fuselm.cross_entropy(xb, t, reduction=reduction)
+        assert torch.equal(a, b)
+        a.sum().backward()
+        b.sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+
+
+def test_token_weights_bad_input(gen):
+    x, t, _ = make_inputs(gen, (2, 3), 50, torch.float32)
+    for bad, message in (
+        (torch.ones(6, device=DEVICE), "token_weights must have the shape of target"),
+        (torch.ones(2, 3, device=DEVICE, dtype=torch.int64), "token_weights must have dtype"),
+        (torch.ones(2, 3, device=DEVICE, requires_grad=True), "token_weights must not require grad"),
+        ([1.0] * 6, "token_weights must be a torch.Tensor"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fuselm.cross_entropy(x, t, token_weights=bad)
+
+
+def test_dft_token_scaling_recipe(gen):
+    """The documented DFT recipe: token_weights = the target's probability computed without a graph
+    (exp of minus the per-token loss) gives mean_i(p_i.detach() * CE_i), checked in float64 by hand."""
+    x, t, _ = make_inputs(gen, (4, 7), 60, torch.float64)
+    with torch.no_grad():
+        p_target = torch.exp(-fuselm.cross_entropy(x, t, reduction="none"))
+    xr = x.clone().requires_grad_()
+    loss = fuselm.cross_entropy(xr, t, token_weights=p_target)
+    x2 = x.reshape(-1, 60).clone().requires_grad_()
+    tt = t.reshape(-1)
+    valid = tt != -100
+    ce = F.cross_entropy(x2, tt, reduction="none")
+    by_hand = (torch.exp(-ce).detach() * ce)[valid].sum() / valid.sum()
+    assert torch.allclose(loss, by_hand, rtol=1e-12, atol=0)
+    loss.backward()
+    by_hand.backward()
+    assert torch.allclose(xr.grad.reshape(-1, 60), x2.grad, rtol=1e-10, atol=1e-14)

@@ -50,6 +50,7 @@ def _eager(
     z_loss=0.0,
     softcap=None,
     return_lse=False,
+    token_weights=None,
 ):
     """Torch eager in the input dtype (what a user writes without fuselm)."""
     logits = F.linear(x, w, linear_bias).reshape(-1, w.shape[0])
@@ -57,13 +58,15 @@ def _eager(
         logits = softcap * torch.tanh(logits / softcap)
     t1 = t.reshape(-1).long()  # F.cross_entropy takes no int32 targets
     kw = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
-    if not z_loss and not return_lse:
+    if not z_loss and not return_lse and token_weights is None:
         loss = F.cross_entropy(logits, t1, reduction=reduction, **kw)
         return loss.reshape(t.shape) if reduction == "none" else loss
     rows = F.cross_entropy(logits, t1, reduction="none", **kw)
     lse = torch.logsumexp(logits, dim=-1)
     valid = t1 != ignore_index
     rows = rows + torch.where(valid, z_loss * lse * lse, 0)
+    if token_weights is not None:  # multiplies each token's loss; the mean's denominator is unchanged
+        rows = rows * token_weights.reshape(-1).to(rows.dtype)
     if reduction == "none":
         loss = rows.reshape(t.shape)
     elif reduction == "sum":
@@ -819,3 +822,24 @@ def test_module_return_z_loss():
     ours = module(x, w, t, b)
     functional = linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, z_loss=1e-2, return_z_loss=True)
     assert len(ours) == 2 and all(torch.equal(a, c) for a, c in zip(ours, functional, strict=True))
+
+
+TOKEN_WEIGHT_CASES = {
+    "mean": dict(),
+    "none+lse": dict(reduction="none", return_lse=True),
+    "sum+all": dict(reduction="sum", label_smoothing=0.1, z_loss=1e-2, softcap=5.0),
+}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("case", list(TOKEN_WEIGHT_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_token_weights(plan, case, dtype):
+    """token_weights multiply each token's loss and gradient, through both plans and both ways (gradient in
+    the forward with ignored rows compacted; recompute), class weights on; "mean" keeps its denominator."""
+    inputs = _inputs(dtype, class_weight=True, ignore=True, seed=7)
+    t = inputs[3]
+    g = torch.Generator().manual_seed(8)
+    tw = (torch.rand(t.shape, generator=g) * 2).to(DEVICE)
+    tw.reshape(-1)[0] = 0.0
+    _compare(dtype, inputs, token_weights=tw, memory=_memory(plan, dtype), **TOKEN_WEIGHT_CASES[case])

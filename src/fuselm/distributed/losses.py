@@ -106,6 +106,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
@@ -126,7 +127,7 @@ def cross_entropy(
         vocab_sizes: every rank's slice size in rank order; by default gathered from the ranks (a small
             all-gather and a host sync per call).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss,
+        ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights, return_lse, return_z_loss,
         inplace_backward, loss_dtype: as in :func:`fuselm.cross_entropy` (a target outside ``[0, V)``
             gives its token a NaN loss and a zero gradient).
 
@@ -151,6 +152,7 @@ def cross_entropy(
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     target = _local("target", target)
     weight = _local("weight", weight)
+    token_weights = _local("token_weights", token_weights)
     local, shard = _vocab_shard("input", input, -1, process_group, vocab_sizes)
     opts = LossOptions.of(
         weight=weight,
@@ -159,8 +161,9 @@ def cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights,
     )
-    opts.check(local, target, shard.n_classes)
+    opts = opts.checked(local, target, shard.n_classes)
     outputs = (return_lse, return_z_loss, loss_dtype)
     return apply_cross_entropy(local, target, opts, inplace_backward, shard, *outputs)
 
@@ -179,6 +182,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     memory: str | int = "auto",
@@ -205,8 +209,8 @@ def linear_cross_entropy(
             all-gather and a host sync per call).
         linear_bias: this rank's ``[V_r]`` (or a DTensor placed like the weight).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss, loss_dtype:
-            as in :func:`fuselm.linear_cross_entropy`.
+        ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights, return_lse, return_z_loss,
+        loss_dtype: as in :func:`fuselm.linear_cross_entropy` (token_weights the same on every rank).
         memory: ``"auto"`` (chunk buffer of 256 MiB; the free-memory query of the single-device function is
             skipped, so that every rank chunks alike), ``"min"`` (temporaries within 8 MiB: chunks of 8 MiB,
             the fused tile plan does not run split) or an int (bytes). The chunk rows follow the largest
@@ -235,6 +239,7 @@ def linear_cross_entropy(
     input = _local("input", input)
     target = _local("target", target)
     weight = _local("weight", weight)
+    token_weights = _local("token_weights", token_weights)
     w_local, shard = _vocab_shard("linear_weight", linear_weight, 0, process_group, vocab_sizes)
     b_local = linear_bias
     if linear_bias is not None and _is_dtensor(linear_bias):
@@ -250,8 +255,9 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights,
     )
-    opts.check(input, target, shard.n_classes)
+    opts = opts.checked(input, target, shard.n_classes)
     widest = max(shard.max_size, 1)
     plan = choose_plan(memory, input.device, widest, input.shape[-1], input.element_size(), one_device=False)
     outputs = (return_lse, return_z_loss, loss_dtype)

@@ -66,8 +66,11 @@ class CrossEntropyLoss(_LossModule):
         )
         self.inplace_backward = inplace_backward
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor):
-        return cross_entropy(input, target, inplace_backward=self.inplace_backward, **self.loss_options())
+    def forward(self, input: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None = None):
+        options = self.loss_options()
+        return cross_entropy(
+            input, target, token_weights=token_weights, inplace_backward=self.inplace_backward, **options
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -114,11 +117,10 @@ class LinearCrossEntropyLoss(_LossModule):
         linear_weight: torch.Tensor,
         target: torch.Tensor,
         linear_bias: torch.Tensor | None = None,
+        token_weights: torch.Tensor | None = None,
     ):
-        options = self.loss_options()
-        return linear_cross_entropy(
-            input, linear_weight, target, linear_bias=linear_bias, memory=self.memory, **options
-        )
+        options = dict(self.loss_options(), linear_bias=linear_bias, token_weights=token_weights)
+        return linear_cross_entropy(input, linear_weight, target, memory=self.memory, **options)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, memory={self.memory!r}"

@@ -18,8 +18,8 @@ from .reference import cross_entropy_reference_of
 
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for [N, C] logits and [N] targets through a row backend (LocalRows, or a vocabulary shard).
-    `weight` is opts.weight, passed beside the options because autograd Functions take tensors at the top
-    level. Two plans:
+    `weight`, `token_weights` are opts.tensors(), passed beside the options because autograd Functions take
+    tensors at the top level. Two plans:
 
     - gradient in forward (reduction mean/sum, no lse output, grad needed): the forward writes
       d loss / d logits (into the logits buffer with inplace_backward); the backward rescales it
@@ -29,8 +29,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, opts, backend, return_lse, inplace_backward, compute_grad):
-        opts = opts.with_weight(weight)
+    def forward(
+        ctx, logits, target, weight, token_weights, opts, backend, return_lse, inplace_backward, compute_grad
+    ):
+        opts = opts.with_tensors(weight, token_weights)
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = compute_grad and opts.reduction != "none" and not return_lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
@@ -40,10 +42,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         if grad_in_forward:
             ctx.save_for_backward(grad)
         else:
-            ctx.save_for_backward(logits, target, weight, *scales, lse)
+            ctx.save_for_backward(logits, target, weight, token_weights, *scales, lse)
         ctx.grad_in_forward = grad_in_forward
         ctx.inplace = inplace_backward
-        ctx.opts = opts.with_weight(None)
+        ctx.opts = opts.with_tensors(None, None)
         ctx.backend = backend
         ctx.consumed = False
         return reduce_rows(loss, opts, scales), lse  # fp32; the caller casts to loss_dtype
@@ -62,13 +64,13 @@ class CrossEntropyFunction(torch.autograd.Function):
             (grad,) = ctx.saved_tensors
             scale_grad_(grad, dloss.float().reshape(1))
         else:
-            logits, target, weight, weight_sum, grad_scale, lse = ctx.saved_tensors
+            logits, target, weight, token_weights, weight_sum, grad_scale, lse = ctx.saved_tensors
             dloss = dloss.float().reshape(-1).contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            opts = ctx.opts.with_weight(weight)
+            opts = ctx.opts.with_tensors(weight, token_weights)
             scales = LossScales(weight_sum, grad_scale)
             grad = ctx.backend.backward(logits, target, opts, scales, dloss, dlse, lse, ctx.inplace)
-        return grad, *([None] * 7)
+        return grad, *([None] * 8)
 
 
 def cross_entropy(
@@ -81,6 +83,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
@@ -109,6 +112,12 @@ def cross_entropy(
         label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM).
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        token_weights: optional per-token loss weights of the target's shape (any float dtype, no
+            gradient): each token's loss and gradient are multiplied by its weight; ``"mean"`` keeps its
+            denominator (the count of non-ignored tokens, or the sum of their class weights), so the weights
+            scale tokens without renormalizing. DFT-style token scaling (each token weighted by the detached
+            probability of its target) is ``token_weights=p_target`` computed without a graph: see the
+            README of ops/cross_entropy.
         return_lse: also return ``lse`` (float32, shape ``input.shape[:-1]``), differentiable.
         return_z_loss: also return the z-loss part of the loss (``z_loss * lse**2`` summed over the
             non-ignored tokens and reduced as the loss; with class weights, "mean" divides it by the sum of
@@ -146,8 +155,9 @@ def cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights,
     )
-    opts.check(input, target, n_cols)
+    opts = opts.checked(input, target, n_cols)
     if input.dtype == torch.float64 or not use_triton(input):
         return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
     outputs = (return_lse, return_z_loss, loss_dtype)
@@ -163,8 +173,8 @@ def apply_cross_entropy(
     loss, lse = CrossEntropyFunction.apply(
         rows_view(input),
         t1,
-        opts.weight,
-        opts.with_weight(None),
+        *opts.tensors(),
+        opts.with_tensors(None, None),
         backend,
         return_lse,
         inplace_backward,

@@ -24,6 +24,7 @@ def cross_entropy_reference(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     loss_dtype: torch.dtype | None = None,
@@ -46,6 +47,7 @@ def cross_entropy_reference(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights.reshape(-1) if token_weights is not None else None,
     )
     return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
 

@@ -22,12 +22,13 @@ def chunk_rows_for(budget: int, n_cols: int, hidden: int, itemsize: int) -> int:
     return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
 
 
-def _chunk(x, target, rows, s, e):
-    """Rows s:e of the work list: a slice, or a gather when ignored rows were compacted out."""
+def _chunk(x, target, opts, rows, s, e):
+    """Rows s:e of the work list (their x, target, options and row indices): a slice, or a gather when
+    ignored rows were compacted out."""
     if rows is None:
-        return x[s:e], target[s:e], None
+        return x[s:e], target[s:e], opts.for_rows(slice(s, e)), None
     idx = rows[s:e]
-    return x.index_select(0, idx), target.index_select(0, idx), idx
+    return x.index_select(0, idx), target.index_select(0, idx), opts.for_rows(idx), idx
 
 
 def _logits_into(buf, xc, w, b):
@@ -87,11 +88,11 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
     buf = torch.empty((c, w.shape[0]), dtype=x.dtype, device=x.device)  # the only [C, V] tensor
     for s in range(0, n, c):
         e = min(s + c, n)
-        xc, tc, idx = _chunk(x, target, rows, s, e)
+        xc, tc, opts_c, idx = _chunk(x, target, opts, rows, s, e)
         logits = _logits_into(buf[: e - s], xc, w, b)
         # with the gradient, the backend overwrites the logits with G
         loss[s:e], lse[s:e], _ = backend.forward(
-            logits, tc, opts, scales, "inplace" if compute_grad else None
+            logits, tc, opts_c, scales, "inplace" if compute_grad else None
         )
         if compute_grad:
             _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db, s == 0)
@@ -112,11 +113,11 @@ def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, ls
     buf = torch.empty((c, w.shape[0]), dtype=x.dtype, device=x.device)
     for s in range(0, n, c):
         e = min(s + c, n)
-        xc, tc, idx = _chunk(x, target, rows, s, e)
+        xc, tc, opts_c, idx = _chunk(x, target, opts, rows, s, e)
         logits = _logits_into(buf[: e - s], xc, w, b)
         dloss_c = dloss[s:e] if per_row else dloss
         dlse_c = dlse[s:e] if dlse is not None else None
-        backend.backward(logits, tc, opts, scales, dloss_c, dlse_c, lse[s:e], True)
+        backend.backward(logits, tc, opts_c, scales, dloss_c, dlse_c, lse[s:e], True)
         _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db, s == 0)
     if dx is not None:
         backend.reduce_input_grad_(dx)

@@ -101,8 +101,8 @@ def fused_stats(x, w, b, target, rows, opts: LossOptions):
 def row_terms(lse, z_t, smooth_dot, target_rows, opts: LossOptions, scales: LossScales, dloss, dlse, n_cols):
     """Per work row: the loss (fp32 [n]; None when z_t is None) and the gradient coefficients
     coef [4, n] = (lse, p_coef, t_coef, s_coef) of d loss / d z = softmax * p_coef - onehot * t_coef -
-    w * s_coef, scaled by grad_scale * dloss (plus dlse on p_coef): the family's per-row math
-    (ops/_common/loss/reference.py)."""
+    w * s_coef, scaled by grad_scale * dloss (and the token weights; plus dlse on p_coef): the family's
+    per-row math (ops/_common/loss/reference.py). opts: those of the work rows."""
     loss = None
     if z_t is not None:
         loss = loss_from_stats(lse, z_t, smooth_dot, target_rows, n_cols, opts)
@@ -182,7 +182,8 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
     else:
         lse, z_t, smooth_dot = fused_stats(x, w, b, target, rows, opts)
         one = torch.ones(1, dtype=torch.float32, device=x.device)
-        loss, coef = row_terms(lse, z_t, smooth_dot, target_rows, opts, scales, one, None, w.shape[0])
+        work_opts = opts.for_rows(rows) if rows is not None else opts
+        loss, coef = row_terms(lse, z_t, smooth_dot, target_rows, work_opts, scales, one, None, w.shape[0])
     if not compute_grad:
         return loss, lse, None, None, None
     return loss, lse, *fused_tile_grads(x, w, b, target, rows, coef, opts, needs)
@@ -191,5 +192,6 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
 def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
     """The fused plan's recompute backward, with the contract of chunked.backward."""
     _, target_rows = _work_rows(target, rows)
-    _, coef = row_terms(lse, None, None, target_rows, opts, scales, dloss, dlse, w.shape[0])
+    work_opts = opts.for_rows(rows) if rows is not None else opts
+    _, coef = row_terms(lse, None, None, target_rows, work_opts, scales, dloss, dlse, w.shape[0])
     return fused_tile_grads(x, w, b, target, rows, coef, opts, needs)

@@ -18,8 +18,8 @@ from .reference import linear_cross_entropy_reference_of
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd for x [N, H], w [V, H], b [V] or None, target [N], through a plan and a row backend
-    (LocalRows, or a vocabulary shard whose rows w, b are). `weight` is opts.weight (tensors go at the top
-    level). Two ways:
+    (LocalRows, or a vocabulary shard whose rows w, b are). `weight`, `token_weights` are opts.tensors()
+    (tensors go at the top level). Two ways:
 
     - gradient in forward (reduction mean/sum, no lse output, some gradient needed): the forward
       computes dX, dW, db of the loss; the backward multiplies them by grad_output in place (the
@@ -31,9 +31,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, rows, opts, plan, backend, return_lse, needs):
+    def forward(ctx, x, w, b, target, weight, token_weights, rows, opts, plan, backend, return_lse, needs):
         n = x.shape[0]
-        opts = opts.with_weight(weight)
+        opts = opts.with_tensors(weight, token_weights)
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = any(needs) and opts.reduction != "none" and not return_lse
         loss, lse, dx, dw, db = run_forward(
@@ -43,13 +43,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.grad_in_forward = grad_in_forward
         ctx.needs = needs
-        ctx.opts = opts.with_weight(None)
+        ctx.opts = opts.with_tensors(None, None)
         ctx.bias_dtype = b.dtype if b is not None else None
         ctx.consumed = False
         if grad_in_forward:
             ctx.save_for_backward(dx, dw, db)
         else:
-            ctx.save_for_backward(x, w, b, target, weight, *scales, lse, rows)
+            ctx.save_for_backward(x, w, b, target, weight, token_weights, *scales, lse, rows)
         if not return_lse:
             ctx.mark_non_differentiable(lse)
         if opts.reduction == "none" and rows is not None:
@@ -75,20 +75,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if db is not None:
                 db = scale_keeping_zeros(db, dl)  # [V], kept in fp32 until here
         else:
-            x, w, b, target, weight, weight_sum, grad_scale, lse, rows = ctx.saved_tensors
+            x, w, b, target, weight, token_weights, weight_sum, grad_scale, lse, rows = ctx.saved_tensors
             dloss = dloss.float().reshape(-1)
             if dloss.numel() != 1 and rows is not None:
                 dloss = dloss.index_select(0, rows)
             dloss = dloss.contiguous()
             dlse = dlse.float().reshape(-1).contiguous() if dlse is not None else None
-            opts = ctx.opts.with_weight(weight)
+            opts = ctx.opts.with_tensors(weight, token_weights)
             scales = LossScales(weight_sum, grad_scale)
             dx, dw, db = run_backward(
                 ctx.plan, x, w, b, target, rows, opts, scales, ctx.backend, dloss, dlse, lse, ctx.needs
             )
         if db is not None:
             db = db.to(ctx.bias_dtype)
-        return dx, dw, db, *([None] * 8)
+        return dx, dw, db, *([None] * 9)
 
 
 def linear_cross_entropy(
@@ -103,6 +103,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     memory: str | int = "auto",
@@ -142,6 +143,12 @@ def linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM); ``>= 0``.
         softcap: if set (``> 0``), logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        token_weights: optional per-token loss weights of the target's shape (any float dtype, no
+            gradient): each token's loss and gradient are multiplied by its weight; ``"mean"`` keeps its
+            denominator (the count of non-ignored tokens, or the sum of their class weights), so the weights
+            scale tokens without renormalizing. DFT-style token scaling (each token weighted by the detached
+            probability of its target) is ``token_weights=p_target`` computed without a graph: see the
+            README of ops/cross_entropy.
         return_lse: also return the log-sum-exp of each token's logits (float32, shape
             ``input.shape[:-1]``), differentiable.
         return_z_loss: also return the z-loss part of the loss, detached (as :func:`fuselm.cross_entropy`);
@@ -215,8 +222,9 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights,
     )
-    opts.check(input, target, v)
+    opts = opts.checked(input, target, v)
     validate_memory(memory)
 
     if input.dtype == torch.float64 or not use_triton(input):
@@ -256,9 +264,9 @@ def apply_linear_cross_entropy(
         linear_weight,
         linear_bias,
         t1,
-        opts.weight,
+        *opts.tensors(),
         rows,
-        opts.with_weight(None),
+        opts.with_tensors(None, None),
         plan,
         backend,
         return_lse,

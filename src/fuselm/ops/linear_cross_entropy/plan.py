@@ -45,7 +45,7 @@ def reference_chunk_rows(memory, n_classes: int, hidden: int, itemsize: int) -> 
 
 
 # ---- custom ops: under torch.compile each pass of a plan is one opaque node (no graph break, every row
-# computed, one device). The options travel as (weight, *LossOptions.scalars()). ----
+# computed, one device). The options travel as (*LossOptions.tensors(), *LossOptions.scalars()). ----
 
 
 def _or_empty(t, like):
@@ -59,6 +59,7 @@ def _fwd_op(
     b: torch.Tensor | None,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     plan_name: str,
@@ -76,7 +77,15 @@ def _fwd_op(
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     plan = Plan(plan_name, chunk_rows)
     scales = LossScales(weight_sum, grad_scale)
@@ -89,7 +98,9 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _(x, w, b, target, weight, weight_sum, grad_scale, plan_name, chunk_rows, *scalars_and_flags):
+def _(
+    x, w, b, target, weight, token_weights, weight_sum, grad_scale, plan_name, chunk_rows, *scalars_and_flags
+):
     compute_grad, need_dx, need_dw, need_db = scalars_and_flags[-4:]
     n, v = x.shape[0], w.shape[0]
     loss = x.new_empty(n, dtype=torch.float32)
@@ -106,6 +117,7 @@ def _bwd_op(
     b: torch.Tensor | None,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     dloss: torch.Tensor,
@@ -125,7 +137,15 @@ def _bwd_op(
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     plan = Plan(plan_name, chunk_rows)
     scales = LossScales(weight_sum, grad_scale)
@@ -138,7 +158,9 @@ def _bwd_op(
 
 
 @_bwd_op.register_fake
-def _(x, w, b, target, weight, weight_sum, grad_scale, dloss, dlse, lse, *names_scalars_and_needs):
+def _(
+    x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, *names_scalars_and_needs
+):
     need_dx, need_dw, need_db = names_scalars_and_needs[-3:]
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
@@ -150,7 +172,7 @@ def run_forward(plan: Plan, x, w, b, target, rows, opts, scales, backend, comput
     """The plan's forward: the launchers in eager mode (may compact ignored rows), the custom op under
     torch.compile (one device)."""
     if torch.compiler.is_compiling():
-        flat = (x, w, b, target, opts.weight, *scales, *plan, *opts.scalars())
+        flat = (x, w, b, target, *opts.tensors(), *scales, *plan, *opts.scalars())
         loss, lse, dx, dw, db = _fwd_op(*flat, compute_grad, *needs)
         kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
         return (loss, lse, *kept)
@@ -160,7 +182,7 @@ def run_forward(plan: Plan, x, w, b, target, rows, opts, scales, backend, comput
 def run_backward(plan: Plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
     """The plan's recompute backward, as run_forward."""
     if torch.compiler.is_compiling():
-        flat = (x, w, b, target, opts.weight, *scales, dloss, dlse, lse, *plan, *opts.scalars())
+        flat = (x, w, b, target, *opts.tensors(), *scales, dloss, dlse, lse, *plan, *opts.scalars())
         grads = _bwd_op(*flat, *needs)
         return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
     return PLANS[plan.name].backward(

@@ -49,13 +49,13 @@ def chunk_loss_grad(logits, target, opts: LossOptions, dloss, dlse):
 
 class _LinearCrossEntropyReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, opts, chunk_rows, return_lse):
+    def forward(ctx, x, w, b, target, weight, token_weights, opts, chunk_rows, return_lse):
         with torch.autocast(x.device.type, enabled=False):  # fp32 math whatever autocast says
             cd = _compute_dtype(x.dtype)
             n, v = x.shape[0], w.shape[0]
             wc = w.to(cd)
             bc = b.to(cd) if b is not None else None
-            opts = opts.with_weight(weight)
+            opts = opts.with_tensors(weight, token_weights)
             reduction = opts.reduction
             valid = target != opts.ignore_index
             if weight is not None:
@@ -76,7 +76,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 xc = x[s:e].to(cd)
                 logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)  # [C, V]
                 loss[s:e], lse[s:e], g = chunk_loss_grad(
-                    logits, target[s:e], opts, scale if grad_in_forward else None, None
+                    logits, target[s:e], opts.for_rows(slice(s, e)), scale if grad_in_forward else None, None
                 )
                 if grad_in_forward:
                     dx[s:e] = g @ wc
@@ -86,11 +86,11 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             ctx.grad_in_forward = grad_in_forward
             ctx.device_type = x.device.type
             ctx.dtypes = (x.dtype, w.dtype, b.dtype if b is not None else None)
-            ctx.args = (chunk_rows, opts.with_weight(None), return_lse)
+            ctx.args = (chunk_rows, opts.with_tensors(None, None), return_lse)
             if grad_in_forward:
                 ctx.save_for_backward(dx, dw, db)
             else:
-                ctx.save_for_backward(x, w, b, target, weight, scale)
+                ctx.save_for_backward(x, w, b, target, weight, token_weights, scale)
             if not return_lse:
                 ctx.mark_non_differentiable(lse)
             if reduction == "sum":
@@ -111,8 +111,9 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 x_dtype, w_dtype, b_dtype = ctx.dtypes
                 db = scale_keeping_zeros(db, d).to(b_dtype) if db is not None else None
                 dx, dw = scale_keeping_zeros(dx, d).to(x_dtype), scale_keeping_zeros(dw, d).to(w_dtype)
-                return dx, dw, db, *([None] * 5)
-            x, w, b, target, weight, scale = ctx.saved_tensors
+                return dx, dw, db, *([None] * 6)
+            x, w, b, target, weight, token_weights, scale = ctx.saved_tensors
+            opts = opts.with_tensors(weight, token_weights)
             cd = _compute_dtype(x.dtype)
             n, v = x.shape[0], w.shape[0]
             wc = w.to(cd)
@@ -128,14 +129,14 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 logits = xc @ wc.T if bc is None else torch.addmm(bc, xc, wc.T)
                 coef = dloss[s:e] if opts.reduction == "none" else dloss * scale
                 dlse_c = dlse[s:e] if dlse is not None else None
-                _, _, g = chunk_loss_grad(logits, target[s:e], opts.with_weight(weight), coef, dlse_c)
+                _, _, g = chunk_loss_grad(logits, target[s:e], opts.for_rows(slice(s, e)), coef, dlse_c)
                 dx[s:e] = g @ wc
                 dw += g.T @ xc
                 if db is not None:
                     db += g.sum(0)
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             db = db.to(b_dtype) if db is not None else None
-            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 5)
+            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 6)
 
 
 def linear_cross_entropy_reference(
@@ -150,6 +151,7 @@ def linear_cross_entropy_reference(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
     chunk_rows: int | None = None,
@@ -185,6 +187,7 @@ def linear_cross_entropy_reference(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        token_weights=token_weights.reshape(-1) if token_weights is not None else None,
     )
     outputs = (return_lse, return_z_loss, loss_dtype)
     return linear_cross_entropy_reference_of(
@@ -204,8 +207,8 @@ def linear_cross_entropy_reference_of(
         w,
         b,
         t1,
-        opts.weight,
-        opts.with_weight(None),
+        *opts.tensors(),
+        opts.with_tensors(None, None),
         max(1, int(chunk_rows)),
         return_lse,
     )

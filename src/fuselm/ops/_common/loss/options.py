@@ -15,9 +15,11 @@ class LossOptions(NamedTuple):
 
     Per row with logits x, target t: ``z = transform(x)`` (``softcap * tanh(x * logit_scale / softcap) /
     temperature``; without softcap ``x * logit_scale / temperature``), then the cross-entropy of z with
-    class weights, label smoothing and z-loss (ops/cross_entropy/README.md). ``softcap`` 0 means none,
-    ``weight`` None means ones. Launchers take the object whole; only a torch.library custom op needs it
-    flattened (``weight`` as a tensor argument, then :meth:`scalars`).
+    class weights, label smoothing and z-loss (ops/cross_entropy/README.md), times the token's weight.
+    ``softcap`` 0 means none, ``weight`` (class weights [V]) and ``token_weights`` (one per row [N]) None
+    mean ones. Launchers take the object whole; an autograd Function takes its tensors at the top level
+    (:meth:`tensors`, :meth:`with_tensors`), a torch.library custom op takes them and then
+    :meth:`scalars`.
 
     Example:
         >>> opts = LossOptions.of(label_smoothing=0.1, softcap=None)
@@ -33,6 +35,7 @@ class LossOptions(NamedTuple):
     logit_scale: float = 1.0
     temperature: float = 1.0
     weight: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -46,6 +49,7 @@ class LossOptions(NamedTuple):
         softcap: float | None = None,
         logit_scale: float = 1.0,
         temperature: float = 1.0,
+        token_weights=None,
     ) -> LossOptions:
         """The options, checked (each ValueError names its argument), with Python floats (softcap None ->
         0.0) and a contiguous weight (checked against the input by :meth:`check`)."""
@@ -67,12 +71,16 @@ class LossOptions(NamedTuple):
             float(logit_scale),
             float(temperature),
             weight.contiguous() if isinstance(weight, torch.Tensor) else weight,
+            token_weights,
         )
 
-    def with_weight(self, weight) -> LossOptions:
-        """The same options with these class weights (None: without). Autograd Functions take the weights
-        as a tensor argument of their own and carry the options without them. (Built field by field:
-        NamedTuple._replace does not survive a graph break under torch 2.11's dynamo.)"""
+    def tensors(self) -> tuple:
+        """(weight, token_weights)."""
+        return self.weight, self.token_weights
+
+    def with_tensors(self, weight, token_weights) -> LossOptions:
+        """The same options with these tensors. (Built field by field: NamedTuple._replace does not survive a
+        graph break under torch 2.11's dynamo.)"""
         return LossOptions(
             self.ignore_index,
             self.reduction,
@@ -82,20 +90,31 @@ class LossOptions(NamedTuple):
             self.logit_scale,
             self.temperature,
             weight,
+            token_weights,
         )
 
+    def for_rows(self, rows) -> LossOptions:
+        """The options of some rows (a slice or int64 indices): token_weights follow the rows."""
+        if self.token_weights is None:
+            return self
+        picked = (
+            self.token_weights[rows] if isinstance(rows, slice) else self.token_weights.index_select(0, rows)
+        )
+        return self.with_tensors(self.weight, picked)
+
     def scalars(self) -> tuple:
-        """Every field but ``weight``, in order: the custom ops' flat arguments."""
-        return tuple(self[:-1])
+        """Every field but the tensors, in order: the custom ops' flat arguments."""
+        return tuple(self[:-2])
 
     @property
     def has_smoothing(self) -> bool:
         return self.label_smoothing > 0
 
-    def check(self, input: torch.Tensor, target: object, n_classes: int) -> None:
-        """The checks of target and weight against the input (each ValueError names its argument); under
-        FUSELM_VALIDATE=1 also the target range (a host sync). ``input`` [..., C] gives the device and the
-        target shape ``input.shape[:-1]``."""
+    def checked(self, input: torch.Tensor, target: object, n_classes: int) -> LossOptions:
+        """The options after the checks of target, weight and token_weights against the input (each
+        ValueError names its argument; under FUSELM_VALIDATE=1 also the target range, a host sync), with
+        token_weights as one contiguous row [N]. ``input`` [..., C] gives the device and the target shape
+        ``input.shape[:-1]``."""
         check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
         if tuple(target.shape) != tuple(input.shape[:-1]):
             expected = tuple(input.shape[:-1])
@@ -109,8 +128,22 @@ class LossOptions(NamedTuple):
                 raise ValueError(
                     f"weight must have shape [{n_classes}] (one per class), got {tuple(weight.shape)}"
                 )
+        token_weights = self.token_weights
+        if token_weights is not None:
+            check_tensor(
+                "token_weights", token_weights, dtypes=(*FLOAT_DTYPES, torch.float64), device=input.device
+            )
+            if tuple(token_weights.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"token_weights must have the shape of target {tuple(target.shape)}, "
+                    f"got {tuple(token_weights.shape)}"
+                )
+            if token_weights.requires_grad:
+                raise ValueError("token_weights must not require grad (no gradient flows to them): detach it")
+            token_weights = token_weights.reshape(-1).contiguous()
         if validate_enabled():
             check_target_range(target, n_classes, self.ignore_index)
+        return self.with_tensors(weight, token_weights)
 
 
 class LossScales(NamedTuple):

@@ -9,7 +9,8 @@ coefficient zl and softcap c:
     loss = (1 - eps) * w_t * (lse - z_t) + eps / V * sum_j w_j * (lse - z_j) + zl * lse**2
 
 An ignored target (ignore_index) has loss 0 and gradient 0; a target outside [0, V) that is not ignored
-has a NaN loss and a zero gradient (no host sync, the weights stay finite).
+has a NaN loss and a zero gradient (no host sync, the weights stay finite). Token weights (one per row)
+multiply a row's loss and gradient; they change no denominator.
 """
 
 from __future__ import annotations
@@ -65,15 +66,19 @@ def loss_from_stats(lse, z_target, smooth_dot, target, n_classes: int, opts: Los
         loss = (1 - opts.label_smoothing) * loss + opts.label_smoothing / n_classes * smooth
     if opts.z_loss:
         loss = loss + opts.z_loss * lse * lse
+    if opts.token_weights is not None:
+        loss = loss * opts.token_weights.to(loss.dtype)
     loss = torch.where(ok, loss, torch.zeros_like(loss))
     return torch.where(valid & ~ok, float("nan"), loss)
 
 
 def loss_grad_coefs(lse, target, n_classes: int, opts: LossOptions, scale, dlse=None, weight_sum=None):
     """(p_coef, t_coef, s_coef) per row, each like lse, of d(loss * scale + lse * dlse)/dz = p * p_coef -
-    onehot * t_coef - w * s_coef (scale: a tensor of one or of every row). Zeros (but dlse) on ignored rows
-    and out-of-range targets. weight_sum: sum_j w_j if already known."""
+    onehot * t_coef - w * s_coef, the loss with its token weight (scale: a tensor of one or of every row).
+    Zeros (but dlse) on ignored rows and out-of-range targets. weight_sum: sum_j w_j if already known."""
     _, ok, _, w_t = _target_rows(target, n_classes, opts, lse.dtype)
+    if opts.token_weights is not None:
+        scale = scale * opts.token_weights.to(lse.dtype)
     ls = opts.label_smoothing
     zero = torch.zeros_like(lse)
     if ls > 0:
@@ -94,7 +99,10 @@ def z_loss_rows(lse, target, n_classes: int, opts: LossOptions) -> torch.Tensor:
     """The z-loss term of each row's loss, detached: z_loss * lse**2 where the loss is defined, 0 for an
     ignored target, NaN for one outside [0, n_classes) (as the loss)."""
     valid, ok, _, _ = _target_rows(target, n_classes, opts, lse.dtype)
-    z = torch.where(ok, opts.z_loss * lse.detach() * lse.detach(), 0.0)
+    z = opts.z_loss * lse.detach() * lse.detach()
+    if opts.token_weights is not None:
+        z = z * opts.token_weights.to(z.dtype)
+    z = torch.where(ok, z, 0.0)
     return torch.where(valid & ~ok, float("nan"), z)
 
 

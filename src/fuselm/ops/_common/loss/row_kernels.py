@@ -58,6 +58,7 @@ def cross_entropy_fwd_kernel(
     grad_ptr,
     grad_row_stride,
     grad_scale_ptr,
+    token_weight_ptr,
     loss_ptr,
     lse_ptr,
     n_rows,
@@ -70,6 +71,7 @@ def cross_entropy_fwd_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_TOKEN_WEIGHT: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -141,6 +143,10 @@ def cross_entropy_fwd_kernel(
             HAS_SMOOTHING,
             HAS_Z_LOSS,
         )
+        token_weight = 1.0
+        if HAS_TOKEN_WEIGHT:  # multiplies the loss of a row that has one (ignored rows stay 0, bad ones NaN)
+            token_weight = tl.load(token_weight_ptr + row).to(tl.float32)
+            loss = tl.where(valid & in_range, loss * token_weight, loss)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
 
@@ -149,7 +155,7 @@ def cross_entropy_fwd_kernel(
             # every warp has read z_t before any warp overwrites the row with the gradient (in place):
             # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
             tl.debug_barrier()
-            scale = tl.load(grad_scale_ptr).to(tl.float32)
+            scale = tl.load(grad_scale_ptr).to(tl.float32) * token_weight
             p_coef, target_coef, smooth_coef = loss_grad_coefs(
                 w_t,
                 weight_sum,
@@ -212,6 +218,7 @@ def cross_entropy_bwd_kernel(
     grad_ptr,
     grad_row_stride,
     grad_scale_ptr,
+    token_weight_ptr,
     dloss_ptr,
     dloss_stride,
     dlse_ptr,
@@ -227,6 +234,7 @@ def cross_entropy_bwd_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_TOKEN_WEIGHT: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -240,6 +248,8 @@ def cross_entropy_bwd_kernel(
     ok = (target != ignore_index) & (target >= 0) & (target < n_classes)  # a row with a loss gradient
     lse = tl.load(lse_ptr + row)
     scale = tl.load(grad_scale_ptr).to(tl.float32) * tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+    if HAS_TOKEN_WEIGHT:
+        scale *= tl.load(token_weight_ptr + row).to(tl.float32)
     t_safe = tl.where(ok, target, 0)
     weight_sum = 0.0
     if HAS_WEIGHT:

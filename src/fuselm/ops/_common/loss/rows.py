@@ -46,6 +46,7 @@ def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
         weight_ptr=opts.weight if opts.weight is not None else scales.grad_scale,
         weight_sum_ptr=scales.weight_sum if scales.weight_sum is not None else scales.grad_scale,
         grad_scale_ptr=scales.grad_scale,
+        token_weight_ptr=opts.token_weights if opts.token_weights is not None else scales.grad_scale,
         ignore_index=opts.ignore_index,
         label_smoothing=opts.label_smoothing,
         z_loss=opts.z_loss,
@@ -54,6 +55,7 @@ def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
         HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss != 0,
         HAS_SOFTCAP=opts.softcap > 0,
+        HAS_TOKEN_WEIGHT=opts.token_weights is not None,
     )
 
 
@@ -145,7 +147,7 @@ def _scale_grad_kernel_(grad, dloss):
 
 
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break. The options travel as
-# (weight, *LossOptions.scalars()) and the scales as their two tensors. ----
+# (*LossOptions.tensors(), *LossOptions.scalars()) and the scales as their two tensors. ----
 
 
 @torch.library.custom_op("fuselm::loss_rows_fwd", mutates_args=())
@@ -153,6 +155,7 @@ def _fwd_op(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     ignore_index: int,
@@ -165,7 +168,15 @@ def _fwd_op(
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     grad = torch.empty_like(logits) if compute_grad else None
     loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad)
@@ -173,7 +184,7 @@ def _fwd_op(
 
 
 @_fwd_op.register_fake
-def _(logits, target, weight, weight_sum, grad_scale, *scalars_and_compute_grad):
+def _(logits, target, weight, token_weights, weight_sum, grad_scale, *scalars_and_compute_grad):
     n = logits.shape[0]
     grad = torch.empty_like(logits) if scalars_and_compute_grad[-1] else logits.new_empty(0)
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), grad
@@ -184,6 +195,7 @@ def _fwd_inplace_op(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     ignore_index: int,
@@ -195,7 +207,15 @@ def _fwd_inplace_op(
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     return rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits)
 
@@ -211,6 +231,7 @@ def _bwd_op(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     dloss: torch.Tensor,
@@ -225,7 +246,15 @@ def _bwd_op(
     temperature: float,
 ) -> torch.Tensor:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     scales = LossScales(weight_sum, grad_scale)
     return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, torch.empty_like(logits))
@@ -241,6 +270,7 @@ def _bwd_inplace_op(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor,
     dloss: torch.Tensor,
@@ -255,7 +285,15 @@ def _bwd_inplace_op(
     temperature: float,
 ) -> None:
     opts = LossOptions(
-        ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature, weight
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        logit_scale,
+        temperature,
+        weight,
+        token_weights,
     )
     rows_bwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), dloss, dlse, lse, logits)
 
@@ -289,7 +327,7 @@ class LocalRows:
         """(loss, lse, grad or None) of logits [N, V]; grad None: no gradient, "new": d(sum_i loss_i *
         grad_scale)/d logits in a new tensor, "inplace": written over the logits."""
         if torch.compiler.is_compiling():
-            flat = (logits, target, opts.weight, *scales, *opts.scalars())
+            flat = (logits, target, *opts.tensors(), *scales, *opts.scalars())
             if grad == "inplace":
                 return (*_fwd_inplace_op(*flat), logits)
             loss, lse, g = _fwd_op(*flat, grad is not None)
@@ -303,7 +341,7 @@ class LocalRows:
         """d(sum_i loss_i * grad_scale * dloss_i + lse_i * dlse_i) / d logits, written over the logits when
         inplace."""
         if torch.compiler.is_compiling():
-            flat = (logits, target, opts.weight, *scales, dloss, dlse, lse, *opts.scalars())
+            flat = (logits, target, *opts.tensors(), *scales, dloss, dlse, lse, *opts.scalars())
             if inplace:
                 _bwd_inplace_op(*flat)
                 return logits
