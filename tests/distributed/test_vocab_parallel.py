@@ -60,8 +60,10 @@ CASES = {
     "lce_empty_slice": ("lce", {"bias": True}, "empty"),
     "lce_gathered_sizes": ("lce", {}, "gathered"),
     "lce_dtensor": ("lce", {"bias": True}, "dtensor"),
+    "ce_token_weights_zloss": ("ce", {"token_weights": True, "z_loss": 1e-2}, "uneven"),
+    "lce_token_weights_none": ("lce", {"token_weights": True, "reduction": "none", "bias": True}, "uneven"),
 }
-OPTION_KEYS = ("bias", "bad_target")  # case options that are not function arguments
+OPTION_KEYS = ("bias", "bad_target", "token_weights")  # case options that are not function arguments
 
 
 def split_sizes(world: int, how: str) -> list[int]:
@@ -101,12 +103,17 @@ def case_inputs(name: str, dtype: torch.dtype, device: str):
         if out.get(k) is not None:
             out[k] = out[k].to(device=device, dtype=dtype)
     out["upstream"] = [u.to(dtype).to(device) for u in ups]
+    out["token_weights"] = (
+        (torch.rand(N_SHAPE, generator=g) * 2).to(device) if kw.get("token_weights") else None
+    )
     return out
 
 
 def function_kwargs(kw: dict, inputs: dict) -> dict:
     args = {k: v for k, v in kw.items() if k not in OPTION_KEYS and k != "weight"}
     args["weight"] = inputs["class_weight"]
+    if kw.get("token_weights"):
+        args["token_weights"] = inputs["token_weights"]
     return args
 
 
