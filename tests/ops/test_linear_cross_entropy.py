@@ -339,7 +339,7 @@ def test_some_gradients_needed(monkeypatch, needs, reduction, plan):
         inner = lce_fused.fused_tile_grads
 
         def spy(*args):
-            computed.append(grads_of(*args[-1]))  # needs = (need_dx, need_dw, need_db)
+            computed.append(grads_of(*args[7]))  # needs = (need_dx, need_dw, need_db)
             return inner(*args)
 
         monkeypatch.setattr(lce_fused, "fused_tile_grads", spy)
@@ -843,3 +843,32 @@ def test_token_weights(plan, case, dtype):
     tw = (torch.rand(t.shape, generator=g) * 2).to(DEVICE)
     tw.reshape(-1)[0] = 0.0
     _compare(dtype, inputs, token_weights=tw, memory=_memory(plan, dtype), **TOKEN_WEIGHT_CASES[case])
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_fp32_weight_grad_accumulation(plan):
+    """accum_dtype=torch.float32 sums dW over 8 chunks (or the tiles) in fp32 and rounds once: dW in the weight's
+    dtype, within the numerics rule, no further from float64 than the default (one rounding per chunk)."""
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    inputs = _inputs(dtype, shape=(8, 16), ignore=False, seed=11)
+    memory = _memory(plan, dtype)
+    fp32 = _run(linear_cross_entropy, *inputs, memory=memory, accum_dtype=torch.float32)
+    default = _run(linear_cross_entropy, *inputs, memory=memory)
+    ref = _ref(*inputs)
+    eager = _run(_eager, *inputs)
+    _check(fp32, eager, ref, dtype)
+    assert fp32["dw"].dtype == dtype
+    assert torch.equal(fp32["dx"], default["dx"]) and torch.equal(fp32["loss"], default["loss"])
+
+    def err(a):
+        return (a.double() - ref["dw"]).norm() / ref["dw"].norm()
+
+    assert err(fp32["dw"]) <= err(default["dw"]) * 1.001
+
+
+def test_accum_dtype_bad_value():
+    x, w, b, t, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        linear_cross_entropy(x, w, t, accum_dtype=torch.float16)
+    module = LinearCrossEntropyLoss(accum_dtype=torch.float32)
+    assert torch.equal(module(x, w, t), linear_cross_entropy(x, w, t, accum_dtype=torch.float32))

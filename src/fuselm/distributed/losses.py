@@ -21,7 +21,7 @@ from ..ops._common.guard import (
 from ..ops._common.loss.options import LossOptions
 from ..ops.cross_entropy.op import apply_cross_entropy
 from ..ops.linear_cross_entropy.op import apply_linear_cross_entropy
-from ..ops.linear_cross_entropy.plan import choose_plan
+from ..ops.linear_cross_entropy.plan import choose_plan, fp32_accumulation
 from .shard import VocabShard, gather_sizes
 
 
@@ -186,6 +186,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     return_z_loss: bool = False,
     memory: str | int = "auto",
+    accum_dtype: torch.dtype | None = None,
     loss_dtype: torch.dtype | None = None,
 ):
     """:func:`fuselm.linear_cross_entropy` with ``linear_weight`` split across the ranks of a group along
@@ -210,7 +211,8 @@ def linear_cross_entropy(
         linear_bias: this rank's ``[V_r]`` (or a DTensor placed like the weight).
         weight: class weights ``[V]`` over the whole vocabulary (the same on every rank), or None.
         ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights, return_lse, return_z_loss,
-        loss_dtype: as in :func:`fuselm.linear_cross_entropy` (token_weights the same on every rank).
+        accum_dtype, loss_dtype: as in :func:`fuselm.linear_cross_entropy` (token_weights the same on every
+        rank).
         memory: ``"auto"`` (chunk buffer of 256 MiB; the free-memory query of the single-device function is
             skipped, so that every rank chunks alike), ``"min"`` (temporaries within 8 MiB: chunks of 8 MiB,
             the fused tile plan does not run split) or an int (bytes). The chunk rows follow the largest
@@ -259,6 +261,8 @@ def linear_cross_entropy(
     )
     opts = opts.checked(input, target, shard.n_classes)
     widest = max(shard.max_size, 1)
-    plan = choose_plan(memory, input.device, widest, input.shape[-1], input.element_size(), one_device=False)
+    fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)
+    itemsize = input.element_size()
+    plan = choose_plan(memory, input.device, widest, input.shape[-1], itemsize, False, fp32_weight_grad)
     outputs = (return_lse, return_z_loss, loss_dtype)
     return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, *outputs)

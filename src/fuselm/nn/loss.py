@@ -105,11 +105,13 @@ class LinearCrossEntropyLoss(_LossModule):
         return_lse: bool = False,
         return_z_loss: bool = False,
         memory: str | int = "auto",
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
         )
         self.memory = memory
+        self.accum_dtype = accum_dtype
 
     def forward(
         self,
@@ -120,7 +122,8 @@ class LinearCrossEntropyLoss(_LossModule):
         token_weights: torch.Tensor | None = None,
     ):
         options = dict(self.loss_options(), linear_bias=linear_bias, token_weights=token_weights)
-        return linear_cross_entropy(input, linear_weight, target, memory=self.memory, **options)
+        options.update(memory=self.memory, accum_dtype=self.accum_dtype)
+        return linear_cross_entropy(input, linear_weight, target, **options)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, memory={self.memory!r}"

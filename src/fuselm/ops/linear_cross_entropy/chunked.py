@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._common.fp32_matmul import mm_fp32_into
 from .._common.loss.options import LossOptions, LossScales
 
 CHUNK_ROW_MULTIPLE = 16  # C is a multiple of this (GEMM tiles), and never below it
@@ -46,7 +47,9 @@ def _accumulate_grads(g, xc, w, idx, s, e, dx, dw, db_acc, first):
         else:
             dx.index_copy_(0, idx, torch.mm(g, w))
     if dw is not None:
-        if first:
+        if dw.dtype != g.dtype:  # an fp32 accumulator of 16-bit products: never rounded until the end
+            mm_fp32_into(dw, g.t(), xc, accumulate=not first)
+        elif first:
             torch.mm(g.t(), xc, out=dw)
         else:
             dw.addmm_(g.t(), xc)  # cuBLAS sums in fp32, rounds to dW's dtype once per chunk
@@ -54,9 +57,15 @@ def _accumulate_grads(g, xc, w, idx, s, e, dx, dw, db_acc, first):
         db_acc += g.sum(0, dtype=torch.float32)
 
 
-def new_grads(x, w, n, rows, needs):
+def weight_grad(dw, w):
+    """dW in the weight's dtype: an fp32 accumulator rounded once (then freed), else dw itself."""
+    return dw.to(w.dtype) if dw is not None and dw.dtype != w.dtype else dw
+
+
+def new_grads(x, w, n, rows, needs, fp32_weight_grad=False):
     """(dx, dw, db) to be filled by a plan, None where not needed: dx [N, H] zeroed when only some rows are
-    computed, dw [V, H] zeroed when none is, db [V] fp32 zeros."""
+    computed, dw [V, H] (fp32 with fp32_weight_grad: see finish_weight_grad) zeroed when none is, db [V] fp32
+    zeros."""
     need_dx, need_dw, need_db = needs
     dx = dw = db = None
     if need_dx:
@@ -64,7 +73,8 @@ def new_grads(x, w, n, rows, needs):
         if rows is not None:
             dx.zero_()
     if need_dw:
-        dw = torch.empty_like(w, memory_format=torch.contiguous_format)
+        dtype = torch.float32 if fp32_weight_grad else w.dtype
+        dw = torch.empty(w.shape, dtype=dtype, device=w.device)
         if n == 0:
             dw.zero_()
     if need_db:
@@ -82,9 +92,9 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
     c = max(1, min(plan.chunk_rows, n))
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
-    dx, dw, db = new_grads(x, w, n, rows, needs) if compute_grad else (None, None, None)
+    dx, dw, db = new_grads(x, w, n, rows, needs, plan.fp32_weight_grad) if compute_grad else (None,) * 3
     if n == 0:
-        return loss, lse, dx, dw, db
+        return loss, lse, dx, weight_grad(dw, w), db
     buf = torch.empty((c, w.shape[0]), dtype=x.dtype, device=x.device)  # the only [C, V] tensor
     for s in range(0, n, c):
         e = min(s + c, n)
@@ -98,7 +108,7 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
             _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db, s == 0)
     if dx is not None:
         backend.reduce_input_grad_(dx)
-    return loss, lse, dx, dw, db
+    return loss, lse, dx, weight_grad(dw, w), db
 
 
 def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
@@ -106,9 +116,9 @@ def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, ls
     computed row, dlse [rows] or None) written over them, then the three GEMMs. Returns dx, dw, db (fp32)."""
     n = x.shape[0] if rows is None else rows.shape[0]
     c = max(1, min(plan.chunk_rows, n))
-    dx, dw, db = new_grads(x, w, n, rows, needs)
+    dx, dw, db = new_grads(x, w, n, rows, needs, plan.fp32_weight_grad)
     if n == 0 or not any(needs):
-        return dx, dw, db
+        return dx, weight_grad(dw, w), db
     per_row = dloss.numel() != 1
     buf = torch.empty((c, w.shape[0]), dtype=x.dtype, device=x.device)
     for s in range(0, n, c):
@@ -121,4 +131,4 @@ def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, ls
         _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db, s == 0)
     if dx is not None:
         backend.reduce_input_grad_(dx)
-    return dx, dw, db
+    return dx, weight_grad(dw, w), db

@@ -18,6 +18,7 @@ from .._common.launch import persistent_grid
 from .._common.loss.options import LossOptions, LossScales
 from .._common.loss.reference import loss_from_stats, loss_grad_coefs
 from .._common.loss.rows import LocalRows
+from .chunked import weight_grad
 from .kernels import lce_dx_unscale_kernel, lce_stats_kernel, lce_tile_grad_kernel
 
 # Tile configs (tuned on the H200, see benchmarks/NOTES.md). fp32 inputs take half the H block (the
@@ -125,17 +126,19 @@ def dx_row_scales(coef, w, opts):
     return torch.where(torch.isfinite(scale) & (bound > 0), scale, 1.0).contiguous()
 
 
-def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs):
-    """dx [N, H] (x's dtype; zero on rows not in `rows`), dw [V, H] (w's dtype), db [V] fp32: the
-    gradients of sum_i loss_i as weighted by coef [4, n] (see row_terms); None where not needed."""
+def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32_weight_grad=False):
+    """dx [N, H] (x's dtype; zero on rows not in `rows`), dw [V, H] (w's dtype; atomics into an fp32 buffer
+    with fp32_weight_grad), db [V] fp32: the gradients of sum_i loss_i as weighted by coef [4, n] (see
+    row_terms); None where not needed."""
     need_dx, need_dw, need_db = needs
     n, _ = _work_rows(target, rows)
     v, h = w.shape
     dx = torch.zeros((x.shape[0], h), dtype=x.dtype, device=x.device) if need_dx else None
-    dw = torch.zeros((v, h), dtype=w.dtype, device=w.device) if need_dw else None
+    dw_dtype = torch.float32 if fp32_weight_grad else w.dtype
+    dw = torch.zeros((v, h), dtype=dw_dtype, device=w.device) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=x.device) if need_db else None
     if n == 0 or not (need_dx or need_dw or need_db):
-        return dx, dw, db
+        return dx, weight_grad(dw, w), db
     config = _config(x)
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
     dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
@@ -167,7 +170,7 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs):
             HAS_ROWS=rows is not None,
             BLOCK_H=UNSCALE_BLOCK_H,
         )
-    return dx, dw, db
+    return dx, weight_grad(dw, w), db
 
 
 def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, backend, compute_grad, needs):
@@ -186,7 +189,7 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
         loss, coef = row_terms(lse, z_t, smooth_dot, target_rows, work_opts, scales, one, None, w.shape[0])
     if not compute_grad:
         return loss, lse, None, None, None
-    return loss, lse, *fused_tile_grads(x, w, b, target, rows, coef, opts, needs)
+    return loss, lse, *fused_tile_grads(x, w, b, target, rows, coef, opts, needs, plan.fp32_weight_grad)
 
 
 def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
@@ -194,4 +197,4 @@ def backward(plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, ls
     _, target_rows = _work_rows(target, rows)
     work_opts = opts.for_rows(rows) if rows is not None else opts
     _, coef = row_terms(lse, None, None, target_rows, work_opts, scales, dloss, dlse, w.shape[0])
-    return fused_tile_grads(x, w, b, target, rows, coef, opts, needs)
+    return fused_tile_grads(x, w, b, target, rows, coef, opts, needs, plan.fp32_weight_grad)

@@ -12,7 +12,7 @@ from .._common.loss.compaction import kept_rows
 from .._common.loss.options import LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, scale_grad_
-from .plan import choose_plan, reference_chunk_rows, run_backward, run_forward
+from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
 from .reference import linear_cross_entropy_reference_of
 
 
@@ -107,6 +107,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     return_z_loss: bool = False,
     memory: str | int = "auto",
+    accum_dtype: torch.dtype | None = None,
     loss_dtype: torch.dtype | None = None,
 ):
     """Cross-entropy of a linear layer's output, ``cross_entropy(input @ linear_weight.T + linear_bias,
@@ -226,6 +227,7 @@ def linear_cross_entropy(
     )
     opts = opts.checked(input, target, v)
     validate_memory(memory)
+    fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)
 
     if input.dtype == torch.float64 or not use_triton(input):
         if not return_lse and compaction_allowed(
@@ -236,7 +238,7 @@ def linear_cross_entropy(
         chunk_rows = reference_chunk_rows(memory, v, h, compute_itemsize)
         args = (opts, chunk_rows, return_lse, return_z_loss, loss_dtype)
         return linear_cross_entropy_reference_of(input, linear_weight, target, linear_bias, *args)
-    plan = choose_plan(memory, input.device, v, h, input.element_size(), one_device=True)
+    plan = choose_plan(memory, input.device, v, h, input.element_size(), True, fp32_weight_grad)
     backend = LocalRows(v)
     outputs = (return_lse, return_z_loss, loss_dtype)
     return apply_linear_cross_entropy(

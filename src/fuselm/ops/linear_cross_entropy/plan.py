@@ -20,22 +20,40 @@ PLANS = {"chunked": chunked, "fused": fused}
 
 
 class Plan(NamedTuple):
-    """A plan by name, with the chunk rows of the chunked plan (0 for the fused one)."""
+    """A plan by name, with the chunk rows of the chunked plan (0 for the fused one), and whether the weight
+    gradient is accumulated in an fp32 buffer (rounded to the weight's dtype once, at the end)."""
 
     name: str
     chunk_rows: int = 0
+    fp32_weight_grad: bool = False
 
 
 def choose_plan(
-    memory, device: torch.device, n_classes: int, hidden: int, itemsize: int, one_device: bool
+    memory,
+    device: torch.device,
+    n_classes: int,
+    hidden: int,
+    itemsize: int,
+    one_device: bool,
+    fp32_weight_grad: bool = False,
 ) -> Plan:
     """memory="min" on one device: the fused tile plan; else chunks sized for the
     budget (memory_budget; free memory is asked on one device only, so that the ranks of a vocabulary
-    split chunk alike; `n_classes`: the widest slice of the vocabulary)."""
+    split chunk alike; `n_classes`: the widest slice of the vocabulary). fp32_weight_grad: sum dW in fp32."""
     if memory == "min" and one_device:
-        return Plan("fused")
+        return Plan("fused", 0, fp32_weight_grad)
     budget = memory_budget(memory, device, query_free=one_device)
-    return Plan("chunked", chunked.chunk_rows_for(budget, n_classes, hidden, itemsize))
+    return Plan("chunked", chunked.chunk_rows_for(budget, n_classes, hidden, itemsize), fp32_weight_grad)
+
+
+def fp32_accumulation(accum_dtype, input_dtype: torch.dtype) -> bool:
+    """Does ``accum_dtype`` ask for an fp32 weight-gradient accumulator? None or the input's dtype: no;
+    torch.float32: yes; anything else: ValueError."""
+    if accum_dtype is None or accum_dtype == input_dtype:
+        return False
+    if accum_dtype == torch.float32:
+        return True
+    raise ValueError(f"accum_dtype must be None or torch.float32, got {accum_dtype!r}")
 
 
 def reference_chunk_rows(memory, n_classes: int, hidden: int, itemsize: int) -> int:
@@ -64,6 +82,7 @@ def _fwd_op(
     grad_scale: torch.Tensor,
     plan_name: str,
     chunk_rows: int,
+    fp32_weight_grad: bool,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -87,7 +106,7 @@ def _fwd_op(
         weight,
         token_weights,
     )
-    plan = Plan(plan_name, chunk_rows)
+    plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
     scales = LossScales(weight_sum, grad_scale)
     needs = (need_dx, need_dw, need_db)
     backend = LocalRows(w.shape[0])
@@ -125,6 +144,7 @@ def _bwd_op(
     lse: torch.Tensor,
     plan_name: str,
     chunk_rows: int,
+    fp32_weight_grad: bool,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -147,7 +167,7 @@ def _bwd_op(
         weight,
         token_weights,
     )
-    plan = Plan(plan_name, chunk_rows)
+    plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
     scales = LossScales(weight_sum, grad_scale)
     backend = LocalRows(w.shape[0])
     needs = (need_dx, need_dw, need_db)

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
+from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import FLOAT_DTYPES, check_tensor, linear_operands, rows_view, validate_memory
 from .._common.launch import row_launch
 from .._common.loss.budget import memory_budget
@@ -65,25 +66,6 @@ def _tile(n_cols: int, max_block: int) -> tuple[int, int, int]:
     return block_n, block_v, min(32, max(4, block_n * block_v // 1024))
 
 
-def _logits_fp32_into(buf, xc, w):
-    """buf [C, V] fp32 = xc @ w^T, accumulated and kept in fp32 by cuBLAS (never rounded to 16 bits)."""
-    if xc.dtype == torch.float32:
-        return torch.mm(xc, w.t(), out=buf)
-    if xc.is_cuda:
-        return torch.mm(xc, w.t(), out_dtype=torch.float32, out=buf)
-    return torch.mm(xc.float(), w.float().t(), out=buf)  # CPU (the interpreter): fp32 copies
-
-
-def _addmm_fp32_(acc, g, w_slab):
-    """acc [N, H] fp32 += g @ w_slab, the product summed in fp32 and added without rounding."""
-    if g.dtype == torch.float32:
-        acc.addmm_(g, w_slab)
-    elif g.is_cuda:
-        torch.addmm(acc, g, w_slab, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(g.float(), w_slab.float())
-
-
 def _rows(x, target, rows):
     if rows is None:
         return x, target
@@ -130,7 +112,7 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
     block_n, block_v, num_warps = _tile(vs, FWD_BLOCK)
     for v0 in range(0, v, vs):
         v1 = min(v0 + vs, v)
-        logits = _logits_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1])
+        logits = mm_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1].t())
         linear_log_probs_fwd_kernel[(triton.cdiv(n, block_n),)](
             logits_ptr=logits,
             logits_row_stride=logits.stride(0),
@@ -262,9 +244,9 @@ def linear_log_probs_bwd(
             **_kernel_options(opts),
         )
         if dx is not None:
-            _addmm_fp32_(top, g[:m], w_slab)
+            mm_fp32_into(top, g[:m], w_slab, accumulate=True)
             if m < n:
-                _addmm_fp32_(bottom, g[m:], w_slab)
+                mm_fp32_into(bottom, g[m:], w_slab, accumulate=True)
         if dw is not None:
             torch.mm(g.t(), xk, out=dw[v0:v1])  # fp32 inside cuBLAS, rounded once
         if db is not None:
