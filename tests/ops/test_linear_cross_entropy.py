@@ -847,8 +847,9 @@ def test_token_weights(plan, case, dtype):
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_fp32_weight_grad_accumulation(plan):
-    """accum_dtype=torch.float32 sums dW over 8 chunks (or the tiles) in fp32 and rounds once: dW in the weight's
-    dtype, within the numerics rule, no further from float64 than the default (one rounding per chunk)."""
+    """accum_dtype=torch.float32 sums dW over 8 chunks (or the tiles) in fp32 and rounds once: dW in the
+    weight's dtype, within the numerics rule, no further from float64 than the default (a rounding per
+    chunk)."""
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     inputs = _inputs(dtype, shape=(8, 16), ignore=False, seed=11)
     memory = _memory(plan, dtype)
