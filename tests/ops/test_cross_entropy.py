@@ -916,3 +916,36 @@ def test_dft_token_scaling_recipe(gen):
     loss.backward()
     by_hand.backward()
     assert torch.allclose(xr.grad.reshape(-1, 60), x2.grad, rtol=1e-10, atol=1e-14)
+
+
+# ---- token accuracy and predicted tokens ----
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n_cols", [VOCABS[0], VOCABS[1]])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_token_accuracy_and_predicted_tokens(gen, dtype, n_cols, reduction):
+    """The argmax the kernel finds in its pass over the row (one block or a loop over blocks): the first
+    maximal class as torch.argmax (ties planted), -1 on ignored tokens; the accuracy reduced as the loss
+    without weights; the loss and gradient unchanged by asking."""
+    x, t, w = make_inputs(gen, LEAD, n_cols, dtype, weight=True)
+    x.view(-1, n_cols)[0, 5] = x.view(-1, n_cols)[0, 2] = x.abs().max() + 1  # a tie: class 2 wins
+    kw = dict(weight=w, label_smoothing=0.1, reduction=reduction, softcap=30.0)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, accuracy, predicted = fuselm.cross_entropy(
+        xa, t, return_token_accuracy=True, return_predicted_tokens=True, **kw
+    )
+    plain = fuselm.cross_entropy(xb, t, **kw)
+    assert torch.equal(loss.detach(), plain.detach())
+    loss.sum().backward()
+    plain.sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    valid = t != -100
+    expected = torch.where(valid, x.argmax(dim=-1), -1)
+    assert predicted.dtype == torch.int64 and torch.equal(predicted, expected)
+    assert expected.view(-1)[0] in (2, -1)
+    right = ((expected == t) & valid).float()
+    by_hand = {"mean": right.sum() / valid.sum(), "sum": right.sum(), "none": right}[reduction]
+    assert accuracy.dtype == torch.float32 and torch.equal(accuracy, by_hand)
+    only = fuselm.cross_entropy(x, t, return_token_accuracy=True, **kw)
+    assert len(only) == 2 and torch.equal(only[1], accuracy)

@@ -873,3 +873,29 @@ def test_accum_dtype_bad_value():
         linear_cross_entropy(x, w, t, accum_dtype=torch.float16)
     module = LinearCrossEntropyLoss(accum_dtype=torch.float32)
     assert torch.equal(module(x, w, t), linear_cross_entropy(x, w, t, accum_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("memory", [1, "min", "auto"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_token_accuracy_and_predicted_tokens(memory, reduction):
+    """The argmax of each token's logits (from the row kernel in each chunk's pass; "min" runs 8 MiB chunks
+    for it), -1 on ignored tokens (compacted out); the accuracy; loss and gradients unchanged by asking."""
+    x, w, b, t, cw = _inputs(torch.float32, class_weight=True, ignore=True, seed=5)
+    kw = dict(linear_bias=b, weight=cw, reduction=reduction, memory=memory)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, accuracy, predicted = linear_cross_entropy(
+        xa, w, t, return_token_accuracy=True, return_predicted_tokens=True, **kw
+    )
+    same_plan = dict(
+        kw, memory=8 * 2**20 if memory == "min" else memory
+    )  # "min" with the argmax: 8 MiB chunks
+    plain = linear_cross_entropy(xb, w, t, **same_plan)
+    assert torch.equal(loss.detach(), plain.detach())
+    loss.sum().backward()
+    plain.sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    valid = t != -100
+    expected = torch.where(valid, (x.double() @ w.double().T + b.double()).argmax(-1), -1)
+    assert predicted.shape == t.shape and torch.equal(predicted, expected)
+    right = ((expected == t) & valid).float()
+    assert torch.equal(accuracy, right.sum() / valid.sum() if reduction == "mean" else right)

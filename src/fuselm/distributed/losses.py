@@ -18,7 +18,7 @@ from ..ops._common.guard import (
     resolve_loss_dtype,
     validate_memory,
 )
-from ..ops._common.loss.options import LossOptions
+from ..ops._common.loss.options import Extras, LossOptions
 from ..ops.cross_entropy.op import apply_cross_entropy
 from ..ops.linear_cross_entropy.op import apply_linear_cross_entropy
 from ..ops.linear_cross_entropy.plan import choose_plan, fp32_accumulation
@@ -164,8 +164,8 @@ def cross_entropy(
         token_weights=token_weights,
     )
     opts = opts.checked(local, target, shard.n_classes)
-    outputs = (return_lse, return_z_loss, loss_dtype)
-    return apply_cross_entropy(local, target, opts, inplace_backward, shard, *outputs)
+    extras = Extras(return_lse, return_z_loss)
+    return apply_cross_entropy(local, target, opts, inplace_backward, shard, extras, loss_dtype)
 
 
 def linear_cross_entropy(
@@ -264,5 +264,5 @@ def linear_cross_entropy(
     fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)
     itemsize = input.element_size()
     plan = choose_plan(memory, input.device, widest, input.shape[-1], itemsize, False, fp32_weight_grad)
-    outputs = (return_lse, return_z_loss, loss_dtype)
-    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, *outputs)
+    extras = Extras(return_lse, return_z_loss)
+    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, extras, loss_dtype)

@@ -141,9 +141,14 @@ class VocabShard:
         every = every.view(world, *local.shape)
         return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0), every[:, 2].sum(0)
 
-    def forward(self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None):
+    def forward(
+        self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None, predicted=None
+    ):
         """The row-backend forward (ops/_common/loss/rows.py) of this rank's slice: global statistics, the
-        loss, and with `grad` ("new" or "inplace") the gradient of the slice from the global lse."""
+        loss, and with `grad` ("new" or "inplace") the gradient of the slice from the global lse. No
+        predicted tokens: the global argmax would need every slice's maximum (the split losses do not
+        offer them)."""
+        assert predicted is None, "a vocabulary shard does not compute predicted tokens"
         lse, z_target, smooth_dot = self.global_stats(logits, target, opts)
         loss = loss_from_stats(lse, z_target, smooth_dot, target, self.n_classes, opts)
         g = None

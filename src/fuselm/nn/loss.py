@@ -11,31 +11,27 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 class _LossModule(torch.nn.Module):
     """The options every loss module of the family holds (class weights as a buffer)."""
 
-    def __init__(
-        self, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
-    ) -> None:
+    OPTIONS = (
+        "ignore_index",
+        "reduction",
+        "label_smoothing",
+        "z_loss",
+        "softcap",
+        "return_lse",
+        "return_z_loss",
+        "return_token_accuracy",
+        "return_predicted_tokens",
+    )
+
+    def __init__(self, weight, **options) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.return_lse = return_lse
-        self.return_z_loss = return_z_loss
+        for name in self.OPTIONS:
+            setattr(self, name, options[name])
 
     def loss_options(self) -> dict:
         """The keyword arguments of the functional loss that this module holds."""
-        return dict(
-            weight=self.weight,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            softcap=self.softcap,
-            return_lse=self.return_lse,
-            return_z_loss=self.return_z_loss,
-        )
+        return dict(weight=self.weight, **{name: getattr(self, name) for name in self.OPTIONS})
 
 
 class CrossEntropyLoss(_LossModule):
@@ -59,11 +55,12 @@ class CrossEntropyLoss(_LossModule):
         softcap: float | None = None,
         return_lse: bool = False,
         return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
         inplace_backward: bool = False,
     ) -> None:
-        super().__init__(
-            weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
-        )
+        options = {name: value for name, value in locals().items() if name in self.OPTIONS}
+        super().__init__(weight, **options)
         self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None = None):
@@ -104,12 +101,13 @@ class LinearCrossEntropyLoss(_LossModule):
         softcap: float | None = None,
         return_lse: bool = False,
         return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
         memory: str | int = "auto",
         accum_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(
-            weight, ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, return_z_loss
-        )
+        options = {name: value for name, value in locals().items() if name in self.OPTIONS}
+        super().__init__(weight, **options)
         self.memory = memory
         self.accum_dtype = accum_dtype
 

@@ -10,7 +10,7 @@ import torch
 
 from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
-from .._common.loss.options import LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
 from .._common.loss.reference import z_loss_rows
 from .._common.loss.rows import LocalRows, scale_grad_
 from .reference import cross_entropy_reference_of
@@ -30,13 +30,18 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits, target, weight, token_weights, opts, backend, return_lse, inplace_backward, compute_grad
+        ctx, logits, target, weight, token_weights, opts, backend, extras, inplace_backward, compute_grad
     ):
         opts = opts.with_tensors(weight, token_weights)
         scales = loss_scales(target, opts, backend.n_classes)
-        grad_in_forward = compute_grad and opts.reduction != "none" and not return_lse
+        grad_in_forward = compute_grad and opts.reduction != "none" and not extras.lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
-        loss, lse, grad = backend.forward(logits, target, opts, scales, mode)
+        predicted = torch.empty(
+            target.shape[0] if extras.argmax else 0, dtype=torch.int64, device=target.device
+        )
+        loss, lse, grad = backend.forward(
+            logits, target, opts, scales, mode, predicted if extras.argmax else None
+        )
         if mode == "inplace" and not torch.compiler.is_compiling():
             torch.autograd.graph.increment_version(logits)
         if grad_in_forward:
@@ -48,10 +53,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.opts = opts.with_tensors(None, None)
         ctx.backend = backend
         ctx.consumed = False
-        return reduce_rows(loss, opts, scales), lse  # fp32; the caller casts to loss_dtype
+        return reduce_rows(loss, opts, scales), lse, predicted  # fp32; the caller casts to loss_dtype
 
     @staticmethod
-    def backward(ctx, dloss, dlse):
+    def backward(ctx, dloss, dlse, _):
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.cross_entropy: backward ran twice through a graph whose gradient buffer was already "
@@ -86,6 +91,8 @@ def cross_entropy(
     token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     inplace_backward: bool = False,
     loss_dtype: torch.dtype | None = None,
 ):
@@ -122,6 +129,12 @@ def cross_entropy(
         return_z_loss: also return the z-loss part of the loss (``z_loss * lse**2`` summed over the
             non-ignored tokens and reduced as the loss; with class weights, "mean" divides it by the sum of
             the targets' weights like the rest of the loss), detached: for logging.
+        return_token_accuracy: also return the token accuracy: the fraction of non-ignored tokens whose
+            argmax class is the target (``"sum"``: their number, ``"none"``: 1.0 / 0.0 per token), fp32,
+            no gradient, class and token weights not applied. The argmax is found by the kernel in its
+            pass over the row (no extra pass).
+        return_predicted_tokens: also return each token's argmax class (int64, the target's shape; the
+            first maximal class, as ``torch.argmax``; -1 for ignored tokens).
         inplace_backward: write the gradient into ``input``'s buffer (no ``[N, V]`` allocation).
             ``input`` is overwritten by the forward (or backward) and must not be used afterwards;
             a second backward through the same graph raises RuntimeError.
@@ -131,8 +144,8 @@ def cross_entropy(
 
     Returns:
         ``loss`` in ``loss_dtype`` (default: the dtype of ``input``; a scalar, or ``input.shape[:-1]``
-        for ``"none"``); with ``return_lse`` / ``return_z_loss`` a tuple ``(loss, lse, z_loss)`` of the
-        requested ones, in that order.
+        for ``"none"``); with any ``return_*`` a tuple ``(loss, lse, z_loss, token_accuracy,
+        predicted_tokens)`` of the requested ones, in that order.
 
     Example:
         >>> import torch, fuselm
@@ -158,30 +171,30 @@ def cross_entropy(
         token_weights=token_weights,
     )
     opts = opts.checked(input, target, n_cols)
+    extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
     if input.dtype == torch.float64 or not use_triton(input):
-        return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
-    outputs = (return_lse, return_z_loss, loss_dtype)
-    return apply_cross_entropy(input, target, opts, inplace_backward, LocalRows(n_cols), *outputs)
+        return cross_entropy_reference_of(input, target, opts, extras, loss_dtype)
+    return apply_cross_entropy(input, target, opts, inplace_backward, LocalRows(n_cols), extras, loss_dtype)
 
 
 def apply_cross_entropy(
-    input, target, opts: LossOptions, inplace_backward, backend, return_lse, return_z_loss, loss_dtype
+    input, target, opts: LossOptions, inplace_backward, backend, extras: Extras, loss_dtype
 ):
     """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction over
     `backend`, the outputs asked for (loss_outputs)."""
     t1 = target.reshape(-1).contiguous()
-    loss, lse = CrossEntropyFunction.apply(
+    loss, lse, predicted = CrossEntropyFunction.apply(
         rows_view(input),
         t1,
         *opts.tensors(),
         opts.with_tensors(None, None),
         backend,
-        return_lse,
+        extras,
         inplace_backward,
         torch.is_grad_enabled() and input.requires_grad,
     )
     z_loss = None
-    if return_z_loss:
+    if extras.z_loss:
         n_classes = backend.n_classes
         z_loss = reduce_rows(z_loss_rows(lse, t1, n_classes, opts), opts, loss_scales(t1, opts, n_classes))
-    return loss_outputs(loss, lse, target.shape, opts, loss_dtype, return_lse, z_loss)
+    return loss_outputs(loss, lse, target, opts, loss_dtype, extras, z_loss, predicted)

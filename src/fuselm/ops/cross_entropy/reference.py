@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common.loss.options import LossOptions, loss_outputs
-from .._common.loss.reference import row_losses, z_loss_rows
+from .._common.loss.options import Extras, LossOptions, loss_outputs
+from .._common.loss.reference import predicted_tokens, row_losses, z_loss_rows
 
 
 def cross_entropy_reference(
@@ -27,6 +27,8 @@ def cross_entropy_reference(
     token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     loss_dtype: torch.dtype | None = None,
 ):
     """Cross-entropy in fp32 (fp64 for fp64 input); loss in ``loss_dtype`` (default: the input dtype),
@@ -49,10 +51,11 @@ def cross_entropy_reference(
         softcap=softcap,
         token_weights=token_weights.reshape(-1) if token_weights is not None else None,
     )
-    return cross_entropy_reference_of(input, target, opts, return_lse, return_z_loss, loss_dtype)
+    extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    return cross_entropy_reference_of(input, target, opts, extras, loss_dtype)
 
 
-def cross_entropy_reference_of(input, target, opts: LossOptions, return_lse, return_z_loss, loss_dtype):
+def cross_entropy_reference_of(input, target, opts: LossOptions, extras: Extras, loss_dtype):
     """cross_entropy_reference with the options as one LossOptions (what fuselm.cross_entropy calls)."""
     n_cols = input.shape[-1]
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
@@ -68,5 +71,6 @@ def cross_entropy_reference_of(input, target, opts: LossOptions, return_lse, ret
             return rows.sum()
         return rows.sum() / denominator if reduction == "mean" else rows
 
-    z_loss = reduce(z_loss_rows(lse, t, n_cols, opts)) if return_z_loss else None
-    return loss_outputs(reduce(loss), lse, target.shape, opts, loss_dtype or input.dtype, return_lse, z_loss)
+    z_loss = reduce(z_loss_rows(lse, t, n_cols, opts)) if extras.z_loss else None
+    predicted = predicted_tokens(input.reshape(-1, n_cols), t, opts) if extras.argmax else None
+    return loss_outputs(reduce(loss), lse, target, opts, loss_dtype or input.dtype, extras, z_loss, predicted)

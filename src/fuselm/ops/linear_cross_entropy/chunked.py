@@ -82,12 +82,25 @@ def new_grads(x, w, n, rows, needs, fp32_weight_grad=False):
     return dx, dw, db
 
 
-def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, backend, compute_grad, needs):
+def forward(
+    plan,
+    x,
+    w,
+    b,
+    target,
+    rows,
+    opts: LossOptions,
+    scales: LossScales,
+    backend,
+    compute_grad,
+    needs,
+    predicted=None,
+):
     """x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the rows to compute (ignored ones
     compacted out) or None for all. Returns per-row loss and lse (fp32, one per computed row), and with
     compute_grad the gradients of sum(loss_rows) * grad_scale: dx [N, H] (zero on rows not computed),
     dw [V, H] (dtype of w), db [V] (fp32); None where not needed. A vocabulary shard: w and b are its rows,
-    dx is summed over the ranks."""
+    dx is summed over the ranks. predicted: an int64 buffer, one per computed row, to fill with the argmax."""
     n = x.shape[0] if rows is None else rows.shape[0]
     c = max(1, min(plan.chunk_rows, n))
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -101,8 +114,9 @@ def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, 
         xc, tc, opts_c, idx = _chunk(x, target, opts, rows, s, e)
         logits = _logits_into(buf[: e - s], xc, w, b)
         # with the gradient, the backend overwrites the logits with G
+        pred_c = predicted[s:e] if predicted is not None else None
         loss[s:e], lse[s:e], _ = backend.forward(
-            logits, tc, opts_c, scales, "inplace" if compute_grad else None
+            logits, tc, opts_c, scales, "inplace" if compute_grad else None, pred_c
         )
         if compute_grad:
             _accumulate_grads(logits, xc, w, idx, s, e, dx, dw, db, s == 0)

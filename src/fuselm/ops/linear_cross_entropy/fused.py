@@ -173,10 +173,24 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     return dx, weight_grad(dw, w), db
 
 
-def forward(plan, x, w, b, target, rows, opts: LossOptions, scales: LossScales, backend, compute_grad, needs):
+def forward(
+    plan,
+    x,
+    w,
+    b,
+    target,
+    rows,
+    opts: LossOptions,
+    scales: LossScales,
+    backend,
+    compute_grad,
+    needs,
+    predicted=None,
+):
     """The fused plan's forward, with the contract of chunked.forward (one device only: no chunks to
-    exchange statistics for)."""
+    exchange statistics for; no predicted tokens: choose_plan picks the chunked plan for them)."""
     assert isinstance(backend, LocalRows), "the fused tile plan runs on one device"
+    assert predicted is None, "the fused tile plan does not compute predicted tokens"
     n, target_rows = _work_rows(target, rows)
     if n == 0:
         lse = torch.empty(0, dtype=torch.float32, device=x.device)

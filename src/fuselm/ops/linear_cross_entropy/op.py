@@ -9,7 +9,7 @@ import torch
 from .._common.dispatch import compaction_allowed, use_triton
 from .._common.guard import FLOAT_DTYPES, linear_operands, resolve_loss_dtype, rows_view, validate_memory
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, scale_grad_
 from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
@@ -31,14 +31,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, token_weights, rows, opts, plan, backend, return_lse, needs):
+    def forward(ctx, x, w, b, target, weight, token_weights, rows, opts, plan, backend, extras, needs):
         n = x.shape[0]
         opts = opts.with_tensors(weight, token_weights)
         scales = loss_scales(target, opts, backend.n_classes)
-        grad_in_forward = any(needs) and opts.reduction != "none" and not return_lse
+        grad_in_forward = any(needs) and opts.reduction != "none" and not extras.lse
+        n_work = n if rows is None else rows.shape[0]
+        predicted = torch.empty(n_work if extras.argmax else 0, dtype=torch.int64, device=x.device)
         loss, lse, dx, dw, db = run_forward(
-            plan, x, w, b, target, rows, opts, scales, backend, grad_in_forward, needs
+            plan,
+            x,
+            w,
+            b,
+            target,
+            rows,
+            opts,
+            scales,
+            backend,
+            grad_in_forward,
+            needs,
+            predicted if extras.argmax else None,
         )
+        if extras.argmax and rows is not None:  # back to one per token: -1 on the ignored ones
+            predicted = predicted.new_full((n,), -1).index_copy_(0, rows, predicted)
         ctx.backend = backend
         ctx.plan = plan
         ctx.grad_in_forward = grad_in_forward
@@ -50,14 +65,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(dx, dw, db)
         else:
             ctx.save_for_backward(x, w, b, target, weight, token_weights, *scales, lse, rows)
-        if not return_lse:
+        if not extras.lse:
             ctx.mark_non_differentiable(lse)
         if opts.reduction == "none" and rows is not None:
-            return loss.new_zeros(n).index_copy_(0, rows, loss), lse  # ignored rows: loss 0
-        return reduce_rows(loss, opts, scales), lse  # fp32; the caller casts to loss_dtype
+            return loss.new_zeros(n).index_copy_(0, rows, loss), lse, predicted  # ignored rows: loss 0
+        return reduce_rows(loss, opts, scales), lse, predicted  # fp32; the caller casts to loss_dtype
 
     @staticmethod
-    def backward(ctx, dloss, dlse):
+    def backward(ctx, dloss, dlse, _):
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.linear_cross_entropy: backward ran twice through a graph whose gradients were "
@@ -106,6 +121,8 @@ def linear_cross_entropy(
     token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     memory: str | int = "auto",
     accum_dtype: torch.dtype | None = None,
     loss_dtype: torch.dtype | None = None,
@@ -154,6 +171,9 @@ def linear_cross_entropy(
             ``input.shape[:-1]``), differentiable.
         return_z_loss: also return the z-loss part of the loss, detached (as :func:`fuselm.cross_entropy`);
             it comes from the lse the op computes anyway (no extra pass, the plan is unchanged).
+        return_token_accuracy, return_predicted_tokens: as in :func:`fuselm.cross_entropy` (the argmax is
+            found by the row kernel in its pass over each chunk; under ``memory="min"`` they run the
+            chunked plan with 8 MiB chunks, as the fused tile plan does not track it).
         memory: how much memory the temporaries may take (the plan follows from it).
 
             - ``"auto"`` (default): the chunked plan, a ``[C, V]`` chunk buffer of ``min(256 MiB, a quarter
@@ -191,8 +211,8 @@ def linear_cross_entropy(
     ``return_lse`` every row is computed as well (the lse of every row is returned).
 
     Returns:
-        ``loss`` in ``loss_dtype`` (a scalar, or ``input.shape[:-1]`` for ``"none"``); with ``return_lse`` /
-        ``return_z_loss`` a tuple ``(loss, lse, z_loss)`` of the requested ones, in that order.
+        ``loss`` in ``loss_dtype`` (a scalar, or ``input.shape[:-1]`` for ``"none"``); with any ``return_*`` a
+        tuple ``(loss, lse, z_loss, token_accuracy, predicted_tokens)`` of the requested ones, in that order.
 
     Example:
         >>> import torch
@@ -228,26 +248,24 @@ def linear_cross_entropy(
     opts = opts.checked(input, target, v)
     validate_memory(memory)
     fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)
+    extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
     if input.dtype == torch.float64 or not use_triton(input):
-        if not return_lse and compaction_allowed(
-            input.device
-        ):  # eager: the range check, as on the Triton path
+        if not return_lse and compaction_allowed(input.device):  # eager: the range check, as on Triton
             kept_rows(target.reshape(-1), v, ignore_index)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         chunk_rows = reference_chunk_rows(memory, v, h, compute_itemsize)
-        args = (opts, chunk_rows, return_lse, return_z_loss, loss_dtype)
+        args = (opts, chunk_rows, extras, loss_dtype)
         return linear_cross_entropy_reference_of(input, linear_weight, target, linear_bias, *args)
-    plan = choose_plan(memory, input.device, v, h, input.element_size(), True, fp32_weight_grad)
-    backend = LocalRows(v)
-    outputs = (return_lse, return_z_loss, loss_dtype)
-    return apply_linear_cross_entropy(
-        input, linear_weight, linear_bias, target, opts, plan, backend, *outputs
+    plan = choose_plan(
+        memory, input.device, v, h, input.element_size(), True, fp32_weight_grad, extras.argmax
     )
+    args = (opts, plan, LocalRows(v), extras, loss_dtype)
+    return apply_linear_cross_entropy(input, linear_weight, linear_bias, target, *args)
 
 
 def apply_linear_cross_entropy(
-    input, linear_weight, linear_bias, target, opts, plan, backend, return_lse, return_z_loss, loss_dtype
+    input, linear_weight, linear_bias, target, opts, plan, backend, extras, loss_dtype
 ):
     """The Triton path of the public functions (arguments checked): rows view, compaction of ignored rows
     (eager), LinearCrossEntropyFunction, the outputs asked for (loss_outputs)."""
@@ -259,9 +277,9 @@ def apply_linear_cross_entropy(
         grad_on and linear_bias is not None and linear_bias.requires_grad,
     )
     rows = None
-    if not return_lse and compaction_allowed(input.device):
+    if not extras.lse and compaction_allowed(input.device):
         rows = kept_rows(t1, backend.n_classes, opts.ignore_index)  # the one host sync (and the range check)
-    loss, lse = LinearCrossEntropyFunction.apply(
+    loss, lse, predicted = LinearCrossEntropyFunction.apply(
         rows_view(input),
         linear_weight,
         linear_bias,
@@ -271,14 +289,14 @@ def apply_linear_cross_entropy(
         opts.with_tensors(None, None),
         plan,
         backend,
-        return_lse,
+        extras,
         needs,
     )
     z_loss = None
-    if return_z_loss:  # from the lse of the computed rows (the others add 0)
+    if extras.z_loss:  # from the lse of the computed rows (the others add 0)
         n_classes = backend.n_classes
         z_rows = z_loss_rows(lse, t1 if rows is None else t1.index_select(0, rows), n_classes, opts)
         if rows is not None:
             z_rows = z_rows.new_zeros(t1.shape[0]).index_copy_(0, rows, z_rows)
         z_loss = reduce_rows(z_rows, opts, loss_scales(t1, opts, n_classes))
-    return loss_outputs(loss, lse, target.shape, opts, loss_dtype, return_lse, z_loss)
+    return loss_outputs(loss, lse, target, opts, loss_dtype, extras, z_loss, predicted)

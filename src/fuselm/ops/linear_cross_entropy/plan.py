@@ -36,11 +36,13 @@ def choose_plan(
     itemsize: int,
     one_device: bool,
     fp32_weight_grad: bool = False,
+    argmax: bool = False,
 ) -> Plan:
     """memory="min" on one device: the fused tile plan; else chunks sized for the
     budget (memory_budget; free memory is asked on one device only, so that the ranks of a vocabulary
-    split chunk alike; `n_classes`: the widest slice of the vocabulary). fp32_weight_grad: sum dW in fp32."""
-    if memory == "min" and one_device:
+    split chunk alike; `n_classes`: the widest slice of the vocabulary). fp32_weight_grad: sum dW in fp32.
+    argmax (predicted tokens wanted): chunks, also under "min" (8 MiB ones: the fused plan has no argmax)."""
+    if memory == "min" and one_device and not argmax:
         return Plan("fused", 0, fp32_weight_grad)
     budget = memory_budget(memory, device, query_free=one_device)
     return Plan("chunked", chunked.chunk_rows_for(budget, n_classes, hidden, itemsize), fp32_weight_grad)
@@ -94,7 +96,8 @@ def _fwd_op(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    compute_predicted: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
         ignore_index,
         reduction,
@@ -110,23 +113,36 @@ def _fwd_op(
     scales = LossScales(weight_sum, grad_scale)
     needs = (need_dx, need_dw, need_db)
     backend = LocalRows(w.shape[0])
+    predicted = x.new_empty(x.shape[0] if compute_predicted else 0, dtype=torch.int64)
     loss, lse, dx, dw, db = PLANS[plan_name].forward(
-        plan, x, w, b, target, None, opts, scales, backend, compute_grad, needs
+        plan,
+        x,
+        w,
+        b,
+        target,
+        None,
+        opts,
+        scales,
+        backend,
+        compute_grad,
+        needs,
+        predicted if compute_predicted else None,
     )
-    return loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, loss)
+    return loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, loss), predicted
 
 
 @_fwd_op.register_fake
 def _(
     x, w, b, target, weight, token_weights, weight_sum, grad_scale, plan_name, chunk_rows, *scalars_and_flags
 ):
-    compute_grad, need_dx, need_dw, need_db = scalars_and_flags[-4:]
+    compute_grad, need_dx, need_dw, need_db, compute_predicted = scalars_and_flags[-5:]
     n, v = x.shape[0], w.shape[0]
     loss = x.new_empty(n, dtype=torch.float32)
     dx = x.new_empty(x.shape) if compute_grad and need_dx else x.new_empty(0)
     dw = w.new_empty(w.shape) if compute_grad and need_dw else w.new_empty(0)
     db = loss.new_empty(v) if compute_grad and need_db else loss.new_empty(0)
-    return loss, x.new_empty(n, dtype=torch.float32), dx, dw, db
+    predicted = x.new_empty(n if compute_predicted else 0, dtype=torch.int64)
+    return loss, x.new_empty(n, dtype=torch.float32), dx, dw, db, predicted
 
 
 @torch.library.custom_op("fuselm::linear_cross_entropy_bwd", mutates_args=())
@@ -188,15 +204,20 @@ def _(
     return dx, dw, db
 
 
-def run_forward(plan: Plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs):
+def run_forward(
+    plan: Plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted=None
+):
     """The plan's forward: the launchers in eager mode (may compact ignored rows), the custom op under
-    torch.compile (one device)."""
+    torch.compile (one device). predicted: an int64 buffer (one per computed row) for the argmax, or None."""
     if torch.compiler.is_compiling():
         flat = (x, w, b, target, *opts.tensors(), *scales, *plan, *opts.scalars())
-        loss, lse, dx, dw, db = _fwd_op(*flat, compute_grad, *needs)
+        loss, lse, dx, dw, db, pred = _fwd_op(*flat, compute_grad, *needs, predicted is not None)
+        if predicted is not None:
+            predicted.copy_(pred)
         kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
         return (loss, lse, *kept)
-    return PLANS[plan.name].forward(plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs)
+    args = (plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted)
+    return PLANS[plan.name].forward(*args)
 
 
 def run_backward(plan: Plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common.loss.options import LossOptions, loss_outputs, loss_scales, reduce_rows
-from .._common.loss.reference import row_losses, scale_keeping_zeros, z_loss_rows
+from .._common.loss.options import Extras, LossOptions, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.reference import predicted_tokens, row_losses, scale_keeping_zeros, z_loss_rows
 
 # Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -49,7 +49,7 @@ def chunk_loss_grad(logits, target, opts: LossOptions, dloss, dlse):
 
 class _LinearCrossEntropyReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, token_weights, opts, chunk_rows, return_lse):
+    def forward(ctx, x, w, b, target, weight, token_weights, opts, chunk_rows, return_lse, argmax):
         with torch.autocast(x.device.type, enabled=False):  # fp32 math whatever autocast says
             cd = _compute_dtype(x.dtype)
             n, v = x.shape[0], w.shape[0]
@@ -67,6 +67,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
             needs = ctx.needs_input_grad[:3]
             grad_in_forward = any(needs) and reduction != "none" and not return_lse
             loss = torch.empty(n, dtype=cd, device=x.device)
+            predicted = torch.empty(n if argmax else 0, dtype=torch.int64, device=x.device)
             lse = torch.empty(n, dtype=cd, device=x.device)
             dx = torch.zeros((n, x.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
             dw = torch.zeros((v, w.shape[1]), dtype=cd, device=x.device) if grad_in_forward else None
@@ -78,6 +79,8 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 loss[s:e], lse[s:e], g = chunk_loss_grad(
                     logits, target[s:e], opts.for_rows(slice(s, e)), scale if grad_in_forward else None, None
                 )
+                if argmax:
+                    predicted[s:e] = predicted_tokens(logits, target[s:e], opts)
                 if grad_in_forward:
                     dx[s:e] = g @ wc
                     dw += g.T @ xc
@@ -99,10 +102,10 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 out = loss.sum() * scale
             else:
                 out = loss
-            return out, lse  # compute dtype; the caller casts to loss_dtype
+            return out, lse, predicted  # compute dtype; the caller casts to loss_dtype
 
     @staticmethod
-    def backward(ctx, dloss, dlse):
+    def backward(ctx, dloss, dlse, _):
         with torch.autocast(ctx.device_type, enabled=False):
             chunk_rows, opts, return_lse = ctx.args
             if ctx.grad_in_forward:
@@ -111,7 +114,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                 x_dtype, w_dtype, b_dtype = ctx.dtypes
                 db = scale_keeping_zeros(db, d).to(b_dtype) if db is not None else None
                 dx, dw = scale_keeping_zeros(dx, d).to(x_dtype), scale_keeping_zeros(dw, d).to(w_dtype)
-                return dx, dw, db, *([None] * 6)
+                return dx, dw, db, *([None] * 7)
             x, w, b, target, weight, token_weights, scale = ctx.saved_tensors
             opts = opts.with_tensors(weight, token_weights)
             cd = _compute_dtype(x.dtype)
@@ -136,7 +139,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
                     db += g.sum(0)
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             db = db.to(b_dtype) if db is not None else None
-            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 6)
+            return dx.to(x_dtype), dw.to(w_dtype), db, *([None] * 7)
 
 
 def linear_cross_entropy_reference(
@@ -154,6 +157,8 @@ def linear_cross_entropy_reference(
     token_weights: torch.Tensor | None = None,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     chunk_rows: int | None = None,
     loss_dtype: torch.dtype | None = None,
 ):
@@ -189,20 +194,20 @@ def linear_cross_entropy_reference(
         softcap=softcap,
         token_weights=token_weights.reshape(-1) if token_weights is not None else None,
     )
-    outputs = (return_lse, return_z_loss, loss_dtype)
+    outputs = (Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens), loss_dtype)
     return linear_cross_entropy_reference_of(
         input, linear_weight, target, linear_bias, opts, chunk_rows, *outputs
     )
 
 
 def linear_cross_entropy_reference_of(
-    input, w, target, b, opts: LossOptions, chunk_rows, return_lse, return_z_loss, loss_dtype
+    input, w, target, b, opts: LossOptions, chunk_rows, extras: Extras, loss_dtype
 ):
     """linear_cross_entropy_reference with the options as one LossOptions and chunk_rows given (what
     fuselm.linear_cross_entropy calls)."""
     h = input.shape[-1]
     t1 = target.reshape(-1)
-    loss, lse = _LinearCrossEntropyReference.apply(
+    loss, lse, predicted = _LinearCrossEntropyReference.apply(
         input.reshape(-1, h),
         w,
         b,
@@ -210,10 +215,11 @@ def linear_cross_entropy_reference_of(
         *opts.tensors(),
         opts.with_tensors(None, None),
         max(1, int(chunk_rows)),
-        return_lse,
+        extras.lse,
+        extras.argmax,
     )
     z_loss = None
-    if return_z_loss:
+    if extras.z_loss:
         v = w.shape[0]
         z_loss = reduce_rows(z_loss_rows(lse, t1, v, opts), opts, loss_scales(t1, opts, v))
-    return loss_outputs(loss, lse, target.shape, opts, loss_dtype or input.dtype, return_lse, z_loss)
+    return loss_outputs(loss, lse, target, opts, loss_dtype or input.dtype, extras, z_loss, predicted)

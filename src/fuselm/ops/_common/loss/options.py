@@ -170,20 +170,58 @@ def loss_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Loss
     return LossScales(weight_sum, torch.ones(1, dtype=torch.float32, device=target.device))
 
 
-def loss_outputs(loss, lse, target_shape, opts: LossOptions, loss_dtype, return_lse: bool, z_loss=None):
+class Extras(NamedTuple):
+    """Which extra outputs a public loss returns, after the loss, in this order."""
+
+    lse: bool = False
+    z_loss: bool = False
+    token_accuracy: bool = False
+    predicted_tokens: bool = False
+
+    @property
+    def argmax(self) -> bool:
+        """Are the predicted tokens (each row's argmax) needed?"""
+        return self.token_accuracy or self.predicted_tokens
+
+
+def loss_outputs(
+    loss, lse, target, opts: LossOptions, loss_dtype, extras: Extras, z_loss=None, predicted=None
+):
     """What the public losses return: ``loss`` in loss_dtype (per token in the target's shape for
-    reduction "none"), then ``lse`` (fp32, target's shape) if return_lse, then the z-loss value if given
-    (reduced as the loss, in loss_dtype, detached): one tensor alone, else a tuple in that order."""
+    reduction "none"), then as ``extras`` asks: ``lse`` (fp32, target's shape), the z-loss value (given,
+    reduced as the loss, in loss_dtype, detached), the token accuracy (token_accuracy, from ``predicted``)
+    and the predicted tokens (``predicted``: int64 [N], each row's argmax, -1 on ignored tokens). One
+    tensor alone, else a tuple in that order."""
+    target_shape = target.shape
     loss = loss.to(loss_dtype)
     if opts.reduction == "none":
         loss = loss.reshape(target_shape)
+    per_token = opts.reduction == "none"
     out = [loss]
-    if return_lse:
+    if extras.lse:
         out.append(lse.reshape(target_shape))
-    if z_loss is not None:
+    if extras.z_loss:
         z_loss = z_loss.to(loss_dtype)
-        out.append(z_loss.reshape(target_shape) if opts.reduction == "none" else z_loss)
+        out.append(z_loss.reshape(target_shape) if per_token else z_loss)
+    if extras.token_accuracy:
+        accuracy = token_accuracy(predicted, target.reshape(-1), opts)
+        out.append(accuracy.reshape(target_shape) if per_token else accuracy)
+    if extras.predicted_tokens:
+        out.append(predicted.reshape(target_shape))
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def token_accuracy(predicted, target, opts: LossOptions):
+    """Whether each non-ignored token's argmax is its target, reduced as the loss but without class or
+    token weights: "mean" the fraction of non-ignored tokens predicted right (NaN when there are none),
+    "sum" their number, "none" 1.0 / 0.0 per token (0 for ignored ones). fp32, no gradient."""
+    valid = target != opts.ignore_index
+    right = ((predicted == target) & valid).float()
+    if opts.reduction == "none":
+        return right
+    if opts.reduction == "sum":
+        return right.sum()
+    return right.sum() / valid.sum()
 
 
 def reduce_rows(loss: torch.Tensor, opts: LossOptions, scales: LossScales) -> torch.Tensor:

@@ -106,6 +106,12 @@ def z_loss_rows(lse, target, n_classes: int, opts: LossOptions) -> torch.Tensor:
     return torch.where(valid & ~ok, float("nan"), z)
 
 
+def predicted_tokens(logits, target, opts: LossOptions) -> torch.Tensor:
+    """int64 [N]: the argmax of each row of logits [N, V] (the first maximal class, as torch.argmax), -1 on
+    ignored rows."""
+    return torch.where(target != opts.ignore_index, logits.detach().argmax(dim=-1), -1)
+
+
 def softmax_grad(p, is_target, p_coef, t_coef):
     """p * p_coef - 1[target] * t_coef (coefficients broadcast over the row)."""
     return p * p_coef - torch.where(is_target, t_coef, 0.0)

@@ -61,6 +61,7 @@ def cross_entropy_fwd_kernel(
     token_weight_ptr,
     loss_ptr,
     lse_ptr,
+    predicted_ptr,
     n_rows,
     n_cols,
     ignore_index,
@@ -72,6 +73,7 @@ def cross_entropy_fwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TOKEN_WEIGHT: tl.constexpr,
+    HAS_PREDICTED: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -88,9 +90,13 @@ def cross_entropy_fwd_kernel(
 
         # pass 1: lse = m + log(s), and sum_j w_j z_j for label smoothing   # [BLOCK_V] tiles
         smooth_dot = 0.0
+        best = float("-inf")  # argmax of the raw logits (HAS_PREDICTED): the first maximal class
+        best_col = 0
         if SINGLE_BLOCK:
             mask = cols < n_cols
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_PREDICTED:
+                best_col = tl.argmax(tl.where(mask, x, float("-inf")), axis=0)
             z = tl.where(mask, softcapped(x, softcap, HAS_SOFTCAP)[0], float("-inf"))
             m = tl.max(z, axis=0)
             s = tl.sum(tl.exp(z - m), axis=0)
@@ -111,6 +117,11 @@ def cross_entropy_fwd_kernel(
                 if HAS_SOFTCAP:
                     z = tl.where(c < n_cols, softcapped(z, softcap, HAS_SOFTCAP)[0], float("-inf"))
                 m2, s = online_lse_step(m2, s, z)
+                if HAS_PREDICTED:  # x is -inf past the row's end
+                    block_best = tl.max(x.to(tl.float32), axis=0)
+                    block_col = start + tl.argmax(x.to(tl.float32), axis=0)
+                    best_col = tl.where(block_best > best, block_col, best_col)
+                    best = tl.maximum(best, block_best)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -149,6 +160,8 @@ def cross_entropy_fwd_kernel(
             loss = tl.where(valid & in_range, loss * token_weight, loss)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
+        if HAS_PREDICTED:  # -1 for an ignored row
+            tl.store(predicted_ptr + row, tl.where(valid, best_col.to(tl.int64), -1))
 
         # pass 2: gradient of loss * grad_scale (zero on rows with an out-of-range target)
         if COMPUTE_GRAD:

@@ -59,9 +59,10 @@ def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
     )
 
 
-def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad):
+def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad, predicted=None):
     """Per-row loss and lse (fp32 [N]) of logits [N, V] (stride(-1) == 1), target [N]; with `grad` (may be
-    `logits` itself), also writes d(sum_i loss_i * grad_scale) / d logits into it."""
+    `logits` itself), also writes d(sum_i loss_i * grad_scale) / d logits into it; with `predicted` (int64
+    [N]), the argmax of each row's logits (the first maximal class; -1 on ignored rows)."""
     n_rows, n_cols = logits.shape
     assert logits.stride(-1) == 1 and target.is_contiguous()
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
@@ -79,8 +80,10 @@ def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad):
         grad_row_stride=grad.stride(0) if grad is not None else 0,
         loss_ptr=loss,
         lse_ptr=lse,
+        predicted_ptr=predicted if predicted is not None else lse,
         n_rows=n_rows,
         n_cols=n_cols,
+        HAS_PREDICTED=predicted is not None,
         COMPUTE_GRAD=grad is not None,
         SINGLE_BLOCK=single,
         BLOCK_V=block,
@@ -166,7 +169,8 @@ def _fwd_op(
     logit_scale: float,
     temperature: float,
     compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    compute_predicted: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
         ignore_index,
         reduction,
@@ -179,15 +183,31 @@ def _fwd_op(
         token_weights,
     )
     grad = torch.empty_like(logits) if compute_grad else None
-    loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad)
-    return loss, lse, grad if grad is not None else logits.new_empty(0)
+    predicted = _new_predicted(logits, compute_predicted)
+    loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad, predicted)
+    return (
+        loss,
+        lse,
+        grad if grad is not None else logits.new_empty(0),
+        _or_empty_predicted(predicted, logits),
+    )
+
+
+def _new_predicted(logits, wanted: bool):
+    return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device) if wanted else None
+
+
+def _or_empty_predicted(predicted, logits):
+    return predicted if predicted is not None else logits.new_empty(0, dtype=torch.int64)
 
 
 @_fwd_op.register_fake
-def _(logits, target, weight, token_weights, weight_sum, grad_scale, *scalars_and_compute_grad):
+def _(logits, target, weight, token_weights, weight_sum, grad_scale, *scalars_and_flags):
     n = logits.shape[0]
-    grad = torch.empty_like(logits) if scalars_and_compute_grad[-1] else logits.new_empty(0)
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), grad
+    compute_grad, compute_predicted = scalars_and_flags[-2:]
+    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
+    predicted = logits.new_empty(n if compute_predicted else 0, dtype=torch.int64)
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), grad, predicted
 
 
 @torch.library.custom_op("fuselm::loss_rows_fwd_inplace", mutates_args=("logits",))
@@ -205,7 +225,8 @@ def _fwd_inplace_op(
     softcap: float,
     logit_scale: float,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    compute_predicted: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = LossOptions(
         ignore_index,
         reduction,
@@ -217,13 +238,16 @@ def _fwd_inplace_op(
         weight,
         token_weights,
     )
-    return rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits)
+    predicted = _new_predicted(logits, compute_predicted)
+    loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits, predicted)
+    return loss, lse, _or_empty_predicted(predicted, logits)
 
 
 @_fwd_inplace_op.register_fake
 def _(logits, *rest):
     n = logits.shape[0]
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+    predicted = logits.new_empty(n if rest[-1] else 0, dtype=torch.int64)
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), predicted
 
 
 @torch.library.custom_op("fuselm::loss_rows_bwd", mutates_args=())
@@ -323,17 +347,25 @@ class LocalRows:
     def __init__(self, n_classes: int):
         self.n_classes = n_classes
 
-    def forward(self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None):
+    def forward(
+        self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None, predicted=None
+    ):
         """(loss, lse, grad or None) of logits [N, V]; grad None: no gradient, "new": d(sum_i loss_i *
-        grad_scale)/d logits in a new tensor, "inplace": written over the logits."""
+        grad_scale)/d logits in a new tensor, "inplace": written over the logits. predicted: an int64 [N]
+        tensor to fill with each row's argmax (-1 on ignored rows), or None."""
         if torch.compiler.is_compiling():
             flat = (logits, target, *opts.tensors(), *scales, *opts.scalars())
             if grad == "inplace":
-                return (*_fwd_inplace_op(*flat), logits)
-            loss, lse, g = _fwd_op(*flat, grad is not None)
-            return loss, lse, g if grad is not None else None
+                loss, lse, pred = _fwd_inplace_op(*flat, predicted is not None)
+                g = logits
+            else:
+                loss, lse, g, pred = _fwd_op(*flat, grad is not None, predicted is not None)
+                g = g if grad is not None else None
+            if predicted is not None:
+                predicted.copy_(pred)
+            return loss, lse, g
         buf = logits if grad == "inplace" else (torch.empty_like(logits) if grad else None)
-        return (*rows_fwd_into(logits, target, opts, scales, buf), buf)
+        return (*rows_fwd_into(logits, target, opts, scales, buf, predicted), buf)
 
     def backward(
         self, logits, target, opts: LossOptions, scales: LossScales, dloss, dlse, lse, inplace: bool
