@@ -376,10 +376,11 @@ def test_patch_options_reach_the_fused_loss(monkeypatch):
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(layers, "linear_cross_entropy", spy)
-    model = fuselm.hf.patch(_small(), label_smoothing=0.2, memory=2**20)
+    model = fuselm.hf.patch(_small(), label_smoothing=0.2, memory=2**20, accum_dtype=torch.float32)
     ids, labels = _batch()
     model(input_ids=ids, labels=labels)
     assert seen and seen[0]["label_smoothing"] == 0.2 and seen[0]["memory"] == 2**20
+    assert seen[0]["accum_dtype"] == torch.float32
 
 
 def test_label_smoothing_on_logits():

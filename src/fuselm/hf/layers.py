@@ -157,6 +157,7 @@ def causal_lm_loss(
     softcap: float | None = None,
     label_smoothing: float = 0.0,
     memory: str | int = "auto",
+    accum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` of the logits ``hidden_states @ weight.T + bias``, computed by
     :func:`fuselm.linear_cross_entropy` without building them.
@@ -165,7 +166,8 @@ def causal_lm_loss(
     tokens divided by it (HF's gradient-accumulation-correct normalization; a batch without targets and
     ``num_items_in_batch = 0`` gives 0 / 0 = NaN as HF's, with zero gradients); otherwise the mean.
     ``softcap``: Gemma 2/3's final logit softcapping; ``label_smoothing``: PyTorch's (what Trainer's
-    ``label_smoothing_factor`` computes); ``memory``: :func:`fuselm.linear_cross_entropy`'s plan. The loss
+    ``label_smoothing_factor`` computes); ``memory``, ``accum_dtype``: those of
+    :func:`fuselm.linear_cross_entropy`. The loss
     is fp32, as HF's (computed on ``logits.float()``). A label outside ``[0, V)`` that is not
     ``ignore_index`` raises ValueError in eager mode (see :func:`fuselm.linear_cross_entropy`).
 
@@ -185,6 +187,7 @@ def causal_lm_loss(
             softcap=softcap,
             label_smoothing=label_smoothing,
             memory=memory,
+            accum_dtype=accum_dtype,
             loss_dtype=torch.float32,
         )
     except TargetRangeError as e:
@@ -226,11 +229,13 @@ class LossOptions:
             (``patch(..., cross_entropy=True)``); otherwise the fused loss from the hidden states.
         label_smoothing: PyTorch's label smoothing, applied inside the fused loss.
         memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
+        accum_dtype: its ``accum_dtype=`` (None, or torch.float32 for an fp32 lm_head gradient accumulator).
     """
 
     from_logits: bool = False
     label_smoothing: float = 0.0
     memory: str | int = "auto"
+    accum_dtype: torch.dtype | None = None
 
 
 # ---- the lm_head: which weight the fused loss reads ----
@@ -438,6 +443,7 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
     """
     facts = head_facts(original)
     from_logits, smoothing, memory = options.from_logits, options.label_smoothing, options.memory
+    accum_dtype = options.accum_dtype
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -507,7 +513,14 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
             x = x * scale
             bias = bias * scale if bias is not None else None
         loss = causal_lm_loss(
-            x, weight, seen["labels"], bias=bias, softcap=softcap, memory=memory, **loss_kwargs
+            x,
+            weight,
+            seen["labels"],
+            bias=bias,
+            softcap=softcap,
+            memory=memory,
+            accum_dtype=accum_dtype,
+            **loss_kwargs,
         )
         return _finish(out, out.loss + loss, None, return_dict)
 

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from . import layers
@@ -103,7 +104,9 @@ def _own(cls: type, name: str):
     return cls.__dict__.get(name, MISSING)
 
 
-def _plan(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory) -> _Plan:
+def _plan(
+    rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory, accum_dtype
+) -> _Plan:
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
@@ -114,9 +117,7 @@ def _plan(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smo
     blocks = tuple(c for c, on in zip(BLOCKS, (rms_norm, rope, swiglu), strict=True) if on)
     loss = None
     if linear_cross_entropy or cross_entropy:
-        loss = layers.LossOptions(
-            from_logits=bool(cross_entropy), label_smoothing=float(label_smoothing), memory=memory
-        )
+        loss = layers.LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
     return _Plan(blocks, loss)
@@ -351,6 +352,7 @@ def patch(
     cross_entropy: bool = False,
     label_smoothing: float = 0.0,
     memory: str | int = "auto",
+    accum_dtype: torch.dtype | None = None,
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
 
@@ -378,6 +380,8 @@ def patch(
         label_smoothing: PyTorch's label smoothing inside the fused loss (the route to use instead of
             the Trainer's ``label_smoothing_factor``).
         memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
+        accum_dtype: :func:`fuselm.linear_cross_entropy`'s (``torch.float32``: the lm_head's gradient
+            summed in fp32 across chunks).
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
@@ -407,7 +411,9 @@ def patch(
         (torch.Size([]), True)
         >>> _ = fuselm.hf.unpatch(model)
     """
-    plan = _plan(rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory)
+    plan = _plan(
+        rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory, accum_dtype
+    )
     if isinstance(target, nn.Module):
         _patch_instance(target, plan)
     elif isinstance(target, (str, type)):
