@@ -13,10 +13,10 @@ import io
 import itertools
 import pstats
 import statistics
-import time
 
 import torch
 import triton
+from host_overhead import host_us  # benchmarks/scripts (the script's own folder)
 
 import fuselm
 from fuselm.bench.harness import capture_graph
@@ -59,20 +59,6 @@ def rms_inputs(n, h):
             return fuselm.rms_norm(x, w, 1e-6)
 
     return full, fwd
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
 
 
 def profile_host(name, fn, n=300):

@@ -161,12 +161,9 @@ def linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, PyTorch's formula (also with ``weight``).
         z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss (PaLM); ``>= 0``.
         softcap: if set (``> 0``), logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
-        token_weights: optional per-token loss weights of the target's shape (any float dtype, no
-            gradient): each token's loss and gradient are multiplied by its weight; ``"mean"`` keeps its
-            denominator (the count of non-ignored tokens, or the sum of their class weights), so the weights
-            scale tokens without renormalizing. DFT-style token scaling (each token weighted by the detached
-            probability of its target) is ``token_weights=p_target`` computed without a graph: see the
-            README of ops/cross_entropy.
+        token_weights: optional per-token loss weights of the target's shape, as in
+            :func:`fuselm.cross_entropy` (each token's loss and gradient times its weight, the ``"mean"``
+            denominator unchanged).
         return_lse: also return the log-sum-exp of each token's logits (float32, shape
             ``input.shape[:-1]``), differentiable.
         return_z_loss: also return the z-loss part of the loss, detached (as :func:`fuselm.cross_entropy`);

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .._common.loss.budget import MIN_BUDGET, memory_budget
-from .._common.loss.options import LossOptions, LossScales
+from .._common.loss.options import LossScales, options_of
 from .._common.loss.rows import LocalRows
 from . import chunked, fused
 
@@ -98,17 +98,7 @@ def _fwd_op(
     need_db: bool,
     compute_predicted: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
     scales = LossScales(weight_sum, grad_scale)
     needs = (need_dx, need_dw, need_db)
@@ -172,17 +162,7 @@ def _bwd_op(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
     scales = LossScales(weight_sum, grad_scale)
     backend = LocalRows(w.shape[0])

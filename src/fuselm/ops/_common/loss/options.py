@@ -146,6 +146,12 @@ class LossOptions(NamedTuple):
         return self.with_tensors(weight, token_weights)
 
 
+def options_of(args) -> LossOptions:
+    """The LossOptions of a torch.library custom op's arguments (``locals()``: its parameters carry the
+    fields' names)."""
+    return LossOptions(*(args[name] for name in LossOptions._fields))
+
+
 class LossScales(NamedTuple):
     """Device scalars the row kernels read (fp32 [1] each): the sum of the class weights (label smoothing
     with class weights only, else None) and the gradient scale (1 / the mean's denominator, else 1)."""

@@ -14,7 +14,7 @@ import triton
 
 from ..dispatch import interpret_mode, use_triton
 from ..launch import persistent_grid, row_launch
-from .options import LossOptions, LossScales
+from .options import LossOptions, LossScales, options_of
 from .reference import scale_keeping_zeros
 from .row_kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
 
@@ -171,17 +171,7 @@ def _fwd_op(
     compute_grad: bool,
     compute_predicted: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     grad = torch.empty_like(logits) if compute_grad else None
     predicted = _new_predicted(logits, compute_predicted)
     loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad, predicted)
@@ -227,17 +217,7 @@ def _fwd_inplace_op(
     temperature: float,
     compute_predicted: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     predicted = _new_predicted(logits, compute_predicted)
     loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits, predicted)
     return loss, lse, _or_empty_predicted(predicted, logits)
@@ -269,17 +249,7 @@ def _bwd_op(
     logit_scale: float,
     temperature: float,
 ) -> torch.Tensor:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     scales = LossScales(weight_sum, grad_scale)
     return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, torch.empty_like(logits))
 
@@ -308,17 +278,7 @@ def _bwd_inplace_op(
     logit_scale: float,
     temperature: float,
 ) -> None:
-    opts = LossOptions(
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-        logit_scale,
-        temperature,
-        weight,
-        token_weights,
-    )
+    opts = options_of(locals())
     rows_bwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), dloss, dlse, lse, logits)
 
 
