@@ -36,9 +36,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = compute_grad and opts.reduction != "none" and not extras.lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
-        predicted = torch.empty(
-            target.shape[0] if extras.argmax else 0, dtype=torch.int64, device=target.device
-        )
+        predicted = target.new_empty(target.shape[0] if extras.argmax else 0, dtype=torch.int64)
         loss, lse, grad = backend.forward(
             logits, target, opts, scales, mode, predicted if extras.argmax else None
         )

@@ -37,7 +37,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scales = loss_scales(target, opts, backend.n_classes)
         grad_in_forward = any(needs) and opts.reduction != "none" and not extras.lse
         n_work = n if rows is None else rows.shape[0]
-        predicted = torch.empty(n_work if extras.argmax else 0, dtype=torch.int64, device=x.device)
+        predicted = target.new_empty(n_work if extras.argmax else 0, dtype=torch.int64)
         loss, lse, dx, dw, db = run_forward(
             plan,
             x,
