@@ -52,7 +52,8 @@ class LossOptions(NamedTuple):
         token_weights=None,
     ) -> LossOptions:
         """The options, checked (each ValueError names its argument), with Python floats (softcap None ->
-        0.0) and a contiguous weight (checked against the input by :meth:`check`)."""
+        0.0) and a contiguous weight; weight and token_weights are checked against the input by
+        :meth:`checked`."""
         check_choice("reduction", reduction, ("mean", "sum", "none"))
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
