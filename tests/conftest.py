@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch._dynamo.trace_rules
 
 HAS_CUDA = torch.cuda.is_available()
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -107,13 +106,6 @@ def triton_kernels() -> bool:
 
 
 _POISON_FUNCTIONS = ("empty", "empty_like", "empty_strided")
-
-# torch.compile's table of torch functions, built now, before any test replaces torch.empty & co. by the
-# poisoning wrappers below: built lazily inside a test (e.g. by a compile with graph breaks), it would know
-# the wrappers under those names and no longer the builtins they call, and a later fullgraph compile that
-# reaches torch.empty_like would stop there (seen in CI: test_compile_fullgraph_cpu after
-# tests/hf/test_patch.py::test_drop_a_compiled_patched_model_then_compile_another in one worker).
-torch._dynamo.trace_rules.get_torch_obj_rule_map()
 
 
 def _poison_(t: object) -> None:

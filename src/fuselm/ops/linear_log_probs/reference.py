@@ -170,8 +170,11 @@ class _LinearLogProbsReference(torch.autograd.Function):
         grads = [torch.where(valid, g.to(cd), 0.0) if g is not None else None for g in grads]
         xc = xk.to(cd)  # [n, H]
         dx = torch.zeros_like(xc) if needs[0] else None  # d input summed over slabs in the compute dtype
-        dw = torch.empty_like(w) if needs[1] else None
-        db = torch.empty(v, dtype=cd, device=x.device) if needs[2] and b is not None else None
+        # zeros, not empty: a torch.empty traced inside this Function stopped torch.compile in CI (the test
+        # harness swaps torch.empty & co. for NaN-filling wrappers, and one ordering of tests left dynamo
+        # unable to trace through them); each slab writes its rows anyway
+        dw = torch.zeros_like(w) if needs[1] else None
+        db = torch.zeros(v, dtype=cd, device=x.device) if needs[2] and b is not None else None
         slab = reference_chunk_rows(budget, n, torch.finfo(cd).bits // 8)
         for s in range(0, v, slab):
             e = min(s + slab, v)
