@@ -10,4 +10,5 @@ their vocabulary-split variants in fuselm.distributed).
   launchers, and :class:`LocalRows`, the row backend of one device (a vocabulary shard is the other
   implementation, in fuselm.distributed).
 - ``budget``: what ``memory=`` means for the ops that walk a buffer of many classes.
+- ``compaction``: eager mode's one host sync, the kept rows and the out-of-range target error.
 """
