@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 # The names in fuselm.hf.layers through which each swapped component reaches a fuselm op.
 OPS = {
     "rms_norm": ("rms_norm",),
+    "residual_norm": ("residual_rms_norm",),
     "rope": ("apply_rotary",),
     "swiglu": ("gated_mlp", "gated_packed"),
     "loss": ("linear_cross_entropy",),
@@ -97,7 +98,7 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     ids, labels = _batch(vocab)
 
     swapped = {type(m).__name__ for m in ours.modules() if "forward" in vars(m)}
-    named = {spec.rms_norm, spec.mlp} - {None}
+    named = {spec.rms_norm, spec.mlp, spec.decoder_layer} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
     assert type(ours).__name__ in swapped
 

@@ -26,9 +26,8 @@ def _modeling(model_type):
 def _snapshot(model_type):
     """Everything patching may touch: the classes' own attribute dicts and the module's globals."""
     spec, module = family(model_type), _modeling(model_type)
-    classes = {
-        name: dict(vars(getattr(module, name))) for name in (spec.rms_norm, spec.mlp, *spec.causal_lms)
-    }
+    names = (spec.rms_norm, spec.mlp, spec.decoder_layer, *spec.causal_lms)
+    classes = {name: dict(vars(getattr(module, name))) for name in names if name is not None}
     return classes, dict(vars(module))
 
 
@@ -75,7 +74,7 @@ def test_class_patch_round_trip(model_type, by):
     before = _snapshot(model_type)
     fuselm.hf.patch(target)
     assert fuselm.hf.is_patched(target)
-    for name in (spec.rms_norm, spec.mlp, *spec.causal_lms):
+    for name in before[0]:
         assert getattr(module, name).forward is not before[0][name]["forward"]
     assert getattr(module, spec.rope) is not before[1][spec.rope]
     fuselm.hf.patch(target)  # idempotent
@@ -102,7 +101,7 @@ def test_instance_patch_touches_only_that_model(model_type):
     assert fuselm.hf.is_patched(model)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
-    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__}
+    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__} | ({spec.decoder_layer} - {None})
     assert not any("forward" in vars(m) for m in other.modules())
     assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
     fuselm.hf.unpatch(model)

@@ -1,4 +1,5 @@
-"""The forwards fuselm puts in place of Hugging Face's: RMSNorm, gated MLP, rotary function, CausalLM.
+"""The forwards fuselm puts in place of Hugging Face's: RMSNorm, gated MLP, rotary function, decoder
+layer (the residual add fused into the post-attention RMSNorm), CausalLM.
 
 Each factory takes a :class:`~fuselm.hf.registry.FamilySpec` (and, for what can fall back, the
 original) and returns a plain function with the original's signature, usable as a class attribute
@@ -8,11 +9,14 @@ always gets the same function object: patching twice is idempotent and unpatchin
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import functools
 import inspect
 import re
 import sys
+import textwrap
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +116,325 @@ def _one_tensor_rope_function(spec: FamilySpec, original: Callable, layouts: dic
     apply_rotary_pos_emb.__module__ = __name__
     apply_rotary_pos_emb.__qualname__ = f"fuselm_{spec.model_type}_apply_rotary_pos_emb"
     return apply_rotary_pos_emb
+
+
+# ---- the decoder layer: the add after the attention runs inside the post-attention RMSNorm ----
+
+# Llama's decoder layer forward, statement by statement (transformers 5.x, comments and docstring aside).
+# The self_attn call (statement _ATTN_CALL) passes hidden_states and, by name, some of the forward's own
+# parameters (which ones varies by family: Mixtral's passes no use_cache) and **kwargs.
+_LLAMA_LAYER = """
+residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(hidden_states=hidden_states)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states
+"""
+_ATTN_CALL = 2
+
+
+@dataclass(frozen=True, eq=False)
+class LayerLayout:
+    """How a decoder layer forward of Llama's layout (:func:`llama_layer_layout`) takes its arguments
+    and what it passes on to ``self_attn``.
+
+    Attributes:
+        params: its parameters after ``self``, positional or keyword (``hidden_states`` first).
+        defaults: the defaults of those that have one.
+        var_kw: the name of its ``**kwargs``, or None.
+        attn_args: the parameters it passes on to ``self_attn`` by name, besides ``hidden_states``.
+        attn_var_kw: it passes its ``**kwargs`` on to ``self_attn`` too.
+    """
+
+    params: tuple[str, ...]
+    defaults: dict
+    var_kw: str | None
+    attn_args: tuple[str, ...]
+    attn_var_kw: bool
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        """(each parameter -> its value, the other keyword arguments) of a call ``forward(self, *args,
+        **kwargs)``, as Python binds them (``kwargs`` is consumed); TypeError as the forward raises."""
+        if len(args) > len(self.params):
+            raise TypeError(f"forward() takes {len(self.params)} arguments after self, {len(args)} given")
+        named = dict(zip(self.params[: len(args)], args, strict=True))
+        for name in self.params[len(args) :]:
+            if name in kwargs:
+                named[name] = kwargs.pop(name)
+            elif name in self.defaults:
+                named[name] = self.defaults[name]
+            else:
+                raise TypeError(f"forward() missing required argument: {name!r}")
+        twice = [name for name in self.params[: len(args)] if name in kwargs]
+        if twice:
+            raise TypeError(f"forward() got multiple values for argument {twice[0]!r}")
+        if kwargs and self.var_kw is None:
+            raise TypeError(f"forward() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        return named, kwargs
+
+
+def _attention_call(stmt: ast.stmt, params: list[str], var_kw: str | None):
+    """The self_attn statement with its keywords other than hidden_states taken out, and (the
+    parameters passed by name, whether **kwargs is passed); None when a keyword is anything but a
+    parameter passed under its own name (``attention_mask=attention_mask``) or the forward's **kwargs."""
+    if not isinstance(stmt, ast.Assign) or not isinstance(stmt.value, ast.Call):
+        return None
+    stmt = copy.deepcopy(stmt)
+    kept, attn_args, attn_var_kw = [], [], False
+    for kw in stmt.value.keywords:
+        value = kw.value.id if isinstance(kw.value, ast.Name) else None
+        if kw.arg == "hidden_states":
+            kept.append(kw)
+        elif kw.arg is None and value is not None and value == var_kw:
+            attn_var_kw = True
+        elif kw.arg in params[2:] and value == kw.arg:
+            attn_args.append(kw.arg)
+        else:
+            return None
+    stmt.value.keywords = kept
+    return stmt, (tuple(attn_args), attn_var_kw)
+
+
+def llama_layer_layout(forward: Callable) -> LayerLayout | str:
+    """The :class:`LayerLayout` of a decoder layer ``forward`` (HF's own function, not a checkpointing
+    wrapper) whose body is Llama's pre-norm layout statement for statement, or why it is not.
+
+    Llama's layout: ``residual = hidden_states``; ``input_layernorm``; ``hidden_states, _ =
+    self.self_attn(hidden_states=hidden_states, <its parameters by name>, **kwargs)``; ``residual +
+    hidden_states``; ``post_attention_layernorm``; ``mlp``; ``residual + hidden_states``; return. The
+    forward's signature: ``self, hidden_states``, then parameters (positional or keyword) and optionally
+    ``**kwargs``. Compared on the syntax tree of the installed source, so a transformers version that
+    changes the layer is seen when patching, not at the first wrong result.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError) as e:
+        return f"its source cannot be read ({type(e).__name__})"
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
+        return "its forward is not a plain function"
+    sig = fn.args
+    params = [a.arg for a in sig.args]
+    if sig.posonlyargs or sig.vararg or sig.kwonlyargs or params[:2] != ["self", "hidden_states"]:
+        return "its forward's signature is not (self, hidden_states, <parameters>, **kwargs)"
+    var_kw = sig.kwarg.arg if sig.kwarg else None
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    template = ast.parse(_LLAMA_LAYER).body
+    if len(body) != len(template):
+        return "its forward is not Llama's pre-norm layout"
+    attn = None
+    for i, (got, want) in enumerate(zip(body, template, strict=True)):
+        if i == _ATTN_CALL:
+            found = _attention_call(got, params, var_kw)
+            if found is None:
+                return "its self_attn call is not Llama's"
+            got, attn = found
+        if ast.dump(got) != ast.dump(want):
+            return "its forward is not Llama's pre-norm layout"
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(forward).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return LayerLayout(tuple(params[1:]), defaults, var_kw, *attn)
+
+
+def split_checkpointing(forward: Callable) -> tuple[Callable, bool] | str:
+    """(HF's own forward, whether the class's forward checkpoints) of a decoder layer class's ``forward``.
+
+    transformers 5.23's ``GradientCheckpointingLayer`` wraps every subclass's forward in
+    ``forward_with_checkpointing`` (so module hooks stay outside the checkpoint), 5.17's checkpoints in
+    ``__call__`` around an unwrapped forward. Any other wrapper: a reason (the layer stays HF's)."""
+    wrapped = getattr(forward, "__wrapped__", None)
+    if wrapped is None:
+        return forward, False
+    code = getattr(forward, "__code__", None)
+    if code is not None and code.co_name == "forward_with_checkpointing":
+        if getattr(wrapped, "__wrapped__", None) is not None:
+            return "its forward is wrapped twice"
+        return wrapped, True
+    return f"its forward is wrapped ({getattr(forward, '__qualname__', forward)!r})"
+
+
+def hf_class(module: nn.Module) -> type:
+    """The module's Hugging Face class: FSDP2's fully_shard (and replicate) swap a module's class for a
+    subclass (FSDPModule, cls) defined in torch; look through that one, not through user subclasses."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        return bases[1]
+    return cls
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Would calling the module run hooks (its own or global ones) that a fused path skips?"""
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return True
+    if module._backward_pre_hooks:
+        return True
+    return any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _is_plain(t) -> bool:
+    return type(t) is torch.Tensor or type(t) is nn.Parameter
+
+
+def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | None:
+    """(weight, eps, offset, casting) with which :func:`fuselm.rms_norm` computes what ``norm(x)`` would,
+    or None: ``norm`` is not the family's RMSNorm class (FSDP2's subclass of it aside) running fuselm's
+    forward (``norm_forward``: :func:`rms_norm_forward` of the family, class- or instance-patched), it
+    has hooks, or its weight is not a plain tensor (a DTensor, absent)."""
+    if not isinstance(norm, nn.Module):
+        return None
+    cls = hf_class(norm)
+    if cls.__name__ != spec.rms_norm or cls.__module__ != spec.module:
+        return None
+    own = norm.__dict__.get("forward")
+    fn = getattr(own, "__func__", None) if own is not None else type(norm).forward
+    if fn is not norm_forward or _hooked(norm):
+        return None
+    style = NORM_STYLES[spec.norm_style]
+    scale_flag = style.get("scale_flag")
+    weight = None
+    if scale_flag is None or getattr(norm, scale_flag):
+        weight = getattr(norm, "weight", None)
+        if not _is_plain(weight):
+            return None
+    return weight, getattr(norm, style["eps_attr"]), style["offset"], style["casting"]
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(residual + x), residual + x)`` by one :func:`fuselm.rms_norm` call with ``residual=``,
+    in the dtype HF's ``residual + x`` has (both cast to their promoted dtype first: under autocast an
+    fp32 residual stream and a bf16 attention output add in fp32, as in HF).
+
+    Shapes: x, residual ``[..., H]`` (the same); weight ``[H]``; returns two ``[..., H]`` tensors."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return rms_norm(x.to(dtype), weight, eps, residual=residual.to(dtype), offset=offset, casting=casting)
+
+
+def _outermost(module: nn.Module, forward: Callable) -> bool:
+    """Is ``forward`` what ``module(...)`` calls first (its instance forward, or its class's): then it
+    checkpoints, as HF's wrapper does when it is the outermost one."""
+    own = module.__dict__.get("forward")
+    if own is not None:
+        return getattr(own, "__func__", None) is forward
+    return type(module).forward is forward
+
+
+def _checkpoint(module: nn.Module, inner: Callable, args: tuple, kwargs: dict):
+    """``inner(module, *args, **kwargs)`` under the layer's gradient checkpointing function, with the
+    cache arguments transformers 5.23's ``GradientCheckpointingLayer`` turns off (and its warning)."""
+    changed = []
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+        changed.append("`use_cache=False`")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in ("past_key_values", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+                changed.append(f"`{name}=None`")
+    if changed:
+        from transformers.utils import logging
+
+        logging.get_logger("transformers.modeling_layers").warning_once(
+            f"Caching is incompatible with gradient checkpointing in {type(module).__name__}. Setting "
+            + ", ".join(changed)
+            + "."
+        )
+    return module._gradient_checkpointing_func(functools.partial(inner, module, **kwargs), *args)
+
+
+@functools.cache
+def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | None:
+    """The forward of a decoder layer of Llama's layout with the add after the attention fused into the
+    post-attention RMSNorm, or None (with a one-time warning) when ``original`` (the class's forward) is
+    not that layout in the installed transformers (:func:`llama_layer_layout`).
+
+    It runs HF's forward with one change: ``hidden_states = residual + attn_out; residual =
+    hidden_states; hidden_states = post_attention_layernorm(hidden_states)`` is ``hidden_states,
+    residual = fuselm.rms_norm(attn_out, weight, eps, residual=residual, ...)`` (one kernel: the sum is
+    rounded to the activations' dtype as HF's add rounds it, and the backward gives the gradient of both
+    operands, the residual stream's gradient added in fp32 before its one rounding). Everything else is
+    HF's: the arguments are bound to HF's signature and passed on to ``self_attn`` as HF's forward passes
+    them, ``input_layernorm``, ``self_attn`` and ``mlp`` are called as modules (PEFT's LoRA layers, hooks
+    and patches on them run), a tensor is returned. Under gradient checkpointing (transformers 5.23
+    checkpoints in the layer's forward, which this replaces) it checkpoints itself, with HF's rules.
+
+    HF's forward runs instead when the post-attention norm is not the family's RMSNorm running fuselm's
+    forward, has hooks, or has no plain weight (:func:`fused_norm_args`); HF's add and norm run when the
+    attention output and the residual are not plain tensors of one shape and device (DTensors).
+    """
+    layer = spec.decoder_layer
+    split = split_checkpointing(original)
+    layout = split if isinstance(split, str) else llama_layer_layout(split[0])
+    if isinstance(layout, str):
+        warn_once(
+            f"layer:{spec.module}.{layer}",
+            f"fuselm.hf: {layer} in this transformers version: {layout}, so its residual add stays "
+            "Hugging Face's (the norms, RoPE and MLP inside still run fuselm's)",
+        )
+        return None
+    raw, checkpoints = split
+    attn_args, attn_var_kw = layout.attn_args, layout.attn_var_kw
+    norm_forward = rms_norm_forward(spec)  # here, not in the forward: torch.compile traces through caches
+
+    def inner(self, *args, **kwargs):
+        norm_args = fused_norm_args(spec, getattr(self, "post_attention_layernorm", None), norm_forward)
+        if norm_args is None:
+            return raw(self, *args, **kwargs)
+        named, kwargs = layout.bind(args, kwargs)
+        hidden_states = named["hidden_states"]
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        passed = {name: named[name] for name in attn_args}
+        if attn_var_kw:
+            passed.update(kwargs)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **passed)
+        if (
+            _is_plain(hidden_states)
+            and _is_plain(residual)
+            and hidden_states.shape == residual.shape
+            and hidden_states.device == residual.device
+        ):
+            hidden_states, residual = residual_rms_norm(hidden_states, residual, *norm_args)
+        else:  # HF's add and norm
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+    @functools.wraps(raw)
+    def forward(self, *args, **kwargs):
+        if checkpoints and self.gradient_checkpointing and self.training and _outermost(self, forward):
+            return _checkpoint(self, inner, args, kwargs)
+        return inner(self, *args, **kwargs)
+
+    forward.__qualname__ = f"fuselm_{layer}.forward"
+    return forward
 
 
 def shifted_targets(

@@ -1,7 +1,8 @@
 """``patch`` / ``unpatch``: put fuselm's forwards into Hugging Face models, and take them out again.
 
 Three targets:
-- a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP and
+- a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP,
+  decoder layer (Llama's layout only: the residual add fused into the post-attention RMSNorm) and
   CausalLM (and multimodal ConditionalGeneration) classes get fuselm's ``forward`` as a class attribute
   and the modeling module's rotary function is replaced: every model of the family, built before or
   after, uses them.
@@ -45,7 +46,9 @@ from .registry import (
     supported_model_types,
 )
 
-BLOCKS = ("rms_norm", "rope", "swiglu")  # the block components; the loss is the fourth
+# the block components; the loss is the last one. residual_norm: the decoder layer's add after the
+# attention runs inside the post-attention RMSNorm (on with rms_norm, fused_residual=True)
+BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu")
 MISSING = object()  # a class attribute that was not in the class's own __dict__
 # Marker attribute on an instance-patched model: its _InstancePatch.
 INSTANCE_MARK = "_fuselm_patch"
@@ -105,7 +108,15 @@ def _own(cls: type, name: str):
 
 
 def _plan(
-    rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory, accum_dtype
+    rms_norm,
+    fused_residual,
+    rope,
+    swiglu,
+    linear_cross_entropy,
+    cross_entropy,
+    label_smoothing,
+    memory,
+    accum_dtype,
 ) -> _Plan:
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
@@ -114,7 +125,8 @@ def _plan(
         )
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
-    blocks = tuple(c for c, on in zip(BLOCKS, (rms_norm, rope, swiglu), strict=True) if on)
+    flags = (rms_norm, rms_norm and fused_residual, rope, swiglu)
+    blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     loss = None
     if linear_cross_entropy or cross_entropy:
         loss = layers.LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
@@ -137,6 +149,8 @@ def _forward_for(spec: FamilySpec, cls: type, plan: _Plan) -> Callable | None:
     name = cls.__name__
     if name == spec.rms_norm and "rms_norm" in plan.blocks:
         return layers.rms_norm_forward(spec)
+    if name == spec.decoder_layer and "residual_norm" in plan.blocks:
+        return layers.decoder_layer_forward(spec, _original_forward(cls))
     if name == spec.mlp and "swiglu" in plan.blocks:
         return layers.mlp_forward(spec, _original_forward(cls))
     if name in spec.causal_lms and plan.loss is not None:
@@ -217,6 +231,8 @@ def _patch_family(spec: FamilySpec, plan: _Plan) -> None:
             missing.append(name)
             continue
         new = _forward_for(spec, cls, plan)
+        if new is None:  # a decoder layer that is not Llama's layout here (warned): it stays HF's
+            continue
         saved.append((cls, "forward", _own(cls, "forward")))
         cls.forward = new
     rope = "rope" in plan.blocks and spec.rope is not None
@@ -256,16 +272,6 @@ def _family_of_target(target) -> FamilySpec:
 # ---- instance patching ----
 
 
-def _hf_class(module: nn.Module) -> type:
-    """The module's Hugging Face class: FSDP2's fully_shard (and replicate) swap a module's class for a
-    subclass (FSDPModule, cls) defined in torch; look through that one, not through user subclasses."""
-    cls = type(module)
-    bases = cls.__bases__
-    if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
-        return bases[1]
-    return cls
-
-
 def _generic_lm(module: nn.Module, cls: type) -> bool:
     """A decoder-only language model with a head of a family without a spec (encoder-decoder models
     compute another loss: never touched)."""
@@ -287,7 +293,7 @@ def _patch_instance(model: nn.Module, plan: _Plan) -> None:
     known: dict[FamilySpec, None] = {}  # families with a spec, in order of appearance
     generic: list[str] = []
     for sub in model.modules():
-        cls = _hf_class(sub)
+        cls = layers.hf_class(sub)
         spec = family_of_module(cls.__module__)
         if spec is not None:
             known[spec] = None
@@ -346,6 +352,7 @@ def patch(
     target,
     *,
     rms_norm: bool = True,
+    fused_residual: bool = True,
     rope: bool = True,
     swiglu: bool = True,
     linear_cross_entropy: bool = True,
@@ -366,6 +373,12 @@ def patch(
             spec gets the fused loss only, with one warning naming what stays Hugging Face's.
         rms_norm: every RMSNorm of the family (including q/k norms) runs :func:`fuselm.rms_norm` with
             the family's casting (Llama's, Gemma's ``1 + weight``, OLMo 2's), HF's formula exactly.
+        fused_residual: with ``rms_norm``, in the families whose decoder layer is Llama's pre-norm layout
+            (``FamilySpec.decoder_layer``), the layer's add after the attention runs inside the
+            post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps,
+            residual=residual)``, one kernel instead of an add and a norm (and one in backward instead of
+            the norm's backward and a gradient add). The sum is rounded to the activations' dtype as HF's
+            add rounds it. ``False`` (or ``rms_norm=False``) leaves the decoder layers HF's.
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: while a class patch or a live instance-patched model of the
             family needs it, every model of that family runs it (the same math as HF's).
@@ -412,7 +425,15 @@ def patch(
         >>> _ = fuselm.hf.unpatch(model)
     """
     plan = _plan(
-        rms_norm, rope, swiglu, linear_cross_entropy, cross_entropy, label_smoothing, memory, accum_dtype
+        rms_norm,
+        fused_residual,
+        rope,
+        swiglu,
+        linear_cross_entropy,
+        cross_entropy,
+        label_smoothing,
+        memory,
+        accum_dtype,
     )
     if isinstance(target, nn.Module):
         _patch_instance(target, plan)
@@ -452,7 +473,7 @@ def is_patched(target) -> bool:
     if isinstance(target, nn.Module):
         if getattr(target, INSTANCE_MARK, None) is not None:
             return True
-        return any(_class_spec(_hf_class(m)) in _class_patches for m in target.modules())
+        return any(_class_spec(layers.hf_class(m)) in _class_patches for m in target.modules())
     if not isinstance(target, (str, type)):
         raise _bad_target(target)
     return _family_of_target(target) in _class_patches
