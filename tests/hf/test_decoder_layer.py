@@ -1,0 +1,449 @@
+"""The decoder layer's add after the attention fused into the post-attention RMSNorm (``residual_norm``,
+``fuselm.hf.patch(..., fused_residual=True)``): which families get it, that a patched tiny model computes
+HF's loss, logits and every gradient under the numerics rule (fp32 and bf16, float64 reference), that
+the call reaches HF's attention exactly as HF's forward makes it, gradient checkpointing, PEFT, the
+fallbacks, and that unpatching and the flag leave HF's layer.
+
+The models are patched with only the norms and the fused residual (``rope=False, swiglu=False``, HF's
+loss on its logits), so that what is compared is the layer itself; test_families.py runs every family
+with everything on."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import importlib
+import inspect
+
+import pytest
+import torch
+from conftest import triton_path
+from hf_models import ALL_TYPES, build, clone
+
+import fuselm.hf
+from fuselm.hf import layers
+from fuselm.hf.registry import FAMILIES, LAYER_NOT_FUSED, family
+from fuselm.ops._common.testing import assert_numerics
+
+transformers = pytest.importorskip("transformers")
+GCL = transformers.modeling_layers.GradientCheckpointingLayer
+
+# Triton kernels on the CPU (TRITON_INTERPRET=1), whose fp32 -> bf16 conversions truncate
+INTERPRETER = triton_path() and not torch.cuda.is_available()
+FUSED_TYPES = tuple(t for t in ALL_TYPES if family(t).decoder_layer is not None)
+# only the norms and the fused residual: the layer is what differs from HF
+LAYER_ONLY = dict(rope=False, swiglu=False, linear_cross_entropy=False)
+
+
+def _unpatch_all():
+    gc.collect()
+    for model_type in FAMILIES:
+        fuselm.hf.unpatch(model_type)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_patches():
+    _unpatch_all()
+    yield
+    _unpatch_all()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of layers.residual_rms_norm (one per decoder layer that took the fused path)."""
+    calls = []
+    fn = layers.residual_rms_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "residual_rms_norm", spy)
+    return calls
+
+
+def _batch(vocab: int, b=2, t=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab - 5, (b, t), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _step(model, ids, labels):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(outs, models, dtype):
+    """Loss, logits and every parameter gradient of (float64 reference, HF, patched) under the rule."""
+    ref, eager, ours = outs
+    assert_numerics("loss", ours.loss, eager.loss, ref.loss, dtype)
+    assert_numerics("logits", ours.logits, eager.logits, ref.logits, dtype)
+    grads = [_grads(m) for m in models]
+    assert grads[2].keys() == grads[1].keys() and grads[1]
+    for name in grads[1]:
+        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], dtype)
+
+
+def _checkpointing(model, **kwargs):
+    """Gradient (activation) checkpointing on, under the name this transformers version has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _decoder_layers(model, spec):
+    return [m for m in model.modules() if layers.hf_class(m).__name__ == spec.decoder_layer]
+
+
+# ---- which families ----
+
+
+def test_every_family_with_a_swapped_rms_norm_says_whether_its_layer_is_fused():
+    """A family whose RMSNorm fuselm swaps either names its decoder layer (Llama's layout) or says in
+    LAYER_NOT_FUSED why not; no family is in both."""
+    for key, spec in FAMILIES.items():
+        if spec.rms_norm is None:
+            assert spec.decoder_layer is None and key not in LAYER_NOT_FUSED, key
+        else:
+            assert (spec.decoder_layer is None) == (key in LAYER_NOT_FUSED), key
+
+
+def _layer_classes(spec):
+    module = importlib.import_module(spec.module)
+    return [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, GCL) and c.__module__ == spec.module
+        if c.__name__.endswith("DecoderLayer")
+    ]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_layout_check_agrees_with_the_registry(model_type):
+    """The syntax-tree check finds Llama's layout in the layer each spec names, and in no decoder layer of
+    the families LAYER_NOT_FUSED lists (a transformers version that made one Llama-like shows here)."""
+    spec = FAMILIES[model_type]
+    if spec.decoder_layer is not None:
+        cls = getattr(importlib.import_module(spec.module), spec.decoder_layer)
+        raw, _ = layers.split_checkpointing(cls.forward)
+        layout = layers.llama_layer_layout(raw)
+        assert isinstance(layout, layers.LayerLayout), layout
+        assert layout.params[0] == "hidden_states" and layout.attn_var_kw
+    elif model_type in LAYER_NOT_FUSED:
+        classes = _layer_classes(spec)
+        assert classes
+        for cls in classes:
+            split = layers.split_checkpointing(cls.forward)
+            assert isinstance(split, str) or isinstance(layers.llama_layer_layout(split[0]), str), cls
+
+
+def test_a_layer_that_is_not_llamas_layout_stays_hf(monkeypatch):
+    """A spec naming a layer of another layout (Phi-3's: dropout before the adds) gets no patched layer:
+    one warning, the class keeps HF's forward, the rest of the family is patched."""
+    monkeypatch.setattr(layers, "_warned", set())
+    spec = dataclasses.replace(family("phi3"), decoder_layer="Phi3DecoderLayer")
+    cls = importlib.import_module(spec.module).Phi3DecoderLayer
+    before = vars(cls)["forward"]
+    with pytest.warns(UserWarning, match="Phi3DecoderLayer .*not Llama's pre-norm layout"):
+        assert layers.decoder_layer_forward(spec, cls.forward) is None
+    monkeypatch.setitem(FAMILIES, "phi3", spec)
+    try:
+        fuselm.hf.patch("phi3")
+        assert vars(cls)["forward"] is before
+        norm = getattr(importlib.import_module(spec.module), spec.rms_norm)
+        assert norm.forward.__qualname__ == "fuselm_Phi3RMSNorm.forward"
+    finally:
+        fuselm.hf.unpatch("phi3")
+
+
+# ---- numerics ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", FUSED_TYPES)
+def test_fused_residual_matches_hf(model_type, dtype, fused_calls):
+    """Training loss, logits and every parameter gradient of the patched model follow the numerics rule
+    against HF's (float64 reference); every decoder layer took the fused path."""
+    if dtype == torch.bfloat16 and INTERPRETER:
+        pytest.skip(
+            "the Triton interpreter converts fp32 to bf16 by truncation (the GPU rounds to nearest even, "
+            "as PyTorch): bf16 is checked without TRITON_INTERPRET (the PyTorch reference path), the "
+            "kernel by tests/ops/test_rms_norm.py on the GPU"
+        )
+    eager = build(model_type, dtype=dtype)
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    spec = family(model_type)
+    n_layers = len(_decoder_layers(models[2], spec))
+    assert n_layers == 2
+    ids, labels = _batch(eager.config.get_text_config().vocab_size)
+    outs = [_step(m, ids, labels) for m in models[:2]]
+    assert not fused_calls
+    outs.append(_step(models[2], ids, labels))
+    assert len(fused_calls) == n_layers
+    _compare(outs, models, dtype)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_self_attn_gets_what_hf_passes(model_type):
+    """The patched layer calls self_attn with the keyword arguments HF's forward passes (Mixtral's forward
+    has another signature and passes no use_cache), extra keyword arguments included, whether the
+    layer's arguments come by name or by position; the output is HF's tensor."""
+    eager = build(model_type)
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager), **LAYER_ONLY)
+    seen = {}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            seen[name] = (args, dict(kwargs))
+
+        return hook
+
+    for name, model in (("hf", eager), ("ours", ours)):
+        model.model.layers[0].self_attn.register_forward_pre_hook(record(name), with_kwargs=True)
+    h = torch.randn(2, 8, eager.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(8)[None].expand(2, 8)
+    cos_sin = eager.model.rotary_emb(h, position_ids)
+    layer_hf, layer_ours = eager.model.layers[0], ours.model.layers[0]
+    assert "forward" in vars(layer_ours) and "forward" not in vars(layer_hf)
+    calls = [
+        dict(position_embeddings=cos_sin, position_ids=position_ids, extra_kwarg="x"),
+        dict(position_embeddings=cos_sin, attention_mask=None),
+    ]
+    for kwargs in calls:
+        y_hf, y_ours = layer_hf(h, **kwargs), layer_ours(h, **kwargs)
+        assert type(y_hf) is type(y_ours) is torch.Tensor
+        kwargs64 = {**kwargs, "position_embeddings": tuple(t.double() for t in cos_sin)}
+        y64 = ref.model.layers[0](h.double(), **kwargs64)
+        assert_numerics("layer output", y_ours, y_hf, y64, torch.float32)
+        (args_hf, kw_hf), (args_ours, kw_ours) = seen["hf"], seen["ours"]
+        assert args_hf == args_ours == ()
+        assert kw_hf.keys() == kw_ours.keys()
+        for key in kw_hf:
+            if key != "hidden_states":
+                assert kw_ours[key] is kw_hf[key], key
+    # by position, as far as the signature goes: the same binding as HF's
+    names = layers.llama_layer_layout(layers.split_checkpointing(type(layer_hf).forward)[0]).params
+    positional = {"position_embeddings": cos_sin, "attention_mask": None, "position_ids": position_ids}
+    args = [positional.get(n) for n in names[1:]]
+    args = [False if n == "use_cache" else a for n, a in zip(names[1:], args, strict=True)]
+    torch.testing.assert_close(layer_ours(h, *args), layer_hf(h, *args))
+    assert seen["ours"][1].keys() == seen["hf"][1].keys()
+    for layer in (layer_hf, layer_ours):  # the same errors as HF's
+        with pytest.raises(TypeError, match="multiple values"):
+            layer(h, args[0], **{names[1]: args[0]})
+        with pytest.raises(TypeError):
+            layer(h, *args, None)
+
+
+def test_generation_with_a_cache(fused_calls):
+    """Eval with a KV cache (prefill, then one token): the layer passes past_key_values and use_cache on,
+    the cache fills as HF's, the logits follow the rule."""
+    eager = build("qwen3")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    ids, _ = _batch(eager.config.vocab_size, t=9)
+    logits, lengths = [], []
+    for m in models:
+        m.eval()
+        cache = transformers.DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+            out = m(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+        lengths.append(cache.get_seq_length())
+    assert lengths == [9, 9, 9]
+    assert len(fused_calls) == 4  # 2 layers x 2 calls
+    assert_numerics("decode logits", logits[2], logits[1], logits[0], torch.float32)
+
+
+# ---- gradient checkpointing, PEFT ----
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("by", ["instance", "class"])
+def test_gradient_checkpointing(by, reentrant, fused_calls):
+    """With gradient checkpointing on, the patched layer is checkpointed (the backward recomputes it: the
+    fused norm runs twice per layer) and loss and gradients follow the rule."""
+    eager = build("llama")
+    models = [clone(eager, torch.float64), eager, clone(eager)]
+    for m in models:
+        _checkpointing(m, use_reentrant=reentrant)
+    if by == "instance":
+        fuselm.hf.patch(models[2], **LAYER_ONLY)
+    ids, labels = _batch(eager.config.vocab_size)
+    outs = [_step(m, ids, labels) for m in models[:2]]
+    if by == "class":
+        fuselm.hf.patch("llama", **LAYER_ONLY)
+        assert type(models[2].model.layers[0]).forward.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
+    outs.append(_step(models[2], ids, labels))
+    assert len(fused_calls) == 2 * 2  # forward, then the recompute in backward
+    _compare(outs, models, torch.float32)
+
+
+def test_checkpointing_every_other_layer(fused_calls):
+    """transformers 5.23's every_n_layers=2: the first layer is checkpointed, the second not (the patched
+    forward reads the flag HF sets per layer)."""
+    model = fuselm.hf.patch(build("llama"), **LAYER_ONLY)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        pytest.skip("no every_n_layers in this transformers version")
+    enable(every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    _step(model, *_batch(300))
+    assert len(fused_calls) == 3  # 2 in forward, the first layer again in backward
+
+
+def test_gradient_checkpointing_turns_the_cache_off_as_hf(fused_calls):
+    """Training under gradient checkpointing with use_cache=True: the layer gets use_cache=False and
+    past_key_values=None, as HF's GradientCheckpointingLayer sets them."""
+    eager = build("llama")
+    h = torch.randn(1, 4, eager.config.hidden_size, requires_grad=True)
+    cos_sin = eager.model.rotary_emb(h, torch.arange(4)[None])
+    seen = {}
+    for name, model in (("hf", eager), ("ours", fuselm.hf.patch(clone(eager), **LAYER_ONLY))):
+        _checkpointing(model, use_reentrant=False)
+        model.train()
+        layer = model.model.layers[0]
+        seen[name] = []
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw, _s=seen[name]: _s.append((kw.get("use_cache"), kw.get("past_key_values"))),
+            with_kwargs=True,
+        )
+        cache = transformers.DynamicCache(config=model.config)
+        layer(h, position_embeddings=cos_sin, use_cache=True, past_key_values=cache).sum().backward()
+        assert cache.get_seq_length() == 0
+    assert seen["ours"] == seen["hf"] == [(False, None)] * 2  # forward, recompute
+    assert len(fused_calls) == 2
+
+
+def test_peft_lora_on_attention_and_mlp(fused_calls):
+    """LoRA on q_proj, v_proj and up_proj: the patched layer calls the PEFT-wrapped attention and MLP as
+    modules; loss, logits and the LoRA gradients follow the rule."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    eager = peft.get_peft_model(build("mistral"), lora)
+    for name, p in eager.named_parameters():  # LoRA B starts at zero: make the adapters matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    models = (copy.deepcopy(eager).double(), eager, fuselm.hf.patch(copy.deepcopy(eager), **LAYER_ONLY))
+    ids, labels = _batch(300)
+    outs = [_step(m, ids, labels) for m in models]
+    assert len(fused_calls) == 2
+    assert any("lora_B" in n for n in _grads(models[2]))
+    _compare(outs, models, torch.float32)
+
+
+# ---- fallbacks ----
+
+
+def test_a_hooked_norm_runs_hfs_forward(fused_calls):
+    """A forward hook on a layer's post-attention norm: that layer runs HF's forward (the hook fires), the
+    other one the fused path; the results follow the rule."""
+    eager = build("llama")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    fired = []
+    for m in models:
+        m.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *a: fired.append(1))
+    ids, labels = _batch(300)
+    outs = [_step(m, ids, labels) for m in models]
+    assert len(fired) == 3 and len(fused_calls) == 1
+    _compare(outs, models, torch.float32)
+
+
+def test_a_norm_of_another_class_runs_hfs_forward(fused_calls):
+    """A post-attention norm that is not the family's RMSNorm (a subclass of it here, which could compute
+    anything) or not on fuselm's forward (an instance forward of someone else's): HF's forward runs."""
+
+    module = importlib.import_module(family("llama").module)
+
+    class ScaledNorm(module.LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return 2.0 * super().forward(hidden_states)
+
+    eager = build("llama")
+    models = [clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY)]
+    for m in models:
+        norm = ScaledNorm(m.config.hidden_size, eps=m.config.rms_norm_eps).to(m.dtype)
+        m.model.layers[0].post_attention_layernorm = norm
+        other = m.model.layers[1].post_attention_layernorm  # an instance forward of someone else's
+        other.forward = lambda x, _f=other.forward: _f(x) * 0.5  # over fuselm's (HF's in the others)
+    ids, labels = _batch(300)
+    outs = [_step(m, ids, labels) for m in models]
+    assert not fused_calls
+    _compare(outs, models, torch.float32)
+
+
+def test_autocast_adds_in_the_residual_dtype(fused_calls):
+    """Under CPU autocast (bf16 matmuls, fp32 weights) the attention output is bf16 and the residual stream
+    fp32: HF's add promotes to fp32, and so does the fused path (the attention output is upcast first)."""
+    eager = build("llama")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    ids, labels = _batch(300)
+    outs = [_step(models[0], ids, labels)]
+    for m in models[1:]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(_step(m, ids, labels))
+    assert len(fused_calls) == 2
+    _compare(outs, models, torch.bfloat16)
+
+
+def test_tensors_that_are_not_plain_run_hfs_add_and_norm(monkeypatch, fused_calls):
+    """When the attention output or the residual is not a plain tensor (a DTensor), the layer runs HF's
+    add and calls the norm module, after the attention it has already run."""
+    monkeypatch.setattr(layers, "_is_plain", lambda t: type(t) is torch.nn.Parameter)  # weights only
+    eager = build("llama")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    ids, labels = _batch(300)
+    outs = [_step(m, ids, labels) for m in models]
+    assert not fused_calls
+    _compare(outs, models, torch.float32)
+
+
+# ---- flags, unpatching ----
+
+
+@pytest.mark.parametrize("by", ["instance", "class"])
+def test_unpatch_restores_hfs_layer(by):
+    spec = family("llama")
+    module = importlib.import_module(spec.module)
+    cls = getattr(module, spec.decoder_layer)
+    before = vars(cls)["forward"]
+    model = build("llama")
+    fuselm.hf.patch(model if by == "instance" else "llama")
+    layer = model.model.layers[0]
+    assert layer.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
+    assert (by == "instance") == ("forward" in vars(layer))
+    fuselm.hf.unpatch(model if by == "instance" else "llama")
+    assert vars(cls)["forward"] is before
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert layer.forward.__func__ is before
+
+
+@pytest.mark.parametrize("flags", [dict(fused_residual=False), dict(rms_norm=False)])
+def test_the_fused_residual_can_be_switched_off(flags, fused_calls):
+    """fused_residual=False, or rms_norm=False (the fused residual is part of the norm), leaves the layer
+    HF's; re-patching with the flag on puts it in."""
+    model = fuselm.hf.patch(build("llama"), **flags)
+    kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
+    assert "LlamaDecoderLayer" not in kinds and "LlamaMLP" in kinds
+    assert ("LlamaRMSNorm" in kinds) == flags.get("rms_norm", True)
+    ids, labels = _batch(300)
+    _step(model, ids, labels)
+    assert not fused_calls
+    fuselm.hf.patch(model)
+    assert "forward" in vars(model.model.layers[0])
+    fuselm.hf.patch("llama", **flags)
+    module = importlib.import_module(family("llama").module)
+    assert "forward" in vars(module.LlamaDecoderLayer)  # HF's own (the checkpointing wrapper)
+    assert module.LlamaDecoderLayer.forward.__qualname__ == "LlamaDecoderLayer.forward"
