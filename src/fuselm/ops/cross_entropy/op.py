@@ -10,9 +10,9 @@ import torch
 
 from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
-from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import z_loss_rows
-from .._common.loss.rows import LocalRows, scale_grad_
+from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
 from .reference import cross_entropy_reference_of
 
 
@@ -30,10 +30,20 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits, target, weight, token_weights, opts, backend, extras, inplace_backward, compute_grad
+        ctx,
+        logits,
+        target,
+        weight,
+        token_weights,
+        opts,
+        backend,
+        extras,
+        inplace_backward,
+        compute_grad,
+        loss_dtype,
     ):
         opts = opts.with_tensors(weight, token_weights)
-        scales = loss_scales(target, opts, backend.n_classes)
+        scales = batch_scales(target, opts, backend.n_classes)
         grad_in_forward = compute_grad and opts.reduction != "none" and not extras.lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
         predicted = target.new_empty(target.shape[0] if extras.argmax else 0, dtype=torch.int64)
@@ -51,7 +61,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.opts = opts.with_tensors(None, None)
         ctx.backend = backend
         ctx.consumed = False
-        return reduce_rows(loss, opts, scales), lse, predicted  # fp32; the caller casts to loss_dtype
+        return reduced_loss(loss, opts, scales, loss_dtype), lse, predicted
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
@@ -65,7 +75,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.consumed = True
         if ctx.grad_in_forward:
             (grad,) = ctx.saved_tensors
-            scale_grad_(grad, dloss.float().reshape(1))
+            scale_grad_(grad, dloss.reshape(1))  # dloss in the loss dtype: the kernel reads it in fp32
         else:
             logits, target, weight, token_weights, weight_sum, grad_scale, lse = ctx.saved_tensors
             dloss = dloss.float().reshape(-1).contiguous()
@@ -73,7 +83,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             opts = ctx.opts.with_tensors(weight, token_weights)
             scales = LossScales(weight_sum, grad_scale)
             grad = ctx.backend.backward(logits, target, opts, scales, dloss, dlse, lse, ctx.inplace)
-        return grad, *([None] * 8)
+        return grad, *([None] * 9)
 
 
 def cross_entropy(
@@ -190,9 +200,11 @@ def apply_cross_entropy(
         extras,
         inplace_backward,
         torch.is_grad_enabled() and input.requires_grad,
+        loss_dtype,
     )
     z_loss = None
     if extras.z_loss:
         n_classes = backend.n_classes
-        z_loss = reduce_rows(z_loss_rows(lse, t1, n_classes, opts), opts, loss_scales(t1, opts, n_classes))
+        z_rows = z_loss_rows(lse, t1, n_classes, opts)
+        z_loss = reduced_loss(z_rows, opts, batch_scales(t1, opts, n_classes), loss_dtype)
     return loss_outputs(loss, lse, target, opts, loss_dtype, extras, z_loss, predicted)

@@ -327,3 +327,59 @@ def cross_entropy_bwd_kernel_scale(
         g = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         g = tl.where(g == 0.0, 0.0, g * dloss)
         tl.store(ptr, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def loss_scales_kernel(
+    target_ptr,
+    weight_ptr,
+    out_ptr,
+    n_rows,
+    n_classes,
+    ignore_index,
+    HAS_WEIGHT: tl.constexpr,
+    MEAN: tl.constexpr,
+    WEIGHT_SUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: out[0] = the gradient scale (1 / the mean's denominator: the number of non-ignored
+    targets, or the sum of their class weights; 1 for other reductions), out[1] = the sum of the class
+    weights (WEIGHT_SUM: label smoothing with class weights)."""
+    offs = tl.arange(0, BLOCK)
+    scale = 1.0
+    if MEAN:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_rows, BLOCK):
+            r = start + offs
+            t = tl.load(target_ptr + r, mask=r < n_rows, other=0).to(tl.int64)
+            valid = (t != ignore_index) & (r < n_rows)
+            if HAS_WEIGHT:  # an out-of-range target counts class 0's weight (its loss is NaN anyway)
+                t_safe = tl.where(valid & (t >= 0) & (t < n_classes), t, 0)
+                acc += tl.where(
+                    valid, tl.load(weight_ptr + t_safe, mask=valid, other=0.0).to(tl.float32), 0.0
+                )
+            else:
+                acc += valid.to(tl.float32)
+        scale = 1.0 / tl.sum(acc, axis=0)
+    tl.store(out_ptr, scale)
+    if WEIGHT_SUM:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_classes, BLOCK):
+            c = start + offs
+            acc += tl.load(weight_ptr + c, mask=c < n_classes, other=0.0).to(tl.float32)
+        tl.store(out_ptr + 1, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def loss_reduce_kernel(loss_ptr, scale_ptr, out_ptr, n_rows, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: out[0] = the sum of the per-row losses (fp32, in a fixed order), times the gradient
+    scale for MEAN, in out's dtype."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        r = start + offs
+        acc += tl.load(loss_ptr + r, mask=r < n_rows, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if MEAN:
+        total = total * tl.load(scale_ptr)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))

@@ -14,9 +14,15 @@ import triton
 
 from ..dispatch import interpret_mode, use_triton
 from ..launch import persistent_grid, row_launch
-from .options import LossOptions, LossScales, options_of
+from .options import LossOptions, LossScales, loss_scales, options_of, reduce_rows
 from .reference import scale_keeping_zeros
-from .row_kernels import cross_entropy_bwd_kernel, cross_entropy_bwd_kernel_scale, cross_entropy_fwd_kernel
+from .row_kernels import (
+    cross_entropy_bwd_kernel,
+    cross_entropy_bwd_kernel_scale,
+    cross_entropy_fwd_kernel,
+    loss_reduce_kernel,
+    loss_scales_kernel,
+)
 
 # Launch configs measured on an H200 (benchmarks/scripts/tune_cross_entropy.py): rows of up to
 # SINGLE_BLOCK_MAX columns are held in registers and read once; longer rows loop in blocks whose
@@ -147,6 +153,54 @@ def _scale_grad_kernel_(grad, dloss):
         BLOCK_V=block,
         num_warps=num_warps,
     )
+
+
+def _one_launch(t: torch.Tensor) -> bool:
+    """Run the reduction helpers as one Triton launch each? Eager calls on the Triton path only: under
+    torch.compile the torch ops fuse, and the CPU reference path has no launches to save."""
+    return use_triton(t) and not torch.compiler.is_compiling()
+
+
+def batch_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> LossScales:
+    """options.loss_scales of target [N] (contiguous) in one launch (eager, Triton path)."""
+    if not _one_launch(target):
+        return loss_scales(target, opts, n_classes)
+    weight_sum = opts.weight is not None and opts.has_smoothing
+    out = torch.empty(2, dtype=torch.float32, device=target.device)
+    loss_scales_kernel[(1,)](
+        target_ptr=target,
+        weight_ptr=opts.weight if opts.weight is not None else out,
+        out_ptr=out,
+        n_rows=target.numel(),
+        n_classes=n_classes,
+        ignore_index=opts.ignore_index,
+        HAS_WEIGHT=opts.weight is not None,
+        MEAN=opts.reduction == "mean",
+        WEIGHT_SUM=weight_sum,
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return LossScales(out[1:] if weight_sum else None, out[:1])
+
+
+def reduced_loss(
+    loss: torch.Tensor, opts: LossOptions, scales: LossScales, dtype: torch.dtype
+) -> torch.Tensor:
+    """options.reduce_rows of per-row losses [N] (fp32, contiguous), cast to dtype, in one launch for
+    "mean" and "sum" (eager, Triton path)."""
+    if opts.reduction == "none" or not _one_launch(loss):
+        return reduce_rows(loss, opts, scales).to(dtype)
+    out = torch.empty((), dtype=dtype, device=loss.device)
+    loss_reduce_kernel[(1,)](
+        loss_ptr=loss,
+        scale_ptr=scales.grad_scale,
+        out_ptr=out,
+        n_rows=loss.numel(),
+        MEAN=opts.reduction == "mean",
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return out
 
 
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break. The options travel as
