@@ -447,3 +447,49 @@ def test_the_fused_residual_can_be_switched_off(flags, fused_calls):
     module = importlib.import_module(family("llama").module)
     assert "forward" in vars(module.LlamaDecoderLayer)  # HF's own (the checkpointing wrapper)
     assert module.LlamaDecoderLayer.forward.__qualname__ == "LlamaDecoderLayer.forward"
+
+
+def test_class_patch_reaches_fsdp2_classes_made_before_and_during_it(fused_calls):
+    """FSDP2 makes one subclass (FSDPModule, cls) per class and caches it, and transformers 5.23 wraps a
+    subclass's forward when the subclass is made: a class patch also patches such a class made before it,
+    one made during it wraps the patched forward, and unpatching leaves both on HF's forward. Layers of
+    both classes are checkpointed once (the fused norm runs twice per layer, not more)."""
+    cls = importlib.import_module(family("llama").module).LlamaDecoderLayer
+
+    class FSDPModule:  # the name FSDP2's base class has (fuselm.hf looks through its subclasses)
+        pass
+
+    def make():
+        return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+    if "forward" not in vars(make()):
+        pytest.skip("this transformers version checkpoints in __call__: subclasses inherit forward")
+    hf = vars(cls)["forward"]
+    before = make()
+    fuselm.hf.patch("llama")
+    ours = vars(cls)["forward"]
+    during = make()
+    assert vars(before)["forward"] is ours and vars(during)["forward"].__wrapped__ is ours
+    config = build("llama").config
+    h = torch.randn(1, 4, config.hidden_size, requires_grad=True)
+    for sub in (before, during):
+        layer = sub(config, 0).train()
+        layer.gradient_checkpointing = True
+        checkpoints = []
+
+        def checkpoint(fn, *args, _seen=checkpoints):
+            _seen.append(1)
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+        layer._gradient_checkpointing_func = checkpoint
+        cos_sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)(
+            h, torch.arange(4)[None]
+        )
+        fused_calls.clear()
+        layer(h, position_embeddings=cos_sin).sum().backward()
+        assert len(fused_calls) == 2 and len(checkpoints) == 1, sub
+    fuselm.hf.unpatch("llama")
+    assert vars(cls)["forward"] is hf and vars(during)["forward"] is hf
+    assert vars(before)["forward"].__wrapped__ is hf  # its own wrapper, as FSDP2 made it
+    del before, during, layer
+    gc.collect()  # the test's classes leave cls.__subclasses__()

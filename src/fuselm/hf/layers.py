@@ -265,11 +265,22 @@ def split_checkpointing(forward: Callable) -> tuple[Callable, bool] | str:
 def hf_class(module: nn.Module) -> type:
     """The module's Hugging Face class: FSDP2's fully_shard (and replicate) swap a module's class for a
     subclass (FSDPModule, cls) defined in torch; look through that one, not through user subclasses."""
-    cls = type(module)
+    return unsharded_class(type(module))
+
+
+def unsharded_class(cls: type) -> type:
+    """``cls``, or the class FSDP2 made it from when it is FSDP2's subclass (FSDPModule, that class)."""
     bases = cls.__bases__
     if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
         return bases[1]
     return cls
+
+
+def sharded_classes(cls: type) -> list[type]:
+    """The classes FSDP2 made from ``cls`` (torch caches one per class) that hold a ``forward`` of their
+    own: transformers 5.23's ``GradientCheckpointingLayer`` wraps a subclass's forward when the subclass is
+    made, so such a class keeps the forward ``cls`` had then (a later class patch would not reach it)."""
+    return [s for s in cls.__subclasses__() if unsharded_class(s) is cls and "forward" in vars(s)]
 
 
 _GLOBAL_HOOKS = (

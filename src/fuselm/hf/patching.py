@@ -208,10 +208,14 @@ def _unpatch_family(spec: FamilySpec) -> None:
     if patch is None:
         return
     for owner, name, previous in reversed(patch.saved):
+        current = vars(owner).get(name)
         if previous is MISSING:
             delattr(owner, name)
         else:
             setattr(owner, name, previous)
+        for sub in layers.sharded_classes(owner):  # made by FSDP2 while patched: wrapping fuselm's forward
+            if getattr(vars(sub)["forward"], "__wrapped__", None) is current is not None:
+                sub.forward = getattr(owner, name)  # as if made from the restored class
     if spec in _ropes:
         _ropes[spec].class_user = False
 
@@ -235,6 +239,9 @@ def _patch_family(spec: FamilySpec, plan: _Plan) -> None:
             continue
         saved.append((cls, "forward", _own(cls, "forward")))
         cls.forward = new
+        for sub in layers.sharded_classes(cls):  # FSDP2's class of it, made before: holds the old forward
+            saved.append((sub, "forward", _own(sub, "forward")))
+            sub.forward = new
     rope = "rope" in plan.blocks and spec.rope is not None
     if rope and not hasattr(module, spec.rope):
         missing.append(spec.rope)
