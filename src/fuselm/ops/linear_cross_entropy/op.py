@@ -9,9 +9,9 @@ import torch
 from .._common.dispatch import compaction_allowed, use_triton
 from .._common.guard import FLOAT_DTYPES, linear_operands, resolve_loss_dtype, rows_view, validate_memory
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs, loss_scales, reduce_rows
+from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
-from .._common.loss.rows import LocalRows, scale_grad_
+from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
 from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
 from .reference import linear_cross_entropy_reference_of
 
@@ -31,10 +31,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, token_weights, rows, opts, plan, backend, extras, needs):
+    def forward(
+        ctx, x, w, b, target, weight, token_weights, rows, opts, plan, backend, extras, needs, loss_dtype
+    ):
         n = x.shape[0]
         opts = opts.with_tensors(weight, token_weights)
-        scales = loss_scales(target, opts, backend.n_classes)
+        scales = batch_scales(target, opts, backend.n_classes)
         grad_in_forward = any(needs) and opts.reduction != "none" and not extras.lse
         n_work = n if rows is None else rows.shape[0]
         predicted = target.new_empty(n_work if extras.argmax else 0, dtype=torch.int64)
@@ -68,8 +70,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not extras.lse:
             ctx.mark_non_differentiable(lse)
         if opts.reduction == "none" and rows is not None:
-            return loss.new_zeros(n).index_copy_(0, rows, loss), lse, predicted  # ignored rows: loss 0
-        return reduce_rows(loss, opts, scales), lse, predicted  # fp32; the caller casts to loss_dtype
+            loss = loss.new_zeros(n).index_copy_(0, rows, loss)  # ignored rows: loss 0
+        return reduced_loss(loss, opts, scales, loss_dtype), lse, predicted
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
@@ -82,7 +84,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.grad_in_forward:
             ctx.consumed = True
             dx, dw, db = ctx.saved_tensors
-            dl = dloss.float().reshape(1)
+            dl = dloss.reshape(1)  # in the loss dtype: the kernels read it in fp32
             if dx is not None:
                 scale_grad_(dx, dl)
             if dw is not None:
@@ -103,7 +105,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         if db is not None:
             db = db.to(ctx.bias_dtype)
-        return dx, dw, db, *([None] * 9)
+        return dx, dw, db, *([None] * 10)
 
 
 def linear_cross_entropy(
@@ -288,6 +290,7 @@ def apply_linear_cross_entropy(
         backend,
         extras,
         needs,
+        loss_dtype,
     )
     z_loss = None
     if extras.z_loss:  # from the lse of the computed rows (the others add 0)
@@ -295,5 +298,5 @@ def apply_linear_cross_entropy(
         z_rows = z_loss_rows(lse, t1 if rows is None else t1.index_select(0, rows), n_classes, opts)
         if rows is not None:
             z_rows = z_rows.new_zeros(t1.shape[0]).index_copy_(0, rows, z_rows)
-        z_loss = reduce_rows(z_rows, opts, loss_scales(t1, opts, n_classes))
+        z_loss = reduced_loss(z_rows, opts, batch_scales(t1, opts, n_classes), loss_dtype)
     return loss_outputs(loss, lse, target, opts, loss_dtype, extras, z_loss, predicted)
