@@ -493,3 +493,19 @@ def test_class_patch_reaches_fsdp2_classes_made_before_and_during_it(fused_calls
     assert vars(before)["forward"].__wrapped__ is hf  # its own wrapper, as FSDP2 made it
     del before, during, layer
     gc.collect()  # the test's classes leave cls.__subclasses__()
+
+
+def test_torch_compile_fullgraph_takes_the_fused_path(fused_calls):
+    """torch.compile(fullgraph=True) of the patched decoder traces the fused path (no graph break, the
+    checks of the norm resolved at trace time) and computes HF's hidden states."""
+    eager = build("llama")
+    models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
+    ids, _ = _batch(300)
+    torch._dynamo.reset()
+    compiled = torch.compile(models[2].model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        ref, hf = (m.model(input_ids=ids).last_hidden_state for m in models[:2])
+        ours = compiled(input_ids=ids).last_hidden_state
+    assert len(fused_calls) == 2  # traced once per layer
+    assert_numerics("hidden states", ours, hf, ref, torch.float32)
+    torch._dynamo.reset()

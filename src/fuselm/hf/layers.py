@@ -396,6 +396,8 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | No
     HF's forward runs instead when the post-attention norm is not the family's RMSNorm running fuselm's
     forward, has hooks, or has no plain weight (:func:`fused_norm_args`); HF's add and norm run when the
     attention output and the residual are not plain tensors of one shape and device (DTensors).
+
+    Shapes: ``hidden_states`` ``[B, T, H]`` in, ``[B, T, H]`` out (HF's other arguments as HF takes them).
     """
     layer = spec.decoder_layer
     split = split_checkpointing(original)

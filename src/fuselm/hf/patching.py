@@ -424,6 +424,8 @@ def patch(
         >>> model = fuselm.hf.patch(LlamaForCausalLM(config))
         >>> fuselm.hf.is_patched(model), fuselm.hf.is_patched(LlamaForCausalLM(config))
         (True, False)
+        >>> model.model.layers[0].forward.__qualname__  # the add before post_attention_layernorm: fused
+        'fuselm_LlamaDecoderLayer.forward'
         >>> import torch
         >>> ids = torch.randint(0, 300, (2, 16))
         >>> out = model(input_ids=ids, labels=ids)
