@@ -304,6 +304,16 @@ def _is_plain(t) -> bool:
     return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
+def _same_function(fn, other: Callable) -> bool:
+    """fn (a function, or a method bound to it) is other; by qualified name and module too, which
+    torch.compile resolves while tracing (torch 2.11's dynamo answers the identity False for the same one)."""
+    if getattr(fn, "__func__", fn) is other:
+        return True
+    return getattr(fn, "__qualname__", None) == other.__qualname__ and getattr(fn, "__module__", None) == (
+        other.__module__
+    )
+
+
 def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | None:
     """(weight, eps, offset, casting) with which :func:`fuselm.rms_norm` computes what ``norm(x)`` would,
     or None: ``norm`` is not the family's RMSNorm class (FSDP2's subclass of it aside) running fuselm's
@@ -314,9 +324,8 @@ def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | N
     cls = hf_class(norm)
     if cls.__name__ != spec.rms_norm or cls.__module__ != spec.module:
         return None
-    own = norm.__dict__.get("forward")
-    fn = getattr(own, "__func__", None) if own is not None else type(norm).forward
-    if fn is not norm_forward or _hooked(norm):
+    own = norm.__dict__.get("forward")  # an instance patch: a bound method
+    if not _same_function(own if own is not None else type(norm).forward, norm_forward) or _hooked(norm):
         return None
     style = NORM_STYLES[spec.norm_style]
     scale_flag = style.get("scale_flag")
