@@ -21,7 +21,7 @@ from conftest import TRITON_PATH, kernel_device
 
 import fuselm
 from fuselm.ops._common.loss import rows as loss_rows
-from fuselm.ops._common.loss.options import LossOptions, LossScales
+from fuselm.ops._common.loss.options import LossOptions, LossScales, loss_scales, reduce_rows
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.cross_entropy import cross_entropy_reference
 from fuselm.ops.cross_entropy import op as ce_op
@@ -949,3 +949,58 @@ def test_token_accuracy_and_predicted_tokens(gen, dtype, n_cols, reduction):
     assert accuracy.dtype == torch.float32 and torch.equal(accuracy, by_hand)
     only = fuselm.cross_entropy(x, t, return_token_accuracy=True, **kw)
     assert len(only) == 2 and torch.equal(only[1], accuracy)
+
+
+# ---- the batch's scales and the loss reduction, one launch each ----
+
+SCALE_CASES = {
+    "mean": dict(reduction="mean"),
+    "sum": dict(reduction="sum"),
+    "mean+weight": dict(reduction="mean", weight=True),
+    "mean+weight+smoothing": dict(reduction="mean", weight=True, label_smoothing=0.1),
+    "sum+weight+smoothing": dict(reduction="sum", weight=True, label_smoothing=0.1),
+    "all ignored": dict(reduction="mean", all_ignored=True),
+    "out of range": dict(reduction="mean", weight=True, out_of_range=True),
+}
+
+
+@triton_path_only
+@pytest.mark.parametrize("case", list(SCALE_CASES))
+def test_one_launch_scales_and_reduction_match_the_torch_ops(case, gen):
+    """batch_scales / reduced_loss (one Triton launch each on the eager path) give loss_scales /
+    reduce_rows' values: over more rows and classes than one block (the kernels loop), ignored and
+    out-of-range targets, class weights; the reduction in the loss dtype."""
+    kw = dict(SCALE_CASES[case])
+    n, n_cols, device = 2500, 3001, kernel_device()
+    t = torch.randint(0, n_cols, (n,), generator=gen)
+    t[::7] = -100
+    if kw.pop("all_ignored", False):
+        t[:] = -100
+    if kw.pop("out_of_range", False):
+        t[5], t[9] = n_cols, -3
+    weight = torch.rand(n_cols, generator=gen) + 0.5 if kw.pop("weight", False) else None
+    t, weight = t.to(device), weight.to(device) if weight is not None else None
+    opts = LossOptions.of(weight=weight, **kw)
+    ours = loss_rows.batch_scales(t, opts, n_cols)
+    eager = loss_scales(t, opts, n_cols)
+    exact = loss_scales(t, opts._replace(weight=weight.double() if weight is not None else None), n_cols)
+    assert (ours.weight_sum is None) == (eager.weight_sum is None)
+    pairs = [("grad_scale", ours.grad_scale, eager.grad_scale, exact.grad_scale)]
+    if ours.weight_sum is not None:
+        pairs.append(("weight_sum", ours.weight_sum, eager.weight_sum, exact.weight_sum))
+    for name, o, e, r in pairs:
+        assert o.shape == (1,) and o.dtype == torch.float32
+        if case == "all ignored":  # 1 / 0, as torch
+            assert torch.isinf(o).all() and torch.isinf(e).all()
+        else:
+            assert_numerics(f"{case} {name}", o, e, r.double(), torch.float32)
+    rows = torch.rand(n, generator=gen).to(device) * 5
+    for dtype in (torch.float32, torch.bfloat16):
+        got = loss_rows.reduced_loss(rows, opts, ours, dtype)
+        want = reduce_rows(rows, opts, eager).to(dtype)
+        ref = reduce_rows(rows.double(), opts, LossScales(None, exact.grad_scale.double()))
+        assert got.shape == () and got.dtype == dtype
+        if case == "all ignored":
+            assert torch.isinf(got) and torch.isinf(want)
+        else:
+            assert_numerics(f"{case} loss {dtype}", got, want, ref, dtype)
