@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -13,13 +12,22 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # pragma: no cover - depends on the platform
         return False
     return True
+
+
+# Probed once at import: a constant that torch.compile reads while tracing (a cached function would be
+# traced through, with a warning at every compile).
+_TRITON = _import_triton()
+
+
+def triton_available() -> bool:
+    """Can Triton be imported here?"""
+    return _TRITON
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

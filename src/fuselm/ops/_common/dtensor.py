@@ -14,14 +14,12 @@ A plain-tensor operand gets this rank's share only, as any plain tensor used by 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 
-@functools.lru_cache(maxsize=1)
-def _dtensor_type():
+def _find_dtensor_type():
     if not torch.distributed.is_available():
         return None
     try:
@@ -29,6 +27,19 @@ def _dtensor_type():
     except ImportError:  # pragma: no cover - an old PyTorch
         return None
     return DTensor
+
+
+_UNSET = object()
+_DTENSOR = _UNSET  # found at the first call (importing torch.distributed.tensor takes time)
+
+
+def _dtensor_type():
+    """DTensor's class, or None. A module global rather than a cached function: torch.compile reads it
+    while tracing (it would trace through a cache, with a warning at every compile)."""
+    global _DTENSOR
+    if _DTENSOR is _UNSET:
+        _DTENSOR = _find_dtensor_type()
+    return _DTENSOR
 
 
 def has_dtensor(*tensors: object) -> bool:
