@@ -344,7 +344,7 @@ def same_strides(a, b):
 
 
 class KernelSpy:
-    """Counts launches of rope_fwd_kernel and records their arguments."""
+    """Counts launches of a rope kernel and records their arguments."""
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, []
@@ -357,46 +357,102 @@ class KernelSpy:
         return launch
 
 
+def spy_kernels(monkeypatch) -> tuple[KernelSpy, KernelSpy]:
+    """(flat kernel spy, per-position kernel spy), installed in rope's op module."""
+    flat, per_position = KernelSpy(rope_op.rope_flat_kernel), KernelSpy(rope_op.rope_fwd_kernel)
+    monkeypatch.setattr(rope_op, "rope_flat_kernel", flat)
+    monkeypatch.setattr(rope_op, "rope_fwd_kernel", per_position)
+    return flat, per_position
+
+
+def not_dense(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a view that is dense in no memory order (rows twice as long as D): the launcher then
+    takes the per-position kernel."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
+
+
 @triton_path_only
-@pytest.mark.parametrize("kind", ["hf-transposed-view", "fused-qkv-slice"])
-def test_strided_views_are_read_in_place(kind, gen, monkeypatch):
-    """No copy of a view with a unit last stride: the kernel gets q's and k's own memory."""
-    spy = KernelSpy(rope_op.rope_fwd_kernel)
-    monkeypatch.setattr(rope_op, "rope_fwd_kernel", spy)
+@pytest.mark.parametrize(
+    "kind, kernel", [("hf-transposed-view", "flat"), ("fused-qkv-slice", "per-position")]
+)
+def test_strided_views_are_read_in_place(kind, kernel, gen, monkeypatch):
+    """No copy of a view with a unit last stride: the kernel gets q's and k's own memory; dense views go
+    to the flat kernel, the others to the per-position kernel."""
+    flat, per_position = spy_kernels(monkeypatch)
     q, k, layout = _strided_inputs(gen, kind, torch.bfloat16)
     cos, sin = make_tables(gen, (2, 7, 3, 1, 64, 64), torch.bfloat16)
     apply_rotary(q, k, cos, sin, layout=layout)
-    (call,) = spy.calls
+    used, unused = (flat, per_position) if kernel == "flat" else (per_position, flat)
+    assert unused.calls == []
+    (call,) = used.calls
     assert call["q_ptr"].data_ptr() == q.data_ptr() and call["k_ptr"].data_ptr() == k.data_ptr()
     assert call["cos_ptr"].data_ptr() == cos.data_ptr()
 
 
 @triton_path_only
-def test_gqa_one_launch_each_way(gen, monkeypatch):
-    """q and k (different head counts) in one launch forward and one backward, the bwd with IS_BWD."""
-    spy = KernelSpy(rope_op.rope_fwd_kernel)
-    monkeypatch.setattr(rope_op, "rope_fwd_kernel", spy)
+@pytest.mark.parametrize("kernel", ["flat", "per-position"])
+def test_gqa_one_launch_each_way(kernel, gen, monkeypatch):
+    """q and k (different head counts) in one launch forward and one backward, the bwd with IS_BWD. A
+    not-dense input takes the per-position kernel forward; its gradients (dense) take the flat one."""
+    flat, per_position = spy_kernels(monkeypatch)
     shape = (2, 7, 4, 2, 64, 64)
     q, k = make_qk(gen, shape, torch.bfloat16, "bhtd")
+    if kernel == "per-position":
+        q, k = not_dense(q), not_dense(k)
     cos, sin = make_tables(gen, shape, torch.bfloat16)
-    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
     oq, ok = apply_rotary(qr, kr, cos, sin)
-    assert [c["IS_BWD"] for c in spy.calls] == [False]
+    (fwd,) = (flat if kernel == "flat" else per_position).calls
+    assert fwd["IS_BWD"] is False
+    if kernel == "flat":
+        assert fwd["n_q_heads"] == 4 and fwd["n_k_heads"] == 2
+    else:
+        assert fwd["N_QH"] == 4 and fwd["N_KH"] == 2
     (oq.float().square().sum() + ok.float().sum()).backward()
-    assert [c["IS_BWD"] for c in spy.calls] == [False, True]
-    assert spy.calls[0]["N_QH"] == 4 and spy.calls[0]["N_KH"] == 2
+    assert len(flat.calls) + len(per_position.calls) == 2
+    assert flat.calls[-1]["IS_BWD"] is True
+
+
+@triton_path_only
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ["plain", "partial-24of64", "position_ids", "k-other-order"])
+def test_flat_and_per_position_kernels_agree_bit_for_bit(case, dtype, layout, gen, monkeypatch):
+    """The two kernels compute the same fp32 formula: the same outputs and gradients, bit for bit, on the
+    same values (dense inputs -> flat kernel; a not-dense view of them -> per-position kernel)."""
+    flat, per_position = spy_kernels(monkeypatch)
+    shape = (2, 9, 5, 3, 64, 24 if case == "partial-24of64" else 64)
+    q, k = make_qk(gen, shape, dtype, layout)
+    if case == "k-other-order":  # k dense in the other memory order than q
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    cos, sin = make_tables(gen, shape, dtype)
+    kw = {"layout": layout}
+    if case == "position_ids":
+        cos, sin = hf_tables(torch.arange(40), shape[-1], dtype)
+        kw["position_ids"] = torch.randint(0, 40, (2, 9), generator=gen).to(DEVICE)
+    gos = grad_outputs(gen, (q, k))
+    dense = fwd_bwd(ours, q, k, cos, sin, kw, gos)
+    assert len(flat.calls) == 2 and per_position.calls == []
+    strided = fwd_bwd(ours, not_dense(q), not_dense(k), cos, sin, kw, [not_dense(g) for g in gos])
+    assert len(per_position.calls) == 2 and len(flat.calls) == 2
+    for a, b in zip((*dense[0], *dense[1]), (*strided[0], *strided[1]), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_many_heads_walk_several_tiles(layout, gen, monkeypatch):
-    """Head counts above one tile (MAX_TILE made tiny): the kernel walks the heads tile after tile,
-    the last tile masked; partial rotary and position_ids on that path too."""
+    """Head counts above one tile of the per-position kernel (MAX_TILE made tiny; not-dense inputs, which
+    that kernel takes): it walks the heads tile after tile, the last tile masked; partial rotary and
+    position_ids on that path too."""
     monkeypatch.setattr(rope_op, "MAX_TILE", 32)  # BLOCK_R = 16 -> 2 heads per tile
     rope_op._launch_config.cache_clear()
     try:
         assert rope_op.launch_config(5, 3, 32, 48)["BLOCK_HQ"] == 2
         shape = (2, 5, 5, 3, 48, 32)
         q, k = make_qk(gen, shape, torch.bfloat16, layout)
+        q, k = not_dense(q), not_dense(k)
         cos, sin = make_tables(gen, shape, torch.bfloat16)
         check_case("several tiles", q, k, cos, sin, gen, layout=layout)
         cos_t, sin_t = hf_tables(torch.arange(9), 32, torch.bfloat16)
@@ -543,8 +599,7 @@ def test_bad_arguments_raise_value_error_naming_them(case):
 
 
 def test_dispatch_runs_the_expected_path(monkeypatch, gen):
-    spy = KernelSpy(rope_op.rope_fwd_kernel)
-    monkeypatch.setattr(rope_op, "rope_fwd_kernel", spy)
+    spy, _ = spy_kernels(monkeypatch)  # dense q and k: the flat kernel
     ref_calls = []
 
     def reference_spy(*args, **kwargs):

@@ -6,10 +6,15 @@ import os
 
 import torch
 
+# Read once at import, as Triton itself does (triton.jit picks the interpreter when a kernel is decorated):
+# setting the variable later would not move the kernels to the interpreter anyway. A constant also costs
+# no host time per launch.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpret_mode() -> bool:
-    """True when TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when TRITON_INTERPRET=1 (at import): Triton kernels run on the CPU through the interpreter."""
+    return _INTERPRET
 
 
 def _import_triton() -> bool:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .dispatch import interpret_mode
 from .guard import FLOAT_DTYPES, check_tensor
+from .launch import next_pow2
 
 MAX_BLOCK_ROWS = 64
 # warps per program: tile elements / elems_per_warp, clamped to [MIN_WARPS, MAX_WARPS]
@@ -48,11 +49,11 @@ def tile_config(
 def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
     if interpret:
         fused, loop = min(fused, INTERPRET_MAX_FUSED_H), min(loop, INTERPRET_LOOP_BLOCK_H)
-    block_h = triton.next_power_of_2(max(int(n_cols), 1))
+    block_h = next_pow2(n_cols)
     if block_h > fused:  # walk the row in blocks
         block_h = min(block_h, loop)
         return False, 1, block_h, num_warps_for(block_h, elems_per_warp)
-    block_rows = max(1, min(tile // block_h, MAX_BLOCK_ROWS, triton.next_power_of_2(max(n_rows, 1))))
+    block_rows = max(1, min(tile // block_h, MAX_BLOCK_ROWS, next_pow2(n_rows)))
     return True, block_rows, block_h, num_warps_for(block_rows * block_h, elems_per_warp)
 
 

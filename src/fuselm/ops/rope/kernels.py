@@ -1,11 +1,17 @@
-"""Triton kernel of rotary position embedding (Hugging Face's rotate_half convention). The math is in
+"""Triton kernels of rotary position embedding (Hugging Face's rotate_half convention). The math is in
 README.md.
 
-One program per (b, t) position: it loads that position's cos/sin row once, then rotates every head
-of q and then every head of k (one launch for both; GQA head counts may differ) in [BLOCK_H, BLOCK_R]
-tiles of the two halves of the rotary part, and copies the pass-through columns (partial rotary).
+rope_flat_kernel (q, k and the outputs dense, in [B, H, T, D] or [B, T, H, D] memory order: what
+attention layers pass): one launch over q's elements then k's, XBLOCK consecutive elements a program,
+each element rotated with its rotate_half partner (a second load of the same lines, from L1) and its
+position's cos/sin (from L1/L2). Every DRAM access streams.
 
-The backward is the same kernel with IS_BWD=True: the transpose of the rotation by theta is the
+rope_fwd_kernel (any strides, e.g. slices of a fused qkv projection): one program per (b, t) position:
+it loads that position's cos/sin row once, then rotates every head of q and then every head of k (one
+launch for both; GQA head counts may differ) in [BLOCK_H, BLOCK_R] tiles of the two halves of the rotary
+part, and copies the pass-through columns (partial rotary).
+
+Each kernel does the backward too, with IS_BWD=True: the transpose of the rotation by theta is the
 rotation by -theta, i.e. sin negated with its two halves swapped (the swap only matters when the two
 halves of sin differ; Hugging Face's cat(freqs, freqs) tables have equal halves).
 """
@@ -226,4 +232,157 @@ def rope_fwd_kernel(
             BLOCK_HK,
             BLOCK_R,
             BLOCK_P,
+        )
+
+
+@triton.jit
+def _rotate_flat_block(
+    x_ptr,
+    y_ptr,
+    block,
+    n_elements,
+    n_heads,
+    seq_len,
+    cos_ptr,
+    cos_stride_b,
+    cos_stride_t,
+    sin_ptr,
+    sin_stride_b,
+    sin_stride_t,
+    pos_ptr,
+    pos_stride_b,
+    pos_stride_t,
+    n_pos,
+    HEAD_MAJOR: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    IS_BWD: tl.constexpr,
+    XBLOCK: tl.constexpr,
+):
+    """Elements block*XBLOCK.. of one dense tensor x (memory order [B, H, T, D] if HEAD_MAJOR, else
+    [B, T, H, D]) rotated into y (the same order)."""
+    idx = tl.cast(block, tl.int64) * XBLOCK + tl.arange(0, XBLOCK)  # [XBLOCK]
+    mask = idx < n_elements
+    d = idx % HEAD_DIM
+    row = idx // HEAD_DIM
+    if HEAD_MAJOR:
+        t = row % seq_len
+        b = row // (seq_len * n_heads)
+    else:
+        bt = row // n_heads
+        t = bt % seq_len
+        b = bt // seq_len
+    first = d < ROT_HALF
+    rot_mask = mask & (d < 2 * ROT_HALF)
+    partner_col = tl.where(first, d + ROT_HALF, d - ROT_HALF)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + (idx - d + partner_col), mask=rot_mask, other=0.0).to(tl.float32)
+    if HAS_POS:
+        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t, mask=mask, other=0).to(tl.int64)
+        in_range = (p >= 0) & (p < n_pos)
+        p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
+        c_row = cos_ptr + p * cos_stride_t
+        s_row = sin_ptr + p * sin_stride_t
+    else:
+        c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
+        s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    c = tl.load(c_row + d, mask=rot_mask, other=0.0).to(tl.float32)
+    if IS_BWD:
+        # transpose: dx1 = g1 * c1 + g2 * s2, dx2 = g2 * c2 - g1 * s1 (the partner's sin)
+        s = tl.load(s_row + partner_col, mask=rot_mask, other=0.0).to(tl.float32)
+        rotated = tl.where(first, partner, -partner)
+    else:
+        # y1 = x1 * c1 - x2 * s1, y2 = x2 * c2 + x1 * s2
+        s = tl.load(s_row + d, mask=rot_mask, other=0.0).to(tl.float32)
+        rotated = tl.where(first, -partner, partner)
+    y = x * c + rotated * s
+    if HAS_POS:
+        y = tl.where(in_range, y, float("nan"))
+    y = tl.where(d < 2 * ROT_HALF, y, x)  # pass-through columns (partial rotary) copied
+    tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_flat_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_numel,
+    k_numel,
+    q_blocks,
+    n_q_heads,
+    n_k_heads,
+    seq_len,
+    cos_ptr,
+    cos_stride_b,
+    cos_stride_t,
+    sin_ptr,
+    sin_stride_b,
+    sin_stride_t,
+    pos_ptr,
+    pos_stride_b,
+    pos_stride_t,
+    n_pos,
+    Q_HEAD_MAJOR: tl.constexpr,
+    K_HEAD_MAJOR: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    IS_BWD: tl.constexpr,
+    XBLOCK: tl.constexpr,
+):
+    """Programs 0 .. q_blocks - 1 rotate q's elements, the others k's; cos/sin and position_ids as in
+    rope_fwd_kernel. IS_BWD: q/k are the output gradients, the outputs dq/dk."""
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rotate_flat_block(
+            q_ptr,
+            q_out_ptr,
+            pid,
+            q_numel,
+            n_q_heads,
+            seq_len,
+            cos_ptr,
+            cos_stride_b,
+            cos_stride_t,
+            sin_ptr,
+            sin_stride_b,
+            sin_stride_t,
+            pos_ptr,
+            pos_stride_b,
+            pos_stride_t,
+            n_pos,
+            Q_HEAD_MAJOR,
+            ROT_HALF,
+            HEAD_DIM,
+            HAS_POS,
+            IS_BWD,
+            XBLOCK,
+        )
+    else:
+        _rotate_flat_block(
+            k_ptr,
+            k_out_ptr,
+            pid - q_blocks,
+            k_numel,
+            n_k_heads,
+            seq_len,
+            cos_ptr,
+            cos_stride_b,
+            cos_stride_t,
+            sin_ptr,
+            sin_stride_b,
+            sin_stride_t,
+            pos_ptr,
+            pos_stride_b,
+            pos_stride_t,
+            n_pos,
+            K_HEAD_MAJOR,
+            ROT_HALF,
+            HEAD_DIM,
+            HAS_POS,
+            IS_BWD,
+            XBLOCK,
         )

@@ -10,13 +10,19 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import check_choice
-from .kernels import rope_fwd_kernel
+from .._common.launch import next_pow2
+from .kernels import rope_flat_kernel, rope_fwd_kernel
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
-# Launch config (to tune on the GPU). A program rotates all heads of one (b, t) position in tiles of
-# [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R / 2) and BLOCK_H the head count
-# rounded up to a power of two, capped so that a tile holds at most MAX_TILE elements (the heads are
-# then walked in several tiles). Pass-through columns (partial rotary) go in blocks of BLOCK_P_MAX.
+# Dense q and k (the usual case): the flat kernel, FLAT_BLOCK consecutive elements a program
+# (benchmarks/experiments/rope_variants.py: 1024 / 4 warps and 2048 / 8 warps best on an H100).
+FLAT_BLOCK = 1024
+FLAT_NUM_WARPS = 4
+# Other strides, the per-position kernel's launch config (to tune on the GPU). A program rotates all heads
+# of one (b, t) position in tiles of [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R /
+# 2) and BLOCK_H the head count rounded up to a power of two, capped so that a tile holds at most MAX_TILE
+# elements (the heads are then walked in several tiles). Pass-through columns (partial rotary) go in
+# blocks of BLOCK_P_MAX.
 MAX_TILE = 4096
 NUM_WARPS = 4
 NUM_WARPS_BIG_TILE = 8  # when the q tile holds more than BIG_TILE elements per half
@@ -25,7 +31,7 @@ BLOCK_P_MAX = 128
 
 
 def _heads_block(n_heads: int, block_r: int) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), MAX_TILE // block_r))
+    return max(1, min(next_pow2(n_heads), MAX_TILE // block_r))
 
 
 def launch_config(n_q_heads: int, n_k_heads: int, rotary_dim: int, head_dim: int) -> dict[str, int]:
@@ -35,7 +41,7 @@ def launch_config(n_q_heads: int, n_k_heads: int, rotary_dim: int, head_dim: int
 
 @functools.lru_cache(maxsize=64)
 def _launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim):
-    block_r = triton.next_power_of_2(rotary_dim // 2)
+    block_r = next_pow2(rotary_dim // 2)
     block_hq = _heads_block(n_q_heads, block_r)
     block_hk = _heads_block(n_k_heads, block_r)
     n_pass = head_dim - rotary_dim
@@ -43,7 +49,7 @@ def _launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim):
         ("BLOCK_HQ", block_hq),
         ("BLOCK_HK", block_hk),
         ("BLOCK_R", block_r),
-        ("BLOCK_P", min(triton.next_power_of_2(max(n_pass, 1)), BLOCK_P_MAX)),
+        ("BLOCK_P", min(next_pow2(n_pass), BLOCK_P_MAX)),
         ("num_warps", NUM_WARPS_BIG_TILE if block_hq * block_r > BIG_TILE else NUM_WARPS),
     )
 
@@ -60,6 +66,27 @@ def _alloc_out(x: torch.Tensor) -> torch.Tensor:
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dimension has stride 1 (any other strides are fine), else a contiguous copy."""
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _dense_order(x: torch.Tensor) -> bool | None:
+    """Memory order of a [B, T, H, D] view: True if dense as [B, H, T, D] (head-major, Hugging Face's
+    transposed projections), False if dense as [B, T, H, D], None if not dense (e.g. a qkv slice)."""
+    if x.is_contiguous():
+        return False
+    if x.transpose(1, 2).is_contiguous():
+        return True
+    return None
+
+
+def _flat_orders(q, k, q_out, k_out) -> tuple[bool, bool] | None:
+    """(q head-major?, k head-major?) when each input and its output are dense in the same order (the
+    flat kernel's case), else None."""
+    q_order, k_order = _dense_order(q), _dense_order(k)
+    if q_order is None or k_order is None:
+        return None
+    if _dense_order(q_out) is not q_order or _dense_order(k_out) is not k_order:
+        return None
+    return q_order, k_order
 
 
 def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
@@ -82,6 +109,45 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         n_pos = 0
         cos_strides, sin_strides = cos.stride()[:2], sin.stride()[:2]
         pos, pos_strides = cos, (0, 0)
+    tables = dict(
+        cos_ptr=cos,
+        cos_stride_b=cos_strides[0],
+        cos_stride_t=cos_strides[1],
+        sin_ptr=sin,
+        sin_stride_b=sin_strides[0],
+        sin_stride_t=sin_strides[1],
+        pos_ptr=pos,
+        pos_stride_b=pos_strides[0],
+        pos_stride_t=pos_strides[1],
+        n_pos=n_pos,
+        ROT_HALF=rotary_dim // 2,
+        HEAD_DIM=head_dim,
+        HAS_POS=has_pos,
+        IS_BWD=is_bwd,
+        # no FMA contraction: fp32 results equal eager PyTorch's (and Hugging Face's) bit for bit
+        enable_fp_fusion=False,
+    )
+    orders = _flat_orders(q, k, q_out, k_out)
+    if orders is not None:
+        q_blocks = triton.cdiv(q.numel(), FLAT_BLOCK)
+        rope_flat_kernel[(q_blocks + triton.cdiv(k.numel(), FLAT_BLOCK),)](
+            q_ptr=q,
+            k_ptr=k,
+            q_out_ptr=q_out,
+            k_out_ptr=k_out,
+            q_numel=q.numel(),
+            k_numel=k.numel(),
+            q_blocks=q_blocks,
+            n_q_heads=n_q_heads,
+            n_k_heads=n_k_heads,
+            seq_len=seq_len,
+            Q_HEAD_MAJOR=orders[0],
+            K_HEAD_MAJOR=orders[1],
+            XBLOCK=FLAT_BLOCK,
+            num_warps=FLAT_NUM_WARPS,
+            **tables,
+        )
+        return
     qs, ks, qos, kos = q.stride(), k.stride(), q_out.stride(), k_out.stride()  # one call each (host time)
     rope_fwd_kernel[(batch * seq_len,)](
         q_ptr=q,
@@ -100,25 +166,10 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         k_out_stride_b=kos[0],
         k_out_stride_t=kos[1],
         k_out_stride_h=kos[2],
-        cos_ptr=cos,
-        cos_stride_b=cos_strides[0],
-        cos_stride_t=cos_strides[1],
-        sin_ptr=sin,
-        sin_stride_b=sin_strides[0],
-        sin_stride_t=sin_strides[1],
-        pos_ptr=pos,
-        pos_stride_b=pos_strides[0],
-        pos_stride_t=pos_strides[1],
-        n_pos=n_pos,
         seq_len=seq_len,
         N_QH=n_q_heads,
         N_KH=n_k_heads,
-        ROT_HALF=rotary_dim // 2,
-        HEAD_DIM=head_dim,
-        HAS_POS=has_pos,
-        IS_BWD=is_bwd,
-        # no FMA contraction: fp32 results equal eager PyTorch's (and Hugging Face's) bit for bit
-        enable_fp_fusion=False,
+        **tables,
         **launch_config(n_q_heads, n_k_heads, rotary_dim, head_dim),
     )
 

@@ -9,6 +9,7 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.launch import next_pow2
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
 
@@ -32,14 +33,14 @@ def _config(n_rows: int, n_cols: int, tensors, block: int) -> tuple[bool, int, i
     """(FLAT, BLOCK_R, BLOCK_C, programs) for a [n_rows, n_cols] problem over `tensors`."""
     if all(_rows_contiguous(t) for t in tensors):
         return True, 1, block, triton.cdiv(n_rows * n_cols, block)
-    block_c = min(block, triton.next_power_of_2(n_cols))
+    block_c = min(block, next_pow2(n_cols))
     candidate = block_c
     while candidate >= min(MIN_BLOCK_C, block_c):
         if triton.cdiv(n_cols, candidate) * candidate - n_cols <= MAX_COL_WASTE * n_cols:
             block_c = candidate
             break
         candidate //= 2
-    block_r = min(block // block_c, triton.next_power_of_2(n_rows))
+    block_r = min(block // block_c, next_pow2(n_rows))
     return False, block_r, block_c, triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c)
 
 
