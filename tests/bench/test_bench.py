@@ -320,7 +320,7 @@ def test_registry_lists_cross_entropy():
     assert "cross_entropy" in registry.suite_names()
     suite = registry.get_suite("cross_entropy")
     assert suite.provider_names == ["torch", "torch_compile", "fuselm", "fuselm_inplace", "liger"]
-    assert suite.gpu_shapes == ((8192, 128256), (16384, 32000), (16384, 8192))
+    assert suite.gpu_shapes == ((8192, 128256), (16384, 32000), (4096, 256000), (16384, 8192))
     with pytest.raises(KeyError):
         registry.get_suite("nope")
 

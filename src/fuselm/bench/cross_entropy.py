@@ -82,7 +82,7 @@ SUITE = Suite(
     name="cross_entropy",
     description="cross-entropy on given logits [N, V], mean over N tokens, targets uniform in [0, V)",
     shape_dims=("N", "V"),
-    gpu_shapes=((8192, 128256), (16384, 32000), (16384, 8192)),
+    gpu_shapes=((8192, 128256), (16384, 32000), (4096, 256000), (16384, 8192)),
     cpu_shapes=((256, 4096), (512, 1000)),
     providers=(
         Provider("torch", setup_torch, "F.cross_entropy(logits.float(), target), eager"),
