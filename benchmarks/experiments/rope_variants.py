@@ -159,7 +159,18 @@ def main():
         )
 
     qv, kv, qov, kov = (t.transpose(1, 2) for t in (q, k, qo, ko))
-    report("library per-position", lambda: _launch(qv, kv, qov, kov, cos, sin, None, False))
+    report(
+        "library _launch (flat kernel for these inputs)",
+        lambda: _launch(qv, kv, qov, kov, cos, sin, None, False),
+    )
+    wide_q = torch.empty(B, T, HQ, 2 * D, device="cuda", dtype=torch.bfloat16)[..., :D]
+    wide_k = torch.empty(B, T, HK, 2 * D, device="cuda", dtype=torch.bfloat16)[..., :D]
+    wide_q.copy_(qv)
+    wide_k.copy_(kv)
+    report(
+        "library _launch, per-position kernel (not-dense input)",
+        lambda: _launch(wide_q, wide_k, qov, kov, cos, sin, None, False),
+    )
     compiled = torch.compile(hf_apply_rotary_pos_emb)
     for _ in range(3):
         compiled(q, k, cos, sin)

@@ -406,10 +406,7 @@ def test_gqa_one_launch_each_way(kernel, gen, monkeypatch):
     oq, ok = apply_rotary(qr, kr, cos, sin)
     (fwd,) = (flat if kernel == "flat" else per_position).calls
     assert fwd["IS_BWD"] is False
-    if kernel == "flat":
-        assert fwd["n_q_heads"] == 4 and fwd["n_k_heads"] == 2
-    else:
-        assert fwd["N_QH"] == 4 and fwd["N_KH"] == 2
+    assert fwd["N_QH"] == 4 and fwd["N_KH"] == 2
     (oq.float().square().sum() + ok.float().sum()).backward()
     assert len(flat.calls) + len(per_position.calls) == 2
     assert flat.calls[-1]["IS_BWD"] is True
@@ -438,6 +435,24 @@ def test_flat_and_per_position_kernels_agree_bit_for_bit(case, dtype, layout, ge
     strided = fwd_bwd(ours, not_dense(q), not_dense(k), cos, sin, kw, [not_dense(g) for g in gos])
     assert len(per_position.calls) == 2 and len(flat.calls) == 2
     for a, b in zip((*dense[0], *dense[1]), (*strided[0], *strided[1]), strict=True):
+        assert torch.equal(a, b)
+
+
+@triton_path_only
+def test_flat_kernel_int64_index_math_gives_the_same_result(gen, monkeypatch):
+    """The flat kernel's int64 index path (taken past 2^31 elements; here forced by a zero limit) computes
+    what the int32 path does, forward and backward, position_ids included."""
+    shape = (2, 9, 5, 3, 64, 48)
+    q, k = make_qk(gen, shape, torch.float32, "bhtd")
+    cos, sin = hf_tables(torch.arange(40), 48, torch.float32)
+    kw = {"position_ids": torch.randint(0, 40, (2, 9), generator=gen).to(DEVICE)}
+    gos = grad_outputs(gen, (q, k))
+    int32 = fwd_bwd(ours, q, k, cos, sin, kw, gos)
+    flat, _ = spy_kernels(monkeypatch)
+    monkeypatch.setattr(rope_op, "INT32_INDEX_LIMIT", 0)
+    int64 = fwd_bwd(ours, q, k, cos, sin, kw, gos)
+    assert [c["INDEX_64"] for c in flat.calls] == [True, True]
+    for a, b in zip((*int32[0], *int32[1]), (*int64[0], *int64[1]), strict=True):
         assert torch.equal(a, b)
 
 

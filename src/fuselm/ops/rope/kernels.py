@@ -241,7 +241,6 @@ def _rotate_flat_block(
     y_ptr,
     block,
     n_elements,
-    n_heads,
     seq_len,
     cos_ptr,
     cos_stride_b,
@@ -253,26 +252,35 @@ def _rotate_flat_block(
     pos_stride_b,
     pos_stride_t,
     n_pos,
+    N_HEADS: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     ROT_HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_POS: tl.constexpr,
     IS_BWD: tl.constexpr,
+    INDEX_64: tl.constexpr,
     XBLOCK: tl.constexpr,
 ):
     """Elements block*XBLOCK.. of one dense tensor x (memory order [B, H, T, D] if HEAD_MAJOR, else
-    [B, T, H, D]) rotated into y (the same order)."""
-    idx = tl.cast(block, tl.int64) * XBLOCK + tl.arange(0, XBLOCK)  # [XBLOCK]
+    [B, T, H, D]) rotated into y (the same order). Index math in int32 unless INDEX_64: it runs per element,
+    and a division by the runtime seq_len is the one that is not by a constant."""
+    if INDEX_64:
+        idx = tl.cast(block, tl.int64) * XBLOCK + tl.arange(0, XBLOCK)  # [XBLOCK]
+    else:
+        idx = block * XBLOCK + tl.arange(0, XBLOCK)
     mask = idx < n_elements
     d = idx % HEAD_DIM
     row = idx // HEAD_DIM
     if HEAD_MAJOR:
-        t = row % seq_len
-        b = row // (seq_len * n_heads)
+        bh = row // seq_len
+        t = row - bh * seq_len
+        b = bh // N_HEADS
     else:
-        bt = row // n_heads
-        t = bt % seq_len
+        bt = row // N_HEADS
         b = bt // seq_len
+        t = bt - b * seq_len
+    b = b.to(tl.int64)
+    t = t.to(tl.int64)
     first = d < ROT_HALF
     rot_mask = mask & (d < 2 * ROT_HALF)
     partner_col = tl.where(first, d + ROT_HALF, d - ROT_HALF)
@@ -312,8 +320,6 @@ def rope_flat_kernel(
     q_numel,
     k_numel,
     q_blocks,
-    n_q_heads,
-    n_k_heads,
     seq_len,
     cos_ptr,
     cos_stride_b,
@@ -325,12 +331,15 @@ def rope_flat_kernel(
     pos_stride_b,
     pos_stride_t,
     n_pos,
+    N_QH: tl.constexpr,
+    N_KH: tl.constexpr,
     Q_HEAD_MAJOR: tl.constexpr,
     K_HEAD_MAJOR: tl.constexpr,
     ROT_HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_POS: tl.constexpr,
     IS_BWD: tl.constexpr,
+    INDEX_64: tl.constexpr,
     XBLOCK: tl.constexpr,
 ):
     """Programs 0 .. q_blocks - 1 rotate q's elements, the others k's; cos/sin and position_ids as in
@@ -342,7 +351,6 @@ def rope_flat_kernel(
             q_out_ptr,
             pid,
             q_numel,
-            n_q_heads,
             seq_len,
             cos_ptr,
             cos_stride_b,
@@ -354,11 +362,13 @@ def rope_flat_kernel(
             pos_stride_b,
             pos_stride_t,
             n_pos,
+            N_QH,
             Q_HEAD_MAJOR,
             ROT_HALF,
             HEAD_DIM,
             HAS_POS,
             IS_BWD,
+            INDEX_64,
             XBLOCK,
         )
     else:
@@ -367,7 +377,6 @@ def rope_flat_kernel(
             k_out_ptr,
             pid - q_blocks,
             k_numel,
-            n_k_heads,
             seq_len,
             cos_ptr,
             cos_stride_b,
@@ -379,10 +388,12 @@ def rope_flat_kernel(
             pos_stride_b,
             pos_stride_t,
             n_pos,
+            N_KH,
             K_HEAD_MAJOR,
             ROT_HALF,
             HEAD_DIM,
             HAS_POS,
             IS_BWD,
+            INDEX_64,
             XBLOCK,
         )

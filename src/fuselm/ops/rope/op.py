@@ -18,6 +18,8 @@ from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_
 # (benchmarks/experiments/rope_variants.py: 1024 / 4 warps and 2048 / 8 warps best on an H100).
 FLAT_BLOCK = 1024
 FLAT_NUM_WARPS = 4
+# element indices past this need int64 math in the flat kernel (int32 is cheaper per element)
+INT32_INDEX_LIMIT = 2**31 - 1
 # Other strides, the per-position kernel's launch config (to tune on the GPU). A program rotates all heads
 # of one (b, t) position in tiles of [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R /
 # 2) and BLOCK_H the head count rounded up to a power of two, capped so that a tile holds at most MAX_TILE
@@ -138,11 +140,12 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
             q_numel=q.numel(),
             k_numel=k.numel(),
             q_blocks=q_blocks,
-            n_q_heads=n_q_heads,
-            n_k_heads=n_k_heads,
             seq_len=seq_len,
+            N_QH=n_q_heads,
+            N_KH=n_k_heads,
             Q_HEAD_MAJOR=orders[0],
             K_HEAD_MAJOR=orders[1],
+            INDEX_64=max(q.numel(), k.numel()) + FLAT_BLOCK > INT32_INDEX_LIMIT,
             XBLOCK=FLAT_BLOCK,
             num_warps=FLAT_NUM_WARPS,
             **tables,
