@@ -2,9 +2,9 @@
 README.md.
 
 rope_flat_kernel (q, k and the outputs dense, in [B, H, T, D] or [B, T, H, D] memory order: what
-attention layers pass): one launch over q's elements then k's, XBLOCK consecutive elements a program,
-each element rotated with its rotate_half partner (a second load of the same lines, from L1) and its
-position's cos/sin (from L1/L2). Every DRAM access streams.
+attention layers pass): one launch over q's rows (heads at one position) then k's, BLOCK_ROWS
+consecutive rows a program, each element rotated with its rotate_half partner (a second load of the
+same lines, from L1) and its position's cos/sin (from L1/L2). Every DRAM access streams.
 
 rope_fwd_kernel (any strides, e.g. slices of a fused qkv projection): one program per (b, t) position:
 it loads that position's cos/sin row once, then rotates every head of q and then every head of k (one
@@ -236,11 +236,11 @@ def rope_fwd_kernel(
 
 
 @triton.jit
-def _rotate_flat_block(
+def _rotate_dense_rows(
     x_ptr,
     y_ptr,
     block,
-    n_elements,
+    n_rows,
     seq_len,
     cos_ptr,
     cos_stride_b,
@@ -259,35 +259,37 @@ def _rotate_flat_block(
     HAS_POS: tl.constexpr,
     IS_BWD: tl.constexpr,
     INDEX_64: tl.constexpr,
-    XBLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Elements block*XBLOCK.. of one dense tensor x (memory order [B, H, T, D] if HEAD_MAJOR, else
-    [B, T, H, D]) rotated into y (the same order). Index math in int32 unless INDEX_64: it runs per element,
-    and a division by the runtime seq_len is the one that is not by a constant."""
+    """Rows block*BLOCK_ROWS.. of one dense tensor x seen as [rows, HEAD_DIM] (memory order [B, H, T, D]
+    if HEAD_MAJOR, else [B, T, H, D]) rotated into y (the same order): consecutive rows, so the tile is
+    one contiguous run of memory when HEAD_DIM == BLOCK_D. (b, t) is found per row, not per element."""
     if INDEX_64:
-        idx = tl.cast(block, tl.int64) * XBLOCK + tl.arange(0, XBLOCK)  # [XBLOCK]
+        rows = tl.cast(block, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR]
     else:
-        idx = block * XBLOCK + tl.arange(0, XBLOCK)
-    mask = idx < n_elements
-    d = idx % HEAD_DIM
-    row = idx // HEAD_DIM
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
     if HEAD_MAJOR:
-        bh = row // seq_len
-        t = row - bh * seq_len
+        bh = rows // seq_len
+        t = rows - bh * seq_len
         b = bh // N_HEADS
     else:
-        bt = row // N_HEADS
+        bt = rows // N_HEADS
         b = bt // seq_len
         t = bt - b * seq_len
     b = b.to(tl.int64)
     t = t.to(tl.int64)
-    first = d < ROT_HALF
-    rot_mask = mask & (d < 2 * ROT_HALF)
-    partner_col = tl.where(first, d + ROT_HALF, d - ROT_HALF)
-    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + (idx - d + partner_col), mask=rot_mask, other=0.0).to(tl.float32)
+    cols = tl.arange(0, BLOCK_D)  # [BD]
+    first = cols < ROT_HALF
+    partner_col = tl.where(first, cols + ROT_HALF, cols - ROT_HALF)
+    mask = row_ok[:, None] & (cols < HEAD_DIM)[None, :]  # [BR, BD]
+    rot_mask = row_ok[:, None] & (cols < 2 * ROT_HALF)[None, :]
+    x_row = x_ptr + rows[:, None] * HEAD_DIM
+    x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_row + partner_col[None, :], mask=rot_mask, other=0.0).to(tl.float32)  # from L1
     if HAS_POS:
-        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t, mask=mask, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t, mask=row_ok, other=0).to(tl.int64)
         in_range = (p >= 0) & (p < n_pos)
         p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
         c_row = cos_ptr + p * cos_stride_t
@@ -295,20 +297,20 @@ def _rotate_flat_block(
     else:
         c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
         s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
-    c = tl.load(c_row + d, mask=rot_mask, other=0.0).to(tl.float32)
+    c = tl.load(c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0).to(tl.float32)
     if IS_BWD:
         # transpose: dx1 = g1 * c1 + g2 * s2, dx2 = g2 * c2 - g1 * s1 (the partner's sin)
-        s = tl.load(s_row + partner_col, mask=rot_mask, other=0.0).to(tl.float32)
-        rotated = tl.where(first, partner, -partner)
+        s = tl.load(s_row[:, None] + partner_col[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+        rotated = tl.where(first[None, :], partner, -partner)
     else:
         # y1 = x1 * c1 - x2 * s1, y2 = x2 * c2 + x1 * s2
-        s = tl.load(s_row + d, mask=rot_mask, other=0.0).to(tl.float32)
-        rotated = tl.where(first, -partner, partner)
+        s = tl.load(s_row[:, None] + cols[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+        rotated = tl.where(first[None, :], -partner, partner)
     y = x * c + rotated * s
     if HAS_POS:
-        y = tl.where(in_range, y, float("nan"))
-    y = tl.where(d < 2 * ROT_HALF, y, x)  # pass-through columns (partial rotary) copied
-    tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = tl.where(in_range[:, None], y, float("nan"))
+    y = tl.where((cols < 2 * ROT_HALF)[None, :], y, x)  # pass-through columns (partial rotary) copied
+    tl.store(y_ptr + rows[:, None] * HEAD_DIM + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -317,8 +319,8 @@ def rope_flat_kernel(
     k_ptr,
     q_out_ptr,
     k_out_ptr,
-    q_numel,
-    k_numel,
+    q_rows,
+    k_rows,
     q_blocks,
     seq_len,
     cos_ptr,
@@ -340,17 +342,18 @@ def rope_flat_kernel(
     HAS_POS: tl.constexpr,
     IS_BWD: tl.constexpr,
     INDEX_64: tl.constexpr,
-    XBLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Programs 0 .. q_blocks - 1 rotate q's elements, the others k's; cos/sin and position_ids as in
     rope_fwd_kernel. IS_BWD: q/k are the output gradients, the outputs dq/dk."""
     pid = tl.program_id(0)
     if pid < q_blocks:
-        _rotate_flat_block(
+        _rotate_dense_rows(
             q_ptr,
             q_out_ptr,
             pid,
-            q_numel,
+            q_rows,
             seq_len,
             cos_ptr,
             cos_stride_b,
@@ -369,14 +372,15 @@ def rope_flat_kernel(
             HAS_POS,
             IS_BWD,
             INDEX_64,
-            XBLOCK,
+            BLOCK_ROWS,
+            BLOCK_D,
         )
     else:
-        _rotate_flat_block(
+        _rotate_dense_rows(
             k_ptr,
             k_out_ptr,
             pid - q_blocks,
-            k_numel,
+            k_rows,
             seq_len,
             cos_ptr,
             cos_stride_b,
@@ -395,5 +399,6 @@ def rope_flat_kernel(
             HAS_POS,
             IS_BWD,
             INDEX_64,
-            XBLOCK,
+            BLOCK_ROWS,
+            BLOCK_D,
         )

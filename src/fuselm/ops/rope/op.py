@@ -14,7 +14,8 @@ from .._common.launch import next_pow2
 from .kernels import rope_flat_kernel, rope_fwd_kernel
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
-# Dense q and k (the usual case): the flat kernel, FLAT_BLOCK consecutive elements a program
+# Dense q and k (the usual case): the flat kernel, about FLAT_BLOCK consecutive elements (whole rows) a
+# program
 # (benchmarks/experiments/rope_variants.py: 1024 / 4 warps and 2048 / 8 warps best on an H100).
 FLAT_BLOCK = 1024
 FLAT_NUM_WARPS = 4
@@ -131,14 +132,17 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
     )
     orders = _flat_orders(q, k, q_out, k_out)
     if orders is not None:
-        q_blocks = triton.cdiv(q.numel(), FLAT_BLOCK)
-        rope_flat_kernel[(q_blocks + triton.cdiv(k.numel(), FLAT_BLOCK),)](
+        block_d = next_pow2(head_dim)
+        block_rows = max(1, FLAT_BLOCK // block_d)
+        q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
+        q_blocks = triton.cdiv(q_rows, block_rows)
+        rope_flat_kernel[(q_blocks + triton.cdiv(k_rows, block_rows),)](
             q_ptr=q,
             k_ptr=k,
             q_out_ptr=q_out,
             k_out_ptr=k_out,
-            q_numel=q.numel(),
-            k_numel=k.numel(),
+            q_rows=q_rows,
+            k_rows=k_rows,
             q_blocks=q_blocks,
             seq_len=seq_len,
             N_QH=n_q_heads,
@@ -146,7 +150,8 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
             Q_HEAD_MAJOR=orders[0],
             K_HEAD_MAJOR=orders[1],
             INDEX_64=max(q.numel(), k.numel()) + FLAT_BLOCK > INT32_INDEX_LIMIT,
-            XBLOCK=FLAT_BLOCK,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
             num_warps=FLAT_NUM_WARPS,
             **tables,
         )
