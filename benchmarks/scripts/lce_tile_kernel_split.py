@@ -2,8 +2,10 @@
 recompute and G only (db, no GEMM after), plus dX (G W, atomics into dX), plus dW (G^T X, atomics into dW),
 or both; for a few launch configs (fused.GPU_CONFIG replaced). Llama-3-8B's head, bf16, all rows.
 
-Usage (GPU): PYTHONPATH=src python benchmarks/scripts/lce_tile_kernel_split.py
+Usage (GPU): PYTHONPATH=src python benchmarks/scripts/lce_tile_kernel_split.py [--default-only]
 """
+
+import sys
 
 import torch
 import triton
@@ -37,6 +39,8 @@ def main():
         {"BLOCK_V": 128},
         {"BLOCK_V": 128, "BLOCK_HG": 128},
     ]
+    if "--default-only" in sys.argv:
+        configs = configs[:1]
     print(f"{torch.cuda.get_device_name()}; default config {base}")
     for change in configs:
         fused.GPU_CONFIG.clear()
