@@ -186,37 +186,6 @@ def _split(case):
     }
 
 
-# ---- the fused plan's packed 16x2 atomic adds ----
-
-
-def test_paired_atomics_only_for_aligned_16bit_cuda_buffers():
-    """Packed bf16x2 / f16x2 reductions need 4-byte aligned element pairs on a CUDA device that has them;
-    anything else (CPU, fp32, odd width or stride, a 2-byte offset) adds element by element."""
-    assert not lce_fused.paired_atomics(None)
-    assert not lce_fused.paired_atomics(torch.zeros(4, 6, dtype=torch.bfloat16))
-    if not HAS_CUDA:
-        return
-    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16, device="cuda")
-    assert lce_fused.paired_atomics(bf16) == (torch.cuda.get_device_capability() >= (9, 0))
-    assert lce_fused.paired_atomics(torch.zeros(4, 6, dtype=torch.float16, device="cuda"))
-    assert not lce_fused.paired_atomics(torch.zeros(4, 6, dtype=torch.float32, device="cuda"))
-    assert not lce_fused.paired_atomics(torch.zeros(4, 5, dtype=torch.float16, device="cuda"))
-    assert not lce_fused.paired_atomics(torch.zeros(4, 7, dtype=torch.float16, device="cuda")[:, :6])
-    flat = torch.zeros(30, dtype=torch.float16, device="cuda")
-    assert not lce_fused.paired_atomics(flat[1:25].view(4, 6))  # starts 2 bytes past a 4-byte boundary
-
-
-@pytest.mark.parametrize("atomics", ["paired", "elementwise"])
-@pytest.mark.parametrize("h", [H, 67])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_dtype_id)
-def test_fused_plan_atomic_adds(dtype, h, atomics, monkeypatch):
-    """The fused plan's 16-bit gradients through packed pair reductions (even H, on the GPU) and through
-    element-wise atomic adds (forced, or an odd H) meet the numerics rule."""
-    if atomics == "elementwise":
-        monkeypatch.setattr(lce_fused, "paired_atomics", lambda buf: False)
-    _compare(dtype, _inputs(dtype, h=h), memory=_memory("fused", dtype))
-
-
 # ---- numerics ----
 
 

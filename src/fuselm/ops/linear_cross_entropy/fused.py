@@ -39,18 +39,6 @@ def _config(x: torch.Tensor) -> dict:
     return dict(GPU_FP32_CONFIG if x.dtype == torch.float32 else GPU_CONFIG)
 
 
-def paired_atomics(buf: torch.Tensor | None) -> bool:
-    """May the tile kernel add into `buf` [rows, H] with packed 16x2 reductions (two adjacent elements per
-    operation)? A CUDA bf16 (sm_90 and newer) or fp16 (sm_60) tensor whose element pairs are 4-byte aligned:
-    even width and row stride, 4-byte aligned start. Elsewhere (fp32, the interpreter, odd widths) the
-    kernel adds element by element."""
-    if buf is None or not buf.is_cuda or interpret_mode() or buf.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if buf.shape[1] % 2 or buf.stride(0) % 2 or buf.data_ptr() % 4:
-        return False
-    return torch.cuda.get_device_capability(buf.device) >= ((9, 0) if buf.dtype == torch.bfloat16 else (6, 0))
-
-
 def _work_rows(target: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, torch.Tensor]:
     """(number of work rows, their targets)."""
     if rows is None:
@@ -155,11 +143,10 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
     dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
     grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
-    dx_acc = dx.view(torch.float16) if dx_scaled else dx
     lce_tile_grad_kernel[grid](
         **_common_args(x, w, b, rows, target, opts, config),
         coef_ptr=coef,
-        dx_ptr=dx_acc if dx is not None else x,
+        dx_ptr=(dx.view(torch.float16) if dx_scaled else dx) if dx is not None else x,
         dx_stride=dx.stride(0) if dx is not None else 0,
         dx_scale_ptr=dx_scale if dx_scaled else coef,
         dw_ptr=dw if dw is not None else w,
@@ -170,8 +157,6 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
         NEED_DW=need_dw,
         NEED_DB=need_db,
         DX_SCALED=dx_scaled,
-        PAIRED_DX=paired_atomics(dx_acc),
-        PAIRED_DW=paired_atomics(dw),
         **config,
     )
     if dx_scaled:

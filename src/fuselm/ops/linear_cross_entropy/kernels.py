@@ -5,8 +5,7 @@
   and the label-smoothing dot; partials per split, combined on the host side in torch ([splits, N]).
 - ``lce_tile_grad_kernel``: per [BLOCK_M, BLOCK_V] tile, the logits again, the gradient tile G from
   the saved lse and per-row coefficients, then ``dX[rows] += G W[cols]`` and ``dW[cols] += G^T X[rows]``
-  by atomic adds in the gradients' dtype (and ``db[cols] += sum_rows G`` in fp32); 16-bit gradients on
-  the GPU as packed bf16x2 / f16x2 reductions (inline PTX ``red``: half the operations, none waited on).
+  by atomic adds in the gradients' dtype (and ``db[cols] += sum_rows G`` in fp32).
 
 The math and the costs are in README.md.
 """
@@ -52,40 +51,6 @@ def _logit_tile(
         x_ptrs += BLOCK_H
         w_ptrs += BLOCK_H
     return acc
-
-
-# $1 += $2 (two packed 16-bit values) where $3 != 0; $0 is a dummy output (inline asm returns a value)
-_RED_PAIR = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.global.add.noftz.%s [$1], $2; mov.b32 $0, 0; }"
-RED_BF16X2 = tl.constexpr(_RED_PAIR % "bf16x2")
-RED_F16X2 = tl.constexpr(_RED_PAIR % "f16x2")
-
-
-@triton.jit
-def _red_add_pairs(ptrs, vals, mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """ptrs[r, c] += vals[r, c] for a [BLOCK_R, BLOCK_C] tile of a bf16 / fp16 tensor, as one packed
-    16x2 reduction per pair of columns (red: no value returned, the thread does not wait). Each pair
-    (2j, 2j + 1) must be 4-byte aligned and share its mask (even row stride and width, even first
-    column). One rounding per element, as an atomic add of each element."""
-    bits = vals.to(ptrs.dtype.element_ty).to(tl.uint16, bitcast=True).to(tl.uint32)
-    lo, hi = tl.split(tl.reshape(bits, [BLOCK_R, BLOCK_C // 2, 2]))
-    packed = lo | (hi << 16)
-    pair_ptrs, _ = tl.split(tl.reshape(ptrs, [BLOCK_R, BLOCK_C // 2, 2]))
-    pair_mask, _ = tl.split(tl.reshape(mask, [BLOCK_R, BLOCK_C // 2, 2]))
-    args = [pair_ptrs, packed, pair_mask.to(tl.int32)]
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        tl.inline_asm_elementwise(RED_BF16X2, "=r,l,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(RED_F16X2, "=r,l,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _atomic_add_tile(ptrs, vals, mask, PAIRED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """ptrs += vals (fp32 tile, converted to the pointee dtype) atomically: packed 16x2 reductions when
-    PAIRED (see _red_add_pairs), else one atomic add per element."""
-    if PAIRED:
-        _red_add_pairs(ptrs, vals, mask, BLOCK_R, BLOCK_C)
-    else:
-        tl.atomic_add(ptrs, vals.to(ptrs.dtype.element_ty), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -245,8 +210,6 @@ def lce_tile_grad_kernel(
     NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr,
     DX_SCALED: tl.constexpr,
-    PAIRED_DX: tl.constexpr,
-    PAIRED_DW: tl.constexpr,
     EVEN_H: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -257,8 +220,7 @@ def lce_tile_grad_kernel(
 ):
     """G = (softmax * p_coef - onehot * t_coef - w * s_coef) * softcap' on one tile, from coef [4, n]
     fp32 (lse, p_coef, t_coef, s_coef per work row), then the atomic updates of dX, dW, db.
-    DX_SCALED: dx_ptr is an fp16 accumulator; row i's contributions are multiplied by dx_scale[i].
-    PAIRED_DX / PAIRED_DW: the atomic adds into dX / dW as packed 16x2 reductions (see _red_add_pairs)."""
+    DX_SCALED: dx_ptr is an fp16 accumulator; row i's contributions are multiplied by dx_scale[i]."""
     pid = tl.program_id(0)
     n_rb = tl.cdiv(n, BLOCK_M)
     n_vt = tl.cdiv(v, BLOCK_V)
@@ -333,13 +295,11 @@ def lce_tile_grad_kernel(
                 part = tl.dot(g_in, w_tile)
             if DX_SCALED:
                 part *= dx_scale[:, None]
-            _atomic_add_tile(
+            tl.atomic_add(
                 dx_ptr + rows[:, None] * dx_stride + hs[None, :],
-                part,
-                i_mask[:, None] & h_mask[None, :],
-                PAIRED_DX,
-                BLOCK_M,
-                BLOCK_HG,
+                part.to(dx_ptr.dtype.element_ty),
+                mask=i_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
             )
     if NEED_DW:
         # dW[cols, hs] += G^T @ X[rows, hs]
@@ -352,13 +312,11 @@ def lce_tile_grad_kernel(
                 part = tl.dot(g_t, x_tile, input_precision="ieee")
             else:
                 part = tl.dot(g_t, x_tile)
-            _atomic_add_tile(
+            tl.atomic_add(
                 dw_ptr + c_safe[:, None] * dw_stride + hs[None, :],
-                part,
-                c_mask[:, None] & h_mask[None, :],
-                PAIRED_DW,
-                BLOCK_V,
-                BLOCK_HG,
+                part.to(dw_ptr.dtype.element_ty),
+                mask=c_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
             )
 
 
