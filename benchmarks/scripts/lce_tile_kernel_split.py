@@ -45,27 +45,31 @@ def main():
     for change in configs:
         fused.GPU_CONFIG.clear()
         fused.GPU_CONFIG.update(base, **change)
-        for name, needs in (
-            ("logits + G (db only)", (False, False, True)),
-            ("+ dX", (True, False, False)),
-            ("+ dW", (False, True, False)),
-            ("+ dX + dW", (True, True, False)),
-        ):
-            try:
-                ms = triton.testing.do_bench(
-                    lambda needs=needs: fused.fused_tile_grads(x, w, None, t, None, coef, opts, needs),
-                    warmup=10,
-                    rep=60,
-                    return_mode="median",
-                )
-                gemms = 1 + needs[0] + needs[1]
-                print(
-                    f"{str(change):36s} {name:22s} {ms:7.2f} ms  {gemms * unit / ms:5.0f} TFLOP/s "
-                    f"({gemms} N H V GEMMs)",
-                    flush=True,
-                )
-            except Exception as e:  # noqa: BLE001
-                print(f"{change} {name}: {type(e).__name__} {str(e)[:150]}", flush=True)
+        for gather in (False, True):
+            rows = torch.arange(N, device="cuda") if gather else None
+            for name, needs in (
+                ("logits + G (db only)", (False, False, True)),
+                ("+ dX", (True, False, False)),
+                ("+ dW", (False, True, False)),
+                ("+ dX + dW", (True, True, False)),
+            ):
+                try:
+                    ms = triton.testing.do_bench(
+                        lambda needs=needs, rows=rows: fused.fused_tile_grads(
+                            x, w, None, t, rows, coef, opts, needs
+                        ),
+                        warmup=10,
+                        rep=60,
+                        return_mode="median",
+                    )
+                    gemms = 1 + needs[0] + needs[1]
+                    print(
+                        f"{str(change):36s} {name:22s} {ms:7.2f} ms  {gemms * unit / ms:5.0f} TFLOP/s "
+                        f"({gemms} N H V GEMMs)",
+                        flush=True,
+                    )
+                except Exception as e:  # noqa: BLE001
+                    print(f"{change} {name}: {type(e).__name__} {str(e)[:150]}", flush=True)
     fused.GPU_CONFIG.clear()
     fused.GPU_CONFIG.update(base)
 
