@@ -12,7 +12,6 @@ import math
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._common.dispatch import interpret_mode
 from .._common.launch import persistent_grid
@@ -32,26 +31,12 @@ STATS_WAVES = 2  # the stats grid (row blocks x vocabulary splits) aims at this 
 # by a power of two that keeps a bound on every partial sum of the row at or below this
 DX_ACC_LIMIT = 2.0**14
 UNSCALE_BLOCK_H = 1024
-TMA_REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _config(x: torch.Tensor) -> dict:
     if interpret_mode():
         return dict(INTERPRET_CONFIG)
     return dict(GPU_FP32_CONFIG if x.dtype == torch.float32 else GPU_CONFIG)
-
-
-def tma_descriptor(buf: torch.Tensor | None, block_rows: int, block_cols: int):
-    """A TMA tensor descriptor of buf [rows, H] for bulk reductions of [block_rows, block_cols] tiles, or None
-    where the TMA unit cannot take it: not CUDA or before Hopper (sm_90), the interpreter, a dtype it does
-    not reduce, a start or row stride that is not a multiple of 16 bytes."""
-    if buf is None or not buf.is_cuda or interpret_mode() or buf.dtype not in TMA_REDUCE_DTYPES:
-        return None
-    if torch.cuda.get_device_capability(buf.device) < (9, 0) or buf.stride(-1) != 1:
-        return None
-    if buf.data_ptr() % 16 or (buf.stride(0) * buf.element_size()) % 16:
-        return None
-    return TensorDescriptor.from_tensor(buf, [block_rows, block_cols])
 
 
 def _work_rows(target: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, torch.Tensor]:
@@ -158,14 +143,10 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
     dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
     grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
-    dx_acc = (dx.view(torch.float16) if dx_scaled else dx) if dx is not None else None
-    # bulk reductions into dX need its rows in work order: no gather of the kept rows
-    dx_desc = tma_descriptor(dx_acc, config["BLOCK_M"], config["BLOCK_HG"]) if rows is None else None
-    dw_desc = tma_descriptor(dw, config["BLOCK_V"], config["BLOCK_HG"])
     lce_tile_grad_kernel[grid](
         **_common_args(x, w, b, rows, target, opts, config),
         coef_ptr=coef,
-        dx_ptr=dx_acc if dx_acc is not None else x,
+        dx_ptr=(dx.view(torch.float16) if dx_scaled else dx) if dx is not None else x,
         dx_stride=dx.stride(0) if dx is not None else 0,
         dx_scale_ptr=dx_scale if dx_scaled else coef,
         dw_ptr=dw if dw is not None else w,
@@ -176,10 +157,6 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
         NEED_DW=need_dw,
         NEED_DB=need_db,
         DX_SCALED=dx_scaled,
-        dx_desc=dx_desc,
-        dw_desc=dw_desc,
-        TMA_DX=dx_desc is not None,
-        TMA_DW=dw_desc is not None,
         **config,
     )
     if dx_scaled:

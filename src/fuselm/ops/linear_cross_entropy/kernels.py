@@ -5,9 +5,7 @@
   and the label-smoothing dot; partials per split, combined on the host side in torch ([splits, N]).
 - ``lce_tile_grad_kernel``: per [BLOCK_M, BLOCK_V] tile, the logits again, the gradient tile G from
   the saved lse and per-row coefficients, then ``dX[rows] += G W[cols]`` and ``dW[cols] += G^T X[rows]``
-  by atomic adds in the gradients' dtype (and ``db[cols] += sum_rows G`` in fp32). On Hopper and newer
-  the adds are TMA bulk reductions of whole tiles (``cp.reduce.async.bulk.tensor``) where the memory
-  allows a tensor descriptor (dW always; dX when the rows are not a gather of the kept ones).
+  by atomic adds in the gradients' dtype (and ``db[cols] += sum_rows G`` in fp32).
 
 The math and the costs are in README.md.
 """
@@ -199,8 +197,6 @@ def lce_tile_grad_kernel(
     dw_ptr,
     dw_stride,
     db_ptr,
-    dx_desc,
-    dw_desc,
     n,
     v,
     h,
@@ -210,8 +206,6 @@ def lce_tile_grad_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    TMA_DX: tl.constexpr,
-    TMA_DW: tl.constexpr,
     NEED_DX: tl.constexpr,
     NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr,
@@ -226,10 +220,7 @@ def lce_tile_grad_kernel(
 ):
     """G = (softmax * p_coef - onehot * t_coef - w * s_coef) * softcap' on one tile, from coef [4, n]
     fp32 (lse, p_coef, t_coef, s_coef per work row), then the atomic updates of dX, dW, db.
-    DX_SCALED: dx_ptr is an fp16 accumulator; row i's contributions are multiplied by dx_scale[i].
-    TMA_DX / TMA_DW: the adds into dX / dW as TMA bulk reductions of whole [rows, BLOCK_HG] tiles through
-    dx_desc / dw_desc (Hopper; rows past the tensor's end clipped by the TMA unit), instead of one atomic
-    add per element."""
+    DX_SCALED: dx_ptr is an fp16 accumulator; row i's contributions are multiplied by dx_scale[i]."""
     pid = tl.program_id(0)
     n_rb = tl.cdiv(n, BLOCK_M)
     n_vt = tl.cdiv(v, BLOCK_V)
@@ -304,15 +295,12 @@ def lce_tile_grad_kernel(
                 part = tl.dot(g_in, w_tile)
             if DX_SCALED:
                 part *= dx_scale[:, None]
-            if TMA_DX:  # one bulk reduction of the tile by the TMA unit (rows rb*BLOCK_M.. are x's rows)
-                dx_desc.atomic_add([rb * BLOCK_M, h0], part.to(dx_ptr.dtype.element_ty))
-            else:
-                tl.atomic_add(
-                    dx_ptr + rows[:, None] * dx_stride + hs[None, :],
-                    part.to(dx_ptr.dtype.element_ty),
-                    mask=i_mask[:, None] & h_mask[None, :],
-                    sem="relaxed",
-                )
+            tl.atomic_add(
+                dx_ptr + rows[:, None] * dx_stride + hs[None, :],
+                part.to(dx_ptr.dtype.element_ty),
+                mask=i_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
+            )
     if NEED_DW:
         # dW[cols, hs] += G^T @ X[rows, hs]
         g_t = tl.trans(g_in)
@@ -324,15 +312,12 @@ def lce_tile_grad_kernel(
                 part = tl.dot(g_t, x_tile, input_precision="ieee")
             else:
                 part = tl.dot(g_t, x_tile)
-            if TMA_DW:  # one bulk reduction of the tile by the TMA unit; rows past V are clipped
-                dw_desc.atomic_add([vt * BLOCK_V, h0], part.to(dw_ptr.dtype.element_ty))
-            else:
-                tl.atomic_add(
-                    dw_ptr + c_safe[:, None] * dw_stride + hs[None, :],
-                    part.to(dw_ptr.dtype.element_ty),
-                    mask=c_mask[:, None] & h_mask[None, :],
-                    sem="relaxed",
-                )
+            tl.atomic_add(
+                dw_ptr + c_safe[:, None] * dw_stride + hs[None, :],
+                part.to(dw_ptr.dtype.element_ty),
+                mask=c_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
+            )
 
 
 @triton.jit
