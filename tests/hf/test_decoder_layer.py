@@ -137,7 +137,7 @@ def test_the_layout_check_agrees_with_the_registry(model_type):
     spec = FAMILIES[model_type]
     if spec.decoder_layer is not None:
         cls = getattr(importlib.import_module(spec.module), spec.decoder_layer)
-        raw, _ = layers.split_checkpointing(cls.forward)
+        raw, _, _ = layers.split_checkpointing(cls.forward)
         layout = layers.llama_layer_layout(raw)
         assert isinstance(layout, layers.LayerLayout), layout
         assert layout.params[0] == "hidden_states" and layout.attn_var_kw
@@ -305,9 +305,12 @@ def test_checkpointing_every_other_layer(fused_calls):
 
 
 def test_gradient_checkpointing_turns_the_cache_off_as_hf(fused_calls):
-    """Training under gradient checkpointing with use_cache=True: the layer gets use_cache=False and
-    past_key_values=None, as HF's GradientCheckpointingLayer sets them."""
+    """Training under gradient checkpointing with use_cache=True: the layer gets use_cache=False and no
+    cache, as HF's GradientCheckpointingLayer sets them (the cache argument under the name the installed
+    transformers uses: past_key_values, or cache from 5.24 on)."""
     eager = build("llama")
+    raw, _, _ = layers.split_checkpointing(type(eager.model.layers[0]).forward)
+    cache_name = "cache" if "cache" in inspect.signature(raw).parameters else "past_key_values"
     h = torch.randn(1, 4, eager.config.hidden_size, requires_grad=True)
     cos_sin = eager.model.rotary_emb(h, torch.arange(4)[None])
     seen = {}
@@ -317,14 +320,39 @@ def test_gradient_checkpointing_turns_the_cache_off_as_hf(fused_calls):
         layer = model.model.layers[0]
         seen[name] = []
         layer.self_attn.register_forward_pre_hook(
-            lambda m, a, kw, _s=seen[name]: _s.append((kw.get("use_cache"), kw.get("past_key_values"))),
+            lambda m, a, kw, _s=seen[name]: _s.append((kw.get("use_cache"), kw.get(cache_name))),
             with_kwargs=True,
         )
         cache = transformers.DynamicCache(config=model.config)
-        layer(h, position_embeddings=cos_sin, use_cache=True, past_key_values=cache).sum().backward()
+        layer(h, position_embeddings=cos_sin, use_cache=True, **{cache_name: cache}).sum().backward()
         assert cache.get_seq_length() == 0
     assert seen["ours"] == seen["hf"] == [(False, None)] * 2  # forward, recompute
     assert len(fused_calls) == 2
+
+
+def test_deprecated_cache_argument_is_renamed_as_hf(fused_calls):
+    """transformers 5.24 renamed the layers' past_key_values argument cache (with a deprecate_kwarg
+    wrapper): the patched layer keeps that wrapper, so the old name still reaches the attention as cache,
+    with the same outputs as HF's layer."""
+    eager = build("llama")
+    raw, _, _ = layers.split_checkpointing(type(eager.model.layers[0]).forward)
+    if "cache" not in inspect.signature(raw).parameters:
+        pytest.skip("this transformers version names the layer's cache argument past_key_values")
+    h = torch.randn(1, 4, eager.config.hidden_size)
+    cos_sin = eager.model.rotary_emb(h, torch.arange(4)[None])
+    seen = {}
+    for name, model in (("hf", eager), ("ours", fuselm.hf.patch(clone(eager), **LAYER_ONLY))):
+        layer = model.model.layers[0]
+        seen[name] = []
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw, _s=seen[name]: _s.append(type(kw.get("cache")).__name__), with_kwargs=True
+        )
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            layer(h, position_embeddings=cos_sin, use_cache=True, past_key_values=cache)
+        assert cache.get_seq_length() == 4
+    assert seen["ours"] == seen["hf"] == ["DynamicCache"]
+    assert len(fused_calls) == 1
 
 
 def test_peft_lora_on_attention_and_mlp(fused_calls):

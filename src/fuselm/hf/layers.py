@@ -17,6 +17,7 @@ import inspect
 import re
 import sys
 import textwrap
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -199,6 +200,14 @@ def _attention_call(stmt: ast.stmt, params: list[str], var_kw: str | None):
     return stmt, (tuple(attn_args), attn_var_kw)
 
 
+def _renames_kwargs(decorator: ast.expr) -> bool:
+    """Is this decorator ``deprecate_kwarg(...)`` (transformers 5.24 puts it on the layers' forward to rename
+    ``past_key_values``; fuselm keeps it around its own forward: :func:`split_checkpointing`)?"""
+    func = decorator.func if isinstance(decorator, ast.Call) else None
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    return name == "deprecate_kwarg"
+
+
 def llama_layer_layout(forward: Callable) -> LayerLayout | str:
     """The :class:`LayerLayout` of a decoder layer ``forward`` (HF's own function, not a checkpointing
     wrapper) whose body is Llama's pre-norm layout statement for statement, or why it is not.
@@ -207,15 +216,15 @@ def llama_layer_layout(forward: Callable) -> LayerLayout | str:
     self.self_attn(hidden_states=hidden_states, <its parameters by name>, **kwargs)``; ``residual +
     hidden_states``; ``post_attention_layernorm``; ``mlp``; ``residual + hidden_states``; return. The
     forward's signature: ``self, hidden_states``, then parameters (positional or keyword) and optionally
-    ``**kwargs``. Compared on the syntax tree of the installed source, so a transformers version that
-    changes the layer is seen when patching, not at the first wrong result.
+    ``**kwargs``; no decorator but ``deprecate_kwarg``. Compared on the syntax tree of the installed source,
+    so a transformers version that changes the layer is seen when patching, not at the first wrong result.
     """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError) as e:
         return f"its source cannot be read ({type(e).__name__})"
     fn = tree.body[0] if tree.body else None
-    if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
+    if not isinstance(fn, ast.FunctionDef) or not all(map(_renames_kwargs, fn.decorator_list)):
         return "its forward is not a plain function"
     sig = fn.args
     params = [a.arg for a in sig.args]
@@ -245,21 +254,59 @@ def llama_layer_layout(forward: Callable) -> LayerLayout | str:
     return LayerLayout(tuple(params[1:]), defaults, var_kw, *attn)
 
 
-def split_checkpointing(forward: Callable) -> tuple[Callable, bool] | str:
-    """(HF's own forward, whether the class's forward checkpoints) of a decoder layer class's ``forward``.
+def split_checkpointing(forward: Callable) -> tuple[Callable, bool, Callable] | str:
+    """(HF's own forward, whether the class's forward checkpoints, ``rewrap``) of a decoder layer class's
+    ``forward``; ``rewrap(fn)`` puts around ``fn`` the argument-renaming wrappers HF's forward had.
 
     transformers 5.23's ``GradientCheckpointingLayer`` wraps every subclass's forward in
     ``forward_with_checkpointing`` (so module hooks stay outside the checkpoint), 5.17's checkpoints in
-    ``__call__`` around an unwrapped forward. Any other wrapper: a reason (the layer stays HF's)."""
-    wrapped = getattr(forward, "__wrapped__", None)
-    if wrapped is None:
-        return forward, False
+    ``__call__`` around an unwrapped forward. 5.24 also decorates the forward with ``deprecate_kwarg``
+    (``past_key_values`` renamed ``cache``): such wrappers are kept, around fuselm's forward too. Any other
+    wrapper: a reason (the layer stays HF's)."""
+    checkpoints = False
     code = getattr(forward, "__code__", None)
-    if code is not None and code.co_name == "forward_with_checkpointing":
-        if getattr(wrapped, "__wrapped__", None) is not None:
-            return "its forward is wrapped twice"
-        return wrapped, True
-    return f"its forward is wrapped ({getattr(forward, '__qualname__', forward)!r})"
+    if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
+        forward, checkpoints = forward.__wrapped__, True
+    renaming = []
+    while getattr(forward, "__wrapped__", None) is not None:
+        if not _is_kwarg_deprecation(forward):
+            if getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
+                return "its forward is wrapped twice"
+            return f"its forward is wrapped ({getattr(forward, '__qualname__', forward)!r})"
+        renaming.append(forward)
+        forward = forward.__wrapped__
+
+    def rewrap(fn: Callable) -> Callable:
+        for wrapper in reversed(renaming):
+            fn = _with_wrapped(wrapper, fn)
+        return fn
+
+    return forward, checkpoints, rewrap
+
+
+def _is_kwarg_deprecation(fn: Callable) -> bool:
+    """Is ``fn`` the wrapper transformers' ``deprecate_kwarg`` makes (it renames or warns about keyword
+    arguments, then calls the function it wraps, held in its closure as ``func``)?"""
+    code = getattr(fn, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "wrapped_func"
+        and code.co_filename.replace("\\", "/").endswith("transformers/utils/deprecation.py")
+        and "func" in code.co_freevars
+        and fn.__closure__ is not None
+    )
+
+
+def _with_wrapped(wrapper: Callable, fn: Callable) -> Callable:
+    """A copy of a ``deprecate_kwarg`` wrapper that calls ``fn`` instead of the function it wrapped (the
+    same code and settings, its ``func`` cell replaced)."""
+    cells = list(wrapper.__closure__)
+    cells[wrapper.__code__.co_freevars.index("func")] = types.CellType(fn)
+    copy_ = types.FunctionType(
+        wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, tuple(cells)
+    )
+    copy_.__kwdefaults__ = wrapper.__kwdefaults__
+    return functools.update_wrapper(copy_, fn)
 
 
 def hf_class(module: nn.Module) -> type:
@@ -365,13 +412,13 @@ def _outermost(module: nn.Module, forward: Callable) -> bool:
 
 def _checkpoint(module: nn.Module, inner: Callable, args: tuple, kwargs: dict):
     """``inner(module, *args, **kwargs)`` under the layer's gradient checkpointing function, with the
-    cache arguments transformers 5.23's ``GradientCheckpointingLayer`` turns off (and its warning)."""
+    cache arguments transformers' ``GradientCheckpointingLayer`` turns off (and its warning)."""
     changed = []
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
         changed.append("`use_cache=False`")
     if not getattr(module, "_can_checkpoint_with_cache", False):
-        for name in ("past_key_values", "layer_past"):
+        for name in ("past_key_values", "cache", "layer_past"):  # the cache's names (5.24: cache)
             if kwargs.get(name) is not None:
                 kwargs[name] = None
                 changed.append(f"`{name}=None`")
@@ -418,7 +465,7 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | No
             "Hugging Face's (the norms, RoPE and MLP inside still run fuselm's)",
         )
         return None
-    raw, checkpoints = split
+    raw, checkpoints, rewrap = split
     attn_args, attn_var_kw = layout.attn_args, layout.attn_var_kw
     norm_forward = rms_norm_forward(spec)  # here, not in the forward: torch.compile traces through caches
 
@@ -448,6 +495,8 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | No
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
         return hidden_states
+
+    inner = rewrap(inner)  # HF's keyword renames (5.24: past_key_values -> cache) before fuselm's code
 
     @functools.wraps(raw)
     def forward(self, *args, **kwargs):
