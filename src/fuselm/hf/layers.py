@@ -496,6 +496,7 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | No
         hidden_states = residual + hidden_states
         return hidden_states
 
+    inner.__name__ = inner.__qualname__ = "forward"  # HF's rename warnings name the layer's forward
     inner = rewrap(inner)  # HF's keyword renames (5.24: past_key_values -> cache) before fuselm's code
 
     @functools.wraps(raw)
