@@ -358,11 +358,11 @@ class KernelSpy:
 
 
 def spy_kernels(monkeypatch) -> tuple[KernelSpy, KernelSpy]:
-    """(flat kernel spy, per-position kernel spy), installed in rope's op module."""
-    flat, per_position = KernelSpy(rope_op.rope_flat_kernel), KernelSpy(rope_op.rope_fwd_kernel)
-    monkeypatch.setattr(rope_op, "rope_flat_kernel", flat)
+    """(dense-rows kernel spy, per-position kernel spy), installed in rope's op module."""
+    dense, per_position = KernelSpy(rope_op.rope_fwd_kernel_dense), KernelSpy(rope_op.rope_fwd_kernel)
+    monkeypatch.setattr(rope_op, "rope_fwd_kernel_dense", dense)
     monkeypatch.setattr(rope_op, "rope_fwd_kernel", per_position)
-    return flat, per_position
+    return dense, per_position
 
 
 def not_dense(x: torch.Tensor) -> torch.Tensor:
@@ -375,16 +375,16 @@ def not_dense(x: torch.Tensor) -> torch.Tensor:
 
 @triton_path_only
 @pytest.mark.parametrize(
-    "kind, kernel", [("hf-transposed-view", "flat"), ("fused-qkv-slice", "per-position")]
+    "kind, kernel", [("hf-transposed-view", "dense"), ("fused-qkv-slice", "per-position")]
 )
 def test_strided_views_are_read_in_place(kind, kernel, gen, monkeypatch):
     """No copy of a view with a unit last stride: the kernel gets q's and k's own memory; dense views go
-    to the flat kernel, the others to the per-position kernel."""
-    flat, per_position = spy_kernels(monkeypatch)
+    to the dense-rows kernel, the others to the per-position kernel."""
+    dense, per_position = spy_kernels(monkeypatch)
     q, k, layout = _strided_inputs(gen, kind, torch.bfloat16)
     cos, sin = make_tables(gen, (2, 7, 3, 1, 64, 64), torch.bfloat16)
     apply_rotary(q, k, cos, sin, layout=layout)
-    used, unused = (flat, per_position) if kernel == "flat" else (per_position, flat)
+    used, unused = (dense, per_position) if kernel == "dense" else (per_position, dense)
     assert unused.calls == []
     (call,) = used.calls
     assert call["q_ptr"].data_ptr() == q.data_ptr() and call["k_ptr"].data_ptr() == k.data_ptr()
@@ -392,11 +392,11 @@ def test_strided_views_are_read_in_place(kind, kernel, gen, monkeypatch):
 
 
 @triton_path_only
-@pytest.mark.parametrize("kernel", ["flat", "per-position"])
+@pytest.mark.parametrize("kernel", ["dense", "per-position"])
 def test_gqa_one_launch_each_way(kernel, gen, monkeypatch):
     """q and k (different head counts) in one launch forward and one backward, the bwd with IS_BWD. A
-    not-dense input takes the per-position kernel forward; its gradients (dense) take the flat one."""
-    flat, per_position = spy_kernels(monkeypatch)
+    not-dense input takes the per-position kernel forward; its gradients (dense) take the dense one."""
+    dense, per_position = spy_kernels(monkeypatch)
     shape = (2, 7, 4, 2, 64, 64)
     q, k = make_qk(gen, shape, torch.bfloat16, "bhtd")
     if kernel == "per-position":
@@ -404,22 +404,22 @@ def test_gqa_one_launch_each_way(kernel, gen, monkeypatch):
     cos, sin = make_tables(gen, shape, torch.bfloat16)
     qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
     oq, ok = apply_rotary(qr, kr, cos, sin)
-    (fwd,) = (flat if kernel == "flat" else per_position).calls
+    (fwd,) = (dense if kernel == "dense" else per_position).calls
     assert fwd["IS_BWD"] is False
     assert fwd["N_QH"] == 4 and fwd["N_KH"] == 2
     (oq.float().square().sum() + ok.float().sum()).backward()
-    assert len(flat.calls) + len(per_position.calls) == 2
-    assert flat.calls[-1]["IS_BWD"] is True
+    assert len(dense.calls) + len(per_position.calls) == 2
+    assert dense.calls[-1]["IS_BWD"] is True
 
 
 @triton_path_only
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", ["plain", "partial-24of64", "position_ids", "k-other-order"])
-def test_flat_and_per_position_kernels_agree_bit_for_bit(case, dtype, layout, gen, monkeypatch):
+def test_dense_and_per_position_kernels_agree_bit_for_bit(case, dtype, layout, gen, monkeypatch):
     """The two kernels compute the same fp32 formula: the same outputs and gradients, bit for bit, on the
-    same values (dense inputs -> flat kernel; a not-dense view of them -> per-position kernel)."""
-    flat, per_position = spy_kernels(monkeypatch)
+    same values (dense inputs -> dense-rows kernel; a not-dense view of them -> per-position kernel)."""
+    dense_spy, per_position = spy_kernels(monkeypatch)
     shape = (2, 9, 5, 3, 64, 24 if case == "partial-24of64" else 64)
     q, k = make_qk(gen, shape, dtype, layout)
     if case == "k-other-order":  # k dense in the other memory order than q
@@ -430,28 +430,28 @@ def test_flat_and_per_position_kernels_agree_bit_for_bit(case, dtype, layout, ge
         cos, sin = hf_tables(torch.arange(40), shape[-1], dtype)
         kw["position_ids"] = torch.randint(0, 40, (2, 9), generator=gen).to(DEVICE)
     gos = grad_outputs(gen, (q, k))
-    dense = fwd_bwd(ours, q, k, cos, sin, kw, gos)
-    assert len(flat.calls) == 2 and per_position.calls == []
-    strided = fwd_bwd(ours, not_dense(q), not_dense(k), cos, sin, kw, [not_dense(g) for g in gos])
-    assert len(per_position.calls) == 2 and len(flat.calls) == 2
-    for a, b in zip((*dense[0], *dense[1]), (*strided[0], *strided[1]), strict=True):
+    from_dense = fwd_bwd(ours, q, k, cos, sin, kw, gos)
+    assert len(dense_spy.calls) == 2 and per_position.calls == []
+    from_strided = fwd_bwd(ours, not_dense(q), not_dense(k), cos, sin, kw, [not_dense(g) for g in gos])
+    assert len(per_position.calls) == 2 and len(dense_spy.calls) == 2
+    for a, b in zip((*from_dense[0], *from_dense[1]), (*from_strided[0], *from_strided[1]), strict=True):
         assert torch.equal(a, b)
 
 
 @triton_path_only
-def test_flat_kernel_int64_index_math_gives_the_same_result(gen, monkeypatch):
-    """The flat kernel's int64 index path (taken past 2^31 elements; here forced by a zero limit) computes
-    what the int32 path does, forward and backward, position_ids included."""
+def test_dense_kernel_int64_index_math_gives_the_same_result(gen, monkeypatch):
+    """The dense-rows kernel's int64 index path (taken past 2^31 elements; here forced by a zero limit)
+    computes what the int32 path does, forward and backward, position_ids included."""
     shape = (2, 9, 5, 3, 64, 48)
     q, k = make_qk(gen, shape, torch.float32, "bhtd")
     cos, sin = hf_tables(torch.arange(40), 48, torch.float32)
     kw = {"position_ids": torch.randint(0, 40, (2, 9), generator=gen).to(DEVICE)}
     gos = grad_outputs(gen, (q, k))
     int32 = fwd_bwd(ours, q, k, cos, sin, kw, gos)
-    flat, _ = spy_kernels(monkeypatch)
+    dense, _ = spy_kernels(monkeypatch)
     monkeypatch.setattr(rope_op, "INT32_INDEX_LIMIT", 0)
     int64 = fwd_bwd(ours, q, k, cos, sin, kw, gos)
-    assert [c["INDEX_64"] for c in flat.calls] == [True, True]
+    assert [c["INDEX_64"] for c in dense.calls] == [True, True]
     for a, b in zip((*int32[0], *int32[1]), (*int64[0], *int64[1]), strict=True):
         assert torch.equal(a, b)
 
@@ -614,7 +614,7 @@ def test_bad_arguments_raise_value_error_naming_them(case):
 
 
 def test_dispatch_runs_the_expected_path(monkeypatch, gen):
-    spy, _ = spy_kernels(monkeypatch)  # dense q and k: the flat kernel
+    spy, _ = spy_kernels(monkeypatch)  # dense q and k: the dense-rows kernel
     ref_calls = []
 
     def reference_spy(*args, **kwargs):

@@ -1,7 +1,7 @@
 """Triton kernels of rotary position embedding (Hugging Face's rotate_half convention). The math is in
 README.md.
 
-rope_flat_kernel (q, k and the outputs dense, in [B, H, T, D] or [B, T, H, D] memory order: what
+rope_fwd_kernel_dense (q, k and the outputs dense, in [B, H, T, D] or [B, T, H, D] memory order: what
 attention layers pass): one launch over q's rows (heads at one position) then k's, BLOCK_ROWS
 consecutive rows a program, each element rotated with its rotate_half partner (a second load of the
 same lines, from L1) and its position's cos/sin (from L1/L2). Every DRAM access streams.
@@ -314,7 +314,7 @@ def _rotate_dense_rows(
 
 
 @triton.jit
-def rope_flat_kernel(
+def rope_fwd_kernel_dense(
     q_ptr,
     k_ptr,
     q_out_ptr,

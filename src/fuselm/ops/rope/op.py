@@ -11,15 +11,15 @@ from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import check_choice
 from .._common.launch import next_pow2
-from .kernels import rope_flat_kernel, rope_fwd_kernel
+from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
-# Dense q and k (the usual case): the flat kernel, about FLAT_BLOCK consecutive elements (whole rows) a
-# program
+# Dense q and k (the usual case): the dense-rows kernel, about DENSE_BLOCK consecutive elements (whole
+# rows) a program
 # (benchmarks/experiments/rope_variants.py: 1024 / 4 warps and 2048 / 8 warps best on an H100).
-FLAT_BLOCK = 1024
-FLAT_NUM_WARPS = 4
-# element indices past this need int64 math in the flat kernel (int32 is cheaper per element)
+DENSE_BLOCK = 1024
+DENSE_NUM_WARPS = 4
+# element indices past this need int64 math in the dense-rows kernel (int32 is cheaper per element)
 INT32_INDEX_LIMIT = 2**31 - 1
 # Other strides, the per-position kernel's launch config (to tune on the GPU). A program rotates all heads
 # of one (b, t) position in tiles of [BLOCK_H, BLOCK_R] elements per rotary half, BLOCK_R = next_pow2(R /
@@ -81,9 +81,9 @@ def _dense_order(x: torch.Tensor) -> bool | None:
     return None
 
 
-def _flat_orders(q, k, q_out, k_out) -> tuple[bool, bool] | None:
+def _dense_orders(q, k, q_out, k_out) -> tuple[bool, bool] | None:
     """(q head-major?, k head-major?) when each input and its output are dense in the same order (the
-    flat kernel's case), else None."""
+    dense-rows kernel's case), else None."""
     q_order, k_order = _dense_order(q), _dense_order(k)
     if q_order is None or k_order is None:
         return None
@@ -130,13 +130,13 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         # no FMA contraction: fp32 results equal eager PyTorch's (and Hugging Face's) bit for bit
         enable_fp_fusion=False,
     )
-    orders = _flat_orders(q, k, q_out, k_out)
+    orders = _dense_orders(q, k, q_out, k_out)
     if orders is not None:
         block_d = next_pow2(head_dim)
-        block_rows = max(1, FLAT_BLOCK // block_d)
+        block_rows = max(1, DENSE_BLOCK // block_d)
         q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
         q_blocks = triton.cdiv(q_rows, block_rows)
-        rope_flat_kernel[(q_blocks + triton.cdiv(k_rows, block_rows),)](
+        rope_fwd_kernel_dense[(q_blocks + triton.cdiv(k_rows, block_rows),)](
             q_ptr=q,
             k_ptr=k,
             q_out_ptr=q_out,
@@ -149,10 +149,10 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
             N_KH=n_k_heads,
             Q_HEAD_MAJOR=orders[0],
             K_HEAD_MAJOR=orders[1],
-            INDEX_64=max(q.numel(), k.numel()) + FLAT_BLOCK > INT32_INDEX_LIMIT,
+            INDEX_64=max(q.numel(), k.numel()) + DENSE_BLOCK > INT32_INDEX_LIMIT,
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
-            num_warps=FLAT_NUM_WARPS,
+            num_warps=DENSE_NUM_WARPS,
             **tables,
         )
         return
