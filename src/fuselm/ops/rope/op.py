@@ -149,7 +149,7 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
             N_KH=n_k_heads,
             Q_HEAD_MAJOR=orders[0],
             K_HEAD_MAJOR=orders[1],
-            INDEX_64=max(q.numel(), k.numel()) + DENSE_BLOCK > INT32_INDEX_LIMIT,
+            INDEX_64=max(q.numel(), k.numel()) + block_rows * block_d > INT32_INDEX_LIMIT,
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
             num_warps=DENSE_NUM_WARPS,
