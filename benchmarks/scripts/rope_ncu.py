@@ -12,7 +12,7 @@ import triton
 
 import fuselm
 from fuselm.bench.harness import capture_graph
-from fuselm.bench.rope import hf_apply_rotary_pos_emb
+from fuselm.bench.rope import hf_apply_rotary_pos_emb, make_inputs
 
 B, T, HQ, HK, D = 4, 4096, 32, 8, 128
 
@@ -20,11 +20,8 @@ B, T, HQ, HK, D = 4, 4096, 32, 8, 128
 def main():
     torch.manual_seed(0)
     dev = "cuda"
-    q = torch.randn(B, HQ, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, HK, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    ang = torch.randn(B, T, D // 2, device=dev)
-    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
-    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+    inputs = make_inputs((B, T, HQ, HK, D), torch.bfloat16, torch.device(dev))  # the bench suite's inputs
+    q, k, cos, sin = inputs["q"], inputs["k"], inputs["cos"], inputs["sin"]
     gq, gk = torch.randn_like(q), torch.randn_like(k)
 
     def full(fn):

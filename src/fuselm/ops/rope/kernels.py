@@ -21,6 +21,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _table_rows(
+    b,
+    t,
+    mask,
+    cos_ptr,
+    cos_stride_b,
+    cos_stride_t,
+    sin_ptr,
+    sin_stride_b,
+    sin_stride_t,
+    pos_ptr,
+    pos_stride_b,
+    pos_stride_t,
+    n_pos,
+    HAS_POS: tl.constexpr,
+):
+    """(cos row, sin row, position in range) of position (b, t) (int64, scalars or vectors; mask: which
+    are read): row (b, t) of [B, T, R] tables, or with HAS_POS row position_ids[b, t] of [P, R] tables,
+    row 0 when that is out of range (the caller writes NaN there: never an out-of-bounds read)."""
+    if HAS_POS:
+        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t, mask=mask, other=0).to(tl.int64)
+        in_range = (p >= 0) & (p < n_pos)
+        p = tl.where(in_range, p, 0)
+        c_row = cos_ptr + p * cos_stride_t
+        s_row = sin_ptr + p * sin_stride_t
+    else:
+        in_range = True
+        c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
+        s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    return c_row, s_row, in_range
+
+
+@triton.jit
 def _load_tile(
     x_row,
     x_head_stride,
@@ -155,15 +188,22 @@ def rope_fwd_kernel(
     t = pid - b * seq_len
     cols = tl.arange(0, BLOCK_R)
     cmask = cols < ROT_HALF
-    if HAS_POS:
-        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t).to(tl.int64)
-        in_range = (p >= 0) & (p < n_pos)
-        p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
-        c_row = cos_ptr + p * cos_stride_t
-        s_row = sin_ptr + p * sin_stride_t
-    else:
-        c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
-        s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    c_row, s_row, in_range = _table_rows(
+        b,
+        t,
+        b >= 0,
+        cos_ptr,
+        cos_stride_b,
+        cos_stride_t,
+        sin_ptr,
+        sin_stride_b,
+        sin_stride_t,
+        pos_ptr,
+        pos_stride_b,
+        pos_stride_t,
+        n_pos,
+        HAS_POS,
+    )
     c1 = tl.load(c_row + cols, mask=cmask, other=0.0).to(tl.float32)  # [BR]
     c2 = tl.load(c_row + ROT_HALF + cols, mask=cmask, other=0.0).to(tl.float32)
     s1 = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -288,15 +328,22 @@ def _rotate_dense_rows(
     x_row = x_ptr + rows[:, None] * HEAD_DIM
     x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(x_row + partner_col[None, :], mask=rot_mask, other=0.0).to(tl.float32)  # from L1
-    if HAS_POS:
-        p = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_t, mask=row_ok, other=0).to(tl.int64)
-        in_range = (p >= 0) & (p < n_pos)
-        p = tl.where(in_range, p, 0)  # out of range: NaN below, never an out-of-bounds read
-        c_row = cos_ptr + p * cos_stride_t
-        s_row = sin_ptr + p * sin_stride_t
-    else:
-        c_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
-        s_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    c_row, s_row, in_range = _table_rows(
+        b,
+        t,
+        row_ok,
+        cos_ptr,
+        cos_stride_b,
+        cos_stride_t,
+        sin_ptr,
+        sin_stride_b,
+        sin_stride_t,
+        pos_ptr,
+        pos_stride_b,
+        pos_stride_t,
+        n_pos,
+        HAS_POS,
+    )
     c = tl.load(c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0).to(tl.float32)
     if IS_BWD:
         # transpose: dx1 = g1 * c1 + g2 * s2, dx2 = g2 * c2 - g1 * s1 (the partner's sin)
