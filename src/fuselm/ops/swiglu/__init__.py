@@ -1,7 +1,9 @@
-from .op import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
+from .op import gated_backward, gated_forward, geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
 from .reference import gated_reference, geglu_reference, swiglu_reference
 
 __all__ = [
+    "gated_backward",
+    "gated_forward",
     "geglu",
     "geglu_packed",
     "gated_reference",

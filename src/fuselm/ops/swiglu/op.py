@@ -241,6 +241,41 @@ def _run_packed_bwd(dout, gate_up, activation):
     return swiglu_packed_bwd(dout, gate_up, activation)
 
 
+def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` for ``[R, I]`` gate and up (stride(-1) == 1), no autograd: the forward kernel
+    (or the reference on the CPU) for compositions that write their own backward (``fuselm.lora``).
+    ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``.
+
+    Example:
+        >>> g, u = torch.randn(4, 8), torch.randn(4, 8)
+        >>> torch.allclose(gated_forward(g, u, "silu"), F.silu(g) * u, atol=1e-6)
+        True
+    """
+    return _run_fwd(gate, up, activation)
+
+
+def gated_backward(
+    dout: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    *,
+    want_out: bool = False,
+    dgate_into_dout: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``(dgate, dup)`` of ``act(gate) * up`` for ``[R, I]`` tensors, no autograd; with ``want_out`` also
+    the recomputed product (one kernel writes all three). ``dgate_into_dout=True`` lets the kernel write
+    dgate into ``dout``'s storage (the caller owns ``dout`` and no longer needs it).
+
+    Example:
+        >>> g, u, d = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+        >>> dg, du = gated_backward(d, g, u, "silu")
+        >>> torch.allclose(du, d * F.silu(g), atol=1e-6)
+        True
+    """
+    return _run_bwd(dout, gate, up, activation, want_out=want_out, dgate_into_dout=dgate_into_dout)
+
+
 # ---- autograd: save gate and up (or gate_up) only; the activation is recomputed in backward ----
 
 
