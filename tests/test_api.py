@@ -77,8 +77,17 @@ def test_docstring_examples_run(obj):
 
 # ---- import direction (docs/design.md section 1) ----
 
-ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.distributed", "fuselm.bench")
+ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.distributed", "fuselm.bench", "fuselm.lora")
 OP_FOLDERS = sorted(p.name for p in (SRC / "ops").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+# The modules inside public op folders (fuselm.ops.swiglu.op, ...): private to the op; a package above
+# the ops that may use only their public surface imports the folder (`from fuselm.ops.swiglu import f`).
+OP_PRIVATE_MODULES = tuple(
+    f"fuselm.ops.{op}.{m.stem}"
+    for op in OP_FOLDERS
+    if not op.startswith("_")
+    for m in sorted((SRC / "ops" / op).glob("*.py"))
+    if m.stem != "__init__"
+)
 RULES = {
     "ops": ("ops", (*ABOVE_OPS, "fuselm.cli", "fuselm.demo", "transformers", "trl")),
     "ops/_common": ("ops/_common", tuple(f"fuselm.ops.{op}" for op in OP_FOLDERS if op != "_common")),
@@ -97,6 +106,25 @@ RULES = {
     "distributed": (
         "distributed",
         ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.bench", "fuselm.cli", "transformers", "trl"),
+    ),
+    # lora: framework-agnostic math over the ops' public functions (fuselm.ops.<op> packages only);
+    # bitsandbytes lazily inside lora/frozen.py only (test_lora_imports_bitsandbytes_lazily)
+    "lora": (
+        "lora",
+        (
+            "fuselm.nn",
+            "fuselm.hf",
+            "fuselm.trl",
+            "fuselm.distributed",
+            "fuselm.bench",
+            "fuselm.cli",
+            "fuselm.demo",
+            "fuselm.ops._common",
+            *OP_PRIVATE_MODULES,
+            "transformers",
+            "peft",
+            "trl",
+        ),
     ),
     "bench": ("bench", ("fuselm.cli", "fuselm.demo")),
     "demo": ("demo", ("fuselm.cli",)),
@@ -161,6 +189,44 @@ def test_import_direction(rule):
         if _forbidden(name, prefixes)
     ]
     assert not bad, "imports must point downward (docs/design.md section 1):\n" + "\n".join(bad)
+
+
+def _imports_with_scope(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, inside a function body) of every import of a file, relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(n) for n in ast.walk(node) if n is not node)
+    module = _module_name(path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = _imports(ast.unparse(node), module, is_package=path.name == "__init__.py")
+            found += [(node.lineno, name, id(node) in in_function) for _, name in names]
+    return found
+
+
+def test_lora_imports_bitsandbytes_lazily():
+    """fuselm.lora imports bitsandbytes in one module (frozen.py), inside functions only: importing
+    fuselm.lora never imports bitsandbytes (an optional dependency)."""
+    bad = []
+    for path in sorted((SRC / "lora").rglob("*.py")):
+        for line, name, lazy in _imports_with_scope(path):
+            if _forbidden(name, ("bitsandbytes",)) and (path.name != "frozen.py" or not lazy):
+                bad.append(f"{path.relative_to(SRC.parent)}:{line} imports {name}")
+    assert not bad, "bitsandbytes only lazily in fuselm/lora/frozen.py:\n" + "\n".join(bad)
+    assert any(
+        _forbidden(name, ("bitsandbytes",)) and lazy
+        for _, name, lazy in _imports_with_scope(SRC / "lora" / "frozen.py")
+    ), "the scanner must see frozen.py's lazy bitsandbytes import (else this test checks nothing)"
+
+
+def test_lora_rule_forbids_private_op_modules():
+    """The lora rule names every module of the public op folders (the public surface is the package)."""
+    assert "fuselm.ops.swiglu.op" in OP_PRIVATE_MODULES and "fuselm.ops.swiglu.kernels" in OP_PRIVATE_MODULES
+    assert not _forbidden("fuselm.ops.swiglu.gated_backward", RULES["lora"][1])
+    assert _forbidden("fuselm.ops._common.guard", RULES["lora"][1])
 
 
 def test_import_scanner_resolves_relative_imports():

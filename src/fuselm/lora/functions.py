@@ -1,0 +1,537 @@
+"""Fused LoRA autograd: ``lora_linear`` (one projection) and ``lora_gated_mlp`` (a gated MLP of three).
+
+Forward of one projection (README.md has the derivation, the FLOPs and the saved tensors):
+
+    y   = x W^T + b                     one GEMM (torch.addmm with the bias in its epilogue)
+    low = drop(x) A^T                   [N, r]
+    y  += s * low B^T                   y.addmm_(low, B^T, alpha=s): one epilogue pass, no temporary
+
+The LoRA GEMMs run in the compute dtype (x's, or the autocast dtype), the adapters cast once per
+call; gradients of A and B are returned in their own dtype. Saved for backward: x, low (and the
+dropout mask); never the (dequantized) base weight, which backward makes again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.swiglu import gated_backward, gated_forward
+from .frozen import FrozenWeight, dense
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """One LoRA adapter of a projection ``[in] -> [out]``: ``y += scaling * drop(x) @ A.T @ B.T``.
+
+    Attributes:
+        A: ``[r, in]`` (PEFT's ``lora_A[name].weight``), any floating dtype (PEFT keeps fp32).
+        B: ``[out, r]`` (PEFT's ``lora_B[name].weight``), A's dtype.
+        scaling: the Python float ``s`` (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` for rsLoRA).
+        dropout: the dropout probability ``p`` in ``[0, 1)`` applied to the input of ``A`` (0 in eval).
+        mask_dtype: the dtype of the tensor PEFT's ``nn.Dropout`` sees (the RNG draw depends on it);
+            None means A's dtype (PEFT casts the input to A's dtype before the dropout).
+
+    Example:
+        >>> LoraAdapter(torch.randn(8, 64), torch.zeros(32, 8), scaling=2.0).rank
+        8
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+    dropout: float = 0.0
+    mask_dtype: torch.dtype | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+
+# ---- checks (every bad argument raises ValueError naming it) ----
+
+
+def _check_x(name: str, x: object, in_features: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dimension, got shape {tuple(x.shape)}")
+    if in_features is not None and x.shape[-1] != in_features:
+        raise ValueError(f"{name} must have {in_features} features (last dim), got shape {tuple(x.shape)}")
+    return x
+
+
+def _compute_dtype(x: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """(compute dtype, autocast on): x's dtype, or the autocast dtype inside an autocast region of x's
+    device type (what F.linear would compute in; float64 is never autocast)."""
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type), True
+    return x.dtype, False
+
+
+def _check_base(name: str, base: object, x: torch.Tensor, cdt: torch.dtype, autocast: bool) -> None:
+    if isinstance(base, torch.Tensor):
+        if base.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D [out, in] weight, got shape {tuple(base.shape)}")
+        if base.dtype != cdt and not autocast:
+            raise ValueError(f"{name} must have the dtype of x ({cdt}), got {base.dtype}")
+    elif not isinstance(base, FrozenWeight):
+        raise ValueError(f"{name} must be a torch.Tensor or a FrozenWeight, got {type(base).__name__}")
+    if base.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{name} must have shape [out, {x.shape[-1]}] (x's last dim), got {tuple(base.shape)}"
+        )
+    if base.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {base.device}")
+    if base.requires_grad:
+        raise ValueError(
+            f"{name} requires grad: the fused LoRA path is for frozen base weights (train it elsewhere)"
+        )
+
+
+def _check_bias(name: str, bias: object, out_features: int, device: torch.device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point:
+        raise ValueError(f"{name} must be None or a floating torch.Tensor, got {type(bias).__name__}")
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(f"{name} must have shape [{out_features}], got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"{name} must be on x's device {device}, got {bias.device}")
+    if bias.requires_grad:
+        raise ValueError(f"{name} requires grad: the fused LoRA path takes a frozen bias")
+
+
+def _check_adapter(name: str, adapter: object, in_features: int, out_features: int, device) -> None:
+    if adapter is None:
+        return
+    if not isinstance(adapter, LoraAdapter):
+        raise ValueError(f"{name} must be a LoraAdapter or None, got {type(adapter).__name__}")
+    A, B = adapter.A, adapter.B
+    for n, t in (("A", A), ("B", B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}.{n} must be a 2-D floating tensor, got {got}")
+        if t.device != device:
+            raise ValueError(f"{name}.{n} must be on x's device {device}, got {t.device}")
+    r = A.shape[0]
+    if A.shape[1] != in_features or r < 1:
+        raise ValueError(f"{name}.A must have shape [r, {in_features}], got {tuple(A.shape)}")
+    if tuple(B.shape) != (out_features, r):
+        raise ValueError(f"{name}.B must have shape [{out_features}, {r}] ([out, r]), got {tuple(B.shape)}")
+    if B.dtype != A.dtype:
+        raise ValueError(f"{name}.B must have the dtype of {name}.A ({A.dtype}), got {B.dtype}")
+    s = adapter.scaling
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise ValueError(f"{name}.scaling must be a finite Python number, got {s!r}")
+    p = adapter.dropout
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name}.dropout must be a number in [0, 1), got {p!r}")
+    if adapter.mask_dtype is not None and not (
+        isinstance(adapter.mask_dtype, torch.dtype) and adapter.mask_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"{name}.mask_dtype must be None or a floating torch.dtype, got {adapter.mask_dtype!r}"
+        )
+
+
+def _operands(name: str, op: object) -> tuple:
+    """(base, adapter, bias) from a (base, adapter) pair or a (base, adapter, bias) triple."""
+    if not isinstance(op, (tuple, list)) or len(op) not in (2, 3):
+        raise ValueError(f"{name} must be a (base, adapter) or (base, adapter, bias) tuple, got {op!r:.80}")
+    return (op[0], op[1], op[2] if len(op) == 3 else None)
+
+
+# ---- dropout: PEFT's masks ----
+
+
+def dropout_mask(x: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The bool keep-mask PEFT's ``nn.Dropout(p)`` would draw for ``x`` (cast to ``dtype``), or None when
+    ``p == 0``.
+
+    The RNG use of dropout depends on the tensor's shape, strides, dtype and device, not on its
+    values: the mask is drawn by ``F.dropout`` on a tensor of ones like ``x`` (same shape and strides)
+    in ``dtype`` (default x's), so with the same RNG state it equals PEFT's, and it advances the RNG
+    exactly as PEFT's dropout does. Kept elements are True; PEFT's output is ``x * mask / (1 - p)``.
+
+    Args:
+        x: the input of the LoRA branch, as PEFT's dropout would see it (before the cast).
+        p: the dropout probability in ``[0, 1)``.
+        dtype: the dtype PEFT's dropout sees (``lora_A``'s weight dtype by default in PEFT).
+
+    Example:
+        >>> x = torch.randn(4, 16)
+        >>> _ = torch.manual_seed(0); m = dropout_mask(x, 0.5)
+        >>> _ = torch.manual_seed(0); torch.equal(m, torch.nn.Dropout(0.5)(x) != 0)
+        True
+    """
+    if p == 0:
+        return None
+    ones = torch.ones_like(x, dtype=dtype or x.dtype)
+    return F.dropout(ones, p, training=True) != 0
+
+
+# ---- the projection math, shared by both functions ----
+
+
+class _Proj:
+    """The non-tensor operands of one projection inside the autograd functions."""
+
+    __slots__ = ("base", "bias", "scaling", "keep_scale", "versions")
+
+    def __init__(self, base, bias, adapter: LoraAdapter | None):
+        self.base = base
+        self.bias = bias
+        self.scaling = float(adapter.scaling) if adapter is not None else 0.0
+        self.keep_scale = 1.0 / (1.0 - adapter.dropout) if adapter is not None and adapter.dropout else 1.0
+        tensors = [
+            t for t in (base, adapter and adapter.A, adapter and adapter.B) if isinstance(t, torch.Tensor)
+        ]
+        self.versions = [(t, t._version) for t in tensors]
+
+    def check_versions(self) -> None:
+        for t, v in self.versions:
+            if t._version != v:
+                raise RuntimeError(
+                    "fuselm.lora: a weight of a LoRA projection was modified in place between forward and "
+                    "backward (merge, optimizer step): the gradient would be wrong"
+                )
+
+
+_MM_OUT_DTYPE = [True]  # does torch.mm(..., out_dtype=torch.float32) run on CUDA here (tried once)
+
+
+def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """scale * (a @ b) returned in ``dtype``: fp32 output straight from the GEMM when a 16-bit product
+    feeds an fp32 adapter gradient on CUDA (fp32 accumulation, one rounding), else GEMM then cast."""
+    out = None
+    if (
+        _MM_OUT_DTYPE[0]
+        and dtype == torch.float32
+        and a.is_cuda
+        and a.dtype in (torch.float16, torch.bfloat16)
+    ):
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError, TypeError):  # not in this build: GEMM then cast
+            _MM_OUT_DTYPE[0] = False
+    if out is None:
+        out = torch.mm(a, b)
+        if out.dtype != dtype:
+            out = out.to(dtype)
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def _cast_adapter(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype):
+    if a is None:
+        return None, None
+    return a.to(dtype), b.to(dtype)
+
+
+def _proj_forward(x, a, b, mask, proj: _Proj):
+    """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype."""
+    w = dense(proj.base, x.dtype)
+    bias = proj.bias
+    if bias is not None:
+        y = torch.addmm(bias if bias.dtype == x.dtype else bias.to(x.dtype), x, w.t())
+    else:
+        y = torch.mm(x, w.t())
+    del w  # a quantized weight's scratch is free for the next projection
+    if a is None:
+        return y, None
+    a_c, b_c = _cast_adapter(a, b, x.dtype)
+    if mask is None:
+        low = torch.mm(x, a_c.t())
+    else:
+        # drop(x) A^T = (x * mask) (A / (1 - p))^T: the 1 / (1 - p) folded into the small operand
+        a_k = (a * proj.keep_scale).to(x.dtype)
+        low = torch.mm(x * mask, a_k.t())
+    y.addmm_(low, b_c.t(), alpha=proj.scaling)
+    return y, low
+
+
+def _grad_input(dy, dyb, a_c, mask, proj: _Proj, acc=None):
+    """dX = dY W (+ s * ((dY B) A) masked), into ``acc`` when given (dX += ...)."""
+    w = dense(proj.base, dy.dtype)
+    dx = torch.mm(dy, w) if acc is None else acc.addmm_(dy, w)
+    del w
+    if a_c is not None:
+        if mask is None:
+            dx.addmm_(dyb, a_c, alpha=proj.scaling)
+        else:
+            t = torch.mm(dyb, a_c).mul_(mask)
+            dx.add_(t, alpha=proj.scaling * proj.keep_scale)
+    return dx
+
+
+def _grad_adapter(dy, dyb, inp, low, mask, a, b, proj: _Proj, need_a: bool, need_b: bool):
+    """(dA [r, in] in A's dtype, dB [out, r] in B's dtype): dA = s (dY B)^T drop(x), dB = s dY^T low."""
+    da = db = None
+    if need_a:
+        xm = inp if mask is None else inp * mask
+        da = _mm_to(dyb.t(), xm, a.dtype, proj.scaling * proj.keep_scale)
+    if need_b:
+        db = _mm_to(dy.t(), low, b.dtype, proj.scaling)
+    return da, db
+
+
+def _no_autocast(device_type: str):
+    """Autocast off for the explicit-dtype GEMMs of backward (a no-op context when it is off already)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ---- autograd ----
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """y = x W^T + b + s * (drop(x) A^T) B^T for x [N, in] in the compute dtype. Saves x, low [N, r]
+    and the bool dropout mask (p > 0); the base weight and the adapters are referenced, not saved."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, mask, proj):
+        y, low = _proj_forward(x, a, b, mask, proj)
+        ctx.proj, ctx.a, ctx.b = proj, a, b  # frozen / parameter references: no activation memory
+        ctx.save_for_backward(x, low, mask)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, low, mask = ctx.saved_tensors
+        proj, a, b = ctx.proj, ctx.a, ctx.b
+        proj.check_versions()
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        with _no_autocast(dy.device.type):
+            a_c, b_c = _cast_adapter(a, b, dy.dtype)
+            dyb = torch.mm(dy, b_c) if a is not None and (need_x or need_a) else None  # [N, r]
+            dx = _grad_input(dy, dyb, a_c, mask, proj) if need_x else None
+            da, db = (None, None)
+            if a is not None:
+                da, db = _grad_adapter(dy, dyb, x, low, mask, a, b, proj, need_a, need_b)
+        return dx, da, db, None, None
+
+
+class LoraGatedMLPFunction(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)) of three LoRA projections for x [N, H]. Saves x, the gate and up
+    pre-activations g, u [N, I] and the three lows [N, r] (and the bool dropout masks, p > 0); the
+    product h = act(g) * u is recomputed in backward by the kernel that writes dg and du."""
+
+    @staticmethod
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype):
+        pg, pu, pd = projs
+        g, low_g = _proj_forward(x, ag, bg, mg, pg)  # [N, I]
+        u, low_u = _proj_forward(x, au, bu, mu, pu)  # [N, I]
+        h = gated_forward(g, u, activation)  # [N, I]
+        # PEFT's down_proj draws its mask here, after gate's and up's, on h cast to A's dtype
+        md = dropout_mask(h, down_p, down_mask_dtype) if ad is not None else None
+        y, low_d = _proj_forward(h, ad, bd, md, pd)  # [N, H]
+        ctx.projs, ctx.activation = projs, activation
+        ctx.adapters = (ag, bg, au, bu, ad, bd)
+        ctx.save_for_backward(x, g, u, low_g, low_u, low_d, mg, mu, md)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, g, u, low_g, low_u, low_d, mg, mu, md = ctx.saved_tensors
+        ag, bg, au, bu, ad, bd = ctx.adapters
+        pg, pu, pd = ctx.projs
+        for p in ctx.projs:
+            p.check_versions()
+        nx, nag, nbg, nau, nbu, nad, nbd = ctx.needs_input_grad[:7]
+        need_gu = nx or nag or nbg or nau or nbu  # anything upstream of h
+        cdt = dy.dtype
+        dx = dag = dbg = dau = dbu = dad = dbd = None
+        with _no_autocast(dy.device.type):
+            # down: dh = dY Wd (+ LoRA), then one kernel: dg (into dh's storage), du and h
+            ad_c, bd_c = _cast_adapter(ad, bd, cdt)
+            dyb = torch.mm(dy, bd_c) if ad is not None and (need_gu or nad) else None
+            if need_gu:
+                dh = _grad_input(dy, dyb, ad_c, md, pd)  # [N, I], fresh: dg overwrites it
+                res = gated_backward(dh, g, u, ctx.activation, want_out=nad, dgate_into_dout=True)
+                dg, du, h = res if nad else (*res, None)
+                del dh
+            else:
+                dg = du = None
+                h = gated_forward(g, u, ctx.activation) if nad else None
+            if ad is not None:
+                dad, dbd = _grad_adapter(dy, dyb, h, low_d, md, ad, bd, pd, nad, nbd)
+            del h, dyb
+            if need_gu:
+                # gate, then up, dX accumulated in one buffer
+                ag_c, bg_c = _cast_adapter(ag, bg, cdt)
+                dgb = torch.mm(dg, bg_c) if ag is not None and (nx or nag) else None
+                if nx:
+                    dx = _grad_input(dg, dgb, ag_c, mg, pg)
+                if ag is not None:
+                    dag, dbg = _grad_adapter(dg, dgb, x, low_g, mg, ag, bg, pg, nag, nbg)
+                del dg, dgb
+                au_c, bu_c = _cast_adapter(au, bu, cdt)
+                dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
+                if nx:
+                    dx = _grad_input(du, dub, au_c, mu, pu, acc=dx)
+                if au is not None:
+                    dau, dbu = _grad_adapter(du, dub, x, low_u, mu, au, bu, pu, nau, nbu)
+        return dx, dag, dbg, dau, dbu, dad, dbd, None, None, None, None, None, None
+
+
+# ---- public functions ----
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [N, C] with unit column stride (a view when one exists)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.shape[1] > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _prepare(name: str, x, base, adapter, bias, cdt, autocast):
+    _check_base(f"{name}base" if name else "base", base, x, cdt, autocast)
+    out_features, in_features = base.shape
+    _check_adapter(f"{name}adapter" if name else "adapter", adapter, in_features, out_features, x.device)
+    _check_bias(f"{name}bias" if name else "bias", bias, out_features, x.device)
+    a = adapter.A if adapter is not None else None
+    b = adapter.B if adapter is not None else None
+    return a, b, _Proj(base, bias, adapter)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    base: torch.Tensor | FrozenWeight,
+    adapter: LoraAdapter | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x W^T + b + s * (drop(x) A^T) B^T`` with a frozen base weight ``W`` and one LoRA adapter.
+
+    The base GEMM writes ``y`` (the bias in its epilogue), then ``y.addmm_(low, B^T, alpha=s)`` adds the
+    LoRA update in place with ``low = drop(x) A^T`` ``[N, r]``: no ``[N, out]`` temporary. The LoRA
+    GEMMs run in the compute dtype (x's dtype, or the autocast dtype in an autocast region), the
+    adapters cast once per call; A's and B's gradients come back in their own dtype (fp32 adapters on
+    a bf16 model get fp32 gradients, accumulated in fp32 on CUDA). Saved for backward: x, low, and the
+    bool dropout mask when ``p > 0``; a quantized base is dequantized again in backward.
+    ``adapter=None`` is the frozen linear layer alone (saving nothing but x).
+
+    Dropout (``adapter.dropout > 0``): the mask is drawn as PEFT's LoRA ``Linear`` draws it
+    (:func:`dropout_mask` on x in ``adapter.mask_dtype``), so under the same torch seed the output and
+    gradients equal PEFT's.
+
+    Args:
+        x: ``[..., in]`` float16 / bfloat16 / float32 / float64.
+        base: the frozen weight ``[out, in]``: a tensor of x's dtype (any dtype in an autocast region)
+            that does not require grad, or a :class:`~fuselm.lora.FrozenWeight` (bitsandbytes 4/8-bit).
+        adapter: a :class:`LoraAdapter` (A ``[r, in]``, B ``[out, r]``, scaling, dropout) or None.
+        bias: the frozen base bias ``[out]`` (cast to the compute dtype) or None.
+
+    Returns:
+        ``[..., out]`` in the compute dtype.
+
+    Example:
+        >>> x = torch.randn(2, 5, 64, requires_grad=True)
+        >>> W = torch.randn(32, 64)
+        >>> A = torch.randn(8, 64, requires_grad=True)
+        >>> B = torch.randn(32, 8, requires_grad=True)
+        >>> y = lora_linear(x, W, LoraAdapter(A, B, scaling=2.0))
+        >>> torch.allclose(y, x @ W.T + 2.0 * (x @ A.T) @ B.T, atol=1e-3)
+        True
+        >>> y.sum().backward(); A.grad.shape, B.grad.shape
+        (torch.Size([8, 64]), torch.Size([32, 8]))
+    """
+    _check_x("x", x)
+    cdt, autocast = _compute_dtype(x)
+    a, b, proj = _prepare("", x, base, adapter, bias, cdt, autocast)
+    mask = None
+    if adapter is not None and adapter.dropout:
+        # PEFT: x.to(A.dtype) then the dropout, on x's full shape: the same draw
+        mask = _rows(dropout_mask(x, adapter.dropout, adapter.mask_dtype or adapter.A.dtype))
+    x2 = _rows(x.to(cdt))
+    if autocast:
+        with _no_autocast(x.device.type):
+            y = LoraLinearFunction.apply(x2, a, b, mask, proj)
+    else:
+        y = LoraLinearFunction.apply(x2, a, b, mask, proj)
+    return y.view(*x.shape[:-1], base.shape[0])
+
+
+def lora_gated_mlp(
+    x: torch.Tensor,
+    gate: tuple,
+    up: tuple,
+    down: tuple,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))``, each projection a frozen base with an optional LoRA adapter.
+
+    Each of ``gate``, ``up``, ``down`` is ``(base, adapter)`` or ``(base, adapter, bias)`` as the
+    arguments of :func:`lora_linear`. Saved for backward: x, the gate and up pre-activations ``g``,
+    ``u`` ``[N, I]`` and the three ``low`` ``[N, r]`` (plus bool dropout masks when ``p > 0``); the
+    product ``h = act(g) * u`` is recomputed in backward by the kernel that writes ``dg`` (into ``dh``'s
+    buffer) and ``du`` (``fuselm.ops.swiglu.gated_backward``). Dropout masks are drawn in PEFT's order:
+    gate's, up's, then down's (on ``h``).
+
+    Args:
+        x: ``[..., H]`` float16 / bfloat16 / float32 / float64.
+        gate: operands of ``gate_proj`` (base ``[I, H]``).
+        up: operands of ``up_proj`` (base ``[I, H]``).
+        down: operands of ``down_proj`` (base ``[H, I]``).
+        activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+
+    Returns:
+        ``[..., H]`` in the compute dtype.
+
+    Example:
+        >>> H, I, r = 64, 96, 8
+        >>> x = torch.randn(3, H, requires_grad=True)
+        >>> Wg, Wu, Wd = torch.randn(I, H), torch.randn(I, H), torch.randn(H, I)
+        >>> A, B = torch.randn(r, I, requires_grad=True), torch.randn(H, r, requires_grad=True)
+        >>> ad = LoraAdapter(A, B, scaling=2.0)
+        >>> y = lora_gated_mlp(x, (Wg, None), (Wu, None), (Wd, ad), "silu")
+        >>> h = F.silu(x @ Wg.T) * (x @ Wu.T)
+        >>> torch.allclose(y, h @ Wd.T + 2.0 * (h @ ad.A.T) @ ad.B.T, rtol=1e-4, atol=1e-2)
+        True
+    """
+    _check_x("x", x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    cdt, autocast = _compute_dtype(x)
+    gb, gadapter, gbias = _operands("gate", gate)
+    ub, uadapter, ubias = _operands("up", up)
+    db, dadapter, dbias = _operands("down", down)
+    ag, bg, pg = _prepare("gate ", x, gb, gadapter, gbias, cdt, autocast)
+    au, bu, pu = _prepare("up ", x, ub, uadapter, ubias, cdt, autocast)
+    inter = gb.shape[0]
+    if ub.shape[0] != inter:
+        raise ValueError(
+            f"up base must have shape [{inter}, {x.shape[-1]}] like gate's, got {tuple(ub.shape)}"
+        )
+    if tuple(db.shape) != (x.shape[-1], inter):
+        raise ValueError(
+            f"down base must have shape [{x.shape[-1]}, {inter}] ([H, I]), got {tuple(db.shape)}"
+        )
+    h_probe = x.new_empty((0, inter), dtype=cdt)  # down's checks see a [.., I] input of the compute dtype
+    ad, bd, pd = _prepare("down ", h_probe, db, dadapter, dbias, cdt, autocast)
+    # PEFT's order: gate's mask, then up's (on x as the layers see it); down's is drawn in forward
+    mg = mu = None
+    if gadapter is not None and gadapter.dropout:
+        mg = _rows(dropout_mask(x, gadapter.dropout, gadapter.mask_dtype or gadapter.A.dtype))
+    if uadapter is not None and uadapter.dropout:
+        mu = _rows(dropout_mask(x, uadapter.dropout, uadapter.mask_dtype or uadapter.A.dtype))
+    down_p = dadapter.dropout if dadapter is not None else 0.0
+    down_mask_dtype = (dadapter.mask_dtype or dadapter.A.dtype) if dadapter is not None else None
+    x2 = _rows(x.to(cdt))
+    args = (x2, ag, bg, au, bu, ad, bd, mg, mu, (pg, pu, pd), activation, down_p, down_mask_dtype)
+    if autocast:
+        with _no_autocast(x.device.type):
+            y = LoraGatedMLPFunction.apply(*args)
+    else:
+        y = LoraGatedMLPFunction.apply(*args)
+    return y.view(*x.shape[:-1], x.shape[-1])
