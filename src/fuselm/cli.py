@@ -11,7 +11,8 @@ Usage::
     fuselm demo                        # train a small Llama twice: HF eager vs fuselm.hf.patch
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
-CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``.../cpu``.
+CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``bench-out/cpu``
+(ignored by git: CPU figures are smoke runs, never committed).
 ``fuselm demo`` writes ``fuselm_demo.png`` and ``fuselm_demo.json`` to ``--out`` (default: the current
 folder).
 """
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--providers", help="comma-separated provider names (default: all of the suite's)")
     bench.add_argument(
-        "--out", help="output folder (default: benchmarks/results/<gpu>, e.g. .../h100 or .../cpu)"
+        "--out",
+        help="output folder (default: benchmarks/results/<gpu>, e.g. .../h100; without CUDA bench-out/cpu)",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a rough number fast)")
     bench.add_argument(

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import fuselm
-from fuselm.bench import arguments, fresh_process, report, training
+from fuselm.bench import arguments, fresh_process, harness, report, training
 
 SRC = Path(fuselm.__file__).resolve().parent
 
 
-@pytest.mark.parametrize("module", [training, arguments, report, fresh_process], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [training, arguments, report, fresh_process, harness], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

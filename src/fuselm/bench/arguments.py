@@ -101,11 +101,28 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+CPU_RESULTS_DIR = Path("bench-out") / "cpu"
+
+
 def results_dir(out: str | None, device_name: str | None) -> Path:
-    """``--out``, else ``benchmarks/results/<gpu>`` for the GPU called ``device_name`` (None: ``cpu``)."""
+    """``--out``, else ``benchmarks/results/<gpu>`` for the GPU called ``device_name`` (where committed GPU
+    results live), else (``device_name`` None: a CPU run) ``bench-out/cpu`` under the current folder: CPU
+    figures are smoke runs, never committed, and ``bench-out/`` is in the checkout's ``.gitignore``, so a
+    run inside the checkout leaves no untracked files.
+
+    Example:
+        >>> [str(results_dir(None, gpu)) for gpu in (None, "NVIDIA H100 80GB HBM3")]
+        ['bench-out/cpu', 'benchmarks/results/h100']
+        >>> str(results_dir("x", None))
+        'x'
+    """
     from .report import gpu_slug
 
-    return Path(out) if out else Path("benchmarks") / "results" / gpu_slug(device_name)
+    if out:
+        return Path(out)
+    if device_name is None or gpu_slug(device_name) == "cpu":
+        return CPU_RESULTS_DIR
+    return Path("benchmarks") / "results" / gpu_slug(device_name)
 
 
 @dataclass(frozen=True)

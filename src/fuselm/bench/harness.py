@@ -20,23 +20,29 @@ Modes:
 - ``full``: forward + backward: ``torch.autograd.grad(outputs, inputs that require grad,
   grad_outputs)``. The gradients are returned to the caller, never accumulated into ``.grad``
   (no AccumulateGrad copy or add, which a loss whose input is an activation never pays).
-- ``bwd``: derived as median(full) - median(fwd), the same for every provider (a backward alone
-  cannot be timed for designs that compute the gradient in the forward and forbid a second
-  backward).
+- ``bwd``: the backward alone, measured on its own: each repetition runs an untimed forward that
+  records autograd, then times ``torch.autograd.grad(outputs, inputs that require grad, grad_outputs)``
+  (on CUDA between two events after the forward was enqueued and the L2 cache flushed, as
+  ``do_bench`` flushes it; on a CPU with ``perf_counter``); the median of the repetitions. Designs that
+  compute the gradient during the forward (chunked fused losses) do that work in the forward: it shows
+  in ``full``, not in ``bwd``. (Until 2026-11 bwd was median(full) - median(fwd), which came out
+  negative when the no-grad forward of ``fwd`` cost more than the forward inside ``full``.)
 
 CUDA graphs (``Suite.cuda_graph=True``, for ops whose kernels take a fraction of a millisecond):
 the call is also captured in a CUDA graph and ``ms`` is the median time of its replays, the device
 time without the host path (Python, the autograd engine, kernel launches), which otherwise shows
 in the figure whenever the host is slower than the GPU; ``ms_eager`` keeps the time of the plain
-call. A provider whose call cannot be captured keeps its eager time as ``ms``, with a note. Rates
-and ratios are computed from ``ms``.
+call. In ``bwd`` mode the graph holds the backward alone (the forward runs eagerly on the capture
+stream once, its graph retained, and the backward is captured with ``retain_graph=True``). A
+provider whose call cannot be captured keeps its eager time as ``ms``, with a note. Rates and
+ratios are computed from ``ms``.
 
 Memory (CUDA only): after warmup, ``extra`` = peak allocated during one call minus what was
 allocated before it (inputs already allocated). In ``full`` mode, the bytes of the returned
 gradients that are fresh buffers (not aliasing an input) are subtracted: gradients count as
 already allocated once, as ``.grad`` in a training step is; a gradient written into the input's
 buffer therefore costs 0 too. In ``fwd`` mode the outputs and whatever the forward keeps for the
-backward are counted.
+backward are counted. ``bwd`` rows have no memory figure.
 
 Adding a suite (a new module ``fuselm/bench/<op>.py`` plus one line in ``registry.SUITES``)::
 
@@ -314,18 +320,99 @@ def _leave_failed_capture(device: torch.device) -> None:
     del graph
 
 
+BWD_FLUSH_BYTES = 256 << 20  # the L2 flush before each timed backward (do_bench's size)
+
+
+def time_backward_ms(
+    forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device, *, quick: bool = False
+) -> float:
+    """Median time in ms of ``backward(forward())``'s backward alone.
+
+    Each repetition runs ``outs = forward()`` (untimed), then times ``backward(outs)``: on CUDA between two
+    events recorded after the forward was enqueued and a 256 MiB buffer zeroed (the L2 flush of
+    ``triton.testing.do_bench``), so the figure is the backward's device time, plus the host's time
+    whenever the host is slower than the GPU (as do_bench's); the repetition counts follow do_bench's
+    warmup / rep budgets (in ms). On a CPU: ``perf_counter`` around the backward, the median of
+    ``CPU_REPS`` repetitions.
+
+    Example:
+        >>> x = torch.randn(64, requires_grad=True)
+        >>> backward = lambda y: torch.autograd.grad(y, [x])
+        >>> time_backward_ms(lambda: (x * x).sum(), backward, torch.device("cpu")) > 0
+        True
+    """
+    if device.type != "cuda":
+        times = []
+        for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
+            outs = forward()
+            t0 = time.perf_counter()
+            backward(outs)
+            times.append(time.perf_counter() - t0)
+            del outs
+        return statistics.median(times) * 1e3
+    warmup_ms, rep_ms = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+    flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def timed(n: int) -> list[float]:
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
+        ]
+        for start, end in events:
+            outs = forward()
+            flush.zero_()
+            start.record()
+            backward(outs)
+            end.record()
+            del outs
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+
+    estimate = statistics.median(timed(5))
+    for _ in range(max(1, int(warmup_ms / max(estimate, 1e-3)))):
+        backward(forward())
+    return float(statistics.median(timed(max(1, int(rep_ms / max(estimate, 1e-3))))))
+
+
+def capture_backward_graph(
+    forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side
+    stream (so autograd runs the backward there too), then ``backward(outs)`` (which must pass
+    ``retain_graph=True``) is captured. Returns the graph and the forward's outputs, which must stay alive
+    while the graph is replayed (their autograd graph holds what the backward reads)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backward(forward())
+        outs = forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            backward(outs)
+    except Exception:
+        _leave_failed_capture(device)
+        raise
+    return graph, outs
+
+
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     """One line saying how times were taken."""
     if device.type == "cuda":
         warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
-        how = f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms)"
+        how = (
+            f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
+            "after an untimed forward, between CUDA events, L2 flushed, median"
+        )
         if cuda_graph:
             how += (
                 "; ms: replays of the call captured in a CUDA graph (device time, no host path), "
                 "eager ms: the plain call"
             )
         return how
-    return f"time.perf_counter median of {CPU_REPS_QUICK if quick else CPU_REPS} calls after 2 warmup calls"
+    reps = CPU_REPS_QUICK if quick else CPU_REPS
+    return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -429,7 +516,7 @@ def _measure(
     device: torch.device,
     quick: bool,
 ) -> Row:
-    """Time (and on CUDA, measure the memory of) one (shape, provider, mode) with mode fwd or full."""
+    """Time (and on CUDA, for fwd and full, measure the memory of) one (shape, provider, mode)."""
     row = Row(shape=tuple(shape), provider=provider.name, mode=mode)
     torch.manual_seed(0)
     inputs = suite.make_inputs(shape, dtype, device)
@@ -448,7 +535,7 @@ def _measure(
 
     else:
         if not wrt:
-            raise ValueError(f"suite {suite.name!r}: full mode needs an input with requires_grad")
+            raise ValueError(f"suite {suite.name!r}: {mode} mode needs an input with requires_grad")
         outs = _tensors(fn(inputs))
         grad_outputs = [None if o.numel() == 1 else torch.randn_like(o) for o in outs]
         del outs
@@ -459,6 +546,8 @@ def _measure(
     for _ in range(2):  # compile, autotune, allocator warmup
         call()
     sync(device)
+    if mode == "bwd":
+        return _measure_bwd(suite, row, lambda: _tensors(fn(inputs)), wrt, grad_outputs, device, quick)
     if device.type == "cuda":
         extra, _, result = peak_extra_bytes(call, device)
         row.peak_bytes = extra
@@ -481,30 +570,39 @@ def _measure(
     return row
 
 
+def _measure_bwd(
+    suite: Suite,
+    row: Row,
+    forward: Callable[[], list[torch.Tensor]],
+    wrt: list[torch.Tensor],
+    grad_outputs: list[torch.Tensor | None],
+    device: torch.device,
+    quick: bool,
+) -> Row:
+    """The ``bwd`` row: the backward alone (:func:`time_backward_ms`); with ``suite.cuda_graph`` on CUDA
+    also its replays from a graph of the backward alone (:func:`capture_backward_graph`)."""
+
+    def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
+        return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
+
+    row.ms = time_backward_ms(forward, backward, device, quick=quick)
+    if suite.cuda_graph and device.type == "cuda":
+        row.ms_eager = row.ms
+        try:
+            graph, outs = capture_backward_graph(forward, lambda o: backward(o, retain=True), device)
+        except Exception as e:  # noqa: BLE001 - e.g. a host sync in the backward: keep the eager time
+            row.note = f"eager time: graph capture failed ({error_text(e)})"
+        else:
+            row.ms = time_ms(graph.replay, device, quick=quick)
+            del graph, outs
+    return row
+
+
 def _finish(row: Row, cost: Cost, ceilings: Ceilings) -> Row:
     row.bytes, row.flops = cost.bytes, cost.flops
     for k, v in compute_ratios(row.ms, cost, ceilings).items():
         setattr(row, k, v)
     return row
-
-
-def derive_bwd(
-    provider: str, shape: Shape, fwd: Row | None, full: Row | None, cost: Cost, ceilings: Ceilings
-) -> Row:
-    """The ``bwd`` row: median(full) - median(fwd); memory is not measured for it."""
-    row = Row(shape=tuple(shape), provider=provider, mode="bwd")
-    for r in (fwd, full):
-        if r is not None and r.error:
-            row.error = f"{r.mode}: {r.error}"
-            return row
-    if fwd is None or full is None or fwd.ms is None or full.ms is None:
-        row.error = "needs both fwd and full"
-        return row
-    row.ms = full.ms - fwd.ms
-    if fwd.ms_eager is not None and full.ms_eager is not None:
-        row.ms_eager = full.ms_eager - fwd.ms_eager
-    row.note = "; ".join(f"{r.mode}: {r.note}" for r in (fwd, full) if r.note) or None
-    return _finish(row, cost, ceilings)
 
 
 def error_text(e: BaseException, limit: int = 120) -> str:
@@ -576,9 +674,7 @@ def run_suite(
         active.append(p)
     free_memory(device)
 
-    measured = [m for m in ("fwd", "full") if m in modes or "bwd" in modes]
-    cases = [(s, p, m) for s in report.shapes for p in active for m in measured]
-    raw: dict[tuple[Shape, str, str], Row] = {}
+    cases = [(s, p, m) for s in report.shapes for p in active for m in modes]
     bar = tqdm(cases, desc=suite.name, disable=not progress, leave=False)
     for shape, provider, mode in bar:
         bar.set_postfix_str(f"{'x'.join(map(str, shape))} {provider.name} {mode}")
@@ -589,19 +685,6 @@ def run_suite(
         except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
             row = Row(shape=shape, provider=provider.name, mode=mode, error=error_text(e))
         free_memory(device)
-        raw[(shape, provider.name, mode)] = _finish(row, suite.cost(shape, mode, dtype), ceilings)
+        report.rows.append(_finish(row, suite.cost(shape, mode, dtype), ceilings))
     bar.close()
-
-    for shape in report.shapes:
-        for provider in active:
-            for mode in modes:
-                if mode == "bwd":
-                    fwd, full = (
-                        raw.get((shape, provider.name, "fwd")),
-                        raw.get((shape, provider.name, "full")),
-                    )
-                    cost = suite.cost(shape, "bwd", dtype)
-                    report.rows.append(derive_bwd(provider.name, shape, fwd, full, cost, ceilings))
-                else:
-                    report.rows.append(raw[(shape, provider.name, mode)])
     return report

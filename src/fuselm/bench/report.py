@@ -220,7 +220,11 @@ def notes(report: Report) -> list[str]:
     """Footnotes: what each column means, how modes and memory are taken, the suite's own notes."""
     out = []
     if "bwd" in report.modes:
-        out.append("bwd = median(full) - median(fwd), the same for every provider (no memory figure).")
+        out.append(
+            "bwd = the backward alone (torch.autograd.grad after an untimed forward that records autograd), "
+            "measured on its own, the same for every provider (no memory figure); a design that computes the "
+            "gradient in its forward does that work in full, not in bwd."
+        )
     if "fwd" in report.modes:
         if report.suite.forward_grad:
             out.append("fwd records autograd, as the forward of a training step.")
