@@ -1,7 +1,7 @@
 """Does the fused residual add of fuselm's patched decoder layers run? A tiny Llama from tests/hf/hf_models.py,
-patched: calls of fuselm.hf.layers.residual_rms_norm in one eager step and one torch.compile(fullgraph)
-forward (CUDA and CPU), and on CUDA the rms_norm ops of the compiled graph that take a residual (2 expected:
-one per layer). Usage (GPU): PYTHONPATH=src python benchmarks/scripts/diag_fused_residual.py
+patched: calls of fuselm.hf.decoder_layer.residual_rms_norm in one eager step and one torch.compile
+(fullgraph) forward (CUDA and CPU), and on CUDA the rms_norm ops of the compiled graph that take a residual
+(2 expected: one per layer). Usage (GPU): PYTHONPATH=src python benchmarks/scripts/diag_fused_residual.py
 """
 
 import sys
@@ -12,7 +12,7 @@ sys.path[:0] = ["tests", "tests/hf"]
 from hf_models import build
 
 import fuselm.hf
-from fuselm.hf import layers
+from fuselm.hf import decoder_layer as layers
 
 calls = []
 fn = layers.residual_rms_norm

@@ -22,7 +22,7 @@ from conftest import triton_path
 from hf_models import ALL_TYPES, build, clone
 
 import fuselm.hf
-from fuselm.hf import layers
+from fuselm.hf import _common, decoder_layer, layer_layout
 from fuselm.hf.registry import FAMILIES, LAYER_NOT_FUSED, family
 from fuselm.ops._common.testing import assert_numerics
 
@@ -51,15 +51,15 @@ def _no_leftover_patches():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts calls of layers.residual_rms_norm (one per decoder layer that took the fused path)."""
+    """Counts calls of decoder_layer.residual_rms_norm (one per decoder layer that took the fused path)."""
     calls = []
-    fn = layers.residual_rms_norm
+    fn = decoder_layer.residual_rms_norm
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return fn(*args, **kwargs)
 
-    monkeypatch.setattr(layers, "residual_rms_norm", spy)
+    monkeypatch.setattr(decoder_layer, "residual_rms_norm", spy)
     return calls
 
 
@@ -104,7 +104,7 @@ def _checkpointing(model, **kwargs):
 
 
 def _decoder_layers(model, spec):
-    return [m for m in model.modules() if layers.hf_class(m).__name__ == spec.decoder_layer]
+    return [m for m in model.modules() if _common.hf_class(m).__name__ == spec.decoder_layer]
 
 
 # ---- which families ----
@@ -137,27 +137,27 @@ def test_the_layout_check_agrees_with_the_registry(model_type):
     spec = FAMILIES[model_type]
     if spec.decoder_layer is not None:
         cls = getattr(importlib.import_module(spec.module), spec.decoder_layer)
-        raw, _, _ = layers.split_checkpointing(cls.forward)
-        layout = layers.llama_layer_layout(raw)
-        assert isinstance(layout, layers.LayerLayout), layout
+        raw, _, _ = layer_layout.split_checkpointing(cls.forward)
+        layout = layer_layout.llama_layer_layout(raw)
+        assert isinstance(layout, layer_layout.LayerLayout), layout
         assert layout.params[0] == "hidden_states" and layout.attn_var_kw
     elif model_type in LAYER_NOT_FUSED:
         classes = _layer_classes(spec)
         assert classes
         for cls in classes:
-            split = layers.split_checkpointing(cls.forward)
-            assert isinstance(split, str) or isinstance(layers.llama_layer_layout(split[0]), str), cls
+            split = layer_layout.split_checkpointing(cls.forward)
+            assert isinstance(split, str) or isinstance(layer_layout.llama_layer_layout(split[0]), str), cls
 
 
 def test_a_layer_that_is_not_llamas_layout_stays_hf(monkeypatch):
     """A spec naming a layer of another layout (Phi-3's: dropout before the adds) gets no patched layer:
     one warning, the class keeps HF's forward, the rest of the family is patched."""
-    monkeypatch.setattr(layers, "_warned", set())
+    monkeypatch.setattr(_common, "_warned", set())
     spec = dataclasses.replace(family("phi3"), decoder_layer="Phi3DecoderLayer")
     cls = importlib.import_module(spec.module).Phi3DecoderLayer
     before = vars(cls)["forward"]
     with pytest.warns(UserWarning, match="Phi3DecoderLayer .*not Llama's pre-norm layout"):
-        assert layers.decoder_layer_forward(spec, cls.forward) is None
+        assert decoder_layer.decoder_layer_forward(spec, cls.forward) is None
     monkeypatch.setitem(FAMILIES, "phi3", spec)
     try:
         fuselm.hf.patch("phi3")
@@ -234,7 +234,9 @@ def test_self_attn_gets_what_hf_passes(model_type):
             if key != "hidden_states":
                 assert kw_ours[key] is kw_hf[key], key
     # by position, as far as the signature goes: the same binding as HF's
-    names = layers.llama_layer_layout(layers.split_checkpointing(type(layer_hf).forward)[0]).params
+    names = layer_layout.llama_layer_layout(
+        layer_layout.split_checkpointing(type(layer_hf).forward)[0]
+    ).params
     positional = {"position_embeddings": cos_sin, "attention_mask": None, "position_ids": position_ids}
     args = [positional.get(n) for n in names[1:]]
     args = [False if n == "use_cache" else a for n, a in zip(names[1:], args, strict=True)]
@@ -309,7 +311,7 @@ def test_gradient_checkpointing_turns_the_cache_off_as_hf(fused_calls):
     cache, as HF's GradientCheckpointingLayer sets them (the cache argument under the name the installed
     transformers uses: past_key_values, or cache from 5.24 on)."""
     eager = build("llama")
-    raw, _, _ = layers.split_checkpointing(type(eager.model.layers[0]).forward)
+    raw, _, _ = layer_layout.split_checkpointing(type(eager.model.layers[0]).forward)
     cache_name = "cache" if "cache" in inspect.signature(raw).parameters else "past_key_values"
     h = torch.randn(1, 4, eager.config.hidden_size, requires_grad=True)
     cos_sin = eager.model.rotary_emb(h, torch.arange(4)[None])
@@ -335,7 +337,7 @@ def test_deprecated_cache_argument_is_renamed_as_hf(fused_calls):
     wrapper): the patched layer keeps that wrapper, so the old name still reaches the attention as cache,
     with the same outputs as HF's layer."""
     eager = build("llama")
-    raw, _, _ = layers.split_checkpointing(type(eager.model.layers[0]).forward)
+    raw, _, _ = layer_layout.split_checkpointing(type(eager.model.layers[0]).forward)
     if "cache" not in inspect.signature(raw).parameters:
         pytest.skip("this transformers version names the layer's cache argument past_key_values")
     h = torch.randn(1, 4, eager.config.hidden_size)
@@ -429,7 +431,7 @@ def test_autocast_adds_in_the_residual_dtype(fused_calls):
 def test_tensors_that_are_not_plain_run_hfs_add_and_norm(monkeypatch, fused_calls):
     """When the attention output or the residual is not a plain tensor (a DTensor), the layer runs HF's
     add and calls the norm module, after the attention it has already run."""
-    monkeypatch.setattr(layers, "_is_plain", lambda t: type(t) is torch.nn.Parameter)  # weights only
+    monkeypatch.setattr(decoder_layer, "_is_plain", lambda t: type(t) is torch.nn.Parameter)  # weights only
     eager = build("llama")
     models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
     ids, labels = _batch(300)

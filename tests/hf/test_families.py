@@ -14,20 +14,20 @@ import torch
 from hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import layers
+from fuselm.hf import blocks, decoder_layer, loss
 from fuselm.hf.registry import ALIASES, FAMILIES, family
 from fuselm.nn.mlp import gated_mlp
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
 
-# The names in fuselm.hf.layers through which each swapped component reaches a fuselm op.
+# The modules of fuselm.hf and the names in them through which each swapped component reaches a fuselm op.
 OPS = {
-    "rms_norm": ("rms_norm",),
-    "residual_norm": ("residual_rms_norm",),
-    "rope": ("apply_rotary",),
-    "swiglu": ("gated_mlp", "gated_packed"),
-    "loss": ("linear_cross_entropy",),
+    "rms_norm": (blocks, ("rms_norm",)),
+    "residual_norm": (decoder_layer, ("residual_rms_norm",)),
+    "rope": (blocks, ("apply_rotary",)),
+    "swiglu": (blocks, ("gated_mlp", "gated_packed")),
+    "loss": (loss, ("linear_cross_entropy",)),
 }
 
 
@@ -59,14 +59,15 @@ def _batch(vocab: int, b=2, t=16, seed=1):
 
 
 class _Calls:
-    """Counts calls into the fuselm ops that fuselm.hf.layers uses."""
+    """Counts calls into the fuselm ops that fuselm.hf's forwards use."""
 
     def __init__(self, monkeypatch):
         self.n = {}
-        for component, names in OPS.items():
+        for component, (module, names) in OPS.items():
             for name in names:
-                assert hasattr(layers, name), f"fuselm.hf.layers has no {name} any more: update OPS"
-                monkeypatch.setattr(layers, name, self._spy(component, getattr(layers, name)))
+                where = f"{module.__name__}.{name}"
+                assert hasattr(module, name), f"{where} is gone: update OPS"
+                monkeypatch.setattr(module, name, self._spy(component, getattr(module, name)))
 
     def _spy(self, component, fn):
         def spy(*args, **kwargs):
@@ -304,14 +305,14 @@ def test_gemma4_rms_norm_is_weight_times_norm(with_scale):
     fuselm.hf.patch("gemma4")
     assert all(n.forward.__qualname__ == "fuselm_Gemma4RMSNorm.forward" for n in norms)
     fuselm.hf.unpatch("gemma4")
-    patched = types.MethodType(layers.rms_norm_forward(family("gemma4")), norms[2])
+    patched = types.MethodType(blocks.rms_norm_forward(family("gemma4")), norms[2])
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
         ref, eager, ours = norms[0](x.double()), norms[1](x), patched(x)
         assert ours.dtype == eager.dtype == dtype
         assert_numerics(f"norm {dtype}", ours, eager, ref, dtype)
         if with_scale:
-            gemma3_style = layers.rms_norm(x, norms[2].weight, 1e-6, offset=1.0, casting="gemma")
+            gemma3_style = blocks.rms_norm(x, norms[2].weight, 1e-6, offset=1.0, casting="gemma")
             with pytest.raises(AssertionError):
                 assert_numerics(f"norm {dtype}", gemma3_style, eager, ref, dtype)
 
@@ -351,9 +352,9 @@ def test_gemma4_with_an_image_matches_hf(monkeypatch):
     assert "forward" not in vars(ours.model.vision_tower.encoder.layers[0].mlp)  # clippable linears: HF's
 
     widths = []
-    rope = layers.apply_rotary
+    rope = blocks.apply_rotary
     monkeypatch.setattr(
-        layers, "apply_rotary", lambda q, k, *a, **kw: widths.append(q.shape[-1]) or rope(q, k, *a, **kw)
+        blocks, "apply_rotary", lambda q, k, *a, **kw: widths.append(q.shape[-1]) or rope(q, k, *a, **kw)
     )
     ids, labels, images = _gemma4_image_batch(eager.config)
     outs = [

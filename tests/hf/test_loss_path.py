@@ -15,7 +15,7 @@ from hf_models import build, clone
 
 import fuselm.hf
 import fuselm.ops.linear_cross_entropy.op as lce_op
-from fuselm.hf import layers
+from fuselm.hf import _common, causal_lm, loss
 from fuselm.hf.registry import FAMILIES
 from fuselm.ops._common.testing import assert_numerics
 
@@ -26,12 +26,12 @@ VOCAB = 300
 @pytest.fixture(autouse=True)
 def _clean():
     """No class patch left over, and every one-time warning fresh."""
-    layers._warned.clear()
+    _common._warned.clear()
     yield
     gc.collect()
     for model_type in FAMILIES:
         fuselm.hf.unpatch(model_type)
-    layers._warned.clear()
+    _common._warned.clear()
 
 
 def _batch(b=2, t=12, seed=1, vocab=VOCAB):
@@ -369,13 +369,13 @@ def test_label_smoother_bypassing_the_fused_loss_warns_once(tmp_path):
 
 def test_patch_options_reach_the_fused_loss(monkeypatch):
     seen = []
-    fused = layers.linear_cross_entropy
+    fused = loss.linear_cross_entropy
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return fused(*args, **kwargs)
 
-    monkeypatch.setattr(layers, "linear_cross_entropy", spy)
+    monkeypatch.setattr(loss, "linear_cross_entropy", spy)
     model = fuselm.hf.patch(_small(), label_smoothing=0.2, memory=2**20, accum_dtype=torch.float32)
     ids, labels = _batch()
     model(input_ids=ids, labels=labels)
@@ -434,7 +434,7 @@ def test_head_facts_read_what_each_forward_applies():
     """The logit transforms are those HF's forward applies (its source), read from the config; Gemma 3's
     multimodal wrapper does not softcap although its text config carries the attribute."""
     facts = {
-        name: layers.head_facts(getattr(transformers, name).forward).transforms
+        name: causal_lm.head_facts(getattr(transformers, name).forward).transforms
         for name in (
             "LlamaForCausalLM",
             "GraniteForCausalLM",

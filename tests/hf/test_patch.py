@@ -13,6 +13,8 @@ import torch
 from hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
+from fuselm.hf import blocks, patching
+from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
 
@@ -112,13 +114,13 @@ def test_instance_patch_touches_only_that_model(model_type):
 
 def _rope_calls(monkeypatch) -> list:
     """Records every call into fuselm's RoPE made through fuselm.hf."""
-    calls, apply_rotary = [], fuselm.hf.layers.apply_rotary
+    calls, apply_rotary = [], blocks.apply_rotary
 
     def spy(*args, **kwargs):
         calls.append(1)
         return apply_rotary(*args, **kwargs)
 
-    monkeypatch.setattr(fuselm.hf.layers, "apply_rotary", spy)
+    monkeypatch.setattr(blocks, "apply_rotary", spy)
     return calls
 
 
@@ -214,15 +216,15 @@ def test_an_instance_patch_overrides_the_class_patch():
 @pytest.mark.parametrize("by", ["instance", "class"])
 def test_loss_options_reach_the_loss_forward(by, monkeypatch):
     seen = []
-    factory = fuselm.hf.layers.causal_lm_forward
+    factory = patching.causal_lm_forward
 
     def spy(spec, original, options):
         seen.append(options)
         return factory(spec, original, options)
 
-    monkeypatch.setattr(fuselm.hf.layers, "causal_lm_forward", spy)
+    monkeypatch.setattr(patching, "causal_lm_forward", spy)
     fuselm.hf.patch(build("llama") if by == "instance" else "llama", label_smoothing=0.1, memory="low")
-    want = fuselm.hf.layers.LossOptions(from_logits=False, label_smoothing=0.1, memory="low")
+    want = LossOptions(from_logits=False, label_smoothing=0.1, memory="low")
     assert seen == [want]
 
 

@@ -540,17 +540,18 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
     from trl import SFTConfig, SFTTrainer
 
     import fuselm.hf
-    from fuselm.hf import layers
+    from fuselm.hf import blocks, loss
 
     hf_calls = {"rms_norm": 0, "apply_rotary": 0, "gated_mlp": 0, "linear_cross_entropy": 0}
     for name in hf_calls:
-        original = getattr(layers, name)
+        module = loss if name == "linear_cross_entropy" else blocks
+        original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
             hf_calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(layers, name, spy)
+        monkeypatch.setattr(module, name, spy)
     config = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=0.3)
 
     def run(kind, dtype):

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import layers
+from ._common import hf_class, sharded_classes
+from .blocks import mlp_forward, rms_norm_forward, rope_function
+from .causal_lm import causal_lm_forward
+from .decoder_layer import decoder_layer_forward
+from .loss import LossOptions
 from .registry import (
     FamilySpec,
     family,
@@ -59,7 +63,7 @@ class _Plan:
     """What one ``patch`` call asks for: block components, and the loss options (None: no loss)."""
 
     blocks: tuple[str, ...]
-    loss: layers.LossOptions | None
+    loss: LossOptions | None
 
 
 @dataclass
@@ -129,7 +133,7 @@ def _plan(
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     loss = None
     if linear_cross_entropy or cross_entropy:
-        loss = layers.LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
+        loss = LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
     return _Plan(blocks, loss)
@@ -148,13 +152,13 @@ def _forward_for(spec: FamilySpec, cls: type, plan: _Plan) -> Callable | None:
     """fuselm's forward for a class of ``spec``'s module under ``plan``, or None (not swapped)."""
     name = cls.__name__
     if name == spec.rms_norm and "rms_norm" in plan.blocks:
-        return layers.rms_norm_forward(spec)
+        return rms_norm_forward(spec)
     if name == spec.decoder_layer and "residual_norm" in plan.blocks:
-        return layers.decoder_layer_forward(spec, _original_forward(cls))
+        return decoder_layer_forward(spec, _original_forward(cls))
     if name == spec.mlp and "swiglu" in plan.blocks:
-        return layers.mlp_forward(spec, _original_forward(cls))
+        return mlp_forward(spec, _original_forward(cls))
     if name in spec.causal_lms and plan.loss is not None:
-        return layers.causal_lm_forward(spec, _original_forward(cls), plan.loss)
+        return causal_lm_forward(spec, _original_forward(cls), plan.loss)
     return None
 
 
@@ -179,7 +183,7 @@ def _rope_add(spec: FamilySpec, module: types.ModuleType, user) -> None:
     if state is None:
         original = getattr(module, spec.rope)
         state = _RopeState(original)
-        state.installed = _dispatcher(state, layers.rope_function(spec, original), original)
+        state.installed = _dispatcher(state, rope_function(spec, original), original)
         _ropes[spec] = state
         setattr(module, spec.rope, state.installed)
     if user is None:
@@ -213,7 +217,7 @@ def _unpatch_family(spec: FamilySpec) -> None:
             delattr(owner, name)
         else:
             setattr(owner, name, previous)
-        for sub in layers.sharded_classes(owner):  # made by FSDP2 while patched: wrapping fuselm's forward
+        for sub in sharded_classes(owner):  # made by FSDP2 while patched: wrapping fuselm's forward
             if getattr(vars(sub)["forward"], "__wrapped__", None) is current is not None:
                 sub.forward = getattr(owner, name)  # as if made from the restored class
     if spec in _ropes:
@@ -239,7 +243,7 @@ def _patch_family(spec: FamilySpec, plan: _Plan) -> None:
             continue
         saved.append((cls, "forward", _own(cls, "forward")))
         cls.forward = new
-        for sub in layers.sharded_classes(cls):  # FSDP2's class of it, made before: holds the old forward
+        for sub in sharded_classes(cls):  # FSDP2's class of it, made before: holds the old forward
             saved.append((sub, "forward", _own(sub, "forward")))
             sub.forward = new
     rope = "rope" in plan.blocks and spec.rope is not None
@@ -300,7 +304,7 @@ def _patch_instance(model: nn.Module, plan: _Plan) -> None:
     known: dict[FamilySpec, None] = {}  # families with a spec, in order of appearance
     generic: list[str] = []
     for sub in model.modules():
-        cls = layers.hf_class(sub)
+        cls = hf_class(sub)
         spec = family_of_module(cls.__module__)
         if spec is not None:
             known[spec] = None
@@ -482,7 +486,7 @@ def is_patched(target) -> bool:
     if isinstance(target, nn.Module):
         if getattr(target, INSTANCE_MARK, None) is not None:
             return True
-        return any(_class_spec(layers.hf_class(m)) in _class_patches for m in target.modules())
+        return any(_class_spec(hf_class(m)) in _class_patches for m in target.modules())
     if not isinstance(target, (str, type)):
         raise _bad_target(target)
     return _family_of_target(target) in _class_patches

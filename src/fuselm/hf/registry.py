@@ -55,7 +55,7 @@ class FamilySpec:
             else), so that the add after the attention can run inside the post-attention RMSNorm (the
             ``residual_norm`` component), or None (the layer stays HF's). Set only where the installed
             transformers' source was read; the patched forward also checks the layout when it is
-            built (:func:`fuselm.hf.layers.llama_layer_layout`) and leaves a layer that differs HF's.
+            built (:func:`fuselm.hf.layer_layout.llama_layer_layout`) and leaves a layer that differs HF's.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 

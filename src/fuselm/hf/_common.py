@@ -1,0 +1,55 @@
+"""What several modules of fuselm.hf share: one-time warnings, a module's Hugging Face class (through
+FSDP2's subclasses), and PEFT's classes when PEFT is in use."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+from torch import nn
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def hf_class(module: nn.Module) -> type:
+    """The module's Hugging Face class: FSDP2's fully_shard (and replicate) swap a module's class for a
+    subclass (FSDPModule, cls) defined in torch; look through that one, not through user subclasses."""
+    return unsharded_class(type(module))
+
+
+def unsharded_class(cls: type) -> type:
+    """``cls``, or the class FSDP2 made it from when it is FSDP2's subclass (FSDPModule, that class)."""
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        return bases[1]
+    return cls
+
+
+def sharded_classes(cls: type) -> list[type]:
+    """The classes FSDP2 made from ``cls`` (torch caches one per class) that hold a ``forward`` of their
+    own: transformers 5.23's ``GradientCheckpointingLayer`` wraps a subclass's forward when the subclass is
+    made, so such a class keeps the forward ``cls`` had then (a later class patch would not reach it)."""
+    return [s for s in cls.__subclasses__() if unsharded_class(s) is cls and "forward" in vars(s)]
+
+
+# PEFT's classes fuselm.hf looks for, by the module that defines them
+_PEFT_CLASSES = {
+    "ModulesToSaveWrapper": "peft.utils.other",  # modules_to_save: a trained copy beside the original
+    "Linear": "peft.tuners.lora",  # a LoRA layer on an nn.Linear
+}
+
+
+def peft_class(name: str) -> type | None:
+    """A PEFT class (a key of ``_PEFT_CLASSES``) when PEFT is imported (a module cannot be one of its
+    instances otherwise), else None."""
+    if "peft" not in sys.modules:
+        return None
+    return getattr(importlib.import_module(_PEFT_CLASSES[name]), name)

@@ -1,0 +1,200 @@
+"""The decoder layer of Llama's pre-norm layout with the add after the attention fused into the
+post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps, residual=residual)``.
+
+Opt-in (``fuselm.hf.patch(..., fused_residual=True)``): the layout is read from the installed
+transformers' source (:mod:`fuselm.hf.layer_layout`), and the layer's wrappers are rebuilt around
+fuselm's forward, for about a quarter of a percent of a training step
+(``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..ops.rms_norm import rms_norm
+from ._common import hf_class, warn_once
+from .blocks import rms_norm_forward
+from .layer_layout import llama_layer_layout, split_checkpointing
+from .registry import NORM_STYLES, FamilySpec
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Would calling the module run hooks (its own or global ones) that a fused path skips?"""
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return True
+    if module._backward_pre_hooks:
+        return True
+    return any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _is_plain(t) -> bool:
+    return type(t) is torch.Tensor or type(t) is nn.Parameter
+
+
+def _same_function(fn, other: Callable) -> bool:
+    """fn (a function, or a method bound to it) is other; by qualified name and module too, which
+    torch.compile resolves while tracing (torch 2.11's dynamo answers the identity False for the same one)."""
+    if getattr(fn, "__func__", fn) is other:
+        return True
+    return getattr(fn, "__qualname__", None) == other.__qualname__ and getattr(fn, "__module__", None) == (
+        other.__module__
+    )
+
+
+def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | None:
+    """(weight, eps, offset, casting) with which :func:`fuselm.rms_norm` computes what ``norm(x)`` would,
+    or None: ``norm`` is not the family's RMSNorm class (FSDP2's subclass of it aside) running fuselm's
+    forward (``norm_forward``: :func:`rms_norm_forward` of the family, class- or instance-patched), it
+    has hooks, or its weight is not a plain tensor (a DTensor, absent)."""
+    if not isinstance(norm, nn.Module):
+        return None
+    cls = hf_class(norm)
+    if cls.__name__ != spec.rms_norm or cls.__module__ != spec.module:
+        return None
+    own = norm.__dict__.get("forward")  # an instance patch: a bound method
+    if not _same_function(own if own is not None else type(norm).forward, norm_forward) or _hooked(norm):
+        return None
+    style = NORM_STYLES[spec.norm_style]
+    scale_flag = style.get("scale_flag")
+    weight = None
+    if scale_flag is None or getattr(norm, scale_flag):
+        weight = getattr(norm, "weight", None)
+        if not _is_plain(weight):
+            return None
+    return weight, getattr(norm, style["eps_attr"]), style["offset"], style["casting"]
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(residual + x), residual + x)`` by one :func:`fuselm.rms_norm` call with ``residual=``,
+    in the dtype HF's ``residual + x`` has (both cast to their promoted dtype first: under autocast an
+    fp32 residual stream and a bf16 attention output add in fp32, as in HF).
+
+    Shapes: x, residual ``[..., H]`` (the same); weight ``[H]``; returns two ``[..., H]`` tensors."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return rms_norm(x.to(dtype), weight, eps, residual=residual.to(dtype), offset=offset, casting=casting)
+
+
+def _outermost(module: nn.Module, forward: Callable) -> bool:
+    """Is ``forward`` what ``module(...)`` calls first (its instance forward, or its class's): then it
+    checkpoints, as HF's wrapper does when it is the outermost one."""
+    own = module.__dict__.get("forward")
+    if own is not None:
+        return getattr(own, "__func__", None) is forward
+    return type(module).forward is forward
+
+
+def _checkpoint(module: nn.Module, inner: Callable, args: tuple, kwargs: dict):
+    """``inner(module, *args, **kwargs)`` under the layer's gradient checkpointing function, with the
+    cache arguments transformers' ``GradientCheckpointingLayer`` turns off (and its warning)."""
+    changed = []
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+        changed.append("`use_cache=False`")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in ("past_key_values", "cache", "layer_past"):  # the cache's names (5.24: cache)
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+                changed.append(f"`{name}=None`")
+    if changed:
+        from transformers.utils import logging
+
+        logging.get_logger("transformers.modeling_layers").warning_once(
+            f"Caching is incompatible with gradient checkpointing in {type(module).__name__}. Setting "
+            + ", ".join(changed)
+            + "."
+        )
+    return module._gradient_checkpointing_func(functools.partial(inner, module, **kwargs), *args)
+
+
+@functools.cache
+def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | None:
+    """The forward of a decoder layer of Llama's layout with the add after the attention fused into the
+    post-attention RMSNorm, or None (with a one-time warning) when ``original`` (the class's forward) is
+    not that layout in the installed transformers (:func:`llama_layer_layout`).
+
+    It runs HF's forward with one change: ``hidden_states = residual + attn_out; residual =
+    hidden_states; hidden_states = post_attention_layernorm(hidden_states)`` is ``hidden_states,
+    residual = fuselm.rms_norm(attn_out, weight, eps, residual=residual, ...)`` (one kernel: the sum is
+    rounded to the activations' dtype as HF's add rounds it, and the backward gives the gradient of both
+    operands, the residual stream's gradient added in fp32 before its one rounding). Everything else is
+    HF's: the arguments are bound to HF's signature and passed on to ``self_attn`` as HF's forward passes
+    them, ``input_layernorm``, ``self_attn`` and ``mlp`` are called as modules (PEFT's LoRA layers, hooks
+    and patches on them run), a tensor is returned. Under gradient checkpointing (transformers 5.23
+    checkpoints in the layer's forward, which this replaces) it checkpoints itself, with HF's rules.
+
+    HF's forward runs instead when the post-attention norm is not the family's RMSNorm running fuselm's
+    forward, has hooks, or has no plain weight (:func:`fused_norm_args`); HF's add and norm run when the
+    attention output and the residual are not plain tensors of one shape and device (DTensors).
+
+    Shapes: ``hidden_states`` ``[B, T, H]`` in, ``[B, T, H]`` out (HF's other arguments as HF takes them).
+    """
+    layer = spec.decoder_layer
+    split = split_checkpointing(original)
+    layout = split if isinstance(split, str) else llama_layer_layout(split[0])
+    if isinstance(layout, str):
+        warn_once(
+            f"layer:{spec.module}.{layer}",
+            f"fuselm.hf: {layer} in this transformers version: {layout}, so its residual add stays "
+            "Hugging Face's (the norms, RoPE and MLP inside still run fuselm's)",
+        )
+        return None
+    raw, checkpoints, rewrap = split
+    attn_args, attn_var_kw = layout.attn_args, layout.attn_var_kw
+    norm_forward = rms_norm_forward(spec)  # here, not in the forward: torch.compile traces through caches
+
+    def inner(self, *args, **kwargs):
+        norm_args = fused_norm_args(spec, getattr(self, "post_attention_layernorm", None), norm_forward)
+        if norm_args is None:
+            return raw(self, *args, **kwargs)
+        named, kwargs = layout.bind(args, kwargs)
+        hidden_states = named["hidden_states"]
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        passed = {name: named[name] for name in attn_args}
+        if attn_var_kw:
+            passed.update(kwargs)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **passed)
+        if (
+            _is_plain(hidden_states)
+            and _is_plain(residual)
+            and hidden_states.shape == residual.shape
+            and hidden_states.device == residual.device
+        ):
+            hidden_states, residual = residual_rms_norm(hidden_states, residual, *norm_args)
+        else:  # HF's add and norm
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+    inner.__name__ = inner.__qualname__ = "forward"  # HF's rename warnings name the layer's forward
+    inner = rewrap(inner)  # HF's keyword renames (5.24: past_key_values -> cache) before fuselm's code
+
+    @functools.wraps(raw)
+    def forward(self, *args, **kwargs):
+        if checkpoints and self.gradient_checkpointing and self.training and _outermost(self, forward):
+            return _checkpoint(self, inner, args, kwargs)
+        return inner(self, *args, **kwargs)
+
+    forward.__qualname__ = f"fuselm_{layer}.forward"
+    return forward
