@@ -295,14 +295,15 @@ def _no_autocast(device_type: str):
 
 
 class LoraLinearFunction(torch.autograd.Function):
-    """y = x W^T + b + s * (drop(x) A^T) B^T for x [N, in] in the compute dtype. Saves x, low [N, r]
-    and the bool dropout mask (p > 0); the base weight and the adapters are referenced, not saved."""
+    """y = x W^T + b + s * (drop(x) A^T) B^T for x [N, in] in the compute dtype. Saves x and low [N, r]
+    (with an adapter) and the bool dropout mask (p > 0); the base weight and the adapters are
+    referenced, not saved."""
 
     @staticmethod
     def forward(ctx, x, a, b, mask, proj):
         y, low = _proj_forward(x, a, b, mask, proj)
         ctx.proj, ctx.a, ctx.b = proj, a, b  # frozen / parameter references: no activation memory
-        ctx.save_for_backward(x, low, mask)
+        ctx.save_for_backward(x if a is not None else None, low, mask)  # no adapter: dX = dY W only
         return y
 
     @staticmethod
@@ -337,7 +338,8 @@ class LoraGatedMLPFunction(torch.autograd.Function):
         y, low_d = _proj_forward(h, ad, bd, md, pd)  # [N, H]
         ctx.projs, ctx.activation = projs, activation
         ctx.adapters = (ag, bg, au, bu, ad, bd)
-        ctx.save_for_backward(x, g, u, low_g, low_u, low_d, mg, mu, md)
+        x_saved = x if ag is not None or au is not None else None  # only dA of gate / up reads x
+        ctx.save_for_backward(x_saved, g, u, low_g, low_u, low_d, mg, mu, md)
         return y
 
     @staticmethod
