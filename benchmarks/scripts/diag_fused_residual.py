@@ -33,7 +33,7 @@ for dev, dt in [
     if d[0] == "cpu" or torch.cuda.is_available()
 ]:
     m = build("llama", dt, dev)
-    fuselm.hf.patch(m)
+    fuselm.hf.patch(m, fused_residual=True)
     ids = torch.randint(3, 100, (2, 12), device=dev)
     calls.clear()
     m(input_ids=ids, labels=ids).loss.backward()
@@ -52,7 +52,7 @@ if torch.cuda.is_available():  # which rms_norm ops the compiled graph holds (wi
         return gm.forward
 
     m = build("llama", torch.bfloat16, "cuda")
-    fuselm.hf.patch(m)
+    fuselm.hf.patch(m, fused_residual=True)
     torch._dynamo.reset()
     c = torch.compile(m.model, backend=backend, fullgraph=True)
     with torch.no_grad():

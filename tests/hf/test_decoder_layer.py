@@ -1,8 +1,8 @@
 """The decoder layer's add after the attention fused into the post-attention RMSNorm (``residual_norm``,
-``fuselm.hf.patch(..., fused_residual=True)``): which families get it, that a patched tiny model computes
-HF's loss, logits and every gradient under the numerics rule (fp32 and bf16, float64 reference), that
-the call reaches HF's attention exactly as HF's forward makes it, gradient checkpointing, PEFT, the
-fallbacks, and that unpatching and the flag leave HF's layer.
+opt-in: ``fuselm.hf.patch(..., fused_residual=True)``): which families get it, that a patched tiny model
+computes HF's loss, logits and every gradient under the numerics rule (fp32 and bf16, float64 reference),
+that the call reaches HF's attention exactly as HF's forward makes it, gradient checkpointing, PEFT, the
+fallbacks, that unpatching and the flag leave HF's layer, and that the default patch reads no source.
 
 The models are patched with only the norms and the fused residual (``rope=False, swiglu=False``, HF's
 loss on its logits), so that what is compared is the layer itself; test_families.py runs every family
@@ -10,6 +10,7 @@ with everything on."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import gc
@@ -33,7 +34,7 @@ GCL = transformers.modeling_layers.GradientCheckpointingLayer
 INTERPRETER = triton_path() and not torch.cuda.is_available()
 FUSED_TYPES = tuple(t for t in ALL_TYPES if family(t).decoder_layer is not None)
 # only the norms and the fused residual: the layer is what differs from HF
-LAYER_ONLY = dict(rope=False, swiglu=False, linear_cross_entropy=False)
+LAYER_ONLY = dict(fused_residual=True, rope=False, swiglu=False, linear_cross_entropy=False)
 
 
 def _unpatch_all():
@@ -160,7 +161,7 @@ def test_a_layer_that_is_not_llamas_layout_stays_hf(monkeypatch):
         assert decoder_layer.decoder_layer_forward(spec, cls.forward) is None
     monkeypatch.setitem(FAMILIES, "phi3", spec)
     try:
-        fuselm.hf.patch("phi3")
+        fuselm.hf.patch("phi3", fused_residual=True)
         assert vars(cls)["forward"] is before
         norm = getattr(importlib.import_module(spec.module), spec.rms_norm)
         assert norm.forward.__qualname__ == "fuselm_Phi3RMSNorm.forward"
@@ -450,7 +451,7 @@ def test_unpatch_restores_hfs_layer(by):
     cls = getattr(module, spec.decoder_layer)
     before = vars(cls)["forward"]
     model = build("llama")
-    fuselm.hf.patch(model if by == "instance" else "llama")
+    fuselm.hf.patch(model if by == "instance" else "llama", fused_residual=True)
     layer = model.model.layers[0]
     assert layer.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
     assert (by == "instance") == ("forward" in vars(layer))
@@ -460,23 +461,51 @@ def test_unpatch_restores_hfs_layer(by):
     assert layer.forward.__func__ is before
 
 
-@pytest.mark.parametrize("flags", [dict(fused_residual=False), dict(rms_norm=False)])
-def test_the_fused_residual_can_be_switched_off(flags, fused_calls):
-    """fused_residual=False, or rms_norm=False (the fused residual is part of the norm), leaves the layer
-    HF's; re-patching with the flag on puts it in."""
-    model = fuselm.hf.patch(build("llama"), **flags)
-    kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
-    assert "LlamaDecoderLayer" not in kinds and "LlamaMLP" in kinds
-    assert ("LlamaRMSNorm" in kinds) == flags.get("rms_norm", True)
-    ids, labels = _batch(300)
-    _step(model, ids, labels)
-    assert not fused_calls
-    fuselm.hf.patch(model)
-    assert "forward" in vars(model.model.layers[0])
-    fuselm.hf.patch("llama", **flags)
+@pytest.mark.parametrize("by", ["instance", "class"])
+def test_the_fused_residual_is_opt_in(by, fused_calls):
+    """The default patch leaves the decoder layers HF's (their norms and MLP run fuselm's); re-patching with
+    fused_residual=True puts the fused layer in; without rms_norm it is refused."""
     module = importlib.import_module(family("llama").module)
-    assert "forward" in vars(module.LlamaDecoderLayer)  # HF's own (the checkpointing wrapper)
-    assert module.LlamaDecoderLayer.forward.__qualname__ == "LlamaDecoderLayer.forward"
+    model = build("llama")
+    target = model if by == "instance" else "llama"
+    fuselm.hf.patch(target)
+    layer = model.model.layers[0]
+    assert layer.forward.__func__ is vars(module.LlamaDecoderLayer)["forward"]  # HF's own
+    assert layer.mlp.forward.__func__.__qualname__ == "fuselm_LlamaMLP.forward"
+    _step(model, *_batch(300))
+    assert not fused_calls
+    fuselm.hf.patch(target, fused_residual=True)
+    assert layer.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
+    _step(model, *_batch(300))
+    assert len(fused_calls) == 2
+    with pytest.raises(ValueError, match="fused_residual=True .* needs rms_norm=True"):
+        fuselm.hf.patch(target, fused_residual=True, rms_norm=False)
+
+
+def test_the_default_patch_reads_no_source(monkeypatch):
+    """Patching with the defaults parses no source (no ast.parse, no inspect.getsource / findsource) for an
+    instance or a class patch, and the patched model trains; the opt-in fused residual does read the
+    decoder layer's source, which the same guards stop."""
+    model = build("llama")
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"{name} called on the patch path")
+
+        return refused
+
+    with monkeypatch.context() as guard:
+        guard.setattr(ast, "parse", refuse("ast.parse"))
+        guard.setattr(inspect, "getsource", refuse("inspect.getsource"))
+        guard.setattr(inspect, "findsource", refuse("inspect.findsource"))
+        fuselm.hf.patch(model)
+        fuselm.hf.patch("llama")
+        decoder_layer.decoder_layer_forward.cache_clear()  # built on the first opt-in patch: not cached
+        with pytest.raises(AssertionError, match="called on the patch path"):
+            fuselm.hf.patch(build("llama"), fused_residual=True)
+    out = _step(model, *_batch(300))
+    assert out.logits is None and torch.isfinite(out.loss)
+    assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
 
 
 def test_class_patch_reaches_fsdp2_classes_made_before_and_during_it(fused_calls):
@@ -496,7 +525,7 @@ def test_class_patch_reaches_fsdp2_classes_made_before_and_during_it(fused_calls
         pytest.skip("this transformers version checkpoints in __call__: subclasses inherit forward")
     hf = vars(cls)["forward"]
     before = make()
-    fuselm.hf.patch("llama")
+    fuselm.hf.patch("llama", fused_residual=True)
     ours = vars(cls)["forward"]
     during = make()
     assert vars(before)["forward"] is ours and vars(during)["forward"].__wrapped__ is ours

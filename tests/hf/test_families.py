@@ -99,9 +99,10 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     ids, labels = _batch(vocab)
 
     swapped = {type(m).__name__ for m in ours.modules() if "forward" in vars(m)}
-    named = {spec.rms_norm, spec.mlp, spec.decoder_layer} - {None}
+    named = {spec.rms_norm, spec.mlp} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
     assert type(ours).__name__ in swapped
+    assert spec.decoder_layer not in swapped  # the fused residual is opt-in (tests/hf/test_decoder_layer.py)
 
     calls = _Calls(monkeypatch)
     outs = [_train_step(m, ids, labels) for m in (ref, eager, ours)]
@@ -111,7 +112,9 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     if model_type == "llava":  # its text model is a Llama: instance patching finds that family's blocks
         assert {"LlamaRMSNorm", "LlamaMLP"} <= swapped
     for component in ["loss", *spec.components()]:
-        assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
+        if component != "residual_norm":
+            assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
+    assert "residual_norm" not in calls.n
     assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
     grads = [_grads(m) for m in (ref, eager, ours)]
     assert grads[2].keys() == grads[1].keys()
@@ -129,14 +132,14 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3", "llava"])
 def test_class_patch_round_trip(model_type):
-    """Class patching swaps every class the spec names (the multimodal wrapper's loss too) and
-    unpatching restores the very same objects."""
+    """Class patching swaps every class the spec names (the multimodal wrapper's loss too, the decoder layer
+    with the opt-in fused residual) and unpatching restores the very same objects."""
     spec = family(model_type)
     module = importlib.import_module(spec.module)
     names = [*spec.causal_lms, *(n for c, n in spec.components().items() if c != "rope")]
     before = {n: vars(getattr(module, n)).get("forward") for n in names}
     rope_before = getattr(module, spec.rope) if spec.rope else None
-    fuselm.hf.patch(model_type)
+    fuselm.hf.patch(model_type, fused_residual=True)
     assert fuselm.hf.is_patched(model_type)
     for n in names:
         assert getattr(module, n).forward is not before[n], n

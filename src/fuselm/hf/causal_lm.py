@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,11 +93,11 @@ SOFTCAP = "final_logit_softcapping"  # Gemma 2 / 3
 
 @dataclass(frozen=True)
 class HeadFacts:
-    """What HF's forward does after its backbone, read from its source.
+    """What HF's forward does after its backbone, read from its compiled code (the names it uses).
 
     Attributes:
         transforms: the config attributes among :data:`MULTIPLIERS`, :data:`DIVISORS` and :data:`SOFTCAP`
-            it applies to the logits: those its source names (Gemma 3's multimodal wrapper, for one, does
+            it applies to the logits: those its code names (Gemma 3's multimodal wrapper, for one, does
             not softcap although its text config has the attribute).
         calls_loss_function: its loss comes from ``self.loss_function`` (HF's template), which fuselm
             stands in for.
@@ -107,17 +107,28 @@ class HeadFacts:
     calls_loss_function: bool
 
 
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every attribute, global, local name and string constant of a code object and of the functions and
+    comprehensions defined in it (``getattr(config, "final_logit_softcapping", None)`` names it too)."""
+    names = {*code.co_names, *code.co_varnames}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+        elif isinstance(const, str):
+            names.add(const)
+    return names
+
+
 @functools.cache
 def head_facts(forward: Callable) -> HeadFacts:
-    """:class:`HeadFacts` of an HF forward (every transform, and a loss function, if the source is
-    unavailable)."""
-    names = (*MULTIPLIERS, *DIVISORS, SOFTCAP)
-    try:
-        source = inspect.getsource(inspect.unwrap(forward))
-    except (OSError, TypeError):
-        return HeadFacts(frozenset(names), True)
-    named = frozenset(n for n in names if re.search(rf"\b{n}\b", source))
-    return HeadFacts(named, "self.loss_function(" in source)
+    """:class:`HeadFacts` of an HF forward, from the names its code object uses (decorators unwrapped; no
+    source is read): every transform and a loss function when it is not a Python function."""
+    transforms = (*MULTIPLIERS, *DIVISORS, SOFTCAP)
+    code = getattr(inspect.unwrap(forward), "__code__", None)
+    if code is None:
+        return HeadFacts(frozenset(transforms), True)
+    names = _code_names(code)
+    return HeadFacts(frozenset(n for n in transforms if n in names), "loss_function" in names)
 
 
 def _logit_scale_and_softcap(config, transforms: frozenset[str]) -> tuple[float, float | None]:

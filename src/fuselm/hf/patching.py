@@ -1,11 +1,11 @@
 """``patch`` / ``unpatch``: put fuselm's forwards into Hugging Face models, and take them out again.
 
 Three targets:
-- a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP,
-  decoder layer (Llama's layout only: the residual add fused into the post-attention RMSNorm) and
-  CausalLM (and multimodal ConditionalGeneration) classes get fuselm's ``forward`` as a class attribute
-  and the modeling module's rotary function is replaced: every model of the family, built before or
-  after, uses them.
+- a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP and
+  CausalLM (and multimodal ConditionalGeneration) classes (with ``fused_residual=True`` also the decoder
+  layer of Llama's layout: the residual add fused into the post-attention RMSNorm) get fuselm's
+  ``forward`` as a class attribute and the modeling module's rotary function is replaced: every model of
+  the family, built before or after, uses them.
 - a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM, a multimodal wrapper):
   instance patching. Every submodule of a known family class gets fuselm's forward as an instance
   attribute; other models of the same class are untouched.
@@ -51,7 +51,7 @@ from .registry import (
 )
 
 # the block components; the loss is the last one. residual_norm: the decoder layer's add after the
-# attention runs inside the post-attention RMSNorm (on with rms_norm, fused_residual=True)
+# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm)
 BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu")
 MISSING = object()  # a class attribute that was not in the class's own __dict__
 # Marker attribute on an instance-patched model: its _InstancePatch.
@@ -129,7 +129,11 @@ def _plan(
         )
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
-    flags = (rms_norm, rms_norm and fused_residual, rope, swiglu)
+    if fused_residual and not rms_norm:
+        raise ValueError(
+            "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
+        )
+    flags = (rms_norm, fused_residual, rope, swiglu)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     loss = None
     if linear_cross_entropy or cross_entropy:
@@ -363,7 +367,7 @@ def patch(
     target,
     *,
     rms_norm: bool = True,
-    fused_residual: bool = True,
+    fused_residual: bool = False,
     rope: bool = True,
     swiglu: bool = True,
     linear_cross_entropy: bool = True,
@@ -384,12 +388,17 @@ def patch(
             spec gets the fused loss only, with one warning naming what stays Hugging Face's.
         rms_norm: every RMSNorm of the family (including q/k norms) runs :func:`fuselm.rms_norm` with
             the family's casting (Llama's, Gemma's ``1 + weight``, OLMo 2's), HF's formula exactly.
-        fused_residual: with ``rms_norm``, in the families whose decoder layer is Llama's pre-norm layout
-            (``FamilySpec.decoder_layer``), the layer's add after the attention runs inside the
+        fused_residual: opt-in, with ``rms_norm``: in the families whose decoder layer is Llama's pre-norm
+            layout (``FamilySpec.decoder_layer``), the layer's add after the attention runs inside the
             post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps,
             residual=residual)``, one kernel instead of an add and a norm (and one in backward instead of
             the norm's backward and a gradient add). The sum is rounded to the activations' dtype as HF's
-            add rounds it. ``False`` (or ``rms_norm=False``) leaves the decoder layers HF's.
+            add rounds it. Off by default: the layer forward it installs is built from the installed
+            transformers' source (its syntax tree is checked against Llama's, its keyword-renaming
+            wrappers are rebuilt around fuselm's code), which a transformers release can break, for
+            -0.27% of a training step on an H100 (``benchmarks/results/h100/tuning/``
+            ``e2e_fused_residual_ab.md``). With the default no source is read and the decoder layers
+            stay HF's (their norms, attention and MLP inside run fuselm's forwards).
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: while a class patch or a live instance-patched model of the
             family needs it, every model of that family runs it (the same math as HF's).
@@ -417,7 +426,7 @@ def patch(
     Raises:
         ValueError: an unknown model type, a class of an unknown family that is no ``*ForCausalLM``, a
             model in which nothing can be patched with these flags (fuselm never patches silently
-            nothing), both loss flags, a bad ``label_smoothing``.
+            nothing), both loss flags, a bad ``label_smoothing``, ``fused_residual`` without ``rms_norm``.
         ImportError: transformers is missing, or too old for the family's modeling module.
 
     Example:
@@ -428,8 +437,8 @@ def patch(
         >>> model = fuselm.hf.patch(LlamaForCausalLM(config))
         >>> fuselm.hf.is_patched(model), fuselm.hf.is_patched(LlamaForCausalLM(config))
         (True, False)
-        >>> model.model.layers[0].forward.__qualname__  # the add before post_attention_layernorm: fused
-        'fuselm_LlamaDecoderLayer.forward'
+        >>> model.model.layers[0].mlp.forward.__qualname__
+        'fuselm_LlamaMLP.forward'
         >>> import torch
         >>> ids = torch.randint(0, 300, (2, 16))
         >>> out = model(input_ids=ids, labels=ids)

@@ -53,9 +53,10 @@ class FamilySpec:
         decoder_layer: the decoder layer class whose forward is Llama's pre-norm layout exactly
             (``input_layernorm -> self_attn -> add -> post_attention_layernorm -> mlp -> add``, nothing
             else), so that the add after the attention can run inside the post-attention RMSNorm (the
-            ``residual_norm`` component), or None (the layer stays HF's). Set only where the installed
-            transformers' source was read; the patched forward also checks the layout when it is
-            built (:func:`fuselm.hf.layer_layout.llama_layer_layout`) and leaves a layer that differs HF's.
+            ``residual_norm`` component, opt-in: ``patch(..., fused_residual=True)``), or None (the layer
+            stays HF's). Set only where the installed transformers' source was read; the patched forward
+            also checks the layout when it is built (:func:`fuselm.hf.layer_layout.llama_layer_layout`)
+            and leaves a layer that differs HF's.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -290,8 +291,9 @@ _COMPONENT_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "gated MLP
 
 def markdown_table() -> str:
     """The supported model types as a Markdown table: model type, loss classes, what fuselm swaps (``RMSNorm
-    (<style>) + residual add``: the decoder layer's add after the attention runs inside the norm), what
-    stays Hugging Face's. ``src/fuselm/hf/README.md`` holds this table (a test keeps them equal).
+    (<style>) + residual add (opt-in)``: with ``patch(..., fused_residual=True)`` the decoder layer's add
+    after the attention runs inside the norm), what stays Hugging Face's. ``src/fuselm/hf/README.md`` and
+    the top-level README hold this table (tests keep them equal).
 
     Example:
         >>> import fuselm.hf
@@ -313,8 +315,8 @@ def markdown_table() -> str:
                 detail = ""
                 if component == "rms_norm":
                     detail = f" ({spec.norm_style})"
-                    if "residual_norm" in spec.components():  # the decoder layer's add fused into it
-                        detail += " + residual add"
+                    if "residual_norm" in spec.components():  # fused_residual=True: the layer's add in it
+                        detail += " + residual add (opt-in)"
                 elif component == "swiglu" and spec.packed_mlp:
                     detail = " (packed)"
                 elif component == "swiglu" and spec.mlp_multipliers:
