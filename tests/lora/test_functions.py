@@ -137,15 +137,18 @@ def check(name, ours, eager, ref, dtype):
 # ---- lora_linear ----
 
 
+# (model dtype, adapter dtype): adapters of the model's dtype, and fp32 adapters on a 16-bit model (what
+# get_peft_model makes by default)
+DTYPE_PAIRS = [(d, d) for d in DTYPES] + [(d, torch.float32) for d in DTYPES if d.itemsize == 2]
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("r", [8, 16], ids=lambda r: f"r{r}")
-@pytest.mark.parametrize("adapter_fp32", [False, True], ids=["adapters_as_x", "adapters_fp32"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_lora_linear_numerics(dtype, adapter_fp32, r, p, bias, gen):
-    if adapter_fp32 and dtype in (torch.float32, torch.float64):
-        pytest.skip("fp32 adapters on an fp32/fp64 model: the adapters_as_x case")
-    adapter_dtype = torch.float32 if adapter_fp32 else dtype
+@pytest.mark.parametrize(
+    "dtype,adapter_dtype", DTYPE_PAIRS, ids=lambda d: DTYPE_IDS[d] if isinstance(d, torch.dtype) else None
+)
+def test_lora_linear_numerics(dtype, adapter_dtype, r, p, bias, gen):
     layer = peft_linear(gen, IN, OUT, r, p, dtype, adapter_dtype, bias=bias)
     W, ad, b = operands(layer)
     x = randn(gen, (*LEAD, IN), dtype).requires_grad_()
