@@ -525,12 +525,12 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     calls = {"fwd_kernel": 0, "bwd_kernel": 0, "reference": 0}
 
     class KernelSpy:
-        def __init__(self, key, kernel):
-            self.key, self.kernel = key, kernel
+        def __init__(self, key, launch):
+            self.key, self.launch = key, launch
 
-        def __getitem__(self, grid):
+        def __call__(self, grid, **kwargs):
             calls[self.key] += 1
-            return self.kernel[grid]
+            return self.launch(grid, **kwargs)
 
     reference = ce_op.cross_entropy_reference_of
 
@@ -539,10 +539,10 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(
-        loss_rows, "cross_entropy_fwd_kernel", KernelSpy("fwd_kernel", loss_rows.cross_entropy_fwd_kernel)
+        loss_rows, "cross_entropy_fwd_launch", KernelSpy("fwd_kernel", loss_rows.cross_entropy_fwd_launch)
     )
     monkeypatch.setattr(
-        loss_rows, "cross_entropy_bwd_kernel", KernelSpy("bwd_kernel", loss_rows.cross_entropy_bwd_kernel)
+        loss_rows, "cross_entropy_bwd_launch", KernelSpy("bwd_kernel", loss_rows.cross_entropy_bwd_launch)
     )
     monkeypatch.setattr(ce_op, "cross_entropy_reference_of", reference_spy)
     x, t, _ = make_inputs(gen, (4,), 100, torch.float32)

@@ -243,19 +243,19 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     calls = {"fwd_kernel": 0, "bwd_kernel": 0, "reference": 0}
 
     class KernelSpy:
-        def __init__(self, key, kernel):
-            self.key, self.kernel = key, kernel
+        def __init__(self, key, launch):
+            self.key, self.launch = key, launch
 
-        def __getitem__(self, grid):
+        def __call__(self, grid, **kwargs):
             calls[self.key] += 1
-            return self.kernel[grid]
+            return self.launch(grid, **kwargs)
 
     def reference_spy(*args, **kwargs):
         calls["reference"] += 1
         return layer_norm_reference(*args, **kwargs)
 
-    monkeypatch.setattr(ln_op, "layer_norm_fwd_kernel", KernelSpy("fwd_kernel", ln_op.layer_norm_fwd_kernel))
-    monkeypatch.setattr(ln_op, "layer_norm_bwd_kernel", KernelSpy("bwd_kernel", ln_op.layer_norm_bwd_kernel))
+    monkeypatch.setattr(ln_op, "layer_norm_fwd_launch", KernelSpy("fwd_kernel", ln_op.layer_norm_fwd_launch))
+    monkeypatch.setattr(ln_op, "layer_norm_bwd_launch", KernelSpy("bwd_kernel", ln_op.layer_norm_bwd_launch))
     monkeypatch.setattr(ln_op, "layer_norm_reference", reference_spy)
     x, r, w, b = make_inputs(gen, (4,), 100, torch.float32, residual=True)
     y, s = layer_norm(x.clone().requires_grad_(), w, b, residual=r)

@@ -344,24 +344,21 @@ def same_strides(a, b):
 
 
 class KernelSpy:
-    """Counts launches of a rope kernel and records their arguments."""
+    """Counts launches of a rope kernel (through its launcher) and records their arguments."""
 
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
+    def __init__(self, launch):
+        self.launch, self.calls = launch, []
 
-    def __getitem__(self, grid):
-        def launch(**kwargs):
-            self.calls.append(kwargs)
-            return self.kernel[grid](**kwargs)
-
-        return launch
+    def __call__(self, grid, **kwargs):
+        self.calls.append(kwargs)
+        return self.launch(grid, **kwargs)
 
 
 def spy_kernels(monkeypatch) -> tuple[KernelSpy, KernelSpy]:
     """(dense-rows kernel spy, per-position kernel spy), installed in rope's op module."""
-    dense, per_position = KernelSpy(rope_op.rope_fwd_kernel_dense), KernelSpy(rope_op.rope_fwd_kernel)
-    monkeypatch.setattr(rope_op, "rope_fwd_kernel_dense", dense)
-    monkeypatch.setattr(rope_op, "rope_fwd_kernel", per_position)
+    dense, per_position = KernelSpy(rope_op.rope_fwd_dense_launch), KernelSpy(rope_op.rope_fwd_launch)
+    monkeypatch.setattr(rope_op, "rope_fwd_dense_launch", dense)
+    monkeypatch.setattr(rope_op, "rope_fwd_launch", per_position)
     return dense, per_position
 
 

@@ -470,15 +470,15 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     calls = {"fwd": 0, "bwd": 0}
 
     class KernelSpy:
-        def __init__(self, key, kernel):
-            self.key, self.kernel = key, kernel
+        def __init__(self, key, launch):
+            self.key, self.launch = key, launch
 
-        def __getitem__(self, grid):
+        def __call__(self, grid, **kwargs):
             calls[self.key] += 1
-            return self.kernel[grid]
+            return self.launch(grid, **kwargs)
 
-    monkeypatch.setattr(sw_op, "swiglu_fwd_kernel", KernelSpy("fwd", sw_op.swiglu_fwd_kernel))
-    monkeypatch.setattr(sw_op, "swiglu_bwd_kernel", KernelSpy("bwd", sw_op.swiglu_bwd_kernel))
+    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", KernelSpy("fwd", sw_op.swiglu_fwd_launch))
+    monkeypatch.setattr(sw_op, "swiglu_bwd_launch", KernelSpy("bwd", sw_op.swiglu_bwd_launch))
     gate, up = make_pair(gen, (4,), 100, torch.float32)
     gate.requires_grad_()
     swiglu(gate, up).sum().backward()
@@ -514,17 +514,14 @@ def test_flat_launches_keep_the_bound_a_multiple_of_16(n_rows, n_cols, launches,
     seen = []
 
     class KernelSpy:
-        def __init__(self, kernel):
-            self.kernel = kernel
+        def __init__(self, launch):
+            self.launch = launch
 
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((grid[0], kw["n_cols"], kw["FLAT"]))
-                return self.kernel[grid](**kw)
+        def __call__(self, grid, **kw):
+            seen.append((grid[0], kw["n_cols"], kw["FLAT"]))
+            return self.launch(grid, **kw)
 
-            return launch
-
-    monkeypatch.setattr(sw_op, "swiglu_fwd_kernel", KernelSpy(sw_op.swiglu_fwd_kernel))
+    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", KernelSpy(sw_op.swiglu_fwd_launch))
     gate, up = make_pair(gen, (n_rows,), n_cols, torch.float32)
     check_pair("flat split", "swiglu", gate, up, gen=gen)
     assert len(seen) == launches and all(flat for _, _, flat in seen)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpret_mode
+from .launch import launcher
 
 # reduction of the partials: BLOCK_P partial rows x BLOCK_C columns per step
 REDUCE_BLOCK_P, REDUCE_BLOCK_C, REDUCE_WARPS = 128, 32, 4
@@ -47,11 +48,15 @@ def reduce_partials_kernel(
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+reduce_partials_launch = launcher(reduce_partials_kernel)
+
+
 def reduce_partials_(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[:] = part.sum(0) (fp32 sums, stored in out's dtype); part [P, H] fp32 contiguous, out [H]."""
     n_parts, n_cols = part.shape
     block_c = INTERPRET_REDUCE_BLOCK_C if interpret_mode() else REDUCE_BLOCK_C
-    reduce_partials_kernel[(triton.cdiv(n_cols, block_c),)](
+    reduce_partials_launch(
+        (triton.cdiv(n_cols, block_c),),
         part_ptr=part,
         out_ptr=out,
         n_parts=n_parts,

@@ -8,7 +8,7 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import rows_view
-from .._common.launch import persistent_grid, resident_programs
+from .._common.launch import launcher, persistent_grid, resident_programs
 from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
@@ -24,6 +24,10 @@ BWD_ELEMS_PER_WARP = 512
 FWD_PROGRAMS_PER_SM = 0  # 0: one program per row block; k > 0: persistent, k per multiprocessor
 BWD_PROGRAMS_PER_SM = 0  # 0: as many as are resident at once (at most BWD_MAX_PROGRAMS_PER_SM); k > 0: k
 BWD_MAX_PROGRAMS_PER_SM = 8
+
+# cached launch bindings of the kernels (ops/_common/launch.py)
+layer_norm_fwd_launch = launcher(layer_norm_fwd_kernel)
+layer_norm_bwd_launch = launcher(layer_norm_bwd_kernel)
 
 
 # ---- launchers ----
@@ -49,7 +53,8 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
     )
     n_blocks = triton.cdiv(n_rows, block_rows)
     grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
-    layer_norm_fwd_kernel[(grid,)](
+    layer_norm_fwd_launch(
+        (grid,),
         x_ptr=x,
         x_row_stride=x.stride(0),
         res_ptr=residual if has_res else x,
@@ -130,7 +135,7 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
         kwargs["dw_part_ptr"] = part[0]
     if compute_db:
         kwargs["db_part_ptr"] = part[n_parts - 1]
-    layer_norm_bwd_kernel[(grid,)](**kwargs)
+    layer_norm_bwd_launch((grid,), **kwargs)
     dw = reduce_partials_(part[0], torch.empty_like(weight)) if compute_dw else x.new_empty(0)
     db = reduce_partials_(part[n_parts - 1], torch.empty_like(bias)) if compute_db else x.new_empty(0)
     return dx, dw, db

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from .._common.dispatch import interpret_mode
-from .._common.launch import persistent_grid
+from .._common.launch import launcher, persistent_grid
 from .._common.loss.options import LossOptions, LossScales
 from .._common.loss.reference import loss_from_stats, loss_grad_coefs
 from .._common.loss.rows import LocalRows
@@ -31,6 +31,11 @@ STATS_WAVES = 2  # the stats grid (row blocks x vocabulary splits) aims at this 
 # by a power of two that keeps a bound on every partial sum of the row at or below this
 DX_ACC_LIMIT = 2.0**14
 UNSCALE_BLOCK_H = 1024
+
+# cached launch bindings of the kernels (ops/_common/launch.py)
+lce_stats_launch = launcher(lce_stats_kernel)
+lce_tile_grad_launch = launcher(lce_tile_grad_kernel)
+lce_dx_unscale_launch = launcher(lce_dx_unscale_kernel)
 
 
 def _config(x: torch.Tensor) -> dict:
@@ -81,7 +86,8 @@ def fused_stats(x, w, b, target, rows, opts: LossOptions):
     tiles_per_split = triton.cdiv(n_vt, splits)
     splits = triton.cdiv(n_vt, tiles_per_split)
     part = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
-    lce_stats_kernel[(n_rb * splits,)](
+    lce_stats_launch(
+        (n_rb * splits,),
         **_common_args(x, w, b, rows, target, opts, config),
         part_ptr=part,
         n=n,
@@ -143,7 +149,8 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
     dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
     grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
-    lce_tile_grad_kernel[grid](
+    lce_tile_grad_launch(
+        grid,
         **_common_args(x, w, b, rows, target, opts, config),
         coef_ptr=coef,
         dx_ptr=(dx.view(torch.float16) if dx_scaled else dx) if dx is not None else x,
@@ -160,7 +167,8 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
         **config,
     )
     if dx_scaled:
-        lce_dx_unscale_kernel[(n, triton.cdiv(h, UNSCALE_BLOCK_H))](
+        lce_dx_unscale_launch(
+            (n, triton.cdiv(h, UNSCALE_BLOCK_H)),
             acc_ptr=dx.view(torch.float16),
             dx_ptr=dx,
             dx_stride=dx.stride(0),

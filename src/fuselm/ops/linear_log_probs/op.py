@@ -17,7 +17,7 @@ import triton
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import FLOAT_DTYPES, check_tensor, linear_operands, rows_view, validate_memory
-from .._common.launch import row_launch
+from .._common.launch import launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import LossOptions
@@ -33,6 +33,9 @@ BWD_BLOCK = 4096  # elements per program of the backward
 INTERPRET_ROWS = 32  # rows per program under the interpreter (numpy: programs are costly, tiles are not)
 # bits of the `stats` argument: which optional statistics the forward computes
 ENTROPY, SUM_SQ, MEAN, TOP1 = 1, 2, 4, 8
+# cached launch bindings of the kernels (ops/_common/launch.py)
+linear_log_probs_fwd_launch = launcher(linear_log_probs_fwd_kernel)
+linear_log_probs_bwd_launch = launcher(linear_log_probs_bwd_kernel)
 STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN, "is_top1": TOP1}
 
 
@@ -113,7 +116,8 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
     for v0 in range(0, v, vs):
         v1 = min(v0 + vs, v)
         logits = mm_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1].t())
-        linear_log_probs_fwd_kernel[(triton.cdiv(n, block_n),)](
+        linear_log_probs_fwd_launch(
+            (triton.cdiv(n, block_n),),
             logits_ptr=logits,
             logits_row_stride=logits.stride(0),
             bias_ptr=b if b is not None else logits,
@@ -220,7 +224,8 @@ def linear_log_probs_bwd(
         g = flat[: n * (v1 - v0)].view(n, v1 - v0)
         w_slab = w[v0:v1]
         torch.mm(xk, w_slab.t(), out=g)
-        linear_log_probs_bwd_kernel[(triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v))](
+        linear_log_probs_bwd_launch(
+            (triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v)),
             logits_ptr=g,
             logits_row_stride=g.stride(0),
             bias_ptr=b if b is not None else g,

@@ -11,7 +11,7 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import check_choice, rows_view
-from .._common.launch import persistent_grid, resident_programs
+from .._common.launch import launcher, persistent_grid, resident_programs
 from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
@@ -42,6 +42,10 @@ BWD_PREFETCH = True
 
 _CAST_CODES = {"llama": 0, "gemma": 1, "none": 2}
 
+# cached launch bindings of the kernels (ops/_common/launch.py)
+rms_norm_fwd_launch = launcher(rms_norm_fwd_kernel)
+rms_norm_bwd_launch = launcher(rms_norm_bwd_kernel)
+
 
 # ---- launchers ----
 
@@ -66,7 +70,8 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
     )
     n_blocks = triton.cdiv(n_rows, block_rows)
     grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
-    rms_norm_fwd_kernel[(grid,)](
+    rms_norm_fwd_launch(
+        (grid,),
         x_ptr=x,
         x_row_stride=x.stride(0),
         res_ptr=residual if has_res else x,
@@ -155,7 +160,7 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=Fa
         alloc = torch.empty if single else torch.zeros  # single-block programs write their row once
         part = alloc((grid, n_cols), dtype=torch.float32, device=x.device)
         kwargs["dw_part_ptr"] = part
-    rms_norm_bwd_kernel[(grid,)](**kwargs)
+    rms_norm_bwd_launch((grid,), **kwargs)
     if not compute_dw:
         return dx, x.new_empty(0)
     return dx, reduce_partials_(part, torch.empty_like(weight))

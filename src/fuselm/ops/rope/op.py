@@ -10,7 +10,7 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import check_choice
-from .._common.launch import next_pow2
+from .._common.launch import launcher, next_pow2
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
@@ -31,6 +31,10 @@ NUM_WARPS = 4
 NUM_WARPS_BIG_TILE = 8  # when the q tile holds more than BIG_TILE elements per half
 BIG_TILE = 2048
 BLOCK_P_MAX = 128
+
+# cached launch bindings of the kernels (ops/_common/launch.py)
+rope_fwd_dense_launch = launcher(rope_fwd_kernel_dense)
+rope_fwd_launch = launcher(rope_fwd_kernel)
 
 
 def _heads_block(n_heads: int, block_r: int) -> int:
@@ -136,7 +140,8 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         block_rows = max(1, DENSE_BLOCK // block_d)
         q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
         q_blocks = triton.cdiv(q_rows, block_rows)
-        rope_fwd_kernel_dense[(q_blocks + triton.cdiv(k_rows, block_rows),)](
+        rope_fwd_dense_launch(
+            (q_blocks + triton.cdiv(k_rows, block_rows),),
             q_ptr=q,
             k_ptr=k,
             q_out_ptr=q_out,
@@ -157,7 +162,8 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         )
         return
     qs, ks, qos, kos = q.stride(), k.stride(), q_out.stride(), k_out.stride()  # one call each (host time)
-    rope_fwd_kernel[(batch * seq_len,)](
+    rope_fwd_launch(
+        (batch * seq_len,),
         q_ptr=q,
         q_stride_b=qs[0],
         q_stride_t=qs[1],

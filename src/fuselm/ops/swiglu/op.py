@@ -9,7 +9,7 @@ import triton
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
-from .._common.launch import next_pow2
+from .._common.launch import launcher, next_pow2
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
 
@@ -21,6 +21,10 @@ BWD_BLOCK, BWD_WARPS = 4096, 8
 # the largest that wastes at most MAX_COL_WASTE of a row in masked lanes; rows fill the rest of the block.
 MIN_BLOCK_C = 256
 MAX_COL_WASTE = 0.125
+
+# cached launch bindings of the kernels (ops/_common/launch.py)
+swiglu_fwd_launch = launcher(swiglu_fwd_kernel)
+swiglu_bwd_launch = launcher(swiglu_bwd_kernel)
 
 ACTIVATION_CODE = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # kernels.SILU, GELU_TANH, GELU
 
@@ -50,11 +54,11 @@ def _assert_operand(t: torch.Tensor, shape: tuple[int, int]) -> None:
 
 
 def _launch(kernel, operands: dict, shape: tuple[int, int], block: int, num_warps: int, **meta) -> None:
-    """Launch `kernel` over [R, C] `operands` (name -> tensor, or None for an unused one): the
-    kernel's arguments are `<name>_ptr` and `<name>_row_stride` for each, then n_rows, n_cols and
-    its constexprs. Flat when every operand's rows are contiguous; a flat size that is not a
-    multiple of 16 gets a main launch over whole blocks and a one-program tail, because a mask
-    bound divisible by 16 is what keeps Triton's masked accesses 16-byte vectors."""
+    """Launch `kernel` (a launcher of ops/_common/launch.py) over [R, C] `operands` (name -> tensor, or
+    None for an unused one): the kernel's arguments are `<name>_ptr` and `<name>_row_stride` for each,
+    then n_rows, n_cols and its constexprs. Flat when every operand's rows are contiguous; a flat size
+    that is not a multiple of 16 gets a main launch over whole blocks and a one-program tail, because a
+    mask bound divisible by 16 is what keeps Triton's masked accesses 16-byte vectors."""
     used = [t for t in operands.values() if t is not None]
     for t in used:
         _assert_operand(t, shape)
@@ -65,7 +69,8 @@ def _launch(kernel, operands: dict, shape: tuple[int, int], block: int, num_warp
         for name, t in ops.items():
             kwargs[f"{name}_ptr"] = t if t is not None else used[0]
             kwargs[f"{name}_row_stride"] = t.stride(0) if row_strides and t is not None else 0
-        kernel[(programs,)](
+        kernel(
+            (programs,),
             **kwargs,
             n_rows=n_rows,
             n_cols=n_cols,
@@ -95,7 +100,7 @@ def swiglu_fwd(gate, up, activation, out=None):
     if out.numel() == 0:
         return out
     _launch(
-        swiglu_fwd_kernel,
+        swiglu_fwd_launch,
         dict(gate=gate, up=up, out=out),
         tuple(gate.shape),
         FWD_BLOCK,
@@ -111,7 +116,7 @@ def swiglu_bwd(dout, gate, up, activation, dgate, dup, out=None):
     if gate.numel() == 0:
         return
     _launch(
-        swiglu_bwd_kernel,
+        swiglu_bwd_launch,
         dict(dout=dout, gate=gate, up=up, dgate=dgate, dup=dup, out=out),
         tuple(gate.shape),
         BWD_BLOCK,

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from ..dispatch import interpret_mode, use_triton
-from ..launch import persistent_grid, row_launch
+from ..launch import launcher, persistent_grid, row_launch
 from .options import LossOptions, LossScales, loss_scales, options_of, reduce_rows
 from .reference import scale_keeping_zeros
 from .row_kernels import (
@@ -36,6 +36,13 @@ LOOP_CONFIGS = ((16384, 16384, 16), (0, 4096, 4))  # (min V, BLOCK_V, num_warps)
 FWD_PROGRAMS_PER_SM = 4
 BWD_BLOCK = 8192
 SCALE_BLOCK = 8192
+
+# cached launch bindings of the kernels (ops/_common/launch.py)
+cross_entropy_fwd_launch = launcher(cross_entropy_fwd_kernel)
+cross_entropy_bwd_launch = launcher(cross_entropy_bwd_kernel)
+cross_entropy_bwd_scale_launch = launcher(cross_entropy_bwd_kernel_scale)
+loss_scales_launch = launcher(loss_scales_kernel)
+loss_reduce_launch = launcher(loss_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=256)  # host time: once per width
@@ -83,7 +90,8 @@ def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad, p
     single, block, num_warps, per_sm = _fwd_config(n_cols)
     if grad is not None:
         assert grad.stride(-1) == 1 and grad.shape == logits.shape
-    cross_entropy_fwd_kernel[(persistent_grid(n_rows, logits.device, per_sm),)](
+    cross_entropy_fwd_launch(
+        (persistent_grid(n_rows, logits.device, per_sm),),
         logits_ptr=logits,
         logits_row_stride=logits.stride(0),
         target_ptr=target,
@@ -124,7 +132,8 @@ def rows_bwd_into(
     if n_rows == 0:
         return grad
     block, num_warps = row_launch(n_cols, max_block=BWD_BLOCK)
-    cross_entropy_bwd_kernel[(n_rows,)](
+    cross_entropy_bwd_launch(
+        (n_rows,),
         logits_ptr=logits,
         logits_row_stride=logits.stride(0),
         target_ptr=target,
@@ -150,7 +159,8 @@ def _scale_grad_kernel_(grad, dloss):
     if n_rows == 0:
         return
     block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
-    cross_entropy_bwd_kernel_scale[(n_rows, triton.cdiv(n_cols, block))](
+    cross_entropy_bwd_scale_launch(
+        (n_rows, triton.cdiv(n_cols, block)),
         grad_ptr=grad,
         grad_row_stride=grad.stride(0),
         dloss_ptr=dloss,
@@ -172,7 +182,8 @@ def batch_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Los
         return loss_scales(target, opts, n_classes)
     weight_sum = opts.weight is not None and opts.has_smoothing
     out = torch.empty(2, dtype=torch.float32, device=target.device)
-    loss_scales_kernel[(1,)](
+    loss_scales_launch(
+        (1,),
         target_ptr=target,
         weight_ptr=opts.weight if opts.weight is not None else out,
         out_ptr=out,
@@ -196,7 +207,8 @@ def reduced_loss(
     if opts.reduction == "none" or not _one_launch(loss):
         return reduce_rows(loss, opts, scales).to(dtype)
     out = torch.empty((), dtype=dtype, device=loss.device)
-    loss_reduce_kernel[(1,)](
+    loss_reduce_launch(
+        (1,),
         loss_ptr=loss,
         scale_ptr=scales.grad_scale,
         out_ptr=out,
