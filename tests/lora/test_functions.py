@@ -840,3 +840,18 @@ def test_lora_gated_mlp_bf16_cuda_real_shape(act, gen):
             assert_numerics(f"grad {i}", t, e, ref, torch.bfloat16)
     finally:
         H, I = old
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_and_inference_mode_give_the_training_output(mode, gen):
+    layers = mlp_layers(gen, 8, 0.0, torch.float32, torch.float32)
+    ops = mlp_operands(layers)
+    x = randn(gen, (*LEAD, H), torch.float32)
+    expected = L.lora_gated_mlp(x, *ops, "silu")
+    expected_lin = L.lora_linear(x, *ops[0])
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        x_in = x.clone()  # an inference tensor under inference_mode
+        y = L.lora_gated_mlp(x_in, *ops, "silu")
+        y_lin = L.lora_linear(x_in, *ops[0])
+    assert not y.requires_grad and torch.equal(y, expected) and torch.equal(y_lin, expected_lin)

@@ -84,6 +84,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 # ---- operands ----
 
 
+_DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _frozen(name: str, t: torch.Tensor | None) -> str | None:
     if t is not None and t.requires_grad:
         return f"the base layer's {name} requires grad (trained with the adapter)"
@@ -92,6 +95,16 @@ def _frozen(name: str, t: torch.Tensor | None) -> str | None:
 
 def _base_operands(layer: nn.Module) -> tuple | str:
     """(base, bias) of a frozen base layer, or the reason it is not one fuselm computes."""
+    if type(layer) is nn.Linear:  # the common case, read straight from the parameter dict (host time)
+        params = layer._parameters
+        weight, bias = params["weight"], params.get("bias")
+        if (
+            not weight.requires_grad
+            and (bias is None or not bias.requires_grad)
+            and weight.dtype in _DENSE_DTYPES
+            and type(weight) in (nn.Parameter, torch.Tensor)
+        ):
+            return weight, bias
     bnb_nn = _bnb_nn()
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
     if isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward:
@@ -151,49 +164,59 @@ def lora_operands(module: nn.Module) -> tuple | str:
             return f"PEFT layer {type(module).__qualname__} (fuselm runs LoRA Linear layers)"
         base = _base_operands(module)
         return base if isinstance(base, str) else (base[0], None, base[1])
-    if getattr(module, "fan_in_fan_out", False):
+    # PEFT's state read from the instance dict where it lives (its properties wrap these; host time)
+    d = module.__dict__
+    mods = d["_modules"]
+    if d.get("fan_in_fan_out"):
         return "fan_in_fan_out (Conv1D-layout) base weight"
-    base_layer = module.base_layer
+    base_layer = mods["base_layer"]
     if _is_peft_layer(base_layer):
         return "nested PEFT layers"
     base = _base_operands(base_layer)
     if isinstance(base, str):
         return base
     weight, bias = base
-    if module.disable_adapters:
-        if module.merged:
+    disabled = d["_disable_adapters"] if "_disable_adapters" in d else module.disable_adapters
+    merged = bool(d["merged_adapters"]) if "merged_adapters" in d else module.merged
+    if disabled:
+        if merged:
             return "adapters disabled while merged (PEFT unmerges them on this call)"
         return weight, None, bias
-    if module.merged:
+    if merged:
         return weight, None, bias
-    active = [name for name in module.active_adapters if name in module.lora_A]
+    names = d["_active_adapter"] if "_active_adapter" in d else module.active_adapters
+    lora_a_layers = mods["lora_A"]._modules
+    if isinstance(names, str):
+        active = [names] if names in lora_a_layers else []
+    else:
+        active = [name for name in names if name in lora_a_layers]
     if not active:
         return weight, None, bias
     if len(active) > 1:
         return f"{len(active)} active adapters ({', '.join(active)})"
     name = active[0]
-    variant = getattr(module, "lora_variant", {}).get(name)
+    variant = d.get("lora_variant", {}).get(name)
     if variant is not None:
-        label = "DoRA" if getattr(module, "use_dora", {}).get(name) else "a LoRA variant"
+        label = "DoRA" if d.get("use_dora", {}).get(name) else "a LoRA variant"
         return f"{label} ({type(variant).__name__})"
-    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-    if module.lora_bias.get(name) or getattr(lora_b, "bias", None) is not None:
-        return "LoRA bias (lora_bias=True)"
+    lora_a, lora_b = lora_a_layers[name], mods["lora_B"]._modules[name]
     if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
         return f"adapter layers {type(lora_a).__qualname__} / {type(lora_b).__qualname__}"
-    scaling = module.scaling[name]
+    if d["lora_bias"].get(name) or lora_b._parameters.get("bias") is not None:
+        return "LoRA bias (lora_bias=True)"
+    scaling = d["scaling"][name]
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         return f"scaling of type {type(scaling).__name__} (a tensor: per-call scales)"
-    drop = module.lora_dropout[name]
-    if type(drop) is nn.Dropout:
-        p = drop.p if drop.training else 0.0
-    elif type(drop) is nn.Identity:
+    drop = mods["lora_dropout"]._modules[name]
+    if type(drop) is nn.Identity:
         p = 0.0
+    elif type(drop) is nn.Dropout:
+        p = drop.p if drop.training else 0.0
     else:
         return f"dropout module {type(drop).__qualname__}"
     if p >= 1.0:
         return "dropout p = 1"
-    return weight, LoraAdapter(lora_a.weight, lora_b.weight, float(scaling), float(p)), bias
+    return weight, LoraAdapter(lora_a._parameters["weight"], lora_b._parameters["weight"], scaling, p), bias
 
 
 def _mask_dtype(module: nn.Module, adapter: LoraAdapter, input_dtype: torch.dtype | None):

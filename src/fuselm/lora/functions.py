@@ -193,10 +193,12 @@ class _Proj:
         self.bias = bias
         self.scaling = float(adapter.scaling) if adapter is not None else 0.0
         self.keep_scale = 1.0 / (1.0 - adapter.dropout) if adapter is not None and adapter.dropout else 1.0
-        tensors = [
-            t for t in (base, adapter and adapter.A, adapter and adapter.B) if isinstance(t, torch.Tensor)
-        ]
-        self.versions = [(t, t._version) for t in tensors]
+        self.versions = []
+        if torch.is_grad_enabled():  # a backward may follow (no version counters in inference mode)
+            tensors = (base, adapter and adapter.A, adapter and adapter.B)
+            self.versions = [
+                (t, t._version) for t in tensors if isinstance(t, torch.Tensor) and not t.is_inference()
+            ]
 
     def check_versions(self) -> None:
         for t, v in self.versions:
@@ -207,33 +209,51 @@ class _Proj:
                 )
 
 
-_MM_OUT_DTYPE = [True]  # does torch.mm(..., out_dtype=torch.float32) run on CUDA here (tried once)
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# which fp32-output GEMMs of 16-bit operands run here (CUDA builds; tried once each)
+_OUT_DTYPE_GEMMS = {"addmm": True, "mm": True}
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-dim zero: the ignored ``input`` of ``addmm(..., beta=0)``."""
+    key = (dtype, device)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return z
 
 
 def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """scale * (a @ b) returned in ``dtype``: fp32 output straight from the GEMM when a 16-bit product
-    feeds an fp32 adapter gradient on CUDA (fp32 accumulation, one rounding), else GEMM then cast."""
-    out = None
-    if (
-        _MM_OUT_DTYPE[0]
-        and dtype == torch.float32
-        and a.is_cuda
-        and a.dtype in (torch.float16, torch.bfloat16)
-    ):
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, NotImplementedError, TypeError):  # not in this build: GEMM then cast
-            _MM_OUT_DTYPE[0] = False
-    if out is None:
-        out = torch.mm(a, b)
-        if out.dtype != dtype:
-            out = out.to(dtype)
-    return out.mul_(scale) if scale != 1.0 else out
+    """``scale * (a @ b)`` in ``dtype``, the scale applied inside the GEMM (``addmm``, beta = 0: one launch,
+    one rounding). A 16-bit product for an fp32 adapter gradient on CUDA comes out of the GEMM in fp32
+    (fp32 accumulation, one rounding); elsewhere it is rounded to the operands' dtype, then cast."""
+    if a.dtype == dtype:
+        if scale == 1.0:
+            return torch.mm(a, b)
+        return torch.addmm(_zero(dtype, a.device), a, b, beta=0, alpha=scale)
+    if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        if _OUT_DTYPE_GEMMS["addmm"]:
+            try:
+                z = _zero(dtype, a.device)
+                return torch.addmm(z, a, b, beta=0, alpha=scale, out_dtype=dtype)
+            except (RuntimeError, NotImplementedError, TypeError):  # not in this build
+                _OUT_DTYPE_GEMMS["addmm"] = False
+        if _OUT_DTYPE_GEMMS["mm"]:
+            try:
+                out = torch.mm(a, b, out_dtype=dtype)
+                return out.mul_(scale) if scale != 1.0 else out
+            except (RuntimeError, NotImplementedError, TypeError):
+                _OUT_DTYPE_GEMMS["mm"] = False
+    if scale == 1.0:
+        return torch.mm(a, b).to(dtype)
+    return torch.addmm(_zero(a.dtype, a.device), a, b, beta=0, alpha=scale).to(dtype)
 
 
 def _cast_adapter(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype):
     if a is None:
         return None, None
+    if a.dtype == dtype:  # (a no-op .to still costs host time)
+        return a, b
     return a.to(dtype), b.to(dtype)
 
 
@@ -241,20 +261,18 @@ def _proj_forward(x, a, b, mask, proj: _Proj):
     """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype."""
     w = dense(proj.base, x.dtype)
     bias = proj.bias
-    if bias is not None:
-        y = torch.addmm(bias if bias.dtype == x.dtype else bias.to(x.dtype), x, w.t())
-    else:
-        y = torch.mm(x, w.t())
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y = F.linear(x, w, bias)  # addmm: the bias in the GEMM epilogue
     del w  # a quantized weight's scratch is free for the next projection
     if a is None:
         return y, None
     a_c, b_c = _cast_adapter(a, b, x.dtype)
     if mask is None:
-        low = torch.mm(x, a_c.t())
+        low = F.linear(x, a_c)
     else:
         # drop(x) A^T = (x * mask) (A / (1 - p))^T: the 1 / (1 - p) folded into the small operand
-        a_k = (a * proj.keep_scale).to(x.dtype)
-        low = torch.mm(x * mask, a_k.t())
+        low = F.linear(x * mask, (a * proj.keep_scale).to(x.dtype))
     y.addmm_(low, b_c.t(), alpha=proj.scaling)
     return y, low
 
@@ -455,13 +473,13 @@ def lora_linear(
     if adapter is not None and adapter.dropout:
         # PEFT: x.to(A.dtype) then the dropout, on x's full shape: the same draw
         mask = _rows(dropout_mask(x, adapter.dropout, adapter.mask_dtype or adapter.A.dtype))
-    x2 = _rows(x.to(cdt))
+    x2 = _rows(x if x.dtype == cdt else x.to(cdt))
     if autocast:
         with _no_autocast(x.device.type):
             y = LoraLinearFunction.apply(x2, a, b, mask, proj)
     else:
         y = LoraLinearFunction.apply(x2, a, b, mask, proj)
-    return y.view(*x.shape[:-1], base.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], base.shape[0])
 
 
 def lora_gated_mlp(
@@ -529,11 +547,11 @@ def lora_gated_mlp(
         mu = _rows(dropout_mask(x, uadapter.dropout, uadapter.mask_dtype or uadapter.A.dtype))
     down_p = dadapter.dropout if dadapter is not None else 0.0
     down_mask_dtype = (dadapter.mask_dtype or dadapter.A.dtype) if dadapter is not None else None
-    x2 = _rows(x.to(cdt))
+    x2 = _rows(x if x.dtype == cdt else x.to(cdt))
     args = (x2, ag, bg, au, bu, ad, bd, mg, mu, (pg, pu, pd), activation, down_p, down_mask_dtype)
     if autocast:
         with _no_autocast(x.device.type):
             y = LoraGatedMLPFunction.apply(*args)
     else:
         y = LoraGatedMLPFunction.apply(*args)
-    return y.view(*x.shape[:-1], x.shape[-1])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], x.shape[-1])
