@@ -7,6 +7,8 @@ Usage::
     fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
     fuselm bench all                   # every suite, default shapes
     fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
+    fuselm bench e2e --models qwen3-0.6b --repeats 3 # the grid's Qwen3 shapes, 3 fresh processes each
+    fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
     fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
     fuselm demo                        # train a small Llama twice: HF eager vs fuselm.hf.patch
 
@@ -69,13 +71,58 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--steps",
         type=int,
-        help="e2e: timed training steps per run (default 10; CPU 3); --world-size: timed fwd+bwd steps "
-        "per provider (default 20; --quick 3)",
+        help="e2e, finetune: timed training steps per run (default 10; CPU 3); --world-size: timed fwd+bwd "
+        "steps per provider (default 20; --quick 3)",
     )
     bench.add_argument(
         "--warmup",
         type=int,
-        help="e2e: warmup steps before timing (default 3; CPU 2); --world-size: per provider (default 3)",
+        help="e2e, finetune: warmup steps before timing (default 3; CPU 2); --world-size: per provider "
+        "(default 3)",
+    )
+    bench.add_argument(
+        "--models",
+        help="e2e, finetune: comma-separated model shapes (e2e: llama3.2-1b, qwen3-0.6b, llama3-8b; default: "
+        "the grid's; finetune default: llama3-8b)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=positive_int,
+        help="e2e, finetune: fresh-process runs per configuration and provider (default: e2e 3, finetune 1)",
+    )
+    bench.add_argument(
+        "--profile-steps",
+        type=int,
+        help="e2e, finetune: steps profiled with torch.profiler after the timed ones, for the GPU kernel "
+        "time and launch count (default: e2e 3, finetune 2; CPU 1; 0: none)",
+    )
+    bench.add_argument(
+        "--merge",
+        action="store_true",
+        help="e2e, finetune: join the rows already in the output folder's <suite>.json (same device and "
+        "dtype) with this run's, e.g. a grid split over several commands",
+    )
+    bench.add_argument("--scenarios", help="finetune: comma-separated from qlora,lora (default: both)")
+    bench.add_argument("--rank", type=positive_int, help="finetune: LoRA rank r (default 16; alpha = r)")
+    bench.add_argument("--lora-alpha", type=float, help="finetune: LoRA alpha (default: the rank)")
+    bench.add_argument("--lora-dropout", type=float, help="finetune: LoRA dropout (default 0)")
+    bench.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="finetune: fuselm.hf.patch(..., checkpointing='offload') for the fuselm provider when fuselm "
+        "has that option (default: on)",
+    )
+    bench.add_argument(
+        "--unsloth-compile",
+        action="store_true",
+        help="finetune: leave Unsloth's per-block torch.compile on (default: UNSLOTH_COMPILE_DISABLE=1; the "
+        "compile takes minutes)",
+    )
+    bench.add_argument(
+        "--model-dir",
+        help="finetune: folder for the saved random-init models (reused when already there; default: a "
+        "temporary folder removed after the run)",
     )
     bench.add_argument(
         "--world-size",

@@ -1,20 +1,23 @@
-"""CPU tests of ``fuselm bench e2e``: the training benchmark's config, workers, CLI and report.
+"""CPU tests of ``fuselm bench e2e``: the training benchmark's models, grid, workers, CLI and report.
 
 Each worker is a fresh Python process (importing torch and transformers takes a few seconds), so the
-tests start as few of them as they can: one CLI run with one shape (hf and fuselm), one worker that
-fails. Everything else is checked in process.
+tests start as few of them as they can: one CLI run (one configuration, hf and fuselm, two repeats), one
+worker that fails. Everything else is checked in process.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import statistics
 import sys
 
 import pytest
 import torch
 
 from fuselm.bench import e2e, fresh_process, registry, training
+from fuselm.bench.arguments import UsageError
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -49,6 +52,10 @@ def test_registry_lists_e2e_outside_all(capsys):
         (["--shapes", "4x64x2"], "takes 2 sizes"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--models", "gpt2"], "unknown model 'gpt2'"),
+        (["--models", "llama3-8b"], "not in the default grid; give --shapes"),
+        (["--repeats", "0"], "expected a positive integer"),
+        (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
     ],
 )
 def test_usage_errors(args, message, tmp_path, capsys):
@@ -63,38 +70,127 @@ def test_unknown_suite_lists_e2e(capsys):
     assert "e2e" in capsys.readouterr().err
 
 
-# ---- the model ----
+# ---- the models and the grid ----
 
 
-def test_gpu_preset_is_llama_3_2_1b():
-    config = training.llama_config(e2e.GPU_PRESET.model, "sdpa")
-    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (2048, 8192, 16)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 64)
-    assert (config.vocab_size, config.max_position_embeddings, config.rms_norm_eps) == (128256, 131072, 1e-5)
-    assert config.tie_word_embeddings and not config.use_cache
-    rope = getattr(config, "rope_parameters", None) or config.rope_scaling
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("llama3.2-1b", 1_235_814_400),  # Llama-3.2-1B (tied embeddings counted once)
+        ("qwen3-0.6b", 596_049_920),  # Qwen3-0.6B
+        ("llama3-8b", 8_030_261_248),  # Meta-Llama-3-8B
+    ],
+)
+def test_model_shapes_have_the_real_models_parameter_counts(name, params):
+    """The configs' sizes give the published parameter counts (counted from the config: a model of these
+    sizes is too big to build in a test, and under the test suite's poisoned factories a meta-device build
+    does not stay on the meta device)."""
+    shape = e2e.MODELS[name]
+    c = training.causal_lm_config(shape.family, shape.settings(), "sdpa")
+    h, i, v, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    qk_norm = 2 * c.head_dim if shape.family == "qwen3" else 0
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h + qk_norm
+    embeddings = v * h * (1 if c.tie_word_embeddings else 2)
+    assert embeddings + layers * per_layer + h == params
+
+
+def test_model_configs():
+    llama = training.causal_lm_config("llama", e2e.MODELS["llama3.2-1b"].settings())
+    assert (llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers) == (2048, 8192, 16)
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (32, 8, 64)
+    assert (llama.vocab_size, llama.max_position_embeddings, llama.rms_norm_eps) == (128256, 131072, 1e-5)
+    rope = getattr(llama, "rope_parameters", None) or llama.rope_scaling
     assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0
-    assert rope["original_max_position_embeddings"] == 8192
-    assert (rope.get("rope_theta") or config.rope_theta) == 500000.0
-    assert e2e.GPU_PRESET.shapes == ((4, 4096), (8, 4096), (16, 4096))
-    # parameters (tied embeddings counted once): Llama-3.2-1B's 1,235,814,400
-    h, i, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_key_value_heads
-    attn = 2 * h * h + 2 * h * kv * config.head_dim
-    params = v * h + config.num_hidden_layers * (attn + 3 * h * i + 2 * h) + h
-    assert params == 1_235_814_400
+    assert (rope.get("rope_theta") or llama.rope_theta) == 500000.0 and llama.tie_word_embeddings
+    qwen = training.causal_lm_config("qwen3", e2e.MODELS["qwen3-0.6b"].settings())
+    assert (qwen.hidden_size, qwen.intermediate_size, qwen.num_hidden_layers) == (1024, 3072, 28)
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim) == (16, 8, 128)
+    assert qwen.vocab_size == 151936 and qwen.tie_word_embeddings and not qwen.attention_bias
+    rope = getattr(qwen, "rope_parameters", None) or {"rope_theta": qwen.rope_theta}
+    assert (rope.get("rope_theta") or qwen.rope_theta) == 1e6
+    big = training.causal_lm_config("llama", e2e.MODELS["llama3-8b"].settings())
+    assert (big.hidden_size, big.intermediate_size, big.num_hidden_layers, big.vocab_size) == (
+        4096,
+        14336,
+        32,
+        128256,
+    )
+    assert not big.tie_word_embeddings
+    with pytest.raises(ValueError, match="unknown model family"):
+        training.causal_lm_config("gpt2", {"rope_theta": 1.0})
 
 
-def test_hf_and_fuselm_start_from_the_same_weights():
-    hf = e2e.build_model(e2e.CPU_PRESET, "hf", torch.float32, CPU)
-    fl = e2e.build_model(e2e.CPU_PRESET, "fuselm", torch.float32, CPU)
+def test_default_grid_is_the_small_batch_grid_next_to_the_large_batches():
+    assert e2e.GPU_PRESET.grid == (
+        ("llama3.2-1b", 1, 512),
+        ("llama3.2-1b", 1, 2048),
+        ("llama3.2-1b", 4, 2048),
+        ("llama3.2-1b", 4, 4096),
+        ("llama3.2-1b", 8, 4096),
+        ("qwen3-0.6b", 1, 2048),
+    )
+    assert e2e.GPU_PRESET.model == e2e.MODELS["llama3.2-1b"].config  # what grpo_step builds
+    assert e2e.CPU_PRESET.model["hidden_size"] == 64 and e2e.CPU_PRESET.model["rope_scaling"]
+
+
+def test_grid_from_models_and_shapes():
+    def ns(models=None, shapes=None):
+        return argparse.Namespace(models=models, shapes=shapes)
+
+    assert e2e.grid(ns(), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.grid)
+    assert e2e.grid(ns("llama3.2-1b"), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.grid[:5])
+    both = e2e.grid(ns(shapes="1x512,2x64"), e2e.GPU_PRESET)
+    assert both == [
+        ("llama3.2-1b", 1, 512),
+        ("llama3.2-1b", 2, 64),
+        ("qwen3-0.6b", 1, 512),
+        ("qwen3-0.6b", 2, 64),
+    ]
+    assert e2e.grid(ns("llama3-8b", "1x128"), e2e.GPU_PRESET) == [("llama3-8b", 1, 128)]
+    with pytest.raises(UsageError, match="give --shapes"):
+        e2e.grid(ns("llama3-8b"), e2e.GPU_PRESET)
+    with pytest.raises(UsageError, match="unknown model"):
+        e2e.grid(ns("gpt2"), e2e.GPU_PRESET)
+
+
+@pytest.mark.parametrize("model", ["llama3.2-1b", "qwen3-0.6b"])
+def test_hf_and_fuselm_start_from_the_same_weights(model):
     import fuselm.hf
 
+    hf = e2e.build_model(e2e.CPU_PRESET, "hf", torch.float32, CPU, model=model)
+    fl = e2e.build_model(e2e.CPU_PRESET, "fuselm", torch.float32, CPU, model=model)
     try:
         assert fuselm.hf.is_patched(fl) and not any("forward" in vars(m) for m in hf.modules())
         for (name, a), (_, b) in zip(hf.named_parameters(), fl.named_parameters(), strict=True):
             assert torch.equal(a, b), name
     finally:
         fuselm.hf.unpatch(fl)
+
+
+def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
+    """The Qwen3 path of a worker (without the process): a tiny Qwen3ForCausalLM, with q/k norms, trains;
+    the CPU figures are there, the GPU ones are not (no CUDA)."""
+    import fuselm.hf
+
+    out = e2e.train(
+        e2e.CPU_PRESET, "hf", "qwen3-0.6b", 1, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
+    )
+    assert out["status"] == "ok" and len(out["losses"]) == 1 + 2 + e2e.CPU_PRESET.profile_steps
+    assert out["step_ms"] == pytest.approx(statistics.median(out["step_ms_all"]))
+    assert len(out["step_ms_all"]) == 2 and out["cpu_ms"] > 0 and out["profile_steps"] == 1
+    assert out["gpu_ms"] is None and out["launches"] is None and out["peak_bytes"] is None
+    assert out["tokens_per_s"] == pytest.approx(16 / (out["step_ms"] / 1e3))
+    assert out["params"] > 0 and all(math.isfinite(x) for x in out["losses"])
+    try:
+        fl = e2e.train(
+            e2e.CPU_PRESET, "fuselm", "qwen3-0.6b", 1, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
+        )
+    finally:
+        from transformers import Qwen3ForCausalLM
+
+        fuselm.hf.unpatch(Qwen3ForCausalLM)
+    assert fl["status"] == "ok" and len(fl["losses"]) == len(out["losses"])
 
 
 # ---- liger: skipped with a reason where it cannot run ----
@@ -114,8 +210,9 @@ def test_liger_skip_reasons(monkeypatch):
     assert "not importable" in e2e._precheck("liger", torch.device("cuda"))
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # `import liger_kernel...` raises ImportError
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
-    with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
-        e2e.apply_provider_before_build("liger", torch.device("cuda"))
+    for family in ("llama", "qwen3"):
+        with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
+            e2e.apply_provider_before_build("liger", torch.device("cuda"), family)
     assert e2e._precheck("hf", CPU) is None and e2e._precheck("fuselm", CPU) is None
 
 
@@ -125,9 +222,17 @@ def test_liger_skip_reasons(monkeypatch):
 def test_worker_error_is_reported(reference_path):
     """An exception inside the worker comes back as the row's error, with its traceback."""
     row = fresh_process.run_case(
-        e2e.BENCH, "bogus", (2, 16), plan=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1
+        e2e.BENCH,
+        "bogus",
+        ("llama3.2-1b", 2, 16),
+        plan=e2e.CPU_PRESET,
+        dtype=torch.float32,
+        device=CPU,
+        warmup=0,
+        steps=1,
+        repeat=1,
     )
-    assert row.status == "error" and row.tokens_per_s is None
+    assert row.status == "error" and row.tokens_per_s is None and row.repeat == 1
     assert "ValueError: unknown provider 'bogus'" in row.error
     assert "Traceback" in row.traceback
 
@@ -137,7 +242,14 @@ def test_worker_without_result_is_reported(monkeypatch):
     script = "import sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); sys.exit(3)"
     monkeypatch.setattr(fresh_process, "worker_command", lambda *a, **k: [sys.executable, "-c", script])
     row = fresh_process.run_case(
-        e2e.BENCH, "hf", (2, 16), plan=e2e.CPU_PRESET, dtype=torch.float32, device=CPU, warmup=0, steps=1
+        e2e.BENCH,
+        "hf",
+        ("llama3.2-1b", 2, 16),
+        plan=e2e.CPU_PRESET,
+        dtype=torch.float32,
+        device=CPU,
+        warmup=0,
+        steps=1,
     )
     assert row.status == "error"
     assert "exited with code 3 and wrote no result" in row.error and "worker blew up" in row.error
@@ -148,30 +260,46 @@ def test_worker_without_result_is_reported(monkeypatch):
 
 def test_cli_cpu_end_to_end(tmp_path, capsys, reference_path):
     out = tmp_path / "results"
-    args = ["bench", "e2e", "--device", "cpu", "--shapes", "2x64", "--warmup", "1", "--steps", "2"]
-    rc = main([*args, "--providers", "hf,liger,fuselm", "--no-progress", "--out", str(out)])
+    args = ["bench", "e2e", "--device", "cpu", "--models", "llama3.2-1b", "--shapes", "2x64"]
+    args += ["--warmup", "1", "--steps", "2", "--repeats", "2", "--providers", "hf,liger,fuselm"]
+    rc = main([*args, "--no-progress", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "CPU figures" in printed
+    assert "CPU figures" in printed and "(repeat 2/2)" in printed
     md = (out / "e2e.md").read_text()
     assert (out / "e2e.png").stat().st_size > 0
     data = json.loads((out / "e2e.json").read_text())
 
-    assert "**CPU figures**" in md and "| 2x64 | hf |" in md and "| 2x64 | fuselm |" in md
-    assert "skipped liger: needs CUDA" in md
+    assert "**CPU figures**" in md and "skipped liger: needs CUDA" in md
+    head = "| model | B x T | provider | tokens/s | ms/step | CPU ms/step | GPU ms/step | launches/step |"
+    assert head in md and "| llama3.2-1b | 2x64 | hf |" in md and "| llama3.2-1b | 2x64 | fuselm |" in md
     assert data["suite"] == "e2e" and data["preset"] == "cpu" and data["dtype"] == "fp32"
-    assert data["warmup"] == 1 and data["steps"] == 2
+    assert data["warmup"] == 1 and data["steps"] == 2 and data["repeats"] == 2 and data["profile_steps"] == 1
+    assert data["shapes"] == [["llama3.2-1b", 2, 64]] and data["models"]["llama3.2-1b"]["hidden_size"] == 64
     assert data["metadata"]["transformers"] and data["metadata"]["commit"]
     assert "needs CUDA" in data["skipped"]["liger"]
-    rows = {r["provider"]: r for r in data["rows"]}
-    assert set(rows) == {"hf", "fuselm"}
-    for r in rows.values():
+    rows = data["rows"]
+    assert sorted((r["provider"], r["repeat"]) for r in rows) == [
+        ("fuselm", 0),
+        ("fuselm", 1),
+        ("hf", 0),
+        ("hf", 1),
+    ]
+    assert [r["provider"] for r in rows] == ["hf", "fuselm", "hf", "fuselm"]  # a repeat's providers together
+    for r in rows:
         assert r["status"] == "ok", r
-        assert r["batch"] == 2 and r["seq"] == 64
-        assert r["tokens_per_s"] > 0 and r["peak_bytes"] is None
-        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
-        assert r["final_loss"] == r["losses"][-1]
-    assert "| 2x64 | hf |" in md and "n/a" in md
+        assert (r["model"], r["batch"], r["seq"]) == ("llama3.2-1b", 2, 64)
+        assert len(r["step_ms_all"]) == 2 and r["step_ms"] == pytest.approx(
+            statistics.median(r["step_ms_all"])
+        )
+        assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_ms"] * 1e3)
+        assert r["cpu_ms"] > 0 and r["gpu_ms"] is None and r["launches"] is None and r["peak_bytes"] is None
+        assert r["profile_steps"] == 1 and len(r["losses"]) == 1 + 2 + 1
+        assert all(math.isfinite(x) for x in r["losses"]) and r["final_loss"] == r["losses"][-1]
+    assert {b["bound_by"] for b in data["bound_by"]} == {None}  # no GPU: not a host-vs-GPU question
+    ratio = data["ratios"][0]
+    assert len(ratio["tokens_vs_hf_repeats"]) == 2 and ratio["tokens_vs_hf"] > 0
+    assert ratio["tokens_vs_liger"] is None
 
     # Same seed, same weights, same batch: the first-step losses agree up to fp32 rounding. On the CPU
     # both providers run fp32 PyTorch math (fuselm dispatches to its reference implementations, which
@@ -179,96 +307,120 @@ def test_cli_cpu_end_to_end(tmp_path, capsys, reference_path):
     # the order of summations (e.g. the chunked log-sum-exp of the fused loss), i.e. a few ulps of fp32
     # (~1e-7 relative) grown through two layers. 1e-4 is far above that and far below what any real
     # difference (a wrong shift, eps, ignore_index or casting) does to a loss of ln(512) ~ 6.2.
-    hf_loss, fl_loss = rows["hf"]["first_loss"], rows["fuselm"]["first_loss"]
-    assert abs(fl_loss - hf_loss) / abs(hf_loss) < 1e-4, (hf_loss, fl_loss)
+    by = {(r["provider"], r["repeat"]): r for r in rows}
+    for repeat in (0, 1):
+        hf_loss, fl_loss = by[("hf", repeat)]["first_loss"], by[("fuselm", repeat)]["first_loss"]
+        assert abs(fl_loss - hf_loss) / abs(hf_loss) < 1e-4, (hf_loss, fl_loss)
+    assert by[("hf", 0)]["losses"] == by[("hf", 1)]["losses"]  # a repeat is the same run again
 
 
-# ---- report from given rows (the GPU layout: OOM, errors, ratios) ----
+# ---- report from given rows (the GPU layout: repeats, OOM, errors, ratios) ----
 
 
 def _gpu_report() -> fresh_process.CaseReport:
-    def ok(provider, batch, tok, gib):
+    def ok(provider, model, batch, seq, repeat, tok, gib, cpu, gpu):
+        step_ms = batch * seq / tok * 1e3
         return e2e.E2ERow(
-            provider, batch, 4096, "ok", tokens_per_s=tok, step_ms=batch * 4096 / tok * 1e3,
-            peak_bytes=int(gib * GIB), first_loss=12.0, final_loss=11.5, losses=[12.0, 11.5],
+            provider, model, batch, seq, "ok", repeat=repeat, tokens_per_s=tok, step_ms=step_ms,
+            step_ms_all=[step_ms] * 3, cpu_ms=cpu, gpu_ms=gpu, launches=900.0, peak_bytes=int(gib * GIB),
+            first_loss=12.0, final_loss=11.5, losses=[12.0, 11.5],
         )  # fmt: skip
 
-    rows = [
-        ok("hf", 4, 49.1e3, 61.2),
-        ok("liger", 4, 63.5e3, 26.3),
-        ok("fuselm", 4, 65.0e3, 25.0),
-        ok("hf", 8, 49.6e3, 115.3),
-        ok("liger", 8, 64.4e3, 45.2),
-        ok("fuselm", 8, 70.0e3, 38.0),
-        e2e.E2ERow(
-            "hf", 16, 4096, "oom", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 7 GiB."
-        ),
-        ok("liger", 16, 65.8e3, 82.9),
-        e2e.E2ERow("fuselm", 16, 4096, "error", error="RuntimeError: boom"),
-    ]
+    rows = []
+    for rep, f in enumerate((1.0, 0.98, 1.02)):
+        rows += [
+            ok("hf", "llama3.2-1b", 1, 2048, rep, 36.4e3 * f, 13.7, 39.1, 58.3),
+            ok("liger", "llama3.2-1b", 1, 2048, rep, 19.0e3 * f, 11.0, 101.9, 69.6),
+            ok("fuselm", "llama3.2-1b", 1, 2048, rep, 41.4e3 * f, 9.8, 42.3, 45.2),
+            ok("hf", "llama3.2-1b", 8, 4096, rep, 49.6e3 * f, 75.3, 200.0, 640.0),
+            ok("liger", "llama3.2-1b", 8, 4096, rep, 64.4e3 * f, 45.2, 210.0, 500.0),
+            ok("fuselm", "llama3.2-1b", 8, 4096, rep, 70.0e3 * f, 38.0, 190.0, 460.0),
+        ]
+    rows += [
+        e2e.E2ERow("hf", "qwen3-0.6b", 16, 4096, "oom", error="OutOfMemoryError: CUDA out of memory."),
+        e2e.E2ERow("fuselm", "qwen3-0.6b", 16, 4096, "error", error="RuntimeError: boom"),
+    ]  # fmt: skip
     return fresh_process.CaseReport(
         plan=e2e.GPU_PRESET,
         dtype=torch.bfloat16,
         device_type="cuda",
-        shapes=e2e.GPU_PRESET.shapes,
+        shapes=(("llama3.2-1b", 1, 2048), ("llama3.2-1b", 8, 4096), ("qwen3-0.6b", 16, 4096)),
         providers=e2e.PROVIDERS,
         warmup=3,
         steps=10,
-        metadata={"device": "NVIDIA H200", "torch": "2.11.0", "transformers": "5.23.0", "commit": "abc1234"},
+        metadata={
+            "device": "NVIDIA H100 80GB HBM3",
+            "torch": "2.11.0",
+            "transformers": "5.17.0",
+            "commit": "abc",
+        },
         rows=rows,
+        repeats=3,
     )
 
 
-def test_ratios():
+def test_ratios_are_medians_with_the_per_repeat_range():
     report = _gpu_report()
-    by_batch = {r["batch"]: r for r in fresh_process.ratios(e2e.BENCH, report)}
-    assert by_batch[8]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
-    assert by_batch[8]["peak_vs_liger"] == pytest.approx(38.0 / 45.2, rel=1e-6)
-    assert by_batch[8]["tokens_vs_hf"] == pytest.approx(70.0 / 49.6)
-    assert by_batch[16]["tokens_vs_liger"] is None and by_batch[16]["peak_vs_hf"] is None
-    assert list(by_batch[4]) == [
-        "batch",
-        "seq",
-        "tokens_vs_liger",
-        "peak_vs_liger",
-        "tokens_vs_hf",
-        "peak_vs_hf",
-    ]
+    by = {(r["model"], r["batch"]): r for r in fresh_process.ratios(e2e.BENCH, report)}
+    small = by[("llama3.2-1b", 1)]
+    assert small["tokens_vs_hf"] == pytest.approx(41.4 / 36.4)
+    assert small["tokens_vs_hf_repeats"] == pytest.approx([41.4 / 36.4] * 3)
+    assert small["peak_vs_hf"] == pytest.approx(9.8 / 13.7, rel=1e-6)
+    assert by[("llama3.2-1b", 8)]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
+    assert by[("qwen3-0.6b", 16)]["tokens_vs_hf"] is None
+    assert by[("qwen3-0.6b", 16)]["tokens_vs_hf_repeats"] == [None, None, None]
 
 
 def test_gpu_report_files(tmp_path):
     report = _gpu_report()
     paths = e2e.write_report(report, tmp_path)
     md = paths["md"].read_text()
-    assert "| 16x4096 | hf | OOM |" in md and "| 16x4096 | fuselm | error |" in md
-    assert "| 8x4096 | liger | 64.4k | 508.8 | 45.2 |" in md
-    assert "| 8x4096 | 1.09x | 0.84x | 1.41x | 0.33x |" in md
-    assert "Targets" not in md and ">= 1.05x" not in md  # measured ratios only: targets live in issues
-    assert "CPU figures" not in md and "NVIDIA H200" in md
+    # medians with the range of the repeats; bound by: CPU 101.9 >= 0.9 x 107.8 ms is host, 39.1 of 56.3 GPU
+    liger = (
+        "| llama3.2-1b | 1x2048 | liger | 19.0k (18.6k-19.4k) | 107.8 (105.7-110.0) | 101.9 | 69.6 | 900 |"
+    )
+    assert liger + " host |" in md
+    assert (
+        "| llama3.2-1b | 1x2048 | hf | 36.4k (35.7k-37.1k) | 56.3 (55.2-57.4) | 39.1 | 58.3 | 900 | GPU |"
+        in md
+    )
+    assert "| qwen3-0.6b | 16x4096 | hf | OOM |" in md and "| qwen3-0.6b | 16x4096 | fuselm | error |" in md
+    assert "| llama3.2-1b 1x2048 | 2.18x | 0.89x | 1.14x | 0.72x |" in md  # the same ratio in every repeat
+    assert (
+        "CPU figures" not in md and "NVIDIA H100" in md and "fresh-process repeats per configuration: 3" in md
+    )
     data = json.loads(paths["json"].read_text())
-    assert "acceptance" not in data and data["ratios"][1]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
+    assert data["repeats"] == 3 and len(data["rows"]) == 20
     assert [r["status"] for r in data["rows"]].count("oom") == 1
-    assert data["rows"][0]["peak_gib"] == pytest.approx(61.2, abs=1e-3)
+    assert data["rows"][0]["peak_gib"] == pytest.approx(13.7, abs=1e-3)
+    bound = {(b["model"], b["batch"], b["provider"]): b["bound_by"] for b in data["bound_by"]}
+    assert bound[("llama3.2-1b", 1, "liger")] == "host" and bound[("llama3.2-1b", 1, "fuselm")] == "GPU"
+    assert bound[("qwen3-0.6b", 16, "hf")] is None
     assert paths["png"].stat().st_size > 0
 
 
-def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
+def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch):
     calls = []
 
-    def fake_run_case(bench, provider, shape, **kwargs):
-        (batch, seq) = shape
-        calls.append((provider, batch))
+    def fake_run_case(bench, provider, shape, *, repeat=0, **kwargs):
+        model, batch, seq = shape
+        calls.append((provider, batch, repeat))
         if batch >= 8:
-            return e2e.E2ERow(provider, batch, seq, "oom", error="OutOfMemoryError: CUDA out of memory.")
-        return e2e.E2ERow(
-            provider, batch, seq, "ok", tokens_per_s=1.0, step_ms=1.0, first_loss=1.0, final_loss=1.0
-        )
+            return e2e.E2ERow(
+                provider, model, batch, seq, "oom", repeat=repeat, error="OutOfMemoryError: CUDA."
+            )
+        return e2e.E2ERow(provider, model, batch, seq, "ok", repeat=repeat, tokens_per_s=1.0, step_ms=1.0)
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     report = fresh_process.run(
         e2e.BENCH,
         plan=e2e.CPU_PRESET,
-        shapes=[(4, 64), (8, 64), (16, 64)],
+        shapes=[
+            ("llama3.2-1b", 4, 64),
+            ("llama3.2-1b", 8, 64),
+            ("llama3.2-1b", 16, 64),
+            ("qwen3-0.6b", 8, 64),
+        ],
         providers=["hf"],
         dtype=torch.float32,
         device=CPU,
@@ -276,7 +428,60 @@ def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
         steps=1,
         progress=False,
         log=lambda s: None,
+        repeats=2,
     )
-    assert calls == [("hf", 4), ("hf", 8)]
-    assert [r.status for r in report.rows] == ["ok", "oom", "oom"]
-    assert "not run: out of memory at batch 8" in report.rows[2].error
+    # batch 8 of llama ran once; its second repeat and batch 16 are not run; qwen3 is another model
+    assert calls == [("hf", 4, 0), ("hf", 4, 1), ("hf", 8, 0), ("hf", 8, 0)]
+    assert [(r.model, r.batch, r.repeat, r.status) for r in report.rows] == [
+        ("llama3.2-1b", 4, 0, "ok"),
+        ("llama3.2-1b", 4, 1, "ok"),
+        ("llama3.2-1b", 8, 0, "oom"),
+        ("llama3.2-1b", 8, 1, "oom"),
+        ("llama3.2-1b", 16, 0, "oom"),
+        ("llama3.2-1b", 16, 1, "oom"),
+        ("qwen3-0.6b", 8, 0, "oom"),
+        ("qwen3-0.6b", 8, 1, "oom"),
+    ]
+    assert "not run: out of memory at batch 8" in report.rows[3].error
+
+
+def test_merge_joins_an_earlier_run(tmp_path):
+    """A grid split over two commands: the second, with --merge, writes one report with both parts."""
+    full = _gpu_report()
+    first = fresh_process.CaseReport(**{**vars(full), "shapes": full.shapes[:1], "rows": full.rows[:3]})
+    first.metadata = {**full.metadata, "command": "fuselm bench e2e --shapes 1x2048", "date": "d1"}
+    e2e.write_report(first, tmp_path)
+    second_rows = [r for r in full.rows if r.shape == ("llama3.2-1b", 8, 4096)]
+    second = fresh_process.CaseReport(**{**vars(full), "shapes": full.shapes[1:2], "rows": second_rows})
+    previous = json.loads((tmp_path / "e2e.json").read_text())
+    merged = fresh_process.merge_previous(e2e.BENCH, second, previous)
+    assert merged.shapes == (("llama3.2-1b", 1, 2048), ("llama3.2-1b", 8, 4096))
+    assert len(merged.rows) == 3 + len(second_rows) and merged.rows[0].provider == "hf"
+    assert merged.merged == [{"command": "fuselm bench e2e --shapes 1x2048", "date": "d1", "commit": "abc"}]
+    md = e2e.markdown(merged)
+    assert (
+        "merged rows of: `fuselm bench e2e --shapes 1x2048`" in md and "| llama3.2-1b | 1x2048 | hf |" in md
+    )
+    # rerunning a configuration replaces its earlier rows
+    again = fresh_process.merge_previous(e2e.BENCH, first, previous)
+    assert len(again.rows) == 3
+    other = dict(previous, metadata={**previous["metadata"], "device": "NVIDIA H200"})
+    with pytest.raises(UsageError, match="ran on 'NVIDIA H200'"):
+        fresh_process.merge_previous(e2e.BENCH, second, other)
+
+
+# ---- GPU: the profiler's figures ----
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cli_gpu_small_run_has_gpu_figures(tmp_path):
+    args = ["bench", "e2e", "--models", "qwen3-0.6b", "--shapes", "1x256", "--providers", "hf,fuselm"]
+    args += ["--warmup", "1", "--steps", "2", "--profile-steps", "1", "--repeats", "1"]
+    assert main([*args, "--no-progress", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    for r in data["rows"]:
+        assert r["status"] == "ok", r
+        assert r["gpu_ms"] > 0 and r["launches"] >= 28 and r["peak_bytes"] > r["weights_bytes"] > 0
+        assert 0 < r["cpu_ms"] and r["profile_steps"] == 1
+    assert {b["bound_by"] for b in data["bound_by"]} <= {"host", "GPU"}

@@ -1,34 +1,49 @@
-"""End-to-end training benchmark: a Llama-3.2-1B-shaped model trained with Hugging Face transformers.
+"""End-to-end training benchmark: Llama-3.2-1B- and Qwen3-0.6B-shaped models trained with transformers.
 
-``fuselm bench e2e`` times whole training steps (forward with labels, backward, ``AdamW.step``) of a
-randomly initialised Llama-3.2-1B-shaped ``LlamaForCausalLM`` for three providers:
+``fuselm bench e2e`` times whole training steps (forward with labels, backward, ``AdamW.step``) of randomly
+initialised causal LMs for three providers:
 
 - ``hf``: plain transformers (eager modules, SDPA attention, the loss on materialized logits).
-- ``liger``: transformers with Liger-Kernel's ``apply_liger_kernel_to_llama`` (RoPE, RMSNorm, SwiGLU,
-  fused linear cross-entropy), applied to the classes before the model is built. Needs CUDA and an
-  importable ``liger_kernel``; skipped with the reason otherwise.
+- ``liger``: transformers with Liger-Kernel's ``apply_liger_kernel_to_llama`` / ``_qwen3`` (RoPE, RMSNorm,
+  SwiGLU, fused linear cross-entropy), applied to the classes before the model is built. Needs CUDA and
+  an importable ``liger_kernel``; skipped with the reason otherwise.
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
 
-The setup is docs/peers.md's "End to end" table: hidden 2048, intermediate 8192, 16 layers, 32 heads,
-8 kv heads, head_dim 64, vocab 128256 (tied embeddings), llama3 rope scaling, bf16 weights,
-``torch.optim.AdamW(fused=True)``, no activation checkpointing, sequence 4096, batches 4, 8 and 16,
-``labels = input_ids`` (random token ids, the same batch every step).
+Models (:data:`MODELS`, ``--models``): ``llama3.2-1b`` (hidden 2048, intermediate 8192, 16 layers, 32 heads,
+8 kv heads, head_dim 64, vocab 128256, tied embeddings, llama3 rope scaling), ``qwen3-0.6b`` (hidden 1024,
+intermediate 3072, 28 layers, 16 heads, 8 kv heads, head_dim 128, vocab 151936, tied embeddings, q/k
+norms) and ``llama3-8b`` (the ``finetune`` benchmark's; full training of it does not fit one GPU). bf16
+weights, ``torch.optim.AdamW(fused=True)``, no activation checkpointing, ``labels = input_ids`` (random
+token ids, the same batch every step). The default grid (a configuration = model, batch B, sequence T) is
+the small-batch one where a step can be bound by the host, next to the large batches: Llama-3.2-1B at
+B1 x 512, B1 x 2048, B4 x 2048, B4 x 4096, B8 x 4096 and Qwen3-0.6B at B1 x 2048.
 
-Method: every (provider, batch) runs in a fresh ``python -m fuselm.bench.e2e --worker ...`` process
-(peak memory is per process, and Liger patches classes), which writes its result as JSON to a file the
-parent names. In the worker: seed, build the model on the device, ``warmup`` steps, then ``steps`` timed
-steps between two ``torch.cuda.synchronize()``; tokens/s = ``B * T * steps / elapsed``. Peak memory is
-``torch.cuda.max_memory_allocated()`` over the whole process: weights, gradients, AdamW state and
-activations (GiB = 2^30 bytes). ``torch.cuda.OutOfMemoryError`` is reported as OOM; a provider that ran
-out of memory at batch B is not run again at a larger batch of the same sequence length.
+Method: every (configuration, provider) runs ``--repeats`` times (default 3), each in a fresh ``python -m
+fuselm.bench.e2e --worker ...`` process (peak memory is per process, Liger patches classes, and a repeat
+must not inherit caches), the providers of one repeat back to back. In the worker: seed, build the model
+on the device, ``warmup`` steps, ``steps`` timed steps, then ``--profile-steps`` steps (default 3) under
+``torch.profiler`` (:func:`fuselm.bench.training.run_steps`). Per step:
 
-Without CUDA (``--device cpu`` or no GPU) a tiny config runs in fp32 with unfused AdamW in seconds:
-a smoke test of the whole path whose figures say nothing about GPU speed (peak memory: n/a).
+- wall: each timed step between two ``torch.cuda.synchronize()``; the median;
+- CPU: ``time.process_time()`` of the timed steps (every thread of the process), read before each step's
+  closing synchronization (a spinning wait for the GPU is not host work), / steps;
+- GPU: the summed device time of the CUDA kernels of the profiled steps / their number, and the kernels
+  launched per step (memory copies and memsets are counted apart, in the JSON);
+- bound by: ``host`` when CPU >= 0.9 x wall (the GPU waits for Python), else ``GPU``;
+- tokens/s = B * T / median wall; peak = ``torch.cuda.max_memory_allocated()`` over the whole process
+  (weights, gradients, AdamW state, activations; GiB = 2^30 bytes).
 
-Shapes are given as ``--shapes BxT`` pairs (``--shapes 8x4096`` or ``4x4096,8x4096``); ``--steps`` and
-``--warmup`` set the step counts, ``--quick`` uses fewer steps. ``fuselm bench all`` does not include
-this benchmark (minutes long on a GPU): run it by name.
+The report gives the median over the repeats and their spread (min-max); the JSON keeps every repeat.
+``torch.cuda.OutOfMemoryError`` is reported as OOM; a provider out of memory at batch B is not run again
+at B or a larger batch of the same model and sequence length.
+
+Without CUDA (``--device cpu`` or no GPU) tiny configs of the same families run in fp32 with unfused AdamW
+in seconds: a smoke test of the whole path whose figures say nothing about GPU speed (no GPU figures).
+
+``--shapes BxT`` runs each model of ``--models`` (default: those of the grid) at those shapes; ``--models``
+alone keeps the grid's shapes of those models. ``--merge`` joins the rows already in the output folder's
+``e2e.json`` (a grid split over several commands). ``fuselm bench all`` does not include this benchmark.
 """
 
 from __future__ import annotations
@@ -43,20 +58,22 @@ from typing import Any, ClassVar
 import torch
 
 from . import fresh_process, training
+from .arguments import UsageError, parse_list, parse_shapes
 from .harness import SkipProvider, import_peer
 from .report import fmt_num, md_table
 
 NAME = "e2e"
-DESCRIPTION = "end-to-end training steps of a Llama-3.2-1B-shaped model (HF transformers)"
+DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
 PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm")
 PROVIDER_DESCRIPTIONS = {
     "hf": "transformers, eager modules, SDPA attention",
-    "liger": "transformers + Liger-Kernel apply_liger_kernel_to_llama (rope, rms_norm, swiglu, FLCE)",
+    "liger": "transformers + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
 }
 SEED = 0
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
+HOST_BOUND = 0.9  # bound by the host when CPU time per step >= HOST_BOUND x wall time per step
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -66,68 +83,174 @@ LLAMA3_ROPE_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+# the tiny sizes every family takes on a CPU
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A named model shape: its transformers family (a key of :data:`fuselm.bench.training.FAMILIES`),
+    its config at full size, and the overrides that make it tiny for a CPU smoke run."""
+
+    name: str
+    family: str
+    config: dict[str, Any]
+    tiny: dict[str, Any] = field(default_factory=lambda: dict(TINY))
+
+    def settings(self, tiny: bool = False) -> dict[str, Any]:
+        """The config's keyword arguments (tiny: with the CPU overrides)."""
+        return {**self.config, **self.tiny} if tiny else dict(self.config)
+
+    def describe(self, tiny: bool = False) -> str:
+        """One line: the sizes of :meth:`settings`."""
+        m = self.settings(tiny)
+        rope = "llama3 scaling" if m.get("rope_scaling") else "default"
+        return (
+            f"{self.name} ({self.family}{', tiny' if tiny else ''}): hidden {m['hidden_size']}, intermediate "
+            f"{m['intermediate_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads, "
+            f"{m['num_key_value_heads']} kv heads, head_dim {m['head_dim']}, vocab {m['vocab_size']}, "
+            f"{'tied' if m.get('tie_word_embeddings') else 'untied'} embeddings, rope theta "
+            f"{m['rope_theta']:g} ({rope})"
+        )
+
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape(
+            "llama3.2-1b",
+            "llama",
+            {
+                "vocab_size": 128256,
+                "hidden_size": 2048,
+                "intermediate_size": 8192,
+                "num_hidden_layers": 16,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "hidden_act": "silu",
+                "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": True,
+                "rope_theta": 500000.0,
+                "rope_scaling": LLAMA3_ROPE_SCALING,
+                "bos_token_id": 128000,
+                "eos_token_id": 128001,
+            },
+        ),
+        ModelShape(
+            "qwen3-0.6b",
+            "qwen3",
+            {
+                "vocab_size": 151936,
+                "hidden_size": 1024,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "max_position_embeddings": 40960,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": True,
+                "rope_theta": 1000000.0,
+                "attention_bias": False,
+                "bos_token_id": 151643,
+                "eos_token_id": 151645,
+            },
+        ),
+        ModelShape(
+            "llama3-8b",
+            "llama",
+            {
+                "vocab_size": 128256,
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False,
+                "rope_theta": 500000.0,
+                "bos_token_id": 128000,
+                "eos_token_id": 128001,
+            },
+        ),
+    )
+}
+DEFAULT_MODEL = "llama3.2-1b"
+
+Config = tuple[str, int, int]  # (model, batch, sequence length)
+
 
 @dataclass(frozen=True)
 class Preset:
-    """A model and a run plan: the Llama-3.2-1B shape on a GPU, or a tiny one for a CPU smoke run."""
+    """A run plan: the GPU grid of full-size models, or tiny models for a CPU smoke run."""
 
     name: str
-    model: dict[str, Any]
-    shapes: tuple[tuple[int, int], ...]  # (batch, sequence length)
+    tiny: bool
+    grid: tuple[Config, ...]
     warmup: int
     steps: int
     quick_warmup: int
     quick_steps: int
     fused_adamw: bool
+    profile_steps: int
+
+    @property
+    def model(self) -> dict[str, Any]:
+        """The config of the default model (Llama-3.2-1B's shape), as the ``grpo_step`` benchmark takes it."""
+        return MODELS[DEFAULT_MODEL].settings(self.tiny)
+
+    @property
+    def models(self) -> list[str]:
+        """The models of the grid, in order."""
+        return list(dict.fromkeys(m for m, _, _ in self.grid))
 
 
 GPU_PRESET = Preset(
     name="gpu",
-    model={
-        "vocab_size": 128256,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "rope_theta": 500000.0,
-        "rope_scaling": LLAMA3_ROPE_SCALING,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-    },
-    shapes=((4, 4096), (8, 4096), (16, 4096)),
+    tiny=False,
+    grid=(
+        ("llama3.2-1b", 1, 512),
+        ("llama3.2-1b", 1, 2048),
+        ("llama3.2-1b", 4, 2048),
+        ("llama3.2-1b", 4, 4096),
+        ("llama3.2-1b", 8, 4096),
+        ("qwen3-0.6b", 1, 2048),
+    ),
     warmup=3,
     steps=10,
     quick_warmup=2,
     quick_steps=4,
     fused_adamw=True,
+    profile_steps=3,
 )
 
 CPU_PRESET = Preset(
     name="cpu",
-    model={
-        **GPU_PRESET.model,
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    shapes=((2, 64), (4, 64)),
+    tiny=True,
+    grid=(("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64)),
     warmup=2,
     steps=3,
     quick_warmup=1,
     quick_steps=2,
     fused_adamw=False,
+    profile_steps=1,
 )
 PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
 
@@ -135,35 +258,47 @@ PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
 # ---- the model and one training run (what a worker process does) ----
 
 
-def apply_provider_before_build(provider: str, device: torch.device) -> None:
+def apply_provider_before_build(provider: str, device: torch.device, family: str = "llama") -> None:
     """Class-level patches that must be in place before the model is built (Liger's)."""
     if provider != "liger":
         return
     if device.type != "cuda":
         raise SkipProvider("needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)")
-    apply = import_peer(device, "liger_kernel.transformers", "apply_liger_kernel_to_llama")
+    apply = import_peer(device, "liger_kernel.transformers", f"apply_liger_kernel_to_{family}")
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
 
-def build_model(preset: Preset, provider: str, dtype: torch.dtype, device: torch.device, seed: int = SEED):
-    """Seeded random init of the preset's ``LlamaForCausalLM`` (no cache, SDPA attention) on ``device`` in
-    ``dtype``, with the provider's patches (``hf`` and ``fuselm`` get identical weights for the same seed)."""
+def build_model(
+    preset: Preset,
+    provider: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = SEED,
+    model: str = DEFAULT_MODEL,
+):
+    """Seeded random init of ``model``'s causal LM (the preset's size: tiny on a CPU; no cache, SDPA
+    attention) on ``device`` in ``dtype``, with the provider's patches (``hf`` and ``fuselm`` get identical
+    weights for the same seed)."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
-    apply_provider_before_build(provider, device)
-    config = training.llama_config(preset.model, "sdpa")
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    shape = MODELS[model]
+    apply_provider_before_build(provider, device, shape.family)
+    config = training.causal_lm_config(shape.family, shape.settings(preset.tiny), "sdpa")
     torch.manual_seed(seed)
-    model = training.build_llama(config, device, dtype)
+    built = training.build_causal_lm(config, device, dtype)
     if provider == "fuselm":
         import fuselm.hf
 
-        fuselm.hf.patch(model)
-    return model
+        fuselm.hf.patch(built)
+    return built
 
 
 def train(
     preset: Preset,
     provider: str,
+    model: str,
     batch: int,
     seq: int,
     *,
@@ -172,32 +307,32 @@ def train(
     warmup: int,
     steps: int,
     seed: int = SEED,
+    profile_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Build the model, run ``warmup`` + ``steps`` training steps, return the measurements.
+    """Build ``model``, run ``warmup`` + ``steps`` + ``profile_steps`` (default: the preset's) training
+    steps (:func:`fuselm.bench.training.run_steps`), return the measurements.
 
-    One step (:func:`fuselm.bench.training.train`): ``model(input_ids=ids, labels=ids).loss.backward()``,
-    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. The losses stay on the device until the
-    end (no host sync inside the timed region). Raises ``torch.cuda.OutOfMemoryError`` and anything else
+    One step: ``model(input_ids=ids, labels=ids).loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad(set_to_none=True)``. Raises ``torch.cuda.OutOfMemoryError`` and anything else
     unchanged.
     """
-    model, figures = fresh_process.build_measured(
-        lambda: build_model(preset, provider, dtype, device, seed), device
+    built, figures = fresh_process.build_measured(
+        lambda: build_model(preset, provider, dtype, device, seed, model), device
     )
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-    run = training.train(
-        training.causal_lm_loss(model),
-        list(model.parameters()),
-        [ids] * (warmup + steps),
+    ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
+    step = training.optimizer_step(
+        training.causal_lm_loss(built),
+        list(built.parameters()),
+        [ids],
         lr=LR,
-        fused_adamw=preset.fused_adamw and device.type == "cuda",
-        warmup=warmup,
+        fused=preset.fused_adamw and device.type == "cuda",
     )
+    profiled = preset.profile_steps if profile_steps is None else profile_steps
+    run = training.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
     return {
         "status": "ok",
-        "tokens_per_s": run.tokens_per_s(batch * seq),
-        "step_ms": run.timed_s / steps * 1e3,
-        "warmup_s": run.warmup_s,
+        **step_figures(run, batch * seq, device),
         **fresh_process.memory_figures(device),
         **figures,
         "losses": run.logged,
@@ -206,24 +341,71 @@ def train(
     }
 
 
-# ---- the parent: one fresh process per (provider, batch) ----
+def step_figures(run: training.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
+    """A worker's per-step figures of ``run`` (ms, tokens/s; GPU figures None off CUDA)."""
+    median = run.median_step_s
+    prof = run.profile if device.type == "cuda" else None
+
+    def per_step(name: str, scale: float) -> float | None:
+        value = prof.per_step(name) if prof is not None else None
+        return None if value is None else value * scale
+
+    return {
+        "step_ms": None if median is None else median * 1e3,
+        "step_ms_all": [s * 1e3 for s in run.step_s],
+        "tokens_per_s": None if not median else tokens_per_step / median,
+        "cpu_ms": None if run.cpu_step_s is None else run.cpu_step_s * 1e3,
+        "gpu_ms": per_step("kernel_s", 1e3),
+        "launches": per_step("kernels", 1.0),
+        "memcpy_ms": per_step("memcpy_s", 1e3),
+        "memcpys": per_step("memcpys", 1.0),
+        "profile_steps": 0 if run.profile is None else run.profile.steps,
+        "warmup_s": run.warmup_s,
+    }
+
+
+def bound_by(cpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> str | None:
+    """``host`` when ``cpu_ms >= HOST_BOUND * step_ms`` (the GPU waits for the host), else ``GPU``; None
+    when either is missing or off CUDA (there the host does everything).
+
+    Example:
+        >>> bound_by(45.0, 49.5), bound_by(39.1, 56.2), bound_by(None, 1.0), bound_by(5.0, 5.0, cuda=False)
+        ('host', 'GPU', None, None)
+    """
+    if cpu_ms is None or not step_ms or not cuda:
+        return None
+    return "host" if cpu_ms >= HOST_BOUND * step_ms else "GPU"
+
+
+# ---- the parent: one fresh process per (configuration, repeat, provider) ----
 
 
 @dataclass
 class E2ERow(fresh_process.WorkerRow):
-    """One (provider, B, T) result. ``status``: ok, oom, error or skipped; ``error`` says why."""
+    """One (provider, model, B, T, repeat) result. ``status``: ok, oom, error or skipped; ``error`` says
+    why. ``step_ms`` is the median of ``step_ms_all``; ``cpu_ms``, ``gpu_ms``, ``launches`` are per step."""
 
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "seq")
-    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("B", "T")
-    SHAPE_TITLE: ClassVar[str] = "B x T"
-    SHAPE_FORMAT: ClassVar[str] = "{}x{}"
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
+    SHAPE_TITLE: ClassVar[str] = "model B x T"
+    SHAPE_FORMAT: ClassVar[str] = "{} {}x{}"
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ("model",)
 
     provider: str
+    model: str
     batch: int
     seq: int
     status: str
+    repeat: int = 0
     tokens_per_s: float | None = None
     step_ms: float | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+    cpu_ms: float | None = None
+    gpu_ms: float | None = None
+    launches: float | None = None
+    memcpy_ms: float | None = None
+    memcpys: float | None = None
+    profile_steps: int | None = None
     peak_bytes: int | None = None
     reserved_bytes: int | None = None
     weights_bytes: int | None = None
@@ -237,7 +419,11 @@ class E2ERow(fresh_process.WorkerRow):
     traceback: str | None = None
 
     def figures(self) -> tuple[str, str]:
-        return f"{fmt_tokens(self.tokens_per_s)} tok/s", f"final loss {self.final_loss:.4f}"
+        cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""
+        gpu = f", GPU {self.gpu_ms:.1f} ms, {self.launches:.0f} launches" if self.gpu_ms is not None else ""
+        loss = "—" if self.first_loss is None else f"{self.first_loss:.4f}"
+        step = "—" if self.step_ms is None else f"{self.step_ms:.1f}"
+        return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
@@ -280,26 +466,90 @@ def fmt_tokens(x: float | None) -> str:
 # ---- report files ----
 
 
-def _model_line(preset: Preset) -> str:
-    m = preset.model
-    return (
-        f"hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
-        f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} kv heads, head_dim {m['head_dim']}, "
-        f"vocab {m['vocab_size']}, tied embeddings, rope theta {m['rope_theta']:g} with llama3 scaling"
-    )
+def summary_cell(rows: list[Any], attr: str, fmt=lambda v: f"{v:.1f}") -> str:
+    """The median of ``attr`` over the ok repeats, with their range when several differ: ``56.2 (55.1-57.3)``;
+    ``n/a`` when the ok rows have no value, ``—`` without an ok row.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> summary_cell([R(status="ok", x=2.0), R(status="ok", x=1.0), R(status="ok", x=4.0)], "x")
+        '2.0 (1.0-4.0)'
+    """
+    ok = [r for r in rows if r.status == "ok"]
+    if not ok:
+        return "—"
+    median = fresh_process.median_of(ok, attr)
+    if median is None:
+        return "n/a"
+    low, high = fresh_process.spread_of(ok, attr)
+    spread = f" ({fmt(low)}-{fmt(high)})" if len(ok) > 1 and fmt(low) != fmt(high) else ""
+    return fmt(median) + spread
+
+
+def _status(rows: list[Any], ok_cell: str) -> str:
+    if any(r.status == "ok" for r in rows):
+        failed = sum(r.status != "ok" for r in rows)
+        return ok_cell + (f" ({failed} failed)" if failed else "")
+    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+
+
+def markdown_table(report: fresh_process.CaseReport) -> str:
+    """One line per (configuration, provider): tokens/s, ms/step, CPU and GPU ms/step, launches/step, bound
+    by, peak GiB, first loss, note; medians over the repeats with their range."""
+    head = ["model", "B x T", "provider", "tokens/s", "ms/step", "CPU ms/step", "GPU ms/step"]
+    head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
+    lines = []
+    cuda = report.device_type == "cuda"
+    for shape in report.shapes:
+        for provider in report.providers:
+            rows = report.rows_of(provider, shape)
+            if not rows:
+                continue
+            model, b, t = shape
+            cpu, wall = (fresh_process.median_of(rows, a) for a in ("cpu_ms", "step_ms"))
+            ok = any(r.status == "ok" for r in rows)
+            lines.append(
+                [
+                    model,
+                    f"{b}x{t}",
+                    provider,
+                    _status(rows, summary_cell(rows, "tokens_per_s", fmt_tokens)),
+                    summary_cell(rows, "step_ms"),
+                    summary_cell(rows, "cpu_ms"),
+                    summary_cell(rows, "gpu_ms"),
+                    summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
+                    (bound_by(cpu, wall, cuda) or "n/a") if ok else "—",
+                    summary_cell(rows, "peak_gib"),
+                    summary_cell(rows, "first_loss", lambda v: f"{v:.4f}"),
+                    "; ".join(dict.fromkeys(fresh_process.note_cell(r) for r in rows if r.error)),
+                ]
+            )
+    return md_table(head, lines)
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:
     """Footnotes of the report: method, what is counted, the anchors."""
     cuda = report.device_type == "cuda"
+    repeats = report.repeats
     out = [
-        "Each (provider, batch) ran in a fresh process (`python -m fuselm.bench.e2e --worker`): peak memory "
-        "and Liger's class patches do not leak between runs.",
+        f"Each (configuration, provider) ran {repeats} time{'s' if repeats > 1 else ''}, each in a fresh "
+        "process (`python -m fuselm.bench.e2e --worker`), the providers of one repeat back to back; cells "
+        "are the median over the repeats with their range (min-max) when they differ; the JSON keeps every "
+        "repeat.",
         "One step: forward with labels = input_ids (random ids, the same batch every step), backward, "
         f"AdamW.step() ({'fused' if cuda and report.plan.fused_adamw else 'not fused'}), "
-        f"zero_grad(set_to_none=True). {report.warmup} warmup steps, then {report.steps} timed steps.",
-        "tokens/s = B * T * timed steps / their wall time"
-        + (" (torch.cuda.synchronize() before and after)." if cuda else "."),
+        "zero_grad(set_to_none=True). Warmup steps, then the timed steps, then the profiled steps "
+        "(--profile-steps).",
+        "ms/step: the median of the timed steps, each"
+        + (" between two torch.cuda.synchronize()" if cuda else " timed with perf_counter")
+        + "; tokens/s = B * T / that median.",
+        "CPU ms/step: time.process_time() of the timed steps (all threads of the process), read before each "
+        "step's closing synchronization (waiting for the GPU is not counted), / steps.",
+        "GPU ms/step and launches/step: the summed device time of the CUDA kernels and their number in a "
+        "torch.profiler window of the profiled steps (after the timed ones), / steps; memory copies and "
+        "memsets are not in them (memcpy_ms, memcpys in the JSON).",
+        f"bound by: host when CPU ms/step >= {HOST_BOUND} x ms/step (the GPU waits for Python and the "
+        "launches), else GPU.",
     ]
     if cuda:
         out.append(
@@ -307,59 +557,34 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
             "state and activations (GiB = 2^30 bytes); the JSON also has max_memory_reserved."
         )
         out.append(
-            "OOM = torch.cuda.OutOfMemoryError; a provider that ran out of memory at batch B is not run at a "
-            "larger batch of the same sequence length."
-        )
-        out.append(
-            "docs/peers.md (H200, transformers 5.17): HF eager 49.1k / 49.6k tok/s, 61.2 / 115.3 GiB at "
-            "batch 4 / 8 (OOM at 16) and HF + Liger 63.5k / 64.4k / 65.8k tok/s, 26.3 / 45.2 / 82.9 GiB."
+            "OOM = torch.cuda.OutOfMemoryError; a provider that ran out of memory at batch B is not run at B "
+            "or a larger batch of the same model and sequence length."
         )
     else:
-        out.append("No CUDA: peak memory is not measured (n/a); each worker runs one CPU thread.")
-    out.append(
-        "first loss: the loss of the first step (same seed, weights and batch for every provider); final "
-        "loss: of the last timed step."
-    )
+        out.append("No CUDA: no GPU or memory figures (n/a); each worker runs one CPU thread.")
+    out.append("first loss: the loss of the first step (same seed, weights and batch for every provider).")
     return out
 
 
-def _cell(x: float | None, r: E2ERow, fmt: str) -> str:
-    if r.status != "ok":
-        return "—"
-    return "n/a" if x is None else format(x, fmt)
-
-
-def markdown_table(report: fresh_process.CaseReport) -> str:
-    """One line per (B x T, provider): tokens/s, ms per step, peak GiB, first and final loss, note."""
-    head = ["B x T", "provider", "tokens/s", "ms/step", "peak GiB", "first loss", "final loss", "note"]
-    rows = [
-        [
-            E2ERow.label(r.shape),
-            r.provider,
-            fresh_process.status_cell(r, fmt_tokens(r.tokens_per_s)),
-            _cell(r.step_ms, r, ".1f"),
-            _cell(r.peak_gib, r, ".1f"),
-            _cell(r.first_loss, r, ".4f"),
-            _cell(r.final_loss, r, ".4f"),
-            fresh_process.note_cell(r),
-        ]
-        for r in report.rows
-    ]
-    return md_table(head, rows)
-
-
 def markdown(report: fresh_process.CaseReport) -> str:
-    """The whole report: header (device, versions, commit, model, method), results, ratios, notes."""
+    """The whole report: header (device, versions, commit, models, method), results, ratios, notes."""
+    tiny = report.plan.tiny
+    models = list(dict.fromkeys(s[0] for s in report.shapes))
+    facts = [f"model {MODELS[m].describe(tiny)}" for m in models if m in MODELS]
+    facts.append("random init, SDPA attention, no activation checkpointing")
+    facts.append(
+        f"steps per run: {report.warmup} warmup, {report.steps} timed, {report.plan.profile_steps} profiled; "
+        f"fresh-process repeats per configuration: {report.repeats}"
+    )
+    facts += [
+        f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})" for m in report.merged
+    ]
     return fresh_process.markdown(
         BENCH,
         report,
-        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, a few steps; a smoke test of the "
+        cpu_figures="**CPU figures** (no CUDA device): tiny configs, fp32, a few steps; a smoke test of the "
         "path, not comparable to GPU results.",
-        facts=[
-            f"model ({report.plan.name} preset, random init, SDPA attention, no activation checkpointing): "
-            f"{_model_line(report.plan)}",
-            f"steps: {report.warmup} warmup + {report.steps} timed per run",
-        ],
+        facts=facts,
         table=markdown_table(report),
         notes=notes(report),
     )
@@ -367,19 +592,48 @@ def markdown(report: fresh_process.CaseReport) -> str:
 
 def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready."""
-    plan = {"preset": report.plan.name, "model": report.plan.model}
+    models = list(dict.fromkeys(s[0] for s in report.shapes))
+    plan = {
+        "preset": report.plan.name,
+        "models": {m: MODELS[m].settings(report.plan.tiny) for m in models if m in MODELS},
+        "profile_steps": report.plan.profile_steps,
+        "host_bound_threshold": HOST_BOUND,
+        "bound_by": [
+            {
+                "model": s[0],
+                "batch": s[1],
+                "seq": s[2],
+                "provider": p,
+                "bound_by": bound_by(
+                    fresh_process.median_of(report.rows_of(p, s), "cpu_ms"),
+                    fresh_process.median_of(report.rows_of(p, s), "step_ms"),
+                    report.device_type == "cuda",
+                ),
+            }
+            for s in report.shapes
+            for p in report.providers
+            if report.rows_of(p, s)
+        ],
+    }
     return fresh_process.report_json(BENCH, report, plan, notes(report))
 
 
 def write_png(report: fresh_process.CaseReport, path: Path) -> None:
-    """Two panels of grouped bars per (B x T) and provider: tokens/s and peak GiB (OOM marked)."""
+    """Five panels of grouped bars per configuration and provider: tokens/s, ms/step, CPU and GPU kernel
+    ms/step, peak GiB (medians over the repeats; OOM marked)."""
     fresh_process.write_bars(
         BENCH,
         report,
         path,
-        panels=(("tokens_per_s", "tokens/s (k)", 1e-3), ("peak_gib", "peak GiB", 1.0)),
+        panels=(
+            ("tokens_per_s", "tokens/s (k)", 1e-3),
+            ("step_ms", "ms/step", 1.0),
+            ("cpu_ms", "CPU ms/step", 1.0),
+            ("gpu_ms", "GPU kernel ms/step", 1.0),
+            ("peak_gib", "peak GiB", 1.0),
+        ),
         title=f" ({report.plan.name} preset)",
-        width_per_shape=3.2,
+        width_per_shape=4.5,
         mark_failures=True,
     )
 
@@ -394,20 +648,53 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 # ---- command line ----
 
 
+def grid(args: argparse.Namespace, preset: Preset, known: dict[str, Any] = MODELS) -> list[Config]:
+    """The configurations of a run: ``--models`` (default: the preset's grid's) at ``--shapes`` BxT, or
+    without ``--shapes`` the preset's grid limited to ``--models``. Raises ``UsageError``.
+
+    Example:
+        >>> ns = argparse.Namespace(models="qwen3-0.6b", shapes=None)
+        >>> grid(ns, GPU_PRESET)
+        [('qwen3-0.6b', 1, 2048)]
+        >>> grid(argparse.Namespace(models=None, shapes="2x8"), CPU_PRESET)
+        [('llama3.2-1b', 2, 8), ('qwen3-0.6b', 2, 8)]
+    """
+    models = parse_list(args.models, list(known), "model") if getattr(args, "models", None) else None
+    if args.shapes:
+        shapes = parse_shapes(args.shapes, 2)
+        return [(m, b, t) for m in (models or preset.models) for b, t in shapes]
+    configs = [c for c in preset.grid if models is None or c[0] in models]
+    missing = [m for m in models or () if m not in preset.models]
+    if missing:
+        raise UsageError(f"--models {','.join(missing)}: not in the default grid; give --shapes BxT too")
+    return configs
+
+
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench e2e`` with the parsed ``fuselm bench`` arguments; returns the exit code.
 
-    Uses ``--shapes`` (BxT pairs), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
-    (CUDA only: the CPU preset always runs fp32), ``--device``, ``--out``, ``--no-progress``; ``--modes``
-    does not apply. Raises ``fuselm.bench.arguments.UsageError`` for bad values.
+    Uses ``--models``, ``--shapes`` (BxT pairs), ``--providers``, ``--repeats``, ``--steps``, ``--warmup``,
+    ``--profile-steps``, ``--quick``, ``--dtype`` (CUDA only: the CPU preset always runs fp32),
+    ``--device``, ``--out``, ``--merge``, ``--no-progress``; ``--modes`` does not apply. Raises
+    ``fuselm.bench.arguments.UsageError`` for bad values.
     """
-    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PRESET, CPU_PRESET))
+    if getattr(args, "repeats", None) is None:
+        args.repeats = 3
+    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PRESET, CPU_PRESET), grid=grid)
+    profile = getattr(args, "profile_steps", None)
+    if profile is not None:
+        if profile < 0:
+            raise UsageError(f"--profile-steps must be >= 0, got {profile}")
+        c.plan = _with_profile_steps(c.plan, profile)
+    c.extra["profile_steps"] = c.plan.profile_steps
     meta = c.metadata
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         meta["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    if os.environ.get("PYTORCH_ALLOC_CONF"):
+        meta["PYTORCH_ALLOC_CONF"] = os.environ["PYTORCH_ALLOC_CONF"]
     if c.device.type != "cuda":
         print(
-            "No CUDA device in use: these are CPU figures (tiny model, fp32, a few steps, no memory "
+            "No CUDA device in use: these are CPU figures (tiny models, fp32, a few steps, no GPU or memory "
             "figures), not comparable to GPU results."
         )
     print(
@@ -415,9 +702,15 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         f"{meta['transformers']}, liger-kernel {meta.get('liger-kernel', 'n/a')}, fuselm @ {meta['commit']}"
     )
     report = fresh_process.run_cli(
-        BENCH, c, markdown=markdown, write=write_report, progress=not args.no_progress
+        BENCH, c, markdown=markdown, write=write_report, progress=not args.no_progress, write_each_row=True
     )
     return fresh_process.exit_code(report)
+
+
+def _with_profile_steps(preset: Preset, n: int) -> Preset:
+    import dataclasses
+
+    return dataclasses.replace(preset, profile_steps=n)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm.bench.e2e --worker ... (the benchmark: fuselm bench)

@@ -1,12 +1,17 @@
-"""What the ``e2e`` and ``grpo_step`` benchmarks share: one case per fresh ``python -m ... --worker`` process.
+"""What the ``e2e``, ``finetune`` and ``grpo_step`` benchmarks share: one case per fresh worker process.
 
 A benchmark describes itself with a :class:`Bench` (its name, providers, row type, plans, peers, and its
 ``train`` function); everything else is here. The worker side (:func:`worker_main`) runs one case and writes
 its result as JSON to the file the parent named; the parent side (:func:`run_case`) starts that process with
 a timeout and reads the result back (a failure of the worker becomes an ``error`` row, never an exception).
-:func:`run` runs every (shape, provider) of a report that way; :func:`ratios`, :func:`ratio_table`,
-:func:`markdown`, :func:`report_json`, :func:`write_bars` and :func:`write_report` build the report files;
-:func:`start_cli` and :func:`run_cli` are the command line's steps.
+:func:`run` runs every (shape, repeat, provider) of a report that way (``repeats`` fresh processes per
+case); :func:`ratios`, :func:`ratio_table`, :func:`markdown`, :func:`report_json`, :func:`write_bars` and
+:func:`write_report` build the report files (medians over the repeats); :func:`start_cli` and
+:func:`run_cli` are the command line's steps, :func:`merge_previous` joins the rows of an earlier run
+written to the same folder (a grid split over several commands).
+
+A case's "shape" is the row type's ``SHAPE_FIELDS``: sizes (ints) and, in ``TEXT_FIELDS``, names (a model,
+a scenario).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +50,8 @@ class WorkerRow:
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
     SHAPE_TITLE: ClassVar[str] = ""
     SHAPE_FORMAT: ClassVar[str] = ""
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()  # shape fields that are names (str), not sizes (int)
+    BATCH_FIELD: ClassVar[str | None] = "batch"  # out of memory at batch B: larger batches are not run
     provider: str
     status: str
     peak_bytes: int | None
@@ -105,6 +113,11 @@ class Bench:
     peers: dict[str, str]
     metrics: dict[str, tuple[str, str]]
     precheck: Callable[[str, torch.device], str | None] | None = None
+    worker_prefix: Callable[[str], list[str]] | None = None
+    """provider -> the command line that starts its worker, before ``--worker`` (default: ``python -m
+    <module>``); e.g. one that imports a peer before anything else."""
+    worker_env: Callable[[str], dict[str, str]] | None = None
+    """provider -> environment variables set for its worker (on top of the parent's)."""
 
     @property
     def module(self) -> str:
@@ -133,13 +146,14 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--provider", required=True)
     for size in sizes:
-        p.add_argument(f"--{size}", type=int, required=True)
+        p.add_argument(f"--{size}", type=str if size in bench.row_type.TEXT_FIELDS else int, required=True)
     p.add_argument(f"--{bench.plan_flag}", choices=sorted(bench.plans), required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=bench.seed)
+    p.add_argument("--extra", default="{}", help="JSON object of more keyword arguments of bench.train")
     p.add_argument("--result", required=True, help="file the JSON result is written to")
     args = p.parse_args(argv)
     shape = [getattr(args, size) for size in sizes]
@@ -152,7 +166,7 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
         plan = bench.plans[getattr(args, bench.plan_flag)]
-        options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed}
+        options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, **json.loads(args.extra)}
         result.update(
             bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
         )
@@ -193,29 +207,39 @@ def memory_figures(device: torch.device) -> dict[str, int | None]:
 # ---- the parent: one fresh process per case ----
 
 
-def worker_command(module: str, provider: str, case: dict[str, Any], **options: Any) -> list[str]:
-    """``python -m <module> --worker --provider=<provider>`` with ``--<key>=<value>`` for each entry of
-    ``case`` then of ``options`` (plan, dtype, device, warmup, steps, result).
+def worker_command(
+    module: str, provider: str, case: dict[str, Any], *, prefix: list[str] | None = None, **options: Any
+) -> list[str]:
+    """``python -m <module> --worker --provider=<provider>`` (``prefix`` instead of ``python -m <module>``
+    when given) with ``--<key>=<value>`` for each entry of ``case`` then of ``options`` (plan, dtype,
+    device, warmup, steps, extra, result).
 
     Example:
         >>> worker_command("fuselm.bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
         ['fuselm.bench.e2e', '--worker', '--provider=hf', '--batch=2', '--steps=3']
+        >>> worker_command("m", "hf", {"batch": 2}, prefix=["python", "-c", "..."])
+        ['python', '-c', '...', '--worker', '--provider=hf', '--batch=2']
     """
     flags = [f"--{key}={value}" for key, value in {**case, **options}.items()]
-    return [sys.executable, "-m", module, "--worker", f"--provider={provider}", *flags]
+    start = [sys.executable, "-m", module] if prefix is None else list(prefix)
+    return [*start, "--worker", f"--provider={provider}", *flags]
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment, with the directory this fuselm was imported from first on PYTHONPATH
-    (so the worker runs the same code, whether fuselm is installed or run from ``src``)."""
+    (so the worker runs the same code, whether fuselm is installed or run from ``src``), and ``extra``."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
     return env
 
 
-def run_worker(command: Callable[[Path], list[str]], *, timeout: float, prefix: str) -> dict[str, Any]:
-    """Run ``command(result file)`` in a fresh process; return the worker's result with ``wall_s`` added.
+def run_worker(
+    command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``command(result file)`` in a fresh process (:func:`worker_env` with ``env``); return the worker's
+    result with ``wall_s`` added.
 
     Never raises for a failure of the worker: a timeout, or an exit without a readable result, gives
     ``{"status": "error", "error": <what happened>, "wall_s": ...}``.
@@ -225,7 +249,7 @@ def run_worker(command: Callable[[Path], list[str]], *, timeout: float, prefix: 
         result_path = Path(tmp) / "result.json"
         try:
             proc = subprocess.run(
-                command(result_path), capture_output=True, text=True, env=worker_env(), timeout=timeout
+                command(result_path), capture_output=True, text=True, env=worker_env(env), timeout=timeout
             )
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"worker timed out after {timeout:.0f} s", "wall_s": timeout}
@@ -244,7 +268,7 @@ def run_worker(command: Callable[[Path], list[str]], *, timeout: float, prefix: 
 def run_case(
     bench: Bench,
     provider: str,
-    shape: Sequence[int],
+    shape: Sequence[Any],
     *,
     plan: Any,
     dtype: torch.dtype,
@@ -252,19 +276,54 @@ def run_case(
     warmup: int,
     steps: int,
     timeout: float | None = None,
+    extra: dict[str, Any] | None = None,
+    repeat: int = 0,
 ) -> Any:
     """Run one (provider, shape) in a fresh worker process and return its row (never raises for a failure
-    of the worker: the row's status is ``error`` and ``error`` says what happened)."""
+    of the worker: the row's status is ``error`` and ``error`` says what happened). ``extra``: more keyword
+    arguments of ``bench.train`` (JSON values); ``repeat``: the row's repeat index, if its type has one."""
     case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
-    options = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup, "steps": steps}
+    options: dict[str, Any] = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup}
+    options["steps"] = steps
+    if extra:
+        options["extra"] = json.dumps(extra, separators=(",", ":"))
+    prefix = bench.worker_prefix(provider) if bench.worker_prefix is not None else None
     data = run_worker(
-        lambda result: worker_command(bench.module, provider, case, **options, result=result),
+        lambda result: worker_command(bench.module, provider, case, prefix=prefix, **options, result=result),
         timeout=bench.timeout_s if timeout is None else timeout,
         prefix=f"fuselm-{bench.name}-",
+        env=bench.worker_env(provider) if bench.worker_env is not None else None,
     )
+    return make_row(bench, provider, shape, data, repeat)
+
+
+def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
+    """``bench.row_type`` of (provider, shape) from a worker's result ``data`` (unknown keys dropped), with
+    ``repeat`` if the row type has that field."""
     key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
     known = set(bench.row_type.__dataclass_fields__) - set(key)
-    return bench.row_type(**key, **{k: v for k, v in data.items() if k in known})
+    values = {k: v for k, v in data.items() if k in known}
+    if "repeat" in known:
+        values["repeat"] = repeat
+    return bench.row_type(**key, **values)
+
+
+def median_of(rows: Sequence[Any], attr: str) -> float | None:
+    """The median of ``attr`` over the ok rows that have it (None if none).
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> median_of([R(status="ok", x=3.0), R(status="oom", x=None), R(status="ok", x=1.0)], "x")
+        2.0
+    """
+    values = [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
+    return statistics.median(values) if values else None
+
+
+def spread_of(rows: Sequence[Any], attr: str) -> tuple[float, float] | None:
+    """(min, max) of ``attr`` over the ok rows that have it (None if none)."""
+    values = [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
+    return (min(values), max(values)) if values else None
 
 
 @dataclass
@@ -281,20 +340,26 @@ class CaseReport:
     metadata: dict[str, Any]
     rows: list[Any] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    repeats: int = 1
+    merged: list[dict[str, Any]] = field(default_factory=list)  # earlier runs whose rows were joined
 
-    def row(self, provider: str, shape: Sequence[int]) -> Any:
-        """The row of (provider, shape), or None."""
+    def row(self, provider: str, shape: Sequence[Any]) -> Any:
+        """The first row (repeat) of (provider, shape), or None."""
         for r in self.rows:
             if r.provider == provider and r.shape == tuple(shape):
                 return r
         return None
+
+    def rows_of(self, provider: str, shape: Sequence[Any]) -> list[Any]:
+        """Every row (one per repeat) of (provider, shape)."""
+        return [r for r in self.rows if r.provider == provider and r.shape == tuple(shape)]
 
 
 def run(
     bench: Bench,
     *,
     plan: Any,
-    shapes: Sequence[Sequence[int]],
+    shapes: Sequence[Sequence[Any]],
     providers: Sequence[str],
     dtype: torch.dtype,
     device: torch.device,
@@ -305,18 +370,33 @@ def run(
     log: Callable[[str], None] = print,
     timeout: float | None = None,
     on_row: Callable[[CaseReport], None] | None = None,
+    repeats: int = 1,
+    extra: dict[str, Any] | None = None,
 ) -> CaseReport:
-    """Every (shape, provider) (shapes outer) in its own worker process (:func:`run_case`); returns the
-    report (nothing written). Each row is logged (its summary and traceback) and then ``on_row(report
-    so far)`` is called. A provider that ``bench.precheck`` or a worker skips is not run again. The first
-    size of a shape is its batch: a provider out of memory at batch B is not run at a larger batch of the
-    same other sizes (its row says so)."""
+    """Every (shape, repeat, provider) (shapes outer, then repeats, so the providers of one repeat run
+    back to back) in its own worker process (:func:`run_case`, with ``extra``); returns the report (nothing
+    written). Each row is logged (its summary and traceback) and then ``on_row(report so far)`` is called.
+    A provider that ``bench.precheck`` or a worker skips is not run again. A provider out of memory at
+    batch B (the row type's ``BATCH_FIELD``) is not run again at B or a larger batch of the same other
+    sizes (its row says so)."""
     from tqdm.auto import tqdm
 
     bench.check_providers(providers)
-    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    text = bench.row_type.TEXT_FIELDS
+    fields = bench.row_type.SHAPE_FIELDS
+    shapes = tuple(tuple(v if f in text else int(v) for f, v in zip(fields, s, strict=True)) for s in shapes)
     report = CaseReport(
-        plan, dtype, device.type, shapes, tuple(providers), warmup, steps, dict(metadata or {})
+        plan,
+        dtype,
+        device.type,
+        shapes,
+        tuple(providers),
+        warmup,
+        steps,
+        dict(metadata or {}),
+        repeats=repeats,
     )
     for p in providers:
         reason = bench.precheck(p, device) if bench.precheck is not None else None
@@ -324,29 +404,31 @@ def run(
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
     options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
-    oom_at: dict[tuple[str, tuple[int, ...]], int] = {}  # (provider, other sizes) -> smallest batch out
-    bar = tqdm(
-        [(s, p) for s in report.shapes for p in providers], desc=bench.name, disable=not progress, leave=False
-    )
-    for shape, provider in bar:
+    batch_at = fields.index(bench.row_type.BATCH_FIELD) if bench.row_type.BATCH_FIELD in fields else None
+    oom_at: dict[tuple[str, tuple[Any, ...]], int] = {}  # (provider, other sizes) -> smallest batch out
+    cases = [(s, r, p) for s in report.shapes for r in range(repeats) for p in providers]
+    bar = tqdm(cases, desc=bench.name, disable=not progress, leave=False)
+    for shape, repeat, provider in bar:
         if provider in report.skipped:
             continue
-        bar.set_postfix_str(f"{provider} {'x'.join(map(str, shape))}")
-        batch, key = shape[0], (provider, shape[1:])
-        smallest = oom_at.get(key)
+        bar.set_postfix_str(f"{provider} {bench.row_type.label(shape)} #{repeat + 1}")
+        smallest = key = batch = None
+        if batch_at is not None:
+            batch, key = shape[batch_at], (provider, shape[:batch_at] + shape[batch_at + 1 :])
+            smallest = oom_at.get(key)
         if smallest is not None and batch >= smallest:
             error = f"not run: out of memory at batch {smallest} already"
-            row = bench.row_type(provider, *shape, "oom", error=error)
+            row = make_row(bench, provider, shape, {"status": "oom", "error": error}, repeat)
         else:
-            row = run_case(bench, provider, shape, timeout=timeout, **options)
-        if row.status == "oom":
+            row = run_case(bench, provider, shape, timeout=timeout, extra=extra, repeat=repeat, **options)
+        if row.status == "oom" and key is not None:
             oom_at[key] = min(batch, oom_at.get(key, batch))
         if row.status == "skipped":
             report.skipped[provider] = row.error or "skipped"
             log(f"skipping provider {provider}: {row.error}")
             continue
         report.rows.append(row)
-        log(row.summary())
+        log(row.summary() + (f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""))
         if row.traceback:
             log(row.traceback)
         if on_row is not None:
@@ -365,30 +447,50 @@ def exit_code(report: CaseReport) -> int:
 
 def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
     """Per shape of ``report``: its sizes, then for each of ``bench.peers`` and each of ``bench.metrics``
-    ``<key>_vs_<peer>``, fuselm's figure over the peer's (None unless both rows are ok)."""
+    ``<key>_vs_<peer>``, fuselm's figure over the peer's, each the median over its ok repeats (None unless
+    both have one); with several repeats also ``<key>_vs_<peer>_repeats``, the ratio within each repeat
+    (the providers of one repeat ran back to back), None where either row failed."""
     out = []
     for shape in report.shapes:
-        mine = report.row("fuselm", shape)
+        mine = report.rows_of("fuselm", shape)
         entry: dict[str, Any] = dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))
         for peer in bench.peers:
-            other = report.row(peer, shape)
-            ok = mine is not None and mine.status == "ok" and other is not None and other.status == "ok"
+            other = report.rows_of(peer, shape)
             for key, (attr, _) in bench.metrics.items():
-                entry[f"{key}_vs_{peer}"] = ratio(getattr(mine, attr), getattr(other, attr)) if ok else None
+                entry[f"{key}_vs_{peer}"] = ratio(median_of(mine, attr), median_of(other, attr))
+                if report.repeats > 1:
+                    entry[f"{key}_vs_{peer}_repeats"] = [
+                        ratio(median_of(_repeat(mine, i), attr), median_of(_repeat(other, i), attr))
+                        for i in range(report.repeats)
+                    ]
         out.append(entry)
     return out
 
 
+def _repeat(rows: Sequence[Any], i: int) -> list[Any]:
+    return [r for r in rows if getattr(r, "repeat", 0) == i]
+
+
 def ratio_table(bench: Bench, report: CaseReport) -> str:
-    """:func:`ratios` as a markdown table, each ratio as ``1.23x`` (``—`` if None)."""
+    """:func:`ratios` as a markdown table, each ratio as ``1.23x`` (``—`` if None); with several repeats
+    followed by the range of the per-repeat ratios when it is one, ``1.23x (1.20-1.25)``."""
     head = [bench.row_type.SHAPE_TITLE]
     head += [
         f"{title} fuselm / {name}" for name in bench.peers.values() for _, title in bench.metrics.values()
     ]
     rows = []
     for shape, entry in zip(report.shapes, ratios(bench, report), strict=True):
-        values = [v for k, v in entry.items() if "_vs_" in k]
-        rows.append([bench.row_type.label(shape), *("—" if v is None else f"{v:.2f}x" for v in values)])
+        cells = []
+        for peer in bench.peers:
+            for key in bench.metrics:
+                v = entry[f"{key}_vs_{peer}"]
+                cell = "—" if v is None else f"{v:.2f}x"
+                each = [x for x in entry.get(f"{key}_vs_{peer}_repeats", []) if x is not None]
+                low, high = (f"{min(each):.2f}", f"{max(each):.2f}") if each else ("", "")
+                if v is not None and len(each) > 1 and low != high:
+                    cell += f" ({low}-{high})"
+                cells.append(cell)
+        rows.append([bench.row_type.label(shape), *cells])
     return md_table(head, rows)
 
 
@@ -446,11 +548,14 @@ def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: l
         "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
         "device_type": report.device_type,
         "shape_dims": list(bench.row_type.SHAPE_DIMS),
+        "shape_fields": list(bench.row_type.SHAPE_FIELDS),
         "shapes": [list(s) for s in report.shapes],
         "providers": list(report.providers),
         "warmup": report.warmup,
         "steps": report.steps,
+        "repeats": report.repeats,
         "metadata": report.metadata,
+        "merged": report.merged,
         "rows": rows,
         "ratios": ratios(bench, report),
         "skipped": report.skipped,
@@ -487,9 +592,9 @@ def write_bars(
     mark_failures: bool = False,
 ) -> None:
     """Panels of grouped bars, one group per shape of ``report``, one bar per provider that ran: each panel
-    ``(row attribute, title, scale)``, values of ok rows, labelled; the title ``fuselm bench <name><title>,
-    <dtype>, <device>``. ``mark_failures``: OOM or error written where a row failed, an x label, and "n/a (no
-    CUDA)" / "no results" in an empty panel."""
+    ``(row attribute, title, scale)``, the median over the ok repeats, labelled; the title ``fuselm bench
+    <name><title>, <dtype>, <device>``. ``mark_failures``: OOM or error written where a case has no ok
+    repeat, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
     import math
 
     import matplotlib
@@ -497,7 +602,7 @@ def write_bars(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [bench.row_type.label(s) for s in report.shapes]
+    labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
     providers = [p for p in report.providers if p not in report.skipped]
     width = 0.8 / max(1, len(providers))
     fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + width_per_shape * len(labels)), 4))
@@ -507,12 +612,12 @@ def write_bars(
             xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(labels))]
             vals = []
             for x, shape in zip(xs, report.shapes, strict=True):
-                r = report.row(prov, shape)
-                v = getattr(r, attr) if r is not None and r.status == "ok" else None
+                rows = report.rows_of(prov, shape)
+                v = median_of(rows, attr)
                 vals.append(float("nan") if v is None else v * scale)
                 any_value |= v is not None
-                if mark_failures and r is not None and r.status != "ok":
-                    failure = "OOM" if r.status == "oom" else "error"
+                if mark_failures and rows and not any(r.status == "ok" for r in rows):
+                    failure = "OOM" if any(r.status == "oom" for r in rows) else "error"
                     ax.text(x, 0, failure, ha="center", va="bottom", rotation=90, fontsize=8)
             bars = ax.bar(xs, vals, width=width, label=prov)
             ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.1f}" for v in vals], fontsize=7)
@@ -529,7 +634,7 @@ def write_bars(
             ax.legend(fontsize=8)
         else:
             ax.set_yticks([])
-            text = "n/a (no CUDA)" if attr == "peak_gib" else "no results"
+            text = "n/a (no CUDA)" if report.device_type != "cuda" else "no results"
             ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
     fig.suptitle(f"fuselm bench {bench.name}{title}, {dtype}, {report.metadata.get('device')}", fontsize=10)
@@ -554,20 +659,37 @@ class CliRun:
     dtype: torch.dtype
     metadata: dict[str, Any]
     out_dir: Path
+    repeats: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+    merge: bool = False
 
 
-def start_cli(bench: Bench, args: Any, argv: list[str], *, plans: tuple[Any, Any]) -> CliRun:
-    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, ``--shapes`` (as
-    many sizes as the bench's rows have; default: the plan's), warmup, steps and dtype, the metadata with
-    the transformers version, the results folder. Raises ``UsageError`` for bad values and without
+def start_cli(
+    bench: Bench,
+    args: Any,
+    argv: list[str],
+    *,
+    plans: tuple[Any, Any],
+    grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
+) -> CliRun:
+    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, the shapes
+    (``grid(args, plan)`` when given, else ``--shapes`` with as many sizes as the bench's rows have, default
+    the plan's), warmup, steps and dtype, ``--repeats`` (default 1), ``--merge``, the metadata with the
+    transformers version, the results folder. Raises ``UsageError`` for bad values and without
     transformers."""
     providers = bench.providers
     chosen = parse_list(args.providers, providers, "provider") if args.providers else list(providers)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]
-    ndim = len(bench.row_type.SHAPE_FIELDS)
-    shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
+    if grid is not None:
+        shapes = grid(args, plan)
+    else:
+        ndim = len(bench.row_type.SHAPE_FIELDS)
+        shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
+    repeats = getattr(args, "repeats", None) or 1
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {repeats}")
     warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
     meta = collect_metadata(device, argv)
     try:
@@ -577,7 +699,8 @@ def start_cli(bench: Bench, args: Any, argv: list[str], *, plans: tuple[Any, Any
     except ImportError:
         raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
-    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir)
+    merge = bool(getattr(args, "merge", False))
+    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, {}, merge)
 
 
 def run_cli(
@@ -590,12 +713,19 @@ def run_cli(
     write_each_row: bool = False,
 ) -> CaseReport:
     """Say what runs, :func:`run` it, then print the report and write its files (``write(report, folder)``;
-    after every row too with ``write_each_row``: a run stopped part-way keeps what it measured)."""
+    after every row too with ``write_each_row``: a run stopped part-way keeps what it measured). With
+    ``c.merge`` the rows of the report already in the folder are joined first (:func:`merge_previous`)."""
+    repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
-        f"{bench.name}: {len(c.shapes)} shapes x {len(c.providers)} providers, {c.warmup} warmup + {c.steps} "
-        "timed steps, one fresh process each",
+        f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
+        f"warmup + {c.steps} timed steps, one fresh process each",
         flush=True,
     )
+    previous = _previous_report(bench, c.out_dir) if c.merge else None
+
+    def finish(report: CaseReport) -> CaseReport:
+        return merge_previous(bench, report, previous) if previous is not None else report
+
     report = run(
         bench,
         plan=c.plan,
@@ -607,7 +737,78 @@ def run_cli(
         steps=c.steps,
         metadata=c.metadata,
         progress=progress,
-        on_row=(lambda r: write(r, c.out_dir)) if write_each_row else None,
+        on_row=(lambda r: write(finish(_copy(r)), c.out_dir)) if write_each_row else None,
+        repeats=c.repeats,
+        extra=c.extra,
     )
+    report = finish(report)
     print_written(markdown(report), write(report, c.out_dir))
     return report
+
+
+def _copy(report: CaseReport) -> CaseReport:
+    """A copy of ``report`` whose row list can grow apart from the original's."""
+    import dataclasses
+
+    return dataclasses.replace(report, rows=list(report.rows))
+
+
+def _previous_report(bench: Bench, out_dir: Path) -> dict[str, Any] | None:
+    path = Path(out_dir) / f"{bench.name}.json"
+    if not path.is_file():
+        print(f"--merge: no {path} yet; nothing to merge")
+        return None
+    return json.loads(path.read_text())
+
+
+def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
+    """``report`` with the rows of ``previous`` (an earlier run's JSON, :func:`report_json`) joined: the
+    rows of its (provider, shape) cases that this run did not run come first, its shapes and providers
+    are added, and ``report.merged`` records its command, date and commit. A different device, dtype or
+    suite raises ``UsageError`` (figures from two machines do not go in one table).
+    """
+    if previous.get("suite") != bench.name:
+        raise UsageError(f"--merge: the earlier report is of {previous.get('suite')!r}, not {bench.name!r}")
+    meta = previous.get("metadata", {})
+    if meta.get("device") != report.metadata.get("device"):
+        raise UsageError(
+            f"--merge: the earlier report ran on {meta.get('device')!r}, this run on "
+            f"{report.metadata.get('device')!r}; write to another --out"
+        )
+    if previous.get("dtype") != DTYPE_NAMES.get(report.dtype):
+        raise UsageError(f"--merge: the earlier report is {previous.get('dtype')}, this run is not")
+    fields = bench.row_type.SHAPE_FIELDS
+    ran = {(r.provider, r.shape) for r in report.rows} | {
+        (p, s) for p in report.providers for s in report.shapes
+    }
+    kept = []
+    for data in previous.get("rows", []):
+        shape = tuple(data[f] for f in fields)
+        if (data["provider"], shape) in ran:
+            continue
+        known = set(bench.row_type.__dataclass_fields__)
+        kept.append(bench.row_type(**{k: v for k, v in data.items() if k in known}))
+    shapes = list(dict.fromkeys([*(tuple(s) for s in previous.get("shapes", [])), *report.shapes]))
+    providers = list(dict.fromkeys([*previous.get("providers", []), *report.providers]))
+    merged = [
+        *previous.get("merged", []),
+        {k: meta.get(k) for k in ("command", "date", "commit")},
+    ]
+    skipped = {**previous.get("skipped", {}), **report.skipped}
+    for p in report.providers:  # ran here: its skip (or not) is this run's
+        if p not in report.skipped:
+            skipped.pop(p, None)
+    return CaseReport(
+        plan=report.plan,
+        dtype=report.dtype,
+        device_type=report.device_type,
+        shapes=tuple(shapes),
+        providers=tuple(providers),
+        warmup=report.warmup,
+        steps=report.steps,
+        metadata=report.metadata,
+        rows=[*kept, *report.rows],
+        skipped=skipped,
+        repeats=max(report.repeats, int(previous.get("repeats", 1))),
+        merged=merged,
+    )

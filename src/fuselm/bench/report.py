@@ -22,7 +22,7 @@ import torch
 
 from .harness import Report, Row
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 COLUMN_TITLES = {
     "ms": "ms",
