@@ -7,13 +7,14 @@ import copy
 import gc
 import importlib
 import types
+import warnings
 
 import pytest
 import torch
 from hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import blocks, patching
+from fuselm.hf import _common, blocks, patching
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
@@ -393,6 +394,32 @@ def test_peft_wrapped_model():
     assert grads[2].keys() == grads[1].keys() and any("lora_B" in n for n in grads[2])
     for name in grads[1]:
         assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)
+
+
+def _fuselm_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "fuselm" in str(w.message)]
+
+
+def test_a_peft_wrapper_is_looked_through(monkeypatch):
+    """patch(peft_model) after peft.get_peft_model (the README's order): PeftModelForCausalLM and its
+    LoraModel are not taken for a CausalLM without a spec: no warning at patch time nor at the first
+    training step, the wrapper keeps its forward, the base model's forward computes the fused loss."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(_common, "_warned", set())  # every one-time warning fresh
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(build("llama"), lora)
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    ids, labels = _batch()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fuselm.hf.patch(model)
+        out = _run(model, ids, labels)
+    assert not _fuselm_warnings(record)
+    assert out.logits is None and torch.isfinite(out.loss)
+    assert not any("forward" in vars(m) for m in (model, model.base_model))
+    assert model.get_base_model().forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
+    with pytest.raises(ValueError, match="PEFT's PeftModelForCausalLM"):
+        fuselm.hf.patch(type(model))
 
 
 def _trainer_args(tmp_path, model) -> dict:

@@ -44,6 +44,8 @@ def sharded_classes(cls: type) -> list[type]:
 _PEFT_CLASSES = {
     "ModulesToSaveWrapper": "peft.utils.other",  # modules_to_save: a trained copy beside the original
     "Linear": "peft.tuners.lora",  # a LoRA layer on an nn.Linear
+    "PeftModel": "peft.peft_model",  # get_peft_model's wrapper (PeftModelForCausalLM, ...)
+    "BaseTuner": "peft.tuners.tuners_utils",  # its base_model (LoraModel, ...), around the HF model
 }
 
 
@@ -53,3 +55,12 @@ def peft_class(name: str) -> type | None:
     if "peft" not in sys.modules:
         return None
     return getattr(importlib.import_module(_PEFT_CLASSES[name]), name)
+
+
+def is_peft_wrapper(target: nn.Module | type) -> bool:
+    """Is ``target`` (a module or a class) one of PEFT's wrappers around a model: a ``PeftModel``
+    (``PeftModelForCausalLM``, ...) or its ``base_model``, a tuner (``LoraModel``, ...)? Their forwards
+    call the wrapped model's; fuselm.hf patches what is inside, never them."""
+    cls = target if isinstance(target, type) else type(target)
+    wrappers = [peft_class("PeftModel"), peft_class("BaseTuner")]
+    return any(w is not None and issubclass(cls, w) for w in wrappers)

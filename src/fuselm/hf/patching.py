@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._common import hf_class, sharded_classes
+from ._common import hf_class, is_peft_wrapper, sharded_classes
 from .blocks import mlp_forward, rms_norm_forward, rope_function
 from .causal_lm import causal_lm_forward
 from .decoder_layer import decoder_layer_forward
@@ -276,6 +276,11 @@ def _family_of_target(target) -> FamilySpec:
     spec = family_of_module(getattr(target, "__module__", ""))
     if spec is not None:
         return spec
+    if isinstance(target, type) and is_peft_wrapper(target):
+        raise ValueError(
+            f"PEFT's {target.__name__} is a wrapper: patch the wrapped model (the PEFT model itself, an "
+            "instance, is looked through) or its family's model_type"
+        )
     if isinstance(target, type) and target.__name__.endswith("ForCausalLM"):
         return generic_spec(target)
     raise ValueError(
@@ -289,10 +294,11 @@ def _family_of_target(target) -> FamilySpec:
 
 def _generic_lm(module: nn.Module, cls: type) -> bool:
     """A decoder-only language model with a head of a family without a spec (encoder-decoder models
-    compute another loss: never touched)."""
+    compute another loss: never touched; PEFT's wrappers are looked through: the model inside is patched)."""
     config = getattr(module, "config", None)
     return (
         is_lm_class_name(cls.__name__)
+        and not is_peft_wrapper(module)
         and isinstance(getattr(module, "lm_head", None), nn.Module)
         and config is not None
         and not getattr(config, "is_encoder_decoder", False)
