@@ -439,7 +439,7 @@ def lora_linear(
     adapters cast once per call; A's and B's gradients come back in their own dtype (fp32 adapters on
     a bf16 model get fp32 gradients, accumulated in fp32 on CUDA). Saved for backward: x, low, and the
     bool dropout mask when ``p > 0``; a quantized base is dequantized again in backward.
-    ``adapter=None`` is the frozen linear layer alone (saving nothing but x).
+    ``adapter=None`` is the frozen linear layer alone (it saves nothing: dX = dY W).
 
     Dropout (``adapter.dropout > 0``): the mask is drawn as PEFT's LoRA ``Linear`` draws it
     (:func:`dropout_mask` on x in ``adapter.mask_dtype``), so under the same torch seed the output and
