@@ -1,8 +1,8 @@
-"""Activation offloading for gradient checkpointing (fuselm.hf.offload): offloaded_checkpoint's semantics
-(recompute, gradients, RNG, outputs, options) on CPU tensors; enable / disable on tiny Llama and Qwen3
+"""Activation offloading in Hugging Face models (fuselm.hf.offload): enable / disable on tiny Llama and Qwen3
 models against HF's own gradient checkpointing and no checkpointing (numerics rule, float64 reference),
-PEFT LoRA with dropout, Trainer's gradient checkpointing flag; on a GPU, that the layer inputs leave the
-device for pinned host memory between forward and backward."""
+PEFT LoRA with dropout, Trainer's gradient checkpointing flag, the enable / disable state; on a GPU, that
+the layer inputs leave the device for pinned host memory between forward and backward. offloaded_checkpoint
+itself is tested in tests/test_offloaded_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -19,256 +19,20 @@ import torch.utils.checkpoint as torch_checkpoint
 from hf_models import build, clone
 
 from fuselm.hf import offload
+from fuselm.offload import host_memory_stats, offloaded_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
-HAS_CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    offload._warned.clear()
     yield
     gc.collect()  # graphs of a failed test: their host buffers back to the pool
 
 
 def _in_use() -> int:
-    return offload.host_memory_stats()["in_use_bytes"]
-
-
-# ---- offloaded_checkpoint on plain functions ----
-
-
-class Block(torch.nn.Module):
-    """A residual block with dropout: y = x + dropout(W2 gelu(W1 x)) * scale."""
-
-    def __init__(self, h: int, p: float = 0.1) -> None:
-        super().__init__()
-        self.up, self.down, self.drop = (
-            torch.nn.Linear(h, 2 * h),
-            torch.nn.Linear(2 * h, h),
-            torch.nn.Dropout(p),
-        )
-
-    def forward(self, x, scale=1.0):
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x)))) * scale
-
-
-def _blocks(n=3, h=16, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.ModuleList(Block(h) for _ in range(n)).to(dtype)
-
-
-def _run(blocks, x, how, seed=5):
-    """Loss of the chain of blocks on x under `how` (None, "torch", "offload"), grads left in place."""
-    torch.manual_seed(seed)
-    for block in blocks:
-        if how == "offload":
-            x = offload.offloaded_checkpoint(block, x, 0.5, use_reentrant=False)
-        elif how == "torch":
-            x = torch_checkpoint.checkpoint(block, x, 0.5, use_reentrant=False)
-        else:
-            x = block(x, 0.5)
-    loss = (x * x).mean()
-    loss.backward()
-    return loss
-
-
-def _param_grads(module):
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-
-
-@pytest.mark.parametrize("input_grad", [True, False], ids=["input_grad", "frozen_input"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_chain_matches_no_checkpointing(dtype, input_grad):
-    """Three blocks with dropout 0.1: loss, input gradient and every parameter gradient as without
-    checkpointing (the same dropout masks: same seed), also when the input does not require grad (the
-    parameters still get theirs); host buffers hold the inputs between forward and backward only."""
-    ref_blocks = _blocks(dtype=torch.float64)
-    x0 = torch.randn(2, 7, 16, dtype=torch.float64)
-    losses, grads, xgrads = [], [], []
-    for how, d in ((None, torch.float64), (None, dtype), ("offload", dtype)):
-        blocks = clone_blocks(ref_blocks, d)
-        x = x0.to(d).clone().requires_grad_(input_grad)
-        before = offload.host_memory_stats()
-        losses.append(_run(blocks, x, how))
-        after = offload.host_memory_stats()
-        if how == "offload":
-            assert after["offloads"] - before["offloads"] == 3
-            assert after["fetches"] - before["fetches"] == 3
-            assert after["prefetched"] - before["prefetched"] == 2  # block 2's and 1's, from 3's and 2's
-            assert after["in_use_bytes"] == before["in_use_bytes"]
-        grads.append(_param_grads(blocks))
-        xgrads.append(x.grad)
-    assert_numerics("loss", losses[2], losses[1], losses[0], dtype)
-    assert grads[2].keys() == grads[1].keys() and len(grads[1]) == 12
-    for name in grads[1]:
-        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], dtype)
-    if input_grad:
-        assert_numerics("grad x", xgrads[2], xgrads[1], xgrads[0], dtype)
-    else:
-        assert xgrads[2] is None
-
-
-def clone_blocks(blocks, dtype):
-    return copy.deepcopy(blocks).to(dtype)
-
-
-def test_inputs_are_on_the_host_between_forward_and_backward():
-    """in_use_bytes grows by exactly the bytes of each call's positional tensors, and drops back when the
-    backward consumed them, or when the graph is freed without a backward."""
-    blocks = _blocks(2, h=8)
-    x = torch.randn(3, 5, 8, requires_grad=True)
-    base = _in_use()
-    y = offload.offloaded_checkpoint(blocks[0], x, use_reentrant=False)
-    assert _in_use() - base == x.numel() * 4
-    z = offload.offloaded_checkpoint(blocks[1], y, use_reentrant=False)
-    assert _in_use() - base == 2 * x.numel() * 4
-    z.sum().backward()
-    assert _in_use() == base
-    w = offload.offloaded_checkpoint(blocks[0], x, use_reentrant=False)
-    assert _in_use() - base == x.numel() * 4
-    del w
-    gc.collect()
-    assert _in_use() == base
-
-
-def test_buffers_are_reused_across_steps_and_shapes():
-    """The pool keys power-of-two byte classes: a second step, and a shorter sequence in the same class,
-    allocate nothing new."""
-    blocks = _blocks(2, h=8)
-    _run(blocks, torch.randn(2, 16, 8), "offload")  # 1 KiB per input
-    held = offload.host_memory_stats()["pageable_bytes"]
-    _run(blocks, torch.randn(2, 16, 8), "offload")
-    _run(blocks, torch.randn(2, 13, 8), "offload")  # 832 bytes: the 1 KiB class
-    assert offload.host_memory_stats()["pageable_bytes"] == held
-
-
-def test_outputs_args_and_keywords_of_any_structure():
-    """A tuple output with a nested tuple, None, a string and an integer tensor; non-tensor positional
-    arguments; a keyword tensor and a partial's bound tensor that require grad and are not leaves (made
-    from parameters, shared by two calls, as rotary tables would be) get their gradients through the
-    outer graph, once per call."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(6, 6).double()
-    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    bias_p = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    gain_p = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    leaves = (x, bias_p, gain_p, lin.weight, lin.bias)
-
-    def fn(gain, x, mode, *, bias, power):
-        h = lin(x) * gain + bias
-        return h**power, (h.sum(-1), None), mode, h.argmax(-1)
-
-    def run(checkpointed):
-        for t in leaves:
-            t.grad = None
-        bias, gain = bias_p * 2, gain_p.exp()
-        h, outs = x, []
-        for _ in range(2):
-            if checkpointed:
-                out = offload.offloaded_checkpoint(
-                    functools.partial(fn, gain), h, "m", use_reentrant=False, bias=bias, power=2
-                )
-            else:
-                out = fn(gain, h, "m", bias=bias, power=2)
-            outs.append(out)
-            h = out[0] / 10
-        sum(o[0].sum() + o[1][0].square().sum() for o in outs).backward()
-        return outs, [t.grad.clone() for t in leaves]
-
-    eager, want = run(False)
-    ours, got = run(True)
-    for out, ref in zip(ours, eager, strict=True):
-        assert out[2] == "m" and out[1][1] is None
-        assert torch.equal(out[3], ref[3]) and not out[3].requires_grad
-        assert torch.equal(out[0], ref[0]) and out[0].requires_grad
-    for name, g, w in zip(("x", "bias", "gain", "weight", "lin.bias"), got, want, strict=True):
-        assert_numerics(f"grad {name}", g, w, w, torch.float64)
-
-
-def test_autocast_state_is_restored_for_the_recompute():
-    """Called under CPU bf16 autocast, the recompute (which runs outside it) autocasts the same way: the
-    gradients are those of the autocast run without checkpointing, bit for bit."""
-    blocks = _blocks(2, h=8)
-    x = torch.randn(2, 5, 8)
-    grads = []
-    for how in (None, "offload"):
-        blocks.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = x
-            for block in blocks:
-                y = block(y) if how is None else offload.offloaded_checkpoint(block, y, use_reentrant=False)
-        y.float().square().sum().backward()
-        grads.append(_param_grads(blocks))
-    for name in grads[0]:
-        assert torch.equal(grads[1][name], grads[0][name]), name
-
-
-def test_rng_state_after_backward_is_the_callers():
-    """The recompute replays the forward's RNG state inside a fork: the caller's RNG stream goes on as
-    if there had been no recompute."""
-    blocks = _blocks(1, h=8)
-    torch.manual_seed(3)
-    y = offload.offloaded_checkpoint(blocks[0], torch.randn(2, 8), use_reentrant=False)
-    expected = torch.get_rng_state()
-    y.sum().backward()
-    assert torch.equal(torch.get_rng_state(), expected)
-
-
-def test_no_grad_runs_the_function_as_is():
-    blocks = _blocks(1, h=8)
-    before = offload.host_memory_stats()["offloads"]
-    with torch.no_grad():
-        y = offload.offloaded_checkpoint(blocks[0], torch.randn(2, 8), use_reentrant=False)
-    assert not y.requires_grad
-    assert offload.host_memory_stats()["offloads"] == before
-
-
-def test_second_backward_raises():
-    lin = torch.nn.Linear(4, 4)
-    y = offload.offloaded_checkpoint(lin, torch.randn(2, 4), use_reentrant=False)
-    y.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="already backpropagated"):
-        y.sum().backward()
-
-
-def test_autograd_grad_raises():
-    lin = torch.nn.Linear(4, 4)
-    x = torch.randn(2, 4, requires_grad=True)
-    y = offload.offloaded_checkpoint(lin, x, use_reentrant=False)
-    with pytest.raises(RuntimeError, match="torch.autograd.grad"):
-        torch.autograd.grad(y.sum(), x)
-
-
-@pytest.mark.parametrize(
-    "option, match",
-    [
-        ({"use_reentrant": "yes"}, "use_reentrant"),
-        ({"preserve_rng_state": None}, "preserve_rng_state"),
-        ({"context_fn": lambda: (None, None)}, "context_fn"),
-        ({"determinism_check": "strict"}, "determinism_check"),
-    ],
-)
-def test_bad_options_raise(option, match):
-    with pytest.raises(ValueError, match=match):
-        offload.offloaded_checkpoint(torch.nn.Linear(2, 2), torch.randn(1, 2), **option)
-
-
-def test_no_positional_tensor_warns():
-    lin = torch.nn.Linear(2, 2)
-    with pytest.warns(UserWarning, match="no positional tensor"):
-        y = offload.offloaded_checkpoint(functools.partial(lin, torch.randn(1, 2)), use_reentrant=False)
-    y.sum().backward()
-    assert lin.weight.grad is not None
-
-
-def test_signature_is_torch_checkpoints():
-    ours = inspect.signature(offload.offloaded_checkpoint).parameters
-    theirs = inspect.signature(torch_checkpoint.checkpoint).parameters
-    assert list(theirs) == [p for p in ours if p != "preserve_rng_state"]
-    assert ours["preserve_rng_state"].kind is inspect.Parameter.KEYWORD_ONLY
+    return host_memory_stats()["in_use_bytes"]
 
 
 # ---- transformers models ----
@@ -319,7 +83,7 @@ def _decoder_layers(model):
 
 def _offloaded(layer) -> bool:
     f = layer._gradient_checkpointing_func
-    return isinstance(f, functools.partial) and f.func is offload.offloaded_checkpoint
+    return isinstance(f, functools.partial) and f.func is offloaded_checkpoint
 
 
 def _compare(losses, grads, dtype):
@@ -354,13 +118,13 @@ def test_model_matches_hf_checkpointing_and_none(model_type, dtype):
 
     ours.train()
     ours.zero_grad(set_to_none=True)
-    before = offload.host_memory_stats()
+    before = host_memory_stats()
     torch.manual_seed(7)
     loss = ours(input_ids=ids, labels=labels).loss
     hidden = base.config.hidden_size
     assert _in_use() - before["in_use_bytes"] == 3 * B * T * hidden * dtype.itemsize
     loss.backward()
-    after = offload.host_memory_stats()
+    after = host_memory_stats()
     assert after["in_use_bytes"] == before["in_use_bytes"]
     assert (after["offloads"] - before["offloads"], after["prefetched"] - before["prefetched"]) == (3, 2)
     losses.append(loss.detach())
@@ -446,9 +210,9 @@ def test_trainer_keeps_offloading(tmp_path, flag):
 
     base = build("llama", layers=2)
     ref, hf, ours = clone(base, torch.float64), clone(base), offload.enable(clone(base))
-    before = offload.host_memory_stats()["offloads"]
+    before = host_memory_stats()["offloads"]
     losses = [train(ref, False), train(hf, True), train(ours, True)]
-    assert offload.host_memory_stats()["offloads"] - before == 2 * 2  # 2 steps x 2 layers
+    assert host_memory_stats()["offloads"] - before == 2 * 2  # 2 steps x 2 layers
     assert offload.is_enabled(ours)
     for layer in _decoder_layers(ours):
         assert _offloaded(layer) and layer._gradient_checkpointing_func.keywords == {"use_reentrant": True}
@@ -520,9 +284,9 @@ def test_every_n_layers_is_kept():
     enable(every_n_layers=2)
     offload.enable(model)
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True]
-    before = offload.host_memory_stats()["offloads"]
+    before = host_memory_stats()["offloads"]
     _step(model, *_batch(300))
-    assert offload.host_memory_stats()["offloads"] - before == 2
+    assert host_memory_stats()["offloads"] - before == 2
 
 
 def test_enable_is_idempotent_and_survives_deepcopy_and_pickle():
@@ -580,20 +344,20 @@ def test_gpu_layer_inputs_live_in_pinned_host_memory():
     for name, m in (("hf", hf), ("ours", ours)):
         m.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        start, host = torch.cuda.memory_allocated(), offload.host_memory_stats()
+        start, host = torch.cuda.memory_allocated(), host_memory_stats()
         torch.manual_seed(7)
         loss = m(input_ids=ids, labels=ids).loss
         torch.cuda.synchronize()
         held[name] = torch.cuda.memory_allocated() - start
         if name == "ours":
-            stats = offload.host_memory_stats()
+            stats = host_memory_stats()
             assert stats["in_use_bytes"] - host["in_use_bytes"] == layers * b * t * h * 2
             assert stats["pinned_bytes"] >= stats["in_use_bytes"]
             assert stats["pageable_bytes"] == host["pageable_bytes"]  # nothing of this step pageable
         loss.backward()
         losses[name] = loss.detach()
         if name == "ours":
-            stats = offload.host_memory_stats()
+            stats = host_memory_stats()
             assert stats["in_use_bytes"] == host["in_use_bytes"]
             assert stats["prefetched"] - host["prefetched"] == layers - 1
     saved, one = held["hf"] - held["ours"], b * t * h * 2
@@ -605,26 +369,3 @@ def test_gpu_layer_inputs_live_in_pinned_host_memory():
         [grads["ref"], grads["hf"], grads["ours"]],
         torch.bfloat16,
     )
-
-
-@pytest.mark.gpu
-def test_gpu_recompute_draws_the_forwards_dropout_masks():
-    """On CUDA the device RNG state is replayed: the recompute's dropout masks are the forward's, and
-    the gradient is the one of the forward's masks."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 256).cuda()
-    masks = []
-
-    def fn(x):
-        y = torch.nn.functional.dropout(lin(x), 0.5)
-        masks.append(y == 0)
-        return y
-
-    x = torch.randn(64, 256, device="cuda", requires_grad=True)
-    y = offload.offloaded_checkpoint(fn, x, use_reentrant=False)
-    torch.randn(10, device="cuda")  # the RNG moves on between forward and backward
-    y.sum().backward()
-    assert len(masks) == 2 and torch.equal(masks[0], masks[1]) and masks[0].any()
-    keep = (~masks[0]).float() * 2.0  # d(sum(dropout(W x + b)))/dx = (mask * 2) @ W
-    reference = keep.double() @ lin.weight.double()
-    assert_numerics("grad x", x.grad, keep @ lin.weight, reference, torch.float32)

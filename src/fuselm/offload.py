@@ -1,0 +1,470 @@
+"""Activation offloading for gradient checkpointing: a checkpointed function's inputs kept in host memory.
+
+Under gradient checkpointing a layer keeps only its input (a decoder layer's hidden states, [B, T, H])
+until the backward recomputes the layer from it: ``layers x B x T x H`` elements on the device
+(Llama-3-8B, B4 x 2048, bf16: 32 x 64 MiB = 2 GiB). :func:`offloaded_checkpoint` keeps them in pinned
+host memory instead. Forward: the function runs under ``no_grad`` while its positional tensors are
+copied to pinned host buffers on a side CUDA stream (one per device); the device memory goes back to the
+caching allocator once the copy is done (``record_stream``). Backward: the inputs come back on the side
+stream, and the copy of the inputs of the call made just before (in the forward) starts at once, so it
+overlaps this call's recompute; the recompute runs under the forward's CPU and device RNG states (the
+same dropout masks) and autocast state. Host buffers come from a pool of power-of-two byte classes (what
+PyTorch's pinned allocator reserves anyway), reused across steps and sequence lengths;
+:func:`host_memory_stats` reports them. CPU tensors take the same path with plain host copies, so the
+semantics are tested without a GPU. This module imports torch only (:mod:`fuselm.hf.offload` installs
+it in Hugging Face models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "offloaded_checkpoint",
+    "checkpoint_fn",
+    "host_memory_stats",
+    "reset_peak_host_memory_stats",
+    "empty_host_cache",
+]
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ---- host buffers ----
+
+
+def _held(device_index: int | None) -> str:
+    return "pageable_bytes" if device_index is None else "pinned_bytes"  # CPU tensors: pageable
+
+
+class _HostPool:
+    """Flat uint8 host buffers, the free ones keyed by (device index or None for CPU tensors, power-of-two
+    byte class), and the figures of :func:`host_memory_stats`. A buffer serves one device: its copies are
+    ordered on that device's side stream, so one released with a copy still queued is reused behind it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: a stash's finalizer (release) may run in a GC in acquire
+        self.free: dict[tuple[int | None, int], list[torch.Tensor]] = {}
+        names = "pinned_bytes peak_pinned_bytes pageable_bytes in_use_bytes peak_in_use_bytes offloads"
+        self.stats = dict.fromkeys((*names.split(), "fetches", "prefetched"), 0)
+
+    def add(self, name: str, n: int) -> None:
+        self.stats[name] += n
+        if "peak_" + name in self.stats:
+            self.stats["peak_" + name] = max(self.stats["peak_" + name], self.stats[name])
+
+    def acquire(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple, int]:
+        """A buffer of >= ``nbytes`` for a tensor on ``device`` (pinned for CUDA): (buffer, key, nbytes)."""
+        key = (device.index, 1 << max(nbytes - 1, 0).bit_length())
+        with self.lock:
+            bucket = self.free.get(key)
+            if bucket:
+                buf = bucket.pop()
+            else:
+                buf = torch.empty(key[1], dtype=torch.uint8, pin_memory=device.type == "cuda")
+                self.add(_held(device.index), key[1])
+            self.add("in_use_bytes", nbytes)
+            self.add("offloads", 1)
+        return buf, key, nbytes
+
+    def release(self, held: list, fetched: bool = False, prefetched: bool = False) -> None:
+        """Return the (buffer, key, nbytes) of ``held`` to the pool and empty the list; count them as
+        copied back (by a prefetch)."""
+        with self.lock:
+            self.add("fetches", len(held) if fetched else 0)
+            self.add("prefetched", len(held) if prefetched else 0)
+            while held:
+                buf, key, nbytes = held.pop()
+                self.free.setdefault(key, []).append(buf)
+                self.add("in_use_bytes", -nbytes)
+
+    def empty(self) -> None:
+        with self.lock:
+            for (index, size), bucket in self.free.items():
+                self.add(_held(index), -size * len(bucket))
+            self.free.clear()
+
+
+_POOL = _HostPool()
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> torch.cuda.Event:
+    """``dst.copy_(src)`` between ``device`` and pinned memory on the device's side stream, after what its
+    current stream queued (the source is written, the destination's memory free); the device tensor's
+    memory is not reused before the copy is done. Returns the copy's event."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _POOL.lock:
+        if index not in _SIDE_STREAMS:
+            _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        side = _SIDE_STREAMS[index]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    (src if src.is_cuda else dst).record_stream(side)
+    return done
+
+
+def host_memory_stats() -> dict[str, int]:
+    """Host memory of activation offloading, in bytes, and copy counts since the last reset.
+
+    Returns a dict:
+
+    - ``pinned_bytes``: pinned host memory the pool holds now (buffers in use and free; each buffer
+      is a power of two, as PyTorch's pinned allocator reserves), ``peak_pinned_bytes`` its maximum;
+    - ``pageable_bytes``: pageable host memory the pool holds (inputs that were CPU tensors);
+    - ``in_use_bytes``: bytes of checkpointed inputs in host buffers now (between their forward and
+      their backward), ``peak_in_use_bytes`` its maximum;
+    - ``offloads``: tensors copied to host buffers, ``fetches``: copied back in a backward,
+      ``prefetched``: of those, the ones whose copy the backward of the next call had started.
+
+    Example:
+        >>> from fuselm.offload import host_memory_stats
+        >>> sorted(host_memory_stats())  # doctest: +NORMALIZE_WHITESPACE
+        ['fetches', 'in_use_bytes', 'offloads', 'pageable_bytes', 'peak_in_use_bytes', 'peak_pinned_bytes',
+         'pinned_bytes', 'prefetched']
+    """
+    with _POOL.lock:
+        return dict(_POOL.stats)
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Set the peaks of :func:`host_memory_stats` to the current values and its counts to 0.
+
+    Example:
+        >>> from fuselm.offload import host_memory_stats, reset_peak_host_memory_stats
+        >>> reset_peak_host_memory_stats()
+        >>> host_memory_stats()["offloads"]
+        0
+    """
+    with _POOL.lock:
+        stats = _POOL.stats
+        stats.update(peak_pinned_bytes=stats["pinned_bytes"], peak_in_use_bytes=stats["in_use_bytes"])
+        stats.update(offloads=0, fetches=0, prefetched=0)
+
+
+def empty_host_cache() -> None:
+    """Free the pool's unused host buffers (those in use stay until their backward).
+
+    Example:
+        >>> from fuselm.offload import empty_host_cache, host_memory_stats
+        >>> empty_host_cache()
+        >>> host_memory_stats()["pinned_bytes"] == 0 or host_memory_stats()["in_use_bytes"] > 0
+        True
+    """
+    _POOL.empty()
+
+
+# ---- the inputs of one call, between its forward and its backward ----
+
+
+class _Stash:
+    """The positional tensors of one call: in host buffers after the forward (``saved``), on their
+    device once fetched (``fetched``: by this call's backward, or early by the backward of the call made
+    after it), gone once taken (both None)."""
+
+    _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
+        weakref.finalize(self, _POOL.release, self.held)
+        self.saved: list | None = [self._offload(t) for t in tensors]  # (device, host copy or kept tensor)
+        self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
+        with _POOL.lock:
+            self.previous, _Stash._last = _Stash._last, weakref.ref(self)
+
+    def _offload(self, t: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        kind = t.device.type
+        if kind not in ("cuda", "cpu"):
+            message = f"inputs on {kind} tensors stay on the device (only CUDA and CPU tensors are copied)"
+            _warn_once(f"device:{kind}", f"fuselm.offload: checkpointed {message}")
+            return t.device, t
+        nbytes = t.numel() * t.element_size()
+        self.held.append(_POOL.acquire(nbytes, t.device))
+        host = self.held[-1][0][:nbytes].view(t.dtype).view(t.shape)
+        if kind == "cuda":
+            _side_copy(host, t, t.device)
+        else:
+            host.copy_(t)
+        return t.device, host
+
+    def fetch(self, prefetch: bool = False) -> None:
+        """Start the copies back to the device (on the side stream); the host buffers go back to the
+        pool (copies into them are queued on the same stream, after these)."""
+        if self.saved is None:
+            return
+        fetched = []
+        for device, t in self.saved:
+            if device.type == "cuda":
+                out = torch.empty(t.shape, dtype=t.dtype, device=device)  # on the compute stream
+                fetched.append((out, _side_copy(out, t, device)))
+            else:  # a host copy of a CPU tensor, or a tensor kept on its device
+                fetched.append((t.clone() if device.type == "cpu" else t, None))
+        _POOL.release(self.held, fetched=True, prefetched=prefetch)
+        self.saved, self.fetched = None, fetched
+
+    def take(self) -> list[torch.Tensor]:
+        """The inputs on their device, usable on the compute stream; start fetching the previous stash."""
+        if self.saved is None and self.fetched is None:
+            raise RuntimeError(
+                "fuselm.offload: this checkpointed call was already backpropagated (its inputs were "
+                "freed); a second backward through it (retain_graph=True) is not supported"
+            )
+        self.fetch()
+        for t, done in self.fetched:
+            if done is not None:
+                torch.cuda.current_stream(t.device).wait_event(done)
+        tensors, self.fetched = [t for t, _ in self.fetched], None
+        previous = self.previous and self.previous()
+        if previous is not None:
+            previous.fetch(prefetch=True)
+        return tensors
+
+
+# ---- the autograd function ----
+
+
+def _check_options(
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+) -> None:
+    for name, value, allowed, what in (
+        ("use_reentrant", use_reentrant, (None, True, False), "a bool or None"),
+        ("preserve_rng_state", preserve_rng_state, (True, False), "a bool"),
+        ("determinism_check", determinism_check, ("default", "none"), "'default' or 'none'"),
+        ("debug", debug, (True, False), "a bool"),
+        ("early_stop", early_stop, (True, False), "a bool"),
+    ):
+        if value not in allowed:
+            raise ValueError(f"offloaded_checkpoint: {name} must be {what}, got {value!r}")
+    if context_fn is not torch_checkpoint.noop_context_fn:
+        raise ValueError(
+            "offloaded_checkpoint: context_fn (selective activation checkpointing) is not supported: the "
+            "whole function is recomputed from its offloaded inputs"
+        )
+    if debug:
+        _warn_once("debug", "fuselm.offload: debug=True is ignored (no operator trace is recorded)")
+
+
+_OPTIONS = frozenset(inspect.signature(_check_options).parameters)
+
+
+def _split(tree: Any, select: Callable[[Any], bool]) -> tuple[list, Callable[[list], Any]]:
+    """The leaves of ``tree`` that ``select`` picks, and a function that puts others in their places
+    (it holds the other leaves only; with none picked, it returns ``tree`` itself)."""
+    leaves, spec = tree_flatten(tree)
+    slots = [i for i, x in enumerate(leaves) if select(x)]
+    if not slots:
+        return [], lambda values: tree
+    picked = [leaves[i] for i in slots]
+    for i in slots:
+        leaves[i] = None
+
+    def join(values: list) -> Any:
+        filled = list(leaves)
+        for i, v in zip(slots, values, strict=True):
+            filled[i] = v
+        return tree_unflatten(filled, spec)
+
+    return picked, join
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _device_type(tensors: list[torch.Tensor]) -> str:
+    kinds = [t.device.type for t in tensors if t.device.type not in ("cpu", "meta")]
+    if "cuda" in kinds:
+        return "cuda"
+    return kinds[0] if kinds else torch_checkpoint.DefaultDeviceType.get_device_type()
+
+
+@dataclass
+class _Call:
+    run: Callable  # (offloaded, lifted) -> what the function returns
+    n_offloaded: int  # the Function's tensors: the offloaded ones, then the lifted ones
+    preserve_rng_state: bool
+    join_outputs: Callable | None = None  # set by the forward
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, dummy: torch.Tensor, *tensors: torch.Tensor):
+        offloaded, lifted = list(tensors[: call.n_offloaded]), tensors[call.n_offloaded :]
+        ctx.call, ctx.device_type = call, _device_type(offloaded)
+        ctx.set_materialize_grads(False)
+        ctx.autocast = {  # the forward's autocast state, for the recompute
+            kind: {
+                "enabled": torch.is_autocast_enabled(kind),
+                "dtype": torch.get_autocast_dtype(kind),
+                "cache_enabled": torch.is_autocast_cache_enabled(),
+            }
+            for kind in dict.fromkeys((ctx.device_type, "cpu"))
+            if torch.amp.is_autocast_available(kind)
+        }
+        # (cpu state, device ids, device states): devices of the offloaded tensors only, none initialized
+        ctx.rng = None
+        if call.preserve_rng_state:
+            ctx.rng = (torch.get_rng_state(), *torch_checkpoint.get_device_states(*offloaded))
+        ctx.stash = _Stash(offloaded)  # copies queued before the function runs (it reads them only)
+        ctx.save_for_backward(*lifted)
+        outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
+        ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "fuselm.offload: offloaded_checkpoint is incompatible with torch.autograd.grad() and with "
+                "backward(inputs=...): the recompute accumulates into .grad (use .backward())"
+            )
+        needs, n = ctx.needs_input_grad[2:], ctx.call.n_offloaded
+        tensors = ctx.stash.take() + list(ctx.saved_tensors)
+        cpu_state, devices, device_states = ctx.rng or (None, [], [])
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                torch.random.fork_rng(devices, enabled=ctx.rng is not None, device_type=ctx.device_type)
+            )
+            if ctx.rng is not None:
+                torch.set_rng_state(cpu_state)
+                torch_checkpoint.set_device_states(devices, device_states, device_type=ctx.device_type)
+            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs, strict=True)]
+            stack.enter_context(torch.enable_grad())
+            for kind, state in ctx.autocast.items():
+                stack.enter_context(torch.amp.autocast(kind, **state))
+            outputs, _ = _split(ctx.call.run(inputs[:n], inputs[n:]), _is_tensor)
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[x.grad if need else None for x, need in zip(inputs, needs, strict=True)])
+
+
+# An input of every call: outputs require grad (so the function's parameters get gradients) even when no
+# input does (frozen embeddings under PEFT).
+_DUMMY = torch.zeros(0, device="cpu", requires_grad=True)
+
+
+def offloaded_checkpoint(
+    function: Callable,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` checkpointed, its tensor ``args`` kept in host memory until the backward.
+
+    A drop-in for :func:`torch.utils.checkpoint.checkpoint` (same signature), e.g. as HF's
+    ``_gradient_checkpointing_func``. The tensors among ``args`` (a decoder layer's hidden states,
+    [B, T, H]) go to pinned host memory (CPU tensors: a host buffer) and come back for the recompute
+    (the module docstring tells the schedule); the recompute sees the forward's RNG states (the same
+    dropout masks) and autocast state. The parameters used by ``function`` get their gradients even
+    when no input requires grad.
+
+    Args:
+        function: the callable to checkpoint; it must not modify its inputs in place. Tensors it closes
+            over (a ``functools.partial``'s bound arguments and keywords, ``kwargs``) stay on their
+            device; those that require grad get their gradients.
+        *args: its positional arguments, tensors (any shape and dtype) or not; tensors nested in
+            tuples, lists or dicts count.
+        use_reentrant: accepted for compatibility (``None``, ``True`` or ``False``); all behave as the
+            non-reentrant variant (parameters get gradients when no input requires grad).
+        preserve_rng_state: restore the CPU and device RNG states for the recompute (default True).
+        context_fn: only the default (selective checkpointing is not supported: ValueError).
+        determinism_check: ``"default"`` or ``"none"`` (no check is made either way).
+        debug, early_stop: accepted; ``debug=True`` warns once that it is ignored.
+        **kwargs: keyword arguments of ``function``.
+
+    Returns:
+        What ``function`` returns (a tensor, or a tuple / list / dict with tensors and other values);
+        floating tensors require grad. Without grad mode, ``function(*args, **kwargs)`` runs as is.
+
+    Raises:
+        ValueError: an unsupported option (named).
+        RuntimeError: at backward, under ``torch.autograd.grad`` / ``backward(inputs=...)``, or a second
+            backward through the same call (its inputs are freed after the first).
+
+    Example:
+        >>> import torch
+        >>> from fuselm.offload import host_memory_stats, offloaded_checkpoint
+        >>> layers = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.1)) for _ in "ab"]
+        >>> x = torch.randn(2, 16, 32)                  # [B, T, H], no grad needed
+        >>> before = host_memory_stats()["in_use_bytes"]
+        >>> y = offloaded_checkpoint(layers[1], offloaded_checkpoint(layers[0], x, use_reentrant=False))
+        >>> y.requires_grad, host_memory_stats()["in_use_bytes"] - before   # 2 inputs, fp32, on the host
+        (True, 8192)
+        >>> y.sum().backward()                          # recomputes each layer from its host copy
+        >>> layers[0][0].weight.grad.shape, host_memory_stats()["in_use_bytes"] - before
+        (torch.Size([32, 32]), 0)
+    """
+    _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    base, bound, keywords = function, (), kwargs
+    if isinstance(function, functools.partial):
+        base, bound, keywords = function.func, function.args, {**function.keywords, **kwargs}
+    offloaded, join_args = _split(args, _is_tensor)
+    # tensors that require grad among a partial's bound arguments and the keywords: inputs of the Function
+    lifted, join_keywords = _split((bound, keywords), lambda x: _is_tensor(x) and x.requires_grad)
+    if not offloaded:
+        name = getattr(function, "__qualname__", type(function).__name__)
+        _warn_once(
+            f"no-positional:{name}",
+            f"fuselm.offload: {name} got no positional tensor: nothing is offloaded (keyword tensors stay "
+            "on their device)",
+        )
+
+    def run(offloaded: list, lifted: list) -> Any:
+        bound, keywords = join_keywords(lifted)
+        return base(*bound, *join_args(offloaded), **keywords)
+
+    call = _Call(run, len(offloaded), preserve_rng_state)
+    outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
+    return call.join_outputs(outputs)  # (set by the forward)
+
+
+def checkpoint_fn(**options: Any) -> functools.partial:
+    """``functools.partial(offloaded_checkpoint, **options)``, the options checked now (ValueError naming
+    one that is unknown or unsupported): for frameworks that take a checkpointing function and its
+    options apart (HF's ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
+    :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`).
+
+    Example:
+        >>> from fuselm.offload import checkpoint_fn
+        >>> checkpoint_fn(use_reentrant=True).keywords
+        {'use_reentrant': True}
+    """
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(_OPTIONS)})")
+    _check_options(**options)
+    return functools.partial(offloaded_checkpoint, **options)
