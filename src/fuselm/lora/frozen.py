@@ -45,6 +45,8 @@ def scratch(numel: int, device: torch.device | str, dtype: torch.dtype) -> torch
         True
     """
     device = torch.device(device)
+    if device.index is None and device.type == "cuda":  # "cuda" and "cuda:0" are one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
