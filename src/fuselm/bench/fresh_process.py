@@ -116,8 +116,9 @@ class Bench:
     worker_prefix: Callable[[str], list[str]] | None = None
     """provider -> the command line that starts its worker, before ``--worker`` (default: ``python -m
     <module>``); e.g. one that imports a peer before anything else."""
-    worker_env: Callable[[str], dict[str, str]] | None = None
-    """provider -> environment variables set for its worker (on top of the parent's)."""
+    worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
+    """(provider, the run's ``extra`` options) -> environment variables set for its worker (on top of the
+    parent's)."""
 
     @property
     def module(self) -> str:
@@ -292,7 +293,7 @@ def run_case(
         lambda result: worker_command(bench.module, provider, case, prefix=prefix, **options, result=result),
         timeout=bench.timeout_s if timeout is None else timeout,
         prefix=f"fuselm-{bench.name}-",
-        env=bench.worker_env(provider) if bench.worker_env is not None else None,
+        env=bench.worker_env(provider, extra) if bench.worker_env is not None else None,
     )
     return make_row(bench, provider, shape, data, repeat)
 

@@ -26,7 +26,14 @@ SUITES: dict[str, tuple[str, str]] = {
 }
 
 TRAINING_SUITES: dict[str, tuple[str, str]] = {
-    "e2e": ("fuselm.bench.e2e", "Llama-3.2-1B-shaped training steps: HF vs HF+Liger vs HF+fuselm (minutes)"),
+    "e2e": (
+        "fuselm.bench.e2e",
+        "Llama-3.2-1B / Qwen3-0.6B training steps: HF vs HF+Liger vs HF+fuselm, host vs GPU time (minutes)",
+    ),
+    "finetune": (
+        "fuselm.bench.finetune",
+        "LoRA / QLoRA steps of a saved random-init model: HF+PEFT vs +Liger vs +fuselm vs Unsloth (minutes)",
+    ),
     "linear_log_probs": (
         "fuselm.bench.linear_log_probs",
         "per-token log-probs (+ entropy) of the LM head vs torch, TRL, Liger; accuracy vs fp64 (minutes)",

@@ -437,7 +437,7 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
         first = warmup + steps
         profile = profile_steps(lambda i: logged.append(step(i)), first, profiled, device)
     return StepRun(
-        logged=torch.stack([t.detach().float() for t in logged]).cpu().tolist() if logged else [],
+        logged=torch.stack([t.detach().double() for t in logged]).cpu().tolist() if logged else [],
         warmup_s=warmup_s,
         step_s=step_s,
         cpu_s=cpu_s,
