@@ -14,7 +14,7 @@ import torch
 from hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import _common, blocks, patching
+from fuselm.hf import _common, blocks, plan
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
@@ -217,13 +217,13 @@ def test_an_instance_patch_overrides_the_class_patch():
 @pytest.mark.parametrize("by", ["instance", "class"])
 def test_loss_options_reach_the_loss_forward(by, monkeypatch):
     seen = []
-    factory = patching.causal_lm_forward
+    factory = plan.causal_lm_forward
 
     def spy(spec, original, options):
         seen.append(options)
         return factory(spec, original, options)
 
-    monkeypatch.setattr(patching, "causal_lm_forward", spy)
+    monkeypatch.setattr(plan, "causal_lm_forward", spy)
     fuselm.hf.patch(build("llama") if by == "instance" else "llama", label_smoothing=0.1, memory="low")
     want = LossOptions(from_logits=False, label_smoothing=0.1, memory="low")
     assert seen == [want]
@@ -420,6 +420,37 @@ def test_a_peft_wrapper_is_looked_through(monkeypatch):
     assert model.get_base_model().forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
     with pytest.raises(ValueError, match="PEFT's PeftModelForCausalLM"):
         fuselm.hf.patch(type(model))
+
+
+def _left_behind(model) -> list[str]:
+    """Instance attributes fuselm.hf may set (forwards, patch records) found on the model's modules."""
+    return [
+        f"{type(m).__name__}.{a}"
+        for m in model.modules()
+        for a in ("forward", "_fuselm_patch")
+        if a in vars(m)
+    ]
+
+
+def test_the_patch_state_follows_the_model_peft_merges_into(monkeypatch):
+    """After patch(peft_model), merge_and_unload() returns the model inside with its patched modules: it is
+    patched (is_patched, fuselm's loss and RoPE run, also once the PEFT wrapper is gone) and unpatch(merged)
+    takes every forward and record out and gives the family's RoPE back (issue 25 item 2)."""
+    peft = pytest.importorskip("peft")
+    rope_before = _modeling("llama").apply_rotary_pos_emb
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = fuselm.hf.patch(peft.get_peft_model(build("llama"), lora))
+    merged = model.merge_and_unload()
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert fuselm.hf.is_patched(merged) and fuselm.hf.is_patched(merged.model.layers[0])
+    del model
+    gc.collect()
+    calls = _rope_calls(monkeypatch)
+    out = _run(merged.requires_grad_(True), *_batch())  # PEFT froze the base weights
+    assert out.logits is None and calls
+    fuselm.hf.unpatch(merged)
+    assert not fuselm.hf.is_patched(merged) and not _left_behind(merged)
+    assert _modeling("llama").apply_rotary_pos_emb is rope_before
 
 
 def _trainer_args(tmp_path, model) -> dict:

@@ -1,10 +1,11 @@
-"""What several modules of fuselm.hf share: one-time warnings, a module's Hugging Face class (through
-FSDP2's subclasses), and PEFT's classes when PEFT is in use."""
+"""What several modules of fuselm.hf share: one-time warnings, a family's modeling module, a module's Hugging
+Face class (through FSDP2's subclasses), and PEFT's classes when PEFT is in use."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import types
 import warnings
 
 from torch import nn
@@ -17,6 +18,18 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)
+
+
+def modeling_module(spec) -> types.ModuleType:
+    """The modeling module of a :class:`~fuselm.hf.registry.FamilySpec`; ImportError saying what to install
+    when this transformers has no such module."""
+    try:
+        return importlib.import_module(spec.module)
+    except ImportError as e:
+        raise ImportError(
+            f"fuselm.hf needs transformers with the {spec.model_type!r} family ({spec.module}); "
+            f'pip install "fuselm[hf]" (or a newer transformers)'
+        ) from e
 
 
 def hf_class(module: nn.Module) -> type:

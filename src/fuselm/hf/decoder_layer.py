@@ -42,10 +42,20 @@ def _is_plain(t) -> bool:
     return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
-def _same_function(fn, other: Callable) -> bool:
-    """fn (a function, or a method bound to it) is other; by qualified name and module too, which
-    torch.compile resolves while tracing (torch 2.11's dynamo answers the identity False for the same one)."""
-    if getattr(fn, "__func__", fn) is other:
+def _forward_function(module: nn.Module) -> Callable:
+    """The function ``module(...)`` runs: its instance forward's (fuselm's instance patch: a
+    ``functools.partial`` of it; a bound method) or its class's ``forward``."""
+    own = module.__dict__.get("forward")
+    if own is None:
+        return type(module).forward
+    func = getattr(own, "func", None)  # not isinstance: dynamo sees any partial as functools.partial
+    return func if func is not None else getattr(own, "__func__", own)
+
+
+def _same_function(fn: Callable, other: Callable) -> bool:
+    """fn is other; by qualified name and module too, which torch.compile resolves while tracing (torch
+    2.11's dynamo answers the identity False for the same one)."""
+    if fn is other:
         return True
     return getattr(fn, "__qualname__", None) == other.__qualname__ and getattr(fn, "__module__", None) == (
         other.__module__
@@ -62,8 +72,7 @@ def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | N
     cls = hf_class(norm)
     if cls.__name__ != spec.rms_norm or cls.__module__ != spec.module:
         return None
-    own = norm.__dict__.get("forward")  # an instance patch: a bound method
-    if not _same_function(own if own is not None else type(norm).forward, norm_forward) or _hooked(norm):
+    if not _same_function(_forward_function(norm), norm_forward) or _hooked(norm):
         return None
     style = NORM_STYLES[spec.norm_style]
     scale_flag = style.get("scale_flag")
@@ -95,10 +104,7 @@ def residual_rms_norm(
 def _outermost(module: nn.Module, forward: Callable) -> bool:
     """Is ``forward`` what ``module(...)`` calls first (its instance forward, or its class's): then it
     checkpoints, as HF's wrapper does when it is the outermost one."""
-    own = module.__dict__.get("forward")
-    if own is not None:
-        return getattr(own, "__func__", None) is forward
-    return type(module).forward is forward
+    return _forward_function(module) is forward
 
 
 def _checkpoint(module: nn.Module, inner: Callable, args: tuple, kwargs: dict):

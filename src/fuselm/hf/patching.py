@@ -1,295 +1,82 @@
-"""``patch`` / ``unpatch``: put fuselm's forwards into Hugging Face models, and take them out again.
+"""``patch`` / ``unpatch`` / ``is_patched``: put fuselm's forwards into Hugging Face models, take them out.
 
 Three targets:
-- a model_type string (``"llama"``) or a model class: class patching. The family's RMSNorm, MLP and
-  CausalLM (and multimodal ConditionalGeneration) classes (with ``fused_residual=True`` also the decoder
-  layer of Llama's layout: the residual add fused into the post-attention RMSNorm) get fuselm's
-  ``forward`` as a class attribute and the modeling module's rotary function is replaced: every model of
-  the family, built before or after, uses them.
+- a model_type string (``"llama"``) or a model class: class patching (:mod:`fuselm.hf.class_patch`). The
+  family's RMSNorm, MLP and CausalLM (and multimodal ConditionalGeneration) classes (with
+  ``fused_residual=True`` also the decoder layer of Llama's layout: the residual add fused into the
+  post-attention RMSNorm) get fuselm's ``forward`` as a class attribute and the modeling module's rotary
+  function is replaced: every model of the family, built before or after, uses them.
 - a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM, a multimodal wrapper):
-  instance patching. Every submodule of a known family class gets fuselm's forward as an instance
-  attribute; other models of the same class are untouched.
+  instance patching (here). Every submodule of a known family class gets fuselm's forward as an instance
+  attribute (:func:`_instance_forward` decides which); other models of the same class are untouched.
 
-Patch state is per target: :func:`is_patched` of a model says whether *it* was patched (or its classes
-are), and patching a target again with other options replaces its patch (as ``unpatch`` then ``patch``).
+Patch state lives on the patched modules themselves, so it follows them wherever they go: each instance
+forward is an :class:`InstanceForward`, and the outermost module of each family in the model (its root)
+holds an :class:`_InstancePatch` (the options, and the family's use of fuselm's RoPE). So
+:func:`is_patched` and :func:`unpatch` tell the truth about any model holding patched modules (the model
+``merge_and_unload`` returns from a patched PEFT model, a submodule), and a copy (``copy.deepcopy``,
+pickle, ``torch.save`` / ``torch.load``) is patched for real, with the same options.
 
-The rotary function is module-level in HF (the attention calls it by name), so ``rope=True`` installs
-a dispatcher in the family's modeling module: it runs fuselm's RoPE while a class patch or a live
-instance-patched model of that family needs it (a weak set: a garbage-collected model drops out by
-itself) and HF's otherwise. Modules are only ever changed by explicit ``patch`` / ``unpatch`` calls,
-never from a finalizer (a module global changed mid ``torch.compile`` can crash dynamo); the original
-function is put back by the first ``patch`` / ``unpatch`` call that finds no user left.
-
+Patching a target again with other options replaces its patch (as ``unpatch`` then ``patch``).
 ``unpatch`` restores exactly what was there: the original class attributes (or their absence), the
-original module function, no instance attributes left behind.
+original module function, no instance attributes left behind. The rotary function is module-level in HF
+(:mod:`fuselm.hf.rotary`): it runs fuselm's RoPE while a class patch or a live patched model needs it.
 """
 
 from __future__ import annotations
 
-import importlib
-import types
+import functools
 import warnings
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._common import hf_class, is_peft_wrapper, sharded_classes
-from .blocks import mlp_forward, rms_norm_forward, rope_function
-from .causal_lm import causal_lm_forward
-from .decoder_layer import decoder_layer_forward
-from .loss import LossOptions
-from .registry import (
-    FamilySpec,
-    family,
-    family_of_module,
-    generic_spec,
-    is_lm_class_name,
-    supported_model_types,
-)
+from ._common import hf_class, is_peft_wrapper
+from .class_patch import family_of_target, is_class_patched, original_forward, patch_family, unpatch_family
+from .plan import Plan, forward_for, make_plan
+from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
+from .rotary import add_user, has_rope, remove_user, sweep
 
-# the block components; the loss is the last one. residual_norm: the decoder layer's add after the
-# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm)
-BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu")
-MISSING = object()  # a class attribute that was not in the class's own __dict__
-# Marker attribute on an instance-patched model: its _InstancePatch.
+# the attribute of a family's root module in an instance-patched model: its _InstancePatch
 INSTANCE_MARK = "_fuselm_patch"
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What one ``patch`` call asks for: block components, and the loss options (None: no loss)."""
-
-    blocks: tuple[str, ...]
-    loss: LossOptions | None
-
-
-@dataclass
-class _ClassPatch:
-    plan: _Plan
-    saved: list[tuple[type, str, object]]  # (class, attribute, previous value or MISSING)
-
-
-@dataclass
-class _InstancePatch:
-    plan: _Plan
-    modules: list[nn.Module] = field(default_factory=list)  # submodules given an instance forward
-    rope_families: list[FamilySpec] = field(default_factory=list)
-
-
-@dataclass
-class _RopeState:
-    """A family's rotary function while fuselm's dispatcher is installed in its modeling module."""
-
-    original: Callable
-    installed: Callable | None = None
-    class_user: bool = False
-    instances: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-
-    def in_use(self) -> bool:
-        return self.class_user or len(self.instances) > 0
-
-
-_class_patches: dict[FamilySpec, _ClassPatch] = {}
-_ropes: dict[FamilySpec, _RopeState] = {}
-
-
-def _modeling(spec: FamilySpec) -> types.ModuleType:
-    try:
-        return importlib.import_module(spec.module)
-    except ImportError as e:
-        raise ImportError(
-            f"fuselm.hf needs transformers with the {spec.model_type!r} family ({spec.module}); "
-            f'pip install "fuselm[hf]" (or a newer transformers)'
-        ) from e
-
-
-def _own(cls: type, name: str):
-    """The attribute as the class itself defines it (MISSING if only inherited)."""
-    return cls.__dict__.get(name, MISSING)
-
-
-def _plan(
-    rms_norm,
-    fused_residual,
-    rope,
-    swiglu,
-    linear_cross_entropy,
-    cross_entropy,
-    label_smoothing,
-    memory,
-    accum_dtype,
-) -> _Plan:
-    if cross_entropy and linear_cross_entropy:
-        raise ValueError(
-            "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
-            "(linear_cross_entropy=False for the loss on materialized logits)"
-        )
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
-    if fused_residual and not rms_norm:
-        raise ValueError(
-            "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
-        )
-    flags = (rms_norm, fused_residual, rope, swiglu)
-    blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
-    loss = None
-    if linear_cross_entropy or cross_entropy:
-        loss = LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
-    if not blocks and loss is None:
-        raise ValueError("nothing to patch: every component flag is False")
-    return _Plan(blocks, loss)
-
-
-def _original_forward(cls: type) -> Callable:
-    """HF's own forward of a class, also while the class is class-patched."""
-    for patch in _class_patches.values():
-        for owner, name, previous in patch.saved:
-            if owner is cls and name == "forward":
-                return previous if previous is not MISSING else cls.__mro__[1].forward
-    return cls.forward
-
-
-def _forward_for(spec: FamilySpec, cls: type, plan: _Plan) -> Callable | None:
-    """fuselm's forward for a class of ``spec``'s module under ``plan``, or None (not swapped)."""
-    name = cls.__name__
-    if name == spec.rms_norm and "rms_norm" in plan.blocks:
-        return rms_norm_forward(spec)
-    if name == spec.decoder_layer and "residual_norm" in plan.blocks:
-        return decoder_layer_forward(spec, _original_forward(cls))
-    if name == spec.mlp and "swiglu" in plan.blocks:
-        return mlp_forward(spec, _original_forward(cls))
-    if name in spec.causal_lms and plan.loss is not None:
-        return causal_lm_forward(spec, _original_forward(cls), plan.loss)
-    return None
-
-
-# ---- the rotary function: a dispatcher that stays until an explicit call finds no user left ----
-
-
-def _dispatcher(state: _RopeState, fused: Callable, original: Callable) -> Callable:
-    def apply_rotary_pos_emb(*args, **kwargs):
-        if state.class_user or state.instances:
-            return fused(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    apply_rotary_pos_emb.__module__ = fused.__module__
-    apply_rotary_pos_emb.__qualname__ = fused.__qualname__
-    apply_rotary_pos_emb.__wrapped__ = original
-    return apply_rotary_pos_emb
-
-
-def _rope_add(spec: FamilySpec, module: types.ModuleType, user) -> None:
-    """Register ``user`` (a model, or None for the class patch) as needing fuselm's RoPE in the family."""
-    state = _ropes.get(spec)
-    if state is None:
-        original = getattr(module, spec.rope)
-        state = _RopeState(original)
-        state.installed = _dispatcher(state, rope_function(spec, original), original)
-        _ropes[spec] = state
-        setattr(module, spec.rope, state.installed)
-    if user is None:
-        state.class_user = True
-    else:
-        state.instances.add(user)
-
-
-def _sweep() -> None:
-    """Put back the original rotary function of every family no patch needs any more (models that were
-    garbage-collected unpatched have left the weak sets by themselves)."""
-    for spec, state in list(_ropes.items()):
-        if state.in_use():
-            continue
-        module = importlib.import_module(spec.module)
-        if getattr(module, spec.rope, None) is state.installed:
-            setattr(module, spec.rope, state.original)
-        del _ropes[spec]
-
-
-# ---- class patching ----
-
-
-def _unpatch_family(spec: FamilySpec) -> None:
-    patch = _class_patches.pop(spec, None)
-    if patch is None:
-        return
-    for owner, name, previous in reversed(patch.saved):
-        current = vars(owner).get(name)
-        if previous is MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, previous)
-        for sub in sharded_classes(owner):  # made by FSDP2 while patched: wrapping fuselm's forward
-            if getattr(vars(sub)["forward"], "__wrapped__", None) is current is not None:
-                sub.forward = getattr(owner, name)  # as if made from the restored class
-    if spec in _ropes:
-        _ropes[spec].class_user = False
-
-
-def _patch_family(spec: FamilySpec, plan: _Plan) -> None:
-    current = _class_patches.get(spec)
-    if current is not None and current.plan == plan:
-        return
-    _unpatch_family(spec)  # other options: they replace the previous class patch
-    module = _modeling(spec)
-    names = [spec.components()[c] for c in plan.blocks if c in spec.components() and c != "rope"]
-    names += list(spec.causal_lms) if plan.loss is not None else []
-    saved, missing = [], []
-    for name in names:
-        cls = getattr(module, name, None)
-        if cls is None:
-            missing.append(name)
-            continue
-        new = _forward_for(spec, cls, plan)
-        if new is None:  # a decoder layer that is not Llama's layout here (warned): it stays HF's
-            continue
-        saved.append((cls, "forward", _own(cls, "forward")))
-        cls.forward = new
-        for sub in sharded_classes(cls):  # FSDP2's class of it, made before: holds the old forward
-            saved.append((sub, "forward", _own(sub, "forward")))
-            sub.forward = new
-    rope = "rope" in plan.blocks and spec.rope is not None
-    if rope and not hasattr(module, spec.rope):
-        missing.append(spec.rope)
-        rope = False
-    if not saved and not rope:
-        raise ValueError(
-            f"nothing to patch in the {spec.model_type!r} family with these flags "
-            f"(it swaps: {', '.join(spec.components()) or 'only the loss'})"
-        )
-    _class_patches[spec] = _ClassPatch(plan, saved)
-    if rope:
-        _rope_add(spec, module, None)
-    if missing:
-        warnings.warn(
-            f"fuselm.hf: {spec.module} has no {', '.join(missing)} in this transformers version; "
-            "they stay Hugging Face's",
-            stacklevel=3,
-        )
-
-
-def _family_of_target(target) -> FamilySpec:
-    if isinstance(target, str):
-        return family(target)
-    spec = family_of_module(getattr(target, "__module__", ""))
-    if spec is not None:
-        return spec
-    if isinstance(target, type) and is_peft_wrapper(target):
-        raise ValueError(
-            f"PEFT's {target.__name__} is a wrapper: patch the wrapped model (the PEFT model itself, an "
-            "instance, is looked through) or its family's model_type"
-        )
-    if isinstance(target, type) and target.__name__.endswith("ForCausalLM"):
-        return generic_spec(target)
-    raise ValueError(
-        f"{getattr(target, '__name__', target)} is not a class of a family fuselm.hf knows nor a "
-        f"*ForCausalLM (supported model types: {', '.join(supported_model_types())})"
-    )
-
-
 # ---- instance patching ----
+
+
+class InstanceForward(functools.partial):
+    """``module.forward`` as instance patching sets it: ``forward``, one of fuselm's forwards, bound to
+    ``module``, and standing for the bound method it is (``__func__``, ``__self__``, ``__qualname__``).
+    ``forward`` is ``make(*how)``: how it was made, so that a copy of the module gets its own."""
+
+    def __new__(cls, module: nn.Module, forward: Callable, make: Callable, how: tuple):
+        self = super().__new__(cls, forward, module)
+        self.make, self.how = make, how
+        self.__name__, self.__qualname__ = self.func.__name__, self.func.__qualname__
+        return self
+
+    @property
+    def __func__(self) -> Callable:
+        return self.func
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.args[0]
+
+    def __repr__(self) -> str:
+        return f"<fuselm forward {self.__qualname__} of {type(self.args[0]).__name__}>"
+
+
+@dataclass(frozen=True)
+class _InstancePatch:
+    """Held by the outermost module of a family in an instance-patched model (the family's root, attribute
+    :data:`INSTANCE_MARK`): the family, and the options its modules were patched with. The root is the
+    user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this."""
+
+    spec: FamilySpec
+    plan: Plan
 
 
 def _generic_lm(module: nn.Module, cls: type) -> bool:
@@ -305,63 +92,114 @@ def _generic_lm(module: nn.Module, cls: type) -> bool:
     )
 
 
-def _patch_instance(model: nn.Module, plan: _Plan) -> None:
-    current = getattr(model, INSTANCE_MARK, None)
-    if current is not None and current.plan == plan:
+def _family_spec(module: nn.Module, plan: Plan) -> FamilySpec | None:
+    """The family of a module's class (a spec of the registry; the generic spec of a ``*ForCausalLM``
+    without one, when ``plan`` has a loss), or None."""
+    cls = hf_class(module)
+    spec = family_of_module(cls.__module__)
+    if spec is None and plan.loss is not None and _generic_lm(module, cls):
+        spec = generic_spec(cls)
+    return spec
+
+
+def _family_forward(spec: FamilySpec, cls: type, plan: Plan) -> Callable | None:
+    return forward_for(spec, cls, original_forward(cls), plan)
+
+
+def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
+    """The forward instance patching gives ``module`` under ``plan``, or None (it keeps its own): the one
+    place that decides which submodules of a model get an instance forward, and which one. Here: fuselm's
+    forward for the module's class when it is a class its family swaps (:func:`fuselm.hf.plan.forward_for`),
+    or the fused loss of a ``*ForCausalLM`` without a spec."""
+    spec = _family_spec(module, plan)
+    if spec is None:
+        return None
+    how = (spec, hf_class(module), plan)
+    forward = _family_forward(*how)
+    return None if forward is None else InstanceForward(module, forward, _family_forward, how)
+
+
+def _family_roots(model: nn.Module, plan: Plan) -> dict[nn.Module, FamilySpec]:
+    """The outermost module of each family in ``model`` (one per model of the family in it: a Llava's Llama
+    text model is the root of the llama family, the Llava wrapper of the llava family)."""
+    roots: dict[nn.Module, FamilySpec] = {}
+
+    def visit(module: nn.Module, above: frozenset) -> None:
+        spec = _family_spec(module, plan)
+        if spec is not None and spec not in above:
+            roots.setdefault(module, spec)
+            above = above | {spec}
+        for child in module.children():
+            visit(child, above)
+
+    visit(model, frozenset())
+    return roots
+
+
+def _instance_patches(model: nn.Module) -> list[_InstancePatch]:
+    return [vars(m)[INSTANCE_MARK] for m in model.modules() if INSTANCE_MARK in vars(m)]
+
+
+def _patch_instance(model: nn.Module, plan: Plan) -> None:
+    current = _instance_patches(model)
+    if current and all(p.plan == plan for p in current):
         return
     _unpatch_instance(model)  # other options: they replace the previous patch of this model
-    patch = _InstancePatch(plan)
-    known: dict[FamilySpec, None] = {}  # families with a spec, in order of appearance
-    generic: list[str] = []
+    forwards = []
     for sub in model.modules():
-        cls = hf_class(sub)
-        spec = family_of_module(cls.__module__)
-        if spec is not None:
-            known[spec] = None
-        elif plan.loss is not None and _generic_lm(sub, cls):
-            spec = generic_spec(cls)
-            generic.append(f"{cls.__name__} ({spec.model_type})")
-        else:
-            continue
-        new = _forward_for(spec, cls, plan)
-        if new is None or "forward" in vars(sub):  # not swapped, or someone else's instance forward
-            continue
-        sub.forward = types.MethodType(new, sub)
-        patch.modules.append(sub)
-    if "rope" in plan.blocks:
-        patch.rope_families = [s for s in known if s.rope is not None and hasattr(_modeling(s), s.rope)]
-    if not patch.modules and not patch.rope_families:
+        forward = None if "forward" in vars(sub) else _instance_forward(sub, plan)  # not someone else's
+        if forward is not None:
+            forwards.append((sub, forward))
+    roots = _family_roots(model, plan)
+    rope_users = [(r, s) for r, s in roots.items() if "rope" in plan.blocks and has_rope(s)]
+    if not forwards and not rope_users:
         raise ValueError(
             f"{type(model).__name__}: nothing fuselm.hf can patch with these flags: no module of a family "
             f"it knows (supported model types: {', '.join(supported_model_types())}) and no decoder "
             "*ForCausalLM / *ForConditionalGeneration with an lm_head"
         )
-    for spec in patch.rope_families:
-        _rope_add(spec, _modeling(spec), model)
-    object.__setattr__(model, INSTANCE_MARK, patch)
-    if generic:
-        inside = [s.model_type for s in known if s.components()]
-        blocks = (
-            f"the {', '.join(inside)} blocks inside run fuselm's" if inside else "nothing else is swapped"
-        )
-        warnings.warn(
-            f"fuselm.hf: no spec for {', '.join(generic)}: its loss is fused; its norms, RoPE and MLP "
-            f"stay Hugging Face's ({blocks})",
-            stacklevel=3,
-        )
+    for sub, forward in forwards:
+        vars(sub)["forward"] = forward
+    for root, spec in roots.items():
+        vars(root)[INSTANCE_MARK] = _InstancePatch(spec, plan)
+    for root, spec in rope_users:
+        add_user(spec, root)
+    _warn_generic(roots, {sub for sub, _ in forwards})
+
+
+def _warn_generic(roots: dict[nn.Module, FamilySpec], patched: set[nn.Module]) -> None:
+    """One warning naming the ``*ForCausalLM`` models without a spec that got the fused loss."""
+    generic = [(m, s) for m, s in roots.items() if family_of_module(s.module) is None and m in patched]
+    if not generic:
+        return
+    inside = [s.model_type for s in dict.fromkeys(roots.values()) if s.components()]
+    blocks = f"the {', '.join(inside)} blocks inside run fuselm's" if inside else "nothing else is swapped"
+    names = ", ".join(f"{hf_class(m).__name__} ({s.model_type})" for m, s in generic)
+    warnings.warn(
+        f"fuselm.hf: no spec for {names}: its loss is fused; its norms, RoPE and MLP stay Hugging Face's "
+        f"({blocks})",
+        stacklevel=4,
+    )
 
 
 def _unpatch_instance(model: nn.Module) -> None:
-    patch = getattr(model, INSTANCE_MARK, None)
-    if patch is None:
-        return
-    for sub in patch.modules:
-        if "forward" in vars(sub):
-            del sub.forward
-    for spec in patch.rope_families:
-        if spec in _ropes:
-            _ropes[spec].instances.discard(model)
-    object.__delattr__(model, INSTANCE_MARK)
+    """Take out every instance forward and patch record fuselm put in ``model`` or its submodules."""
+    for sub in model.modules():
+        if isinstance(vars(sub).get("forward"), InstanceForward):
+            del vars(sub)["forward"]
+        patch = vars(sub).pop(INSTANCE_MARK, None)
+        if patch is not None:
+            remove_user(patch.spec, sub)
+
+
+def _class_spec(cls: type) -> FamilySpec | None:
+    spec = family_of_module(cls.__module__)
+    if spec is None and cls.__name__.endswith("ForCausalLM"):
+        return generic_spec(cls)
+    return spec
+
+
+# ---- the public functions ----
 
 
 def _bad_target(target) -> TypeError:
@@ -452,23 +290,23 @@ def patch(
         (torch.Size([]), True)
         >>> _ = fuselm.hf.unpatch(model)
     """
-    plan = _plan(
-        rms_norm,
-        fused_residual,
-        rope,
-        swiglu,
-        linear_cross_entropy,
-        cross_entropy,
-        label_smoothing,
-        memory,
-        accum_dtype,
+    plan = make_plan(
+        rms_norm=rms_norm,
+        fused_residual=fused_residual,
+        rope=rope,
+        swiglu=swiglu,
+        linear_cross_entropy=linear_cross_entropy,
+        cross_entropy=cross_entropy,
+        label_smoothing=label_smoothing,
+        memory=memory,
+        accum_dtype=accum_dtype,
     )
     if isinstance(target, nn.Module):
         _patch_instance(target, plan)
     elif isinstance(target, (str, type)):
-        spec = _family_of_target(target)
-        _patch_family(spec, plan)
-        if spec.model_type not in supported_model_types() and family_of_module(spec.module) is None:
+        spec = family_of_target(target)
+        patch_family(spec, plan)
+        if family_of_module(spec.module) is None:
             warnings.warn(
                 f"fuselm.hf: no spec for {spec.causal_lms[0]} ({spec.model_type}): its loss is fused; its "
                 "norms, RoPE and MLP stay Hugging Face's",
@@ -476,39 +314,35 @@ def patch(
             )
     else:
         raise _bad_target(target)
-    _sweep()
+    sweep()
     return target
 
 
 def unpatch(target):
-    """Undo :func:`patch` on the same target: a built model loses every forward fuselm gave it; a class
-    or model_type string gets its family's original classes back. Rotary functions no patch needs any
-    more are restored. A target that was not patched is left as it is. Returns the target."""
+    """Undo :func:`patch` on the same target: a built model loses every forward fuselm gave it or its
+    submodules (also a model holding modules of a patched one: ``merge_and_unload``'s result, a copy); a
+    class or model_type string gets its family's original classes back. Rotary functions no patch needs
+    any more are restored. A target that was not patched is left as it is. Returns the target."""
     if isinstance(target, nn.Module):
         _unpatch_instance(target)
     elif isinstance(target, (str, type)):
-        _unpatch_family(_family_of_target(target))
+        unpatch_family(family_of_target(target))
     else:
         raise _bad_target(target)
-    _sweep()
+    sweep()
     return target
 
 
 def is_patched(target) -> bool:
-    """Whether a patch is in force on this target: for a built model, its own instance patch or a class
-    patch of one of its classes' families (not another model's patch); for a model_type or class, a
-    class patch of its family."""
+    """Whether fuselm's code runs in this target: for a built model, an instance patch of it or of its
+    submodules (wherever they are now: inside a PEFT model, the model ``merge_and_unload`` returned, a
+    copy), or a class patch of one of its classes' families (not another model's patch); for a
+    model_type or class, a class patch of its family."""
     if isinstance(target, nn.Module):
-        if getattr(target, INSTANCE_MARK, None) is not None:
-            return True
-        return any(_class_spec(hf_class(m)) in _class_patches for m in target.modules())
+        for m in target.modules():
+            if INSTANCE_MARK in vars(m) or isinstance(vars(m).get("forward"), InstanceForward):
+                return True
+        return any(is_class_patched(_class_spec(hf_class(m))) for m in target.modules())
     if not isinstance(target, (str, type)):
         raise _bad_target(target)
-    return _family_of_target(target) in _class_patches
-
-
-def _class_spec(cls: type) -> FamilySpec | None:
-    spec = family_of_module(cls.__module__)
-    if spec is None and cls.__name__.endswith("ForCausalLM"):
-        return generic_spec(cls)
-    return spec
+    return is_class_patched(family_of_target(target))

@@ -1,0 +1,78 @@
+"""What one ``fuselm.hf.patch`` call asks for (:class:`Plan`, checked when patching), and which of fuselm's
+forwards a class of a family gets under it (:func:`forward_for`): what class and instance patching share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import mlp_forward, rms_norm_forward
+from .causal_lm import causal_lm_forward
+from .decoder_layer import decoder_layer_forward
+from .loss import LossOptions
+from .registry import FamilySpec
+
+# the block components; the loss is the last one. residual_norm: the decoder layer's add after the
+# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm)
+BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ``patch`` call asks for: block components (of :data:`BLOCKS`), and the loss options (None:
+    the loss stays HF's)."""
+
+    blocks: tuple[str, ...]
+    loss: LossOptions | None
+
+
+def make_plan(
+    *,
+    rms_norm: bool,
+    fused_residual: bool,
+    rope: bool,
+    swiglu: bool,
+    linear_cross_entropy: bool,
+    cross_entropy: bool,
+    label_smoothing: float,
+    memory: str | int,
+    accum_dtype: torch.dtype | None,
+) -> Plan:
+    """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one."""
+    if cross_entropy and linear_cross_entropy:
+        raise ValueError(
+            "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
+            "(linear_cross_entropy=False for the loss on materialized logits)"
+        )
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
+    if fused_residual and not rms_norm:
+        raise ValueError(
+            "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
+        )
+    flags = (rms_norm, fused_residual, rope, swiglu)
+    blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
+    loss = None
+    if linear_cross_entropy or cross_entropy:
+        loss = LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
+    if not blocks and loss is None:
+        raise ValueError("nothing to patch: every component flag is False")
+    return Plan(blocks, loss)
+
+
+def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> Callable | None:
+    """fuselm's forward for ``cls``, a class of ``spec``'s modeling module whose own (HF's) forward is
+    ``original``, under ``plan``; None: the class keeps HF's (not a class the family swaps, not asked for,
+    or a decoder layer that is not Llama's layout in this transformers, warned once)."""
+    name = cls.__name__
+    if name == spec.rms_norm and "rms_norm" in plan.blocks:
+        return rms_norm_forward(spec)
+    if name == spec.decoder_layer and "residual_norm" in plan.blocks:
+        return decoder_layer_forward(spec, original)
+    if name == spec.mlp and "swiglu" in plan.blocks:
+        return mlp_forward(spec, original)
+    if name in spec.causal_lms and plan.loss is not None:
+        return causal_lm_forward(spec, original, plan.loss)
+    return None
