@@ -344,7 +344,8 @@ def train(
 def step_figures(run: training.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
     """A worker's per-step figures of ``run`` (ms, tokens/s; GPU figures None off CUDA)."""
     median = run.median_step_s
-    prof = run.profile if device.type == "cuda" else None
+    # no CUDA, or a profile without device events (CUPTI unavailable): no GPU figures rather than zeros
+    prof = run.profile if device.type == "cuda" and run.profile is not None and run.profile.kernels else None
 
     def per_step(name: str, scale: float) -> float | None:
         value = prof.per_step(name) if prof is not None else None
