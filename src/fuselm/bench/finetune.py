@@ -401,8 +401,8 @@ def load_peft_model(
             use_gradient_checkpointing="unsloth",
             random_state=seed,
         )
-        if hasattr(FastLanguageModel, "for_training"):
-            FastLanguageModel.for_training(model)
+        # model.train(), as a trainer does right after get_peft_model (for_training would re-resolve the
+        # checkpointing mode get_peft_model just set)
         return model.train(), "Unsloth's ('unsloth': activations offloaded to host)"
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
