@@ -385,6 +385,7 @@ def load_peft_model(
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
+    alpha = int(alpha) if float(alpha).is_integer() else alpha  # LoraConfig's type: an int, as users pass it
     if provider == "unsloth":
         from unsloth import FastLanguageModel
 
