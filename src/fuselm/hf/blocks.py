@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed
+from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed, is_plain_linear
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rotary
+from .lora import lora_gated_mlp_forward, warn_fallback
 from .registry import NORM_STYLES, FamilySpec
 
 
@@ -41,6 +42,10 @@ def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
     no kernel for (``config.<act_attr>`` not in ``fuselm.nn.mlp.ACTIVATIONS``) runs the original.
     ``spec.mlp_multipliers`` names the module attributes read at each call (as HF's forward reads them)
     for the gate and down multipliers of :func:`fuselm.nn.mlp.gated_mlp` (Falcon-H1).
+    Projections that are not plain ``nn.Linear`` (PEFT LoRA layers, bitsandbytes 4/8-bit bases) run
+    :func:`fuselm.lora.lora_gated_mlp` (the LoRA updates added in the GEMMs, only x, gate, up and the
+    rank-r products saved); what it does not cover runs HF's projections after one warning naming the
+    MLP and the reason.
 
     Shapes: x ``[..., H]`` in, ``[..., H]`` out."""
     gate_attr, down_attr = spec.mlp_multipliers or (None, None)
@@ -52,12 +57,20 @@ def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
             return original(self, x)
         if spec.packed_mlp:
             return self.down_proj(gated_packed(self.gate_up_proj(x), act))
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        plain = all(is_plain_linear(p) for p in projections)
+        if not plain and gate_attr is None:  # PEFT LoRA / quantized projections: the fused LoRA MLP
+            out = lora_gated_mlp_forward(self, x, act)  # None: it warned once why not
+            if out is not None:
+                return out
+        elif not plain:
+            warn_fallback(self, "MLP multipliers with LoRA or quantized projections", "HF's projections")
         multipliers = {}
         if gate_attr is not None:
             multipliers = dict(
                 gate_multiplier=getattr(self, gate_attr), down_multiplier=getattr(self, down_attr)
             )
-        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation, **multipliers)
+        return gated_mlp(x, *projections, activation, **multipliers)
 
     forward.__qualname__ = f"fuselm_{spec.mlp}.forward"
     return forward
