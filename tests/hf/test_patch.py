@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib
+import pickle
 import types
 import warnings
 
@@ -451,6 +452,58 @@ def test_the_patch_state_follows_the_model_peft_merges_into(monkeypatch):
     fuselm.hf.unpatch(merged)
     assert not fuselm.hf.is_patched(merged) and not _left_behind(merged)
     assert _modeling("llama").apply_rotary_pos_emb is rope_before
+
+
+def _saved(model, how: str, tmp_path):
+    """A way to copy a model, in two steps: what is kept of it (the copy itself for deepcopy, bytes or a
+    file otherwise), then the copy from that (after the original is gone, as in a new process)."""
+    if how == "deepcopy":
+        kept = copy.deepcopy(model)
+        return lambda: kept
+    if how == "pickle":
+        data = pickle.dumps(model)
+        return lambda: pickle.loads(data)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    return lambda: torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
+    """A deep copy, a pickle round trip or torch.save / torch.load of a patched model is patched for real
+    (issue 25 item 3): its modules run fuselm's forwards (bound to the copy's modules, with the options of
+    the original), its family's RoPE is fuselm's (the dispatcher put back when loading finds none), the
+    loss and gradients are the original's bit for bit; is_patched, re-patching and unpatch act on the copy
+    alone."""
+    module = _modeling("llama")
+    rope_before = module.apply_rotary_pos_emb
+    model = fuselm.hf.patch(build("llama"), label_smoothing=0.1)
+    ids, labels = _batch()
+    want = _run(model, ids, labels)
+    want_grads = _grads(model)
+    load = _saved(model, how, tmp_path)
+    fuselm.hf.unpatch(model)  # and gone: nothing of the original's patch is left in the process
+    del model
+    gc.collect()
+    assert (module.apply_rotary_pos_emb is rope_before) == (how != "deepcopy")
+    loaded = load()
+    assert fuselm.hf.is_patched(loaded)
+    patched = [m for m in loaded.modules() if "forward" in vars(m)]
+    assert {type(m).__name__ for m in patched} == {"LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM"}
+    assert all(vars(m)["forward"].__self__ is m for m in patched)
+    assert module.apply_rotary_pos_emb is not rope_before
+    calls = _rope_calls(monkeypatch)
+    got = _run(loaded, ids, labels)
+    assert calls and got.logits is None
+    assert torch.equal(got.loss, want.loss)  # label_smoothing=0.1 too
+    got_grads = _grads(loaded)
+    assert got_grads.keys() == want_grads.keys()
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    fuselm.hf.patch(loaded, linear_cross_entropy=False, cross_entropy=True)
+    assert loaded.forward.__func__.__qualname__.endswith("forward[logits]")
+    fuselm.hf.unpatch(loaded)
+    assert not fuselm.hf.is_patched(loaded) and not _left_behind(loaded)
+    assert module.apply_rotary_pos_emb is rope_before
 
 
 def _trainer_args(tmp_path, model) -> dict:

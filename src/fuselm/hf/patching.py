@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -68,15 +68,51 @@ class InstanceForward(functools.partial):
     def __repr__(self) -> str:
         return f"<fuselm forward {self.__qualname__} of {type(self.args[0]).__name__}>"
 
+    def __reduce__(self):
+        """Copied (``copy.deepcopy``) or pickled with its module: the copy's forward is made again and bound
+        to the copy of the module."""
+        return (_rebuilt_forward, (self.args[0], self.make, self.how))
 
-@dataclass(frozen=True)
+
+def _rebuilt_forward(module: nn.Module, make: Callable, how: tuple) -> InstanceForward:
+    """The forward of a copied or unpickled module (its state may not be restored yet: only its class is
+    read). In a process whose transformers gives no fuselm forward for it (a decoder layer of another
+    layout: warned), the copy runs HF's forward, through an InstanceForward that ``unpatch`` takes out."""
+    forward = make(*how)
+    if forward is None:
+        forward = original_forward(hf_class(module))
+    return InstanceForward(module, forward, make, how)
+
+
 class _InstancePatch:
     """Held by the outermost module of a family in an instance-patched model (the family's root, attribute
     :data:`INSTANCE_MARK`): the family, and the options its modules were patched with. The root is the
-    user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this."""
+    user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this, and so is the root
+    of a copy (``copy.deepcopy``, pickle): see :meth:`__reduce__`."""
 
-    spec: FamilySpec
-    plan: Plan
+    __slots__ = ("spec", "plan", "_root")
+
+    def __init__(self, root: nn.Module, spec: FamilySpec, plan: Plan):
+        self.spec, self.plan, self._root = spec, plan, weakref.ref(root)
+
+    @property
+    def root(self) -> nn.Module | None:
+        return self._root()
+
+    def uses_rope(self) -> bool:
+        return "rope" in self.plan.blocks and has_rope(self.spec)
+
+    def __reduce__(self):
+        return (_restored_patch, (self.root, self.spec, self.plan))
+
+
+def _restored_patch(root: nn.Module, spec: FamilySpec, plan: Plan) -> _InstancePatch:
+    """The record of a copied or unpickled root: the copy uses the family's RoPE too (the dispatcher is
+    installed again when the process has none: loading a patched model is an explicit call)."""
+    patch = _InstancePatch(root, spec, plan)
+    if patch.uses_rope():
+        add_user(spec, root)
+    return patch
 
 
 def _generic_lm(module: nn.Module, cls: type) -> bool:
@@ -150,9 +186,8 @@ def _patch_instance(model: nn.Module, plan: Plan) -> None:
         forward = None if "forward" in vars(sub) else _instance_forward(sub, plan)  # not someone else's
         if forward is not None:
             forwards.append((sub, forward))
-    roots = _family_roots(model, plan)
-    rope_users = [(r, s) for r, s in roots.items() if "rope" in plan.blocks and has_rope(s)]
-    if not forwards and not rope_users:
+    patches = [_InstancePatch(root, spec, plan) for root, spec in _family_roots(model, plan).items()]
+    if not forwards and not any(p.uses_rope() for p in patches):
         raise ValueError(
             f"{type(model).__name__}: nothing fuselm.hf can patch with these flags: no module of a family "
             f"it knows (supported model types: {', '.join(supported_model_types())}) and no decoder "
@@ -160,15 +195,16 @@ def _patch_instance(model: nn.Module, plan: Plan) -> None:
         )
     for sub, forward in forwards:
         vars(sub)["forward"] = forward
-    for root, spec in roots.items():
-        vars(root)[INSTANCE_MARK] = _InstancePatch(spec, plan)
-    for root, spec in rope_users:
-        add_user(spec, root)
-    _warn_generic(roots, {sub for sub, _ in forwards})
+    for patch in patches:
+        vars(patch.root)[INSTANCE_MARK] = patch
+        if patch.uses_rope():
+            add_user(patch.spec, patch.root)
+    _warn_generic(patches, {sub for sub, _ in forwards})
 
 
-def _warn_generic(roots: dict[nn.Module, FamilySpec], patched: set[nn.Module]) -> None:
+def _warn_generic(patches: list[_InstancePatch], patched: set[nn.Module]) -> None:
     """One warning naming the ``*ForCausalLM`` models without a spec that got the fused loss."""
+    roots = {p.root: p.spec for p in patches}
     generic = [(m, s) for m, s in roots.items() if family_of_module(s.module) is None and m in patched]
     if not generic:
         return
@@ -262,7 +298,10 @@ def patch(
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
-    overrides a class patch of the same classes for that model.
+    overrides a class patch of the same classes for that model. The patch lives on the patched modules:
+    a model holding them is patched (``peft_model.merge_and_unload()``), and a copy of a patched model
+    (``copy.deepcopy``, pickle, ``torch.save`` / ``torch.load``) is patched for real, with the same
+    options (loading it installs the family's RoPE dispatcher if the process has none).
 
     Returns:
         the target (so ``model = fuselm.hf.patch(model)`` reads naturally).
