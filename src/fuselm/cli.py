@@ -98,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--merge",
-        action="store_true",
-        help="e2e, finetune: join the rows already in the output folder's <suite>.json (same device and "
-        "dtype) with this run's, e.g. a grid split over several commands",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="e2e, finetune: join the rows of an earlier report (same device and dtype) with this run's, "
+        "e.g. a grid split over several commands: the output folder's <suite>.json, or PATH (a JSON file or "
+        "a folder holding <suite>.json); this run's configurations replace the earlier rows of the same ones",
     )
     bench.add_argument("--scenarios", help="finetune: comma-separated from qlora,lora (default: both)")
     bench.add_argument("--rank", type=positive_int, help="finetune: LoRA rank r (default 16; alpha = r)")

@@ -485,3 +485,40 @@ def test_cli_gpu_small_run_has_gpu_figures(tmp_path):
         assert r["gpu_ms"] > 0 and r["launches"] >= 28 and r["peak_bytes"] > r["weights_bytes"] > 0
         assert 0 < r["cpu_ms"] and r["profile_steps"] == 1
     assert {b["bound_by"] for b in data["bound_by"]} <= {"host", "GPU"}
+
+
+def test_cli_merge_from_a_path_joins_a_split_grid(tmp_path, monkeypatch, capsys):
+    """How a grid is split over GPU calls whose output folders start empty: the second command names the
+    first one's JSON with --merge PATH and writes one report with both parts; a JSON of the older layout
+    (no model column) is refused with the reason."""
+
+    def fake_run_case(bench, provider, shape, *, repeat=0, **kwargs):
+        model, batch, seq = shape
+        return e2e.E2ERow(
+            provider, model, batch, seq, "ok", repeat=repeat, tokens_per_s=100.0, step_ms=1.0, cpu_ms=0.5,
+            first_loss=6.0, losses=[6.0],
+        )  # fmt: skip
+
+    monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
+    base = ["bench", "e2e", "--device", "cpu", "--shapes", "2x16", "--providers", "hf", "--no-progress"]
+    assert main([*base, "--models", "llama3.2-1b", "--out", str(tmp_path / "a")]) == 0
+    first = tmp_path / "a" / "e2e.json"
+    assert main([*base, "--models", "qwen3-0.6b", "--out", str(tmp_path / "b"), "--merge", str(first)]) == 0
+    data = json.loads((tmp_path / "b" / "e2e.json").read_text())
+    assert data["shapes"] == [["llama3.2-1b", 2, 16], ["qwen3-0.6b", 2, 16]]
+    assert [(r["model"], r["repeat"]) for r in data["rows"]] == [
+        ("llama3.2-1b", 0),
+        ("llama3.2-1b", 1),
+        ("llama3.2-1b", 2),
+        ("qwen3-0.6b", 0),
+        ("qwen3-0.6b", 1),
+        ("qwen3-0.6b", 2),
+    ]
+    assert len(data["merged"]) == 1 and "--models llama3.2-1b" in data["merged"][0]["command"]
+    old = json.loads(first.read_text())
+    old["shape_fields"] = ["batch", "seq"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    capsys.readouterr()
+    monkeypatch.setattr(fresh_process, "run_case", lambda *a, **k: pytest.fail("ran before the merge check"))
+    assert main([*base, "--out", str(tmp_path / "c"), "--merge", str(tmp_path / "old.json")]) == 2
+    assert "an older fuselm bench e2e wrote it" in capsys.readouterr().err

@@ -662,7 +662,7 @@ class CliRun:
     out_dir: Path
     repeats: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
-    merge: bool = False
+    merge: bool | str = False  # True: <out>/<suite>.json; a path: that file (or <folder>/<suite>.json)
 
 
 def start_cli(
@@ -675,7 +675,7 @@ def start_cli(
 ) -> CliRun:
     """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, the shapes
     (``grid(args, plan)`` when given, else ``--shapes`` with as many sizes as the bench's rows have, default
-    the plan's), warmup, steps and dtype, ``--repeats`` (default 1), ``--merge``, the metadata with the
+    the plan's), warmup, steps and dtype, ``--repeats`` (default 1), ``--merge [PATH]``, the metadata with the
     transformers version, the results folder. Raises ``UsageError`` for bad values and without
     transformers."""
     providers = bench.providers
@@ -700,7 +700,7 @@ def start_cli(
     except ImportError:
         raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
-    merge = bool(getattr(args, "merge", False))
+    merge = getattr(args, "merge", None) or False
     return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, {}, merge)
 
 
@@ -715,14 +715,20 @@ def run_cli(
 ) -> CaseReport:
     """Say what runs, :func:`run` it, then print the report and write its files (``write(report, folder)``;
     after every row too with ``write_each_row``: a run stopped part-way keeps what it measured). With
-    ``c.merge`` the rows of the report already in the folder are joined first (:func:`merge_previous`)."""
+    ``c.merge`` the rows of an earlier report (``True``: the one already in the output folder; a path: that
+    JSON file, or ``<folder>/<suite>.json``) are joined first (:func:`merge_previous`)."""
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
         f"warmup + {c.steps} timed steps, one fresh process each",
         flush=True,
     )
-    previous = _previous_report(bench, c.out_dir) if c.merge else None
+    previous = _previous_report(bench, c.out_dir if c.merge is True else Path(c.merge)) if c.merge else None
+    if previous is not None:  # a report that cannot be joined is refused before anything runs
+        empty = CaseReport(
+            c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata
+        )
+        merge_previous(bench, empty, previous)
 
     def finish(report: CaseReport) -> CaseReport:
         return merge_previous(bench, report, previous) if previous is not None else report
@@ -754,8 +760,12 @@ def _copy(report: CaseReport) -> CaseReport:
     return dataclasses.replace(report, rows=list(report.rows))
 
 
-def _previous_report(bench: Bench, out_dir: Path) -> dict[str, Any] | None:
-    path = Path(out_dir) / f"{bench.name}.json"
+def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
+    """The JSON of an earlier report: ``where`` itself if it is a file, else ``where/<suite>.json``; None
+    (said) when there is none yet."""
+    path = Path(where)
+    if not path.is_file():
+        path = path / f"{bench.name}.json"
     if not path.is_file():
         print(f"--merge: no {path} yet; nothing to merge")
         return None
@@ -779,6 +789,11 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
     if previous.get("dtype") != DTYPE_NAMES.get(report.dtype):
         raise UsageError(f"--merge: the earlier report is {previous.get('dtype')}, this run is not")
     fields = bench.row_type.SHAPE_FIELDS
+    if previous.get("shape_fields") != list(fields):
+        raise UsageError(
+            f"--merge: the earlier report's configurations are {previous.get('shape_fields')}, this "
+            f"version's {list(fields)} (an older fuselm bench {bench.name} wrote it): run without --merge"
+        )
     ran = {(r.provider, r.shape) for r in report.rows} | {
         (p, s) for p in report.providers for s in report.shapes
     }
