@@ -205,7 +205,8 @@ def _gpu_report() -> fresh_process.CaseReport:
             row.host_pinned_bytes = 2 * GIB if p in ("fuselm", "unsloth") else 0
             row.losses = [11.9 + (0.001 if p == "unsloth" else 0.0) - 0.01 * i for i in range(5)]
             if p == "fuselm":
-                row.fused_modules, row.modules, row.lora_layers, row.lora_layers_fused = 420, 1200, 224, 224
+                row.fused_modules, row.fused_modules_ran, row.modules, row.lora_layers = 420, 400, 1200, 224
+                row.lora_layers_peft, row.lora_layers_fused, row.lora_layers_inside = 32, 96, 96
                 row.fused_forwards = {"fuselm_LlamaMLP.forward": 32}
                 row.checkpointing = "HF gradient checkpointing + fuselm.hf.patch(checkpointing='offload')"
             rows.append(row)
@@ -243,8 +244,12 @@ def test_gpu_report_in_issue_23s_layout(tmp_path):
     assert lora + " OOM | — | 0.85x, 0.60x |" in md
     # details: first losses, their max gap to HF's, fused modules of fuselm only, pinned host memory
     assert "| llama3-8b | qlora | 4x2048 | unsloth | 791 |" in md and "| 1.0e-03 |" in md
-    assert "| 420 (LoRA 224/224) |" in md and "4000 | GPU |" in md
-    assert "llama3-8b qlora 4x2048: 420 of 1200 modules run fuselm's forward (224 of 224 LoRA layers)" in md
+    assert "| 400 (PEFT LoRA 32/224) |" in md and "4000 | GPU |" in md
+    assert (
+        "llama3-8b qlora 4x2048: 400 modules ran fuselm's forward in the first step (420 of 1200 have it); "
+        "of 224 LoRA layers, 96 ran inside a fused parent (never called), 96 ran fuselm's own forward, "
+        "32 ran PEFT's"
+    ) in md
     assert "fuselm_LlamaMLP.forward x32" in md and "peft 0.21.2" in md and "unsloth 2026.10.9" in md
     data = json.loads(paths["json"].read_text())
     gaps = {(g["scenario"], g["provider"]): g["max_abs_diff_vs_hf"] for g in data["loss_gaps"]}
@@ -329,10 +334,13 @@ def test_cli_cpu_end_to_end_and_fuselm_losses_match_hf(tmp_path, capsys, referen
         # LoRA r 16 (A [r, in], B [out, r]), 2 layers: q, o 64 -> 64; k, v 64 -> 32; gate, up, down 64 <-> 128
         assert r["trainable_params"] == 2 * 16 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
         assert r["lora_layers"] == 14 and r["checkpointing"].startswith("HF gradient checkpointing")
+        assert r["lora_layers_peft"] + r["lora_layers_fused"] + r["lora_layers_inside"] == 14
         if provider == "fuselm":
-            assert r["fused_modules"] > 0 and all(n.startswith("fuselm") for n in r["fused_forwards"])
-        else:
-            assert r["fused_modules"] == 0 and r["fused_forwards"] == {}
+            assert 0 < r["fused_modules_ran"] <= r["fused_modules"]
+            assert all(n.startswith("fuselm") for n in r["fused_forwards"])
+        else:  # every LoRA layer ran PEFT's forward, nothing of fuselm's
+            assert r["fused_modules"] == r["fused_modules_ran"] == 0 and r["fused_forwards"] == {}
+            assert r["lora_layers_peft"] == 14
 
     # fuselm's losses vs HF's under the numerics rule: an HF run in float64 is the reference, HF in
     # float32 the eager baseline (same saved weights, seed, LoRA init and batch)

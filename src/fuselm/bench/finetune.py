@@ -447,11 +447,48 @@ def _forward_name(fn: Any) -> tuple[str, str]:
     return getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or type(fn).__name__
 
 
-def fused_forwards(model: torch.nn.Module) -> dict[str, Any]:
-    """Which of ``model``'s modules run a forward of fuselm's: an instance ``forward`` or its class's whose
-    qualified name starts with ``fuselm`` (``fuselm_LlamaMLP.forward``) or that is defined in a ``fuselm``
-    module. Returns the count, the distinct names with their counts, and the LoRA layers (modules with
-    ``lora_A``) with how many of them run fuselm's forward.
+def is_fuselm_forward(fn: Any) -> bool:
+    """Is ``fn`` (a module's forward) fuselm's: its qualified name starts with ``fuselm``
+    (``fuselm_LlamaMLP.forward``) or it is defined in a ``fuselm`` module?"""
+    mod, qual = _forward_name(fn)
+    return qual.startswith(FUSELM_PREFIX) or mod == FUSELM_PREFIX or mod.startswith(FUSELM_PREFIX + ".")
+
+
+class CalledModules:
+    """The modules whose ``__call__`` ran while the context was open (a global forward pre-hook: no module's
+    own hook dictionaries change). A LoRA layer that a fused parent computes from its weights is never
+    called; one that runs its own forward (PEFT's, or a fuselm instance forward) is.
+
+    Example:
+        >>> inner = torch.nn.Linear(2, 2)
+        >>> with CalledModules() as called:
+        ...     _ = inner(torch.ones(2))
+        >>> id(inner) in called.ids
+        True
+    """
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self._handle = None
+
+    def __enter__(self) -> CalledModules:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._handle = register_module_forward_pre_hook(lambda module, args: self.ids.add(id(module)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
+    """Which of ``model``'s modules run a forward of fuselm's (:func:`is_fuselm_forward` of the instance
+    ``forward`` or of its class's): their count, the distinct names with their counts, and the LoRA layers
+    (modules with ``lora_A``). With ``called`` (ids of the modules called during a step,
+    :class:`CalledModules`), also how the LoRA layers ran in that step: ``lora_layers_peft`` called with a
+    forward that is not fuselm's (PEFT's, or a peer's), ``lora_layers_fused`` called with fuselm's,
+    ``lora_layers_inside`` not called at all (computed inside a fused parent, e.g. fuselm's LoRA MLP), and
+    ``fused_modules_ran`` (modules with fuselm's forward that were called).
 
     Example:
         >>> class fuselm_Lin(torch.nn.Linear):
@@ -462,24 +499,30 @@ def fused_forwards(model: torch.nn.Module) -> dict[str, Any]:
         (1, 3, {'fuselm_Lin.forward': 1})
     """
     counts: collections.Counter[str] = collections.Counter()
-    modules = lora = lora_fused = 0
+    modules = lora = ran = 0
+    lora_ran = {"peft": 0, "fused": 0, "inside": 0}
     for module in model.modules():
         modules += 1
         fn = vars(module).get("forward") or type(module).forward
-        mod, qual = _forward_name(fn)
-        fused = qual.startswith(FUSELM_PREFIX) or mod == FUSELM_PREFIX or mod.startswith(FUSELM_PREFIX + ".")
+        fused = is_fuselm_forward(fn)
         if fused:
+            mod, qual = _forward_name(fn)
             counts[qual if qual.startswith(FUSELM_PREFIX) else f"{mod}.{qual}"] += 1
+            ran += called is not None and id(module) in called
         if hasattr(module, "lora_A"):
             lora += 1
-            lora_fused += fused
-    return {
+            if called is not None:
+                lora_ran["inside" if id(module) not in called else "fused" if fused else "peft"] += 1
+    out: dict[str, Any] = {
         "fused_modules": sum(counts.values()),
         "modules": modules,
         "fused_forwards": dict(sorted(counts.items())),
         "lora_layers": lora,
-        "lora_layers_fused": lora_fused,
     }
+    if called is not None:
+        out["fused_modules_ran"] = ran
+        out.update({f"lora_layers_{k}": v for k, v in lora_ran.items()})
+    return out
 
 
 def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
@@ -591,8 +634,18 @@ def train(
             return loss, loss.detach()
 
         step = training.optimizer_step(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
+        called = CalledModules()
+
+        def first_step_watched(i: int) -> torch.Tensor:
+            if i != 0:
+                return step(i)
+            with called:  # which modules the first (warmup, untimed) step calls
+                return step(0)
+
         profiled = plan.profile_steps if profile_steps is None else profile_steps
-        run = training.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
+        run = training.run_steps(
+            first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
+        )
     fuselm_warnings = list(
         dict.fromkeys(
             str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename
@@ -612,7 +665,7 @@ def train(
         "losses": run.logged,
         "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": fuselm_warnings[:20],
-        **fused_forwards(peft_model),
+        **fused_forwards(peft_model, called.ids),
     }
     return out
 
@@ -677,10 +730,13 @@ class FinetuneRow(fresh_process.WorkerRow):
     first_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     fused_modules: int | None = None
+    fused_modules_ran: int | None = None
     modules: int | None = None
     fused_forwards: dict[str, int] = field(default_factory=dict)
     lora_layers: int | None = None
+    lora_layers_peft: int | None = None
     lora_layers_fused: int | None = None
+    lora_layers_inside: int | None = None
     fuselm_warnings: list[str] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
@@ -819,7 +875,7 @@ def detail_table(report: fresh_process.CaseReport) -> str:
     bound by, peak allocated / reserved, host pinned, first losses, max |loss - HF's|, fused modules, note."""
     head = ["model", "scenario", "B x T", "provider", "ms/step", "tokens/s", "CPU ms/step", "GPU ms/step"]
     head += ["launches/step", "bound by", "peak alloc GiB", "peak reserved GiB", "host pinned GiB"]
-    head += [f"first {FIRST_LOSSES} losses", "max abs diff vs HF", "fuselm modules", "note"]
+    head += [f"first {FIRST_LOSSES} losses", "max abs diff vs HF", "fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
     lines = []
     for shape in report.shapes:
@@ -835,7 +891,7 @@ def detail_table(report: fresh_process.CaseReport) -> str:
             fused = (
                 "—"
                 if first is None or first.fused_modules is None or p != "fuselm"
-                else f"{first.fused_modules} (LoRA {first.lora_layers_fused}/{first.lora_layers})"
+                else f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
             )
             status = "" if ok else {"oom": "OOM"}.get(rows[0].status, "error")
             lines.append(
@@ -873,8 +929,10 @@ def fused_paths_section(report: fresh_process.CaseReport) -> str:
         r = ok[0]
         names = ", ".join(f"{n} x{c}" for n, c in r.fused_forwards.items()) or "none"
         lines.append(
-            f"- {FinetuneRow.label(shape)}: {r.fused_modules} of {r.modules} modules run fuselm's forward "
-            f"({r.lora_layers_fused} of {r.lora_layers} LoRA layers); checkpointing: {r.checkpointing}; "
+            f"- {FinetuneRow.label(shape)}: {r.fused_modules_ran} modules ran fuselm's forward in the first "
+            f"step ({r.fused_modules} of {r.modules} have it); of {r.lora_layers} LoRA layers, "
+            f"{r.lora_layers_inside} ran inside a fused parent (never called), {r.lora_layers_fused} ran "
+            f"fuselm's own forward, {r.lora_layers_peft} ran PEFT's; checkpointing: {r.checkpointing}; "
             f"forwards: {names}"
         )
         lines += [f"  - warning: {w}" for w in r.fuselm_warnings]
@@ -904,6 +962,9 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         + "; the JSON also has the resident set's growth (rss_delta_bytes).",
         f"first {FIRST_LOSSES} losses: the first ok repeat; max abs diff vs HF: over those steps (the LoRA "
         "B matrices start at zero: step 1 is the base model's loss).",
+        "fuselm modules ran (PEFT LoRA): the modules whose forward is fuselm's (qualified name starting with "
+        "fuselm, or defined in fuselm) that the first step called, and (x/y) the LoRA layers that ran "
+        "PEFT's own forward in that step, of all; a LoRA layer a fused parent computes is never called.",
         f"Environment of every worker: {extra.get('env')}.",
     ]
     for model, info in (extra.get("model_folders") or {}).items():
