@@ -225,8 +225,8 @@ def test_loss_options_reach_the_loss_forward(by, monkeypatch):
         return factory(spec, original, options)
 
     monkeypatch.setattr(plan, "causal_lm_forward", spy)
-    fuselm.hf.patch(build("llama") if by == "instance" else "llama", label_smoothing=0.1, memory="low")
-    want = LossOptions(from_logits=False, label_smoothing=0.1, memory="low")
+    fuselm.hf.patch(build("llama") if by == "instance" else "llama", label_smoothing=0.1, memory="min")
+    want = LossOptions(from_logits=False, label_smoothing=0.1, memory="min")
     assert seen == [want]
 
 
@@ -273,6 +273,31 @@ def test_bad_targets_and_flags():
     with pytest.raises(ValueError, match="nothing fuselm.hf can patch"):
         fuselm.hf.patch(build("llama").model, rms_norm=False, rope=False, swiglu=False)  # no head here
     assert "gemma3_text" in fuselm.hf.supported_model_types()
+
+
+BAD_LOSS_OPTIONS = [
+    (dict(memory="low"), "memory must be 'auto', 'min' or a positive int"),
+    (dict(memory=0), "memory must be 'auto', 'min' or a positive int"),
+    (dict(memory=True), "memory must be 'auto', 'min' or a positive int"),
+    (dict(memory=1.5e9), "memory must be 'auto', 'min' or a positive int"),
+    (dict(accum_dtype=torch.float16), "accum_dtype must be None or torch.float32"),
+    (dict(accum_dtype="float32"), "accum_dtype must be None or torch.float32"),
+    (dict(label_smoothing=1.0), "label_smoothing must be a float in \\[0, 1\\)"),
+    (dict(label_smoothing="0.1"), "label_smoothing must be a float in \\[0, 1\\)"),
+    (dict(memory="low", linear_cross_entropy=False, cross_entropy=True), "memory must be"),
+    (dict(memory="low", linear_cross_entropy=False), "memory must be"),  # no loss: still checked
+]
+
+
+@pytest.mark.parametrize("by", ["instance", "class"])
+@pytest.mark.parametrize(("options", "message"), BAD_LOSS_OPTIONS, ids=lambda x: str(x))
+def test_bad_loss_options_raise_at_patch_time(options, message, by):
+    """Every loss option is checked by patch() (issue 25 item 4: memory="low" was accepted and the first
+    training step raised): ValueError naming the argument and what it may be; nothing is patched."""
+    model = build("llama")
+    with pytest.raises(ValueError, match=message):
+        fuselm.hf.patch(model if by == "instance" else "llama", **options)
+    assert not fuselm.hf.is_patched(model) and not fuselm.hf.is_patched("llama")
 
 
 def test_a_model_of_a_family_without_a_spec_gets_the_fused_loss():

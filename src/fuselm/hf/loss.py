@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops._common.guard import TargetRangeError
+from ..ops._common.guard import TargetRangeError, validate_memory
 from ..ops.cross_entropy import cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 
@@ -21,15 +21,28 @@ class LossOptions:
     Attributes:
         from_logits: HF's logits are made and returned, the loss on them by :func:`fuselm.cross_entropy`
             (``patch(..., cross_entropy=True)``); otherwise the fused loss from the hidden states.
-        label_smoothing: PyTorch's label smoothing, applied inside the fused loss.
-        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
-        accum_dtype: its ``accum_dtype=`` (None, or torch.float32 for an fp32 lm_head gradient accumulator).
+        label_smoothing: PyTorch's label smoothing, applied inside the fused loss: a float in [0, 1).
+        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`: ``"auto"``, ``"min"`` or a
+            positive int (bytes).
+        accum_dtype: its ``accum_dtype=``: None, or torch.float32 for an fp32 lm_head gradient accumulator.
+
+    Checked when made (``fuselm.hf.patch`` makes one), so a bad option fails at patch time, not at the
+    first training step: ValueError naming the argument and its allowed values.
     """
 
     from_logits: bool = False
     label_smoothing: float = 0.0
     memory: str | int = "auto"
     accum_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        smoothing = self.label_smoothing
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+            raise ValueError(f"label_smoothing must be a float in [0, 1), got {smoothing!r}")
+        object.__setattr__(self, "label_smoothing", float(smoothing))  # frozen: one key for 0 and 0.0
+        validate_memory(self.memory)
+        if self.accum_dtype not in (None, torch.float32):
+            raise ValueError(f"accum_dtype must be None or torch.float32, got {self.accum_dtype!r}")
 
 
 def shifted_targets(

@@ -292,9 +292,11 @@ def patch(
             and computes the loss on them with :func:`fuselm.cross_entropy`. At most one loss flag.
         label_smoothing: PyTorch's label smoothing inside the fused loss (the route to use instead of
             the Trainer's ``label_smoothing_factor``).
-        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`.
-        accum_dtype: :func:`fuselm.linear_cross_entropy`'s (``torch.float32``: the lm_head's gradient
-            summed in fp32 across chunks).
+        memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`: ``"auto"``, ``"min"`` or a
+            positive int (bytes).
+        accum_dtype: :func:`fuselm.linear_cross_entropy`'s: None, or ``torch.float32`` (the lm_head's
+            gradient summed in fp32 across chunks). The loss options are checked here, also when no
+            loss flag is on.
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
@@ -309,7 +311,9 @@ def patch(
     Raises:
         ValueError: an unknown model type, a class of an unknown family that is no ``*ForCausalLM``, a
             model in which nothing can be patched with these flags (fuselm never patches silently
-            nothing), both loss flags, a bad ``label_smoothing``, ``fused_residual`` without ``rms_norm``.
+            nothing), both loss flags, a bad ``label_smoothing``, ``memory`` or ``accum_dtype`` (the
+            message names the argument and its allowed values), ``fused_residual`` without
+            ``rms_norm``.
         ImportError: transformers is missing, or too old for the family's modeling module.
 
     Example:

@@ -40,23 +40,22 @@ def make_plan(
     memory: str | int,
     accum_dtype: torch.dtype | None,
 ) -> Plan:
-    """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one."""
+    """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the loss
+    options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
             "(linear_cross_entropy=False for the loss on materialized logits)"
         )
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
     if fused_residual and not rms_norm:
         raise ValueError(
             "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
         )
+    loss = LossOptions(bool(cross_entropy), label_smoothing, memory, accum_dtype)  # checked, also if unused
+    if not (linear_cross_entropy or cross_entropy):
+        loss = None
     flags = (rms_norm, fused_residual, rope, swiglu)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
-    loss = None
-    if linear_cross_entropy or cross_entropy:
-        loss = LossOptions(bool(cross_entropy), float(label_smoothing), memory, accum_dtype)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
     return Plan(blocks, loss)
