@@ -43,9 +43,14 @@ def _dtensor_type():
 
 
 def has_dtensor(*tensors: object) -> bool:
-    """Is any argument a DTensor? (cheap: an isinstance per argument)."""
+    """Is any argument a DTensor? (cheap: a class test per argument, isinstance for subclasses)."""
     cls = _dtensor_type()
-    return cls is not None and any(isinstance(t, cls) for t in tensors)
+    if cls is None:
+        return False
+    for t in tensors:
+        if t is not None and t.__class__ is not torch.Tensor and isinstance(t, cls):
+            return True
+    return False
 
 
 def _global_stride(shape: tuple[int, ...], local: torch.Tensor) -> tuple[int, ...]:

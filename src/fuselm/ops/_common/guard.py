@@ -22,8 +22,8 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
+            dtypes = tuple(dtypes)
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             got = str(t.dtype).replace("torch.", "")
             raise ValueError(f"{name} must have dtype in ({allowed}), got {got}")
@@ -43,11 +43,33 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
-    """[..., C] -> [rows, C] with unit column stride; copies only when no strided view exists."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: C may be 0 (an empty vocabulary shard)
+    """[..., C] -> [rows, C] with unit column stride; copies only when no strided view exists (a 2-D
+    tensor with unit column stride is returned as it is)."""
+    t2 = t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # C may be 0: not -1
     if t2.shape[1] > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2
+
+
+def launch_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as a row launcher takes it: itself when it is [N, C] with unit column stride (rows may be
+    strided) or contiguous of any shape (rows of its last dimension, no view made: host time), else its
+    rows_view."""
+    if t.is_contiguous() or (t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] == 1)):
+        return t
+    return rows_view(t)
+
+
+def rows_shape(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, C) of a tensor taken by launch_rows."""
+    n_cols = t.shape[-1]
+    return (t.numel() // n_cols if n_cols else 0), n_cols
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """The row stride of a tensor taken by launch_rows: its own in 2-D, C when contiguous of another
+    rank."""
+    return t.stride(0) if t.dim() == 2 else t.shape[-1]
 
 
 class TargetRangeError(ValueError):

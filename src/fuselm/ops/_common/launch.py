@@ -53,6 +53,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints; triton.cdiv on the host without its per-call cost (a jit-wrapped function in
+    Triton 3.9: ~10 us a call)."""
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=256)  # host time: called per launch
 def row_launch(n_cols: int, max_block: int = 32768) -> tuple[int, int]:
     """Block size and warp count for a kernel that walks one row of `n_cols` elements.
@@ -110,16 +116,18 @@ def resident_programs(
     per_sm: int,
     max_per_sm: int = 8,
     fallback_per_sm: int = 2,
+    variant: tuple | None = None,
 ) -> int:
     """Programs of a persistent `kernel` (launched with `kwargs`) over n_items row blocks: per_sm per
     multiprocessor if per_sm > 0, else as many as are resident at once (one wave), from the compiled
     kernel's register and shared memory use, at most max_per_sm per multiprocessor (fallback_per_sm
-    when this Triton cannot say). The occupancy is computed once per kernel variant and device."""
+    when this Triton cannot say). The occupancy is computed once per kernel variant and device;
+    `variant` (what decides the variant's registers: dtypes, constexprs, num_warps), when the caller
+    gives it, saves reading it from kwargs (host time)."""
     if device.type != "cuda":
         return max(n_items, 1)
     if per_sm <= 0:
-        name = getattr(getattr(kernel, "fn", None), "__name__", type(kernel).__name__)
-        key = (name, device.index, max_per_sm, _occupancy_key(kwargs))
+        key = (kernel, device.index, max_per_sm, _occupancy_key(kwargs) if variant is None else variant)
         per_sm = _OCCUPANCY.get(key, 0)
         if not per_sm:
             try:

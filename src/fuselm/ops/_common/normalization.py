@@ -57,10 +57,13 @@ def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
     return True, block_rows, block_h, num_warps_for(block_rows * block_h, elems_per_warp)
 
 
+_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
 def check_norm_args(x, params: dict, residual, eps) -> None:
     """ValueError naming the argument unless x is [..., H] (H > 0), each of `params` (name -> tensor
     or None) None or [H], residual None or like x, and eps a finite number >= 0."""
-    check_tensor("x", x, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    check_tensor("x", x, dtypes=_DTYPES, min_ndim=1)
     n_cols = x.shape[-1]
     if n_cols == 0:
         raise ValueError(
@@ -68,7 +71,7 @@ def check_norm_args(x, params: dict, residual, eps) -> None:
         )
     for name, t in params.items():
         if t is not None:
-            check_tensor(name, t, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=x.device)
+            check_tensor(name, t, dtypes=_DTYPES, ndim=1, device=x.device)
             if t.shape[0] != n_cols:
                 raise ValueError(f"{name} must have shape [{n_cols}] (x.shape[-1]), got {tuple(t.shape)}")
     if residual is not None:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpret_mode
-from .launch import launcher
+from .launch import cdiv, launcher
 
 # reduction of the partials: BLOCK_P partial rows x BLOCK_C columns per step
 REDUCE_BLOCK_P, REDUCE_BLOCK_C, REDUCE_WARPS = 128, 32, 4
@@ -56,7 +56,7 @@ def reduce_partials_(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n_parts, n_cols = part.shape
     block_c = INTERPRET_REDUCE_BLOCK_C if interpret_mode() else REDUCE_BLOCK_C
     reduce_partials_launch(
-        (triton.cdiv(n_cols, block_c),),
+        (cdiv(n_cols, block_c),),
         part_ptr=part,
         out_ptr=out,
         n_parts=n_parts,

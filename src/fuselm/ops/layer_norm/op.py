@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import rows_view
-from .._common.launch import launcher, persistent_grid, resident_programs
+from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
 from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
@@ -51,7 +50,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
     single, block_rows, block_h, num_warps = tile_config(
         n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
     )
-    n_blocks = triton.cdiv(n_rows, block_rows)
+    n_blocks = cdiv(n_rows, block_rows)
     grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
     layer_norm_fwd_launch(
         (grid,),
@@ -98,7 +97,7 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
     single, block_rows, block_h, num_warps = tile_config(
         n_rows, n_cols, BWD_TILE, BWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
     )
-    n_blocks = triton.cdiv(n_rows, block_rows)
+    n_blocks = cdiv(n_rows, block_rows)
     kwargs = dict(
         x_ptr=x,
         x_row_stride=x.stride(0),

@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .._common.dispatch import interpret_mode
-from .._common.launch import launcher, persistent_grid
+from .._common.launch import cdiv, launcher, persistent_grid
 from .._common.loss.options import LossOptions, LossScales
 from .._common.loss.reference import loss_from_stats, loss_grad_coefs
 from .._common.loss.rows import LocalRows
@@ -79,12 +78,12 @@ def fused_stats(x, w, b, target, rows, opts: LossOptions):
     n, _ = _work_rows(target, rows)
     v = w.shape[0]
     config = _config(x)
-    n_rb = triton.cdiv(n, config["BLOCK_M"])
-    n_vt = triton.cdiv(v, config["BLOCK_V"])
+    n_rb = cdiv(n, config["BLOCK_M"])
+    n_vt = cdiv(v, config["BLOCK_V"])
     # STATS_WAVES programs per SM in all (every tile its own program when there are fewer tiles)
-    splits = triton.cdiv(persistent_grid(n_rb * n_vt, x.device, STATS_WAVES), n_rb)
-    tiles_per_split = triton.cdiv(n_vt, splits)
-    splits = triton.cdiv(n_vt, tiles_per_split)
+    splits = cdiv(persistent_grid(n_rb * n_vt, x.device, STATS_WAVES), n_rb)
+    tiles_per_split = cdiv(n_vt, splits)
+    splits = cdiv(n_vt, tiles_per_split)
     part = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
     lce_stats_launch(
         (n_rb * splits,),
@@ -148,7 +147,7 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     config = _config(x)
     dx_scaled = need_dx and dx.dtype in (torch.float16, torch.bfloat16)
     dx_scale = dx_row_scales(coef, w, opts) if dx_scaled else None
-    grid = (triton.cdiv(n, config["BLOCK_M"]) * triton.cdiv(v, config["BLOCK_V"]),)
+    grid = (cdiv(n, config["BLOCK_M"]) * cdiv(v, config["BLOCK_V"]),)
     lce_tile_grad_launch(
         grid,
         **_common_args(x, w, b, rows, target, opts, config),
@@ -168,7 +167,7 @@ def fused_tile_grads(x, w, b, target, rows, coef, opts: LossOptions, needs, fp32
     )
     if dx_scaled:
         lce_dx_unscale_launch(
-            (n, triton.cdiv(h, UNSCALE_BLOCK_H)),
+            (n, cdiv(h, UNSCALE_BLOCK_H)),
             acc_ptr=dx.view(torch.float16),
             dx_ptr=dx,
             dx_stride=dx.stride(0),

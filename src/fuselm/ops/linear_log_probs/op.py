@@ -12,12 +12,11 @@ The math and the costs are in README.md.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import FLOAT_DTYPES, check_tensor, linear_operands, rows_view, validate_memory
-from .._common.launch import launcher, row_launch
+from .._common.launch import cdiv, launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import LossOptions
@@ -117,7 +116,7 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
         v1 = min(v0 + vs, v)
         logits = mm_fp32_into(flat[: n * (v1 - v0)].view(n, v1 - v0), xk, w[v0:v1].t())
         linear_log_probs_fwd_launch(
-            (triton.cdiv(n, block_n),),
+            (cdiv(n, block_n),),
             logits_ptr=logits,
             logits_row_stride=logits.stride(0),
             bias_ptr=b if b is not None else logits,
@@ -225,7 +224,7 @@ def linear_log_probs_bwd(
         w_slab = w[v0:v1]
         torch.mm(xk, w_slab.t(), out=g)
         linear_log_probs_bwd_launch(
-            (triton.cdiv(n, block_n), triton.cdiv(v1 - v0, block_v)),
+            (cdiv(n, block_n), cdiv(v1 - v0, block_v)),
             logits_ptr=g,
             logits_row_stride=g.stride(0),
             bias_ptr=b if b is not None else g,

@@ -6,12 +6,11 @@ import math
 import weakref
 
 import torch
-import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import check_choice, rows_view
-from .._common.launch import launcher, persistent_grid, resident_programs
+from .._common.guard import check_choice, launch_rows, row_stride, rows_shape
+from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
 from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
@@ -51,36 +50,37 @@ rms_norm_bwd_launch = launcher(rms_norm_bwd_kernel)
 
 
 def rms_norm_fwd(x, residual, weight, eps, offset, casting):
-    """y [N, H] (dtype by casting), x + residual [N, H] (or an empty tensor) and rstd [N] fp32.
-    x, residual: [N, H] with stride(-1) == 1 (rows may be strided)."""
-    n_rows, n_cols = x.shape
+    """y (dtype by casting), x + residual (or None without residual), both of x's shape and contiguous,
+    and rstd [N] fp32. x, residual: rows of H (launch_rows: [N, H] with stride(-1) == 1, rows may be
+    strided, or contiguous of any shape)."""
+    n_rows, n_cols = rows_shape(x)
     assert x.stride(-1) == 1 or n_cols == 1
     y_dtype = rms_norm_output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
-    y = torch.empty((n_rows, n_cols), dtype=y_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     has_res = residual is not None
-    summed = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if has_res else x.new_empty(0)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else None
     if n_rows == 0:
         return y, summed, rstd
     if has_res:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.numel() == x.numel() and residual.dtype == x.dtype
         assert residual.stride(-1) == 1 or n_cols == 1
     single, block_rows, block_h, num_warps = tile_config(
         n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
     )
-    n_blocks = triton.cdiv(n_rows, block_rows)
+    n_blocks = cdiv(n_rows, block_rows)
     grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
     rms_norm_fwd_launch(
         (grid,),
         x_ptr=x,
-        x_row_stride=x.stride(0),
+        x_row_stride=row_stride(x),
         res_ptr=residual if has_res else x,
-        res_row_stride=residual.stride(0) if has_res else 0,
+        res_row_stride=row_stride(residual) if has_res else 0,
         w_ptr=weight if weight is not None else x,
         y_ptr=y,
-        y_row_stride=y.stride(0),
+        y_row_stride=n_cols,
         sum_ptr=summed if has_res else y,
-        sum_row_stride=summed.stride(0) if has_res else 0,
+        sum_row_stride=n_cols if has_res else 0,
         rstd_ptr=rstd,
         n_rows=n_rows,
         n_cols=n_cols,
@@ -100,53 +100,59 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
 
 
 def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=False):
-    """dx [N, H] (x's dtype; it is also d residual) and dweight [H] (weight's dtype; an empty tensor
-    when not compute_dw). x is what was normalized (the residual sum when there was one).
-    in_place: dx is written over dy and dy is returned as dx (dy then [N, H] contiguous in x's dtype;
-    the caller has checked that nothing the backward reads shares its memory: in_place_refusal)."""
-    n_rows, n_cols = x.shape
+    """dx (x's shape, contiguous, x's dtype; it is also d residual) and dweight [H] (weight's dtype; None
+    when not compute_dw). x is what was normalized (the residual sum when there was one); x, dy, dsum:
+    rows of H (launch_rows). in_place: dx is written over dy and dy is returned as dx (dy then
+    contiguous of x's shape and dtype; the caller has checked that nothing the backward reads shares its
+    memory: in_place_refusal)."""
+    n_rows, n_cols = rows_shape(x)
     if in_place:
         assert dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
         dx = dy
     else:
-        dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     compute_dw = bool(compute_dw) and weight is not None
     if n_rows == 0:
-        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+        dw = torch.zeros_like(weight) if compute_dw else None
         return dx, dw
     for t in (x, dy, dsum):
         assert t is None or t.stride(-1) == 1 or n_cols == 1
     single, block_rows, block_h, num_warps = tile_config(
         n_rows, n_cols, BWD_TILE, BWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
     )
-    n_blocks = triton.cdiv(n_rows, block_rows)
+    n_blocks = cdiv(n_rows, block_rows)
+    prefetch = bool(BWD_PREFETCH) and single and block_rows == 1 and x.element_size() <= 2
+    has_dsum, has_weight = dsum is not None, weight is not None
     kwargs = dict(
         x_ptr=x,
-        x_row_stride=x.stride(0),
+        x_row_stride=row_stride(x),
         dy_ptr=dy,
-        dy_row_stride=dy.stride(0),
-        dsum_ptr=dsum if dsum is not None else dy,
-        dsum_row_stride=dsum.stride(0) if dsum is not None else 0,
-        w_ptr=weight if weight is not None else x,
+        dy_row_stride=row_stride(dy),
+        dsum_ptr=dsum if has_dsum else dy,
+        dsum_row_stride=row_stride(dsum) if has_dsum else 0,
+        w_ptr=weight if has_weight else x,
         rstd_ptr=rstd,
         dx_ptr=dx,
-        dx_row_stride=dx.stride(0),
+        dx_row_stride=n_cols,
         dw_part_ptr=rstd,  # stand-in until the grid is known
         n_rows=n_rows,
         n_cols=n_cols,
         inv_n_cols=1.0 / n_cols,
         eps=eps,
         offset=offset,
-        HAS_DSUM=dsum is not None,
-        HAS_WEIGHT=weight is not None,
+        HAS_DSUM=has_dsum,
+        HAS_WEIGHT=has_weight,
         COMPUTE_DW=compute_dw,
         SINGLE_BLOCK=single,
-        PREFETCH=bool(BWD_PREFETCH) and single and block_rows == 1 and x.element_size() <= 2,
+        PREFETCH=prefetch,
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
         IN_PLACE=bool(in_place),
         num_warps=num_warps,
     )
+    # what decides the compiled variant's registers (the occupancy is computed once per variant)
+    variant = (x.dtype, dy.dtype, has_dsum and dsum.dtype, has_weight and weight.dtype, compute_dw, single)
+    variant += (prefetch, block_rows, block_h, bool(in_place), num_warps)
     grid = resident_programs(
         rms_norm_bwd_kernel,
         kwargs,
@@ -155,6 +161,7 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=Fa
         BWD_PROGRAMS_PER_SM,
         BWD_MAX_PROGRAMS_PER_SM,
         BWD_FALLBACK_PROGRAMS_PER_SM,
+        variant=variant,
     )
     if compute_dw:
         alloc = torch.empty if single else torch.zeros  # single-block programs write their row once
@@ -162,7 +169,7 @@ def rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw, in_place=Fa
         kwargs["dw_part_ptr"] = part
     rms_norm_bwd_launch((grid,), **kwargs)
     if not compute_dw:
-        return dx, x.new_empty(0)
+        return dx, None
     return dx, reduce_partials_(part, torch.empty_like(weight))
 
 
@@ -178,16 +185,23 @@ def _rms_norm_fwd_op(
     offset: float,
     casting: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, residual, weight, eps, offset, casting)
+    x2 = launch_rows(x)
+    r2 = launch_rows(residual) if residual is not None else None
+    y, summed, rstd = rms_norm_fwd(x2, r2, weight, eps, offset, casting)
+    return _shaped(y, x), _shaped(summed, x) if summed is not None else x.new_empty(0), rstd
+
+
+def _shaped(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t (contiguous, like's number of elements) in like's shape."""
+    return t if t.shape == like.shape else t.view(like.shape)
 
 
 @_rms_norm_fwd_op.register_fake
 def _(x, residual, weight, eps, offset, casting):
-    n_rows, n_cols = x.shape
     y_dtype = rms_norm_output_dtype(x.dtype, weight.dtype if weight is not None else None, casting)
-    y = x.new_empty((n_rows, n_cols), dtype=y_dtype)
-    summed = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
-    return y, summed, x.new_empty(n_rows, dtype=torch.float32)
+    y = x.new_empty(x.shape, dtype=y_dtype)
+    summed = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return y, summed, x.new_empty(rows_shape(x)[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("fuselm::rms_norm_bwd", mutates_args=())
@@ -201,7 +215,9 @@ def _rms_norm_bwd_op(
     offset: float,
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_bwd(x, dy, dsum, weight, rstd, eps, offset, compute_dw)
+    dsum = launch_rows(dsum) if dsum is not None else None
+    dx, dw = rms_norm_bwd(launch_rows(x), launch_rows(dy), dsum, weight, rstd, eps, offset, compute_dw)
+    return _shaped(dx, x), dw if dw is not None else x.new_empty(0)
 
 
 @_rms_norm_bwd_op.register_fake
@@ -224,11 +240,6 @@ def _run_bwd(*args):
     if torch.compiler.is_compiling():
         return _rms_norm_bwd_op(*args)
     return rms_norm_bwd(*args)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A gradient as [N, H] with unit column stride (a copy only when it has none)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 # ---- in_place: may the backward write dx over dy? ----
@@ -291,21 +302,28 @@ def in_place_refusal(dy, dsum, saved, storages) -> str | None:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd for x [N, H] (and residual [N, H]): saves what was normalized (x, or the sum, which is
-    also an output) and rstd [N] fp32; the backward reads it, dy (and d sum) once and writes dx once,
-    which is also the gradient of the residual."""
+    """Autograd for x [..., H] (and residual, x's shape): saves what was normalized (x, or the sum, which
+    is also an output) and rstd [N] fp32; the backward reads it, dy (and d sum) once and writes dx once,
+    which is also the gradient of the residual. Contiguous inputs are launched as they are; others as
+    [N, H] rows views made inside the Function (no view nodes in the graph)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting, in_place=False, storages=()):
-        y, summed, rstd = _run_fwd(x, residual, weight, eps, offset, casting)
         has_res = residual is not None
-        ctx.save_for_backward(summed if has_res else x, weight, rstd)
+        x2 = launch_rows(x)
+        y, summed, rstd = _run_fwd(
+            x2, launch_rows(residual) if has_res else None, weight, eps, offset, casting
+        )
+        ctx.save_for_backward(summed if has_res else x2, weight, rstd)
+        ctx.shape = None if x2 is x else x.shape  # dx is made in x2's shape
         ctx.has_res = has_res
         ctx.eps, ctx.offset = eps, offset
         ctx.in_place, ctx.storages = in_place, storages
         ctx.set_materialize_grads(False)
+        if ctx.shape is not None:
+            y = y.view(x.shape)
         if has_res:
-            return y, summed
+            return y, summed if ctx.shape is None else summed.view(x.shape)
         return y
 
     @staticmethod
@@ -316,13 +334,15 @@ class RMSNormFunction(torch.autograd.Function):
         if dy is None:  # only the sum was used
             dy = torch.zeros_like(x)
         compute_dw = ctx.needs_input_grad[2]
-        dsum = _rows(dsum) if dsum is not None else None
+        dsum = launch_rows(dsum) if dsum is not None else None
         args = (x, dy, dsum, weight, rstd, ctx.eps, ctx.offset, compute_dw)
         if ctx.in_place and in_place_refusal(dy, dsum, (x, weight), ctx.storages) is None:
             dx, dw = rms_norm_bwd(*args, in_place=True)  # dx is dy
             torch.autograd.graph.increment_version(dy)  # a saved view of dy now fails loudly on unpack
         else:
-            dx, dw = _run_bwd(x, _rows(dy), *args[2:])
+            dx, dw = _run_bwd(x, launch_rows(dy), *args[2:])
+        if ctx.shape is not None:
+            dx = dx.view(ctx.shape)
         none = (None,) * 5
         return dx, (dx if ctx.has_res else None), (dw if compute_dw else None), *none
 
@@ -431,11 +451,10 @@ def rms_norm(
         or not use_triton(x)
     ):
         return rms_norm_reference(x, weight, eps, offset=offset, residual=residual, casting=casting)
-    shape = x.shape
     in_place = in_place and not torch.compiler.is_compiling()  # see the docstring
-    out = RMSNormFunction.apply(
-        rows_view(x),
-        rows_view(residual) if residual is not None else None,
+    return RMSNormFunction.apply(
+        x,
+        residual,
         weight.contiguous() if weight is not None else None,
         eps,
         offset,
@@ -443,7 +462,3 @@ def rms_norm(
         in_place,
         input_storages(x, residual, weight) if in_place else (),
     )
-    if residual is not None:
-        y, summed = out
-        return y.reshape(shape), summed.reshape(shape)
-    return out.reshape(shape)

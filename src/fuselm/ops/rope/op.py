@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import check_choice
-from .._common.launch import launcher, next_pow2
+from .._common.launch import cdiv, launcher, next_pow2
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
@@ -80,7 +79,15 @@ def _dense_order(x: torch.Tensor) -> bool | None:
     transposed projections), False if dense as [B, T, H, D], None if not dense (e.g. a qkv slice)."""
     if x.is_contiguous():
         return False
-    if x.transpose(1, 2).is_contiguous():
+    b, t, h, d = x.shape
+    sb, st, sh, sd = x.stride()
+    # contiguous as [B, H, T, D] (a size-1 dimension's stride means nothing), read from the strides
+    if (
+        (d <= 1 or sd == 1)
+        and (t <= 1 or st == d)
+        and (h <= 1 or sh == t * d)
+        and (b <= 1 or sb == h * t * d)
+    ):
         return True
     return None
 
@@ -139,9 +146,9 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, is_bwd):
         block_d = next_pow2(head_dim)
         block_rows = max(1, DENSE_BLOCK // block_d)
         q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
-        q_blocks = triton.cdiv(q_rows, block_rows)
+        q_blocks = cdiv(q_rows, block_rows)
         rope_fwd_dense_launch(
-            (q_blocks + triton.cdiv(k_rows, block_rows),),
+            (q_blocks + cdiv(k_rows, block_rows),),
             q_ptr=q,
             k_ptr=k,
             q_out_ptr=q_out,
@@ -257,21 +264,31 @@ def _run_bwd(dq_embed, dk_embed, cos, sin, position_ids):
 
 
 class RotaryFunction(torch.autograd.Function):
-    """Autograd for q [B, T, Hq, D], k [B, T, Hk, D] (any strides). Saves only cos, sin and
+    """Autograd for q [B, T, Hq, D], k [B, T, Hk, D] (any strides; with bhtd, q [B, Hq, T, D] and k
+    [B, Hk, T, D], transposed inside the Function: no view nodes in the graph). Saves only cos, sin and
     position_ids (small); the backward reads dq_embed, dk_embed once and writes dq, dk once. cos and
     sin get no gradient (the public function sends them to the reference when they require one)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids):
-        q_out, k_out = _run_fwd(q, k, cos, sin, position_ids)
+    def forward(ctx, q, k, cos, sin, position_ids, bhtd=False):
+        if bhtd:  # the kernel indexes [b, t, h, d]: a view, no copy
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q_out, k_out = _run_fwd(_unit_last(q), _unit_last(k), cos, sin, position_ids)
         ctx.save_for_backward(cos, sin, position_ids)
+        ctx.bhtd = bhtd
+        if bhtd:
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, position_ids = ctx.saved_tensors
+        if ctx.bhtd:
+            dq_embed, dk_embed = dq_embed.transpose(1, 2), dk_embed.transpose(1, 2)
         dq, dk = _run_bwd(dq_embed, dk_embed, cos, sin, position_ids)
-        return dq, dk, None, None, None
+        if ctx.bhtd:
+            dq, dk = dq.transpose(1, 2), dk.transpose(1, 2)
+        return dq, dk, None, None, None, None
 
 
 _HEADS_HINT = (
@@ -372,13 +389,12 @@ def apply_rotary(
     if q.dtype == torch.float64 or not use_triton(q) or tables_need_grad:
         return apply_rotary_reference(q, k, cos, sin, position_ids=position_ids, layout=layout)
 
-    if layout == "bhtd":  # the kernel indexes [b, t, h, d]: a view, no copy
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = _unit_last(q), _unit_last(k)
+    bhtd = layout == "bhtd"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        q_out, k_out = RotaryFunction.apply(q, k, cos_b.detach(), sin_b.detach(), pos_b)
-    else:
-        q_out, k_out = _run_fwd(q, k, cos_b, sin_b, pos_b)
-    if layout == "bhtd":
+        return RotaryFunction.apply(q, k, cos_b.detach(), sin_b.detach(), pos_b, bhtd)
+    if bhtd:  # the kernel indexes [b, t, h, d]: a view, no copy
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q_out, k_out = _run_fwd(_unit_last(q), _unit_last(k), cos_b, sin_b, pos_b)
+    if bhtd:
         q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out

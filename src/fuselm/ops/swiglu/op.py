@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-import triton
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
-from .._common.launch import launcher, next_pow2
+from .._common.launch import cdiv, launcher, next_pow2
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
 
@@ -36,73 +37,96 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 def _config(n_rows: int, n_cols: int, tensors, block: int) -> tuple[bool, int, int, int]:
     """(FLAT, BLOCK_R, BLOCK_C, programs) for a [n_rows, n_cols] problem over `tensors`."""
     if all(_rows_contiguous(t) for t in tensors):
-        return True, 1, block, triton.cdiv(n_rows * n_cols, block)
+        return True, 1, block, cdiv(n_rows * n_cols, block)
+    return _strided_config(n_rows, n_cols, block)
+
+
+@functools.lru_cache(maxsize=256)  # host time: once per shape
+def _strided_config(n_rows: int, n_cols: int, block: int) -> tuple[bool, int, int, int]:
     block_c = min(block, next_pow2(n_cols))
     candidate = block_c
     while candidate >= min(MIN_BLOCK_C, block_c):
-        if triton.cdiv(n_cols, candidate) * candidate - n_cols <= MAX_COL_WASTE * n_cols:
+        if cdiv(n_cols, candidate) * candidate - n_cols <= MAX_COL_WASTE * n_cols:
             block_c = candidate
             break
         candidate //= 2
     block_r = min(block // block_c, next_pow2(n_rows))
-    return False, block_r, block_c, triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c)
+    return False, block_r, block_c, cdiv(n_rows, block_r) * cdiv(n_cols, block_c)
 
 
-def _assert_operand(t: torch.Tensor, shape: tuple[int, int]) -> None:
-    assert t.dim() == 2 and tuple(t.shape) == shape, (tuple(t.shape), shape)
-    assert t.stride(-1) == 1 or shape[1] == 1
+# the kernels' argument names of an operand (host time: no f-strings per launch)
+_ARG_NAMES = {n: (f"{n}_ptr", f"{n}_row_stride") for n in ("gate", "up", "out", "dout", "dgate", "dup")}
 
 
 def _launch(kernel, operands: dict, shape: tuple[int, int], block: int, num_warps: int, **meta) -> None:
-    """Launch `kernel` (a launcher of ops/_common/launch.py) over [R, C] `operands` (name -> tensor, or
-    None for an unused one): the kernel's arguments are `<name>_ptr` and `<name>_row_stride` for each,
-    then n_rows, n_cols and its constexprs. Flat when every operand's rows are contiguous; a flat size
-    that is not a multiple of 16 gets a main launch over whole blocks and a one-program tail, because a
-    mask bound divisible by 16 is what keeps Triton's masked accesses 16-byte vectors."""
+    """Launch `kernel` (a launcher of ops/_common/launch.py) over `operands` (name -> tensor, or None for
+    an unused one) of a [R, C] problem (`shape`): every operand contiguous, of any shape with R * C
+    elements (a flat launch), or every operand [R, C] with stride(-1) == 1 (rows may be strided). The
+    kernel's arguments are `<name>_ptr` and `<name>_row_stride` for each, then n_rows, n_cols and its
+    constexprs. A flat size that is not a multiple of 16 gets a main launch over whole blocks and a
+    one-program tail, because a mask bound divisible by 16 is what keeps Triton's masked accesses 16-byte
+    vectors."""
+    n_rows, n_cols = shape
     used = [t for t in operands.values() if t is not None]
+    flat = True
     for t in used:
-        _assert_operand(t, shape)
-    flat, block_r, block_c, programs = _config(*shape, used, block)
-
-    def run(ops, n_rows, n_cols, programs, row_strides):
-        kwargs = {}
-        for name, t in ops.items():
-            kwargs[f"{name}_ptr"] = t if t is not None else used[0]
-            kwargs[f"{name}_row_stride"] = t.stride(0) if row_strides and t is not None else 0
-        kernel(
-            (programs,),
-            **kwargs,
-            n_rows=n_rows,
-            n_cols=n_cols,
-            **meta,
-            FLAT=flat,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=num_warps,
-        )
-
+        flat = flat and t.is_contiguous()
+        assert t.numel() == n_rows * n_cols, (tuple(t.shape), shape)
+    if flat:
+        block_r, block_c = 1, block
+    else:
+        for t in used:
+            assert t.dim() == 2 and (t.stride(1) == 1 or n_cols == 1), (tuple(t.shape), t.stride())
+        _, block_r, block_c, programs = _strided_config(n_rows, n_cols, block)
+    kwargs = {}
+    for name, t in operands.items():
+        ptr, stride = _ARG_NAMES[name]
+        kwargs[ptr] = t if t is not None else used[0]
+        kwargs[stride] = t.stride(0) if t is not None and not flat else 0
+    config = dict(meta, FLAT=flat, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
     if not flat:
-        run(operands, shape[0], shape[1], programs, row_strides=True)
+        kernel((programs,), **kwargs, n_rows=n_rows, n_cols=n_cols, **config)
         return
-    numel = shape[0] * shape[1]
+    numel = n_rows * n_cols
     split = numel - numel % block if numel % 16 and numel > block else numel
-    flat_ops = {k: t.reshape(-1) if t is not None else None for k, t in operands.items()}
-    for lo, hi in ((0, split), (split, numel)):
-        if hi > lo:
-            part = {k: t[lo:hi] if t is not None else None for k, t in flat_ops.items()}
-            run(part, 1, hi - lo, triton.cdiv(hi - lo, block), row_strides=False)
+    # flat pointers: the operands themselves (rows contiguous), elements 0 .. split
+    kernel((cdiv(split, block),), **kwargs, n_rows=1, n_cols=split, **config)
+    if split < numel:  # the tail: pointers moved to element `split` (an unused operand: the first's)
+        tails = {name: t.reshape(-1)[split:] for name, t in operands.items() if t is not None}
+        first = next(iter(tails.values()))
+        for name in operands:
+            kwargs[_ARG_NAMES[name][0]] = tails.get(name, first)
+        tail = numel - split
+        kernel((cdiv(tail, block),), **kwargs, n_rows=1, n_cols=tail, **config)
+
+
+def _problem(t: torch.Tensor) -> tuple[int, int]:
+    """(R, C) of the rows of t [..., C]."""
+    n_cols = t.shape[-1]
+    return (t.numel() // n_cols if n_cols else 0), n_cols
+
+
+def _rows_operands(*tensors):
+    """The operands as the launchers take them: unchanged when every one is contiguous (a flat launch,
+    any shape, no view), else their [R, C] rows views (rows_view: a copy only where no strided view
+    exists)."""
+    for t in tensors:
+        if not t.is_contiguous():
+            return tuple(rows_view(t) for t in tensors)
+    return tensors
 
 
 def swiglu_fwd(gate, up, activation, out=None):
-    """out [R, I] = act(gate) * up (into `out` when given). gate, up [R, I], stride(-1) == 1."""
+    """out = act(gate) * up (into `out` when given): gate, up (and out) contiguous of any shape, or [R, I]
+    with stride(-1) == 1."""
     if out is None:
-        out = torch.empty(tuple(gate.shape), dtype=gate.dtype, device=gate.device)
+        out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
     _launch(
         swiglu_fwd_launch,
         dict(gate=gate, up=up, out=out),
-        tuple(gate.shape),
+        _problem(gate),
         FWD_BLOCK,
         FWD_WARPS,
         ACTIVATION=ACTIVATION_CODE[activation],
@@ -112,13 +136,14 @@ def swiglu_fwd(gate, up, activation, out=None):
 
 def swiglu_bwd(dout, gate, up, activation, dgate, dup, out=None):
     """Writes dgate = dout * up * act'(gate), dup = dout * act(gate) (and out = act(gate) * up when
-    given) in one pass. All [R, I] with stride(-1) == 1; dgate may be dout itself."""
+    given) in one pass. All contiguous of one shape, or all [R, I] with stride(-1) == 1; dgate may be
+    dout itself."""
     if gate.numel() == 0:
         return
     _launch(
         swiglu_bwd_launch,
         dict(dout=dout, gate=gate, up=up, dgate=dgate, dup=dup, out=out),
-        tuple(gate.shape),
+        _problem(gate),
         BWD_BLOCK,
         BWD_WARPS,
         ACTIVATION=ACTIVATION_CODE[activation],
@@ -133,6 +158,13 @@ def swiglu_bwd_alloc(dout, gate, up, activation, want_out=False, dgate_into_dout
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if want_out else None
     swiglu_bwd(dout, gate, up, activation, dgate, dup, out)
     return (dgate, dup, out) if want_out else (dgate, dup)
+
+
+def _bwd_any_shape(dout, gate, up, activation, want_out=False):
+    """swiglu_bwd_alloc for dout, gate, up of one shape, any strides: (dgate, dup[, out]) in gate's shape."""
+    d, g, u = _rows_operands(dout, gate, up)
+    res = swiglu_bwd_alloc(d, g, u, activation, want_out)
+    return res if g is gate else tuple(r.view(gate.shape) for r in res)
 
 
 def swiglu_packed_fwd(gate_up, activation):
@@ -160,7 +192,8 @@ def _unit_col(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fuselm::swiglu_fwd", mutates_args=())
 def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return swiglu_fwd(_unit_col(gate), _unit_col(up), activation)
+    g, u = _rows_operands(_unit_col(gate), _unit_col(up))
+    return swiglu_fwd(g, u, activation).view(gate.shape)
 
 
 @_swiglu_fwd_op.register_fake
@@ -172,7 +205,7 @@ def _(gate, up, activation):
 def _swiglu_bwd_op(
     dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_out: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    res = swiglu_bwd_alloc(_unit_col(dout), _unit_col(gate), _unit_col(up), activation, want_out)
+    res = _bwd_any_shape(_unit_col(dout), _unit_col(gate), _unit_col(up), activation, want_out)
     return res if want_out else (*res, gate.new_empty(0))
 
 
@@ -227,6 +260,27 @@ def _run_bwd(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
         dgate, dup, out = _swiglu_bwd_op(dout, gate, up, activation, want_out)
         return (dgate, dup, out) if want_out else (dgate, dup)
     return swiglu_bwd_alloc(dout, gate, up, activation, want_out, dgate_into_dout)
+
+
+def _run_fwd_any(gate, up, activation):
+    """act(gate) * up for gate and up of one shape, any strides (the autograd Function's forward)."""
+    if not _kernels(gate):
+        return gated_fwd_reference(gate, up, activation)
+    if torch.compiler.is_compiling():
+        return _swiglu_fwd_op(gate, up, activation)
+    g, u = _rows_operands(gate, up)
+    out = swiglu_fwd(g, u, activation)
+    return out if g is gate else out.view(gate.shape)
+
+
+def _run_bwd_any(dout, gate, up, activation):
+    """(dgate, dup) in gate's shape for dout, gate, up of one shape, any strides (the Function's backward)."""
+    if not _kernels(gate):
+        return gated_bwd_reference(dout, gate, up, activation, False)
+    if torch.compiler.is_compiling():
+        dgate, dup, _ = _swiglu_bwd_op(dout, gate, up, activation, False)
+        return dgate, dup
+    return _bwd_any_shape(dout, gate, up, activation)
 
 
 def _run_packed_fwd(gate_up, activation):
@@ -285,18 +339,20 @@ def gated_backward(
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """act(gate) * up for [R, I] gate and up (stride(-1) == 1). Saves gate and up only."""
+    """act(gate) * up for gate and up of one shape [..., I], any strides (contiguous ones are launched flat,
+    others as [R, I] rows views, made inside the Function: no view nodes in the graph). Saves gate and up
+    only."""
 
     @staticmethod
     def forward(ctx, gate, up, activation):
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        return _run_fwd(gate, up, activation)
+        return _run_fwd_any(gate, up, activation)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        dgate, dup = _run_bwd(dout, gate, up, ctx.activation)
+        dgate, dup = _run_bwd_any(dout, gate, up, ctx.activation)
         return dgate, dup, None
 
 
@@ -361,8 +417,7 @@ def _check_pair(gate: object, up: object) -> None:
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    out = SwiGLUFunction.apply(rows_view(gate), rows_view(up), activation)
-    return out.reshape(gate.shape)
+    return SwiGLUFunction.apply(gate, up, activation)
 
 
 def _check_packed(gate_up: object) -> None:

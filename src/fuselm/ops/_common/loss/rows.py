@@ -12,10 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from ..dispatch import interpret_mode, use_triton
-from ..launch import launcher, persistent_grid, row_launch
+from ..launch import cdiv, launcher, persistent_grid, row_launch
 from .options import LossOptions, LossScales, loss_scales, options_of, reduce_rows
 from .reference import scale_keeping_zeros
 from .row_kernels import (
@@ -160,7 +159,7 @@ def _scale_grad_kernel_(grad, dloss):
         return
     block, num_warps = row_launch(n_cols, max_block=SCALE_BLOCK)
     cross_entropy_bwd_scale_launch(
-        (n_rows, triton.cdiv(n_cols, block)),
+        (n_rows, cdiv(n_cols, block)),
         grad_ptr=grad,
         grad_row_stride=grad.stride(0),
         dloss_ptr=dloss,
