@@ -335,7 +335,8 @@ def test_cli_cpu_end_to_end_and_fuselm_losses_match_hf(tmp_path, capsys, referen
         assert r["trainable_params"] == 2 * 16 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
         assert r["lora_layers"] == 14 and r["checkpointing"].startswith("HF gradient checkpointing")
         assert r["lora_layers_peft"] + r["lora_layers_fused"] + r["lora_layers_inside"] == 14
-        if provider == "fuselm":
+        if provider == "fuselm":  # --offload is the default: patch(checkpointing=) or fuselm.hf.offload
+            assert "offload" in r["checkpointing"] and "no activation offloading" not in r["checkpointing"]
             assert 0 < r["fused_modules_ran"] <= r["fused_modules"]
             assert all(n.startswith("fuselm") for n in r["fused_forwards"])
         else:  # every LoRA layer ran PEFT's forward, nothing of fuselm's

@@ -16,9 +16,10 @@ a fresh process:
 - providers: ``hf`` (transformers + PEFT, HF gradient checkpointing with ``use_reentrant=False``),
   ``liger`` (the same, Liger-Kernel's ``apply_liger_kernel_to_<family>`` applied before the model is
   loaded; CUDA only), ``fuselm`` (the same, then ``fuselm.hf.patch(peft_model)``, with
-  ``checkpointing="offload"`` when fuselm's ``patch`` takes that option and ``--offload`` is on, the
-  default), ``unsloth`` (imported first in its worker; ``FastLanguageModel.from_pretrained(folder,
-  max_seq_length=T, load_in_4bit=scenario == "qlora", dtype=torch.bfloat16)`` and
+  ``checkpointing="offload"`` when fuselm's ``patch`` takes that option, else its documented equivalent
+  ``fuselm.hf.offload.enable(model)``, when ``--offload`` is on, the default), ``unsloth`` (imported
+  first in its worker; ``FastLanguageModel.from_pretrained(folder, max_seq_length=T,
+  load_in_4bit=scenario == "qlora", dtype=torch.bfloat16)`` and
   ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``; CUDA only). A provider
   that cannot be imported, or needs CUDA where there is none, is skipped with the reason.
 
@@ -72,8 +73,8 @@ PROVIDER_DESCRIPTIONS = {
     "hf": "transformers + PEFT LoRA, HF gradient checkpointing (use_reentrant=False)",
     "liger": "the same + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE) before "
     "loading",
-    "fuselm": "the same as hf, then fuselm.hf.patch(peft_model) (checkpointing='offload' when available and "
-    "--offload)",
+    "fuselm": "the same as hf, then fuselm.hf.patch(peft_model) (with --offload: checkpointing='offload', or "
+    "fuselm.hf.offload.enable where patch has no such option)",
     "unsloth": "Unsloth FastLanguageModel.from_pretrained + get_peft_model(use_gradient_checkpointing="
     "'unsloth'), imported first in its worker",
 }
@@ -350,21 +351,29 @@ def _quantization(scenario: str):
     )
 
 
-def patch_options(offload: bool) -> tuple[dict[str, Any], str]:
-    """The keyword arguments of ``fuselm.hf.patch`` for the fuselm provider, and what they mean:
-    ``checkpointing="offload"`` when ``offload`` and ``patch`` has that parameter."""
+def apply_fuselm(model, offload: bool) -> str:
+    """``fuselm.hf.patch(model)`` for the fuselm provider, with activation offloading when ``offload``:
+    ``patch(model, checkpointing="offload")`` when ``patch`` has that parameter, else the documented
+    equivalent ``fuselm.hf.offload.enable(model)`` when this fuselm has it (on top of HF's non-reentrant
+    checkpointing, already on). Returns how the model checkpoints."""
     import fuselm.hf
 
+    hf = "HF gradient checkpointing (use_reentrant=False)"
     if not offload:
-        return {}, "HF gradient checkpointing (use_reentrant=False); --no-offload"
-    if "checkpointing" not in inspect.signature(fuselm.hf.patch).parameters:
+        fuselm.hf.patch(model)
+        return f"{hf}; --no-offload"
+    if "checkpointing" in inspect.signature(fuselm.hf.patch).parameters:
+        fuselm.hf.patch(model, checkpointing="offload")
+        return f"{hf} + fuselm.hf.patch(checkpointing='offload')"
+    fuselm.hf.patch(model)
+    try:
+        from fuselm.hf import offload as hf_offload
+    except ImportError:
         return (
-            {},
-            "HF gradient checkpointing (use_reentrant=False); this fuselm's patch has no checkpointing=",
+            f"{hf}; this fuselm has no activation offloading (no patch(checkpointing=), no fuselm.hf.offload)"
         )
-    return {
-        "checkpointing": "offload"
-    }, "HF gradient checkpointing + fuselm.hf.patch(checkpointing='offload')"
+    hf_offload.enable(model)
+    return f"{hf} + fuselm.hf.offload.enable(model) (layer inputs in pinned host memory)"
 
 
 def load_peft_model(
@@ -432,10 +441,7 @@ def load_peft_model(
     model = get_peft_model(model, config)
     checkpointing = "HF gradient checkpointing (use_reentrant=False)"
     if provider == "fuselm":
-        import fuselm.hf
-
-        options, checkpointing = patch_options(offload)
-        fuselm.hf.patch(model, **options)
+        checkpointing = apply_fuselm(model, offload)
     return model.train(), checkpointing
 
 
