@@ -44,8 +44,16 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and interpret_mode()
 
 
+try:  # os.environ's own dict: an unset variable is one dict lookup (host time), set ones are read as usual
+    _ENV_DATA, _VALIDATE_KEY = os.environ._data, os.environ.encodekey("FUSELM_VALIDATE")
+except AttributeError:  # pragma: no cover - another Python
+    _ENV_DATA = _VALIDATE_KEY = None
+
+
 def validate_enabled() -> bool:
-    """Opt-in checks that need a host sync (e.g. target range): FUSELM_VALIDATE=1."""
+    """Opt-in checks that need a host sync (e.g. target range): FUSELM_VALIDATE=1 (read at every call)."""
+    if _ENV_DATA is not None and _VALIDATE_KEY not in _ENV_DATA:
+        return False
     return os.environ.get("FUSELM_VALIDATE", "0") == "1"
 
 

@@ -46,10 +46,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         scales = batch_scales(target, opts, backend.n_classes)
         grad_in_forward = compute_grad and opts.reduction != "none" and not extras.lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
-        predicted = target.new_empty(target.shape[0] if extras.argmax else 0, dtype=torch.int64)
-        loss, lse, grad = backend.forward(
-            logits, target, opts, scales, mode, predicted if extras.argmax else None
-        )
+        predicted = target.new_empty(target.shape[0], dtype=torch.int64) if extras.argmax else None
+        loss, lse, grad = backend.forward(logits, target, opts, scales, mode, predicted)
         if mode == "inplace" and not torch.compiler.is_compiling():
             torch.autograd.graph.increment_version(logits)
         if grad_in_forward:
@@ -84,6 +82,9 @@ class CrossEntropyFunction(torch.autograd.Function):
             scales = LossScales(weight_sum, grad_scale)
             grad = ctx.backend.backward(logits, target, opts, scales, dloss, dlse, lse, ctx.inplace)
         return grad, *([None] * 9)
+
+
+_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
 def cross_entropy(
@@ -164,7 +165,7 @@ def cross_entropy(
         >>> logits.grad.shape
         torch.Size([4, 10])
     """
-    check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
+    check_tensor("input", input, dtypes=_DTYPES, min_ndim=1)
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     n_cols = input.shape[-1]
     if n_cols == 0:
@@ -190,7 +191,7 @@ def apply_cross_entropy(
 ):
     """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction over
     `backend`, the outputs asked for (loss_outputs)."""
-    t1 = target.reshape(-1).contiguous()
+    t1 = target if target.dim() == 1 and target.is_contiguous() else target.reshape(-1).contiguous()
     loss, lse, predicted = CrossEntropyFunction.apply(
         rows_view(input),
         t1,

@@ -80,8 +80,10 @@ class LossOptions(NamedTuple):
         return self.weight, self.token_weights
 
     def with_tensors(self, weight, token_weights) -> LossOptions:
-        """The same options with these tensors. (Built field by field: NamedTuple._replace does not survive a
-        graph break under torch 2.11's dynamo.)"""
+        """The same options with these tensors (self when they are already these). (Built field by field:
+        NamedTuple._replace does not survive a graph break under torch 2.11's dynamo.)"""
+        if weight is self.weight and token_weights is self.token_weights:
+            return self
         return LossOptions(
             self.ignore_index,
             self.reduction,
@@ -200,7 +202,8 @@ def loss_outputs(
     and the predicted tokens (``predicted``: int64 [N], each row's argmax, -1 on ignored tokens). One
     tensor alone, else a tuple in that order."""
     target_shape = target.shape
-    loss = loss.to(loss_dtype)
+    if loss.dtype != loss_dtype:
+        loss = loss.to(loss_dtype)
     if opts.reduction == "none":
         loss = loss.reshape(target_shape)
     per_token = opts.reduction == "none"
