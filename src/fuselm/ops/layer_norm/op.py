@@ -6,7 +6,7 @@ import torch
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import rows_view
+from .._common.guard import launch_rows, row_stride, rows_shape
 from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
 from .._common.normalization import check_norm_args, tile_config
 from .._common.partial_sums import reduce_partials_
@@ -33,19 +33,20 @@ layer_norm_bwd_launch = launcher(layer_norm_bwd_kernel)
 
 
 def layer_norm_fwd(x, residual, weight, bias, eps):
-    """y [N, H] (x's dtype), x + residual [N, H] (or an empty tensor), mean [N] and rstd [N] (fp32).
-    x, residual: [N, H] with stride(-1) == 1 (rows may be strided)."""
-    n_rows, n_cols = x.shape
+    """y (x's shape and dtype, contiguous), x + residual (the same; None without residual), mean [N] and
+    rstd [N] (fp32). x, residual: rows of H (launch_rows: [N, H] with stride(-1) == 1, rows may be
+    strided, or contiguous of any shape)."""
+    n_rows, n_cols = rows_shape(x)
     assert x.stride(-1) == 1 or n_cols == 1
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     has_res = residual is not None
-    summed = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if has_res else x.new_empty(0)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else None
     if n_rows == 0:
         return y, summed, mean, rstd
     if has_res:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.numel() == x.numel() and residual.dtype == x.dtype
         assert residual.stride(-1) == 1 or n_cols == 1
     single, block_rows, block_h, num_warps = tile_config(
         n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
@@ -55,15 +56,15 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
     layer_norm_fwd_launch(
         (grid,),
         x_ptr=x,
-        x_row_stride=x.stride(0),
+        x_row_stride=row_stride(x),
         res_ptr=residual if has_res else x,
-        res_row_stride=residual.stride(0) if has_res else 0,
+        res_row_stride=row_stride(residual) if has_res else 0,
         w_ptr=weight if weight is not None else x,
         b_ptr=bias if bias is not None else x,
         y_ptr=y,
-        y_row_stride=y.stride(0),
+        y_row_stride=n_cols,
         sum_ptr=summed if has_res else y,
-        sum_row_stride=summed.stride(0) if has_res else 0,
+        sum_row_stride=n_cols if has_res else 0,
         mean_ptr=mean,
         rstd_ptr=rstd,
         n_rows=n_rows,
@@ -82,15 +83,16 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
 
 
 def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db):
-    """dx [N, H] (x's dtype; also d residual), dweight [H] and dbias [H] (their dtypes; empty tensors
-    when not computed). x is what was normalized (the residual sum when there was one)."""
-    n_rows, n_cols = x.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    """dx (x's shape and dtype, contiguous; also d residual), dweight [H] and dbias [H] (their dtypes;
+    None when not computed). x is what was normalized (the residual sum when there was one); x, dy,
+    dsum: rows of H (launch_rows)."""
+    n_rows, n_cols = rows_shape(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     compute_dw = bool(compute_dw) and weight is not None
     compute_db = bool(compute_db) and bias is not None
     if n_rows == 0:
-        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
-        db = torch.zeros_like(bias) if compute_db else x.new_empty(0)
+        dw = torch.zeros_like(weight) if compute_dw else None
+        db = torch.zeros_like(bias) if compute_db else None
         return dx, dw, db
     for t in (x, dy, dsum):
         assert t is None or t.stride(-1) == 1 or n_cols == 1
@@ -100,16 +102,16 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
     n_blocks = cdiv(n_rows, block_rows)
     kwargs = dict(
         x_ptr=x,
-        x_row_stride=x.stride(0),
+        x_row_stride=row_stride(x),
         dy_ptr=dy,
-        dy_row_stride=dy.stride(0),
+        dy_row_stride=row_stride(dy),
         dsum_ptr=dsum if dsum is not None else dy,
-        dsum_row_stride=dsum.stride(0) if dsum is not None else 0,
+        dsum_row_stride=row_stride(dsum) if dsum is not None else 0,
         w_ptr=weight if weight is not None else x,
         mean_ptr=mean,
         rstd_ptr=rstd,
         dx_ptr=dx,
-        dx_row_stride=dx.stride(0),
+        dx_row_stride=n_cols,
         dw_part_ptr=rstd,  # stand-ins until the grid is known
         db_part_ptr=rstd,
         n_rows=n_rows,
@@ -124,8 +126,17 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
         BLOCK_H=block_h,
         num_warps=num_warps,
     )
+    # what decides the compiled variant's registers (the occupancy is computed once per variant)
+    variant = (x.dtype, dy.dtype, dsum is not None and dsum.dtype, weight is not None and weight.dtype)
+    variant += (compute_dw, compute_db, single, block_rows, block_h, num_warps)
     grid = resident_programs(
-        layer_norm_bwd_kernel, kwargs, n_blocks, x.device, BWD_PROGRAMS_PER_SM, BWD_MAX_PROGRAMS_PER_SM
+        layer_norm_bwd_kernel,
+        kwargs,
+        n_blocks,
+        x.device,
+        BWD_PROGRAMS_PER_SM,
+        BWD_MAX_PROGRAMS_PER_SM,
+        variant=variant,
     )
     alloc = torch.empty if single else torch.zeros  # single-block programs write their row once
     n_parts = int(compute_dw) + int(compute_db)
@@ -135,8 +146,8 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
     if compute_db:
         kwargs["db_part_ptr"] = part[n_parts - 1]
     layer_norm_bwd_launch((grid,), **kwargs)
-    dw = reduce_partials_(part[0], torch.empty_like(weight)) if compute_dw else x.new_empty(0)
-    db = reduce_partials_(part[n_parts - 1], torch.empty_like(bias)) if compute_db else x.new_empty(0)
+    dw = reduce_partials_(part[0], torch.empty_like(weight)) if compute_dw else None
+    db = reduce_partials_(part[n_parts - 1], torch.empty_like(bias)) if compute_db else None
     return dx, dw, db
 
 
@@ -151,15 +162,23 @@ def _layer_norm_fwd_op(
     bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, residual, weight, bias, eps)
+    r2 = launch_rows(residual) if residual is not None else None
+    y, summed, mean, rstd = layer_norm_fwd(launch_rows(x), r2, weight, bias, eps)
+    summed = _shaped(summed, x) if summed is not None else x.new_empty(0)
+    return _shaped(y, x), summed, mean, rstd
+
+
+def _shaped(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t (contiguous, like's number of elements) in like's shape."""
+    return t if t.shape == like.shape else t.view(like.shape)
 
 
 @_layer_norm_fwd_op.register_fake
 def _(x, residual, weight, bias, eps):
-    n_rows, n_cols = x.shape
-    summed = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
+    n_rows = rows_shape(x)[0]
+    summed = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     stats = [x.new_empty(n_rows, dtype=torch.float32) for _ in range(2)]
-    return x.new_empty((n_rows, n_cols)), summed, *stats
+    return x.new_empty(x.shape), summed, *stats
 
 
 @torch.library.custom_op("fuselm::layer_norm_bwd", mutates_args=())
@@ -174,7 +193,11 @@ def _layer_norm_bwd_op(
     compute_dw: bool,
     compute_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db)
+    dsum = launch_rows(dsum) if dsum is not None else None
+    dx, dw, db = layer_norm_bwd(
+        launch_rows(x), launch_rows(dy), dsum, weight, bias, mean, rstd, compute_dw, compute_db
+    )
+    return _shaped(dx, x), dw if dw is not None else x.new_empty(0), db if db is not None else x.new_empty(0)
 
 
 @_layer_norm_bwd_op.register_fake
@@ -196,27 +219,28 @@ def _run_bwd(*args):
     return layer_norm_bwd(*args)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 # ---- autograd ----
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """Autograd for x [N, H] (and residual [N, H]): saves what was normalized (x, or the sum, which is
-    also an output), mean and rstd [N] fp32; the backward reads it, dy (and d sum) once and writes dx
-    once, which is also the gradient of the residual."""
+    """Autograd for x [..., H] (and residual, x's shape): saves what was normalized (x, or the sum, which
+    is also an output), mean and rstd [N] fp32; the backward reads it, dy (and d sum) once and writes dx
+    once, which is also the gradient of the residual. Contiguous inputs are launched as they are; others
+    as [N, H] rows views made inside the Function (no view nodes in the graph)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps):
-        y, summed, mean, rstd = _run_fwd(x, residual, weight, bias, eps)
         has_res = residual is not None
-        ctx.save_for_backward(summed if has_res else x, weight, bias, mean, rstd)
+        x2 = launch_rows(x)
+        y, summed, mean, rstd = _run_fwd(x2, launch_rows(residual) if has_res else None, weight, bias, eps)
+        ctx.save_for_backward(summed if has_res else x2, weight, bias, mean, rstd)
+        ctx.shape = None if x2 is x else x.shape  # dx is made in x2's shape
         ctx.has_res = has_res
         ctx.set_materialize_grads(False)
+        if ctx.shape is not None:
+            y = y.view(x.shape)
         if has_res:
-            return y, summed
+            return y, summed if ctx.shape is None else summed.view(x.shape)
         return y
 
     @staticmethod
@@ -227,8 +251,10 @@ class LayerNormFunction(torch.autograd.Function):
         if dy is None:  # only the sum was used
             dy = torch.zeros_like(x)
         compute_dw, compute_db = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        dsum = _rows(dsum) if dsum is not None else None
-        dx, dw, db = _run_bwd(x, _rows(dy), dsum, weight, bias, mean, rstd, compute_dw, compute_db)
+        dsum = launch_rows(dsum) if dsum is not None else None
+        dx, dw, db = _run_bwd(x, launch_rows(dy), dsum, weight, bias, mean, rstd, compute_dw, compute_db)
+        if ctx.shape is not None:
+            dx = dx.view(ctx.shape)
         return (
             dx,
             dx if ctx.has_res else None,
@@ -300,15 +326,10 @@ def layer_norm(
         or not use_triton(x)
     ):
         return layer_norm_reference(x, weight, bias, eps, residual=residual)
-    shape = x.shape
-    out = LayerNormFunction.apply(
-        rows_view(x),
-        rows_view(residual) if residual is not None else None,
+    return LayerNormFunction.apply(
+        x,
+        residual,
         weight.contiguous() if weight is not None else None,
         bias.contiguous() if bias is not None else None,
         eps,
     )
-    if residual is not None:
-        y, summed = out
-        return y.reshape(shape), summed.reshape(shape)
-    return out.reshape(shape)
