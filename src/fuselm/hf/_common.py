@@ -10,6 +10,9 @@ import warnings
 
 from torch import nn
 
+# the attribute of a family's root module in an instance-patched model: its patch record (fuselm.hf.patching)
+INSTANCE_MARK = "_fuselm_patch"
+
 _warned: set[str] = set()
 
 

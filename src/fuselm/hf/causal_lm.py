@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..nn.mlp import is_plain_linear
-from ._common import peft_class, warn_once
+from ._common import INSTANCE_MARK, peft_class, warn_once
 from .loss import LossOptions, causal_lm_loss, causal_lm_loss_from_logits
 from .registry import FamilySpec
 
@@ -219,6 +219,9 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        record = vars(self).get(INSTANCE_MARK)
+        if record is not None:
+            record.sync()  # LoRA layers PEFT added after the patch get fuselm's forward
         call = _call_args(original, self, args, kwargs)
         labels, shift_labels = call.get("labels"), call.get("shift_labels")
         training = self.training and torch.is_grad_enabled()

@@ -64,6 +64,12 @@ def _peft_lora_types() -> dict[type, str]:
     return types
 
 
+def is_lora_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's LoRA ``Linear`` layers (dense, bitsandbytes 4-bit or 8-bit
+    base): the layers :func:`lora_linear_forward` is made for (subclasses, e.g. other tuners, are not)."""
+    return type(module) in _peft_lora_types()
+
+
 def _is_peft_layer(module: nn.Module) -> bool:
     if "peft" not in sys.modules:
         return False

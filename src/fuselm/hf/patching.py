@@ -33,15 +33,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._common import hf_class, is_peft_wrapper
+from . import offload
+from ._common import INSTANCE_MARK, hf_class, is_peft_wrapper
 from .class_patch import family_of_target, is_class_patched, original_forward, patch_family, unpatch_family
+from .lora import is_lora_linear, lora_linear_forward
 from .plan import Plan, forward_for, make_plan
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
 from .rotary import add_user, has_rope, remove_user, sweep
-
-# the attribute of a family's root module in an instance-patched model: its _InstancePatch
-INSTANCE_MARK = "_fuselm_patch"
-
 
 # ---- instance patching ----
 
@@ -90,10 +88,26 @@ class _InstancePatch:
     user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this, and so is the root
     of a copy (``copy.deepcopy``, pickle): see :meth:`__reduce__`."""
 
-    __slots__ = ("spec", "plan", "_root")
+    __slots__ = ("spec", "plan", "_root", "_peft_stamp")
 
     def __init__(self, root: nn.Module, spec: FamilySpec, plan: Plan):
         self.spec, self.plan, self._root = spec, plan, weakref.ref(root)
+        self._peft_stamp = _peft_stamp(root)
+
+    def sync(self) -> None:
+        """Give fuselm's forward to the LoRA layers PEFT added to the root since it was patched
+        (``get_peft_model`` or ``add_adapter`` after ``fuselm.hf.patch``), on the root's next forward.
+        PEFT records its adapters in the root's ``peft_config`` dict: a changed dict (or size) is the cue,
+        so a forward with nothing new costs one dictionary lookup."""
+        root = self.root
+        stamp = _peft_stamp(root) if root is not None else None
+        if stamp == self._peft_stamp:
+            return
+        self._peft_stamp = stamp
+        if "lora" in self.plan.blocks:
+            for sub in root.modules():
+                if "forward" not in vars(sub) and is_lora_linear(sub):
+                    vars(sub)["forward"] = _lora_instance_forward(sub)
 
     @property
     def root(self) -> nn.Module | None:
@@ -113,6 +127,19 @@ def _restored_patch(root: nn.Module, spec: FamilySpec, plan: Plan) -> _InstanceP
     if patch.uses_rope():
         add_user(spec, root)
     return patch
+
+
+def _peft_stamp(root: nn.Module) -> tuple[int, int] | None:
+    config = vars(root).get("peft_config")  # set by PEFT on the model it injects adapters into
+    return None if config is None else (id(config), len(config))
+
+
+def _lora_forward() -> Callable:
+    return lora_linear_forward
+
+
+def _lora_instance_forward(module: nn.Module) -> InstanceForward:
+    return InstanceForward(module, lora_linear_forward, _lora_forward, ())
 
 
 def _generic_lm(module: nn.Module, cls: type) -> bool:
@@ -146,7 +173,10 @@ def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
     """The forward instance patching gives ``module`` under ``plan``, or None (it keeps its own): the one
     place that decides which submodules of a model get an instance forward, and which one. Here: fuselm's
     forward for the module's class when it is a class its family swaps (:func:`fuselm.hf.plan.forward_for`),
-    or the fused loss of a ``*ForCausalLM`` without a spec."""
+    or the fused loss of a ``*ForCausalLM`` without a spec, or :func:`fuselm.hf.lora.lora_linear_forward` for
+    PEFT's LoRA Linear layers (``lora=True``)."""
+    if "lora" in plan.blocks and is_lora_linear(module):
+        return _lora_instance_forward(module)
     spec = _family_spec(module, plan)
     if spec is None:
         return None
@@ -250,11 +280,13 @@ def patch(
     fused_residual: bool = False,
     rope: bool = True,
     swiglu: bool = True,
+    lora: bool = True,
     linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
     label_smoothing: float = 0.0,
     memory: str | int = "auto",
     accum_dtype: torch.dtype | None = None,
+    checkpointing: str | None = None,
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
 
@@ -284,7 +316,15 @@ def patch(
             family needs it, every model of that family runs it (the same math as HF's).
         swiglu: the gated MLP (also shared experts and dense layers of MoE models) runs the fused
             activation; with separate ``gate_proj``/``up_proj`` the down projection's input is recomputed
-            in backward instead of saved. Activations without a fuselm kernel run HF's MLP.
+            in backward instead of saved. Activations without a fuselm kernel run HF's MLP. Projections that
+            are PEFT LoRA layers or bitsandbytes 4/8-bit layers run :func:`fuselm.lora.lora_gated_mlp`
+            (one autograd node saving x, the gate and up pre-activations and the rank-r products).
+        lora: PEFT's LoRA ``Linear`` layers (attention projections, and any other target) run
+            :func:`fuselm.lora.lora_linear` (instance patching): the update added into the base GEMM's
+            output, adapters cast to the compute dtype once per call, bitsandbytes 4-bit / 8-bit bases
+            dequantized into one shared buffer, PEFT's dropout masks. Patched before ``get_peft_model``,
+            the layers PEFT adds get it at the model's next forward. What it does not cover (DoRA, LoRA
+            bias, several active adapters, ...) runs PEFT's forward after one warning naming the layer.
         linear_cross_entropy: the ``*ForCausalLM`` / ``*ForConditionalGeneration`` forward with
             ``labels`` in training computes HF's causal-LM loss from the hidden states with
             :func:`fuselm.linear_cross_entropy` and returns ``logits=None``: no ``[B, T, V]`` tensor.
@@ -297,6 +337,10 @@ def patch(
         accum_dtype: :func:`fuselm.linear_cross_entropy`'s: None, or ``torch.float32`` (the lm_head's
             gradient summed in fp32 across chunks). The loss options are checked here, also when no
             loss flag is on.
+        checkpointing: None (HF's gradient checkpointing as the model has it) or ``"offload"`` (built
+            models only): gradient checkpointing with each decoder layer's input kept in pinned host
+            memory between forward and backward (:func:`fuselm.hf.offload.enable`: turned on if it is off,
+            kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag).
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
@@ -338,14 +382,21 @@ def patch(
         fused_residual=fused_residual,
         rope=rope,
         swiglu=swiglu,
+        lora=lora,
         linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy,
         label_smoothing=label_smoothing,
         memory=memory,
         accum_dtype=accum_dtype,
     )
+    if checkpointing not in (None, "offload"):
+        raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")
     if isinstance(target, nn.Module):
         _patch_instance(target, plan)
+        if checkpointing == "offload":
+            offload.enable(target)
+    elif checkpointing is not None and isinstance(target, (str, type)):
+        raise ValueError("checkpointing='offload' takes a built model, not a model class or model_type")
     elif isinstance(target, (str, type)):
         spec = family_of_target(target)
         patch_family(spec, plan)
@@ -368,6 +419,8 @@ def unpatch(target):
     any more are restored. A target that was not patched is left as it is. Returns the target."""
     if isinstance(target, nn.Module):
         _unpatch_instance(target)
+        if offload.is_enabled(target):
+            offload.disable(target)
     elif isinstance(target, (str, type)):
         unpatch_family(family_of_target(target))
     else:

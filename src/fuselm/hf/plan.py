@@ -15,8 +15,9 @@ from .loss import LossOptions
 from .registry import FamilySpec
 
 # the block components; the loss is the last one. residual_norm: the decoder layer's add after the
-# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm)
-BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu")
+# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm). lora: PEFT's
+# LoRA Linear layers run fuselm.lora (instance patching; the gated MLP's LoRA path comes with swiglu)
+BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu", "lora")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ def make_plan(
     fused_residual: bool,
     rope: bool,
     swiglu: bool,
+    lora: bool,
     linear_cross_entropy: bool,
     cross_entropy: bool,
     label_smoothing: float,
@@ -54,7 +56,7 @@ def make_plan(
     loss = LossOptions(bool(cross_entropy), label_smoothing, memory, accum_dtype)  # checked, also if unused
     if not (linear_cross_entropy or cross_entropy):
         loss = None
-    flags = (rms_norm, fused_residual, rope, swiglu)
+    flags = (rms_norm, fused_residual, rope, swiglu, lora)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
