@@ -53,3 +53,61 @@ def test_compiled_patched_model_gives_hfs_loss_and_gradients(backend):
         for name, g, g_hf, g_ref in zip(names, grads, grads_hf, grads_ref, strict=True):
             assert_numerics(f"grad {name}", g, g_hf, g_ref, torch.float32)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_of_a_patched_model():
+    """torch.compile(mode="reduce-overhead") (CUDA graphs by the compiler) of a patched model: HF's loss
+    and gradients, over three steps of new data (the graphs are recorded, then replayed)."""
+    torch._dynamo.reset()
+    hf = build("llama", device=DEVICE)
+    ref = clone(hf, torch.float64)
+    compiled = torch.compile(fuselm.hf.patch(clone(hf)), mode="reduce-overhead")
+    for seed in (1, 2, 3):
+        ids, labels = _batch(hf.config.vocab_size, seed=seed)
+        loss, grads = _loss_and_grads(compiled, ids, labels)
+        loss, grads = loss.clone(), [g.clone() for g in grads]  # the graph's outputs are reused
+        loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
+        loss_ref, grads_ref = _loss_and_grads(ref, ids, labels)
+        assert_numerics("loss", loss, loss_hf, loss_ref, torch.float32)
+        for g, g_hf, g_ref in zip(grads, grads_hf, grads_ref, strict=True):
+            assert_numerics("grad", g, g_hf, g_ref, torch.float32)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_patched_step():
+    """The README's recipe: forward and backward of a patched model's step captured by hand in a CUDA
+    graph (after a warm-up on a side stream) and replayed on new batches copied into the same inputs:
+    HF's loss and gradients."""
+    hf = build("llama", device=DEVICE)
+    ref = clone(hf, torch.float64)
+    model = fuselm.hf.patch(clone(hf))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    static_ids, static_labels = _batch(hf.config.vocab_size, seed=1)
+
+    def step():
+        loss = model(input_ids=static_ids, labels=static_labels).loss
+        return loss, torch.autograd.grad(loss, params)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_grads = step()
+    for seed in (2, 3):
+        ids, labels = _batch(hf.config.vocab_size, seed=seed)
+        static_ids.copy_(ids)
+        static_labels.copy_(labels)
+        graph.replay()
+        torch.cuda.synchronize()
+        loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
+        loss_ref, grads_ref = _loss_and_grads(ref, ids, labels)
+        assert_numerics("loss", static_loss, loss_hf, loss_ref, torch.float32)
+        for g, g_hf, g_ref in zip(static_grads, grads_hf, grads_ref, strict=True):
+            assert_numerics("grad", g, g_hf, g_ref, torch.float32)
