@@ -4,6 +4,7 @@ HF's outputs (loss, logits, gradients) under the numerics rule (CPU fp32; float6
 from __future__ import annotations
 
 import copy
+import doctest
 import gc
 import importlib
 import pickle
@@ -573,6 +574,17 @@ def test_trainer_with_gradient_accumulation_matches_hf(tmp_path):
     params = [dict(m.named_parameters()) for m in (ref, eager, ours)]
     for name in params[1]:
         assert_numerics(f"trained {name}", params[2][name], params[1][name], params[0][name], torch.float32)
+
+
+@pytest.mark.parametrize("module", [fuselm.hf.patching, fuselm.hf.registry], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    """The docstring examples of fuselm.hf (patch, the registry's functions) run as written."""
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [t for t in finder.find(module) if t.examples]
+    assert tests
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
 
 
 def test_config_helper_is_what_it_says():
