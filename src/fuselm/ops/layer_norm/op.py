@@ -146,8 +146,11 @@ def layer_norm_bwd(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db
     if compute_db:
         kwargs["db_part_ptr"] = part[n_parts - 1]
     layer_norm_bwd_launch((grid,), **kwargs)
+    if compute_dw and compute_db:  # both sums in one launch
+        dw, db = reduce_partials_(part, torch.empty_like(weight), torch.empty_like(bias))
+        return dx, dw, db
     dw = reduce_partials_(part[0], torch.empty_like(weight)) if compute_dw else None
-    db = reduce_partials_(part[n_parts - 1], torch.empty_like(bias)) if compute_db else None
+    db = reduce_partials_(part[0], torch.empty_like(bias)) if compute_db else None
     return dx, dw, db
 
 
