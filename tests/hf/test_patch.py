@@ -266,7 +266,9 @@ def test_bad_targets_and_flags():
     with pytest.raises(ValueError, match="pick one"):
         fuselm.hf.patch("llama", cross_entropy=True)
     with pytest.raises(ValueError, match="every component flag is False"):
-        fuselm.hf.patch("llama", rms_norm=False, rope=False, swiglu=False, linear_cross_entropy=False)
+        fuselm.hf.patch(
+            "llama", rms_norm=False, rope=False, swiglu=False, lora=False, linear_cross_entropy=False
+        )
     with pytest.raises(ValueError, match="label_smoothing"):
         fuselm.hf.patch("llama", label_smoothing=1.5)
     with pytest.raises(ValueError, match="nothing to patch in the 'llava' family"):
