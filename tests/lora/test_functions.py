@@ -464,20 +464,24 @@ def test_lora_gated_mlp_saves_less_than_peft(gen):
 
 
 def test_second_backward(gen):
-    """retain_graph: a second backward gives the same gradients (saved tensors are never overwritten);
-    without it, PyTorch's freed-graph error."""
+    """The MLP's backward writes its gradients over the saved gate and up projections (the peak is three
+    [N, I] buffers): a second backward through the same graph (retain_graph) raises instead of reading
+    them; lora_linear saves nothing it overwrites, so its second backward gives the same gradients."""
     layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32)
     ops = mlp_operands(layers)
     x = randn(gen, (*LEAD, H), torch.float32).requires_grad_()
     y = L.lora_gated_mlp(x, *ops, "silu")
     dy = randn(gen, y.shape, torch.float32)
     wrt = (x, *adapter_params(ops))
-    first = torch.autograd.grad(y, wrt, dy, retain_graph=True)
-    second = torch.autograd.grad(y, wrt, dy)
+    torch.autograd.grad(y, wrt, dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through the same graph twice"):
+        torch.autograd.grad(y, wrt, dy)
+    W, ad, _ = ops[0]
+    y = L.lora_linear(x, W, ad).sum()
+    first = torch.autograd.grad(y, (x, ad.A, ad.B), retain_graph=True)
+    second = torch.autograd.grad(y, (x, ad.A, ad.B))
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        torch.autograd.grad(y, wrt, dy)
 
 
 def test_weight_changed_before_backward_raises(gen):

@@ -356,6 +356,7 @@ class LoraGatedMLPFunction(torch.autograd.Function):
         y, low_d = _proj_forward(h, ad, bd, md, pd)  # [N, H]
         ctx.projs, ctx.activation = projs, activation
         ctx.adapters = (ag, bg, au, bu, ad, bd)
+        ctx.consumed = False
         x_saved = x if ag is not None or au is not None else None  # only dA of gate / up reads x
         ctx.save_for_backward(x_saved, g, u, low_g, low_u, low_d, mg, mu, md)
         return y
@@ -376,10 +377,18 @@ class LoraGatedMLPFunction(torch.autograd.Function):
             ad_c, bd_c = _cast_adapter(ad, bd, cdt)
             dyb = torch.mm(dy, bd_c) if ad is not None and (need_gu or nad) else None
             if need_gu:
-                dh = _grad_input(dy, dyb, ad_c, md, pd)  # [N, I], fresh: dg overwrites it
-                res = gated_backward(dh, g, u, ctx.activation, want_out=nad, dgate_into_dout=True)
+                if ctx.consumed:
+                    raise RuntimeError(
+                        "fuselm.lora.lora_gated_mlp: backward through the same graph twice (retain_graph): "
+                        "the first backward overwrote the saved gate and up projections"
+                    )
+                ctx.consumed = True
+                dh = _grad_input(dy, dyb, ad_c, md, pd)  # [N, I], fresh
+                # one kernel writes dg over dh, du over u and h over g: g and u are this node's alone, so
+                # the backward's peak is three [N, I] buffers (dh, g, u), not five
+                res = gated_backward(dh, g, u, ctx.activation, want_out=nad, overwrite_inputs=True)
                 dg, du, h = res if nad else (*res, None)
-                del dh
+                del dh, g, u
             else:
                 dg = du = None
                 h = gated_forward(g, u, ctx.activation) if nad else None

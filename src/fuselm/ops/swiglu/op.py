@@ -321,10 +321,15 @@ def gated_backward(
     *,
     want_out: bool = False,
     dgate_into_dout: bool = False,
+    overwrite_inputs: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``(dgate, dup)`` of ``act(gate) * up`` for ``[R, I]`` tensors, no autograd; with ``want_out`` also
     the recomputed product (one kernel writes all three). ``dgate_into_dout=True`` lets the kernel write
     dgate into ``dout``'s storage (the caller owns ``dout`` and no longer needs it).
+    ``overwrite_inputs=True`` (the caller owns all three buffers and needs none of them afterwards): dgate
+    goes into ``dout``, dup into ``up`` and the product into ``gate``, so nothing is allocated (each
+    element is read before it is written, in the same program). Under ``torch.compile`` and on the
+    reference path the results are fresh tensors.
 
     Example:
         >>> g, u, d = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
@@ -332,6 +337,12 @@ def gated_backward(
         >>> torch.allclose(du, d * F.silu(g), atol=1e-6)
         True
     """
+    if overwrite_inputs and _kernels(gate) and not torch.compiler.is_compiling():
+        for name, t in (("dout", dout), ("gate", gate), ("up", up)):
+            if t.dim() != 2 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [R, I] tensor to be overwritten")
+        swiglu_bwd(dout, gate, up, activation, dout, up, gate if want_out else None)
+        return (dout, up, gate) if want_out else (dout, up)
     return _run_bwd(dout, gate, up, activation, want_out=want_out, dgate_into_dout=dgate_into_dout)
 
 
