@@ -231,8 +231,7 @@ def _resolve_mode():
             )
         else:
             direct = True
-            # 3.4: hooks are None or a function; 3.5+: HookChain objects with a list of calls
-            hooks = _hooks_set_34 if version < (3, 5) else _hooks_set
+            hooks = _hooks_test(version)
             device, stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
     _MODE[:] = [(direct, hooks, device, stream)]
     return _MODE[0]
@@ -242,18 +241,16 @@ def _always() -> bool:
     return True
 
 
-def _hooks_set() -> bool:
-    """Are Triton launch hooks installed (3.5+: HookChain objects holding a list of calls)?"""
+def _hooks_test(version: tuple[int, int]):
+    """A function that says whether Triton launch hooks (a profiler's) are installed: 3.4 keeps None or a
+    function in knobs.runtime.launch_enter_hook / launch_exit_hook, 3.5+ HookChain objects with a list of
+    calls."""
     from triton import knobs
 
-    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
-
-
-def _hooks_set_34() -> bool:
-    """Are Triton launch hooks installed (3.4: None or a function)?"""
-    from triton import knobs
-
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    rt = knobs.runtime
+    if version < (3, 5):
+        return lambda: rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return lambda: bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
 
 
 def constexpr_names(kernel) -> tuple[str, ...]:
