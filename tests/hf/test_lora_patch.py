@@ -237,6 +237,7 @@ def test_qlora_patched_matches_peft(bits, tmp_path):
     ours = copy.deepcopy(eager)
     fuselm.hf.patch(ours)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
+    ids = ids.to(next(eager.parameters()).device)  # bitsandbytes loads onto CUDA where there is one
     l_e, g_e = step(eager, ids)
     l_o, g_o = step(ours, ids)
     fused, total = fused_ran(ours)
