@@ -374,6 +374,61 @@ def test_softmax_dominated_gradients(dtype, case, gen):
     assert_numerics(f"{case} grad", g_ours, g_eager, g_ref, dtype)
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_loss_dtype_matches_torch(autocast, reduction, gen):
+    """The returned loss has F.cross_entropy's dtype in and out of autocast, for every reduction (autocast
+    runs torch's cross-entropy in float32: the loss is float32 whatever the logits' dtype); torch's result is
+    the eager side of the numerics rule."""
+    low = torch.bfloat16 if DEVICE == "cpu" else torch.float16
+    for dtype in (torch.float32, low):
+        x, t, w = make_inputs(gen, (2, 5), 301, dtype, weight=True)
+        with torch.autocast(DEVICE, dtype=low, enabled=autocast):
+            ours = fuselm.cross_entropy(x, t, weight=w, reduction=reduction, label_smoothing=0.1)
+            theirs = F.cross_entropy(
+                x.reshape(-1, 301), t.reshape(-1), weight=w, reduction=reduction, label_smoothing=0.1
+            )
+        assert ours.dtype == theirs.dtype, (dtype, ours.dtype, theirs.dtype)
+        theirs = theirs.reshape(ours.shape)
+        ref = reference64(x, t, weight=w, reduction=reduction, label_smoothing=0.1)
+        assert_numerics("loss", ours, theirs, ref, theirs.dtype)
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "lse"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward(reduction, return_lse, gen):
+    """create_graph=True: on the Triton path a RuntimeError naming the op and create_graph (once "element 0
+    of tensors does not require grad", or silently missing second-order terms); on the reference path the
+    Hessian-vector product is right (numerics rule against F.cross_entropy and float64)."""
+    x, t, _ = make_inputs(gen, (2, 5), 301, torch.float32)
+    v = torch.randn(x.shape, generator=gen).to(x.device)
+
+    def hvp(fn, xd):
+        xs = xd.detach().clone().requires_grad_()
+        loss = fn(xs, t, reduction)
+        (g,) = torch.autograd.grad(loss.sum(), xs, create_graph=True)
+        (h,) = torch.autograd.grad((g * v.to(g.dtype)).sum(), xs)
+        return h
+
+    def ours(xs, t, reduction):
+        out = fuselm.cross_entropy(xs, t, reduction=reduction, return_lse=return_lse)
+        return out[0] if return_lse else out
+
+    def torch_ce(xs, t, reduction):
+        return F.cross_entropy(xs.reshape(-1, xs.shape[-1]), t.reshape(-1), reduction=reduction)
+
+    def ref_ce(xs, t, reduction):
+        return cross_entropy_reference(xs, t, reduction=reduction)
+
+    if TRITON_PATH:
+        with pytest.raises(
+            RuntimeError, match=r"fuselm\.cross_entropy: double backward \(create_graph=True\)"
+        ):
+            hvp(ours, x)
+        return
+    assert_numerics("hvp", hvp(ours, x), hvp(torch_ce, x), hvp(ref_ce, x.double()), x.dtype)
+
+
 @triton_path_only
 def test_second_backward_raises_or_is_right(gen):
     """Without inplace_backward, mean/sum keep the gradient from the forward: a second backward through

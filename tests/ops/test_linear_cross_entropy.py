@@ -245,8 +245,10 @@ def test_autocast_casts_like_f_linear(plan):
     w.requires_grad_()
     with torch.autocast(DEVICE, dtype=low):
         loss = linear_cross_entropy(x, w, t, linear_bias=b, memory=_memory(plan, low))
-    want = linear_cross_entropy(x.to(low), w.to(low), t, linear_bias=b.to(low), memory=_memory(plan, low))
-    assert loss.dtype == low
+    want = linear_cross_entropy(
+        x.to(low), w.to(low), t, linear_bias=b.to(low), memory=_memory(plan, low), loss_dtype=torch.float32
+    )
+    assert loss.dtype == torch.float32  # as F.linear_cross_entropy under autocast
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
     loss.backward()
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
@@ -273,6 +275,41 @@ def test_autocast_bf16_loss_is_fp32_accurate(plan):
     assert_numerics("loss", outs["ours"]["loss"], outs["eager"]["loss"], ref["loss"], torch.float32)
     for key in ("dx", "dw"):
         assert_numerics(key, outs["ours"][key], outs["eager"][key], ref[key], torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    not hasattr(F, "linear_cross_entropy"), reason="torch.nn.functional.linear_cross_entropy: torch >= 2.13"
+)
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_loss_dtype_matches_torch(autocast, reduction, plan):
+    """The returned loss has the dtype of torch.nn.functional.linear_cross_entropy's, in and out of autocast,
+    for every reduction (under autocast: float32, where the loss was once in the autocast dtype, 5x less
+    accurate per token); torch's result is the eager side of the numerics rule."""
+    low = torch.bfloat16 if DEVICE == "cpu" else torch.float16
+    if plan == "fused" and TRITON_PATH and not HAS_CUDA:
+        low = torch.float16  # the interpreter's bf16 tl.dot is wrong (see _memory)
+    memory = _memory(plan, low)
+    x, w, b, t, _ = _inputs(torch.float32)
+    for dtype in (torch.float32, low):
+        outs = {}
+        for name, fn in (("ours", linear_cross_entropy), ("torch", F.linear_cross_entropy)):
+            xs, ws, bs = (a.detach().to(dtype).requires_grad_() for a in (x, w, b))
+            with torch.autocast(DEVICE, dtype=low, enabled=autocast):
+                kw = dict(memory=memory) if name == "ours" else {}
+                loss = fn(xs.reshape(-1, H), ws, t.reshape(-1), linear_bias=bs, reduction=reduction, **kw)
+            outs[name] = loss
+        assert outs["ours"].dtype == outs["torch"].dtype, (dtype, outs["ours"].dtype, outs["torch"].dtype)
+        assert outs["ours"].shape == outs["torch"].shape
+        # the float64 reference of the operands the op computes with (cast to `low` under autocast)
+        op_dtype = low if autocast else dtype
+        xr, wr, br = (a.to(op_dtype).double() for a in (x, w, b))
+        ref = linear_cross_entropy_reference(
+            xr.reshape(-1, H), wr, t.reshape(-1), linear_bias=br, reduction=reduction
+        )
+        rule_dtype = torch.float32 if autocast else dtype
+        assert_numerics("loss", outs["ours"].detach(), outs["torch"].detach(), ref, rule_dtype)
 
 
 def test_float64_runs_the_reference():
@@ -562,6 +599,28 @@ def test_second_backward_raises(plan):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("return_lse", [False, True], ids=["loss", "lse"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward_raises(reduction, return_lse, plan):
+    """create_graph=True raises a RuntimeError naming the op and create_graph (once: "element 0 of tensors
+    does not require grad" at the second backward, or silently missing second-order terms)."""
+    x, w, b, t, _ = _inputs(torch.float32)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear_cross_entropy(
+        xs, ws, t, linear_bias=b, reduction=reduction, return_lse=return_lse, memory=_memory(plan)
+    )
+    loss = out[0] if return_lse else out
+    with pytest.raises(
+        RuntimeError, match=r"fuselm\.linear_cross_entropy: double backward \(create_graph=True\)"
+    ):
+        torch.autograd.grad(loss.sum(), (xs, ws), create_graph=True)
+    # a plain backward of a fresh graph is unaffected
+    loss = linear_cross_entropy(xs, ws, t, linear_bias=b, reduction=reduction, memory=_memory(plan))
+    loss.sum().backward()
+    assert xs.grad is not None and ws.grad is not None
 
 
 @pytest.mark.skipif(

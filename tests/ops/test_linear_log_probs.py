@@ -267,6 +267,23 @@ def test_non_differentiable_outputs():
         assert not getattr(out, name).requires_grad, name
 
 
+@pytest.mark.parametrize("memory", ["auto", "min"])
+@pytest.mark.parametrize("output", ["log_probs", "entropy", "lse"])
+def test_double_backward_raises(output, memory):
+    """create_graph=True raises a RuntimeError naming the op and create_graph (once: "element 0 of tensors
+    does not require grad" at the second backward)."""
+    x, w, b, t = _inputs(torch.float32)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear_log_probs(xs, ws, t, linear_bias=b, outputs=(output,), memory=memory)
+    with pytest.raises(
+        RuntimeError, match=r"fuselm\.linear_log_probs: double backward \(create_graph=True\)"
+    ):
+        torch.autograd.grad(getattr(out, output).sum(), (xs, ws), create_graph=True)
+    out = linear_log_probs(xs, ws, t, linear_bias=b, outputs=(output,), memory=memory)
+    getattr(out, output).sum().backward()  # a plain backward is unaffected
+    assert xs.grad is not None and ws.grad is not None
+
+
 def test_ignored_tokens_are_zero_and_cost_nothing(monkeypatch):
     """Ignored tokens: every output 0 (False), zero gradient; the numbers of the batch without them;
     compaction on == off."""

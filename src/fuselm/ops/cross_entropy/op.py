@@ -16,6 +16,18 @@ from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_gra
 from .reference import cross_entropy_reference_of
 
 
+def refuse_double_backward() -> None:
+    """Raise in a backward run with ``create_graph=True`` (grad mode is on there exactly then): the
+    gradients come from the Triton row kernels, which autograd cannot differentiate again
+    (second-order terms would be silently missing)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fuselm.cross_entropy: double backward (create_graph=True) is not supported on the Triton path: "
+            "its backward (Triton row kernels) is not differentiable; for higher-order gradients use "
+            "torch.nn.functional.cross_entropy (eager PyTorch)"
+        )
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for [N, C] logits and [N] targets through a row backend (LocalRows, or a vocabulary shard).
     `weight`, `token_weights` are opts.tensors(), passed beside the options because autograd Functions take
@@ -63,6 +75,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
+        refuse_double_backward()
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.cross_entropy: backward ran twice through a graph whose gradient buffer was already "
@@ -85,6 +98,14 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 _DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
+def autocast_loss_dtype(resolved: torch.dtype, asked, input: torch.Tensor) -> torch.dtype:
+    """The loss dtype under autocast: float32 when none was asked for (``asked`` None) and autocast is on
+    for ``input``'s device, as torch's cross-entropy (on autocast's float32 list) returns; float64 stays."""
+    if asked is None and input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
+        return torch.float32
+    return resolved
 
 
 def cross_entropy(
@@ -147,9 +168,16 @@ def cross_entropy(
         inplace_backward: write the gradient into ``input``'s buffer (no ``[N, V]`` allocation).
             ``input`` is overwritten by the forward (or backward) and must not be used afterwards;
             a second backward through the same graph raises RuntimeError.
-        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch); the loss is
-            accumulated in fp32, so ``torch.float32`` returns it unrounded (what Hugging Face's loss on
-            ``logits.float()`` gives) without an fp32 copy of the logits.
+        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch), and float32 under
+            ``torch.autocast`` (as ``torch.nn.functional.cross_entropy``, which autocast runs in float32);
+            the loss is accumulated in fp32, so ``torch.float32`` returns it unrounded (what Hugging Face's
+            loss on ``logits.float()`` gives) without an fp32 copy of the logits.
+
+    Double backward: not supported on the Triton path (CUDA, or ``TRITON_INTERPRET=1``): a backward with
+    ``create_graph=True`` (higher-order gradients, e.g. a gradient penalty) raises RuntimeError naming it,
+    as the kernels' gradient is not differentiable; use ``torch.nn.functional.cross_entropy`` there. The
+    PyTorch reference path (CPU tensors without ``TRITON_INTERPRET``, float64) is plain autograd and
+    supports it.
 
     Returns:
         ``loss`` in ``loss_dtype`` (default: the dtype of ``input``; a scalar, or ``input.shape[:-1]``
@@ -166,7 +194,7 @@ def cross_entropy(
         torch.Size([4, 10])
     """
     check_tensor("input", input, dtypes=_DTYPES, min_ndim=1)
-    loss_dtype = resolve_loss_dtype(loss_dtype, input)
+    loss_dtype = autocast_loss_dtype(resolve_loss_dtype(loss_dtype, input), loss_dtype, input)
     n_cols = input.shape[-1]
     if n_cols == 0:
         raise ValueError("input must have at least one class (last dimension is 0)")

@@ -13,7 +13,15 @@ from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
 from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
-from .reference import linear_cross_entropy_reference_of
+from .reference import linear_cross_entropy_reference_of, refuse_double_backward
+
+
+def autocast_loss_dtype(resolved: torch.dtype, asked, input: torch.Tensor) -> torch.dtype:
+    """The loss dtype under autocast: float32 when none was asked for (``asked`` None) and autocast is on
+    for ``input``'s device, as torch.nn.functional.linear_cross_entropy returns; float64 stays."""
+    if asked is None and input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
+        return torch.float32
+    return resolved
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -75,6 +83,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
+        refuse_double_backward()
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.linear_cross_entropy: backward ran twice through a graph whose gradients were "
@@ -187,12 +196,15 @@ def linear_cross_entropy(
             A chunk has ``C = budget // (V * itemsize)`` rows (at least 16, a multiple of 16, at most
             N). Its buffer is the only tensor of V columns, in the input dtype; with gathered ignored
             rows (below) two ``[C, H]`` temporaries come with it.
-        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch); the loss is
-            accumulated in fp32 (fp64 for fp64 input), so ``torch.float32`` returns it unrounded, as
-            Hugging Face's loss (computed on ``logits.float()``) is.
+        loss_dtype: the dtype of the returned loss: by default the input's (as PyTorch), float32 under
+            ``torch.autocast`` (below); the loss is accumulated in fp32 (fp64 for fp64 input), so
+            ``torch.float32`` returns it unrounded, as Hugging Face's loss (on ``logits.float()``) is.
 
     Autocast: under ``torch.autocast``, ``input``, ``linear_weight`` and ``linear_bias`` are cast to the
-    autocast dtype first, as ``F.linear`` would (the gradients flow back to their own dtypes).
+    autocast dtype first, as ``F.linear`` would (the gradients flow back to their own dtypes), and the loss
+    is returned in float32 for every reduction (unless ``loss_dtype`` says otherwise), as
+    ``torch.nn.functional.linear_cross_entropy`` returns it (its cross-entropy runs in float32 under
+    autocast).
 
     Plans: for ``"mean"``/``"sum"`` without ``return_lse``, the gradients are computed in the forward
     (the backward only multiplies them by the upstream gradient, skipped when it is 1); on the Triton
@@ -208,6 +220,11 @@ def linear_cross_entropy(
     the GEMMs, so ignored tokens (padding, prompt tokens) cost no FLOPs. Under ``torch.compile`` and CUDA
     graph capture every row is computed (no sync; ignored rows still get a zero loss and gradient). With
     ``return_lse`` every row is computed as well (the lse of every row is returned).
+
+    Double backward: not supported on any path: a backward with ``create_graph=True`` (higher-order
+    gradients) raises RuntimeError naming it (the gradients come from kernels or from the forward, not
+    from a differentiable graph); use ``torch.nn.functional.linear_cross_entropy`` or
+    ``F.cross_entropy(F.linear(...))`` for those.
 
     Returns:
         ``loss`` in ``loss_dtype`` (a scalar, or ``input.shape[:-1]`` for ``"none"``); with any ``return_*`` a
@@ -228,7 +245,7 @@ def linear_cross_entropy(
     input, linear_weight, linear_bias = linear_operands(
         input, linear_weight, linear_bias, dtypes=(*FLOAT_DTYPES, torch.float64)
     )
-    loss_dtype = resolve_loss_dtype(loss_dtype, input)
+    loss_dtype = autocast_loss_dtype(resolve_loss_dtype(loss_dtype, input), loss_dtype, input)
     h = input.shape[-1]
     v = linear_weight.shape[0]
     if v == 0:

@@ -21,7 +21,7 @@ from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import LossOptions
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
-from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference
+from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference, refuse_double_backward
 
 SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
 AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
@@ -400,6 +400,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlog_probs, dentropy, dlse, *_):
+        refuse_double_backward()
         x, w, b, target, rows, lse, entropy = ctx.saved_tensors
         needs = tuple(bool(k) for k in ctx.needs_input_grad[:3])
         grads = []
@@ -523,6 +524,10 @@ def linear_log_probs(
     slab is one cuBLAS product over all tokens (fp32 inside, rounded once to its dtype, never summed in
     16 bits), ``d input`` is summed over the slabs in fp32 and ``d linear_bias`` in fp32. No host sync
     besides the one of ignored-row compaction (eager only).
+
+    Double backward: not supported on any path: a backward with ``create_graph=True`` (higher-order
+    gradients) raises RuntimeError naming it (the backward recomputes the logits without a graph); use
+    eager PyTorch for those (``torch.log_softmax(F.linear(input, linear_weight, linear_bias), -1)``).
 
     Returns:
         :class:`fuselm.LogProbs` ``(log_probs, entropy, lse, log_sum_sq_probs, mean_logits, is_top1)``: each

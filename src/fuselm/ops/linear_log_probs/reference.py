@@ -24,6 +24,20 @@ import torch
 
 from .._common.loss.reference import softmax_grad, transform_logits
 
+
+def refuse_double_backward() -> None:
+    """Raise in a backward run with ``create_graph=True`` (grad mode is on there exactly then): the
+    gradients come from fused kernels or chunks recomputed without a graph, which autograd cannot
+    differentiate again (second-order terms would be silently missing)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fuselm.linear_log_probs: double backward (create_graph=True) is not supported: its backward "
+            "(fused kernels, or chunks recomputed without a graph) is not differentiable; for higher-order "
+            "gradients use eager PyTorch: torch.log_softmax(F.linear(input, linear_weight, linear_bias), -1)"
+            ".gather(-1, target[..., None])"
+        )
+
+
 OUTPUT_NAMES = ("log_probs", "entropy", "lse", "log_sum_sq_probs", "mean_logits", "is_top1")
 DIFFERENTIABLE = ("log_probs", "entropy", "lse")
 # Working-set budget of the reference when none is given: a chunk's (or slab's) fp32 logits and their
@@ -155,6 +169,7 @@ class _LinearLogProbsReference(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, dlog_probs, dentropy, dlse, *_):
+        refuse_double_backward()
         x, w, b, target, rows, lse, entropy = ctx.saved_tensors
         budget, ignore_index, logit_scale, softcap, temperature = ctx.options
         cd = compute_dtype(x.dtype)
