@@ -6,6 +6,17 @@
 - The fine-tuning tables (marked ``<!-- finetune.json: ... -->`` / ``<!-- finetune_1b.json: ... -->``)
   show, cell by cell, ``f"{ms:.0f} ms, {GiB:.2f} GiB"`` of the medians of the committed rows
   (``benchmarks/results/h200/finetune*.json``), the format ``fuselm bench finetune`` writes.
+- The other tables of "## Benchmarks" equal the committed JSON of the suite and GPU each one names: end to
+  end (h200/e2e.json), cross-entropy (h200/ and h100/cross_entropy.json), fused linear cross-entropy
+  (h200/linear_cross_entropy.json), per-token log-probs and their error row (h100/linear_log_probs.json),
+  vocabulary split over 2 GPUs (h200/linear_cross_entropy_ws2.json), block kernels (h200/rms_norm,
+  layer_norm, swiglu, rope.json and h100/rope.json), and the GRPO-shaped step paragraph (h100/grpo_step.json).
+  Every number a cell shows (ms, x copy / x floor, MiB, GiB, k tok/s) must be the committed value printed
+  with the README's number of decimals; the commit a table names must be the JSON's.
+- The prose figures with a JSON source are checked the same way: the batch 1 x 2048 end-to-end sentence
+  (medians of h200/e2e_small_batch.json) and the "End to end on an H100" paragraph (h100/e2e.json).
+- Not checked, no committed JSON: the earlier a11dbd0 H100 e2e range (62.1-62.3k tok/s) and the
+  fused-residual A/B (h100/tuning/e2e_fused_residual_ab.md, a Markdown report only).
 """
 
 from __future__ import annotations
@@ -138,3 +149,320 @@ def test_readme_states_the_committed_demo_gap():
     claim = re.search(r"losses within ([0-9.e-]+) of HF's \(max abs difference", README.read_text())
     assert claim is not None
     assert claim.group(1) == f"{gap:.2g}"
+
+
+# ---- the other benchmark tables of "## Benchmarks" ----
+#
+# A cell shows some of: a time ("13.5 ms"), a ratio ("0.07x", "(0.65x copy)", "1.31x"), a memory figure
+# ("254 MiB", "57.2 GiB"), tokens/s ("49.9k tok/s"). Each number shown must equal the committed JSON value
+# printed with the README's number of decimals (the README rounds; it never shows a different number).
+
+ALL = ROOT / "benchmarks" / "results"
+NUM = r"([0-9]+(?:\.[0-9]+)?)"
+
+
+def shown(text: str, value: float) -> bool:
+    """``text`` (a README number) is ``value`` printed with as many decimals as ``text`` has."""
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return text == f"{value:.{decimals}f}"
+
+
+def load(gpu: str, suite: str) -> dict:
+    return json.loads((ALL / gpu / f"{suite}.json").read_text())
+
+
+def table_in(title: str) -> list[list[str]]:
+    """The cells (bold stripped) of the first markdown table after the paragraph starting ``**title**``."""
+    lines = README.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"**{title}**")]
+    assert len(starts) == 1, f"README.md: {len(starts)} paragraphs start with **{title}**"
+    i = starts[0]
+    while not lines[i].startswith("|"):
+        i += 1
+    rows = []
+    while i < len(lines) and lines[i].startswith("|"):
+        rows.append([c.strip().replace("**", "") for c in lines[i].strip().strip("|").split("|")])
+        i += 1
+    return rows
+
+
+def commit_named(title: str) -> str:
+    """The commit the paragraph ``**title**`` names (``... at <hash>``)."""
+    text = README.read_text()
+    start = text.index(f"**{title}**")
+    return re.search(r" at ([0-9a-f]{7})", text[start : start + 400]).group(1)
+
+
+def kernel_row(data: dict, shape: list[int], provider: str, mode: str = "full") -> dict:
+    rows = [
+        r for r in data["rows"] if r["shape"] == shape and r["provider"] == provider and r["mode"] == mode
+    ]
+    assert len(rows) == 1, (shape, provider, mode)
+    assert rows[0]["error"] is None, (shape, provider, rows[0]["error"])
+    return rows[0]
+
+
+def check_kernel_cell(cell: str, row: dict, ratio_key: str) -> int:
+    """Assert every number of ``cell`` against ``row``; returns how many numbers were checked."""
+    checked = 0
+    for text in re.findall(NUM + r" ms", cell)[:1]:
+        assert shown(text, row["ms"]), (cell, row["ms"])
+        checked += 1
+    for text in re.findall(NUM + r"x", cell)[:1]:
+        assert shown(text, row[ratio_key]), (cell, ratio_key, row[ratio_key])
+        checked += 1
+    for text in re.findall(NUM + r" MiB", cell):
+        assert shown(text, row["extra_mib"]), (cell, row["extra_mib"])
+        checked += 1
+    return checked
+
+
+def check_kernel_table(title, data, shapes, providers, ratio_key):
+    """``shapes``: first cell -> JSON shape; ``providers``: header cell -> JSON provider."""
+    table = table_in(title)
+    head, body = table[0], table[2:]
+    assert commit_named(title) == data["metadata"]["commit"]
+    assert {row[0] for row in body} == set(shapes), title
+    total = 0
+    for row in body:
+        for header, cell in zip(head[1:], row[1:], strict=True):
+            checked = check_kernel_cell(cell, kernel_row(data, shapes[row[0]], providers[header]), ratio_key)
+            assert checked >= 1, (title, row[0], header, cell)
+            total += checked
+    return total
+
+
+def test_cross_entropy_h200_table_equals_json():
+    data = load("h200", "cross_entropy")
+    shapes = {"8192, 128256": [8192, 128256], "16384, 32000": [16384, 32000], "16384, 8192": [16384, 8192]}
+    providers = {
+        "torch eager": "torch",
+        "torch.compile": "torch_compile",
+        "Liger": "liger",
+        "fuselm": "fuselm",
+        "fuselm, `inplace_backward`": "fuselm_inplace",
+    }
+    assert check_kernel_table("Cross-entropy on logits", data, shapes, providers, "x_copy") == 30
+
+
+def test_cross_entropy_h100_table_equals_json():
+    data = load("h100", "cross_entropy")
+    shapes = {f"{n}, {v}": [n, v] for n, v in data["shapes"]}
+    providers = {
+        "torch.compile": "torch_compile",
+        "Liger": "liger",
+        "fuselm": "fuselm",
+        "fuselm, `inplace_backward`": "fuselm_inplace",
+    }
+    assert check_kernel_table("Cross-entropy on an H100", data, shapes, providers, "x_copy") >= 28
+
+
+def test_linear_cross_entropy_table_equals_json():
+    data = load("h200", "linear_cross_entropy")
+    shapes = {
+        f"{n}, {h}, {v}": [n, h, v, 1, 7] for n, h, v, inputs, k in data["shapes"] if (inputs, k) == (1, 7)
+    }
+    shapes["8192, 4096, 128256, half ignored"] = [8192, 4096, 128256, 1, 2]
+    providers = {
+        "torch eager": "torch",
+        "torch.compile": "torch_compile",
+        "Liger": "liger",
+        "Cut Cross-Entropy": "cce",
+        'fuselm `"auto"`': "fuselm",
+        'fuselm `"min"`': "fuselm_min",
+    }
+    assert check_kernel_table("Fused linear cross-entropy", data, shapes, providers, "x_floor") >= 60
+
+
+def test_linear_log_probs_table_equals_json():
+    title = "Per-token log-probs (+ entropy) from the LM head"
+    data = load("h100", "linear_log_probs")
+    outputs = {"log-probs": 1, "log-probs + entropy": 2}
+    shapes = {}
+    for row in table_in(title)[2:-1]:
+        n, h, v, what = row[0].split(", ")
+        shapes[row[0]] = [int(n), int(h), int(v), 7, outputs[what]]
+    providers = {
+        "torch.compile": "torch_compile",
+        "TRL": "trl",
+        "Liger CuTe": "liger_cute",
+        'fuselm `"auto"`': "fuselm",
+        'fuselm `"min"`': "fuselm_min",
+    }
+    # the error row is checked below, against the "accuracy" records
+    table = table_in(title)
+    err = table.pop()
+    assert err[0] == "err of log-probs (bf16)"
+    head, body = table[0], table[2:]
+    assert commit_named(title) == data["metadata"]["commit"]
+    assert f"{data['ceilings']['gemm_tflops']:.0f} TFLOP/s" in README.read_text()
+    for row in body:
+        for header, cell in zip(head[1:], row[1:], strict=True):
+            assert (
+                check_kernel_cell(cell, kernel_row(data, shapes[row[0]], providers[header]), "x_floor") >= 1
+            )
+    first = [8192, 4096, 128256, 7, 1]
+    for header, cell in zip(head[1:], err[1:], strict=True):
+        acc = [a for a in data["accuracy"] if a["shape"] == first and a["provider"] == providers[header]]
+        assert len(acc) == 1, header
+        mantissa, exponent = f"{acc[0]['log_probs']:.1e}".split("e")
+        assert cell == f"{mantissa}e{int(exponent)}", (header, cell, acc[0]["log_probs"])
+
+
+def test_vocabulary_split_table_equals_json():
+    title = "Vocabulary split over 2 GPUs"
+    data = load("h200", "linear_cross_entropy_ws2")
+    table = table_in(title)
+    head, body = table[0], table[2:]
+    assert commit_named(title) == data["metadata"]["commit"]
+    providers = dict(zip(head[1:4], ["fuselm_split", "allgather_logits", "fuselm_single"], strict=True))
+    assert head[4] == "split / one GPU"
+    assert {row[0] for row in body} == {", ".join(map(str, s)) for s in data["shapes"]}
+    for row in body:
+        shape = [int(v) for v in row[0].split(", ")]
+        for header, cell in zip(head[1:4], row[1:4], strict=True):
+            assert check_kernel_cell(cell, kernel_row(data, shape, providers[header]), "x_floor") == 2
+        summary = [s for s in data["summary"] if s["shape"] == shape]
+        assert shown(re.fullmatch(NUM + "x", row[4]).group(1), summary[0]["split_vs_single"]), row
+
+
+def test_block_kernel_table_equals_json():
+    title = "Block kernels"
+    table = table_in(title)
+    head, body = table[0], table[2:]
+    assert commit_named(title) == "e7bef7a"
+    providers = dict(zip(head[1:], ["torch", "torch_compile", "liger", "fuselm"], strict=True))
+    rope = [4, 4096, 32, 8, 128]
+    rows = {
+        "RMSNorm 16384 x 4096": ("h200", "rms_norm", [16384, 4096, 1], {}),
+        "RMSNorm 32768 x 8192": ("h200", "rms_norm", [32768, 8192, 1], {}),
+        "add + RMSNorm 32768 x 8192": ("h200", "rms_norm", [32768, 8192, 2], {"fuselm": "fuselm_residual"}),
+        "LayerNorm 32768 x 8192": ("h200", "layer_norm", [32768, 8192], {}),
+        "SwiGLU 16384 x 14336": ("h200", "swiglu", [16384, 14336], {}),
+        "RoPE 4 x 4096, 32/8 heads, D 128": ("h200", "rope", rope, {}),
+        "RoPE, same shape, H100 at e0e3113 (copy 3.00 TB/s)": ("h100", "rope", rope, {}),
+    }
+    assert {row[0] for row in body} == set(rows)
+    for row in body:
+        gpu, suite, shape, rename = rows[row[0]]
+        data = load(gpu, suite)
+        assert data["metadata"]["commit"] in (row[0] if gpu == "h100" else "e7bef7a")
+        if gpu == "h100":
+            assert f"copy {data['ceilings']['copy_tbps']:.2f} TB/s" in row[0]
+        else:
+            assert f"{data['ceilings']['copy_tbps']:.2f} TB/s" in README.read_text()
+        for header, cell in zip(head[1:], row[1:], strict=True):
+            provider = rename.get(providers[header], providers[header])
+            main = cell.split(" (")[0]
+            assert check_kernel_cell(main, kernel_row(data, shape, provider), "x_copy") >= 1, (row[0], header)
+            if "add, then fuselm" in cell:
+                then = re.search(NUM + r" ms add, then fuselm", cell).group(1)
+                assert shown(then, kernel_row(data, shape, "torch_add_then_fuselm")["ms"]), cell
+
+
+def test_e2e_table_equals_json():
+    title = "End to end"
+    data = load("h200", "e2e")
+    table = table_in(title)
+    head, body = table[0], table[2:]
+    assert commit_named(title) == data["metadata"]["commit"]
+    providers = dict(zip(head[1:4], data["providers"], strict=True))
+    assert head[1:4] == ["HF eager", "HF + Liger", "HF + fuselm"]
+    assert [int(row[0]) for row in body] == [b for b, _ in data["shapes"]]
+    for row in body:
+        batch = int(row[0])
+        for header, cell in zip(head[1:4], row[1:4], strict=True):
+            (r,) = [r for r in data["rows"] if r["batch"] == batch and r["provider"] == providers[header]]
+            if cell == "out of memory":
+                assert r["status"] == "oom"
+                continue
+            assert r["status"] == "ok"
+            tokens, gib = re.fullmatch(NUM + r"k tok/s, " + NUM + " GiB", cell).groups()
+            assert shown(tokens, r["tokens_per_s"] / 1e3) and shown(gib, r["peak_gib"]), (batch, header, cell)
+        (ratios,) = [q for q in data["ratios"] if q["batch"] == batch]
+        tok, mem = re.fullmatch(NUM + r"x tok/s, " + NUM + r"x memory", row[4]).groups()
+        assert shown(tok, ratios["tokens_vs_liger"]) and shown(mem, ratios["peak_vs_liger"]), row
+
+
+def test_grpo_step_paragraph_equals_json():
+    data = load("h100", "grpo_step")
+    text = README.read_text()
+    start = text.index("**A GRPO-shaped step**")
+    para = text[start : text.index("\n\n", start)].replace("**", "").replace("\n", " ")
+    row = {(r["provider"], r["batch"]): r for r in data["rows"]}
+    found = re.search(
+        r"HF logits "
+        + NUM
+        + r" ms/step, "
+        + NUM
+        + r" GiB; TRL's head "
+        + NUM
+        + r" ms, "
+        + NUM
+        + r" GiB; fuselm "
+        + NUM
+        + r" ms, "
+        + NUM
+        + r" GiB",
+        para,
+    )
+    assert found is not None, para
+    groups = found.groups()
+    for i, provider in enumerate(["hf", "trl", "fuselm"]):
+        assert shown(groups[2 * i], row[provider, 8]["step_ms"]), (provider, groups[2 * i])
+        assert shown(groups[2 * i + 1], row[provider, 8]["peak_gib"]), (provider, groups[2 * i + 1])
+    assert row["hf", 16]["status"] == "oom"
+    found = re.search(r"TRL " + NUM + r" ms " + NUM + r" GiB, fuselm " + NUM + r" ms " + NUM + r" GiB", para)
+    assert found is not None, para
+    ms_t, gib_t, ms_f, gib_f = found.groups()
+    assert shown(ms_t, row["trl", 16]["step_ms"]) and shown(gib_t, row["trl", 16]["peak_gib"])
+    assert shown(ms_f, row["fuselm", 16]["step_ms"]) and shown(gib_f, row["fuselm", 16]["peak_gib"])
+
+
+def paragraph(start: str) -> str:
+    """The README paragraph starting with ``start``, on one line, bold stripped."""
+    text = README.read_text()
+    i = text.index(start)
+    return text[i : text.index("\n\n", i)].replace("**", "").replace("\n", " ")
+
+
+def test_e2e_small_batch_sentence_equals_json():
+    data = load("h200", "e2e_small_batch")
+    para = paragraph("At batch 1 x 2048")
+    assert f" at {data['metadata']['commit']}," in para
+
+    def med(provider: str, key: str) -> float:
+        return statistics.median(
+            r[key] for r in data["rows"] if r["provider"] == provider and r["status"] == "ok"
+        )
+
+    found = re.search(
+        rf"HF {NUM}k tok/s, {NUM} GiB; HF \+ Liger {NUM}k tok/s, {NUM} GiB; HF \+ fuselm {NUM}k tok/s "
+        rf"\({NUM}x HF's\), {NUM} GiB, with {NUM} ms of CPU time per step against HF's {NUM} ms",
+        para,
+    )
+    assert found is not None, para
+    hf_tok, hf_gib, lg_tok, lg_gib, fu_tok, fu_vs_hf, fu_gib, fu_cpu, hf_cpu = found.groups()
+    for text, provider in [(hf_tok, "hf"), (lg_tok, "liger"), (fu_tok, "fuselm")]:
+        assert shown(text, med(provider, "tokens_per_s") / 1e3), (provider, text)
+    for text, provider in [(hf_gib, "hf"), (lg_gib, "liger"), (fu_gib, "fuselm")]:
+        assert shown(text, med(provider, "peak_gib")), (provider, text)
+    assert shown(fu_vs_hf, data["ratios"][0]["tokens_vs_hf"])
+    assert shown(fu_cpu, med("fuselm", "cpu_ms")) and shown(hf_cpu, med("hf", "cpu_ms"))
+
+
+def test_e2e_h100_paragraph_equals_json():
+    data = load("h100", "e2e")
+    para = paragraph("**End to end on an H100**")
+    assert f" at {data['metadata']['commit']})" in para
+    found = re.search(
+        rf"HF \+ Liger {NUM}k tok/s, {NUM} GiB; HF \+ fuselm {NUM}k tok/s \({NUM}x\), {NUM} GiB \({NUM}x\)",
+        para,
+    )
+    assert found is not None, para
+    lg_tok, lg_gib, fu_tok, tok_ratio, fu_gib, gib_ratio = found.groups()
+    row = {r["provider"]: r for r in data["rows"] if (r["batch"], r["seq"], r["status"]) == (8, 4096, "ok")}
+    assert shown(lg_tok, row["liger"]["tokens_per_s"] / 1e3) and shown(lg_gib, row["liger"]["peak_gib"])
+    assert shown(fu_tok, row["fuselm"]["tokens_per_s"] / 1e3) and shown(fu_gib, row["fuselm"]["peak_gib"])
+    assert shown(tok_ratio, data["ratios"][0]["tokens_vs_liger"])
+    assert shown(gib_ratio, data["ratios"][0]["peak_vs_liger"])
