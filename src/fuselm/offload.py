@@ -370,6 +370,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 _DUMMY = torch.zeros(0, device="cpu", requires_grad=True)
 
 
+@torch.compiler.disable  # host copies, pinned buffers and finalizers: runs eagerly, a graph break around it
 def offloaded_checkpoint(
     function: Callable,
     *args: Any,
@@ -388,7 +389,8 @@ def offloaded_checkpoint(
     [B, T, H]) go to pinned host memory (CPU tensors: a host buffer) and come back for the recompute
     (the module docstring tells the schedule); the recompute sees the forward's RNG states (the same
     dropout masks) and autocast state. The parameters used by ``function`` get their gradients even
-    when no input requires grad.
+    when no input requires grad. Under ``torch.compile`` it runs eagerly (``torch.compiler.disable``: a graph
+    break around each checkpointed call; the function inside runs eagerly too).
 
     Args:
         function: the callable to checkpoint; it must not modify its inputs in place. Tensors it closes
