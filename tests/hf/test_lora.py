@@ -464,25 +464,6 @@ def test_mlp_falls_back_naming_the_projection(gen, fused_calls):
     assert fused_calls["lora_gated_mlp"] == 0
 
 
-def test_class_level_forward_keeps_peft_reachable(gen):
-    """If a class forward is replaced by lora_linear_forward, the fallback still finds PEFT's."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    pm = peft_model("llama", gen, torch.float32, 8, "qv", 0.0, use_dora=True)
-    layer = q_proj(pm)
-    x = randn(gen, (*LEAD, layer.in_features), torch.float32)
-    expected = layer(x)
-    original = LoraLinear.forward
-    hf_lora.remember_peft_forward(LoraLinear)
-    try:
-        LoraLinear.forward = hf_lora.lora_linear_forward
-        with pytest.warns(UserWarning, match="DoRA"):
-            assert torch.equal(layer(x), expected)
-    finally:
-        LoraLinear.forward = original
-        hf_lora._ORIGINAL_FORWARD.pop(LoraLinear, None)
-
-
 def test_doctests_run():
     import doctest
 

@@ -36,7 +36,6 @@ from ..lora import Bnb4bitWeight, Bnb8bitWeight, LoraAdapter, lora_gated_mlp, lo
 
 _WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> reasons warned
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> qualified name
-_ORIGINAL_FORWARD: dict[type, object] = {}  # PEFT class -> its forward (when a class forward is replaced)
 
 
 # ---- the classes, looked up without importing anything ----
@@ -282,33 +281,6 @@ def warn_fallback(module: nn.Module, reason: str, what: str = "PEFT's forward") 
     warnings.warn(f"fuselm.hf.lora: {module_name(module)} runs {what}: {reason}", stacklevel=3)
 
 
-def _peft_forward(module: nn.Module):
-    """The class's own forward (PEFT's), also when the class attribute was replaced by fuselm's."""
-    cls = type(module)
-    fn = cls.forward
-    if fn is lora_linear_forward or getattr(fn, "__wrapped__", None) is lora_linear_forward:
-        fn = _ORIGINAL_FORWARD.get(cls)
-        if fn is None:
-            raise RuntimeError(
-                f"{cls.__qualname__}.forward is fuselm's lora_linear_forward and PEFT's forward is unknown: "
-                "install it per instance, or record the original with remember_peft_forward(cls) first"
-            )
-    return fn
-
-
-def remember_peft_forward(cls: type) -> None:
-    """Record ``cls.forward`` as PEFT's forward before a class-level patch replaces it.
-
-    Example:
-        >>> class Layer(nn.Module):
-        ...     def forward(self, x):
-        ...         return x
-        >>> remember_peft_forward(Layer)
-    """
-    if cls.forward is not lora_linear_forward:
-        _ORIGINAL_FORWARD[cls] = cls.forward
-
-
 # ---- forwards ----
 
 
@@ -343,7 +315,7 @@ def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> to
         ops = lora_operands(self)
     if isinstance(ops, str):
         warn_fallback(self, ops)
-        return _peft_forward(self)(self, x, *args, **kwargs)
+        return type(self).forward(self, x, *args, **kwargs)  # PEFT's (fuselm only patches instances)
     base, adapter, bias = ops
     if adapter is not None and adapter.dropout:
         adapter = _mask_dtype(self, adapter, x.dtype)
