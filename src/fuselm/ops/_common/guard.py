@@ -102,8 +102,12 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
 
 
 def resolve_loss_dtype(loss_dtype, input: torch.Tensor) -> torch.dtype:
-    """The dtype a loss is returned in: ``loss_dtype`` (a floating dtype) or, when None, the input's."""
+    """The dtype a loss is returned in: ``loss_dtype`` (a floating dtype) or, when None, the input's, or
+    float32 when autocast is on for the input's device (as torch's cross-entropy losses, on autocast's
+    float32 list, return; float64 stays)."""
     if loss_dtype is None:
+        if input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
+            return torch.float32
         return input.dtype
     if not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
         raise ValueError(f"loss_dtype must be a floating torch.dtype or None, got {loss_dtype!r}")

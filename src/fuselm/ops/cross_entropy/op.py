@@ -100,14 +100,6 @@ class CrossEntropyFunction(torch.autograd.Function):
 _DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
-def autocast_loss_dtype(resolved: torch.dtype, asked, input: torch.Tensor) -> torch.dtype:
-    """The loss dtype under autocast: float32 when none was asked for (``asked`` None) and autocast is on
-    for ``input``'s device, as torch's cross-entropy (on autocast's float32 list) returns; float64 stays."""
-    if asked is None and input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
-        return torch.float32
-    return resolved
-
-
 def cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -194,7 +186,7 @@ def cross_entropy(
         torch.Size([4, 10])
     """
     check_tensor("input", input, dtypes=_DTYPES, min_ndim=1)
-    loss_dtype = autocast_loss_dtype(resolve_loss_dtype(loss_dtype, input), loss_dtype, input)
+    loss_dtype = resolve_loss_dtype(loss_dtype, input)
     n_cols = input.shape[-1]
     if n_cols == 0:
         raise ValueError("input must have at least one class (last dimension is 0)")

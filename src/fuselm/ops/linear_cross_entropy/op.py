@@ -16,14 +16,6 @@ from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_back
 from .reference import linear_cross_entropy_reference_of, refuse_double_backward
 
 
-def autocast_loss_dtype(resolved: torch.dtype, asked, input: torch.Tensor) -> torch.dtype:
-    """The loss dtype under autocast: float32 when none was asked for (``asked`` None) and autocast is on
-    for ``input``'s device, as torch.nn.functional.linear_cross_entropy returns; float64 stays."""
-    if asked is None and input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
-        return torch.float32
-    return resolved
-
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd for x [N, H], w [V, H], b [V] or None, target [N], through a plan and a row backend
     (LocalRows, or a vocabulary shard whose rows w, b are). `weight`, `token_weights` are opts.tensors()
@@ -245,7 +237,7 @@ def linear_cross_entropy(
     input, linear_weight, linear_bias = linear_operands(
         input, linear_weight, linear_bias, dtypes=(*FLOAT_DTYPES, torch.float64)
     )
-    loss_dtype = autocast_loss_dtype(resolve_loss_dtype(loss_dtype, input), loss_dtype, input)
+    loss_dtype = resolve_loss_dtype(loss_dtype, input)
     h = input.shape[-1]
     v = linear_weight.shape[0]
     if v == 0:
