@@ -152,3 +152,15 @@ def linear_operands(input, linear_weight, linear_bias, dtypes):
         if linear_bias.shape[0] != v:
             raise ValueError(f"linear_bias must have shape [{v}], got {tuple(linear_bias.shape)}")
     return input, linear_weight, linear_bias
+
+
+def refuse_double_backward(op: str, why: str, instead: str) -> None:
+    """Call at the top of an autograd backward whose gradients autograd cannot differentiate again (fused
+    kernels, chunks recomputed without a graph): grad mode is on there exactly when the backward runs with
+    ``create_graph=True``, and the second-order terms would be silently missing. RuntimeError naming the op,
+    ``why`` its backward is not differentiable, and what to use ``instead``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"fuselm.{op}: double backward (create_graph=True) is not supported: its backward ({why}) is not "
+            f"differentiable; for higher-order gradients use {instead}"
+        )

@@ -9,23 +9,11 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import use_triton
-from .._common.guard import FLOAT_DTYPES, check_tensor, resolve_loss_dtype, rows_view
+from .._common.guard import FLOAT_DTYPES, check_tensor, refuse_double_backward, resolve_loss_dtype, rows_view
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import z_loss_rows
 from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
 from .reference import cross_entropy_reference_of
-
-
-def refuse_double_backward() -> None:
-    """Raise in a backward run with ``create_graph=True`` (grad mode is on there exactly then): the
-    gradients come from the Triton row kernels, which autograd cannot differentiate again
-    (second-order terms would be silently missing)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "fuselm.cross_entropy: double backward (create_graph=True) is not supported on the Triton path: "
-            "its backward (Triton row kernels) is not differentiable; for higher-order gradients use "
-            "torch.nn.functional.cross_entropy (eager PyTorch)"
-        )
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -75,7 +63,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
-        refuse_double_backward()
+        refuse_double_backward(
+            "cross_entropy", "Triton row kernels", "torch.nn.functional.cross_entropy (eager PyTorch)"
+        )
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.cross_entropy: backward ran twice through a graph whose gradient buffer was already "

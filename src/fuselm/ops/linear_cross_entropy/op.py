@@ -7,13 +7,20 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import compaction_allowed, use_triton
-from .._common.guard import FLOAT_DTYPES, linear_operands, resolve_loss_dtype, rows_view, validate_memory
+from .._common.guard import (
+    FLOAT_DTYPES,
+    linear_operands,
+    refuse_double_backward,
+    resolve_loss_dtype,
+    rows_view,
+    validate_memory,
+)
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
 from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
-from .reference import linear_cross_entropy_reference_of, refuse_double_backward
+from .reference import DOUBLE_BACKWARD, linear_cross_entropy_reference_of
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -75,7 +82,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
-        refuse_double_backward()
+        refuse_double_backward(*DOUBLE_BACKWARD)
         if ctx.consumed:
             raise RuntimeError(
                 "fuselm.linear_cross_entropy: backward ran twice through a graph whose gradients were "

@@ -19,22 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from .._common.guard import refuse_double_backward
 from .._common.loss.options import Extras, LossOptions, loss_outputs, loss_scales, reduce_rows
 from .._common.loss.reference import predicted_tokens, row_losses, scale_keeping_zeros, z_loss_rows
 
-
-def refuse_double_backward() -> None:
-    """Raise in a backward run with ``create_graph=True`` (grad mode is on there exactly then): the
-    gradients come from fused kernels or from the forward, which autograd cannot differentiate again
-    (second-order terms would be silently missing)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "fuselm.linear_cross_entropy: double backward (create_graph=True) is not supported: its backward "
-            "(fused kernels, or gradients computed in the forward) is not differentiable; for higher-order "
-            "gradients use torch.nn.functional.linear_cross_entropy, or F.cross_entropy(F.linear(input, "
-            "linear_weight, linear_bias), target) (eager PyTorch)"
-        )
-
+# refuse_double_backward's arguments, for the reference's Function and the op's
+DOUBLE_BACKWARD = (
+    "linear_cross_entropy",
+    "fused kernels, or gradients computed in the forward",
+    "torch.nn.functional.linear_cross_entropy, or F.cross_entropy(F.linear(input, linear_weight, "
+    "linear_bias), target) (eager PyTorch)",
+)
 
 # Default working-set budget of the reference: a chunk's fp32 logits take at most this many bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -120,7 +115,7 @@ class _LinearCrossEntropyReference(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse, _):
-        refuse_double_backward()
+        refuse_double_backward(*DOUBLE_BACKWARD)
         with torch.autocast(ctx.device_type, enabled=False):
             chunk_rows, opts, return_lse = ctx.args
             if ctx.grad_in_forward:

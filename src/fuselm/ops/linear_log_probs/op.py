@@ -15,13 +15,20 @@ import torch
 
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
 from .._common.fp32_matmul import mm_fp32_into
-from .._common.guard import FLOAT_DTYPES, check_tensor, linear_operands, rows_view, validate_memory
+from .._common.guard import (
+    FLOAT_DTYPES,
+    check_tensor,
+    linear_operands,
+    refuse_double_backward,
+    rows_view,
+    validate_memory,
+)
 from .._common.launch import cdiv, launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import LossOptions
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
-from .reference import OUTPUT_NAMES, LogProbs, linear_log_probs_reference, refuse_double_backward
+from .reference import DOUBLE_BACKWARD, OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
 SLAB_MULTIPLE = 128  # backward slabs: a multiple of this many classes
 AUTO_SLAB_FLOOR = 1024  # memory="auto": a slab keeps at least this many classes (GEMM shapes stay large)
@@ -400,7 +407,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlog_probs, dentropy, dlse, *_):
-        refuse_double_backward()
+        refuse_double_backward(*DOUBLE_BACKWARD)
         x, w, b, target, rows, lse, entropy = ctx.saved_tensors
         needs = tuple(bool(k) for k in ctx.needs_input_grad[:3])
         grads = []

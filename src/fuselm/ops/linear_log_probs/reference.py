@@ -22,21 +22,16 @@ from typing import NamedTuple
 
 import torch
 
+from .._common.guard import refuse_double_backward
 from .._common.loss.reference import softmax_grad, transform_logits
 
-
-def refuse_double_backward() -> None:
-    """Raise in a backward run with ``create_graph=True`` (grad mode is on there exactly then): the
-    gradients come from fused kernels or chunks recomputed without a graph, which autograd cannot
-    differentiate again (second-order terms would be silently missing)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "fuselm.linear_log_probs: double backward (create_graph=True) is not supported: its backward "
-            "(fused kernels, or chunks recomputed without a graph) is not differentiable; for higher-order "
-            "gradients use eager PyTorch: torch.log_softmax(F.linear(input, linear_weight, linear_bias), -1)"
-            ".gather(-1, target[..., None])"
-        )
-
+# refuse_double_backward's arguments, for the reference's Function and the op's
+DOUBLE_BACKWARD = (
+    "linear_log_probs",
+    "fused kernels, or chunks recomputed without a graph",
+    "eager PyTorch: torch.log_softmax(F.linear(input, linear_weight, linear_bias), -1)"
+    ".gather(-1, target[..., None])",
+)
 
 OUTPUT_NAMES = ("log_probs", "entropy", "lse", "log_sum_sq_probs", "mean_logits", "is_top1")
 DIFFERENTIABLE = ("log_probs", "entropy", "lse")
@@ -169,7 +164,7 @@ class _LinearLogProbsReference(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, dlog_probs, dentropy, dlse, *_):
-        refuse_double_backward()
+        refuse_double_backward(*DOUBLE_BACKWARD)
         x, w, b, target, rows, lse, entropy = ctx.saved_tensors
         budget, ignore_index, logit_scale, softcap, temperature = ctx.options
         cd = compute_dtype(x.dtype)
