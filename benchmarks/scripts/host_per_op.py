@@ -116,6 +116,20 @@ def make_cases(rows: int, dtype: torch.dtype, sizes=(2048, 8192, 32000)):
         (g, u),
     )
 
+    # the whole gated MLP: fuselm's one node (swiglu_mlp) and its older composition (two nn.Linear
+    # forwards + swiglu_linear) against HF's LlamaMLP (three F.linear and silu * mul)
+    from fuselm.ops.swiglu import swiglu_linear, swiglu_mlp
+
+    xm = _leaf((1, rows, hidden), dtype)
+    wg, wu = _leaf((inter, hidden), dtype, hidden**-0.5), _leaf((inter, hidden), dtype, hidden**-0.5)
+    wd = _leaf((hidden, inter), dtype, inter**-0.5)
+    mlp_torch = (lambda: (F.linear(F.silu(F.linear(xm, wg)) * F.linear(xm, wu), wd),), (xm, wg, wu, wd))
+    cases["gated_mlp"] = (lambda: (swiglu_mlp(xm, wg, wu, wd),), *mlp_torch)
+    cases["gated_mlp_linears"] = (
+        lambda: (swiglu_linear(F.linear(xm, wg), F.linear(xm, wu), wd),),
+        *mlp_torch,
+    )
+
     xl, wl, bl = _leaf((1, rows, hidden), dtype), _leaf((hidden,), dtype), _leaf((hidden,), dtype)
     cases["layer_norm"] = (
         lambda: (fuselm.layer_norm(xl, wl, bl, 1e-5),),
@@ -197,6 +211,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--ops", help="comma-separated subset of the ops")
     parser.add_argument("--no-direct", action="store_true", help="launch through kernel[grid](...) only")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print, per op, cProfile's top functions by own time over N fuselm calls",
+    )
     parser.add_argument(
         "--smoke-cpu",
         action="store_true",
@@ -283,6 +304,23 @@ def main(argv=None) -> int:
             f"{cpu_ratio:.2f} | {direct} / {plain} | {target} |",
             flush=True,
         )
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        for name in names:
+            fused_fn, _, inputs = cases[name]
+            call = make_call(fused_fn, inputs)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.profile):
+                call()
+            _sync()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"### {name}: cProfile over {args.profile} fwd+bwd calls\n{text.getvalue()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")

@@ -1,5 +1,5 @@
-"""fuselm.swiglu / geglu / *_packed / swiglu_linear: numerics (docs/design.md section 5), shapes, strides,
-contracts, dispatch, torch.compile, memory saved for backward, int64 addressing.
+"""fuselm.swiglu / geglu / *_packed / swiglu_linear / swiglu_mlp: numerics (docs/design.md section 5),
+shapes, strides, contracts, dispatch, torch.compile, memory saved for backward, int64 addressing.
 
 Every numeric check goes through assert_numerics: err(fuselm) <= 2 * err(eager) + atol[dtype],
 errors measured against gated_reference run on float64 copies. "eager" is what a PyTorch user
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from conftest import TRITON_INTERPRET, TRITON_PATH, kernel_device
 
 from fuselm.ops._common.testing import assert_numerics
-from fuselm.ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
+from fuselm.ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_mlp, swiglu_packed
 from fuselm.ops.swiglu import op as sw_op
 from fuselm.ops.swiglu.reference import (
     activation_grad_reference,
@@ -344,7 +344,39 @@ def _bad_cases():
             lambda: swiglu_linear(x, x, torch.randn(4, 8), activation="relu"),
             "activation",
         ),
+        "mlp x int": (lambda: swiglu_mlp(x.long(), *_mlp_weights()), "x"),
+        "mlp gate_weight shape": (
+            lambda: swiglu_mlp(x, torch.randn(6, 7), *_mlp_weights()[1:]),
+            "gate_weight",
+        ),
+        "mlp up_weight shape": (
+            lambda: swiglu_mlp(x, _mlp_weights()[0], torch.randn(5, 8), _mlp_weights()[2]),
+            "up_weight",
+        ),
+        "mlp down_weight shape": (
+            lambda: swiglu_mlp(x, *_mlp_weights()[:2], torch.randn(6, 8)),
+            "down_weight",
+        ),
+        "mlp down_weight dtype": (
+            lambda: swiglu_mlp(x, *_mlp_weights()[:2], torch.randn(8, 6).double()),
+            "down_weight",
+        ),
+        "mlp weight device": (
+            lambda: swiglu_mlp(x, _mlp_weights()[0].to("meta"), *_mlp_weights()[1:]),
+            "gate_weight",
+        ),
+        "mlp gate_bias shape": (lambda: swiglu_mlp(x, *_mlp_weights(), torch.randn(8)), "gate_bias"),
+        "mlp down_bias shape": (
+            lambda: swiglu_mlp(x, *_mlp_weights(), down_bias=torch.randn(6)),
+            "down_bias",
+        ),
+        "mlp activation": (lambda: swiglu_mlp(x, *_mlp_weights(), activation="relu"), "activation"),
     }
+
+
+def _mlp_weights(hidden=8, inter=6):
+    """gate, up, down weights of a [.., 8] -> [.., 6] -> [.., 8] MLP."""
+    return torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)
 
 
 @pytest.mark.parametrize("case", list(_bad_cases()))
@@ -459,6 +491,130 @@ def test_swiglu_linear_partial_gradients(which, gen):
     want = torch.autograd.grad(F.linear(F.silu(g2) * u2, w2), [g2, u2] if len(wrt) == 2 else [w2], dy)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- swiglu_mlp: the whole gated MLP as one autograd node ----
+
+
+def _mlp_operands(gen, dtype, bias, hidden, inter):
+    x = randn(gen, (3, 11, hidden), dtype)
+    weights = [
+        randn(gen, (inter, hidden), dtype, hidden**-0.5),
+        randn(gen, (inter, hidden), dtype, hidden**-0.5),
+        randn(gen, (hidden, inter), dtype, inter**-0.5),
+    ]
+    biases = [randn(gen, (n,), dtype, 0.1) for n in (inter, inter, hidden)] if bias else []
+    return x, weights, biases
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_swiglu_mlp_numerics(dtype, act, bias, gen):
+    """Output and the gradients of x, the three weights (and biases) against three F.linear and the
+    activation in the same dtype (eager) and in float64 (reference)."""
+    hidden, inter = (1024, 2816) if ON_GPU else (48, 80)
+    x, weights, biases = _mlp_operands(gen, dtype, bias, hidden, inter)
+    dy = randn(gen, (3, 11, hidden), dtype)
+    torch_act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+
+    def split(bb):
+        return bb if bb else (None, None, None)
+
+    def ours(x, wg, wu, wd, *bb):
+        return swiglu_mlp(x, wg, wu, wd, *split(bb), activation=act)
+
+    def eager(x, wg, wu, wd, *bb):
+        bg, bu, bd = split(bb)
+        return F.linear(torch_act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+
+    def ref(x, wg, wu, wd, *bb):
+        bg, bu, bd = (t.double() if t is not None else None for t in split(bb))
+        g, u = F.linear(x.double(), wg.double(), bg), F.linear(x.double(), wu.double(), bu)
+        return F.linear(gated_reference(g, u, act), wd.double(), bd)
+
+    inputs = (x, *weights, *biases)
+    out, grads = fwd_bwd(ours, inputs, dy)
+    out_e, grads_e = fwd_bwd(eager, inputs, dy)
+    out_r, grads_r = fwd_bwd(ref, inputs, dy.double())
+    assert out.dtype == dtype and out.shape == (3, 11, hidden)
+    assert_numerics("y", out, out_e, out_r, dtype)
+    names = ("dx", "dgate_weight", "dup_weight", "ddown_weight", "dgate_bias", "dup_bias", "ddown_bias")
+    for name, g, e, r in zip(names, grads, grads_e, grads_r, strict=False):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_numerics(name, g, e, r, dtype)
+
+
+def test_swiglu_mlp_saves_x_gate_up_and_weights(gen):
+    """Saved: x, the gate and up projections [N, I] and the three weights; nothing else (the product is
+    recomputed in backward)."""
+    x, (wg, wu, wd), _ = _mlp_operands(gen, torch.float32, False, 32, 48)
+    x.requires_grad_()
+    for w in (wg, wu, wd):
+        w.requires_grad_()
+    with recording_saved_tensors() as saved:
+        y = swiglu_mlp(x, wg, wu, wd)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(33, 32), (33, 48), (33, 48), (48, 32), (48, 32), (32, 48)])
+    assert {wg.data_ptr(), wu.data_ptr(), wd.data_ptr()} <= {t.data_ptr() for t in saved}
+    y.sum().backward()
+    assert all(w.grad is not None for w in (x, wg, wu, wd))
+
+
+@pytest.mark.parametrize("wrt", ["x", "weights", "down_weight", "gate_weight"])
+def test_swiglu_mlp_partial_gradients(wrt, gen):
+    """Only some inputs require grad: those get eager's gradients, the others none."""
+    x, weights, _ = _mlp_operands(gen, torch.float32, False, 32, 48)
+    leaves = {"x": [x], "weights": weights, "down_weight": [weights[2]], "gate_weight": [weights[0]]}[wrt]
+    for t in leaves:
+        t.requires_grad_()
+    dy = torch.randn(3, 11, 32, generator=gen).to(DEVICE)
+    got = torch.autograd.grad(swiglu_mlp(x, *weights), leaves, dy)
+    copies = [t.detach().clone().requires_grad_(any(t is leaf for leaf in leaves)) for t in (x, *weights)]
+    cx, cg, cu, cd = copies
+    want_out = F.linear(F.silu(F.linear(cx, cg)) * F.linear(cx, cu), cd)
+    want = torch.autograd.grad(want_out, [c for c in copies if c.requires_grad], dy)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_swiglu_mlp_second_backward_raises(gen):
+    """The backward writes over the saved gate and up: a second backward through the graph raises."""
+    x, weights, _ = _mlp_operands(gen, torch.float32, False, 32, 48)
+    x.requires_grad_()
+    y = swiglu_mlp(x, *weights)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through the same graph twice"):
+        y.sum().backward()
+
+
+def test_swiglu_mlp_autocast_matches_linear_layers(gen):
+    """Under autocast the operands are cast to the autocast dtype, as nn.Linear does: a bf16 output and
+    fp32 gradients of the fp32 weights, within the numerics rule of three F.linear under the same
+    autocast (float64 reference)."""
+    device_type = "cuda" if ON_GPU else "cpu"
+    x, weights, _ = _mlp_operands(gen, torch.float32, False, 32, 48)
+    dy = randn(gen, (3, 11, 32), torch.bfloat16)
+
+    def run(fn, x, wg, wu, wd):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return fn(x, wg, wu, wd)
+
+    def eager(x, wg, wu, wd):
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    def ref(x, wg, wu, wd):
+        return eager(*(t.double() for t in (x, wg, wu, wd)))
+
+    out, grads = fwd_bwd(lambda *a: run(swiglu_mlp, *a), (x, *weights), dy)
+    out_e, grads_e = fwd_bwd(lambda *a: run(eager, *a), (x, *weights), dy)
+    out_r, grads_r = fwd_bwd(ref, (x, *weights), dy.double())
+    assert out.dtype == out_e.dtype == torch.bfloat16
+    assert_numerics("y", out, out_e, out_r, torch.bfloat16)
+    names = ("dx", "dgate_weight", "dup_weight", "ddown_weight")
+    for name, g, e, r in zip(names, grads, grads_e, grads_r, strict=True):
+        assert g.dtype == e.dtype == torch.float32
+        assert_numerics(name, g, e, r, torch.bfloat16)
 
 
 # ---- dispatch, launch configuration, compile, CUDA graphs ----

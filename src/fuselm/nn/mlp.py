@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
+from ..ops._common.dtensor import has_dtensor
+from ..ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_mlp, swiglu_packed
 
 # Hugging Face `hidden_act` names (and fuselm's own) -> the activation of ops/swiglu.
 ACTIVATIONS = {
@@ -48,10 +49,16 @@ def gated_mlp(
     projection's output, and a product with a Python number saves nothing), the down one reads and writes
     the ``[..., H]`` output once more, forward and backward.
     """
+    act = ACTIVATIONS[activation]
+    projections = (gate_proj, up_proj, down_proj)
+    if gate_multiplier == 1 and all(is_plain_linear(p) for p in projections):
+        weights = [p.weight for p in projections]
+        if not has_dtensor(x, *weights):  # one autograd node for the whole MLP
+            out = swiglu_mlp(x, *weights, *(p.bias for p in projections), activation=act)
+            return out * down_multiplier if down_multiplier != 1 else out
     gate, up = gate_proj(x), up_proj(x)
     if gate_multiplier != 1:
         gate = gate * gate_multiplier
-    act = ACTIVATIONS[activation]
     if is_plain_linear(down_proj):
         out = swiglu_linear(gate, up, down_proj.weight, down_proj.bias, activation=act)
     else:

@@ -1,4 +1,13 @@
-from .op import gated_backward, gated_forward, geglu, geglu_packed, swiglu, swiglu_linear, swiglu_packed
+from .op import (
+    gated_backward,
+    gated_forward,
+    geglu,
+    geglu_packed,
+    swiglu,
+    swiglu_linear,
+    swiglu_mlp,
+    swiglu_packed,
+)
 from .reference import gated_reference, geglu_reference, swiglu_reference
 
 __all__ = [
@@ -10,6 +19,7 @@ __all__ = [
     "geglu_reference",
     "swiglu",
     "swiglu_linear",
+    "swiglu_mlp",
     "swiglu_packed",
     "swiglu_reference",
 ]
