@@ -14,7 +14,7 @@ import torch
 from hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import blocks, decoder_layer, loss
+from fuselm.hf import attention, blocks, decoder_layer, loss
 from fuselm.hf.registry import ALIASES, FAMILIES, family
 from fuselm.nn.mlp import gated_mlp
 from fuselm.ops._common.testing import assert_numerics
@@ -26,6 +26,7 @@ OPS = {
     "rms_norm": (blocks, ("rms_norm",)),
     "residual_norm": (decoder_layer, ("residual_rms_norm",)),
     "rope": (blocks, ("apply_rotary",)),
+    "attention": (attention, ("qkv_rotary",)),  # the q, k, v projections fused with the RoPE
     "swiglu": (blocks, ("gated_mlp", "gated_packed")),
     "loss": (loss, ("linear_cross_entropy",)),
 }
@@ -115,6 +116,8 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
         if component != "residual_norm":
             assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert "residual_norm" not in calls.n
+    if spec.attention is not None:
+        assert calls.n.get("attention", 0) > 0, f"{spec.attention}: q, k, v and RoPE not fused"
     assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
     grads = [_grads(m) for m in (ref, eager, ours)]
     assert grads[2].keys() == grads[1].keys()

@@ -20,7 +20,7 @@ from conftest import TRITON_PATH, kernel_device
 
 import fuselm
 from fuselm.ops._common.testing import assert_numerics
-from fuselm.ops.rope import apply_rotary, apply_rotary_reference
+from fuselm.ops.rope import apply_rotary, apply_rotary_reference, qkv_rotary
 from fuselm.ops.rope import op as rope_op
 
 DEVICE = kernel_device()
@@ -736,3 +736,156 @@ def test_int64_addressing_past_2_31_elements():
             strict=True,
         ):
             assert_numerics(f"int64 {heads} {times} {what}", o, e, r, torch.bfloat16)
+
+
+# ---- qkv_rotary: the q, k, v projections and the rotation as one autograd node ----
+
+# (B, T, H, Hq, Hk, D, R)
+QKV_SHAPES = {
+    "llama-gqa": (2, 65, 256, 8, 2, 64, 64) if ON_GPU else (2, 9, 32, 4, 2, 16, 16),
+    "partial-8of16": (1, 7, 32, 2, 1, 16, 8),
+    "mha-T1": (3, 1, 24, 3, 3, 8, 8),
+}
+
+
+def _qkv_operands(gen, shape, dtype, bias):
+    b, t, h, hq, hk, d, rot = shape
+    x = torch.randn(b, t, h, generator=gen).to(dtype).to(DEVICE)
+    weights = [(torch.randn(n * d, h, generator=gen) * h**-0.5).to(dtype).to(DEVICE) for n in (hq, hk, hk)]
+    biases = (
+        [(torch.randn(n * d, generator=gen) * 0.1).to(dtype).to(DEVICE) for n in (hq, hk, hk)] if bias else []
+    )
+    cos, sin = hf_tables(torch.arange(t) + 3, rot, dtype)
+    return x, weights, biases, cos[None], sin[None]
+
+
+def _qkv_hf(x, wq, wk, wv, *bb, cos, sin, head_dim, rope=hf_eager):
+    """Hugging Face's statements: three F.linear, view, transpose, apply_rotary_pos_emb."""
+    bq, bk, bv = bb if bb else (None, None, None)
+    b, t, _ = x.shape
+    q, k, v = (
+        torch.nn.functional.linear(x, w, bias).view(b, t, -1, head_dim).transpose(1, 2)
+        for w, bias in ((wq, bq), (wk, bk), (wv, bv))
+    )
+    q, k = rope(q, k, cos, sin)
+    return q, k, v
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", list(QKV_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_qkv_rotary_numerics(dtype, shape, bias, gen):
+    """q, k, v and the gradients of x, the weights (and biases) against Hugging Face's statements in the
+    same dtype (eager) and in float64 (reference)."""
+    shape_ = QKV_SHAPES[shape]
+    d = shape_[5]
+    x, weights, biases, cos, sin = _qkv_operands(gen, shape_, dtype, bias)
+    leaves = [t.clone().requires_grad_() for t in (x, *weights, *biases)]
+    eager_leaves = [t.clone().requires_grad_() for t in (x, *weights, *biases)]
+    ref_leaves = [t.double().requires_grad_() for t in (x, *weights, *biases)]
+    bq = dict(zip(("q_bias", "k_bias", "v_bias"), leaves[4:], strict=True)) if bias else {}
+    out = qkv_rotary(*leaves[:4], cos, sin, head_dim=d, **bq)
+    out_e = _qkv_hf(*eager_leaves, cos=cos, sin=sin, head_dim=d)
+    out_r = _qkv_hf(*ref_leaves, cos=cos, sin=sin, head_dim=d, rope=reference64)
+    grads_out = grad_outputs(gen, out_e)
+    for name, o, e, r in zip("qkv", out, out_e, out_r, strict=True):
+        assert o.shape == e.shape and o.dtype == dtype
+        if TRITON_PATH:  # views of [B, T, heads, D] tensors, as documented (the reference: HF's layout)
+            assert o.transpose(1, 2).is_contiguous()
+        assert_numerics(name, o, e, r, dtype)
+    got = torch.autograd.grad(out, leaves, grads_out)
+    want = torch.autograd.grad(out_e, eager_leaves, grads_out)
+    ref = torch.autograd.grad(out_r, ref_leaves, [g.double() for g in grads_out])
+    names = ("dx", "dq_weight", "dk_weight", "dv_weight", "dq_bias", "dk_bias", "dv_bias")
+    for name, g, e, r in zip(names, got, want, ref, strict=False):
+        assert g.dtype == dtype and g.shape == e.shape
+        assert_numerics(name, g, e, r, dtype)
+
+
+def test_qkv_rotary_saves_x_weights_and_tables(gen):
+    """Saved for backward: x, the three weights and cos / sin; never q, k or v."""
+    x, weights, _, cos, sin = _qkv_operands(gen, QKV_SHAPES["partial-8of16"], torch.float32, False)
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q, k, v = qkv_rotary(x, *weights, cos, sin, head_dim=16)
+    if TRITON_PATH:
+        assert len(saved) == 6
+        assert sorted(t.numel() for t in saved) == sorted(
+            [x.numel(), *(w.numel() for w in weights), cos.numel(), sin.numel()]
+        )
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert x.grad.shape == x.shape
+
+
+def test_qkv_rotary_only_q_used(gen):
+    """k and v unused: their gradients are zeros, q's flows; the same as HF's statements."""
+    x, weights, _, cos, sin = _qkv_operands(gen, QKV_SHAPES["mha-T1"], torch.float32, False)
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    twins = [t.clone().requires_grad_() for t in (x, *weights)]
+    q, _, _ = qkv_rotary(*leaves, cos, sin, head_dim=8)
+    q_e, _, _ = _qkv_hf(*twins, cos=cos, sin=sin, head_dim=8)
+    got = torch.autograd.grad(q.sum(), leaves, allow_unused=True)
+    want = torch.autograd.grad(q_e.sum(), twins, allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        if b is None:  # HF's k / v weights get no gradient; fuselm's node returns zeros
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _bad_qkv_calls():
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    wq, wk = torch.randn(32, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE)
+    cos = torch.randn(1, 5, 8, device=DEVICE)
+    call = qkv_rotary
+    return {
+        "x 2-D": ("x", lambda: call(x[0], wq, wk, wk, cos, cos, head_dim=8)),
+        "x int": ("x", lambda: call(x.long(), wq, wk, wk, cos, cos, head_dim=8)),
+        "head_dim": ("head_dim", lambda: call(x, wq, wk, wk, cos, cos, head_dim=0)),
+        "q_weight columns": ("q_weight", lambda: call(x, wq[:, :16], wk, wk, cos, cos, head_dim=8)),
+        "k_weight rows": ("k_weight", lambda: call(x, wq, wk[:12], wk, cos, cos, head_dim=8)),
+        "v_weight heads": ("v_weight", lambda: call(x, wq, wk, wq, cos, cos, head_dim=8)),
+        "v_weight dtype": ("v_weight", lambda: call(x, wq, wk, wk.double(), cos, cos, head_dim=8)),
+        "q_bias shape": ("q_bias", lambda: call(x, wq, wk, wk, cos, cos, head_dim=8, q_bias=wq[0, :8])),
+        "cos seq len": ("cos", lambda: call(x, wq, wk, wk, cos[:, :4], cos[:, :4], head_dim=8)),
+        "sin shape": ("sin", lambda: call(x, wq, wk, wk, cos, cos[..., :4], head_dim=8)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_qkv_calls()))
+def test_qkv_rotary_bad_arguments_raise_value_error_naming_them(case):
+    name, call = _bad_qkv_calls()[case]
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        call()
+
+
+def test_qkv_rotary_docstring_example_runs():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    (test,) = finder.find(rope_op.qkv_rotary, "qkv_rotary", globs={})
+    result = runner.run(test)
+    assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_qkv_rotary_torch_compile_fullgraph(backend, gen):
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    shape = QKV_SHAPES["partial-8of16"]
+    x, weights, _, cos, sin = _qkv_operands(gen, shape, dtype, False)
+
+    def fn(x, wq, wk, wv):
+        return qkv_rotary(x * 1.0, wq, wk, wv, cos, sin, head_dim=16)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    twins = [t.clone().requires_grad_() for t in (x, *weights)]
+    out, out_e = compiled(*leaves), fn(*twins)
+    grads_out = grad_outputs(gen, out_e)
+    got = torch.autograd.grad(out, leaves, grads_out)
+    want = torch.autograd.grad(out_e, twins, grads_out)
+    for a, b in zip((*out, *got), (*out_e, *want), strict=True):
+        # the same kernels and GEMMs: equal up to the GEMMs' own reassociation (atol of one rounding)
+        assert_numerics("compiled", a, b, b.double(), dtype)
+    torch._dynamo.reset()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import attention_forward
 from .blocks import mlp_forward, rms_norm_forward
 from .causal_lm import causal_lm_forward
 from .decoder_layer import decoder_layer_forward
@@ -72,6 +73,8 @@ def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> 
         return rms_norm_forward(spec)
     if name == spec.decoder_layer and "residual_norm" in plan.blocks:
         return decoder_layer_forward(spec, original)
+    if name == spec.attention and "rope" in plan.blocks:
+        return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:
         return mlp_forward(spec, original)
     if name in spec.causal_lms and plan.loss is not None:

@@ -57,6 +57,9 @@ class FamilySpec:
             stays HF's). Set only where the installed transformers' source was read; the patched forward
             also checks the layout when it is built (:func:`fuselm.hf.layer_layout.llama_layer_layout`)
             and leaves a layer that differs HF's.
+        attention: the attention class whose forward begins with Llama's q, k, v projections and
+            ``apply_rotary_pos_emb`` call, which fuselm runs as one node with the RoPE component
+            (:mod:`fuselm.hf.attention`; checked against the installed source when patching), or None.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -72,6 +75,7 @@ class FamilySpec:
     rope: str | None = "apply_rotary_pos_emb"
     rope_one_tensor: bool = False
     decoder_layer: str | None = None
+    attention: str | None = None
     keeps: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -92,18 +96,26 @@ class FamilySpec:
 
 
 def _spec(
-    model_type: str, prefix: str, *, module: str | None = None, llama_layer: bool = False, **kw
+    model_type: str,
+    prefix: str,
+    *,
+    module: str | None = None,
+    llama_layer: bool = False,
+    llama_attention: bool = False,
+    **kw,
 ) -> FamilySpec:
     """A spec with the usual names: ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>ForCausalLM`` in
     ``transformers.models.<module or model_type>.modeling_<...>``, and with ``llama_layer=True`` (the
-    decoder layer's forward was read and is Llama's layout) ``<prefix>DecoderLayer``; keyword arguments
-    override."""
+    decoder layer's forward was read and is Llama's layout) ``<prefix>DecoderLayer``, with
+    ``llama_attention=True`` (its q, k, v and RoPE statements are Llama's) ``<prefix>Attention``; keyword
+    arguments override."""
     name = module or model_type
     kw = {
         "causal_lms": (f"{prefix}ForCausalLM",),
         "rms_norm": f"{prefix}RMSNorm",
         "mlp": f"{prefix}MLP",
         "decoder_layer": f"{prefix}DecoderLayer" if llama_layer else None,
+        "attention": f"{prefix}Attention" if llama_attention else None,
         **kw,
     }
     return FamilySpec(model_type=model_type, module=f"transformers.models.{name}.modeling_{name}", **kw)
@@ -118,14 +130,14 @@ FAMILIES: dict[str, FamilySpec] = {
     s.model_type: s
     for s in (
         # dense
-        _spec("llama", "Llama", llama_layer=True),
-        _spec("mistral", "Mistral", llama_layer=True),
-        _spec("ministral", "Ministral", llama_layer=True),
-        _spec("qwen2", "Qwen2", llama_layer=True),
+        _spec("llama", "Llama", llama_layer=True, llama_attention=True),
+        _spec("mistral", "Mistral", llama_layer=True, llama_attention=True),
+        _spec("ministral", "Ministral", llama_layer=True, llama_attention=True),
+        _spec("qwen2", "Qwen2", llama_layer=True, llama_attention=True),
         _spec("qwen3", "Qwen3", llama_layer=True),
         _spec("phi3", "Phi3", packed_mlp=True),
-        _spec("gemma", "Gemma", llama_layer=True, norm_style="gemma"),
-        _spec("gemma2", "Gemma2", **GEMMA2_LIKE),
+        _spec("gemma", "Gemma", llama_layer=True, llama_attention=True, norm_style="gemma"),
+        _spec("gemma2", "Gemma2", llama_attention=True, **GEMMA2_LIKE),
         _spec(
             "gemma3",
             "Gemma3",
@@ -146,18 +158,39 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         _spec("olmo2", "Olmo2", norm_style="olmo2"),
         _spec("olmo3", "Olmo3", norm_style="olmo2"),
-        _spec("granite", "Granite"),
+        _spec("granite", "Granite", llama_attention=True),
         _spec("smollm3", "SmolLM3", llama_layer=True),
         _spec("glm4", "Glm4", packed_mlp=True, rope=None, keeps=INTERLEAVED),
         _spec("cohere", "Cohere", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
         _spec("cohere2", "Cohere2", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
-        _spec("starcoder2", "Starcoder2", rms_norm=None, mlp=None, keeps="nn.LayerNorm, MLP (not gated)"),
+        _spec(
+            "starcoder2",
+            "Starcoder2",
+            llama_attention=True,
+            rms_norm=None,
+            mlp=None,
+            keeps="nn.LayerNorm, MLP (not gated)",
+        ),
         _spec("exaone4", "Exaone4"),
-        _spec("seed_oss", "SeedOss", llama_layer=True, mlp=None, keeps="MLP (a residual dropout after it)"),
+        _spec(
+            "seed_oss",
+            "SeedOss",
+            llama_layer=True,
+            llama_attention=True,
+            mlp=None,
+            keeps="MLP (a residual dropout after it)",
+        ),
         _spec("ernie4_5", "Ernie4_5", llama_layer=True, rope=None, keeps=INTERLEAVED),
         _spec("apertus", "Apertus", mlp=None, keeps="MLP (not gated, xIELU)"),
-        _spec("arcee", "Arcee", llama_layer=True, mlp=None, keeps="MLP (not gated, ReLU^2)"),
-        _spec("hunyuan_v1_dense", "HunYuanDenseV1", llama_layer=True),
+        _spec(
+            "arcee",
+            "Arcee",
+            llama_layer=True,
+            llama_attention=True,
+            mlp=None,
+            keeps="MLP (not gated, ReLU^2)",
+        ),
+        _spec("hunyuan_v1_dense", "HunYuanDenseV1", llama_layer=True, llama_attention=True),
         # hybrid: attention and a Mamba-2 mixer side by side in every layer; the MLP scales its gate
         # projection and its output (config.mlp_multipliers), which the patched forward does too
         _spec(
@@ -168,11 +201,11 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         # mixture of experts: the dense MLPs (shared experts, dense layers) are swapped, the experts not
         _spec("qwen3_moe", "Qwen3Moe", llama_layer=True, keeps=EXPERTS),
-        _spec("qwen2_moe", "Qwen2Moe", llama_layer=True, keeps=EXPERTS),
+        _spec("qwen2_moe", "Qwen2Moe", llama_layer=True, llama_attention=True, keeps=EXPERTS),
         _spec("qwen3_next", "Qwen3Next", norm_style="gemma", keeps=f"{EXPERTS}, gated DeltaNet"),
-        _spec("mixtral", "Mixtral", llama_layer=True, mlp=None, keeps=EXPERTS),
+        _spec("mixtral", "Mixtral", llama_layer=True, llama_attention=True, mlp=None, keeps=EXPERTS),
         _spec("olmoe", "Olmoe", llama_layer=True, mlp=None, keeps=EXPERTS),
-        _spec("granitemoe", "GraniteMoe", mlp=None, keeps=EXPERTS),
+        _spec("granitemoe", "GraniteMoe", llama_attention=True, mlp=None, keeps=EXPERTS),
         _spec(
             "gpt_oss",
             "GptOss",

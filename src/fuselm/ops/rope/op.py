@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
-from .._common.guard import check_choice
+from .._common.guard import check_choice, check_tensor
 from .._common.launch import cdiv, launcher, next_pow2
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
@@ -398,3 +399,141 @@ def apply_rotary(
     if bhtd:
         q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out
+
+
+# ---- the attention input: q, k, v projections and the rotation of q and k as one autograd node ----
+
+
+class QKVRotaryFunction(torch.autograd.Function):
+    """q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv for x [N, H], q and k rotated; returned as
+    [B, heads, T, D] views of [B, T, heads, D] tensors (Hugging Face attention's layout). Saves x, the
+    weights and the cos / sin tables; the backward rotates dq and dk back in one launch into
+    [B, T, heads, D] buffers (the [N, heads * D] operands of the GEMMs), then dX in one buffer (three
+    GEMMs accumulated) and each weight's gradient (one GEMM each)."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, batch, seq_len, head_dim):
+        q = F.linear(x, wq, bq).view(batch, seq_len, -1, head_dim)
+        k = F.linear(x, wk, bk).view(batch, seq_len, -1, head_dim)
+        v = F.linear(x, wv, bv).view(batch, seq_len, -1, head_dim)
+        q_out, k_out = _run_fwd(q, k, cos, sin, None)
+        ctx.save_for_backward(x, wq, wk, wv, cos, sin)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed, dv):
+        x, wq, wk, wv, cos, sin = ctx.saved_tensors
+        n_rows = x.shape[0]
+        need = ctx.needs_input_grad
+        dq_e, dk_e = dq_embed.transpose(1, 2), dk_embed.transpose(1, 2)  # [B, T, heads, D] views
+        if torch.compiler.is_compiling():
+            dq, dk = _rope_bwd_op(dq_e, dk_e, cos, sin, None)
+        else:
+            dq = torch.empty(dq_e.shape, dtype=dq_e.dtype, device=dq_e.device)
+            dk = torch.empty(dk_e.shape, dtype=dk_e.dtype, device=dk_e.device)
+            _launch(dq_e, dk_e, dq, dk, cos, sin, None, is_bwd=True)
+        dq, dk = dq.reshape(n_rows, -1), dk.reshape(n_rows, -1)
+        dv = dv.transpose(1, 2).reshape(n_rows, -1)  # a view when dv is dense as [B, T, heads, D]
+        dx = torch.mm(dq, wq).addmm_(dk, wk).addmm_(dv, wv) if need[0] else None  # one buffer
+        dw = [torch.mm(d.t(), x) if need[1 + i] else None for i, d in enumerate((dq, dk, dv))]
+        db = [d.sum(0) if need[4 + i] else None for i, d in enumerate((dq, dk, dv))]
+        return dx, *dw, *db, None, None, None, None, None
+
+
+def qkv_rotary(
+    x: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    v_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    head_dim: int,
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
+    v_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input of a Llama-style attention as one autograd node: the q, k and v projections of x and the
+    rotary embedding of q and k (Hugging Face's ``q_proj(x).view(...).transpose(1, 2)`` three times, then
+    ``apply_rotary_pos_emb``).
+
+    The GEMMs are eager PyTorch's (``F.linear`` forward, ``mm`` backward); the rotation is
+    :func:`apply_rotary`'s kernel (fp32 math, rounded once). What changes is the host path: one node
+    where eager PyTorch builds about twenty (three linears of four or five nodes, a view and a transpose
+    node per projection, the rotation), each costing host time in every step of a small-batch run. dX is
+    ``dq Wq + dk Wk + dv Wv`` accumulated in one buffer. Saved for backward: x, the weights (parameters,
+    no memory) and cos / sin; never q, k or v (the attention saves its own inputs).
+
+    Args:
+        x: ``[B, T, H]`` float32 / float16 / bfloat16 (float64 runs the PyTorch reference).
+        q_weight: ``[Hq * D, H]``; k_weight, v_weight: ``[Hk * D, H]`` (GQA: Hk may differ from Hq);
+            x's dtype and device.
+        cos, sin: ``[B, T, R]``, ``[1, T, R]`` or ``[T, R]`` as Hugging Face's rotary embedding returns
+            them (R even, ``2 <= R <= D``: partial rotary keeps the other columns).
+        head_dim: D.
+        q_bias, k_bias, v_bias: optional ``[Hq * D]`` / ``[Hk * D]`` (Qwen 2's projections have them).
+
+    Returns:
+        ``(q, k, v)``: ``[B, Hq, T, D]``, ``[B, Hk, T, D]``, ``[B, Hk, T, D]`` in x's dtype, views of
+        ``[B, T, heads, D]`` tensors (the strides Hugging Face's attention gets).
+
+    Example:
+        >>> import torch
+        >>> from fuselm.ops.rope import qkv_rotary
+        >>> B, T, H, D = 2, 5, 32, 8
+        >>> x = torch.randn(B, T, H, requires_grad=True)
+        >>> wq, wk, wv = torch.randn(4 * D, H), torch.randn(2 * D, H), torch.randn(2 * D, H)
+        >>> angle = torch.arange(T)[:, None] * torch.rand(D // 2)
+        >>> emb = torch.cat([angle, angle], -1)[None]
+        >>> q, k, v = qkv_rotary(x, wq, wk, wv, emb.cos(), emb.sin(), head_dim=D)
+        >>> q.shape, k.shape, v.shape
+        (torch.Size([2, 4, 5, 8]), torch.Size([2, 2, 5, 8]), torch.Size([2, 2, 5, 8]))
+        >>> (q.sum() + k.sum() + v.sum()).backward(); x.grad.shape
+        torch.Size([2, 5, 32])
+    """
+    if has_dtensor(x, q_weight, k_weight, v_weight, cos, sin, q_bias, k_bias, v_bias):
+        raise ValueError(
+            "qkv_rotary does not take DTensors: run the projections as modules and apply_rotary on their "
+            "outputs (apply_rotary takes head-sharded DTensors), or pass .to_local() of every input"
+        )
+    check_tensor("x", x, dtypes=_QKV_DTYPES, ndim=3)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2:
+        raise ValueError(f"head_dim must be an int >= 2, got {head_dim!r}")
+    batch, seq_len, hidden = x.shape
+    weights = {"q_weight": q_weight, "k_weight": k_weight, "v_weight": v_weight}
+    heads = {}
+    for name, w in weights.items():
+        check_tensor(name, w, dtypes=(x.dtype,), ndim=2, device=x.device)
+        if w.shape[1] != hidden or w.shape[0] % head_dim:
+            raise ValueError(
+                f"{name} must have shape [heads * {head_dim}, {hidden}] (x has H={hidden}, head_dim="
+                f"{head_dim}), got {list(w.shape)}"
+            )
+        heads[name] = w.shape[0] // head_dim
+    if heads["v_weight"] != heads["k_weight"]:
+        raise ValueError(
+            f"v_weight must have k_weight's {heads['k_weight']} heads ([{k_weight.shape[0]}, {hidden}]), "
+            f"got {list(v_weight.shape)}"
+        )
+    biases = {"q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
+    for (name, b), w in zip(biases.items(), weights.values(), strict=True):
+        if b is not None:
+            check_tensor(name, b, dtypes=(x.dtype,), ndim=1, device=x.device)
+            if b.shape[0] != w.shape[0]:
+                raise ValueError(f"{name} must have shape [{w.shape[0]}], got {list(b.shape)}")
+    cos_b, sin_b, _ = broadcast_tables(cos, sin, None, batch, seq_len, head_dim, "bthd", x.device)
+    tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if x.dtype == torch.float64 or not use_triton(x) or tables_need_grad:
+        q, k, v = (
+            F.linear(x, w, b).view(batch, seq_len, -1, head_dim).transpose(1, 2)
+            for w, b in zip(weights.values(), biases.values(), strict=True)
+        )
+        q, k = apply_rotary_reference(q, k, cos, sin, layout="bhtd")
+        return q, k, v
+    x2 = x.reshape(batch * seq_len, hidden)
+    return QKVRotaryFunction.apply(
+        x2, *weights.values(), *biases.values(), cos_b.detach(), sin_b.detach(), batch, seq_len, head_dim
+    )
+
+
+_QKV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -1,0 +1,147 @@
+"""The attention forward of Llama-style attention classes with the q, k, v projections and the rotary
+embedding as one autograd node (:func:`fuselm.ops.rope.qkv_rotary`).
+
+Hugging Face's attention forward (Llama's, and the ~150 modeling files that copy it) starts with
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+which autograd records as about twenty nodes (three linears, a view and a transpose node each, the
+rotation), each costing host time in every step: at small batch the step is bound by that host time.
+fuselm's forward is the installed transformers' own forward with those five statements replaced by one
+call (:func:`attention_input`), made from its source when patching (the syntax tree, compared statement
+for statement, so a transformers version that changes them is seen then: the class keeps HF's forward
+and a warning says why). Everything else (the attention interface, the cache, the output projection)
+is HF's code, run as HF runs it. At run time the fused node runs when q, k and v are plain ``nn.Linear``
+layers without hooks holding plain tensors (not PEFT / bitsandbytes layers, not DTensors) and cos / sin
+are ``[B, T, D]``; otherwise the five statements run as HF wrote them (with fuselm's RoPE).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from collections.abc import Callable
+
+import torch
+
+from ..nn.mlp import is_plain_linear
+from ..ops.rope import qkv_rotary
+from ._common import warn_once
+from .layer_layout import split_checkpointing
+from .registry import FamilySpec
+
+_INPUT = """
+query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+cos, sin = position_embeddings
+query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+"""
+_FUSED_INPUT = """
+cos, sin = position_embeddings
+query_states, key_states, value_states = _fuselm_attention_input(self, hidden_states, hidden_shape, cos, sin)
+"""
+_HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
+
+
+def _plain_tensor(t) -> bool:
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def attention_input(rope: Callable, attn, hidden_states, hidden_shape, cos, sin):
+    """(q, k, v) in ``[B, heads, T, D]`` as HF's five statements compute them (``rope`` is the modeling
+    module's ``apply_rotary_pos_emb``): through :func:`qkv_rotary` when the projections are plain
+    ``nn.Linear`` layers of plain tensors and cos / sin are ``[B, T, D]``, else as HF wrote them."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if (
+        hidden_states.dim() == 3
+        and cos.dim() == 3
+        and all(is_plain_linear(p) and _plain_tensor(p.weight) for p in projections)
+    ):
+        return qkv_rotary(
+            hidden_states,
+            *(p.weight for p in projections),
+            cos,
+            sin,
+            head_dim=attn.head_dim,
+            q_bias=attn.q_proj.bias,
+            k_bias=attn.k_proj.bias,
+            v_bias=attn.v_proj.bias,
+        )
+    q, k, v = (p(hidden_states).view(hidden_shape).transpose(1, 2) for p in projections)
+    q, k = rope(q, k, cos, sin)
+    return q, k, v
+
+
+def _statements(source: str) -> list[str]:
+    return [ast.dump(s) for s in ast.parse(source).body]
+
+
+def fused_attention_source(forward: Callable) -> ast.Module | str:
+    """The syntax tree of a module defining ``_fuselm_make_forward(_fuselm_attention_input)``, which returns
+    ``forward`` (HF's attention forward, unwrapped) with its five input statements replaced by one call
+    of ``_fuselm_attention_input``; or why that cannot be done."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError) as e:
+        return f"its source cannot be read ({type(e).__name__})"
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef):
+        return "its forward is not a plain function"
+    if forward.__code__.co_freevars:
+        return "its forward uses closure variables"
+    body = [ast.dump(s) for s in fn.body]
+    want = _statements(_INPUT)
+    starts = [i for i in range(len(body) - len(want) + 1) if body[i : i + len(want)] == want]
+    if len(starts) != 1:
+        return "its forward does not compute q, k, v and the rotary embedding as Llama's does"
+    if _statements(_HIDDEN_SHAPE)[0] not in body[: starts[0]]:
+        return "its forward's hidden_shape is not (*input_shape, -1, self.head_dim)"
+    i = starts[0]
+    fn.body[i : i + len(want)] = ast.parse(_FUSED_INPUT).body
+    fn.decorator_list = []
+    maker = ast.parse("def _fuselm_make_forward(_fuselm_attention_input):\n    return forward\n").body[0]
+    maker.body.insert(0, fn)
+    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[]))
+
+
+@functools.cache
+def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
+    """fuselm's forward for the family's attention class whose forward is ``original``, or None (warned
+    once: the class keeps HF's forward, the RoPE still runs fuselm's kernel)."""
+    split = split_checkpointing(original)
+    reason = split if isinstance(split, str) else None
+    tree = None
+    if reason is None:
+        forward, _, rewrap = split
+        tree = fused_attention_source(forward)
+        reason = tree if isinstance(tree, str) else None
+    if reason is not None:
+        warn_once(
+            f"attention:{spec.model_type}",
+            f"fuselm.hf: {spec.attention} keeps Hugging Face's attention forward ({reason}): its q, k, v "
+            "projections and RoPE run as separate nodes (fuselm's RoPE kernel still runs)",
+        )
+        return None
+    module_globals = forward.__globals__
+    rope_name = spec.rope
+
+    def fused_input(attn, hidden_states, hidden_shape, cos, sin):
+        return attention_input(module_globals[rope_name], attn, hidden_states, hidden_shape, cos, sin)
+
+    namespace: dict = {}
+    origin = f"<fuselm: {forward.__qualname__} of {forward.__module__}, its q, k, v and RoPE fused>"
+    code = compile(tree, origin, "exec")
+    exec(code, module_globals, namespace)  # noqa: S102 - HF's own source, five statements replaced
+    fused = namespace["_fuselm_make_forward"](fused_input)
+    fused.__defaults__ = forward.__defaults__
+    fused.__kwdefaults__ = forward.__kwdefaults__
+    fused.__qualname__ = f"fuselm_{spec.attention}.forward"
+    fused.__module__ = __name__
+    return rewrap(fused)

@@ -1,0 +1,129 @@
+"""fuselm.hf.attention: the attention forward made from Hugging Face's own source with the q, k, v
+projections and the RoPE call as one node (fuselm.ops.rope.qkv_rotary); when it runs, when it falls back
+to HF's statements, and what happens when the installed source differs."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+
+import pytest
+import torch
+from hf_models import build, clone
+
+import fuselm.hf
+from fuselm.hf import attention
+from fuselm.hf.registry import FAMILIES
+from fuselm.ops._common.testing import assert_numerics
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    yield
+    fuselm.hf.unpatch("llama")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return qkv_rotary(*args, **kwargs)
+
+    qkv_rotary = attention.qkv_rotary
+    monkeypatch.setattr(attention, "qkv_rotary", spy)
+    return calls
+
+
+def _loss_and_grads(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compare(ours, eager, ids):
+    ref = clone(eager, torch.float64)
+    outs = [_loss_and_grads(m, ids) for m in (ref, eager, ours)]
+    assert_numerics("loss", outs[2][0], outs[1][0], outs[0][0], torch.float32)
+    for name in outs[1][1]:
+        assert_numerics(name, outs[2][1][name], outs[1][1][name], outs[0][1][name], torch.float32)
+
+
+def test_patched_llama_attention_runs_one_fused_node_per_layer(fused_calls):
+    eager = build("llama")
+    ours = fuselm.hf.patch(clone(eager))
+    ids = torch.randint(0, eager.config.vocab_size, (2, 12))
+    _compare(ours, eager, ids)
+    assert len(fused_calls) == eager.config.num_hidden_layers
+    attn = ours.model.layers[0].self_attn
+    fused = attn.forward.func if hasattr(attn.forward, "func") else attn.forward.__func__
+    original = type(attn).forward
+    assert fused is not original
+    # the made forward keeps HF's signature (the keyword names HF's decoder layer passes)
+    assert inspect.signature(fused).parameters.keys() == inspect.signature(original).parameters.keys()
+
+
+def test_hooked_projection_falls_back_to_hf_statements(fused_calls):
+    """A forward hook on q_proj (or a PEFT / bitsandbytes layer): HF's statements run, with the hook."""
+    eager = build("llama")
+    ours = fuselm.hf.patch(clone(eager))
+    seen = []
+    for model in (eager, ours):
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ids = torch.randint(0, eager.config.vocab_size, (2, 12))
+    _compare(ours, eager, ids)
+    assert len(fused_calls) == eager.config.num_hidden_layers - 1  # the hooked layer ran HF's statements
+    assert len(seen) == 2  # the hook ran in HF's model and in fuselm's (the float64 twin has none)
+
+
+def test_unpatch_restores_hf_forward():
+    model = fuselm.hf.patch(build("llama"))
+    fuselm.hf.unpatch(model)
+    attn = model.model.layers[0].self_attn
+    assert "forward" not in vars(attn)
+
+
+def test_source_that_differs_keeps_hf_forward_with_one_warning():
+    """An attention whose forward does not start with Llama's statements: None (HF's forward stays) and
+    one warning naming the class and the reason."""
+
+    class OtherAttention(torch.nn.Module):
+        def forward(self, hidden_states, position_embeddings=None, **kwargs):
+            query_states = self.q_proj(hidden_states)
+            return query_states, None
+
+    spec = dataclasses.replace(FAMILIES["llama"], attention="OtherAttention", model_type="llama_test")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention.attention_forward(spec, OtherAttention.forward) is None
+        assert attention.attention_forward(spec, OtherAttention.forward) is None  # cached: no 2nd warning
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "OtherAttention keeps Hugging Face's attention forward" in messages[0]
+    assert "does not compute q, k, v" in messages[0]
+
+
+def test_made_source_replaces_exactly_the_five_statements():
+    """The made forward is HF's with the five input statements replaced by one call: every other
+    statement is HF's own (compared on the syntax tree)."""
+    import ast
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from fuselm.hf.layer_layout import split_checkpointing
+
+    forward = split_checkpointing(LlamaAttention.forward)[0]
+    tree = attention.fused_attention_source(forward)
+    made = tree.body[0].body[0]  # _fuselm_make_forward -> forward
+    original = ast.parse(inspect.cleandoc("\n" + inspect.getsource(forward))).body[0]
+    made_body = [ast.dump(s) for s in made.body]
+    hf_body = [ast.dump(s) for s in original.body]
+    assert len(hf_body) - len(made_body) == 3  # five statements became two (cos, sin and the call)
+    removed = [s for s in hf_body if s not in made_body]
+    assert len(removed) == 4  # q, k, v and the RoPE call; "cos, sin = position_embeddings" stays
+    assert sum("_fuselm_attention_input" in s for s in made_body) == 1
