@@ -16,7 +16,7 @@ import torch
 from hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import _common, blocks, plan
+from fuselm.hf import _common, attention, blocks, plan
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
@@ -106,7 +106,8 @@ def test_instance_patch_touches_only_that_model(model_type):
     assert fuselm.hf.is_patched(model)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
-    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__}  # the decoder layer: opt-in
+    attn = {spec.attention} if spec.attention else set()  # q, k, v fused with the RoPE
+    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn}  # the decoder layer: opt-in
     assert not any("forward" in vars(m) for m in other.modules())
     assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
     fuselm.hf.unpatch(model)
@@ -116,14 +117,16 @@ def test_instance_patch_touches_only_that_model(model_type):
 
 
 def _rope_calls(monkeypatch) -> list:
-    """Records every call into fuselm's RoPE made through fuselm.hf."""
-    calls, apply_rotary = [], blocks.apply_rotary
+    """Records every call into fuselm's RoPE made through fuselm.hf (the rotary function, and the
+    attention input where the q, k, v projections are fused with it)."""
+    calls = []
+    for module, name in ((blocks, "apply_rotary"), (attention, "qkv_rotary")):
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return apply_rotary(*args, **kwargs)
+        def spy(*args, _fn=getattr(module, name), **kwargs):
+            calls.append(1)
+            return _fn(*args, **kwargs)
 
-    monkeypatch.setattr(blocks, "apply_rotary", spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -190,7 +193,7 @@ def test_repatching_an_instance_applies_the_new_options():
     assert model(input_ids=ids, labels=labels).logits is not None
     fuselm.hf.patch(model, rms_norm=False)
     kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
-    assert kinds == {"LlamaMLP", "LlamaForCausalLM"}
+    assert kinds == {"LlamaMLP", "LlamaAttention", "LlamaForCausalLM"}
     fuselm.hf.patch(model, rms_norm=False)  # the same options: nothing changes
     assert {type(m).__name__ for m in model.modules() if "forward" in vars(m)} == kinds
     fuselm.hf.unpatch(model)
@@ -517,7 +520,8 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     loaded = load()
     assert fuselm.hf.is_patched(loaded)
     patched = [m for m in loaded.modules() if "forward" in vars(m)]
-    assert {type(m).__name__ for m in patched} == {"LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM"}
+    swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaForCausalLM"}
+    assert {type(m).__name__ for m in patched} == swapped
     assert all(vars(m)["forward"].__self__ is m for m in patched)
     assert module.apply_rotary_pos_emb is not rope_before
     calls = _rope_calls(monkeypatch)

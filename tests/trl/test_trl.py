@@ -540,11 +540,12 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
     from trl import SFTConfig, SFTTrainer
 
     import fuselm.hf
-    from fuselm.hf import blocks, loss
+    from fuselm.hf import attention, blocks, loss
 
-    hf_calls = {"rms_norm": 0, "apply_rotary": 0, "gated_mlp": 0, "linear_cross_entropy": 0}
+    hf_calls = {"rms_norm": 0, "apply_rotary": 0, "qkv_rotary": 0, "gated_mlp": 0, "linear_cross_entropy": 0}
+    modules = {"linear_cross_entropy": loss, "qkv_rotary": attention}
     for name in hf_calls:
-        module = loss if name == "linear_cross_entropy" else blocks
+        module = modules.get(name, blocks)
         original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
@@ -564,5 +565,6 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
             fuselm.hf.unpatch("llama")
 
     _check_runs(calls, run)
-    assert hf_calls["rms_norm"] > 0 and hf_calls["apply_rotary"] > 0 and hf_calls["gated_mlp"] > 0
+    assert hf_calls["rms_norm"] > 0 and hf_calls["gated_mlp"] > 0
+    assert hf_calls["qkv_rotary"] > 0  # the RoPE, fused with the q, k, v projections of Llama's attention
     assert hf_calls["linear_cross_entropy"] == 0
