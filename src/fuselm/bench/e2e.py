@@ -27,7 +27,8 @@ on the device, ``warmup`` steps, ``steps`` timed steps, then ``--profile-steps``
 
 - wall: each timed step between two ``torch.cuda.synchronize()``; the median;
 - CPU: ``time.process_time()`` of the timed steps (every thread of the process), read before each step's
-  closing synchronization (a spinning wait for the GPU is not host work), / steps;
+  closing synchronization, / steps; the worker makes waits for the GPU sleep instead of spin
+  (:func:`fuselm.bench.harness.blocking_sync`: Hugging Face syncs once per forward), so that is host work;
 - GPU: the summed device time of the CUDA kernels of the profiled steps / their number, and the kernels
   launched per step (memory copies and memsets are counted apart, in the JSON);
 - bound by: ``host`` when CPU >= 0.9 x wall (the GPU waits for Python), else ``GPU``;
@@ -416,6 +417,9 @@ class E2ERow(fresh_process.WorkerRow):
     losses: list[float] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
+    gpu_wait: str | None = (
+        None  # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
+    )
     error: str | None = None
     traceback: str | None = None
 
@@ -528,6 +532,21 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
     return md_table(head, lines)
 
 
+def _gpu_wait_note(rows: list[Any]) -> str:
+    """How waits for the GPU inside a step counted in the rows' CPU time."""
+    waits = {r.gpu_wait for r in rows if r.status == "ok"} - {None}
+    if waits == {"blocking"}:
+        return (
+            "waits for the GPU inside a step (Hugging Face's packed-sequence check syncs once per forward) "
+            "sleep (CUDA blocking sync), so this is host work alone."
+        )
+    if not waits:
+        return "(rows of an older version: a wait for the GPU inside a step spun and counted as CPU time)."
+    return (
+        f"waits for the GPU: {', '.join(sorted(waits))} (a spinning wait counts the GPU's time as CPU time)."
+    )
+
+
 def notes(report: fresh_process.CaseReport) -> list[str]:
     """Footnotes of the report: method, what is counted, the anchors."""
     cuda = report.device_type == "cuda"
@@ -545,7 +564,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         + (" between two torch.cuda.synchronize()" if cuda else " timed with perf_counter")
         + "; tokens/s = B * T / that median.",
         "CPU ms/step: time.process_time() of the timed steps (all threads of the process), read before each "
-        "step's closing synchronization (waiting for the GPU is not counted), / steps.",
+        "step's closing synchronization, / steps; " + _gpu_wait_note(report.rows),
         "GPU ms/step and launches/step: the summed device time of the CUDA kernels and their number in a "
         "torch.profiler window of the profiled steps (after the timed ones), / steps; memory copies and "
         "memsets are not in them (memcpy_ms, memcpys in the JSON).",

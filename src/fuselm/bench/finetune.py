@@ -746,6 +746,9 @@ class FinetuneRow(fresh_process.WorkerRow):
     fuselm_warnings: list[str] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
+    gpu_wait: str | None = (
+        None  # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
+    )
     error: str | None = None
     traceback: str | None = None
 

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
-from .harness import SkipProvider, error_text
+from .harness import SkipProvider, blocking_sync, error_text
 from .report import DTYPE_NAMES, collect_metadata, document, md_table, ratio
 from .runner import print_written
 
@@ -166,6 +166,8 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     try:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+        if device.type == "cuda":  # waits for the GPU sleep: CPU time is host work (harness.blocking_sync)
+            result["gpu_wait"] = blocking_sync()
         plan = bench.plans[getattr(args, bench.plan_flag)]
         options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, **json.loads(args.extra)}
         result.update(

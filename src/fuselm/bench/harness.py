@@ -270,6 +270,31 @@ def compute_ratios(ms: float | None, cost: Cost, ceilings: Ceilings) -> dict[str
 # ---- timing, memory, ceilings ----
 
 
+CU_CTX_SCHED_BLOCKING_SYNC = 0x04
+
+
+def blocking_sync() -> str:
+    """Make the CUDA primary context of this process's first visible GPU wait for the GPU by sleeping
+    (``CU_CTX_SCHED_BLOCKING_SYNC``) instead of spinning; call it before anything initializes CUDA. With
+    the default (spin) a wait inside a step (Hugging Face's packed-sequence check syncs once per forward)
+    burns CPU time for as long as the GPU is behind, so ``time.process_time`` would count the GPU's time
+    as host work in a GPU-bound step. Returns ``"blocking"``, or ``"spin (why)"`` when the flag could not
+    be set (no driver library, an error code): the figure then includes spinning, and the report says so.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "spin (no libcuda.so.1)"
+    device = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+        return "spin (cuInit / cuDeviceGet failed)"
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+    code = set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC)
+    return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device (no-op on CPU)."""
     if device.type == "cuda":
