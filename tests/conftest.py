@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zlib
 
 import pytest
 import torch
@@ -151,3 +152,9 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(torch, name, _poisoning(fn))
     if not getattr(torch.Tensor.new_empty, "__fuselm_poison__", False):
         monkeypatch.setattr(torch.Tensor, "new_empty", _poisoning(torch.Tensor.new_empty))
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -31,21 +31,16 @@ import functools
 import gc
 import os
 import pickle
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
+from kit.hf_models import MODEL_TYPES, build
+from kit.workers import nccl_world_sizes, run_workers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
-from hf_models import MODEL_TYPES, build  # noqa: E402
-from workers import nccl_world_sizes, run_workers  # noqa: E402
-
-import fuselm.hf  # noqa: E402
-from fuselm.ops._common.testing import assert_numerics  # noqa: E402
+import fuselm.hf
+from fuselm.ops._common.testing import assert_numerics
 
 WORLD_SIZE = 2
 SEED = 0

@@ -9,20 +9,16 @@ One spawn per world size runs every case (workers are slow to start).
 
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kit.oracles import eager_cross_entropy, reference64, split_sizes
+from kit.workers import case_results, nccl_world_sizes, run_workers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
-from test_cross_entropy import eager_cross_entropy, reference64  # noqa: E402
-from workers import case_results, nccl_world_sizes, run_workers  # noqa: E402
-
-import fuselm.distributed  # noqa: E402
-from fuselm.ops._common.testing import assert_numerics  # noqa: E402
+import fuselm.distributed
+from fuselm.ops._common.testing import assert_numerics
 
 N_SHAPE = (3, 8)  # tokens: [B, T]
 H = 16
@@ -64,16 +60,6 @@ CASES = {
     "lce_token_weights_none": ("lce", {"token_weights": True, "reduction": "none", "bias": True}, "uneven"),
 }
 OPTION_KEYS = ("bias", "bad_target", "token_weights")  # case options that are not function arguments
-
-
-def split_sizes(world: int, how: str) -> list[int]:
-    if how == "empty":  # one rank without classes
-        return [V - 5, 0, 5][:world] if world == 3 else [V, 0]
-    if how == "dtensor":  # torch.chunk's split, what Shard(0) does
-        per = -(-V // world)
-        return [max(0, min(per, V - r * per)) for r in range(world)]
-    base = [V // world + (1 if r < V % world else 0) for r in range(world)]
-    return [base[0] + 2, *base[1:-1], base[-1] - 2]  # deliberately uneven
 
 
 def case_inputs(name: str, dtype: torch.dtype, device: str):
@@ -124,7 +110,7 @@ def _outputs_tuple(out):
 def _distributed_case(name: str, rank: int, world: int, dtype: torch.dtype, device: str) -> dict:
     op, kw, how = CASES[name]
     inputs = case_inputs(name, dtype, device)
-    sizes = split_sizes(world, how)
+    sizes = split_sizes(world, how, V)
     lo = sum(sizes[:rank])
     sl = slice(lo, lo + sizes[rank])
     args = function_kwargs(kw, inputs)
@@ -202,7 +188,7 @@ def single_process(name: str, dtype: torch.dtype, fn):
 
 def check_case(name: str, per_rank: list[dict], dtype: torch.dtype, world: int) -> None:
     op, _, how = CASES[name]
-    sizes = split_sizes(world, how)
+    sizes = split_sizes(world, how, V)
     eager_outs, eager_grads = single_process(name, dtype, "eager")
     ref_outs, ref_grads = single_process(name, dtype, "reference")
     first = per_rank[0]
@@ -333,7 +319,8 @@ def test_needs_an_initialized_process_group():
 
 def _memory_worker(rank: int, world: int, n: int, h: int, v: int, budget: int) -> dict:
     device = torch.device("cuda", rank)
-    sizes = split_sizes(world, "uneven") if v == V else [v // world + (r < v % world) for r in range(world)]
+    even = [v // world + (r < v % world) for r in range(world)]
+    sizes = split_sizes(world, "uneven", V) if v == V else even
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, h, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(sizes[rank], h, device=device, generator=g) / h**0.5).bfloat16().requires_grad_()

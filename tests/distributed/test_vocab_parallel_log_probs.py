@@ -9,20 +9,15 @@ same dtype and in float64, under the numerics rule (docs/design.md section 5).
 
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from kit.oracles import naive_log_probs, split_sizes
+from kit.workers import case_results, nccl_world_sizes, run_workers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
-from test_linear_log_probs import naive_log_probs  # noqa: E402
-from test_vocab_parallel import split_sizes  # noqa: E402
-from workers import case_results, nccl_world_sizes, run_workers  # noqa: E402
-
-import fuselm.distributed  # noqa: E402
-from fuselm.ops._common.testing import assert_numerics  # noqa: E402
+import fuselm.distributed
+from fuselm.ops._common.testing import assert_numerics
 
 N_SHAPE = (3, 8)
 H = 16
@@ -75,7 +70,7 @@ def _objective(out, ups):
 def _distributed_case(name: str, rank: int, world: int, dtype: torch.dtype, device: str) -> dict:
     kw, how = CASES[name]
     inputs = case_inputs(name, dtype, device)
-    sizes = split_sizes(world, how)
+    sizes = split_sizes(world, how, V)
     lo = sum(sizes[:rank])
     sl = slice(lo, lo + sizes[rank])
     x = inputs["x"].detach().clone().requires_grad_()
@@ -122,7 +117,7 @@ def whole_vocabulary(name: str, dtype: torch.dtype, compute: torch.dtype):
 
 def check_case(name: str, per_rank: list[dict], dtype: torch.dtype, world: int) -> None:
     kw, how = CASES[name]
-    sizes = split_sizes(world, how)
+    sizes = split_sizes(world, how, V)
     eager_outs, eager_grads = whole_vocabulary(name, dtype, dtype)
     ref_outs, ref_grads = whole_vocabulary(name, dtype, torch.float64)
     first = per_rank[0]

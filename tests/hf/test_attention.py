@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from hf_models import build, clone
+from kit.hf_models import build, clone
 
 import fuselm.hf
 from fuselm.hf import attention

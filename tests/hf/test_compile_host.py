@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import build, clone
+from kit.hf_models import build, clone
 
 import fuselm.hf
 from fuselm.ops._common.testing import assert_numerics

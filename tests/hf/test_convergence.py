@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from hf_models import CLASSIC_TYPES, build, clone
+from kit.hf_models import CLASSIC_TYPES, build, clone
 
 import fuselm.hf
 from fuselm.ops._common.testing import assert_numerics

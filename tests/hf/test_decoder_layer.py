@@ -20,7 +20,7 @@ import inspect
 import pytest
 import torch
 from conftest import triton_path
-from hf_models import ALL_TYPES, build, clone
+from kit.hf_models import ALL_TYPES, build, clone
 
 import fuselm.hf
 from fuselm.hf import _common, decoder_layer, layer_layout

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the kit's root (a fresh process has no pytest pythonpath)
 
 # eval without labels (logits), and training with labels (the fused loss), as a user would explain them
 SCRIPT = """
 import sys, torch
-sys.path.insert(0, {here!r})
-import hf_models
+sys.path.insert(0, {tests!r})
+from kit import hf_models
 import fuselm.hf
 
 model = hf_models.build("llama")
@@ -41,7 +41,7 @@ def test_explain_of_a_patched_model_exits_cleanly(mode):
     used to be traced into weakref.finalize and fail a guard on its own frame)."""
     patch = ', checkpointing="offload"' if mode.endswith("offload") else ""
     mode, labels = mode.split("_")[0], ", labels=ids" if mode.startswith("train") else ""
-    code = SCRIPT.format(here=str(HERE), mode=mode, labels=labels, patch=patch)
+    code = SCRIPT.format(tests=str(TESTS), mode=mode, labels=labels, patch=patch)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU path of the report
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

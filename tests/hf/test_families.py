@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
+from kit.hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 
 import fuselm.hf
 from fuselm.hf import attention, blocks, decoder_layer, loss

@@ -11,13 +11,12 @@ import contextlib
 import copy
 import types
 import warnings
-import zlib
 
 import pytest
 import torch
 import torch.nn as nn
 from conftest import kernel_device
-from hf_models import build
+from kit.hf_models import build
 
 import fuselm.hf.lora as hf_lora
 import fuselm.lora as L
@@ -34,11 +33,6 @@ ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 TARGETS = {"all": "all-linear", "qv": ["q_proj", "v_proj"]}
 SEED = 4321
 LEAD = (2, 7)
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def randn(gen, shape, dtype, scale=1.0):

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import build
+from kit.hf_models import build
 
 from fuselm.ops._common.testing import assert_numerics
 
@@ -204,7 +204,7 @@ def test_merge_and_unload_after_patch():
 
 def _bnb_model(bits):
     bnb = pytest.importorskip("bitsandbytes")  # noqa: F841
-    from hf_models import model_class, tiny_config
+    from kit.hf_models import model_class, tiny_config
     from transformers import BitsAndBytesConfig
 
     if bits == 4:

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import build, clone
+from kit.hf_models import build, clone
 
 import fuselm.hf
 import fuselm.ops.linear_cross_entropy.op as lce_op

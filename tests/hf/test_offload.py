@@ -16,7 +16,7 @@ import pickle
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from hf_models import build, clone
+from kit.hf_models import build, clone
 
 from fuselm.hf import offload
 from fuselm.offload import host_memory_stats, offloaded_checkpoint

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from hf_models import CLASSIC_TYPES, build, clone, tiny_config
+from kit.hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
 from fuselm.hf import _common, attention, blocks, plan

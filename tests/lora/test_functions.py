@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import doctest
 import re
-import zlib
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,6 @@ IN, OUT = 96, 80  # a projection
 H, I = 64, 160  # an MLP
 SEED = 1234
 ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def randn(gen, shape, dtype, scale=1.0, device=DEVICE):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import zlib
 
 import pytest
 import torch
@@ -30,11 +29,6 @@ TORCH_ACT = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def hf_state_dict(gen, hidden, inter, bias=False, dtype=torch.float32):

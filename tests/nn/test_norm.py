@@ -4,7 +4,6 @@ state dicts that load both ways, docstring examples."""
 from __future__ import annotations
 
 import doctest
-import zlib
 
 import pytest
 import torch
@@ -16,11 +15,6 @@ from fuselm.ops.layer_norm import layer_norm
 from fuselm.ops.rms_norm import rms_norm
 
 DEVICE = kernel_device()
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 class HFLlamaRMSNorm(torch.nn.Module):

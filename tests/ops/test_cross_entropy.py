@@ -12,12 +12,12 @@ still walks the multi-block path of the kernels).
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TRITON_PATH, kernel_device
+from kit.oracles import eager_cross_entropy, reference64
+from kit.spies import counting
 
 import fuselm
 from fuselm.ops._common.loss import rows as loss_rows
@@ -44,12 +44,6 @@ triton_path_only = pytest.mark.skipif(
 
 
 # ---- inputs ----
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def make_inputs(
@@ -88,61 +82,6 @@ def grad_outputs(gen, shapes, dtype, device=DEVICE, scalar=1.0):
 
 
 # ---- the three implementations ----
-
-
-def eager_cross_entropy(
-    x,
-    t,
-    *,
-    weight=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    z_loss=0.0,
-    softcap=None,
-    return_lse=False,
-    inplace_backward=False,
-    token_weights=None,
-):
-    """Eager PyTorch in the dtype of x: F.cross_entropy, plus tanh / logsumexp for what it lacks."""
-    n_cols = x.shape[-1]
-    z = x.reshape(-1, n_cols)
-    tt = t.reshape(-1).long()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    ce_kw = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
-    if not z_loss and not return_lse and token_weights is None:
-        loss = F.cross_entropy(z, tt, reduction=reduction, **ce_kw)
-        return loss.reshape(t.shape) if reduction == "none" else loss
-    per_token = F.cross_entropy(z, tt, reduction="none", **ce_kw)
-    lse = torch.logsumexp(z, dim=-1)
-    valid = tt != ignore_index
-    if z_loss:
-        per_token = per_token + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
-    if token_weights is not None:  # multiplies each token's loss; the mean's denominator is unchanged
-        per_token = per_token * token_weights.reshape(-1).to(per_token.dtype)
-    if reduction == "none":
-        loss = per_token.reshape(t.shape)
-    elif reduction == "sum":
-        loss = per_token.sum()
-    else:
-        if weight is None:
-            denom = valid.sum()
-        else:
-            w_t = weight[torch.where(valid, tt, torch.zeros_like(tt))]
-            denom = torch.where(valid, w_t, torch.zeros_like(w_t)).sum()
-        loss = per_token.sum() / denom
-    return (loss, lse.reshape(t.shape)) if return_lse else loss
-
-
-def reference64(x, t, **kw):
-    """The oracle: cross_entropy_reference on float64 copies."""
-    kw = dict(kw)
-    kw.pop("inplace_backward", None)
-    for name in ("weight", "token_weights"):
-        if kw.get(name) is not None:
-            kw[name] = kw[name].double()
-    return cross_entropy_reference(x.double(), t, **kw)
 
 
 def fwd_bwd(fn, x, t, kw, gos):
@@ -579,14 +518,6 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     fp64 always runs the reference."""
     calls = {"fwd_kernel": 0, "bwd_kernel": 0, "reference": 0}
 
-    class KernelSpy:
-        def __init__(self, key, launch):
-            self.key, self.launch = key, launch
-
-        def __call__(self, grid, **kwargs):
-            calls[self.key] += 1
-            return self.launch(grid, **kwargs)
-
     reference = ce_op.cross_entropy_reference_of
 
     def reference_spy(*args, **kwargs):
@@ -594,10 +525,14 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(
-        loss_rows, "cross_entropy_fwd_launch", KernelSpy("fwd_kernel", loss_rows.cross_entropy_fwd_launch)
+        loss_rows,
+        "cross_entropy_fwd_launch",
+        counting(calls, "fwd_kernel", loss_rows.cross_entropy_fwd_launch),
     )
     monkeypatch.setattr(
-        loss_rows, "cross_entropy_bwd_launch", KernelSpy("bwd_kernel", loss_rows.cross_entropy_bwd_launch)
+        loss_rows,
+        "cross_entropy_bwd_launch",
+        counting(calls, "bwd_kernel", loss_rows.cross_entropy_bwd_launch),
     )
     monkeypatch.setattr(ce_op, "cross_entropy_reference_of", reference_spy)
     x, t, _ = make_inputs(gen, (4,), 100, torch.float32)

@@ -10,10 +10,6 @@ Both the reference path and, under TRITON_INTERPRET=1, the kernels.
 
 from __future__ import annotations
 
-import sys
-import zlib
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,11 +36,6 @@ def mesh(tmp_path_factory):
     yield init_device_mesh("cpu", (1,))
     if created:
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def rope_tables(gen, batch, seq, rot):
@@ -273,8 +264,7 @@ def _two_rank_worker(rank, world_size):
 
 
 def test_two_ranks_match_whole_tensors():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-    from workers import run_workers
+    from kit.workers import run_workers
 
     for errs, dweight in run_workers(_two_rank_worker, 2, backend="gloo", timeout=300):
         assert max(errs.values()) == 0.0, errs

@@ -9,12 +9,12 @@ after the residual add in the input dtype.
 from __future__ import annotations
 
 import doctest
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TRITON_PATH, kernel_device
+from kit.spies import counting
 
 import fuselm
 from fuselm.ops._common.testing import assert_numerics
@@ -29,11 +29,6 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 LEAD = (3, 111) if ON_GPU else (2, 3)
 HIDDEN = (4096, 20000) if ON_GPU else (128, 600)  # one block / looped
 AFFINE = {"weight+bias": (True, True), "weight": (True, False), "none": (False, False)}
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def make_inputs(gen, lead, hidden, dtype, *, residual=False, weight=True, bias=True, param_dtype=None):
@@ -242,20 +237,16 @@ def test_bad_arguments_raise_value_error_naming_them(case):
 def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     calls = {"fwd_kernel": 0, "bwd_kernel": 0, "reference": 0}
 
-    class KernelSpy:
-        def __init__(self, key, launch):
-            self.key, self.launch = key, launch
-
-        def __call__(self, grid, **kwargs):
-            calls[self.key] += 1
-            return self.launch(grid, **kwargs)
-
     def reference_spy(*args, **kwargs):
         calls["reference"] += 1
         return layer_norm_reference(*args, **kwargs)
 
-    monkeypatch.setattr(ln_op, "layer_norm_fwd_launch", KernelSpy("fwd_kernel", ln_op.layer_norm_fwd_launch))
-    monkeypatch.setattr(ln_op, "layer_norm_bwd_launch", KernelSpy("bwd_kernel", ln_op.layer_norm_bwd_launch))
+    monkeypatch.setattr(
+        ln_op, "layer_norm_fwd_launch", counting(calls, "fwd_kernel", ln_op.layer_norm_fwd_launch)
+    )
+    monkeypatch.setattr(
+        ln_op, "layer_norm_bwd_launch", counting(calls, "bwd_kernel", ln_op.layer_norm_bwd_launch)
+    )
     monkeypatch.setattr(ln_op, "layer_norm_reference", reference_spy)
     x, r, w, b = make_inputs(gen, (4,), 100, torch.float32, residual=True)
     y, s = layer_norm(x.clone().requires_grad_(), w, b, residual=r)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HAS_CUDA, TRITON_PATH, kernel_device
+from kit.oracles import naive_log_probs
 
 import fuselm
 import fuselm.ops.linear_log_probs.op as llp_op
@@ -35,30 +36,6 @@ def _dtype_id(dtype):
 
 
 # ---- helpers ----
-
-
-def naive_log_probs(
-    x, w, t, *, linear_bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=1.0
-):
-    """The full-logits formula, in x's dtype (eager) or float64 (reference): the six statistics."""
-    z = F.linear(x, w, linear_bias) * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
-    valid = t != ignore_index
-    ts = torch.where(valid, t, 0).long()
-    zero = torch.zeros((), dtype=z.dtype, device=z.device)
-    stats = (
-        logp.gather(-1, ts.unsqueeze(-1)).squeeze(-1),
-        -(p * logp).sum(-1),
-        torch.logsumexp(z, dim=-1),
-        torch.logsumexp(2 * logp, dim=-1),
-        z.mean(-1),
-    )
-    out = [torch.where(valid, s, zero) for s in stats]
-    return LogProbs(*out, is_top1=(z.argmax(-1) == ts) & valid)
 
 
 def _inputs(dtype, *, shape=SHAPE, h=H, v=V, bias=True, ignore=True, seed=0, device=DEVICE):

@@ -12,12 +12,12 @@ rows stay short (the interpreter caps blocks at 256 columns, so H > 256 walks th
 from __future__ import annotations
 
 import doctest
-import zlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TRITON_PATH, kernel_device
+from kit.spies import counting
 
 import fuselm
 from fuselm.ops._common import launch
@@ -42,12 +42,6 @@ MODES = {  # (casting, offset)
 triton_path_only = pytest.mark.skipif(
     not TRITON_PATH, reason="Triton kernels not exercised (no CUDA, TRITON_INTERPRET unset)"
 )
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def make_inputs(gen, lead, hidden, dtype, *, residual=False, weight_dtype=None, offset=0.0, device=DEVICE):
@@ -703,20 +697,16 @@ def test_bad_arguments_raise_value_error_naming_them(case):
 def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     calls = {"fwd_kernel": 0, "bwd_kernel": 0, "reference": 0}
 
-    class KernelSpy:
-        def __init__(self, key, launch):
-            self.key, self.launch = key, launch
-
-        def __call__(self, grid, **kwargs):
-            calls[self.key] += 1
-            return self.launch(grid, **kwargs)
-
     def reference_spy(*args, **kwargs):
         calls["reference"] += 1
         return rms_norm_reference(*args, **kwargs)
 
-    monkeypatch.setattr(rms_op, "rms_norm_fwd_launch", KernelSpy("fwd_kernel", rms_op.rms_norm_fwd_launch))
-    monkeypatch.setattr(rms_op, "rms_norm_bwd_launch", KernelSpy("bwd_kernel", rms_op.rms_norm_bwd_launch))
+    monkeypatch.setattr(
+        rms_op, "rms_norm_fwd_launch", counting(calls, "fwd_kernel", rms_op.rms_norm_fwd_launch)
+    )
+    monkeypatch.setattr(
+        rms_op, "rms_norm_bwd_launch", counting(calls, "bwd_kernel", rms_op.rms_norm_bwd_launch)
+    )
     monkeypatch.setattr(rms_op, "rms_norm_reference", reference_spy)
     x, r, w = make_inputs(gen, (4,), 100, torch.float32, residual=True)
     y, s = rms_norm(x.clone().requires_grad_(), w, residual=r)

@@ -12,11 +12,11 @@ position, so B * T stays small.
 from __future__ import annotations
 
 import doctest
-import zlib
 
 import pytest
 import torch
 from conftest import TRITON_PATH, kernel_device
+from kit.spies import LaunchSpy
 
 import fuselm
 from fuselm.ops._common.testing import assert_numerics
@@ -46,12 +46,6 @@ triton_path_only = pytest.mark.skipif(
 
 
 # ---- inputs ----
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def qk_shape(b, t, h, d, layout):
@@ -343,20 +337,9 @@ def same_strides(a, b):
     )
 
 
-class KernelSpy:
-    """Counts launches of a rope kernel (through its launcher) and records their arguments."""
-
-    def __init__(self, launch):
-        self.launch, self.calls = launch, []
-
-    def __call__(self, grid, **kwargs):
-        self.calls.append(kwargs)
-        return self.launch(grid, **kwargs)
-
-
-def spy_kernels(monkeypatch) -> tuple[KernelSpy, KernelSpy]:
+def spy_kernels(monkeypatch) -> tuple[LaunchSpy, LaunchSpy]:
     """(dense-rows kernel spy, per-position kernel spy), installed in rope's op module."""
-    dense, per_position = KernelSpy(rope_op.rope_fwd_dense_launch), KernelSpy(rope_op.rope_fwd_launch)
+    dense, per_position = LaunchSpy(rope_op.rope_fwd_dense_launch), LaunchSpy(rope_op.rope_fwd_launch)
     monkeypatch.setattr(rope_op, "rope_fwd_dense_launch", dense)
     monkeypatch.setattr(rope_op, "rope_fwd_launch", per_position)
     return dense, per_position

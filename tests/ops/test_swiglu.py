@@ -13,12 +13,12 @@ walk several programs, row tiles with masked rows, several column blocks and mas
 from __future__ import annotations
 
 import contextlib
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TRITON_INTERPRET, TRITON_PATH, kernel_device
+from kit.spies import LaunchSpy, counting
 
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_mlp, swiglu_packed
@@ -68,12 +68,6 @@ PACKED = {
 
 
 # ---- inputs and the three implementations ----
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded by the test's id: inputs are fresh per test and reproducible."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def randn(gen, shape, dtype, scale=1.0, device=DEVICE):
@@ -625,16 +619,8 @@ def test_dispatch_runs_the_expected_path(monkeypatch, gen):
     runs the reference."""
     calls = {"fwd": 0, "bwd": 0}
 
-    class KernelSpy:
-        def __init__(self, key, launch):
-            self.key, self.launch = key, launch
-
-        def __call__(self, grid, **kwargs):
-            calls[self.key] += 1
-            return self.launch(grid, **kwargs)
-
-    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", KernelSpy("fwd", sw_op.swiglu_fwd_launch))
-    monkeypatch.setattr(sw_op, "swiglu_bwd_launch", KernelSpy("bwd", sw_op.swiglu_bwd_launch))
+    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", counting(calls, "fwd", sw_op.swiglu_fwd_launch))
+    monkeypatch.setattr(sw_op, "swiglu_bwd_launch", counting(calls, "bwd", sw_op.swiglu_bwd_launch))
     gate, up = make_pair(gen, (4,), 100, torch.float32)
     gate.requires_grad_()
     swiglu(gate, up).sum().backward()
@@ -667,19 +653,11 @@ def test_launch_config():
 def test_flat_launches_keep_the_bound_a_multiple_of_16(n_rows, n_cols, launches, monkeypatch, gen):
     """A flat size that is not a multiple of 16 runs as whole blocks plus a one-program tail (so the
     main launch keeps 16-byte vector accesses); sizes below one block run as one launch."""
-    seen = []
-
-    class KernelSpy:
-        def __init__(self, launch):
-            self.launch = launch
-
-        def __call__(self, grid, **kw):
-            seen.append((grid[0], kw["n_cols"], kw["FLAT"]))
-            return self.launch(grid, **kw)
-
-    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", KernelSpy(sw_op.swiglu_fwd_launch))
+    spy = LaunchSpy(sw_op.swiglu_fwd_launch)
+    monkeypatch.setattr(sw_op, "swiglu_fwd_launch", spy)
     gate, up = make_pair(gen, (n_rows,), n_cols, torch.float32)
     check_pair("flat split", "swiglu", gate, up, gen=gen)
+    seen = [(grid[0], kw["n_cols"], kw["FLAT"]) for grid, kw in zip(spy.grids, spy.calls, strict=True)]
     assert len(seen) == launches and all(flat for _, _, flat in seen)
     assert sum(n for _, n, _ in seen) == n_rows * n_cols
     if launches == 2:

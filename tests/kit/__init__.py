@@ -1,0 +1,10 @@
+"""What test modules share, importable as ``kit`` (pyproject's ``pythonpath = ["tests"]``): no test module
+imports another one, and nothing here is a test.
+
+- ``kit.spies``: counting wrappers around launchers and reference functions (which path ran).
+- ``kit.oracles``: eager and float64 implementations several suites compare against.
+- ``kit.workers``: running a function on the ranks of a torch.distributed group (spawned processes).
+- ``kit.hf_models``: tiny Hugging Face models of every model type fuselm.hf knows, built from code.
+
+The ``gen`` fixture (a CPU generator seeded by the test's id) lives in tests/conftest.py.
+"""
