@@ -265,4 +265,14 @@ def linear_cross_entropy(
     itemsize = input.element_size()
     plan = choose_plan(memory, input.device, widest, input.shape[-1], itemsize, False, fp32_weight_grad)
     extras = Extras(return_lse, return_z_loss)
-    return apply_linear_cross_entropy(input, w_local, b_local, target, opts, plan, shard, extras, loss_dtype)
+    return apply_linear_cross_entropy(
+        input,
+        w_local,
+        b_local,
+        target,
+        opts=opts,
+        plan=plan,
+        backend=shard,
+        extras=extras,
+        loss_dtype=loss_dtype,
+    )

@@ -10,6 +10,7 @@ import torch
 
 from .._common.dispatch import use_triton
 from .._common.guard import FLOAT_DTYPES, check_tensor, refuse_double_backward, resolve_loss_dtype, rows_view
+from .._common.loss.backend import RowBackend
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import z_loss_rows
 from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
@@ -197,7 +198,7 @@ def cross_entropy(
 
 
 def apply_cross_entropy(
-    input, target, opts: LossOptions, inplace_backward, backend, extras: Extras, loss_dtype
+    input, target, opts: LossOptions, inplace_backward, backend: RowBackend, extras: Extras, loss_dtype
 ):
     """The Triton path of the public functions (arguments checked): rows view, CrossEntropyFunction over
     `backend`, the outputs asked for (loss_outputs)."""

@@ -15,11 +15,12 @@ from .._common.guard import (
     rows_view,
     validate_memory,
 )
+from .._common.loss.backend import RowBackend
 from .._common.loss.compaction import kept_rows
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import scale_keeping_zeros, z_loss_rows
 from .._common.loss.rows import LocalRows, batch_scales, reduced_loss, scale_grad_
-from .plan import choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
+from .plan import Plan, choose_plan, fp32_accumulation, reference_chunk_rows, run_backward, run_forward
 from .reference import DOUBLE_BACKWARD, linear_cross_entropy_reference_of
 
 
@@ -270,17 +271,35 @@ def linear_cross_entropy(
             kept_rows(target.reshape(-1), v, ignore_index)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4
         chunk_rows = reference_chunk_rows(memory, v, h, compute_itemsize)
-        args = (opts, chunk_rows, extras, loss_dtype)
-        return linear_cross_entropy_reference_of(input, linear_weight, target, linear_bias, *args)
+        return linear_cross_entropy_reference_of(
+            input, linear_weight, target, linear_bias, opts, chunk_rows, extras, loss_dtype
+        )
     plan = choose_plan(
         memory, input.device, v, h, input.element_size(), True, fp32_weight_grad, extras.argmax
     )
-    args = (opts, plan, LocalRows(v), extras, loss_dtype)
-    return apply_linear_cross_entropy(input, linear_weight, linear_bias, target, *args)
+    return apply_linear_cross_entropy(
+        input,
+        linear_weight,
+        linear_bias,
+        target,
+        opts=opts,
+        plan=plan,
+        backend=LocalRows(v),
+        extras=extras,
+        loss_dtype=loss_dtype,
+    )
 
 
 def apply_linear_cross_entropy(
-    input, linear_weight, linear_bias, target, opts, plan, backend, extras, loss_dtype
+    input,
+    linear_weight,
+    linear_bias,
+    target,
+    opts: LossOptions,
+    plan: Plan,
+    backend: RowBackend,
+    extras: Extras,
+    loss_dtype: torch.dtype,
 ):
     """The Triton path of the public functions (arguments checked): rows view, compaction of ignored rows
     (eager), LinearCrossEntropyFunction, the outputs asked for (loss_outputs)."""

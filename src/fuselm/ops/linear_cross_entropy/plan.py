@@ -65,7 +65,7 @@ def reference_chunk_rows(memory, n_classes: int, hidden: int, itemsize: int) -> 
 
 
 # ---- custom ops: under torch.compile each pass of a plan is one opaque node (no graph break, every row
-# computed, one device). The options travel as (*LossOptions.tensors(), *LossOptions.scalars()). ----
+# computed, one device). The options travel by name: LossOptions.op_kwargs(), LossScales.op_kwargs(). ----
 
 
 def _or_empty(t, like):
@@ -184,27 +184,58 @@ def _(
     return dx, dw, db
 
 
+def _plan_kwargs(plan: Plan) -> dict:
+    """The plan as the custom ops take it."""
+    return {"plan_name": plan.name, "chunk_rows": plan.chunk_rows, "fp32_weight_grad": plan.fp32_weight_grad}
+
+
 def run_forward(
     plan: Plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted=None
 ):
     """The plan's forward: the launchers in eager mode (may compact ignored rows), the custom op under
     torch.compile (one device). predicted: an int64 buffer (one per computed row) for the argmax, or None."""
     if torch.compiler.is_compiling():
-        flat = (x, w, b, target, *opts.tensors(), *scales, *plan, *opts.scalars())
-        loss, lse, dx, dw, db, pred = _fwd_op(*flat, compute_grad, *needs, predicted is not None)
+        loss, lse, dx, dw, db, pred = _fwd_op(
+            x,
+            w,
+            b,
+            target,
+            **opts.op_kwargs(),
+            **scales.op_kwargs(),
+            **_plan_kwargs(plan),
+            compute_grad=compute_grad,
+            need_dx=needs[0],
+            need_dw=needs[1],
+            need_db=needs[2],
+            compute_predicted=predicted is not None,
+        )
         if predicted is not None:
             predicted.copy_(pred)
         kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
         return (loss, lse, *kept)
-    args = (plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted)
-    return PLANS[plan.name].forward(*args)
+    return PLANS[plan.name].forward(
+        plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted
+    )
 
 
 def run_backward(plan: Plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs):
     """The plan's recompute backward, as run_forward."""
     if torch.compiler.is_compiling():
-        flat = (x, w, b, target, *opts.tensors(), *scales, dloss, dlse, lse, *plan, *opts.scalars())
-        grads = _bwd_op(*flat, *needs)
+        grads = _bwd_op(
+            x,
+            w,
+            b,
+            target,
+            **opts.op_kwargs(),
+            **scales.op_kwargs(),
+            dloss=dloss,
+            dlse=dlse,
+            lse=lse,
+            **_plan_kwargs(plan),
+            need_dx=needs[0],
+            need_dw=needs[1],
+            need_db=needs[2],
+        )
         return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
     return PLANS[plan.name].backward(
         plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs

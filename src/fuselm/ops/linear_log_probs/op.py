@@ -368,9 +368,15 @@ def _(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, *plan_scalars_a
 # ops above stand in, on all rows (no data-dependent shapes, no host sync).
 
 
+def _plan_kwargs(plan) -> dict:
+    """The (budget, slab_floor, fixed_in_budget) plan as the custom ops take it."""
+    budget, slab_floor, fixed_in_budget = plan
+    return {"budget": budget, "slab_floor": slab_floor, "fixed_in_budget": fixed_in_budget}
+
+
 def _run_fwd(x, w, b, target, rows, plan, opts, stats):
     if torch.compiler.is_compiling():
-        outs = _fwd_op(x, w, b, target, *plan, *opts.scalars(), stats)
+        outs = _fwd_op(x, w, b, target, **_plan_kwargs(plan), **opts.op_kwargs(tensors=False), stats=stats)
         keep = (True, stats & ENTROPY, True, stats & SUM_SQ, stats & MEAN, stats & TOP1)
         return tuple(o if k else None for o, k in zip(outs, keep, strict=True))
     return linear_log_probs_fwd(x, w, b, target, rows, plan, opts, stats)
@@ -378,7 +384,24 @@ def _run_fwd(x, w, b, target, rows, plan, opts, stats):
 
 def _run_bwd(x, w, b, target, lse, entropy, grads, rows, plan, opts, needs):
     if torch.compiler.is_compiling():
-        out = _bwd_op(x, w, b, target, lse, entropy, *grads, *plan, *opts.scalars(), *needs)
+        dlog_probs, dentropy, dlse = grads
+        need_dx, need_dw, need_db = needs
+        out = _bwd_op(
+            x,
+            w,
+            b,
+            target,
+            lse=lse,
+            entropy=entropy,
+            dlog_probs=dlog_probs,
+            dentropy=dentropy,
+            dlse=dlse,
+            **_plan_kwargs(plan),
+            **opts.op_kwargs(tensors=False),
+            need_dx=need_dx,
+            need_dw=need_dw,
+            need_db=need_db,
+        )
         return tuple(t if need else None for t, need in zip(out, needs, strict=True))
     return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, *plan, opts, needs)
 

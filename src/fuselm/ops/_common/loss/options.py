@@ -18,8 +18,8 @@ class LossOptions(NamedTuple):
     class weights, label smoothing and z-loss (ops/cross_entropy/README.md), times the token's weight.
     ``softcap`` 0 means none, ``weight`` (class weights [V]) and ``token_weights`` (one per row [N]) None
     mean ones. Launchers take the object whole; an autograd Function takes its tensors at the top level
-    (:meth:`tensors`, :meth:`with_tensors`), a torch.library custom op takes them and then
-    :meth:`scalars`.
+    (:meth:`tensors`, :meth:`with_tensors`), a torch.library custom op takes every field by name
+    (:meth:`op_kwargs`).
 
     Example:
         >>> opts = LossOptions.of(label_smoothing=0.1, softcap=None)
@@ -105,9 +105,12 @@ class LossOptions(NamedTuple):
         )
         return self.with_tensors(self.weight, picked)
 
-    def scalars(self) -> tuple:
-        """Every field but the tensors, in order: the custom ops' flat arguments."""
-        return tuple(self[:-2])
+    def op_kwargs(self, tensors: bool = True) -> dict:
+        """Every field by name (without weight and token_weights when not ``tensors``): the keyword
+        arguments of the family's torch.library custom ops, whose parameters carry the fields' names
+        (:func:`options_of` reads them back)."""
+        names = LossOptions._fields if tensors else LossOptions._fields[:-2]
+        return {name: getattr(self, name) for name in names}
 
     @property
     def has_smoothing(self) -> bool:
@@ -161,6 +164,10 @@ class LossScales(NamedTuple):
 
     weight_sum: torch.Tensor | None
     grad_scale: torch.Tensor
+
+    def op_kwargs(self) -> dict:
+        """Both scalars by name, as the family's custom ops take them."""
+        return {"weight_sum": self.weight_sum, "grad_scale": self.grad_scale}
 
 
 def loss_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> LossScales:

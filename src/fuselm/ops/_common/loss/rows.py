@@ -220,7 +220,7 @@ def reduced_loss(
 
 
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break. The options travel as
-# (*LossOptions.tensors(), *LossOptions.scalars()) and the scales as their two tensors. ----
+# LossOptions.op_kwargs() and LossScales.op_kwargs(), by name. ----
 
 
 @torch.library.custom_op("fuselm::loss_rows_fwd", mutates_args=())
@@ -384,12 +384,12 @@ class LocalRows:
         grad_scale)/d logits in a new tensor, "inplace": written over the logits. predicted: an int64 [N]
         tensor to fill with each row's argmax (-1 on ignored rows), or None."""
         if torch.compiler.is_compiling():
-            flat = (logits, target, *opts.tensors(), *scales, *opts.scalars())
+            named = {**opts.op_kwargs(), **scales.op_kwargs(), "compute_predicted": predicted is not None}
             if grad == "inplace":
-                loss, lse, pred = _fwd_inplace_op(*flat, predicted is not None)
+                loss, lse, pred = _fwd_inplace_op(logits, target, **named)
                 g = logits
             else:
-                loss, lse, g, pred = _fwd_op(*flat, grad is not None, predicted is not None)
+                loss, lse, g, pred = _fwd_op(logits, target, **named, compute_grad=grad is not None)
                 g = g if grad is not None else None
             if predicted is not None:
                 predicted.copy_(pred)
@@ -403,11 +403,11 @@ class LocalRows:
         """d(sum_i loss_i * grad_scale * dloss_i + lse_i * dlse_i) / d logits, written over the logits when
         inplace."""
         if torch.compiler.is_compiling():
-            flat = (logits, target, *opts.tensors(), *scales, dloss, dlse, lse, *opts.scalars())
+            named = {**opts.op_kwargs(), **scales.op_kwargs(), "dloss": dloss, "dlse": dlse, "lse": lse}
             if inplace:
-                _bwd_inplace_op(*flat)
+                _bwd_inplace_op(logits, target, **named)
                 return logits
-            return _bwd_op(*flat)
+            return _bwd_op(logits, target, **named)
         grad = logits if inplace else torch.empty_like(logits)
         return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, grad)
 
