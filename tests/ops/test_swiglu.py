@@ -501,12 +501,14 @@ def _mlp_operands(gen, dtype, bias, hidden, inter):
     return x, weights, biases
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 7], ids=["whole", "chunks7"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_swiglu_mlp_numerics(dtype, act, bias, gen):
+def test_swiglu_mlp_numerics(dtype, act, bias, chunk_rows, gen):
     """Output and the gradients of x, the three weights (and biases) against three F.linear and the
-    activation in the same dtype (eager) and in float64 (reference)."""
+    activation in the same dtype (eager) and in float64 (reference); also over chunks of 7 of the 33
+    rows (the last chunk short)."""
     hidden, inter = (1024, 2816) if ON_GPU else (48, 80)
     x, weights, biases = _mlp_operands(gen, dtype, bias, hidden, inter)
     dy = randn(gen, (3, 11, hidden), dtype)
@@ -516,7 +518,7 @@ def test_swiglu_mlp_numerics(dtype, act, bias, gen):
         return bb if bb else (None, None, None)
 
     def ours(x, wg, wu, wd, *bb):
-        return swiglu_mlp(x, wg, wu, wd, *split(bb), activation=act)
+        return swiglu_mlp(x, wg, wu, wd, *split(bb), activation=act, chunk_rows=chunk_rows)
 
     def eager(x, wg, wu, wd, *bb):
         bg, bu, bd = split(bb)
@@ -570,6 +572,37 @@ def test_swiglu_mlp_partial_gradients(wrt, gen):
     want = torch.autograd.grad(want_out, [c for c in copies if c.requires_grad], dy)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_swiglu_mlp_chunks_save_x_alone(gen):
+    """Over chunks, only x (and the weights and gate / up biases) is saved: no [N, I] tensor."""
+    x, (wg, wu, wd), _ = _mlp_operands(gen, torch.float32, False, 32, 48)
+    x.requires_grad_()
+    with recording_saved_tensors() as saved:
+        y = swiglu_mlp(x, wg, wu, wd, chunk_rows=5)
+    assert sorted(tuple(t.shape) for t in saved if t is not None) == sorted(
+        [(33, 32), (48, 32), (48, 32), (32, 48)]
+    )
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert dx.shape == x.shape
+
+
+@pytest.mark.parametrize("wrt", ["x", "down_weight", "gate_weight"])
+def test_swiglu_mlp_chunks_partial_gradients(wrt, gen):
+    """Over chunks, only what requires grad gets a gradient, equal to the unchunked node's."""
+    x, weights, _ = _mlp_operands(gen, torch.float64, False, 32, 48)
+    pick = {"x": 0, "gate_weight": 1, "down_weight": 3}[wrt]
+    leaves = [t.clone().requires_grad_(i == pick) for i, t in enumerate((x, *weights))]
+    dy = torch.randn(3, 11, 32, generator=gen, dtype=torch.float64).to(DEVICE)
+    (got,) = torch.autograd.grad(swiglu_mlp(*leaves, chunk_rows=4), [leaves[pick]], dy)
+    (want,) = torch.autograd.grad(swiglu_mlp(*leaves), [leaves[pick]], dy)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_swiglu_mlp_bad_chunk_rows_raise(bad):
+    with pytest.raises(ValueError, match=r"^chunk_rows\b"):
+        swiglu_mlp(torch.randn(4, 8), *_mlp_weights(), chunk_rows=bad)
 
 
 def test_swiglu_mlp_second_backward_raises(gen):

@@ -467,6 +467,99 @@ class GatedMLPFunction(torch.autograd.Function):
         return dx, dwg, dwu, dwd, dbg, dbu, dbd, None
 
 
+_FP32_OUT_MM = [True]  # does torch.mm(..., out_dtype=torch.float32) run here (CUDA builds; tried once)
+
+
+def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc float32 (float64 for float64 operands): the product in fp32 out of the GEMM
+    where it can (16-bit operands on CUDA), else rounded to the operands' dtype first."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _FP32_OUT_MM[0]:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except (RuntimeError, TypeError, NotImplementedError):  # not in this build
+            _FP32_OUT_MM[0] = False
+    acc.add_(torch.mm(a, b))
+
+
+def _chunks(n_rows: int, chunk_rows: int):
+    return [(s, min(s + chunk_rows, n_rows)) for s in range(0, n_rows, chunk_rows)]
+
+
+class ChunkedGatedMLPFunction(torch.autograd.Function):
+    """GatedMLPFunction's math over chunks of ``chunk_rows`` rows: never an [N, I] tensor, only [chunk, I]
+    ones. Saves x alone (and the weights): the backward recomputes each chunk's gate and up projections
+    (two GEMMs more than the unchunked node, the price of O(N x H) activation memory) and sums the
+    weights' gradients over the chunks in fp32, rounded to the weights' dtype once."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, chunk_rows):
+        y = x.new_empty(x.shape[0], w_down.shape[0])
+        for s, e in _chunks(x.shape[0], chunk_rows):
+            xc = x[s:e]
+            h = _run_fwd(F.linear(xc, w_gate, b_gate), F.linear(xc, w_up, b_up), activation)
+            y[s:e] = F.linear(h, w_down, b_down)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up)
+        ctx.activation, ctx.chunk_rows = activation, chunk_rows
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
+        nx, nwg, nwu, nwd, nbg, nbu, nbd = ctx.needs_input_grad[:7]
+        dy = rows_view(dy)
+        dx = torch.empty_like(x) if nx else None
+        acc_dtype = torch.float64 if w_gate.dtype == torch.float64 else torch.float32
+        acc = {
+            name: torch.zeros(shape, dtype=acc_dtype, device=x.device)
+            for name, shape, need in (
+                ("wg", w_gate.shape, nwg),
+                ("wu", w_up.shape, nwu),
+                ("wd", w_down.shape, nwd),
+                ("bg", w_gate.shape[:1], nbg),
+                ("bu", w_up.shape[:1], nbu),
+                ("bd", w_down.shape[:1], nbd),
+            )
+            if need
+        }
+        for s, e in _chunks(x.shape[0], ctx.chunk_rows):
+            xc, dyc = x[s:e], dy[s:e]
+            g, u = F.linear(xc, w_gate, b_gate), F.linear(xc, w_up, b_up)
+            dh = torch.mm(dyc, w_down)
+            res = gated_backward(dh, g, u, ctx.activation, want_out=nwd, overwrite_inputs=True)
+            dg, du, h = res if nwd else (*res, None)
+            if nwd:
+                _add_product_(acc["wd"], dyc.t(), h)
+            if nbd:
+                acc["bd"].add_(dyc.sum(0, dtype=acc_dtype))
+            if nwg:
+                _add_product_(acc["wg"], dg.t(), xc)
+            if nwu:
+                _add_product_(acc["wu"], du.t(), xc)
+            if nbg:
+                acc["bg"].add_(dg.sum(0, dtype=acc_dtype))
+            if nbu:
+                acc["bu"].add_(du.sum(0, dtype=acc_dtype))
+            if nx:
+                torch.mm(dg, w_gate, out=dx[s:e]).addmm_(du, w_up)
+        like = {"wg": w_gate, "wu": w_up, "wd": w_down, "bg": w_gate, "bu": w_up, "bd": w_down}
+        grads = {k: v.to(like[k].dtype) for k, v in acc.items()}
+        return (
+            dx,
+            grads.get("wg"),
+            grads.get("wu"),
+            grads.get("wd"),
+            grads.get("bg"),
+            grads.get("bu"),
+            grads.get("bd"),
+            None,
+            None,
+        )
+
+
 # ---- public functions ----
 
 _DTYPES = (*FLOAT_DTYPES, torch.float64)
@@ -737,6 +830,7 @@ def swiglu_mlp(
     down_bias: torch.Tensor | None = None,
     *,
     activation: str = "silu",
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """A whole gated MLP, ``F.linear(act(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu), Wd, bd)``, as one
     autograd node.
@@ -759,6 +853,11 @@ def swiglu_mlp(
         down_weight: ``[H, I]`` (``down_proj.weight``).
         gate_bias, up_bias: optional ``[I]``; down_bias: optional ``[H]``.
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+        chunk_rows: None, or run the MLP over chunks of this many rows (tokens) when x has more: no
+            ``[N, I]`` tensor is ever held, only ``[chunk_rows, I]`` ones, and only x is saved for
+            backward, which recomputes each chunk's gate and up projections (two more GEMMs, five
+            instead of three forward ones) and sums the weights' gradients over the chunks in fp32
+            (rounded once). For sequences so long that the MLP's ``[N, I]`` tensors decide what fits.
 
     Returns:
         ``[..., H]`` in x's dtype (the autocast dtype under autocast).
@@ -805,5 +904,13 @@ def swiglu_mlp(
             check_tensor(name, biases[name], dtypes=(x.dtype,), ndim=1, device=x.device)
             if biases[name].shape[0] != size:
                 raise ValueError(f"{name} must have shape [{size}], got {list(biases[name].shape)}")
-    y = GatedMLPFunction.apply(rows_view(x), *weights.values(), *biases.values(), activation)
+    if chunk_rows is not None and (
+        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+    ):
+        raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
+    x2 = rows_view(x)
+    if chunk_rows is not None and x2.shape[0] > chunk_rows:
+        y = ChunkedGatedMLPFunction.apply(x2, *weights.values(), *biases.values(), activation, chunk_rows)
+    else:
+        y = GatedMLPFunction.apply(x2, *weights.values(), *biases.values(), activation)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], hidden)
