@@ -305,6 +305,60 @@ def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, gen):
         assert_numerics(name, t, e, ref, dtype)
 
 
+@pytest.mark.parametrize("gate_up_p", [0.0, 0.1], ids=["p0", "gate_up_p0.1"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_lora_gated_mlp_chunks_numerics(dtype, act, gate_up_p, gen):
+    """chunk_rows=16 over 74 tokens (the last chunk short): output and every gradient against PEFT's MLP
+    (eager, same dtype) and the float64 reference, with the same dropout masks on gate and up."""
+    adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    layers = mlp_layers(gen, 8, gate_up_p, dtype, adapter_dtype, ("gate", "up"))
+    layers["down"] = peft_linear(gen, I, H, 8, 0.0, dtype, adapter_dtype)
+    ops = mlp_operands(layers)
+    x = randn(gen, (*LEAD, H), dtype).requires_grad_()
+    dy = randn(gen, (*LEAD, H), dtype)
+    wrt = (x, *adapter_params(ops))
+    torch.manual_seed(SEED)
+    masks = mlp_masks(x, layers, adapter_dtype)
+    torch.manual_seed(SEED)
+    y = L.lora_gated_mlp(x, *ops, act, chunk_rows=16)
+    g = torch.autograd.grad(y, wrt, dy)
+    torch.manual_seed(SEED)
+    y_e = layers["down"](ACTS[act](layers["gate"](x)) * layers["up"](x))
+    g_e = torch.autograd.grad(y_e, wrt, dy)
+    x64 = leaf64(x)
+    o64, leaves64 = ops64(ops)
+    y_r = L.lora_gated_mlp_reference(x64, *o64, act, masks=tuple(masks))
+    g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
+    check("y", y, y_e, y_r, dtype)
+    names = ["dx"] + [f"d{w}_{n}" for n in ("gate", "up", "down") for w in ("A", "B")]
+    for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
+        assert t.dtype == e.dtype, f"{name}: {t.dtype} != PEFT's {e.dtype}"
+        assert_numerics(name, t, e, ref, dtype)
+
+
+def test_lora_gated_mlp_chunks_save_x_and_masks_alone(gen):
+    """Over chunks: x and the gate / up dropout masks are saved, no [N, I] tensor and no rank-r product."""
+    layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32, ("gate", "up"))
+    layers["down"] = peft_linear(gen, I, H, 8, 0.0, torch.float32, torch.float32)
+    x = randn(gen, (*LEAD, H), torch.float32).requires_grad_()
+    with recording_saved_tensors() as saved:
+        y = L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=10)
+    n = x.numel() // H
+    got = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not None)
+    assert got == sorted([((n, H), "torch.float32"), ((n, H), "torch.bool"), ((n, H), "torch.bool")])
+    y.sum().backward()
+
+
+def test_lora_gated_mlp_chunks_refuse_down_dropout(gen):
+    layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32)
+    x = randn(gen, (*LEAD, H), torch.float32)
+    with pytest.raises(ValueError, match=r"chunk_rows=8 needs down's adapter without dropout"):
+        L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=8)
+    with pytest.raises(ValueError, match=r"^chunk_rows must be"):
+        L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=0)
+
+
 @pytest.mark.parametrize("needs", ["x", "adapters", "down_only", "gate_A_and_x"], ids=lambda s: f"grad_{s}")
 def test_lora_gated_mlp_partial_gradients(needs, gen):
     """Only what autograd asks for is computed (each path of backward), and it is right (float64)."""

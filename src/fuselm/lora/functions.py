@@ -413,6 +413,101 @@ class LoraGatedMLPFunction(torch.autograd.Function):
         return dx, dag, dbg, dau, dbu, dad, dbd, None, None, None, None, None, None
 
 
+class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
+    """LoraGatedMLPFunction's math over chunks of ``chunk_rows`` rows, for sequences whose [N, I] tensors
+    would not fit: only [chunk, I] ones are ever held. Saves x and the gate / up dropout masks alone; the
+    backward recomputes each chunk's gate and up projections (with their rank-r products) and the down
+    projection's low product, and sums the adapters' gradients over the chunks in fp32 (at least). down_proj's
+    dropout must be 0 (its mask would be an [N, I] tensor; the public function checks)."""
+
+    @staticmethod
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows):
+        pg, pu, pd = projs
+        y = None
+        for s, e in _row_chunks(x.shape[0], chunk_rows):
+            xc = x[s:e]
+            g, _ = _proj_forward(xc, ag, bg, _rows_of(mg, s, e), pg)
+            u, _ = _proj_forward(xc, au, bu, _rows_of(mu, s, e), pu)
+            h = gated_forward(g, u, activation)
+            del g, u
+            yc, _ = _proj_forward(h, ad, bd, None, pd)
+            if y is None:
+                y = yc.new_empty(x.shape[0], yc.shape[1])
+            y[s:e] = yc
+        ctx.projs, ctx.activation, ctx.chunk_rows = projs, activation, chunk_rows
+        ctx.adapters = (ag, bg, au, bu, ad, bd)
+        ctx.save_for_backward(x, mg, mu)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mg, mu = ctx.saved_tensors
+        ag, bg, au, bu, ad, bd = ctx.adapters
+        pg, pu, pd = ctx.projs
+        for p in ctx.projs:
+            p.check_versions()
+        nx, nag, nbg, nau, nbu, nad, nbd = ctx.needs_input_grad[:7]
+        need_gu = nx or nag or nbg or nau or nbu
+        need_h = ad is not None and (nad or nbd)
+        cdt = dy.dtype
+        dx = torch.empty_like(x) if nx else None
+        sums: dict[str, torch.Tensor] = {}
+
+        def add(name, t):
+            if t is not None:
+                t = t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 sums (fp64 stays fp64)
+                sums[name] = t if name not in sums else sums[name].add_(t)
+
+        with _no_autocast(dy.device.type):
+            ag_c, bg_c = _cast_adapter(ag, bg, cdt)
+            au_c, bu_c = _cast_adapter(au, bu, cdt)
+            ad_c, bd_c = _cast_adapter(ad, bd, cdt)
+            for s, e in _row_chunks(x.shape[0], ctx.chunk_rows):
+                xc, dyc = x[s:e], dy[s:e]
+                mgc, muc = _rows_of(mg, s, e), _rows_of(mu, s, e)
+                g, low_g = _proj_forward(xc, ag, bg, mgc, pg)
+                u, low_u = _proj_forward(xc, au, bu, muc, pu)
+                dyb = torch.mm(dyc, bd_c) if ad is not None else None
+                dh = _grad_input(dyc, dyb, ad_c, None, pd)  # [chunk, I], fresh
+                res = gated_backward(dh, g, u, ctx.activation, want_out=need_h, overwrite_inputs=True)
+                dg, du, h = res if need_h else (*res, None)
+                del dh, g, u
+                if need_h:
+                    low_d = F.linear(h, ad_c)
+                    dad, dbd = _grad_adapter(dyc, dyb, h, low_d, None, ad, bd, pd, nad, nbd)
+                    add("ad", dad)
+                    add("bd", dbd)
+                del h, dyb
+                if not need_gu:
+                    continue
+                dgb = torch.mm(dg, bg_c) if ag is not None and (nx or nag) else None
+                dxc = _grad_input(dg, dgb, ag_c, mgc, pg) if nx else None
+                if ag is not None:
+                    dag, dbg = _grad_adapter(dg, dgb, xc, low_g, mgc, ag, bg, pg, nag, nbg)
+                    add("ag", dag)
+                    add("bg", dbg)
+                del dg, dgb
+                dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
+                if nx:
+                    dx[s:e] = _grad_input(du, dub, au_c, muc, pu, acc=dxc)
+                if au is not None:
+                    dau, dbu = _grad_adapter(du, dub, xc, low_u, muc, au, bu, pu, nau, nbu)
+                    add("au", dau)
+                    add("bu", dbu)
+        like = {"ag": ag, "bg": bg, "au": au, "bu": bu, "ad": ad, "bd": bd}
+        grads = {k: v.to(like[k].dtype) for k, v in sums.items()}
+        order = ("ag", "bg", "au", "bu", "ad", "bd")
+        return dx, *(grads.get(k) for k in order), None, None, None, None, None
+
+
+def _row_chunks(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_rows, n_rows)) for s in range(0, n_rows, chunk_rows)]
+
+
+def _rows_of(t: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if t is None else t[start:end]
+
+
 # ---- public functions ----
 
 
@@ -497,6 +592,8 @@ def lora_gated_mlp(
     up: tuple,
     down: tuple,
     activation: str = "silu",
+    *,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))``, each projection a frozen base with an optional LoRA adapter.
 
@@ -513,6 +610,11 @@ def lora_gated_mlp(
         up: operands of ``up_proj`` (base ``[I, H]``).
         down: operands of ``down_proj`` (base ``[H, I]``).
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+        chunk_rows: None, or run the MLP over chunks of this many rows (tokens) when x has more: only
+            ``[chunk_rows, I]`` tensors are ever held and only x (and the gate / up dropout masks) is
+            saved; the backward recomputes each chunk's projections (the base GEMMs twice: for the
+            longest sequences, where the ``[N, I]`` tensors decide what fits). down's adapter must have
+            no dropout then (its mask would be an ``[N, I]`` tensor): ValueError otherwise.
 
     Returns:
         ``[..., H]`` in the compute dtype.
@@ -531,6 +633,10 @@ def lora_gated_mlp(
     _check_x("x", x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if chunk_rows is not None and (
+        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+    ):
+        raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
     cdt, autocast = _compute_dtype(x)
     gb, gadapter, gbias = _operands("gate", gate)
     ub, uadapter, ubias = _operands("up", up)
@@ -555,12 +661,25 @@ def lora_gated_mlp(
     if uadapter is not None and uadapter.dropout:
         mu = _rows(dropout_mask(x, uadapter.dropout, uadapter.mask_dtype or uadapter.A.dtype))
     down_p = dadapter.dropout if dadapter is not None else 0.0
+    if chunk_rows is not None and down_p:
+        raise ValueError(
+            f"chunk_rows={chunk_rows} needs down's adapter without dropout (p={down_p}: its mask would be an "
+            "[N, I] tensor); set lora_dropout=0 for down_proj, or chunk_rows=None"
+        )
     down_mask_dtype = (dadapter.mask_dtype or dadapter.A.dtype) if dadapter is not None else None
     x2 = _rows(x if x.dtype == cdt else x.to(cdt))
-    args = (x2, ag, bg, au, bu, ad, bd, mg, mu, (pg, pu, pd), activation, down_p, down_mask_dtype)
+    projs = (pg, pu, pd)
+    if chunk_rows is not None and x2.shape[0] > chunk_rows:
+        fn, args = (
+            ChunkedLoraGatedMLPFunction,
+            (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows),
+        )
+    else:
+        fn = LoraGatedMLPFunction
+        args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype)
     if autocast:
         with _no_autocast(x.device.type):
-            y = LoraGatedMLPFunction.apply(*args)
+            y = fn.apply(*args)
     else:
-        y = LoraGatedMLPFunction.apply(*args)
+        y = fn.apply(*args)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], x.shape[-1])
