@@ -73,12 +73,12 @@ def _is_fuselm(fn) -> bool:
     return inner is not None and getattr(inner, "__module__", "").startswith("fuselm")
 
 
-def compare(model_type, dtype, r, dropout, targets, *, patch_before=False):
+def compare(model_type, dtype, r, dropout, targets, *, patch_before=False, **patch_options):
     # HF's RMSNorm and causal-LM loss compute in float32 also in a float64 model (and fuselm's match them):
     # in float64 their rounding would swamp the LoRA path's, so float64 runs keep HF's norms and loss on both
     # sides (those against float64: tests/hf/test_loss_path.py, tests/ops/test_rms_norm.py)
     f64 = dtype == torch.float64
-    options = {"linear_cross_entropy": not f64, "rms_norm": not f64}
+    options = {"linear_cross_entropy": not f64, "rms_norm": not f64, **patch_options}
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7))
     ref_model = lora_model(model_type, torch.float64, r, dropout, targets)
     eager = lora_model(model_type, dtype, r, dropout, targets)
@@ -115,6 +115,34 @@ def test_patched_lora_matches_peft(model_type, dtype, dropout):
     ours = compare(model_type, dtype, 8, dropout, "all")
     fused, total = fused_ran(ours)
     assert total > 0 and fused == total, f"{fused} of {total} LoRA layers run fuselm's forward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_mlp_chunks_match_peft(dtype, monkeypatch):
+    """patch(..., mlp_chunk_tokens=5) on a LoRA model (32 tokens a batch): the LoRA MLP runs over chunks
+    (fuselm.lora.lora_gated_mlp with chunk_rows=5) and the loss and every LoRA gradient follow PEFT's."""
+    seen = []
+    fused_mlp = fuselm.hf.lora.lora_gated_mlp
+
+    def spy(*args, chunk_rows=None, **kwargs):
+        seen.append(chunk_rows)
+        return fused_mlp(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(fuselm.hf.lora, "lora_gated_mlp", spy)
+    compare("llama", dtype, 8, 0.0, "all", mlp_chunk_tokens=5)
+    assert seen and set(seen) == {5}
+
+
+def test_mlp_chunks_with_down_dropout_run_whole_and_say_so():
+    """LoRA dropout on down_proj: its mask would be [tokens, I], so the MLP runs whole, with one warning
+    per MLP naming why, and the results still follow PEFT's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compare("llama", torch.float32, 8, 0.1, "all", mlp_chunk_tokens=5)
+    said = [
+        str(w.message) for w in caught if "mlp_chunk_tokens with LoRA dropout on down_proj" in str(w.message)
+    ]
+    assert len(said) == 2, said  # the tiny Llama's two MLPs, once each
 
 
 @pytest.mark.parametrize("r", [8, 16])

@@ -657,3 +657,39 @@ def test_loss_on_logits_with_an_adapter_on_lm_head():
     outs = [_run(m, ids, labels) for m in (ref, eager, ours)]
     assert ours.get_base_model().forward.__func__.__qualname__.endswith("forward[logits]")
     assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
+
+
+def test_mlp_chunk_tokens_runs_the_dense_mlp_over_chunks(monkeypatch):
+    """patch(..., mlp_chunk_tokens=7) (48 tokens a batch): the one-node MLP runs over chunks of 7 rows and
+    the loss and every gradient follow HF's (numerics rule, float64 reference)."""
+    from fuselm.nn import mlp as nn_mlp
+
+    seen = []
+    swiglu_mlp = nn_mlp.swiglu_mlp
+
+    def spy(*args, chunk_rows=None, **kwargs):
+        seen.append(chunk_rows)
+        return swiglu_mlp(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(nn_mlp, "swiglu_mlp", spy)
+    hf = build("llama")
+    ref = clone(hf, torch.float64)
+    ours = fuselm.hf.patch(clone(hf), mlp_chunk_tokens=7)
+    ids, labels = _batch()
+    outs = [_run(m, ids, labels) for m in (ref, hf, ours)]
+    assert seen and set(seen) == {7}
+    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
+    grads = [_grads(m) for m in (ref, hf, ours)]
+    for name in grads[1]:
+        assert_numerics(name, grads[2][name], grads[1][name], grads[0][name], torch.float32)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
+def test_mlp_chunk_tokens_bad_value_names_it(bad):
+    with pytest.raises(ValueError, match="^mlp_chunk_tokens must be"):
+        fuselm.hf.patch(build("llama"), mlp_chunk_tokens=bad)
+
+
+def test_mlp_chunk_tokens_needs_swiglu():
+    with pytest.raises(ValueError, match="^mlp_chunk_tokens chunks fuselm's gated MLP"):
+        fuselm.hf.patch(build("llama"), swiglu=False, mlp_chunk_tokens=8)

@@ -36,7 +36,7 @@ def rms_norm_forward(spec: FamilySpec) -> Callable:
 
 
 @functools.cache
-def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
+def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None = None) -> Callable:
     """``forward(self, x)`` of the family's gated MLP with the fused activation (and, for split
     gate/up projections, the down projection's input recomputed in backward). An activation fuselm has
     no kernel for (``config.<act_attr>`` not in ``fuselm.nn.mlp.ACTIVATIONS``) runs the original.
@@ -46,6 +46,11 @@ def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
     :func:`fuselm.lora.lora_gated_mlp` (the LoRA updates added in the GEMMs, only x, gate, up and the
     rank-r products saved); what it does not cover runs HF's projections after one warning naming the
     MLP and the reason.
+
+    ``chunk_tokens`` (``patch(..., mlp_chunk_tokens=)``): the MLP runs over chunks of that many tokens
+    (:func:`fuselm.ops.swiglu.swiglu_mlp` / :func:`fuselm.lora.lora_gated_mlp` ``chunk_rows``): no
+    ``[tokens, I]`` tensor, for the longest sequences; an MLP that cannot run chunked (multipliers,
+    hooked projections, down_proj LoRA dropout) says so once and runs whole.
 
     Shapes: x ``[..., H]`` in, ``[..., H]`` out."""
     gate_attr, down_attr = spec.mlp_multipliers or (None, None)
@@ -60,7 +65,7 @@ def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         plain = all(is_plain_linear(p) for p in projections)
         if not plain and gate_attr is None:  # PEFT LoRA / quantized projections: the fused LoRA MLP
-            out = lora_gated_mlp_forward(self, x, act)  # None: it warned once why not
+            out = lora_gated_mlp_forward(self, x, act, chunk_rows=chunk_tokens)  # None: warned why not
             if out is not None:
                 return out
         elif not plain:
@@ -70,7 +75,11 @@ def mlp_forward(spec: FamilySpec, original: Callable) -> Callable:
             multipliers = dict(
                 gate_multiplier=getattr(self, gate_attr), down_multiplier=getattr(self, down_attr)
             )
-        return gated_mlp(x, *projections, activation, **multipliers)
+        if chunk_tokens is not None and (gate_attr is not None or not plain):
+            warn_fallback(
+                self, "mlp_chunk_tokens with MLP multipliers or hooked projections", "the whole MLP"
+            )
+        return gated_mlp(x, *projections, activation, chunk_rows=chunk_tokens, **multipliers)
 
     forward.__qualname__ = f"fuselm_{spec.mlp}.forward"
     return forward

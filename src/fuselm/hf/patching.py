@@ -290,6 +290,7 @@ def patch(
     memory: str | int = "auto",
     accum_dtype: torch.dtype | None = None,
     checkpointing: str | None = None,
+    mlp_chunk_tokens: int | None = None,
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
 
@@ -316,12 +317,17 @@ def patch(
             stay HF's (their norms, attention and MLP inside run fuselm's forwards).
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: while a class patch or a live instance-patched model of the
-            family needs it, every model of that family runs it (the same math as HF's).
+            family needs it, every model of that family runs it (the same math as HF's). With it, in the
+            families whose attention starts with Llama's q, k, v and RoPE statements
+            (``FamilySpec.attention``), those run as one autograd node (:mod:`fuselm.hf.attention`:
+            HF's own forward with the five statements replaced, read from the installed source).
         swiglu: the gated MLP (also shared experts and dense layers of MoE models) runs the fused
             activation; with separate ``gate_proj``/``up_proj`` the down projection's input is recomputed
-            in backward instead of saved. Activations without a fuselm kernel run HF's MLP. Projections that
-            are PEFT LoRA layers or bitsandbytes 4/8-bit layers run :func:`fuselm.lora.lora_gated_mlp`
-            (one autograd node saving x, the gate and up pre-activations and the rank-r products).
+            in backward instead of saved, and plain ``nn.Linear`` projections run as one autograd node
+            (:func:`fuselm.ops.swiglu.swiglu_mlp`). Activations without a fuselm kernel run HF's MLP.
+            Projections that are PEFT LoRA layers or bitsandbytes 4/8-bit layers run
+            :func:`fuselm.lora.lora_gated_mlp` (one autograd node saving x, the gate and up
+            pre-activations and the rank-r products).
         lora: PEFT's LoRA ``Linear`` layers (attention projections, and any other target) run
             :func:`fuselm.lora.lora_linear` (instance patching): the update added into the base GEMM's
             output, adapters cast to the compute dtype once per call, bitsandbytes 4-bit / 8-bit bases
@@ -344,6 +350,11 @@ def patch(
             models only): gradient checkpointing with each decoder layer's input kept in pinned host
             memory between forward and backward (:func:`fuselm.hf.offload.enable`: turned on if it is off,
             kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag).
+        mlp_chunk_tokens: None, or (with ``swiglu``) the gated MLP runs over chunks of this many tokens:
+            no ``[tokens, intermediate]`` tensor is ever held, only x is saved, each chunk's gate and up
+            projections are recomputed in backward (for the longest sequences, where those tensors
+            decide what fits). Dense and LoRA / QLoRA MLPs; one with LoRA dropout on ``down_proj``,
+            multipliers or hooked projections says so once and runs whole.
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
@@ -391,6 +402,7 @@ def patch(
         label_smoothing=label_smoothing,
         memory=memory,
         accum_dtype=accum_dtype,
+        mlp_chunk_tokens=mlp_chunk_tokens,
     )
     if checkpointing not in (None, "offload"):
         raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")

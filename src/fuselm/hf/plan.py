@@ -28,6 +28,7 @@ class Plan:
 
     blocks: tuple[str, ...]
     loss: LossOptions | None
+    mlp_chunk: int | None = None  # the gated MLP over chunks of this many tokens (long sequences)
 
 
 def make_plan(
@@ -42,6 +43,7 @@ def make_plan(
     label_smoothing: float,
     memory: str | int,
     accum_dtype: torch.dtype | None,
+    mlp_chunk_tokens: int | None = None,
 ) -> Plan:
     """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the loss
     options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
@@ -50,6 +52,15 @@ def make_plan(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
             "(linear_cross_entropy=False for the loss on materialized logits)"
         )
+    if mlp_chunk_tokens is not None:
+        if (
+            isinstance(mlp_chunk_tokens, bool)
+            or not isinstance(mlp_chunk_tokens, int)
+            or mlp_chunk_tokens < 1
+        ):
+            raise ValueError(f"mlp_chunk_tokens must be None or an int >= 1, got {mlp_chunk_tokens!r}")
+        if not swiglu:
+            raise ValueError("mlp_chunk_tokens chunks fuselm's gated MLP: it needs swiglu=True")
     if fused_residual and not rms_norm:
         raise ValueError(
             "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
@@ -61,7 +72,7 @@ def make_plan(
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
-    return Plan(blocks, loss)
+    return Plan(blocks, loss, mlp_chunk_tokens)
 
 
 def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> Callable | None:
@@ -76,7 +87,7 @@ def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> 
     if name == spec.attention and "rope" in plan.blocks:
         return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:
-        return mlp_forward(spec, original)
+        return mlp_forward(spec, original, plan.mlp_chunk)
     if name in spec.causal_lms and plan.loss is not None:
         return causal_lm_forward(spec, original, plan.loss)
     return None

@@ -34,6 +34,7 @@ def gated_mlp(
     *,
     gate_multiplier: float = 1.0,
     down_multiplier: float = 1.0,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """``down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier`` with the
     activation fused and, when ``down_proj`` is a plain ``nn.Linear``, the product recomputed in backward
@@ -48,13 +49,18 @@ def gated_mlp(
     temporary; nothing more is saved for backward, the fused op saves the scaled gate in place of the
     projection's output, and a product with a Python number saves nothing), the down one reads and writes
     the ``[..., H]`` output once more, forward and backward.
+
+    ``chunk_rows``: the one-node MLP of plain linears runs over chunks of that many rows
+    (:func:`fuselm.ops.swiglu.swiglu_mlp`); the other paths ignore it (the caller says so).
     """
     act = ACTIVATIONS[activation]
     projections = (gate_proj, up_proj, down_proj)
     if gate_multiplier == 1 and all(is_plain_linear(p) for p in projections):
         weights = [p.weight for p in projections]
         if not has_dtensor(x, *weights):  # one autograd node for the whole MLP
-            out = swiglu_mlp(x, *weights, *(p.bias for p in projections), activation=act)
+            out = swiglu_mlp(
+                x, *weights, *(p.bias for p in projections), activation=act, chunk_rows=chunk_rows
+            )
             return out * down_multiplier if down_multiplier != 1 else out
     gate, up = gate_proj(x), up_proj(x)
     if gate_multiplier != 1:
