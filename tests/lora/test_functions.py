@@ -263,14 +263,20 @@ def ops64(ops):
     return out, leaves
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 16], ids=["whole", "chunks16"])
 @pytest.mark.parametrize("with_adapter", ["gate,up,down", "gate,down"], ids=["all3", "up_frozen"])
 @pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("r", [8, 16], ids=lambda r: f"r{r}")
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, gen):
+def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, chunk_rows, gen):
+    """Output and every gradient against PEFT's MLP (eager, same dtype, same dropout masks) and the float64
+    reference; chunks16: over chunks of 16 of the 74 rows (the last one short), down without dropout (a
+    chunked MLP refuses down's: its mask would be [N, I])."""
     adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # PEFT's default
     layers = mlp_layers(gen, r, p, dtype, adapter_dtype, tuple(with_adapter.split(",")))
+    if chunk_rows is not None:
+        layers["down"] = peft_linear(gen, I, H, r, 0.0, dtype, adapter_dtype)
     ops = mlp_operands(layers)
     x = randn(gen, (*LEAD, H), dtype).requires_grad_()
     dy = randn(gen, (*LEAD, H), dtype)
@@ -279,59 +285,28 @@ def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, gen):
     torch.manual_seed(SEED)
     masks = mlp_masks(x, layers, adapter_dtype)
     torch.manual_seed(SEED)
-    y = L.lora_gated_mlp(x, *ops, act)
+    y = L.lora_gated_mlp(x, *ops, act, chunk_rows=chunk_rows)
     g = torch.autograd.grad(y, wrt, dy)
     peft_layers = [layers[n] for n in ("gate", "up", "down") if isinstance(layers[n], PeftLinear)]
     torch.manual_seed(SEED)
     with dropout_masks(peft_layers) as dropped:
         y_e = layers["down"](ACTS[act](layers["gate"](x)) * layers["up"](x))  # HF's MLP forward
     g_e = torch.autograd.grad(y_e, wrt, dy)
-    if p:
-        drawn = [m for m in masks if m is not None]
-        assert len(dropped) == len(drawn)
-        for (kept, zero), mask in zip(dropped, drawn, strict=True):
-            assert_same_mask(kept, zero, mask)
+    if p:  # each PEFT layer's mask (in call order: gate, up, down) is ours; no mask where p is 0
+        names = [n for n in ("gate", "up", "down") if isinstance(layers[n], PeftLinear)]
+        peft_masks = [m for n, m in zip(("gate", "up", "down"), masks, strict=True) if n in names]
+        assert len(dropped) == len(peft_masks)
+        for (kept, zero), mask in zip(dropped, peft_masks, strict=True):
+            if mask is not None:
+                assert_same_mask(kept, zero, mask)
 
     x64 = leaf64(x)
     o64, leaves64 = ops64(ops)
     y_r = L.lora_gated_mlp_reference(x64, *o64, act, masks=tuple(masks))
     g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
     check("y", y, y_e, y_r, dtype)
-    names = ["dx"] + [
-        f"d{w}" for n in ("gate", "up", "down") if n in with_adapter for w in (f"A_{n}", f"B_{n}")
-    ]
-    for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
-        assert t.dtype == e.dtype, f"{name}: {t.dtype} != PEFT's {e.dtype}"
-        assert_numerics(name, t, e, ref, dtype)
-
-
-@pytest.mark.parametrize("gate_up_p", [0.0, 0.1], ids=["p0", "gate_up_p0.1"])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_lora_gated_mlp_chunks_numerics(dtype, act, gate_up_p, gen):
-    """chunk_rows=16 over 74 tokens (the last chunk short): output and every gradient against PEFT's MLP
-    (eager, same dtype) and the float64 reference, with the same dropout masks on gate and up."""
-    adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    layers = mlp_layers(gen, 8, gate_up_p, dtype, adapter_dtype, ("gate", "up"))
-    layers["down"] = peft_linear(gen, I, H, 8, 0.0, dtype, adapter_dtype)
-    ops = mlp_operands(layers)
-    x = randn(gen, (*LEAD, H), dtype).requires_grad_()
-    dy = randn(gen, (*LEAD, H), dtype)
-    wrt = (x, *adapter_params(ops))
-    torch.manual_seed(SEED)
-    masks = mlp_masks(x, layers, adapter_dtype)
-    torch.manual_seed(SEED)
-    y = L.lora_gated_mlp(x, *ops, act, chunk_rows=16)
-    g = torch.autograd.grad(y, wrt, dy)
-    torch.manual_seed(SEED)
-    y_e = layers["down"](ACTS[act](layers["gate"](x)) * layers["up"](x))
-    g_e = torch.autograd.grad(y_e, wrt, dy)
-    x64 = leaf64(x)
-    o64, leaves64 = ops64(ops)
-    y_r = L.lora_gated_mlp_reference(x64, *o64, act, masks=tuple(masks))
-    g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
-    check("y", y, y_e, y_r, dtype)
-    names = ["dx"] + [f"d{w}_{n}" for n in ("gate", "up", "down") for w in ("A", "B")]
+    with_down = with_adapter if chunk_rows is None else with_adapter + ",down"
+    names = ["dx"] + [f"d{w}" for n in ("gate", "up", "down") if n in with_down for w in (f"A_{n}", f"B_{n}")]
     for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
         assert t.dtype == e.dtype, f"{name}: {t.dtype} != PEFT's {e.dtype}"
         assert_numerics(name, t, e, ref, dtype)

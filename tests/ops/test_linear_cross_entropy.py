@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HAS_CUDA, TRITON_PATH, kernel_device
+from kit.oracles import eager_cross_entropy
 
 import fuselm.ops._common.loss.budget as loss_budget
 import fuselm.ops._common.loss.rows as loss_rows
@@ -37,44 +38,10 @@ def _dtype_id(dtype):
 # ---- helpers ----
 
 
-def _eager(
-    x,
-    w,
-    t,
-    *,
-    linear_bias=None,
-    weight=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    z_loss=0.0,
-    softcap=None,
-    return_lse=False,
-    token_weights=None,
-):
-    """Torch eager in the input dtype (what a user writes without fuselm)."""
-    logits = F.linear(x, w, linear_bias).reshape(-1, w.shape[0])
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    t1 = t.reshape(-1).long()  # F.cross_entropy takes no int32 targets
-    kw = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
-    if not z_loss and not return_lse and token_weights is None:
-        loss = F.cross_entropy(logits, t1, reduction=reduction, **kw)
-        return loss.reshape(t.shape) if reduction == "none" else loss
-    rows = F.cross_entropy(logits, t1, reduction="none", **kw)
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = t1 != ignore_index
-    rows = rows + torch.where(valid, z_loss * lse * lse, 0)
-    if token_weights is not None:  # multiplies each token's loss; the mean's denominator is unchanged
-        rows = rows * token_weights.reshape(-1).to(rows.dtype)
-    if reduction == "none":
-        loss = rows.reshape(t.shape)
-    elif reduction == "sum":
-        loss = rows.sum()
-    else:
-        w_t = weight[torch.where(valid, t1, 0)] if weight is not None else torch.ones_like(rows)
-        loss = rows.sum() / torch.where(valid, w_t, 0).sum()
-    return (loss, lse.reshape(t.shape)) if return_lse else loss
+def _eager(x, w, t, *, linear_bias=None, **kw):
+    """Torch eager in the input dtype (what a user writes without fuselm): the logits, then kit's eager
+    cross-entropy on them."""
+    return eager_cross_entropy(F.linear(x, w, linear_bias), t, **kw)
 
 
 def _inputs(
