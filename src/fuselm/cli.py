@@ -107,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
         "a folder holding <suite>.json); this run's configurations replace the earlier rows of the same ones",
     )
     bench.add_argument("--scenarios", help="finetune: comma-separated from qlora,lora (default: both)")
+    bench.add_argument(
+        "--caps", help="max-context: GPU memory caps in GiB, comma-separated (default 16,40,80)"
+    )
+    bench.add_argument("--seq-range", help="max-context: LO:HI tokens to search (default 1024:524288)")
+    bench.add_argument(
+        "--rel-tol", type=float, help="max-context: stop when HI / LO <= 1 + this (default 0.05)"
+    )
+    bench.add_argument("--max-probes", type=positive_int, help="max-context: probes per search (default 12)")
+    bench.add_argument(
+        "--mlp-chunk-tokens",
+        type=positive_int,
+        help="max-context, fuselm: the patched MLP over chunks of this many tokens (mlp_chunk_tokens=)",
+    )
     bench.add_argument("--rank", type=positive_int, help="finetune: LoRA rank r (default 16; alpha = r)")
     bench.add_argument("--lora-alpha", type=float, help="finetune: LoRA alpha (default: the rank)")
     bench.add_argument("--lora-dropout", type=float, help="finetune: LoRA dropout (default 0)")

@@ -417,9 +417,8 @@ class E2ERow(fresh_process.WorkerRow):
     losses: list[float] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
-    gpu_wait: str | None = (
-        None  # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
-    )
+    # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
+    gpu_wait: str | None = None
     error: str | None = None
     traceback: str | None = None
 

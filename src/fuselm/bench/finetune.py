@@ -351,7 +351,7 @@ def _quantization(scenario: str):
     )
 
 
-def apply_fuselm(model, offload: bool) -> str:
+def apply_fuselm(model, offload: bool, mlp_chunk_tokens: int | None = None) -> str:
     """``fuselm.hf.patch(model)`` for the fuselm provider, with activation offloading when ``offload``:
     ``patch(model, checkpointing="offload")`` when ``patch`` has that parameter, else the documented
     equivalent ``fuselm.hf.offload.enable(model)`` when this fuselm has it (on top of HF's non-reentrant
@@ -359,11 +359,17 @@ def apply_fuselm(model, offload: bool) -> str:
     import fuselm.hf
 
     hf = "HF gradient checkpointing (use_reentrant=False)"
+    chunks = {}
+    if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
+        if "mlp_chunk_tokens" not in inspect.signature(fuselm.hf.patch).parameters:
+            raise SkipProvider("this fuselm has no patch(mlp_chunk_tokens=)")
+        chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
+        hf = f"{hf}, MLP in chunks of {mlp_chunk_tokens} tokens"
     if not offload:
-        fuselm.hf.patch(model)
+        fuselm.hf.patch(model, **chunks)
         return f"{hf}; --no-offload"
     if "checkpointing" in inspect.signature(fuselm.hf.patch).parameters:
-        fuselm.hf.patch(model, checkpointing="offload")
+        fuselm.hf.patch(model, checkpointing="offload", **chunks)
         return f"{hf} + fuselm.hf.patch(checkpointing='offload')"
     fuselm.hf.patch(model)
     try:
@@ -389,8 +395,10 @@ def load_peft_model(
     dropout: float,
     seed: int,
     offload: bool,
+    mlp_chunk_tokens: int | None = None,
 ) -> tuple[Any, str]:
-    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
+    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints
+    (``mlp_chunk_tokens``: fuselm's MLP over chunks of tokens; the other providers have no such option)."""
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
@@ -441,7 +449,7 @@ def load_peft_model(
     model = get_peft_model(model, config)
     checkpointing = "HF gradient checkpointing (use_reentrant=False)"
     if provider == "fuselm":
-        checkpointing = apply_fuselm(model, offload)
+        checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens)
     return model.train(), checkpointing
 
 
@@ -591,6 +599,8 @@ def train(
     profile_steps: int | None = None,
     unsloth_compile: bool = False,
     unsloth_failed: str | None = None,
+    memory_cap_gib: float | None = None,
+    mlp_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Load the saved ``model`` as ``provider`` does for ``scenario``, train LoRA for ``warmup`` +
     ``steps`` + ``profile_steps`` steps, return the measurements (raises ``SkipProvider`` when the provider
@@ -611,6 +621,9 @@ def train(
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+        if memory_cap_gib is not None:  # a smaller GPU: allocations past the cap raise OutOfMemoryError
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
     rss_before = _rss()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -627,6 +640,7 @@ def train(
             dropout=dropout,
             seed=seed,
             offload=offload,
+            mlp_chunk_tokens=mlp_chunk_tokens,
         )
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
@@ -668,6 +682,7 @@ def train(
         "trainable_dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
         "load_s": load_s,
         "checkpointing": checkpointing,
+        "memory_cap_gib": memory_cap_gib,
         "losses": run.logged,
         "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": fuselm_warnings[:20],
@@ -746,9 +761,9 @@ class FinetuneRow(fresh_process.WorkerRow):
     fuselm_warnings: list[str] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
-    gpu_wait: str | None = (
-        None  # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
-    )
+    memory_cap_gib: float | None = None  # set_per_process_memory_fraction's cap (max-context)
+    # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
+    gpu_wait: str | None = None
     error: str | None = None
     traceback: str | None = None
 

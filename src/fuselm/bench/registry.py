@@ -38,6 +38,10 @@ TRAINING_SUITES: dict[str, tuple[str, str]] = {
         "fuselm.bench.linear_log_probs",
         "per-token log-probs (+ entropy) of the LM head vs torch, TRL, Liger; accuracy vs fp64 (minutes)",
     ),
+    "max-context": (
+        "fuselm.bench.max_context",
+        "the longest sequence one LoRA / QLoRA step fits under a memory cap, by bisection (minutes to hours)",
+    ),
     "grpo_step": (
         "fuselm.bench.grpo_step",
         "GRPO-shaped steps of a Llama-3.2-1B shape: HF vs TRL vs fuselm head",

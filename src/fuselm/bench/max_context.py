@@ -1,0 +1,254 @@
+"""``fuselm bench max-context``: the longest sequence (batch 1) for which one full LoRA / QLoRA training
+step (forward, backward, optimizer) runs under a GPU memory cap, per provider (issue 29).
+
+Each probe is ``fuselm bench finetune``'s worker in a fresh process (the same saved random-init model,
+LoRA on all seven projections, gradient checkpointing; fuselm with activation offloading and, with
+``--mlp-chunk-tokens``, its MLP over chunks of tokens), one step at batch 1 x T with
+``torch.cuda.set_per_process_memory_fraction`` set to the cap: ``ok`` or out of memory. The lengths are
+searched by bisection on a log scale over multiples of :data:`GRAIN` tokens between ``--seq-range LO:HI``:
+HI first (when it fits, that is the answer: raise HI), then LO (when it does not, nothing fits), then the
+geometric middle until HI / LO <= 1 + ``--rel-tol`` or ``--max-probes`` probes. The report gives, per
+(provider, cap), the longest length that fitted, that step's time and peak memory, and every probe.
+
+Without CUDA a tiny model runs on the CPU with no cap (a smoke test of the search and the workers: every
+length fits, the answer is HI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import finetune, fresh_process
+from .arguments import UsageError, parse_list, pick_device, results_dir
+from .report import collect_metadata
+
+NAME = "max-context"
+GRAIN = 256  # probed lengths are multiples of this many tokens
+DEFAULT_CAPS = (16.0, 40.0, 80.0)
+DEFAULT_SEQ_RANGE = {"cuda": (1024, 524288), "cpu": (16, 64)}
+DEFAULT_PROVIDERS = ("fuselm", "hf", "unsloth")
+
+
+@dataclass
+class Search:
+    """The search of one (provider, cap): ``longest`` (None: not even LO fitted, or a probe failed
+    otherwise than by running out of memory: ``stopped`` says why), the row of the step at that length,
+    and every probe as (length, status, step ms, peak GiB)."""
+
+    provider: str
+    cap_gib: float | None
+    longest: int | None = None
+    best: dict[str, Any] | None = None
+    probes: list[tuple[int, str, float | None, float | None]] = field(default_factory=list)
+    stopped: str | None = None
+
+
+def on_grain(tokens: float) -> int:
+    """``tokens`` rounded to a multiple of :data:`GRAIN` (at least GRAIN)."""
+    return max(GRAIN, int(round(tokens / GRAIN)) * GRAIN)
+
+
+def longest_fitting(
+    probe: Callable[[int], Any], lo: int, hi: int, *, rel_tol: float = 0.05, max_probes: int = 12
+) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
+    """(the longest length that fitted, its row, every (length, row) probed, why the search stopped early
+    or None). ``probe(T)`` returns a row whose ``status`` is ``ok`` (fits), ``oom`` (does not) or anything
+    else (the search stops there). Bisection on a log scale between lo and hi, probing multiples of GRAIN
+    between them (GRAIN is the resolution).
+
+    Example:
+        >>> fits = lambda t: type("Row", (), {"status": "ok" if t <= 40_000 else "oom"})()
+        >>> longest, _, probes, _ = longest_fitting(fits, 1024, 200_000, rel_tol=0.02)
+        >>> 39_000 <= longest <= 40_000, len(probes) <= 12
+        (True, True)
+    """
+    if not 0 < lo <= hi:
+        raise ValueError(f"the sequence range must be 0 < LO <= HI, got {lo}:{hi}")
+    probes: list[tuple[int, Any]] = []
+
+    def run(t: int):
+        row = probe(t)
+        probes.append((t, row))
+        return row
+
+    top = run(hi)
+    if top.status == "ok":
+        return hi, top, probes, None
+    if top.status != "oom":
+        return None, None, probes, f"{hi} tokens: {top.status}"
+    low = run(lo)
+    if low.status != "ok":
+        return None, None, probes, None if low.status == "oom" else f"{lo} tokens: {low.status}"
+    best = low
+    while hi / lo > 1 + rel_tol and len(probes) < max_probes:
+        mid = max(on_grain(math.sqrt(lo * hi)), lo + GRAIN)  # the grain is the search's resolution
+        if mid >= hi:
+            break
+        row = run(mid)
+        if row.status == "ok":
+            lo, best = mid, row
+        elif row.status == "oom":
+            hi = mid
+        else:
+            return lo, best, probes, f"{mid} tokens: {row.status}"
+    return lo, best, probes, None
+
+
+def _row_summary(row: Any) -> tuple[str, float | None, float | None]:
+    return row.status, row.step_ms, row.peak_gib
+
+
+def search(
+    provider: str, cap_gib: float | None, probe: Callable[[int], Any], lo: int, hi: int, **options
+) -> Search:
+    """:func:`longest_fitting` of one (provider, cap), as a :class:`Search`."""
+    longest, best, probes, stopped = longest_fitting(probe, lo, hi, **options)
+    return Search(
+        provider,
+        cap_gib,
+        longest,
+        asdict(best) if best is not None else None,
+        [(t, *_row_summary(r)) for t, r in probes],
+        stopped,
+    )
+
+
+def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
+    """The report: one row per (provider, cap), then the probes."""
+    lines = [
+        "# fuselm bench max-context",
+        "",
+        "The longest sequence (batch 1) for which one LoRA / QLoRA training step runs under a memory cap.",
+        "",
+        *(f"- {k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)),
+        "",
+        "| provider | cap GiB | longest tokens | step s at that length | peak GiB | probes | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in searches:
+        best = s.best or {}
+        step = best.get("step_ms")
+        peak = best.get("peak_bytes")
+        lines.append(
+            f"| {s.provider} | {s.cap_gib if s.cap_gib is not None else 'none'} | "
+            f"{s.longest if s.longest is not None else 'none fits'} | "
+            f"{'' if step is None else f'{step / 1e3:.1f}'} | "
+            f"{'' if peak is None else f'{peak / 2**30:.2f}'} | {len(s.probes)} | {s.stopped or ''} |"
+        )
+    lines += ["", "Probes (tokens: status, step ms, peak GiB):", ""]
+    for s in searches:
+        probes = "; ".join(
+            f"{t}: {status}" + (f", {ms:.0f} ms, {gib:.2f} GiB" if ms is not None and gib is not None else "")
+            for t, status, ms, gib in s.probes
+        )
+        lines.append(f"- {s.provider}, cap {s.cap_gib}: {probes}")
+    return "\n".join(lines) + "\n"
+
+
+def _caps(text: str | None, cuda: bool) -> list[float | None]:
+    if not cuda:
+        return [None]  # no cap on the CPU
+    if not text:
+        return list(DEFAULT_CAPS)
+    try:
+        caps = [float(c) for c in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--caps takes comma-separated GiB numbers, got {text!r}") from None
+    if any(not c > 0 for c in caps):
+        raise UsageError(f"--caps must be > 0, got {text!r}")
+    return caps
+
+
+def _seq_range(text: str | None, cuda: bool) -> tuple[int, int]:
+    if not text:
+        return DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
+    try:
+        lo, hi = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--seq-range takes LO:HI (tokens), got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise UsageError(f"--seq-range must be 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    """``fuselm bench max-context``: ``--models`` (one model shape of ``fuselm bench finetune``, default
+    llama3-8b), ``--scenarios`` (qlora or lora, default qlora), ``--providers`` (default fuselm, hf,
+    unsloth), ``--caps`` (GiB, default 16,40,80), ``--seq-range LO:HI``, ``--rel-tol``, ``--max-probes``,
+    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--device``, ``--out``.
+    Raises ``UsageError``."""
+    device = pick_device(args.device)
+    cuda = device.type == "cuda"
+    plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
+    models = parse_list(args.models, finetune.e2e.MODELS, "model") if args.models else ["llama3-8b"]
+    scenarios = parse_list(args.scenarios, finetune.SCENARIOS, "scenario") if args.scenarios else ["qlora"]
+    if len(models) != 1 or len(scenarios) != 1:
+        raise UsageError("max-context searches one --models and one --scenarios at a time")
+    model, scenario = models[0], scenarios[0]
+    if not cuda and scenario == "qlora" and finetune.bnb_cpu_4bit_works() is not None:
+        raise UsageError(
+            "qlora needs bitsandbytes' 4-bit on this CPU; --scenarios lora for the CPU smoke run"
+        )
+    providers = parse_list(args.providers, finetune.PROVIDERS, "provider") if args.providers else None
+    providers = providers or [p for p in DEFAULT_PROVIDERS if p in finetune.PROVIDERS]
+    caps = _caps(getattr(args, "caps", None), cuda)
+    lo, hi = _seq_range(getattr(args, "seq_range", None), cuda)
+    rel_tol = getattr(args, "rel_tol", None) or 0.05
+    max_probes = getattr(args, "max_probes", None) or 12
+    rank = getattr(args, "rank", None) or 32
+    chunk = getattr(args, "mlp_chunk_tokens", None)
+    metadata = collect_metadata(device, argv)
+    metadata.update(
+        model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
+    )
+    out_dir = results_dir(args.out, metadata["device"] if cuda else None)
+    model_dir = Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    searches: list[Search] = []
+    try:
+        finetune.ensure_saved_model(model_dir, model, plan.tiny, dtype, device)
+        for provider in providers:
+            for cap in caps:
+                extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
+                if cap is not None:
+                    extra["memory_cap_gib"] = cap
+                if chunk is not None and provider == "fuselm":
+                    extra["mlp_chunk_tokens"] = chunk
+
+                def probe(seq: int, provider=provider, cap=cap, extra=extra):
+                    row = fresh_process.run_case(
+                        finetune.BENCH,
+                        provider,
+                        (model, scenario, 1, seq),
+                        plan=plan,
+                        dtype=dtype,
+                        device=device,
+                        warmup=0,
+                        steps=1,
+                        extra=extra,
+                    )
+                    print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
+                    return row
+
+                found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
+                searches.append(found)
+                print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "max_context.md").write_text(markdown(searches, metadata))
+    data = {"suite": NAME, "metadata": metadata, "searches": [asdict(s) for s in searches]}
+    (out_dir / "max_context.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"wrote {out_dir / 'max_context.md'}, {out_dir / 'max_context.json'}")
+    failed = [s for s in searches if s.stopped]
+    return 1 if failed else 0

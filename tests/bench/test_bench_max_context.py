@@ -1,0 +1,93 @@
+"""fuselm bench max-context: the bisection over sequence lengths (fake probes), the CLI's arguments, and a
+CPU smoke run through fresh finetune workers (a tiny model, no memory cap: every length fits)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from fuselm.bench import max_context, registry
+from fuselm.cli import main
+
+
+def _fits_up_to(limit: int, seen: list[int] | None = None):
+    def probe(t: int):
+        if seen is not None:
+            seen.append(t)
+        return SimpleNamespace(status="ok" if t <= limit else "oom", step_ms=1.0, peak_gib=1.0)
+
+    return probe
+
+
+@pytest.mark.parametrize("limit", [1024, 5_000, 40_724, 153_977, 342_733])
+def test_bisection_finds_the_limit_within_the_tolerance(limit):
+    seen: list[int] = []
+    longest, best, probes, stopped = max_context.longest_fitting(
+        _fits_up_to(limit, seen), 1024, 524_288, rel_tol=0.02, max_probes=16
+    )
+    assert stopped is None and best.status == "ok"
+    assert longest <= limit < longest * 1.02 + max_context.GRAIN  # within the tolerance (or one grain)
+    assert all(t % max_context.GRAIN == 0 for t in seen) and len(probes) == len(seen) <= 16
+
+
+def test_bisection_edges_and_failures():
+    # HI fits: one probe, the answer is HI
+    assert max_context.longest_fitting(_fits_up_to(10**9), 1024, 8192)[0] == 8192
+    # LO does not fit: nothing does
+    longest, best, probes, stopped = max_context.longest_fitting(_fits_up_to(100), 1024, 8192)
+    assert (longest, best, stopped, len(probes)) == (None, None, None, 2)
+
+    # a probe that fails otherwise (an error, a skipped provider) stops the search and says where
+    def broken(t):
+        return SimpleNamespace(status="ok" if t == 1024 else ("error" if t < 8192 else "oom"))
+
+    longest, _, _, stopped = max_context.longest_fitting(broken, 1024, 8192)
+    assert longest == 1024 and stopped is not None and "error" in stopped
+    with pytest.raises(ValueError, match="0 < LO <= HI"):
+        max_context.longest_fitting(_fits_up_to(1), 10, 5)
+
+
+def test_registered_outside_all():
+    assert "max-context" in registry.TRAINING_SUITES and "max-context" not in registry.suite_names()
+    assert registry.get_training_runner("max-context") is max_context.run_cli
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seq-range", "64"], "--seq-range takes LO:HI"),
+        (["--seq-range", "64:16"], "--seq-range must be 0 < LO <= HI"),
+        (["--models", "llama3-8b,qwen3-0.6b"], "one --models and one --scenarios at a time"),
+        (["--providers", "hf,axolotl"], "unknown provider 'axolotl'"),
+    ],
+)
+def test_usage_errors(args, message, tmp_path, capsys):
+    rc = main(
+        ["bench", "max-context", "--device", "cpu", "--scenarios", "lora", "--out", str(tmp_path), *args]
+    )
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_caps_parse_on_a_gpu_and_are_none_on_the_cpu():
+    assert max_context._caps(None, cuda=True) == list(max_context.DEFAULT_CAPS)
+    assert max_context._caps("16,40.5", cuda=True) == [16.0, 40.5]
+    assert max_context._caps("16", cuda=False) == [None]
+    with pytest.raises(max_context.UsageError, match="--caps"):
+        max_context._caps("16,big", cuda=True)
+
+
+def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
+    """Two providers, no cap on the CPU: HI (32 tokens) fits at once for both; the report says so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = ["bench", "max-context", "--device", "cpu", "--scenarios", "lora", "--providers", "fuselm,hf"]
+    assert main([*args, "--seq-range", "16:32", "--rank", "4", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "max_context.json").read_text())
+    found = {s["provider"]: s for s in data["searches"]}
+    assert set(found) == {"fuselm", "hf"}
+    for s in found.values():
+        assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
+        assert [p[0] for p in s["probes"]] == [32]
+    assert "| fuselm | none | 32 |" in (tmp_path / "max_context.md").read_text()
