@@ -108,6 +108,12 @@ def test_source_that_differs_keeps_hf_forward_with_one_warning():
     assert "does not compute q, k, v" in messages[0]
 
 
+@pytest.mark.parametrize("rope", [{"rope": None}, {"rope_one_tensor": True}], ids=["no_rope", "one_tensor"])
+def test_an_attention_spec_needs_the_two_tensor_rope(rope):
+    with pytest.raises(ValueError, match="fused attention input replaces the two-tensor"):
+        dataclasses.replace(FAMILIES["llama"], **rope)
+
+
 def test_made_source_replaces_exactly_the_five_statements():
     """The made forward is HF's with the five input statements replaced by one call: every other
     statement is HF's own (compared on the syntax tree)."""

@@ -83,6 +83,11 @@ class FamilySpec:
             raise ValueError(f"{self.model_type}: MLP multipliers need split gate_proj / up_proj projections")
         if self.decoder_layer is not None and self.rms_norm is None:
             raise ValueError(f"{self.model_type}: the fused residual add needs the family's RMSNorm")
+        if self.attention is not None and (self.rope is None or self.rope_one_tensor):
+            raise ValueError(
+                f"{self.model_type}: the fused attention input replaces the two-tensor "
+                "apply_rotary_pos_emb(q, k, cos, sin) call: it needs that rope function"
+            )
 
     def components(self) -> dict[str, str]:
         """The block components the family swaps -> the class or function name each replaces."""
