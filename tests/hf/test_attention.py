@@ -133,3 +133,24 @@ def test_made_source_replaces_exactly_the_five_statements():
     removed = [s for s in hf_body if s not in made_body]
     assert len(removed) == 4  # q, k, v and the RoPE call; "cos, sin = position_embeddings" stays
     assert sum("_fuselm_attention_input" in s for s in made_body) == 1
+
+
+def test_patched_model_under_autocast(fused_calls):
+    """An fp32 model under bf16 autocast (Trainer(bf16=True) on fp32 weights): the fused attention input
+    runs (its operands cast as nn.Linear's are), and the loss and every gradient (fp32) follow HF's under
+    the same autocast, against the float64 model (numerics rule at bf16)."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    eager = build("llama", device=device_type)
+    ours = fuselm.hf.patch(clone(eager))
+    ref = clone(eager, torch.float64)
+    ids = torch.randint(0, eager.config.vocab_size, (2, 12)).to(device_type)
+    results = []
+    for model in (ref, eager, ours):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=model is not ref):
+            results.append(_loss_and_grads(model, ids))
+    assert fused_calls, "the fused attention input did not run under autocast"
+    (l_ref, g_ref), (l_e, g_e), (l_o, g_o) = results
+    assert_numerics("loss", l_o, l_e, l_ref, torch.bfloat16)
+    for name in g_e:
+        assert g_o[name].dtype == torch.float32
+        assert_numerics(name, g_o[name], g_e[name], g_ref[name], torch.bfloat16)

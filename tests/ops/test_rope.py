@@ -817,6 +817,40 @@ def test_qkv_rotary_only_q_used(gen):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_qkv_rotary_autocast_matches_hf_statements(gen):
+    """Under autocast (fp32 x and weights, bf16 compute): a bf16 q, k, v and fp32 gradients of x and the
+    weights, within the numerics rule of HF's statements under the same autocast (float64 reference)."""
+    device_type = "cuda" if ON_GPU else "cpu"
+    shape = QKV_SHAPES["llama-gqa"]
+    d = shape[5]
+    x, weights, _, cos, sin = _qkv_operands(gen, shape, torch.float32, False)
+
+    def under_autocast(fn):
+        def run(*leaves):
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                return fn(*leaves)
+
+        return run
+
+    ours = under_autocast(lambda *t: qkv_rotary(*t, cos, sin, head_dim=d))
+    eager = under_autocast(lambda *t: _qkv_hf(*t, cos=cos, sin=sin, head_dim=d))
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    twins = [t.clone().requires_grad_() for t in (x, *weights)]
+    refs = [t.double().requires_grad_() for t in (x, *weights)]
+    out, out_e = ours(*leaves), eager(*twins)
+    out_r = _qkv_hf(*refs, cos=cos, sin=sin, head_dim=d, rope=reference64)
+    grads_out = grad_outputs(gen, out_e)
+    for name, o, e, r in zip("qkv", out, out_e, out_r, strict=True):
+        assert o.dtype == e.dtype == torch.bfloat16
+        assert_numerics(name, o, e, r, torch.bfloat16)
+    got = torch.autograd.grad(out, leaves, grads_out)
+    want = torch.autograd.grad(out_e, twins, grads_out)
+    ref = torch.autograd.grad(out_r, refs, [g.double() for g in grads_out])
+    for name, g, e, r in zip(("dx", "dq_weight", "dk_weight", "dv_weight"), got, want, ref, strict=True):
+        assert g.dtype == e.dtype == torch.float32
+        assert_numerics(name, g, e, r, torch.bfloat16)
+
+
 def _bad_qkv_calls():
     x = torch.randn(2, 5, 32, device=DEVICE)
     wq, wk = torch.randn(32, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE)

@@ -473,6 +473,9 @@ def qkv_rotary(
         head_dim: D.
         q_bias, k_bias, v_bias: optional ``[Hq * D]`` / ``[Hk * D]`` (Qwen 2's projections have them).
 
+    Under autocast every operand is cast to the autocast dtype first, as ``nn.Linear`` does (fp32 weights
+    then get fp32 gradients through the casts).
+
     Returns:
         ``(q, k, v)``: ``[B, Hq, T, D]``, ``[B, Hk, T, D]``, ``[B, Hk, T, D]`` in x's dtype, views of
         ``[B, T, heads, D]`` tensors (the strides Hugging Face's attention gets).
@@ -501,6 +504,13 @@ def qkv_rotary(
         raise ValueError(f"head_dim must be an int >= 2, got {head_dim!r}")
     batch, seq_len, hidden = x.shape
     weights = {"q_weight": q_weight, "k_weight": k_weight, "v_weight": v_weight}
+    biases = {"q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if autocast:  # as nn.Linear under autocast: every operand in the autocast dtype (the node runs outside)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x = x.to(dtype)
+        weights = {k: _autocast(w, dtype) for k, w in weights.items()}
+        biases = {k: _autocast(b, dtype) for k, b in biases.items()}
     heads = {}
     for name, w in weights.items():
         check_tensor(name, w, dtypes=(x.dtype,), ndim=2, device=x.device)
@@ -515,7 +525,6 @@ def qkv_rotary(
             f"v_weight must have k_weight's {heads['k_weight']} heads ([{k_weight.shape[0]}, {hidden}]), "
             f"got {list(v_weight.shape)}"
         )
-    biases = {"q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
     for (name, b), w in zip(biases.items(), weights.values(), strict=True):
         if b is not None:
             check_tensor(name, b, dtypes=(x.dtype,), ndim=1, device=x.device)
@@ -531,9 +540,16 @@ def qkv_rotary(
         q, k = apply_rotary_reference(q, k, cos, sin, layout="bhtd")
         return q, k, v
     x2 = x.reshape(batch * seq_len, hidden)
-    return QKVRotaryFunction.apply(
-        x2, *weights.values(), *biases.values(), cos_b.detach(), sin_b.detach(), batch, seq_len, head_dim
-    )
+    args = (x2, *weights.values(), *biases.values(), cos_b.detach(), sin_b.detach(), batch, seq_len, head_dim)
+    if autocast:
+        with torch.autocast(x.device.type, enabled=False):
+            return QKVRotaryFunction.apply(*args)
+    return QKVRotaryFunction.apply(*args)
 
 
 _QKV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _autocast(t, dtype: torch.dtype):
+    """A floating tensor in the autocast dtype (anything else as it is, for the checks to name)."""
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
