@@ -105,7 +105,7 @@ def test_source_that_differs_keeps_hf_forward_with_one_warning():
         assert attention.attention_forward(spec, OtherAttention.forward) is None  # cached: no 2nd warning
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "OtherAttention keeps Hugging Face's attention forward" in messages[0]
-    assert "does not compute q, k, v" in messages[0]
+    assert "does not project hidden_states with q_proj, k_proj and v_proj" in messages[0]
 
 
 @pytest.mark.parametrize("rope", [{"rope": None}, {"rope_one_tensor": True}], ids=["no_rope", "one_tensor"])
@@ -124,7 +124,8 @@ def test_made_source_replaces_exactly_the_five_statements():
     from fuselm.hf.layer_layout import split_checkpointing
 
     forward = split_checkpointing(LlamaAttention.forward)[0]
-    tree = attention.fused_attention_source(forward)
+    tree, how = attention.fused_attention_source(forward)
+    assert how == "qkv_rotary"
     made = tree.body[0].body[0]  # _fuselm_make_forward -> forward
     original = ast.parse(inspect.cleandoc("\n" + inspect.getsource(forward))).body[0]
     made_body = [ast.dump(s) for s in made.body]
@@ -154,3 +155,21 @@ def test_patched_model_under_autocast(fused_calls):
     for name in g_e:
         assert g_o[name].dtype == torch.float32
         assert_numerics(name, g_o[name], g_e[name], g_ref[name], torch.bfloat16)
+
+
+def test_qk_norm_attention_fuses_its_projections_only():
+    """Qwen 3's attention normalizes q and k between the projections and the RoPE: its three projection
+    calls become one linear_projections node, the norms and the RoPE call stay HF's statements."""
+    import ast
+
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from fuselm.hf.layer_layout import split_checkpointing
+
+    forward = split_checkpointing(Qwen3Attention.forward)[0]
+    tree, how = attention.fused_attention_source(forward)
+    assert how == "projections"
+    made = ast.unparse(tree.body[0].body[0])
+    assert made.count("_fuselm_projections(self, hidden_states)") == 1
+    assert "self.q_proj(hidden_states)" not in made and "self.q_norm(" in made
+    assert "apply_rotary_pos_emb(" in made

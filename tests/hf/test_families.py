@@ -26,7 +26,7 @@ OPS = {
     "rms_norm": (blocks, ("rms_norm",)),
     "residual_norm": (decoder_layer, ("residual_rms_norm",)),
     "rope": (blocks, ("apply_rotary",)),
-    "attention": (attention, ("qkv_rotary",)),  # the q, k, v projections fused with the RoPE
+    "attention": (attention, ("qkv_rotary", "linear_projections")),  # the q, k, v projections fused
     "swiglu": (blocks, ("gated_mlp", "gated_packed")),
     "loss": (loss, ("linear_cross_entropy",)),
 }

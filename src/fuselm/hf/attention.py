@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ..nn.mlp import is_plain_linear
+from ..ops.projections import linear_projections
 from ..ops.rope import qkv_rotary
 from ._common import warn_once
 from .layer_layout import split_checkpointing
@@ -83,10 +84,75 @@ def _statements(source: str) -> list[str]:
     return [ast.dump(s) for s in ast.parse(source).body]
 
 
-def fused_attention_source(forward: Callable) -> ast.Module | str:
-    """The syntax tree of a module defining ``_fuselm_make_forward(_fuselm_attention_input)``, which returns
-    ``forward`` (HF's attention forward, unwrapped) with its five input statements replaced by one call
-    of ``_fuselm_attention_input``; or why that cannot be done."""
+def projections_input(attn, hidden_states):
+    """(q, k, v) projections of ``hidden_states`` as ``attn.q_proj(hidden_states)`` etc. compute them: one
+    node (:func:`linear_projections`) when the three are plain ``nn.Linear`` layers of plain tensors, else
+    the three modules (PEFT / bitsandbytes layers run their own forwards)."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if all(is_plain_linear(p) and _plain_tensor(p.weight) for p in projections):
+        return linear_projections(
+            hidden_states, tuple(p.weight for p in projections), tuple(p.bias for p in projections)
+        )
+    return tuple(p(hidden_states) for p in projections)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def _projection_call(node: ast.AST) -> str | None:
+    """``q_proj`` (``k_proj``, ``v_proj``) when ``node`` is ``self.q_proj(hidden_states)``, else None."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords):
+        return None
+    func, arg = node.func, node.args[0]
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"):
+        return None
+    if func.attr in _PROJECTIONS and isinstance(arg, ast.Name) and arg.id == "hidden_states":
+        return func.attr
+    return None
+
+
+class _ProjectionCalls(ast.NodeTransformer):
+    def visit_Call(self, node):
+        name = _projection_call(node)
+        if name is not None:
+            return ast.copy_location(ast.Name(id=f"_fuselm_{name}", ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+
+def _fuse_projections(fn: ast.FunctionDef) -> str | None:
+    """Replace the three ``self.<x>_proj(hidden_states)`` calls of ``fn`` by the outputs of one
+    ``_fuselm_projections(self, hidden_states)`` call put before them (in place), or say why not: each call
+    must appear once, in three consecutive statements."""
+    where = {}
+    for i, stmt in enumerate(fn.body):
+        for node in ast.walk(stmt):
+            name = _projection_call(node)
+            if name is not None:
+                if name in where:
+                    return f"its forward calls self.{name}(hidden_states) more than once"
+                where[name] = i
+    if set(where) != set(_PROJECTIONS):
+        return "its forward does not project hidden_states with q_proj, k_proj and v_proj"
+    first = min(where.values())
+    if sorted(where.values()) != [first, first + 1, first + 2]:
+        return "its q, k and v projections are not three consecutive statements"
+    fn.body[first : first + 3] = [_ProjectionCalls().visit(s) for s in fn.body[first : first + 3]]
+    fn.body.insert(
+        first,
+        ast.parse(
+            "_fuselm_q_proj, _fuselm_k_proj, _fuselm_v_proj = _fuselm_projections(self, hidden_states)"
+        ).body[0],
+    )
+    return None
+
+
+def fused_attention_source(forward: Callable) -> tuple[ast.Module, str] | str:
+    """(the syntax tree of a module defining ``_fuselm_make_forward(_fuselm_attention_input,
+    _fuselm_projections)``, which returns ``forward`` (HF's attention forward, unwrapped) rewritten, and
+    how: ``"qkv_rotary"`` when its five Llama input statements became one call of
+    ``_fuselm_attention_input``, ``"projections"`` when only its three projection calls became one call
+    of ``_fuselm_projections`` (q / k norms between the projections and the RoPE)); or why neither can be
+    done."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError) as e:
@@ -99,16 +165,21 @@ def fused_attention_source(forward: Callable) -> ast.Module | str:
     body = [ast.dump(s) for s in fn.body]
     want = _statements(_INPUT)
     starts = [i for i in range(len(body) - len(want) + 1) if body[i : i + len(want)] == want]
-    if len(starts) != 1:
-        return "its forward does not compute q, k, v and the rotary embedding as Llama's does"
-    if _statements(_HIDDEN_SHAPE)[0] not in body[: starts[0]]:
-        return "its forward's hidden_shape is not (*input_shape, -1, self.head_dim)"
-    i = starts[0]
-    fn.body[i : i + len(want)] = ast.parse(_FUSED_INPUT).body
+    if len(starts) == 1 and _statements(_HIDDEN_SHAPE)[0] in body[: starts[0]]:
+        i = starts[0]
+        fn.body[i : i + len(want)] = ast.parse(_FUSED_INPUT).body
+        how = "qkv_rotary"
+    else:
+        reason = _fuse_projections(fn)
+        if reason is not None:
+            return reason
+        how = "projections"
     fn.decorator_list = []
-    maker = ast.parse("def _fuselm_make_forward(_fuselm_attention_input):\n    return forward\n").body[0]
+    maker = ast.parse(
+        "def _fuselm_make_forward(_fuselm_attention_input, _fuselm_projections):\n    return forward\n"
+    ).body[0]
     maker.body.insert(0, fn)
-    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[]))
+    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), how
 
 
 @functools.cache
@@ -117,11 +188,11 @@ def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
     once: the class keeps HF's forward, the RoPE still runs fuselm's kernel)."""
     split = split_checkpointing(original)
     reason = split if isinstance(split, str) else None
-    tree = None
+    made = None
     if reason is None:
         forward, _, rewrap = split
-        tree = fused_attention_source(forward)
-        reason = tree if isinstance(tree, str) else None
+        made = fused_attention_source(forward)
+        reason = made if isinstance(made, str) else None
     if reason is not None:
         warn_once(
             f"attention:{spec.model_type}",
@@ -129,6 +200,7 @@ def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
             "projections and RoPE run as separate nodes (fuselm's RoPE kernel still runs)",
         )
         return None
+    tree, _ = made
     module_globals = forward.__globals__
     rope_name = spec.rope
 
@@ -139,7 +211,7 @@ def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
     origin = f"<fuselm: {forward.__qualname__} of {forward.__module__}, its q, k, v and RoPE fused>"
     code = compile(tree, origin, "exec")
     exec(code, module_globals, namespace)  # noqa: S102 - HF's own source, five statements replaced
-    fused = namespace["_fuselm_make_forward"](fused_input)
+    fused = namespace["_fuselm_make_forward"](fused_input, projections_input)
     fused.__defaults__ = forward.__defaults__
     fused.__kwdefaults__ = forward.__kwdefaults__
     fused.__qualname__ = f"fuselm_{spec.attention}.forward"

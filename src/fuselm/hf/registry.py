@@ -57,9 +57,10 @@ class FamilySpec:
             stays HF's). Set only where the installed transformers' source was read; the patched forward
             also checks the layout when it is built (:func:`fuselm.hf.layer_layout.llama_layer_layout`)
             and leaves a layer that differs HF's.
-        attention: the attention class whose forward begins with Llama's q, k, v projections and
-            ``apply_rotary_pos_emb`` call, which fuselm runs as one node with the RoPE component
-            (:mod:`fuselm.hf.attention`; checked against the installed source when patching), or None.
+        attention: the attention class whose q, k, v projections of ``hidden_states`` fuselm runs as one
+            node with the RoPE component, with the rotation too where the forward begins with Llama's five
+            input statements (:mod:`fuselm.hf.attention`; read from the installed source when patching),
+            or None.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -112,8 +113,8 @@ def _spec(
     """A spec with the usual names: ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>ForCausalLM`` in
     ``transformers.models.<module or model_type>.modeling_<...>``, and with ``llama_layer=True`` (the
     decoder layer's forward was read and is Llama's layout) ``<prefix>DecoderLayer``, with
-    ``llama_attention=True`` (its q, k, v and RoPE statements are Llama's) ``<prefix>Attention``; keyword
-    arguments override."""
+    ``llama_attention=True`` (its q, k, v projections were read and can be fused)
+    ``<prefix>Attention``; keyword arguments override."""
     name = module or model_type
     kw = {
         "causal_lms": (f"{prefix}ForCausalLM",),
@@ -139,13 +140,14 @@ FAMILIES: dict[str, FamilySpec] = {
         _spec("mistral", "Mistral", llama_layer=True, llama_attention=True),
         _spec("ministral", "Ministral", llama_layer=True, llama_attention=True),
         _spec("qwen2", "Qwen2", llama_layer=True, llama_attention=True),
-        _spec("qwen3", "Qwen3", llama_layer=True),
+        _spec("qwen3", "Qwen3", llama_layer=True, llama_attention=True),
         _spec("phi3", "Phi3", packed_mlp=True),
         _spec("gemma", "Gemma", llama_layer=True, llama_attention=True, norm_style="gemma"),
         _spec("gemma2", "Gemma2", llama_attention=True, **GEMMA2_LIKE),
         _spec(
             "gemma3",
             "Gemma3",
+            llama_attention=True,
             **GEMMA2_LIKE,
             causal_lms=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ),
@@ -161,10 +163,10 @@ FAMILIES: dict[str, FamilySpec] = {
             causal_lms=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
             keeps=f"{EXPERTS}, per-layer-input gate, vision MLP (clippable linears), audio feed-forward",
         ),
-        _spec("olmo2", "Olmo2", norm_style="olmo2"),
-        _spec("olmo3", "Olmo3", norm_style="olmo2"),
+        _spec("olmo2", "Olmo2", llama_attention=True, norm_style="olmo2"),
+        _spec("olmo3", "Olmo3", llama_attention=True, norm_style="olmo2"),
         _spec("granite", "Granite", llama_attention=True),
-        _spec("smollm3", "SmolLM3", llama_layer=True),
+        _spec("smollm3", "SmolLM3", llama_layer=True, llama_attention=True),
         _spec("glm4", "Glm4", packed_mlp=True, rope=None, keeps=INTERLEAVED),
         _spec("cohere", "Cohere", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
         _spec("cohere2", "Cohere2", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
@@ -176,7 +178,7 @@ FAMILIES: dict[str, FamilySpec] = {
             mlp=None,
             keeps="nn.LayerNorm, MLP (not gated)",
         ),
-        _spec("exaone4", "Exaone4"),
+        _spec("exaone4", "Exaone4", llama_attention=True),
         _spec(
             "seed_oss",
             "SeedOss",
@@ -186,7 +188,7 @@ FAMILIES: dict[str, FamilySpec] = {
             keeps="MLP (a residual dropout after it)",
         ),
         _spec("ernie4_5", "Ernie4_5", llama_layer=True, rope=None, keeps=INTERLEAVED),
-        _spec("apertus", "Apertus", mlp=None, keeps="MLP (not gated, xIELU)"),
+        _spec("apertus", "Apertus", llama_attention=True, mlp=None, keeps="MLP (not gated, xIELU)"),
         _spec(
             "arcee",
             "Arcee",
@@ -201,15 +203,16 @@ FAMILIES: dict[str, FamilySpec] = {
         _spec(
             "falcon_h1",
             "FalconH1",
+            llama_attention=True,
             mlp_multipliers=("gate_multiplier", "down_multiplier"),
             keeps="Mamba mixer (and its gated RMSNorm)",
         ),
         # mixture of experts: the dense MLPs (shared experts, dense layers) are swapped, the experts not
-        _spec("qwen3_moe", "Qwen3Moe", llama_layer=True, keeps=EXPERTS),
+        _spec("qwen3_moe", "Qwen3Moe", llama_layer=True, llama_attention=True, keeps=EXPERTS),
         _spec("qwen2_moe", "Qwen2Moe", llama_layer=True, llama_attention=True, keeps=EXPERTS),
         _spec("qwen3_next", "Qwen3Next", norm_style="gemma", keeps=f"{EXPERTS}, gated DeltaNet"),
         _spec("mixtral", "Mixtral", llama_layer=True, llama_attention=True, mlp=None, keeps=EXPERTS),
-        _spec("olmoe", "Olmoe", llama_layer=True, mlp=None, keeps=EXPERTS),
+        _spec("olmoe", "Olmoe", llama_layer=True, llama_attention=True, mlp=None, keeps=EXPERTS),
         _spec("granitemoe", "GraniteMoe", llama_attention=True, mlp=None, keeps=EXPERTS),
         _spec(
             "gpt_oss",
