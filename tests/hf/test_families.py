@@ -92,13 +92,26 @@ def _train_step(model, ids, labels, **inputs):
 
 @pytest.mark.parametrize("model_type", ALL_TYPES)
 def test_family_patched_matches_hf(model_type, monkeypatch):
+    """HF's model and its float64 twin run (training step, then eval) before fuselm patches a third copy:
+    the RoPE is module-level in HF, and while a patched model of the family lives every model of it runs
+    fuselm's, so the baselines must run first to be HF's own."""
     eager = build(model_type)
     ref = clone(eager, torch.float64)
-    ours = fuselm.hf.patch(clone(eager))
+    mine = clone(eager)
     spec = family(model_type)
     vocab = eager.config.get_text_config().vocab_size
     ids, labels = _batch(vocab)
 
+    base = [_train_step(m, ids, labels) for m in (ref, eager)]
+    again = eager(input_ids=ids, labels=labels).loss  # no dropout or other randomness: the runs compare
+    assert torch.equal(again, base[1].loss), "the tiny model is not deterministic in training"
+    base_grads = [_grads(m) for m in (ref, eager)]
+    for m in (ref, eager):
+        m.eval()
+    with torch.no_grad():
+        base_evals = [m(input_ids=ids, labels=labels) for m in (ref, eager)]
+
+    ours = fuselm.hf.patch(mine)
     swapped = {type(m).__name__ for m in ours.modules() if "forward" in vars(m)}
     named = {spec.rms_norm, spec.mlp} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
@@ -106,31 +119,31 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     assert spec.decoder_layer not in swapped  # the fused residual is opt-in (tests/hf/test_decoder_layer.py)
 
     calls = _Calls(monkeypatch)
-    outs = [_train_step(m, ids, labels) for m in (ref, eager, ours)]
-    again = eager(input_ids=ids, labels=labels).loss  # no dropout or other randomness: the runs compare
-    assert torch.equal(again, outs[1].loss), "the tiny model is not deterministic in training"
-    assert outs[2].logits is None, "the training forward with labels made logits"
+    out = _train_step(ours, ids, labels)
+    assert out.logits is None, "the training forward with labels made logits"
     if model_type == "llava":  # its text model is a Llama: instance patching finds that family's blocks
         assert {"LlamaRMSNorm", "LlamaMLP"} <= swapped
     for component in ["loss", *spec.components()]:
-        if component != "residual_norm":
+        if component == "rope":  # the RoPE function, or inside the fused attention input
+            assert calls.n.get("rope", 0) + calls.n.get("attention", 0) > 0, "rope: no call into fuselm"
+        elif component != "residual_norm":
             assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert "residual_norm" not in calls.n
     if spec.attention is not None:
-        assert calls.n.get("attention", 0) > 0, f"{spec.attention}: q, k, v and RoPE not fused"
-    assert_numerics("loss", outs[2].loss, outs[1].loss, outs[0].loss, torch.float32)
-    grads = [_grads(m) for m in (ref, eager, ours)]
-    assert grads[2].keys() == grads[1].keys()
-    for name in grads[1]:
-        assert_numerics(f"grad {name}", grads[2][name], grads[1][name], grads[0][name], torch.float32)
+        assert calls.n.get("attention", 0) > 0, f"{spec.attention}: q, k, v not fused"
+    assert_numerics("loss", out.loss, base[1].loss, base[0].loss, torch.float32)
+    grads = _grads(ours)
+    assert grads.keys() == base_grads[1].keys()
+    for name in base_grads[1]:
+        assert_numerics(f"grad {name}", grads[name], base_grads[1][name], base_grads[0][name], torch.float32)
 
-    for m in (ref, eager, ours):
-        m.eval()
+    ours.eval()
     with torch.no_grad():
-        evals = [m(input_ids=ids, labels=labels) for m in (ref, eager, ours)]
-    assert evals[2].logits is not None, "eval with labels must return logits"
-    assert_numerics("eval logits", evals[2].logits, evals[1].logits, evals[0].logits, torch.float32)
-    assert_numerics("eval loss", evals[2].loss, evals[1].loss, evals[0].loss, torch.float32)
+        evaluated = ours(input_ids=ids, labels=labels)
+    assert evaluated.logits is not None, "eval with labels must return logits"
+    logits = [e.logits for e in base_evals]
+    assert_numerics("eval logits", evaluated.logits, logits[1], logits[0], torch.float32)
+    assert_numerics("eval loss", evaluated.loss, base_evals[1].loss, base_evals[0].loss, torch.float32)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3", "llava"])
