@@ -432,7 +432,8 @@ def test_autocast_adds_in_the_residual_dtype(fused_calls):
 def test_tensors_that_are_not_plain_run_hfs_add_and_norm(monkeypatch, fused_calls):
     """When the attention output or the residual is not a plain tensor (a DTensor), the layer runs HF's
     add and calls the norm module, after the attention it has already run."""
-    monkeypatch.setattr(decoder_layer, "_is_plain", lambda t: type(t) is torch.nn.Parameter)  # weights only
+    only_weights = lambda t: type(t) is torch.nn.Parameter  # noqa: E731 - the weights stay plain
+    monkeypatch.setattr(decoder_layer, "is_plain_tensor", only_weights)
     eager = build("llama")
     models = (clone(eager, torch.float64), eager, fuselm.hf.patch(clone(eager), **LAYER_ONLY))
     ids, labels = _batch(300)

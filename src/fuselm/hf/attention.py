@@ -28,12 +28,10 @@ import inspect
 import textwrap
 from collections.abc import Callable
 
-import torch
-
 from ..nn.mlp import is_plain_linear
 from ..ops.projections import linear_projections
 from ..ops.rope import qkv_rotary
-from ._common import warn_once
+from ._common import is_plain_tensor, warn_once
 from .layer_layout import split_checkpointing
 from .registry import FamilySpec
 
@@ -51,10 +49,6 @@ query_states, key_states, value_states = _fuselm_attention_input(self, hidden_st
 _HIDDEN_SHAPE = "hidden_shape = (*input_shape, -1, self.head_dim)"
 
 
-def _plain_tensor(t) -> bool:
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
-
-
 def attention_input(rope: Callable, attn, hidden_states, hidden_shape, cos, sin):
     """(q, k, v) in ``[B, heads, T, D]`` as HF's five statements compute them (``rope`` is the modeling
     module's ``apply_rotary_pos_emb``): through :func:`qkv_rotary` when the projections are plain
@@ -63,7 +57,7 @@ def attention_input(rope: Callable, attn, hidden_states, hidden_shape, cos, sin)
     if (
         hidden_states.dim() == 3
         and cos.dim() == 3
-        and all(is_plain_linear(p) and _plain_tensor(p.weight) for p in projections)
+        and all(is_plain_linear(p) and is_plain_tensor(p.weight) for p in projections)
     ):
         return qkv_rotary(
             hidden_states,
@@ -89,7 +83,7 @@ def projections_input(attn, hidden_states):
     node (:func:`linear_projections`) when the three are plain ``nn.Linear`` layers of plain tensors, else
     the three modules (PEFT / bitsandbytes layers run their own forwards)."""
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if all(is_plain_linear(p) and _plain_tensor(p.weight) for p in projections):
+    if all(is_plain_linear(p) and is_plain_tensor(p.weight) for p in projections):
         return linear_projections(
             hidden_states, tuple(p.weight for p in projections), tuple(p.bias for p in projections)
         )

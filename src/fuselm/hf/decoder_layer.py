@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..ops.rms_norm import rms_norm
-from ._common import hf_class, warn_once
+from ._common import hf_class, is_plain_tensor, warn_once
 from .blocks import rms_norm_forward
 from .layer_layout import llama_layer_layout, split_checkpointing
 from .registry import NORM_STYLES, FamilySpec
@@ -36,10 +36,6 @@ def _hooked(module: nn.Module) -> bool:
     if module._backward_pre_hooks:
         return True
     return any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
-
-
-def _is_plain(t) -> bool:
-    return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
 def _forward_function(module: nn.Module) -> Callable:
@@ -79,7 +75,7 @@ def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | N
     weight = None
     if scale_flag is None or getattr(norm, scale_flag):
         weight = getattr(norm, "weight", None)
-        if not _is_plain(weight):
+        if not is_plain_tensor(weight):
             return None
     return weight, getattr(norm, style["eps_attr"]), style["offset"], style["casting"]
 
@@ -179,8 +175,8 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable) -> Callable | No
             passed.update(kwargs)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **passed)
         if (
-            _is_plain(hidden_states)
-            and _is_plain(residual)
+            is_plain_tensor(hidden_states)
+            and is_plain_tensor(residual)
             and hidden_states.shape == residual.shape
             and hidden_states.device == residual.device
         ):

@@ -11,8 +11,9 @@ def mm_fp32_into(
 ) -> torch.Tensor:
     """out (fp32) = a @ b, or out += a @ b with ``accumulate``, the product summed in fp32 and never rounded
     to a's dtype. On CUDA cuBLAS takes the 16-bit operands directly (``out_dtype``); elsewhere (the CPU
-    interpreter path) they are upcast first."""
-    if a.dtype == torch.float32:
+    interpreter path) they are upcast first. Operands of out's own dtype (fp32, or fp64 into an fp64 out)
+    are multiplied as they are."""
+    if a.dtype == out.dtype:
         return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     if a.is_cuda:
         if accumulate:

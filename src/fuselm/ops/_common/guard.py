@@ -36,6 +36,17 @@ def check_tensor(
     return t
 
 
+def cast_for_autocast(device_type: str, *tensors) -> tuple[tuple, bool]:
+    """(the operands as ``nn.Linear`` sees them under autocast on ``device_type``: floating tensors in the
+    autocast dtype, anything else as it is for the argument checks to name; whether autocast is on). The
+    operands come back unchanged when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors, False
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+    return cast, True
+
+
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
     choices = tuple(choices)
     if value not in choices:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from .._common.dtensor import has_dtensor
-from .._common.guard import FLOAT_DTYPES, check_tensor
+from .._common.guard import FLOAT_DTYPES, cast_for_autocast, check_tensor
+from .._common.linear import projections_backward
 
 
 class ProjectionsFunction(torch.autograd.Function):
@@ -25,21 +26,11 @@ class ProjectionsFunction(torch.autograd.Function):
     def backward(ctx, *douts):
         x, *weights = ctx.saved_tensors
         n, need = ctx.n, ctx.needs_input_grad
-        dx = None
-        if need[0]:
-            for d, w in zip(douts, weights, strict=True):
-                dx = torch.mm(d, w) if dx is None else dx.addmm_(d, w)  # one buffer
-        dw = [torch.mm(d.t(), x) if need[2 + i] else None for i, d in enumerate(douts)]
-        db = [d.sum(0) if need[2 + n + i] else None for i, d in enumerate(douts)]
+        dx, dw, db = projections_backward(x, tuple(weights), douts, need[0], need[2 : 2 + n], need[2 + n :])
         return dx, None, *dw, *db
 
 
 _DTYPES = (*FLOAT_DTYPES, torch.float64)
-
-
-def _autocast(t, dtype: torch.dtype):
-    """A floating tensor in the autocast dtype (anything else as it is, for the checks to name)."""
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
 def linear_projections(
@@ -85,12 +76,9 @@ def linear_projections(
             ".to_local() of every input"
         )
     check_tensor("x", x, dtypes=_DTYPES, min_ndim=1)
-    autocast = torch.is_autocast_enabled(x.device.type)
-    if autocast:
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x = x.to(dtype)
-        weights = tuple(_autocast(w, dtype) for w in weights)
-        biases = tuple(_autocast(b, dtype) for b in biases)
+    n = len(weights)
+    (x, *cast), autocast = cast_for_autocast(x.device.type, x, *weights, *biases)
+    weights, biases = tuple(cast[:n]), tuple(cast[n:])
     hidden = x.shape[-1]
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         check_tensor(f"weights[{i}]", w, dtypes=(x.dtype,), ndim=2, device=x.device)

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, run_local
-from .._common.guard import check_choice, check_tensor
+from .._common.guard import cast_for_autocast, check_choice, check_tensor
 from .._common.launch import cdiv, launcher, next_pow2
+from .._common.linear import projections_backward
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
@@ -434,9 +435,7 @@ class QKVRotaryFunction(torch.autograd.Function):
             _launch(dq_e, dk_e, dq, dk, cos, sin, None, is_bwd=True)
         dq, dk = dq.reshape(n_rows, -1), dk.reshape(n_rows, -1)
         dv = dv.transpose(1, 2).reshape(n_rows, -1)  # a view when dv is dense as [B, T, heads, D]
-        dx = torch.mm(dq, wq).addmm_(dk, wk).addmm_(dv, wv) if need[0] else None  # one buffer
-        dw = [torch.mm(d.t(), x) if need[1 + i] else None for i, d in enumerate((dq, dk, dv))]
-        db = [d.sum(0) if need[4 + i] else None for i, d in enumerate((dq, dk, dv))]
+        dx, dw, db = projections_backward(x, (wq, wk, wv), (dq, dk, dv), need[0], need[1:4], need[4:7])
         return dx, *dw, *db, None, None, None, None, None
 
 
@@ -503,14 +502,12 @@ def qkv_rotary(
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2:
         raise ValueError(f"head_dim must be an int >= 2, got {head_dim!r}")
     batch, seq_len, hidden = x.shape
-    weights = {"q_weight": q_weight, "k_weight": k_weight, "v_weight": v_weight}
-    biases = {"q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
-    autocast = torch.is_autocast_enabled(x.device.type)
-    if autocast:  # as nn.Linear under autocast: every operand in the autocast dtype (the node runs outside)
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x = x.to(dtype)
-        weights = {k: _autocast(w, dtype) for k, w in weights.items()}
-        biases = {k: _autocast(b, dtype) for k, b in biases.items()}
+    # as nn.Linear under autocast: every operand in the autocast dtype (the node then runs outside it)
+    (x, *cast), autocast = cast_for_autocast(
+        x.device.type, x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias
+    )
+    weights = dict(zip(("q_weight", "k_weight", "v_weight"), cast[:3], strict=True))
+    biases = dict(zip(("q_bias", "k_bias", "v_bias"), cast[3:], strict=True))
     heads = {}
     for name, w in weights.items():
         check_tensor(name, w, dtypes=(x.dtype,), ndim=2, device=x.device)
@@ -548,8 +545,3 @@ def qkv_rotary(
 
 
 _QKV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _autocast(t, dtype: torch.dtype):
-    """A floating tensor in the autocast dtype (anything else as it is, for the checks to name)."""
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

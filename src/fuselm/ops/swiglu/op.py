@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
-from .._common.guard import FLOAT_DTYPES, check_choice, check_tensor, rows_view
+from .._common.fp32_matmul import mm_fp32_into
+from .._common.guard import FLOAT_DTYPES, cast_for_autocast, check_choice, check_tensor, rows_view
 from .._common.launch import cdiv, launcher, next_pow2
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
@@ -467,24 +468,6 @@ class GatedMLPFunction(torch.autograd.Function):
         return dx, dwg, dwu, dwd, dbg, dbu, dbd, None
 
 
-_FP32_OUT_MM = [True]  # does torch.mm(..., out_dtype=torch.float32) run here (CUDA builds; tried once)
-
-
-def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc float32 (float64 for float64 operands): the product in fp32 out of the GEMM
-    where it can (16-bit operands on CUDA), else rounded to the operands' dtype first."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if a.is_cuda and _FP32_OUT_MM[0]:
-        try:
-            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-            return
-        except (RuntimeError, TypeError, NotImplementedError):  # not in this build
-            _FP32_OUT_MM[0] = False
-    acc.add_(torch.mm(a, b))
-
-
 def _chunks(n_rows: int, chunk_rows: int):
     return [(s, min(s + chunk_rows, n_rows)) for s in range(0, n_rows, chunk_rows)]
 
@@ -532,13 +515,13 @@ class ChunkedGatedMLPFunction(torch.autograd.Function):
             res = gated_backward(dh, g, u, ctx.activation, want_out=nwd, overwrite_inputs=True)
             dg, du, h = res if nwd else (*res, None)
             if nwd:
-                _add_product_(acc["wd"], dyc.t(), h)
+                mm_fp32_into(acc["wd"], dyc.t(), h, accumulate=True)
             if nbd:
                 acc["bd"].add_(dyc.sum(0, dtype=acc_dtype))
             if nwg:
-                _add_product_(acc["wg"], dg.t(), xc)
+                mm_fp32_into(acc["wg"], dg.t(), xc, accumulate=True)
             if nwu:
-                _add_product_(acc["wu"], du.t(), xc)
+                mm_fp32_into(acc["wu"], du.t(), xc, accumulate=True)
             if nbg:
                 acc["bg"].add_(dg.sum(0, dtype=acc_dtype))
             if nbu:
@@ -880,14 +863,11 @@ def swiglu_mlp(
             "their outputs, or pass .to_local() of every input"
         )
     check_tensor("x", x, dtypes=_DTYPES, min_ndim=1)
-    device_type = x.device.type
-    weights = {"gate_weight": gate_weight, "up_weight": up_weight, "down_weight": down_weight}
-    biases = {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias}
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x = x.to(dtype)
-        weights = {k: w.to(dtype) if isinstance(w, torch.Tensor) else w for k, w in weights.items()}
-        biases = {k: b.to(dtype) if isinstance(b, torch.Tensor) else b for k, b in biases.items()}
+    (x, *cast), _ = cast_for_autocast(
+        x.device.type, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
+    )
+    weights = dict(zip(("gate_weight", "up_weight", "down_weight"), cast[:3], strict=True))
+    biases = dict(zip(("gate_bias", "up_bias", "down_bias"), cast[3:], strict=True))
     hidden = x.shape[-1]
     for name, w in weights.items():
         check_tensor(name, w, dtypes=(x.dtype,), ndim=2, device=x.device)
