@@ -26,6 +26,13 @@ def _batch(vocab: int, b=2, t=12, seed=1):
     return ids.to(DEVICE), labels.to(DEVICE)
 
 
+def _sdpa(model):
+    """The model on SDPA attention, as from_pretrained gives it: a CUDA graph can capture its causal mask
+    (None without padding), not the eager attention's, which copies a host scalar to the GPU."""
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
 def _loss_and_grads(model, ids, labels):
     model.train()
     model.zero_grad(set_to_none=True)
@@ -60,7 +67,7 @@ def test_reduce_overhead_compile_of_a_patched_model():
     """torch.compile(mode="reduce-overhead") (CUDA graphs by the compiler) of a patched model: HF's loss
     and gradients, over three steps of new data (the graphs are recorded, then replayed)."""
     torch._dynamo.reset()
-    hf = build("llama", device=DEVICE)
+    hf = _sdpa(build("llama", device=DEVICE))
     ref = clone(hf, torch.float64)
     compiled = torch.compile(fuselm.hf.patch(clone(hf)), mode="reduce-overhead")
     for seed in (1, 2, 3):
@@ -80,7 +87,7 @@ def test_cuda_graph_capture_of_a_patched_step():
     """The README's recipe: forward and backward of a patched model's step captured by hand in a CUDA
     graph (after a warm-up on a side stream) and replayed on new batches copied into the same inputs:
     HF's loss and gradients."""
-    hf = build("llama", device=DEVICE)
+    hf = _sdpa(build("llama", device=DEVICE))  # eager attention builds its mask from a host scalar
     ref = clone(hf, torch.float64)
     model = fuselm.hf.patch(clone(hf))
     model.train()

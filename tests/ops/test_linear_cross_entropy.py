@@ -690,10 +690,14 @@ def test_compile_fullgraph_interpreter(plan):
 
 
 @gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_gpu_compile(plan):
+def test_gpu_compile(plan, dtype, backend):
+    """fp32 too: a loss returned as an alias of the graph's own scalar once made every gradient zero on
+    CUDA (a same-dtype .to in the autograd.Function, torch 2.11)."""
     torch._dynamo.reset()
-    _compile_check("inductor", torch.bfloat16, _memory(plan))
+    _compile_check(backend, dtype, _memory(plan))
 
 
 @gpu

@@ -477,9 +477,11 @@ def test_compile_fullgraph_cpu():
 
 
 @gpu
-def test_gpu_compile():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_gpu_compile(dtype, backend):
     torch._dynamo.reset()
-    _compile_check("inductor", torch.bfloat16)
+    _compile_check(backend, dtype)
 
 
 @gpu

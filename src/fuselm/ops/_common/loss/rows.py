@@ -204,7 +204,10 @@ def reduced_loss(
     """options.reduce_rows of per-row losses [N] (fp32, contiguous), cast to dtype, in one launch for
     "mean" and "sum" (eager, Triton path)."""
     if opts.reduction == "none" or not _one_launch(loss):
-        return reduce_rows(loss, opts, scales).to(dtype)
+        reduced = reduce_rows(loss, opts, scales)
+        # no `.to` of the same dtype: returned from an autograd.Function traced by torch.compile, that
+        # alias of an intermediate made the backward's gradients zero on CUDA (torch 2.11, fp32 losses)
+        return reduced if reduced.dtype == dtype else reduced.to(dtype)
     out = torch.empty((), dtype=dtype, device=loss.device)
     loss_reduce_launch(
         (1,),
