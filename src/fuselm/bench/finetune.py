@@ -623,7 +623,10 @@ def train(
         torch.cuda.reset_peak_memory_stats(device)
         if memory_cap_gib is not None:  # a smaller GPU: allocations past the cap raise OutOfMemoryError
             total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
+            index = (
+                device.index if device.index is not None else torch.cuda.current_device()
+            )  # "cuda": no index
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
     rss_before = _rss()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

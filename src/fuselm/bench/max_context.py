@@ -85,10 +85,10 @@ def longest_fitting(
     if top.status == "ok":
         return hi, top, probes, None
     if top.status != "oom":
-        return None, None, probes, f"{hi} tokens: {top.status}"
+        return None, None, probes, _why_stopped(hi, top)
     low = run(lo)
     if low.status != "ok":
-        return None, None, probes, None if low.status == "oom" else f"{lo} tokens: {low.status}"
+        return None, None, probes, None if low.status == "oom" else _why_stopped(lo, low)
     best = low
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:
         mid = max(on_grain(math.sqrt(lo * hi)), lo + GRAIN)  # the grain is the search's resolution
@@ -100,8 +100,14 @@ def longest_fitting(
         elif row.status == "oom":
             hi = mid
         else:
-            return lo, best, probes, f"{mid} tokens: {row.status}"
+            return lo, best, probes, _why_stopped(mid, row)
     return lo, best, probes, None
+
+
+def _why_stopped(tokens: int, row: Any) -> str:
+    """Why a probe ended the search: its status and the last line of its error (a worker's traceback)."""
+    error = (getattr(row, "error", None) or "").strip()
+    return f"{tokens} tokens: {row.status}" + (f" ({error.splitlines()[-1]})" if error else "")
 
 
 def _row_summary(row: Any) -> tuple[str, float | None, float | None]:
@@ -237,7 +243,10 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
                         steps=1,
                         extra=extra,
                     )
+                    error = (getattr(row, "error", None) or "").strip()
                     print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
+                    if row.status not in ("ok", "oom") and error:
+                        print(error, flush=True)
                     return row
 
                 found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
