@@ -45,6 +45,15 @@ def test_bisection_edges_and_failures():
 
     longest, _, _, stopped = max_context.longest_fitting(broken, 1024, 8192)
     assert longest == 1024 and stopped is not None and "error" in stopped
+
+    # the worker's error is named: the last line of its traceback
+    def failing(t):
+        return SimpleNamespace(
+            status="error", error="Traceback (most recent call last):\nValueError: no index"
+        )
+
+    stopped = max_context.longest_fitting(failing, 1024, 8192)[3]
+    assert stopped == "8192 tokens: error (ValueError: no index)"
     with pytest.raises(ValueError, match="0 < LO <= HI"):
         max_context.longest_fitting(_fits_up_to(1), 10, 5)
 
@@ -91,3 +100,21 @@ def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
         assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
         assert [p[0] for p in s["probes"]] == [32]
     assert "| fuselm | none | 32 |" in (tmp_path / "max_context.md").read_text()
+
+
+@pytest.mark.parametrize("device, index", [("cuda", 3), ("cuda:1", 1)])
+def test_memory_cap_passes_the_device_index(device, index, monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction refuses a device without an index ("cuda"): the cap
+    passes the current device's index then (every capped probe once failed so on the GPU)."""
+    import torch
+
+    from fuselm.bench import finetune
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30)
+    )
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
+    finetune.cap_memory(torch.device(device), 16.0)
+    assert calls == [(0.2, index)]

@@ -578,6 +578,15 @@ def _rss() -> int | None:
         return None
 
 
+def cap_memory(device: torch.device, gib: float) -> None:
+    """Make the CUDA ``device`` act as a GPU of ``gib`` GiB for this process: allocations past it raise
+    torch.cuda.OutOfMemoryError (``torch.cuda.set_per_process_memory_fraction``, which wants the device's
+    index: ``"cuda"`` means the current device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
+
+
 def train(
     plan: Plan,
     provider: str,
@@ -621,12 +630,8 @@ def train(
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        if memory_cap_gib is not None:  # a smaller GPU: allocations past the cap raise OutOfMemoryError
-            total = torch.cuda.get_device_properties(device).total_memory
-            index = (
-                device.index if device.index is not None else torch.cuda.current_device()
-            )  # "cuda": no index
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
+        if memory_cap_gib is not None:
+            cap_memory(device, memory_cap_gib)
     rss_before = _rss()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
