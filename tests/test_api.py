@@ -77,7 +77,7 @@ def test_docstring_examples_run(obj):
 
 # ---- import direction (docs/design.md section 1) ----
 
-ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.distributed", "fuselm.bench", "fuselm.lora")
+ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.distributed", "fuselm.lora")
 OP_FOLDERS = sorted(p.name for p in (SRC / "ops").iterdir() if p.is_dir() and (p / "__init__.py").exists())
 # The modules inside public op folders (fuselm.ops.swiglu.op, ...): private to the op; a package above
 # the ops that may use only their public surface imports the folder (`from fuselm.ops.swiglu import f`).
@@ -97,7 +97,6 @@ RULES = {
             "fuselm.hf",
             "fuselm.trl",
             "fuselm.distributed",
-            "fuselm.bench",
             "fuselm.cli",
             "transformers",
             "trl",
@@ -105,7 +104,7 @@ RULES = {
     ),
     "distributed": (
         "distributed",
-        ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.bench", "fuselm.cli", "transformers", "trl"),
+        ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.cli", "transformers", "trl"),
     ),
     # lora: framework-agnostic math over the ops' public functions (fuselm.ops.<op> packages only);
     # bitsandbytes lazily inside lora/frozen.py only (test_lora_imports_bitsandbytes_lazily)
@@ -116,7 +115,6 @@ RULES = {
             "fuselm.hf",
             "fuselm.trl",
             "fuselm.distributed",
-            "fuselm.bench",
             "fuselm.cli",
             "fuselm.demo",
             "fuselm.ops._common",
@@ -132,9 +130,9 @@ RULES = {
         "offload.py",
         ("fuselm", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "triton"),
     ),
-    "bench": ("bench", ("fuselm.cli", "fuselm.demo")),
     "demo": ("demo", ("fuselm.cli",)),
-    "src": (".", ("tests",)),
+    # the benchmark lab (benchmarks/fuselm_bench) sits on top of the package, outside the wheel
+    "src": (".", ("tests", "kit", "fuselm_bench")),
     # an op folder imports ops/_common and itself, never a sibling op folder
     **{
         f"ops/{op}": (
@@ -195,6 +193,45 @@ def test_import_direction(rule):
         if _forbidden(name, prefixes)
     ]
     assert not bad, "imports must point downward (docs/design.md section 1):\n" + "\n".join(bad)
+
+
+LAB = SRC.parents[1] / "benchmarks" / "fuselm_bench"  # the benchmark lab, in the repository only
+
+
+def test_the_package_holds_no_benchmark_code():
+    """The wheel's packages (pyproject: every package under src/) are fuselm's alone, none of them the lab's;
+    importing fuselm, its command line and its demo loads no module of the lab (`fuselm bench` loads it
+    from the repository when it runs)."""
+    import subprocess
+    import sys
+
+    import setuptools
+
+    packages = setuptools.find_packages(where=str(SRC.parent))
+    assert "fuselm" in packages and all(p == "fuselm" or p.startswith("fuselm.") for p in packages)
+    assert not any("bench" in p.split(".") for p in packages), packages
+    assert (LAB / "__init__.py").is_file() and not (SRC / "bench").exists()
+    code = (
+        "import sys, fuselm, fuselm.cli, fuselm.demo.train, fuselm.nn, fuselm.hf, fuselm.lora, "
+        "fuselm.distributed\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fuselm_bench', 'kit')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_lab_imports_the_package_not_the_tests():
+    """benchmarks/fuselm_bench imports fuselm like any user (absolute imports) and never the tests."""
+    bad = []
+    for path in sorted(LAB.rglob("*.py")):
+        module = ".".join(path.relative_to(LAB.parent).with_suffix("").parts).removesuffix(".__init__")
+        for line, name in _imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if _forbidden(name, ("tests", "kit")):
+                bad.append(f"{path.relative_to(LAB.parents[1])}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+    assert any(
+        name == "fuselm" for _, name in _imports((LAB / "fresh_process.py").read_text(), "fuselm_bench.x")
+    )
 
 
 def _imports_with_scope(path: Path) -> list[tuple[int, str, bool]]:

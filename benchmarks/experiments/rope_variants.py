@@ -7,15 +7,15 @@
 - rows: one launch, a program per [BLOCK_T, D] tile of one (b, head) of q or k; the two halves loaded as
   [BLOCK_T, D/2] tiles.
 
-Usage (GPU): PYTHONPATH=src python benchmarks/experiments/rope_variants.py
+Usage (GPU): PYTHONPATH=src:benchmarks python benchmarks/experiments/rope_variants.py
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from fuselm.bench.harness import capture_graph
-from fuselm.bench.rope import hf_apply_rotary_pos_emb
+from fuselm_bench.harness import capture_graph
+from fuselm_bench.rope import hf_apply_rotary_pos_emb
 from fuselm.ops.rope.op import _launch
 
 B, T, HQ, HK, D = 4, 4096, 32, 8, 128

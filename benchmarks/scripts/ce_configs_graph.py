@@ -2,7 +2,7 @@
 path) and eagerly, next to torch.compile: which configs hold a row in registers (single block, read once)
 pay off, and how much of the eager time is the host's.
 
-Usage (GPU): PYTHONPATH=src python benchmarks/scripts/ce_configs_graph.py [NxV,...]
+Usage (GPU): PYTHONPATH=src:benchmarks python benchmarks/scripts/ce_configs_graph.py [NxV,...]
 """
 
 import sys
@@ -11,7 +11,7 @@ import torch
 import triton
 
 import fuselm
-from fuselm.bench.harness import capture_graph
+from fuselm_bench.harness import capture_graph
 from fuselm.ops._common.loss import rows as ce_rows
 
 SHAPES = [(16384, 32000), (16384, 8192), (8192, 128256), (4096, 256000)]

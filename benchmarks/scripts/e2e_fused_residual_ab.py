@@ -2,7 +2,7 @@
 Llama-3.2-1B-shaped model (bf16, fused AdamW, SDPA) patched by fuselm.hf.patch with fused_residual=True
 and =False, alternating A B A B ... in one process (same seed, same batch), median step time per arm.
 
-Usage (GPU): PYTHONPATH=src python benchmarks/scripts/e2e_fused_residual_ab.py [BATCH] [ROUNDS] [STEPS]
+Usage (GPU): PYTHONPATH=src:benchmarks python benchmarks/scripts/e2e_fused_residual_ab.py [BATCH] [ROUNDS] [STEPS]
 """
 
 import statistics
@@ -11,7 +11,9 @@ import sys
 import torch
 
 import fuselm.hf
-from fuselm.bench import e2e, training
+from fuselm_bench import e2e
+
+from fuselm.demo import training
 
 
 def step_ms(fused_residual: bool, batch: int, seq: int, steps: int) -> float:

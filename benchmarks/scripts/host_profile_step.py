@@ -7,7 +7,7 @@ code); compare providers by the shares and the call counts, and read the wall/CP
 printed before profiling (measured without the profiler).
 
 Usage (GPU, repo root):
-    PYTHONPATH=src python benchmarks/scripts/host_profile_step.py [--providers hf,fuselm]
+    PYTHONPATH=src:benchmarks python benchmarks/scripts/host_profile_step.py [--providers hf,fuselm]
         [--model llama3.2-1b] [--shape 1x2048] [--steps 5] [--top 40] [--out DIR]
 """
 
@@ -23,14 +23,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fuselm.bench import e2e, training
+from fuselm_bench import e2e, step_timing
+
+from fuselm.demo import training
 
 
 def measure(provider: str, model: str, batch: int, seq: int, steps: int, top: int, out: Path | None) -> str:
     device = torch.device("cuda")
     built = e2e.build_model(e2e.GPU_PRESET, provider, torch.bfloat16, device, model=model)
     ids = torch.randint(0, built.config.vocab_size, (batch, seq), device=device)
-    step = training.optimizer_step(
+    step = step_timing.optimizer_step(
         training.causal_lm_loss(built), list(built.parameters()), [ids], lr=1e-5, fused=True
     )
     for i in range(5):

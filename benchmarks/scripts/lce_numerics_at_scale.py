@@ -1,6 +1,6 @@
 """Numerics of fused linear cross-entropy at real shapes, against a float64 reference (GPU).
 
-    PYTHONPATH=src python benchmarks/scripts/lce_numerics_at_scale.py [N H V inputs k ...]
+    PYTHONPATH=src:benchmarks python benchmarks/scripts/lce_numerics_at_scale.py [N H V inputs k ...]
 
 For each shape (default: Llama-3-8B's head, random and peaked inputs, 1/7 ignored) prints the relative
 norm error (docs/design.md s. 5) of the loss, dX and dW of every provider against fuselm's float64 chunked
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import fuselm
-from fuselm.bench import linear_cross_entropy as suite
-from fuselm.bench.harness import SkipProvider
+from fuselm_bench import linear_cross_entropy as suite
+from fuselm_bench.harness import SkipProvider
 from fuselm.ops._common.testing import ATOL
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy_reference
 from fuselm.ops.linear_cross_entropy.op import chunk_rows_for

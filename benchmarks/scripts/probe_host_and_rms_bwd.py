@@ -5,7 +5,7 @@
 2. Kernel durations (torch.profiler) at the bench shapes, and eager do_bench vs a CUDA-graph replay.
 3. RMSNorm backward sweep at 16384 x 4096: programs per SM cap, elements per warp, partial-reduce tiles
    (CUDA-graph replay of fwd+bwd, so the host is out of the figure; then eager do_bench of the best).
-Usage (GPU): PYTHONPATH=src python benchmarks/scripts/probe_host_and_rms_bwd.py
+Usage (GPU): PYTHONPATH=src:benchmarks python benchmarks/scripts/probe_host_and_rms_bwd.py
 """
 
 import cProfile
@@ -19,7 +19,7 @@ import triton
 from host_overhead import host_us  # benchmarks/scripts (the script's own folder)
 
 import fuselm
-from fuselm.bench.harness import capture_graph
+from fuselm_bench.harness import capture_graph
 from fuselm.ops._common import launch, partial_sums
 from fuselm.ops.rms_norm import op as rms_op
 

@@ -1,6 +1,6 @@
 """Where does fused linear cross-entropy (memory="auto") lose time outside its kernels? (GPU)
 
-    PYTHONPATH=src python benchmarks/scripts/probe_lce_host.py N H V inputs k
+    PYTHONPATH=src:benchmarks python benchmarks/scripts/probe_lce_host.py N H V inputs k
 
 Times fwd+bwd (triton do_bench median, as the benchmark) with the defaults, with ignored-row compaction
 off (no host sync), with an int budget (no free-memory query), and 10 steps back to back (CUDA events).
@@ -12,7 +12,7 @@ import torch
 import triton
 
 import fuselm
-from fuselm.bench import linear_cross_entropy as suite
+from fuselm_bench import linear_cross_entropy as suite
 from fuselm.ops.linear_cross_entropy import op as lce_op
 
 shape = tuple(int(a) for a in sys.argv[1:6])

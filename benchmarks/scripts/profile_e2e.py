@@ -2,7 +2,7 @@
 time over profiled steps (torch.profiler), grouped by name.
 
 Run on the GPU from the repo root (Liger needs peer-site on PYTHONPATH):
-    PYTHONPATH=src:peer-site python benchmarks/scripts/profile_e2e.py fuselm 4 [top]
+    PYTHONPATH=src:benchmarks:peer-site python benchmarks/scripts/profile_e2e.py fuselm 4 [top]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fuselm.bench.e2e import GPU_PRESET, build_model
+from fuselm_bench.e2e import GPU_PRESET, build_model
 
 provider, batch = sys.argv[1], int(sys.argv[2])
 top = int(sys.argv[3]) if len(sys.argv) > 3 else 30

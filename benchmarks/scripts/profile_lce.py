@@ -1,6 +1,6 @@
 """Kernel-time breakdown of fuselm.linear_cross_entropy fwd+bwd (torch profiler, GPU).
 
-    PYTHONPATH=src python benchmarks/scripts/profile_lce.py N H V inputs k [memory]
+    PYTHONPATH=src:benchmarks python benchmarks/scripts/profile_lce.py N H V inputs k [memory]
 
 memory: "auto" (default), "min" or a byte count. Prints the CUDA kernels by total time over 3 steps.
 """
@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fuselm
-from fuselm.bench import linear_cross_entropy as suite
+from fuselm_bench import linear_cross_entropy as suite
 
 shape = tuple(int(a) for a in sys.argv[1:6])
 memory = sys.argv[6] if len(sys.argv) > 6 else "auto"

@@ -1,13 +1,13 @@
 """How much of RoPE's fwd+bwd time at Llama-3-8B shapes is the host path? Eager fwd+bwd vs the same
 captured in a CUDA graph (no Python, no launch overhead), and torch.compile of the reference; then the
 device time of every kernel of fuselm and of torch.compile (profiler tables).
-Usage (GPU): PYTHONPATH=src python benchmarks/scripts/rope_host_share.py"""
+Usage (GPU): PYTHONPATH=src:benchmarks python benchmarks/scripts/rope_host_share.py"""
 
 import torch
 import triton
 
 import fuselm
-from fuselm.bench.harness import capture_graph
+from fuselm_bench.harness import capture_graph
 from fuselm.ops.rope.reference import apply_rotary_reference
 
 B, T, HQ, HK, D = 4, 4096, 32, 8, 128

@@ -11,8 +11,8 @@ import torch
 import triton
 
 import fuselm
-from fuselm.bench.harness import capture_graph
-from fuselm.bench.rope import hf_apply_rotary_pos_emb, make_inputs
+from fuselm_bench.harness import capture_graph
+from fuselm_bench.rope import hf_apply_rotary_pos_emb, make_inputs
 
 B, T, HQ, HK, D = 4, 4096, 32, 8, 128
 

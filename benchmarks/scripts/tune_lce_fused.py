@@ -1,6 +1,6 @@
 """Time the fused tile plan (memory="min") fwd+bwd under several tile configs (GPU).
 
-    PYTHONPATH=src python benchmarks/scripts/tune_lce_fused.py N H V inputs k
+    PYTHONPATH=src:benchmarks python benchmarks/scripts/tune_lce_fused.py N H V inputs k
 """
 
 import itertools
@@ -10,7 +10,7 @@ import torch
 import triton
 
 import fuselm
-from fuselm.bench import linear_cross_entropy as suite
+from fuselm_bench import linear_cross_entropy as suite
 from fuselm.ops.linear_cross_entropy import fused
 
 shape = tuple(int(a) for a in sys.argv[1:6])

@@ -2,190 +2,99 @@
 
 Usage::
 
-    fuselm bench                       # list the benchmark suites
-    fuselm bench cross_entropy         # run one suite with its default shapes and providers
-    fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
-    fuselm bench all                   # every suite, default shapes
-    fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
-    fuselm bench e2e --models qwen3-0.6b --repeats 3 # the grid's Qwen3 shapes, 3 fresh processes each
-    fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
-    fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
     fuselm demo                        # train a small Llama twice: HF eager vs fuselm.hf.patch
+    fuselm bench ...                   # the benchmark lab (a clone of the repository: benchmarks/)
 
-Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
-CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``bench-out/cpu``
-(ignored by git: CPU figures are smoke runs, never committed).
 ``fuselm demo`` writes ``fuselm_demo.png`` and ``fuselm_demo.json`` to ``--out`` (default: the current
-folder).
+folder). ``fuselm bench`` runs the benchmark lab, which is not part of the installed package: it lives in
+the repository's ``benchmarks/fuselm_bench`` and runs from a clone (``pip install -e .`` there), where this
+command finds it next to ``src/``; ``fuselm bench --help`` lists its options.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from .bench.arguments import UsageError, parse_list, parse_shapes, pick_device, positive_int
+import torch
 
-# UsageError and the parsers live in fuselm.bench.arguments (the runners raise and use them); named here too
-__all__ = ["UsageError", "build_parser", "main", "parse_list", "parse_shapes"]
+__all__ = ["UsageError", "build_parser", "main", "pick_device", "positive_int"]
+
+LAB = "fuselm_bench"
+"""The benchmark lab's package (the repository's ``benchmarks/fuselm_bench``)."""
+
+
+class UsageError(Exception):
+    """A bad command-line value; :func:`main` prints it and returns 2."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive integer, or ``argparse.ArgumentTypeError``.
+
+    Example:
+        >>> positive_int("3")
+        3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def pick_device(choice: str) -> torch.device:
+    """The device of ``--device auto|cuda|cpu``: the current CUDA device unless ``cpu`` or none is
+    available; ``cuda`` without one is a UsageError.
+
+    Example:
+        >>> pick_device("cpu")
+        device(type='cpu')
+    """
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device available")
+    if torch.cuda.is_available() and choice != "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fuselm``."""
+    """The argument parser of ``fuselm`` (``bench`` takes the lab's arguments: ``fuselm bench --help``)."""
     parser = argparse.ArgumentParser(
         prog="fuselm", description="fuselm: fused Triton kernels for LLM training."
     )
     sub = parser.add_subparsers(dest="command", metavar="command")
-    bench = sub.add_parser(
+    sub.add_parser(
         "bench",
-        help="benchmark ops against torch eager, torch.compile and peers",
-        description=(
-            "Time forward, backward and forward+backward of an op for several providers, measure extra peak "
-            "memory and the card's ceilings (copy bandwidth, bf16 GEMM rate) in the same process, and write "
-            "<suite>.md, .json and .png. Without a suite name: list the suites."
-        ),
-    )
-    bench.add_argument("suite", nargs="?", help="suite to run ('all' for every suite); omit to list them")
-    bench.add_argument(
-        "--shapes",
-        help="comma-separated shapes like 8192x128256,16384x32000 (default: the suite's GPU shapes)",
-    )
-    bench.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
-    bench.add_argument(
-        "--modes", default="fwd,bwd,full", help="comma-separated from fwd,bwd,full (default: all)"
-    )
-    bench.add_argument("--providers", help="comma-separated provider names (default: all of the suite's)")
-    bench.add_argument(
-        "--out",
-        help="output folder (default: benchmarks/results/<gpu>, e.g. .../h100; without CUDA bench-out/cpu)",
-    )
-    bench.add_argument("--quick", action="store_true", help="fewer repetitions (a rough number fast)")
-    bench.add_argument(
-        "--device",
-        choices=("auto", "cuda", "cpu"),
-        default="auto",
-        help="auto: cuda when available (default)",
-    )
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument(
-        "--steps",
-        type=int,
-        help="e2e, finetune: timed training steps per run (default 10; CPU 3); --world-size: timed fwd+bwd "
-        "steps per provider (default 20; --quick 3)",
-    )
-    bench.add_argument(
-        "--warmup",
-        type=int,
-        help="e2e, finetune: warmup steps before timing (default 3; CPU 2); --world-size: per provider "
-        "(default 3)",
-    )
-    bench.add_argument(
-        "--models",
-        help="e2e, finetune: comma-separated model shapes (e2e: llama3.2-1b, qwen3-0.6b, llama3-8b; default: "
-        "the grid's; finetune default: llama3-8b)",
-    )
-    bench.add_argument(
-        "--repeats",
-        type=positive_int,
-        help="e2e, finetune: fresh-process runs per configuration and provider (default: e2e 3, finetune 1)",
-    )
-    bench.add_argument(
-        "--profile-steps",
-        type=int,
-        help="e2e, finetune: steps profiled with torch.profiler after the timed ones, for the GPU kernel "
-        "time and launch count (default: e2e 3, finetune 2; CPU 1; 0: none)",
-    )
-    bench.add_argument(
-        "--merge",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="PATH",
-        help="e2e, finetune: join the rows of an earlier report (same device and dtype) with this run's, "
-        "e.g. a grid split over several commands: the output folder's <suite>.json, or PATH (a JSON file or "
-        "a folder holding <suite>.json); this run's configurations replace the earlier rows of the same ones",
-    )
-    bench.add_argument("--scenarios", help="finetune: comma-separated from qlora,lora (default: both)")
-    bench.add_argument(
-        "--caps", help="max-context: GPU memory caps in GiB, comma-separated (default 16,40,80)"
-    )
-    bench.add_argument("--seq-range", help="max-context: LO:HI tokens to search (default 1024:524288)")
-    bench.add_argument(
-        "--rel-tol", type=float, help="max-context: stop when HI / LO <= 1 + this (default 0.05)"
-    )
-    bench.add_argument("--max-probes", type=positive_int, help="max-context: probes per search (default 12)")
-    bench.add_argument(
-        "--mlp-chunk-tokens",
-        type=positive_int,
-        help="max-context, fuselm: the patched MLP over chunks of this many tokens (mlp_chunk_tokens=)",
-    )
-    bench.add_argument("--rank", type=positive_int, help="finetune: LoRA rank r (default 16; alpha = r)")
-    bench.add_argument("--lora-alpha", type=float, help="finetune: LoRA alpha (default: the rank)")
-    bench.add_argument("--lora-dropout", type=float, help="finetune: LoRA dropout (default 0)")
-    bench.add_argument(
-        "--offload",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="finetune: fuselm.hf.patch(..., checkpointing='offload') for the fuselm provider when fuselm "
-        "has that option (default: on)",
-    )
-    bench.add_argument(
-        "--unsloth-compile",
-        action="store_true",
-        help="finetune: leave Unsloth's per-block torch.compile on (default: UNSLOTH_COMPILE_DISABLE=1; the "
-        "compile takes minutes)",
-    )
-    bench.add_argument(
-        "--model-dir",
-        help="finetune: folder for the saved random-init models (reused when already there; default: a "
-        "temporary folder removed after the run)",
-    )
-    bench.add_argument(
-        "--world-size",
-        type=positive_int,
-        default=1,
-        help="linear_cross_entropy only: split the vocabulary over this many GPUs (gloo processes on a CPU) "
-        "and compare with one GPU and with all-gathered logits; writes linear_cross_entropy_ws<N>.*",
+        add_help=False,
+        help="benchmark ops and training steps against torch eager, torch.compile and peers (from a clone "
+        "of the repository: benchmarks/fuselm_bench)",
     )
     _add_demo_parser(sub)
     return parser
 
 
-def _list_suites() -> None:
-    from .bench.registry import SUITES, TRAINING_SUITES
-
-    print("benchmark suites (fuselm bench <suite>):")
-    width = max(len(n) for n in [*SUITES, *TRAINING_SUITES])
-    for name, (_, desc) in SUITES.items():
-        print(f"  {name:<{width}}  {desc}")
-    print(f"  {'all':<{width}}  every suite above")
-    for name, (_, desc) in TRAINING_SUITES.items():
-        print(f"  {name:<{width}}  {desc}; not part of 'all'")
-
-
-def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from .bench.registry import TRAINING_SUITES, get_suite, get_training_runner, suite_names
-    from .bench.runner import run_op_suites
-
-    if args.suite is None:
-        _list_suites()
-        return 0
-    if args.world_size > 1:  # the vocabulary split over ranks: its own runner, spawning one process per rank
-        if args.suite != "linear_cross_entropy":
-            raise UsageError(f"--world-size applies to linear_cross_entropy only, not to {args.suite!r}")
-        from .bench.lce_parallel import run_cli
-
-        return run_cli(args, argv)
-    if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
-        return get_training_runner(args.suite)(args, argv)
-    if args.suite != "all" and args.suite not in suite_names():
-        known = ", ".join([*suite_names(), "all", *TRAINING_SUITES])
-        raise UsageError(f"unknown suite {args.suite!r}; known: {known}")
-    if args.suite == "all" and args.shapes:
-        raise UsageError("--shapes needs a single suite")
-    names = suite_names() if args.suite == "all" else [args.suite]
-    return run_op_suites([get_suite(n) for n in names], args, argv)
+def load_lab():
+    """The benchmark lab's command line module (``fuselm_bench.cli``): importable as it is, or found in the
+    repository this fuselm was imported from (``<repo>/benchmarks`` next to ``<repo>/src/fuselm``, then
+    put on ``sys.path``); UsageError when neither (an installed wheel has no benchmarks)."""
+    try:
+        return importlib.import_module(f"{LAB}.cli")
+    except ModuleNotFoundError as e:
+        if e.name != LAB:
+            raise
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not (folder / LAB / "__init__.py").is_file():
+        raise UsageError(
+            "the benchmarks are not part of the installed fuselm package: run `fuselm bench` from a clone of "
+            "the repository (git clone, then pip install -e . in it)"
+        )
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(f"{LAB}.cli")
 
 
 def _add_demo_parser(sub) -> None:
@@ -236,8 +145,20 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``fuselm``; returns the exit code (0 ok, 1 nothing measured, 2 usage error)."""
+    """Entry point of ``fuselm``; returns the exit code (0 ok, 1 nothing measured, 2 usage error).
+
+    Example:
+        >>> main(["demo", "--steps", "0"])
+        2
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the lab parses its own arguments
+        try:
+            lab = load_lab()
+        except UsageError as e:
+            print(f"fuselm bench: error: {e}", file=sys.stderr)
+            return 2
+        return lab.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -247,9 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        if args.command == "demo":
-            return _demo(args)
-        return _bench(args, argv)
+        return _demo(args)
     except UsageError as e:
         print(f"fuselm {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuselm_bench import harness, registry, report
+from fuselm_bench.arguments import UsageError, parse_list, parse_shapes
+from fuselm_bench.harness import Ceilings, Cost, Provider, SkipProvider, Suite, compute_ratios, run_suite
 
-from fuselm.bench import harness, registry, report
-from fuselm.bench.harness import Ceilings, Cost, Provider, SkipProvider, Suite, compute_ratios, run_suite
-from fuselm.cli import UsageError, main, parse_list, parse_shapes
+from fuselm.cli import main
 
 CPU = torch.device("cpu")
 CE_COLUMNS = "| N, V | provider | mode | ms | TB/s | x copy | extra MiB |"
@@ -393,7 +394,7 @@ def test_registry_lists_cross_entropy():
 
 
 def test_cross_entropy_cost():
-    from fuselm.bench.cross_entropy import cost
+    from fuselm_bench.cross_entropy import cost
 
     n, v = 8192, 128256
     assert cost((n, v), "full", torch.bfloat16).bytes == 4 * n * v
@@ -522,3 +523,40 @@ def test_cli_bench_cross_entropy_gpu_small(tmp_path):
             assert r["error"] is None, r
             if r["mode"] != "bwd":
                 assert r["extra_mib"] is not None and r["extra_mib"] >= 0
+
+
+def test_bench_outside_a_clone_says_where_the_benchmarks_are(tmp_path, monkeypatch, capsys):
+    """An installed wheel has no benchmark lab: `fuselm bench` says it runs from a clone (exit 2), and
+    `fuselm demo` does not need the lab."""
+    import fuselm.cli as cli
+
+    def not_installed(name, *args, **kwargs):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=cli.LAB)
+
+    monkeypatch.setattr(cli.importlib, "import_module", not_installed)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "fuselm" / "cli.py"))
+    assert main(["bench"]) == 2
+    assert "run `fuselm bench` from a clone of the repository" in capsys.readouterr().err
+
+
+def test_bench_finds_the_lab_next_to_src(tmp_path, monkeypatch):
+    """From a clone where fuselm_bench is not on sys.path: `fuselm bench` finds benchmarks/fuselm_bench
+    next to the src/ this fuselm came from and puts it on sys.path."""
+    import sys
+
+    import fuselm.cli as cli
+
+    real = cli.importlib.import_module
+    calls = []
+
+    def first_missing(name, *args, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=cli.LAB)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(cli.importlib, "import_module", first_missing)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    lab = cli.load_lab()
+    assert lab.__name__ == "fuselm_bench.cli" and calls == ["fuselm_bench.cli"] * 2
+    assert sys.path[0] == str(Path(cli.__file__).resolve().parents[2] / "benchmarks")

@@ -15,10 +15,11 @@ import sys
 
 import pytest
 import torch
+from fuselm_bench import e2e, fresh_process, registry
+from fuselm_bench.arguments import UsageError
 
-from fuselm.bench import e2e, fresh_process, registry, training
-from fuselm.bench.arguments import UsageError
 from fuselm.cli import main
+from fuselm.demo import training
 
 CPU = torch.device("cpu")
 GIB = 1 << 30

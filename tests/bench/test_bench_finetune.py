@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuselm_bench import finetune, fresh_process, registry
 
-from fuselm.bench import finetune, fresh_process, registry
 from fuselm.cli import main
 from fuselm.ops._common.testing import assert_numerics
 
@@ -96,7 +96,9 @@ def test_saved_model_loads_back_with_its_tokenizer(tmp_path):
     assert tok.pad_token_id == settings["pad_token_id"] != tok.eos_token_id == settings["eos_token_id"]
     assert tok.pad_token == "<pad>" and tok("t7 t9")["input_ids"] == [7, 9]
     # the same seeded init as the in-process build
-    from fuselm.bench import e2e, training
+    from fuselm_bench import e2e
+
+    from fuselm.demo import training
 
     torch.manual_seed(0)
     config = training.causal_lm_config("qwen3", settings, "sdpa")
@@ -116,7 +118,7 @@ def test_worker_environment():
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["UNSLOTH_DISABLE_STATISTICS"] == "1"
     assert env["UNSLOTH_COMPILE_DISABLE"] == "1"
     assert "UNSLOTH_COMPILE_DISABLE" not in finetune.worker_env("unsloth", {"unsloth_compile": True})
-    assert finetune.worker_prefix("hf")[1:] == ["-m", "fuselm.bench.finetune"]
+    assert finetune.worker_prefix("hf")[1:] == ["-m", "fuselm_bench.finetune"]
     boot = finetune.worker_prefix("unsloth")[2]
     assert boot.index("import unsloth") < boot.index("from fuselm")  # unsloth before anything of ours
 
@@ -383,4 +385,4 @@ def test_cli_gpu_small_run(tmp_path):
     assert gaps and all(g is not None and g < 1e-2 for g in gaps)  # issue 23's acceptance bound
     saved = Path(data["finetune"]["model_folders"]["qwen3-0.6b"]["folder"])
     assert json.loads((saved / finetune.MARKER).read_text())["dtype"] == "bf16"
-    assert sys.modules.get("fuselm.bench.finetune") is finetune
+    assert sys.modules.get("fuselm_bench.finetune") is finetune

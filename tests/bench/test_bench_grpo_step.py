@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from fuselm_bench import e2e, fresh_process, grpo_step, registry
 
 import fuselm
-from fuselm.bench import e2e, fresh_process, grpo_step, registry
 from fuselm.cli import main
 
 CPU = torch.device("cpu")

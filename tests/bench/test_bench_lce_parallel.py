@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from fuselm_bench import lce_parallel as par
+from fuselm_bench.harness import Ceilings
+from fuselm_bench.report import markdown_table
 
-from fuselm.bench import lce_parallel as par
-from fuselm.bench.harness import Ceilings
-from fuselm.bench.report import markdown_table
 from fuselm.cli import main
 
 SHAPE = (64, 32, 301)  # V odd: an uneven split, 151 + 150

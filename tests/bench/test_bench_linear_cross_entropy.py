@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from fuselm_bench import linear_cross_entropy as lce
+from fuselm_bench import registry
+from fuselm_bench.harness import Ceilings, SkipProvider, compute_ratios
 
-from fuselm.bench import linear_cross_entropy as lce
-from fuselm.bench import registry
-from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios
 from fuselm.cli import main
 
 CPU = torch.device("cpu")

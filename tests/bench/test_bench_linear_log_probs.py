@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from fuselm_bench import linear_log_probs as llp
+from fuselm_bench import registry
+from fuselm_bench.harness import Ceilings, SkipProvider, compute_ratios
 
 import fuselm
-from fuselm.bench import linear_log_probs as llp
-from fuselm.bench import registry
-from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios
 from fuselm.cli import main
 
 CPU = torch.device("cpu")

@@ -7,8 +7,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from fuselm_bench import max_context, registry
 
-from fuselm.bench import max_context, registry
 from fuselm.cli import main
 
 
@@ -107,8 +107,7 @@ def test_memory_cap_passes_the_device_index(device, index, monkeypatch):
     """torch.cuda.set_per_process_memory_fraction refuses a device without an index ("cuda"): the cap
     passes the current device's index then (every capped probe once failed so on the GPU)."""
     import torch
-
-    from fuselm.bench import finetune
+    from fuselm_bench import finetune
 
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from fuselm_bench import layer_norm as ln_bench
+from fuselm_bench import registry
+from fuselm_bench import rms_norm as rms_bench
+from fuselm_bench.harness import Ceilings, SkipProvider, compute_ratios, run_suite
+from fuselm_bench.report import write_report
 
-from fuselm.bench import layer_norm as ln_bench
-from fuselm.bench import registry
-from fuselm.bench import rms_norm as rms_bench
-from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios, run_suite
-from fuselm.bench.report import write_report
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ def test_suites_define_the_issue_shapes_and_providers():
 @pytest.mark.parametrize("name", list(SUITES))
 def test_registry(name):
     if name not in registry.SUITES:
-        pytest.skip(f"registry line for {name!r} not added yet (fuselm/bench/registry.py)")
+        pytest.skip(f"registry line for {name!r} not added yet (fuselm_bench/registry.py)")
     assert registry.get_suite(name) is SUITES[name]
 
 

@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
+from fuselm_bench import registry
+from fuselm_bench import rope as rope_bench
+from fuselm_bench.harness import Ceilings, SkipProvider, compute_ratios
 
-from fuselm.bench import registry
-from fuselm.bench import rope as rope_bench
-from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ LLAMA3_8B = (4, 4096, 32, 8, 128)
 @pytest.fixture
 def registered(monkeypatch):
     """The suite in the registry for CLI runs (also before registry.py lists it)."""
-    monkeypatch.setitem(registry.SUITES, "rope", ("fuselm.bench.rope", "rotary position embedding"))
+    monkeypatch.setitem(registry.SUITES, "rope", ("fuselm_bench.rope", "rotary position embedding"))
 
 
 # ---- the suite's definition ----

@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
+from fuselm_bench import registry, report
+from fuselm_bench import swiglu as sw
+from fuselm_bench.harness import Ceilings, SkipProvider, compute_ratios, run_suite
 
-from fuselm.bench import registry, report
-from fuselm.bench import swiglu as sw
-from fuselm.bench.harness import Ceilings, SkipProvider, compute_ratios, run_suite
 from fuselm.cli import main
 
 CPU = torch.device("cpu")
@@ -34,7 +34,7 @@ def test_suite_definition():
 
 @pytest.mark.skipif(
     "swiglu" not in registry.SUITES,
-    reason='not registered yet: add "swiglu" to fuselm/bench/registry.py SUITES',
+    reason='not registered yet: add "swiglu" to fuselm_bench/registry.py SUITES',
 )
 def test_registry_lists_the_suite():
     assert registry.get_suite("swiglu") is sw.SUITE

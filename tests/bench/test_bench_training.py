@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuselm_bench import arguments, fresh_process, harness, report
 
 import fuselm
-from fuselm.bench import arguments, fresh_process, harness, report, training
+from fuselm.demo import training
 
 SRC = Path(fuselm.__file__).resolve().parent
 
@@ -56,9 +57,8 @@ def test_build_llama_matches_transformers_own_build():
     """The shared build (default dtype set, then the constructor) gives the weights transformers' own
     ``_from_config(dtype=...)`` gives for the same seed: the e2e benchmark's init did not change."""
     pytest.importorskip("transformers")
+    from fuselm_bench import e2e
     from transformers import LlamaForCausalLM
-
-    from fuselm.bench import e2e
 
     config = training.llama_config(e2e.CPU_PRESET.model, "sdpa")
     torch.manual_seed(0)

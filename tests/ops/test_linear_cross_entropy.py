@@ -716,7 +716,7 @@ def test_gpu_realistic_shape(dtype, plan):
 def test_gpu_peaked_inputs(dtype, plan):
     """Trained-model-like softmaxes (the benchmark's peaked inputs: target probability ~0.9, a few
     runner-ups, a long tail), every option on, under the numerics rule."""
-    from fuselm.bench.linear_cross_entropy import ignore_targets, mean_target_prob, peaked_hidden
+    from fuselm_bench.linear_cross_entropy import ignore_targets, mean_target_prob, peaked_hidden
 
     g = torch.Generator(device="cuda").manual_seed(11)
     n, h, v = 2048, 512, 32003

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..bench import training
-from ..bench.harness import free_memory
-from ..bench.training import SavedTensorMeter as SavedTensorMeter  # the demo's meter, named here too
+from . import training
+from .training import SavedTensorMeter as SavedTensorMeter  # the demo's meter, named here too
+from .training import free_memory
 
 CORPUS = "corpus.txt"
 PNG_NAME = "fuselm_demo.png"
@@ -182,7 +182,7 @@ def llama_config(settings: DemoSettings):
 
 def build_model(config, device: str, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None):
     """A ``LlamaForCausalLM`` of ``config`` on ``device`` in ``dtype``, loaded from ``state`` if given
-    (:func:`fuselm.bench.training.build_llama`)."""
+    (:func:`fuselm.demo.training.build_llama`)."""
     _transformers()
     return training.build_llama(config, device, dtype, state)
 
@@ -237,7 +237,7 @@ def train(
     """Train ``model`` on ``batches`` (labels = input_ids; Hugging Face shifts them) with AdamW at a fixed
     ``lr``, one optimizer step per batch; returns the per-step losses and the measurements.
 
-    The loop is :func:`fuselm.bench.training.train`: the first step runs inside a :class:`SavedTensorMeter`
+    The loop is :func:`fuselm.demo.training.train`: the first step runs inside a :class:`SavedTensorMeter`
     (the saved-activation figure); tokens/s counts the steps after ``warmup``; each step's loss is read as
     it ends (the progress bar shows it). On CUDA the peak memory statistics are reset at the start.
 

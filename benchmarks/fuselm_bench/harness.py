@@ -44,7 +44,7 @@ already allocated once, as ``.grad`` in a training step is; a gradient written i
 buffer therefore costs 0 too. In ``fwd`` mode the outputs and whatever the forward keeps for the
 backward are counted. ``bwd`` rows have no memory figure.
 
-Adding a suite (a new module ``fuselm/bench/<op>.py`` plus one line in ``registry.SUITES``)::
+Adding a suite (a new module ``fuselm_bench/<op>.py`` plus one line in ``registry.SUITES``)::
 
     SUITE = Suite(
         name="rms_norm",
@@ -72,7 +72,6 @@ Adding a suite (a new module ``fuselm/bench/<op>.py`` plus one line in ``registr
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import statistics
 import time
@@ -81,6 +80,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from fuselm.demo.training import free_memory, sync
 
 Shape = tuple[int, ...]
 Inputs = dict[str, torch.Tensor]
@@ -295,12 +296,6 @@ def blocking_sync() -> str:
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False) -> float:
     """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA, perf_counter on CPU."""
     if device.type == "cuda":
@@ -474,13 +469,6 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, 
     result = fn()
     sync(device)
     return torch.cuda.max_memory_allocated(device) - before, before, result
-
-
-def free_memory(device: torch.device) -> None:
-    """Collect garbage and hand cached blocks back (CUDA), between providers."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _copy_ms(numel: int, dtype: torch.dtype, device: torch.device, quick: bool) -> float:

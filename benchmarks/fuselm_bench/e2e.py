@@ -20,15 +20,15 @@ the small-batch one where a step can be bound by the host, next to the large bat
 B1 x 512, B1 x 2048, B4 x 2048, B4 x 4096, B8 x 4096 and Qwen3-0.6B at B1 x 2048.
 
 Method: every (configuration, provider) runs ``--repeats`` times (default 3), each in a fresh ``python -m
-fuselm.bench.e2e --worker ...`` process (peak memory is per process, Liger patches classes, and a repeat
+fuselm_bench.e2e --worker ...`` process (peak memory is per process, Liger patches classes, and a repeat
 must not inherit caches), the providers of one repeat back to back. In the worker: seed, build the model
 on the device, ``warmup`` steps, ``steps`` timed steps, then ``--profile-steps`` steps (default 3) under
-``torch.profiler`` (:func:`fuselm.bench.training.run_steps`). Per step:
+``torch.profiler`` (:func:`fuselm_bench.step_timing.run_steps`). Per step:
 
 - wall: each timed step between two ``torch.cuda.synchronize()``; the median;
 - CPU: ``time.process_time()`` of the timed steps (every thread of the process), read before each step's
   closing synchronization, / steps; the worker makes waits for the GPU sleep instead of spin
-  (:func:`fuselm.bench.harness.blocking_sync`: Hugging Face syncs once per forward), so that is host work;
+  (:func:`fuselm_bench.harness.blocking_sync`: Hugging Face syncs once per forward), so that is host work;
 - GPU: the summed device time of the CUDA kernels of the profiled steps / their number, and the kernels
   launched per step (memory copies and memsets are counted apart, in the JSON);
 - bound by: ``host`` when CPU >= 0.9 x wall (the GPU waits for Python), else ``GPU``;
@@ -58,7 +58,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import fresh_process, training
+from fuselm.demo import training
+
+from . import fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
 from .harness import SkipProvider, import_peer
 from .report import fmt_num, md_table
@@ -101,7 +103,7 @@ TINY = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A named model shape: its transformers family (a key of :data:`fuselm.bench.training.FAMILIES`),
+    """A named model shape: its transformers family (a key of :data:`fuselm.demo.training.FAMILIES`),
     its config at full size, and the overrides that make it tiny for a CPU smoke run."""
 
     name: str
@@ -311,7 +313,7 @@ def train(
     profile_steps: int | None = None,
 ) -> dict[str, Any]:
     """Build ``model``, run ``warmup`` + ``steps`` + ``profile_steps`` (default: the preset's) training
-    steps (:func:`fuselm.bench.training.run_steps`), return the measurements.
+    steps (:func:`fuselm_bench.step_timing.run_steps`), return the measurements.
 
     One step: ``model(input_ids=ids, labels=ids).loss.backward()``, ``optimizer.step()``,
     ``optimizer.zero_grad(set_to_none=True)``. Raises ``torch.cuda.OutOfMemoryError`` and anything else
@@ -322,7 +324,7 @@ def train(
     )
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
-    step = training.optimizer_step(
+    step = step_timing.optimizer_step(
         training.causal_lm_loss(built),
         list(built.parameters()),
         [ids],
@@ -330,7 +332,7 @@ def train(
         fused=preset.fused_adamw and device.type == "cuda",
     )
     profiled = preset.profile_steps if profile_steps is None else profile_steps
-    run = training.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
+    run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
     return {
         "status": "ok",
         **step_figures(run, batch * seq, device),
@@ -342,7 +344,7 @@ def train(
     }
 
 
-def step_figures(run: training.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
+def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
     """A worker's per-step figures of ``run`` (ms, tokens/s; GPU figures None off CUDA)."""
     median = run.median_step_s
     # no CUDA, or a profile without device events (CUPTI unavailable): no GPU figures rather than zeros
@@ -552,7 +554,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
     repeats = report.repeats
     out = [
         f"Each (configuration, provider) ran {repeats} time{'s' if repeats > 1 else ''}, each in a fresh "
-        "process (`python -m fuselm.bench.e2e --worker`), the providers of one repeat back to back; cells "
+        "process (`python -m fuselm_bench.e2e --worker`), the providers of one repeat back to back; cells "
         "are the median over the repeats with their range (min-max) when they differ; the JSON keeps every "
         "repeat.",
         "One step: forward with labels = input_ids (random ids, the same batch every step), backward, "
@@ -695,7 +697,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     Uses ``--models``, ``--shapes`` (BxT pairs), ``--providers``, ``--repeats``, ``--steps``, ``--warmup``,
     ``--profile-steps``, ``--quick``, ``--dtype`` (CUDA only: the CPU preset always runs fp32),
     ``--device``, ``--out``, ``--merge``, ``--no-progress``; ``--modes`` does not apply. Raises
-    ``fuselm.bench.arguments.UsageError`` for bad values.
+    ``fuselm_bench.arguments.UsageError`` for bad values.
     """
     if getattr(args, "repeats", None) is None:
         args.repeats = 3
@@ -732,5 +734,5 @@ def _with_profile_steps(preset: Preset, n: int) -> Preset:
     return dataclasses.replace(preset, profile_steps=n)
 
 
-if __name__ == "__main__":  # a worker: python -m fuselm.bench.e2e --worker ... (the benchmark: fuselm bench)
+if __name__ == "__main__":  # a worker: python -m fuselm_bench.e2e --worker ... (the benchmark: fuselm bench)
     sys.exit(fresh_process.worker_main(BENCH, sys.argv[1:]))

@@ -1,7 +1,7 @@
 """LoRA / QLoRA fine-tuning benchmark: ``fuselm bench finetune``.
 
 The table of issue 23, reproducible: a random-init model of a named shape (``--models``: ``llama3-8b``
-(default), ``llama3.2-1b``, ``qwen3-0.6b``; the shapes of :data:`fuselm.bench.e2e.MODELS`) is saved once
+(default), ``llama3.2-1b``, ``qwen3-0.6b``; the shapes of :data:`fuselm_bench.e2e.MODELS`) is saved once
 per run with a tokenizer to a local folder (``--model-dir``, else a temporary folder removed at the end;
 nothing comes from the hub), then every (scenario, B x T, provider) loads it and trains LoRA adapters in
 a fresh process:
@@ -28,7 +28,7 @@ Unsloth sets it for itself, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (unl
 environment sets an allocator configuration); Unsloth's worker also ``UNSLOTH_COMPILE_DISABLE=1`` unless
 ``--unsloth-compile`` (its per-block compile takes minutes: the eager figure is what fits in a call).
 
-Per step, as ``fuselm bench e2e`` measures them (:func:`fuselm.bench.training.run_steps`): wall (median of
+Per step, as ``fuselm bench e2e`` measures them (:func:`fuselm_bench.step_timing.run_steps`): wall (median of
 ``--steps`` (10) after ``--warmup`` (3)), the process's CPU time, the GPU kernel time and launches (a
 ``torch.profiler`` window of ``--profile-steps`` (2) after the timed ones), tokens/s; peak allocated and
 reserved over the whole process (weights included); host pinned memory (``torch.cuda.host_memory_stats()``
@@ -60,7 +60,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import e2e, fresh_process, training
+from fuselm.demo import training
+
+from . import e2e, fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
 from .harness import SkipProvider, error_text, import_peer
 from .report import DTYPE_NAMES, md_table, ratio
@@ -148,7 +150,7 @@ PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 
 
 def model_settings(model: str, tiny: bool) -> dict[str, Any]:
-    """The config keyword arguments of ``model`` (:data:`fuselm.bench.e2e.MODELS`), with a pad token id
+    """The config keyword arguments of ``model`` (:data:`fuselm_bench.e2e.MODELS`), with a pad token id
     (the last id of the vocabulary unless the shape has one)."""
     settings = e2e.MODELS[model].settings(tiny)
     settings.setdefault("pad_token_id", settings["vocab_size"] - 1)
@@ -240,7 +242,7 @@ def ensure_saved_model(
     model_dir: Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
 ) -> tuple[Path, dict[str, Any]]:
     """The folder of ``model`` under ``model_dir``, saved now unless it already holds it. On CUDA the build
-    runs in a worker process (``python -m fuselm.bench.finetune --build``), so this process holds no GPU
+    runs in a worker process (``python -m fuselm_bench.finetune --build``), so this process holds no GPU
     memory; on a CPU (a tiny model) here. Returns the folder and what happened (``reused``, ``build_s``,
     ``bytes``). Raises ``RuntimeError`` if the build failed."""
     folder = model_folder(model_dir, model, tiny, dtype)
@@ -266,9 +268,9 @@ def ensure_saved_model(
 
 
 def build_main(argv: list[str]) -> int:
-    """``python -m fuselm.bench.finetune --build ...``: :func:`save_model` in this fresh process; the
+    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` in this fresh process; the
     result (or the error) as JSON to ``--result``."""
-    p = argparse.ArgumentParser(prog="python -m fuselm.bench.finetune --build")
+    p = argparse.ArgumentParser(prog="python -m fuselm_bench.finetune --build")
     p.add_argument("--build", action="store_true", required=True)
     p.add_argument("--model", choices=sorted(e2e.MODELS), required=True)
     p.add_argument("--folder", required=True)
@@ -317,7 +319,7 @@ UNSLOTH_BOOT = (
     "    failed = None\n"
     "except Exception as e:\n"
     "    failed = f'{type(e).__name__}: {e}'\n"
-    "from fuselm.bench.finetune import worker\n"
+    "from fuselm_bench.finetune import worker\n"
     "sys.exit(worker(sys.argv[1:], unsloth_failed=failed))\n"
 )
 
@@ -661,7 +663,7 @@ def train(
             loss = peft_model(input_ids=x, labels=x).loss
             return loss, loss.detach()
 
-        step = training.optimizer_step(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
+        step = step_timing.optimizer_step(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
         called = CalledModules()
 
         def first_step_watched(i: int) -> torch.Tensor:
@@ -671,7 +673,7 @@ def train(
                 return step(0)
 
         profiled = plan.profile_steps if profile_steps is None else profile_steps
-        run = training.run_steps(
+        run = step_timing.run_steps(
             first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
         )
     fuselm_warnings = list(
@@ -700,7 +702,7 @@ def train(
 
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
-    """A worker process (``python -m fuselm.bench.finetune --worker ...``, or Unsloth's boot script):
+    """A worker process (``python -m fuselm_bench.finetune --worker ...``, or Unsloth's boot script):
     :func:`fresh_process.worker_main` of :data:`BENCH`; ``unsloth_failed``: why ``import unsloth`` failed
     (the provider is then skipped with that reason)."""
     bench = BENCH
@@ -1199,7 +1201,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-if __name__ == "__main__":  # a worker: python -m fuselm.bench.finetune --worker ... (or --build ...)
+if __name__ == "__main__":  # a worker: python -m fuselm_bench.finetune --worker ... (or --build ...)
     if "--build" in sys.argv[1:]:
         sys.exit(build_main(sys.argv[1:]))
     sys.exit(worker(sys.argv[1:]))

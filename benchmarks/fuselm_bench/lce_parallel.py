@@ -696,7 +696,7 @@ def run_cli(args, argv: list[str]) -> int:
 
     Uses ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
     (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
-    Raises ``fuselm.bench.arguments.UsageError`` for bad values.
+    Raises ``fuselm_bench.arguments.UsageError`` for bad values.
     """
     from .arguments import UsageError, pick_device, warmup_steps_dtype
     from .report import collect_metadata, device_name

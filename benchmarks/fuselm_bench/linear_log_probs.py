@@ -430,7 +430,7 @@ def peer_versions() -> dict[str, str]:
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench linear_log_probs`` with the parsed ``fuselm bench`` arguments; returns the exit code
-    (0: something measured, 1: nothing). Raises ``fuselm.bench.arguments.UsageError`` for bad values."""
+    (0: something measured, 1: nothing). Raises ``fuselm_bench.arguments.UsageError`` for bad values."""
     from .report import write_report
     from .runner import finish, start
 
@@ -458,7 +458,7 @@ def run_by_shape(
     providers: Sequence[str],
     on_shape: Callable[[Report, int], None] | None = None,
 ) -> Report:
-    """The suite run in ``session`` (a :class:`fuselm.bench.runner.Session`) one shape at a time, merged into
+    """The suite run in ``session`` (a :class:`fuselm_bench.runner.Session`) one shape at a time, merged into
     one report; after each shape ``on_shape(report so far, shapes done)`` (the CLI writes the files then: a
     run stopped part-way keeps the shapes it finished). Each skip reason is printed once."""
     seen: set[str] = set()

@@ -12,7 +12,7 @@ W is part of the cost), target ``[N]`` with ``round(N / k)`` entries (at random 
 
 The CLI's ``--shapes`` takes integers only, hence the codes: ``--shapes 8192x4096x128256x2x7`` is
 Llama-3-8B's head with peaked inputs and 1/7 of the targets ignored; ``...x1x2`` random inputs with
-half of them ignored. ``python -m fuselm.bench.linear_cross_entropy`` prints the mean softmax of the
+half of them ignored. ``python -m fuselm_bench.linear_cross_entropy`` prints the mean softmax of the
 target for the suite's shapes (``--device``, ``--shapes`` as in the CLI).
 
 Providers (mean over the non-ignored tokens, ignore_index -100, no target shift, no bias):

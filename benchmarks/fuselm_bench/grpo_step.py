@@ -20,7 +20,7 @@ The backbone is the same plain transformers model for every provider; only the h
 - ``fuselm``: ``fuselm.linear_log_probs(hidden, lm_head.weight, targets, outputs=("log_probs", "entropy"))``
   (memory "auto") on the [B, C, H] completion hidden states, padding targets -100.
 
-Every (provider, shape) runs in a fresh ``python -m fuselm.bench.grpo_step --worker ...`` process (peak memory
+Every (provider, shape) runs in a fresh ``python -m fuselm_bench.grpo_step --worker ...`` process (peak memory
 is per process); ``warmup`` steps, then ``steps`` timed steps between two ``torch.cuda.synchronize()``.
 Peak memory is ``torch.cuda.max_memory_allocated()`` of the whole process (weights, gradients, AdamW state,
 activations). A provider that runs out of memory at batch B is not run at a larger batch of the same (P, C).
@@ -40,7 +40,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import e2e, fresh_process, training
+from fuselm.demo import training
+
+from . import e2e, fresh_process
 from .harness import SkipProvider, import_peer
 from .report import md_table
 
@@ -167,7 +169,7 @@ def train(
     steps: int,
     seed: int = e2e.SEED,
 ) -> dict[str, Any]:
-    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.bench.training.train`),
+    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.demo.training.train`),
     return the measurements."""
     model, figures = fresh_process.build_measured(
         lambda: e2e.build_model(plan.preset, "hf", dtype, device, seed), device
@@ -304,7 +306,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         + "; tokens/s = B * (P + C) * steps / that time.",
         "logp / entropy: mean over the completion tokens of the first and the last step (same seed, weights "
         "and batch for every provider: step 1 must agree across providers).",
-        "Each (provider, shape) ran in a fresh process (`python -m fuselm.bench.grpo_step --worker`).",
+        "Each (provider, shape) ran in a fresh process (`python -m fuselm_bench.grpo_step --worker`).",
     ]
     if cuda:
         out.append(
@@ -367,7 +369,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
     ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
-    ``fuselm.bench.arguments.UsageError``."""
+    ``fuselm_bench.arguments.UsageError``."""
     from .arguments import UsageError
     from .linear_log_probs import peer_versions
 
@@ -386,5 +388,5 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     return fresh_process.exit_code(report)
 
 
-if __name__ == "__main__":  # a worker: python -m fuselm.bench.grpo_step --worker ...
+if __name__ == "__main__":  # a worker: python -m fuselm_bench.grpo_step --worker ...
     sys.exit(fresh_process.worker_main(BENCH, sys.argv[1:]))

@@ -1,6 +1,6 @@
 """``fuselm bench <op suite>``: from the parsed command-line arguments to the printed and written reports.
 
-:func:`run_op_suites` runs registered op suites through :func:`~fuselm.bench.harness.run_suite`;
+:func:`run_op_suites` runs registered op suites through :func:`~fuselm_bench.harness.run_suite`;
 :func:`start` and :func:`finish` are the steps it shares with the suites that have a runner of their own
 (``linear_log_probs``, the vocabulary-parallel ``linear_cross_entropy``): the options, shapes and providers
 asked for, the device line, the results folder and the card's ceilings measured in this process; then the
@@ -48,7 +48,7 @@ class Session:
         providers: Sequence[str],
         log: Callable[[str], None] = print,
     ) -> Report:
-        """:func:`~fuselm.bench.harness.run_suite` of ``suite`` with this session's options."""
+        """:func:`~fuselm_bench.harness.run_suite` of ``suite`` with this session's options."""
         return run_suite(
             suite,
             shapes=shapes,
@@ -128,7 +128,7 @@ def print_written(text: str, paths: dict[str, Path]) -> None:
 def finish(
     report: Report, out_dir: Path, *, extra_markdown: str = "", text: str | None = None, **options
 ) -> int:
-    """Write the report (``extra_markdown`` and ``options`` as :func:`~fuselm.bench.report.write_report`
+    """Write the report (``extra_markdown`` and ``options`` as :func:`~fuselm_bench.report.write_report`
     takes them), print ``text`` (default: the whole markdown) and the files; return the exit code: 0, or 1
     when nothing was measured."""
     paths = write_report(report, out_dir, extra_markdown=extra_markdown, **options)

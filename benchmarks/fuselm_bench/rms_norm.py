@@ -24,7 +24,7 @@ per element in bf16, as in docs/peers.md). ``S = 2``: fwd reads x, residual and 
 reads s, dy, ds and writes dx, which is also d residual (4b); full 8b. The weight and its gradient
 (H elements) are not counted.
 
-``python -m fuselm.bench.rms_norm --tune`` sweeps the launch constants of ``ops/rms_norm/op.py`` on
+``python -m fuselm_bench.rms_norm --tune`` sweeps the launch constants of ``ops/rms_norm/op.py`` on
 the suite's GPU shapes and prints the time of each configuration (see :func:`tune`).
 """
 
@@ -261,7 +261,7 @@ def tune(
 
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fuselm.bench.rms_norm", description=__doc__.split("\n")[0]
+        prog="python -m fuselm_bench.rms_norm", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--tune", action="store_true", help="sweep the launch constants (see tune())")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")

@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 
 import torch
 
+import fuselm
+
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
 from .harness import SkipProvider, blocking_sync, error_text
 from .report import DTYPE_NAMES, collect_metadata, document, md_table, ratio
@@ -122,7 +124,7 @@ class Bench:
 
     @property
     def module(self) -> str:
-        return f"fuselm.bench.{self.name}"
+        return f"fuselm_bench.{self.name}"
 
     def check_providers(self, providers: Sequence[str]) -> None:
         for p in providers:
@@ -218,8 +220,8 @@ def worker_command(
     device, warmup, steps, extra, result).
 
     Example:
-        >>> worker_command("fuselm.bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
-        ['fuselm.bench.e2e', '--worker', '--provider=hf', '--batch=2', '--steps=3']
+        >>> worker_command("fuselm_bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
+        ['fuselm_bench.e2e', '--worker', '--provider=hf', '--batch=2', '--steps=3']
         >>> worker_command("m", "hf", {"batch": 2}, prefix=["python", "-c", "..."])
         ['python', '-c', '...', '--worker', '--provider=hf', '--batch=2']
     """
@@ -229,11 +231,13 @@ def worker_command(
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment, with the directory this fuselm was imported from first on PYTHONPATH
-    (so the worker runs the same code, whether fuselm is installed or run from ``src``), and ``extra``."""
+    """The parent's environment, with the directories this lab and this fuselm were imported from first on
+    PYTHONPATH (so the worker runs the same code, whether fuselm is installed or run from ``src``), and
+    ``extra``."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    lab = str(Path(__file__).resolve().parents[1])
+    library = str(Path(fuselm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (lab, library, env.get("PYTHONPATH", "")) if p)
     env.update(extra or {})
     return env
 

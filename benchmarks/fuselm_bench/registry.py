@@ -1,7 +1,7 @@
 """The benchmark suites ``fuselm bench`` knows: name -> (module, one-line description).
 
 Suites are imported lazily (listing them imports nothing heavy). To add one, write
-``fuselm/bench/<name>.py`` defining ``SUITE = Suite(...)`` (see ``harness``) and add a line here.
+``fuselm_bench/<name>.py`` defining ``SUITE = Suite(...)`` (see ``harness``) and add a line here.
 
 ``TRAINING_SUITES`` are benchmarks that do not fit the op-suite model (whole training runs, one process
 per case): their module defines ``run_cli(args, argv) -> int`` and ``fuselm bench <name>`` calls it.
@@ -17,33 +17,33 @@ from collections.abc import Callable
 from .harness import Suite
 
 SUITES: dict[str, tuple[str, str]] = {
-    "cross_entropy": ("fuselm.bench.cross_entropy", "cross-entropy on given [N, V] logits"),
-    "linear_cross_entropy": ("fuselm.bench.linear_cross_entropy", "linear layer + cross-entropy, fused"),
-    "rms_norm": ("fuselm.bench.rms_norm", "RMSNorm over [N, H] (S = 2: residual add fused), fwd + bwd"),
-    "layer_norm": ("fuselm.bench.layer_norm", "LayerNorm with weight and bias over [N, H], fwd + bwd"),
-    "rope": ("fuselm.bench.rope", "rotary position embedding of q and k (Hugging Face layout)"),
-    "swiglu": ("fuselm.bench.swiglu", "SwiGLU silu(gate) * up on [N, I], forward + backward"),
+    "cross_entropy": ("fuselm_bench.cross_entropy", "cross-entropy on given [N, V] logits"),
+    "linear_cross_entropy": ("fuselm_bench.linear_cross_entropy", "linear layer + cross-entropy, fused"),
+    "rms_norm": ("fuselm_bench.rms_norm", "RMSNorm over [N, H] (S = 2: residual add fused), fwd + bwd"),
+    "layer_norm": ("fuselm_bench.layer_norm", "LayerNorm with weight and bias over [N, H], fwd + bwd"),
+    "rope": ("fuselm_bench.rope", "rotary position embedding of q and k (Hugging Face layout)"),
+    "swiglu": ("fuselm_bench.swiglu", "SwiGLU silu(gate) * up on [N, I], forward + backward"),
 }
 
 TRAINING_SUITES: dict[str, tuple[str, str]] = {
     "e2e": (
-        "fuselm.bench.e2e",
+        "fuselm_bench.e2e",
         "Llama-3.2-1B / Qwen3-0.6B training steps: HF vs HF+Liger vs HF+fuselm, host vs GPU time (minutes)",
     ),
     "finetune": (
-        "fuselm.bench.finetune",
+        "fuselm_bench.finetune",
         "LoRA / QLoRA steps of a saved random-init model: HF+PEFT vs +Liger vs +fuselm vs Unsloth (minutes)",
     ),
     "linear_log_probs": (
-        "fuselm.bench.linear_log_probs",
+        "fuselm_bench.linear_log_probs",
         "per-token log-probs (+ entropy) of the LM head vs torch, TRL, Liger; accuracy vs fp64 (minutes)",
     ),
     "max-context": (
-        "fuselm.bench.max_context",
+        "fuselm_bench.max_context",
         "the longest sequence one LoRA / QLoRA step fits under a memory cap, by bisection (minutes to hours)",
     ),
     "grpo_step": (
-        "fuselm.bench.grpo_step",
+        "fuselm_bench.grpo_step",
         "GRPO-shaped steps of a Llama-3.2-1B shape: HF vs TRL vs fuselm head",
     ),
 }

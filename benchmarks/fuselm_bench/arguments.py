@@ -1,8 +1,8 @@
-"""The values of ``fuselm bench`` (and ``fuselm demo``) options: parsing, checking, defaults.
+"""The values of ``fuselm bench`` options: parsing, checking, defaults.
 
-What the benchmark runners and ``fuselm.cli`` share: :class:`UsageError` (a bad value; the command line
-prints it and exits with 2), the shape and list parsers, the dtype names, the device choice and the
-default results folder. Nothing here imports ``fuselm.cli``: the command line sits on top of it.
+The shape and list parsers, the dtype names and the default results folder; :class:`UsageError` (a bad
+value: the command line prints it and exits with 2), ``positive_int`` and ``pick_device`` are
+``fuselm.cli``'s, which ``fuselm demo`` uses too, named here for the runners.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from fuselm.cli import UsageError as UsageError  # the lab's bad values: `fuselm bench` prints them, exit 2
+from fuselm.cli import pick_device as pick_device
+from fuselm.cli import positive_int as positive_int
+
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 DTYPES.update({"fp32": "float32", "float32": "float32"})
-
-
-class UsageError(Exception):
-    """A bad command-line value; ``fuselm.cli.main`` prints it and returns 2."""
 
 
 def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
@@ -78,27 +78,6 @@ def parse_dtype(text: str) -> torch.dtype:
     if text.lower() not in DTYPES:
         raise UsageError(f"unknown dtype {text!r}; known: bf16, fp16, fp32")
     return getattr(torch, DTYPES[text.lower()])
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a positive integer, or ``argparse.ArgumentTypeError``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def pick_device(choice: str) -> torch.device:
-    """The device of ``--device auto|cuda|cpu``: the current CUDA device unless ``cpu`` or none is
-    available; ``cuda`` without one is a UsageError."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device available")
-    if torch.cuda.is_available() and choice != "cpu":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 CPU_RESULTS_DIR = Path("bench-out") / "cpu"

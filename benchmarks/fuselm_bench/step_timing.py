@@ -1,0 +1,176 @@
+"""The training benchmarks' step loop (``fuselm bench e2e``, ``finetune``): per step, wall time, the
+process's CPU time, and from a short ``torch.profiler`` window after the timed steps the device time of the
+CUDA kernels and their count (:class:`KernelProfile`). The model, the forward and the demo's loop are
+:mod:`fuselm.demo.training`'s."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fuselm.demo.training import Forward, sync
+
+Step = Callable[[int], torch.Tensor]
+"""One whole training step (forward, backward, optimizer): step index -> the detached values to log."""
+
+
+def optimizer_step(
+    forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
+) -> Step:
+    """A :data:`Step` over ``batches`` (step ``i`` takes ``batches[i % len(batches)]``): ``loss, logged =
+    forward(batch)``, ``loss.backward()``, ``AdamW.step()`` (``lr`` constant),
+    ``zero_grad(set_to_none=True)``; returns ``logged``."""
+    optimizer = torch.optim.AdamW(list(params), lr=lr, fused=fused)
+
+    def step(i: int) -> torch.Tensor:
+        loss, logged = forward(batches[i % len(batches)])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return logged
+
+    return step
+
+
+@dataclass
+class KernelProfile:
+    """What the device did during a ``torch.profiler`` window of ``steps`` steps: CUDA kernels (count and
+    summed device time), memory copies and memsets (count and time), each over the whole window."""
+
+    steps: int
+    kernels: int = 0
+    kernel_s: float = 0.0
+    memcpys: int = 0
+    memcpy_s: float = 0.0
+    memsets: int = 0
+    memset_s: float = 0.0
+
+    @classmethod
+    def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
+        """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA;
+        a name starting with ``Memcpy`` or ``Memset`` is a copy or a memset, anything else a kernel, each
+        lasting ``time_range.elapsed_us()``.
+
+        Example:
+            >>> from types import SimpleNamespace as E
+            >>> from torch.autograd import DeviceType
+            >>> def ev(name, us, dev=DeviceType.CUDA):
+            ...     return E(name=name, device_type=dev, time_range=E(elapsed_us=lambda: us))
+            >>> p = KernelProfile.from_events([ev("gemm", 30), ev("Memcpy HtoD", 5), ev("aten::mm", 40,
+            ...     DeviceType.CPU), ev("triton_rms", 10)], steps=2)
+            >>> p.kernels, round(p.kernel_s * 1e6), p.memcpys, p.per_step("kernels")
+            (2, 40, 1, 1.0)
+        """
+        from torch.autograd import DeviceType
+
+        out = cls(steps=steps)
+        for event in events:
+            if event.device_type != DeviceType.CUDA:
+                continue
+            seconds = event.time_range.elapsed_us() * 1e-6
+            if event.name.startswith("Memcpy"):
+                out.memcpys += 1
+                out.memcpy_s += seconds
+            elif event.name.startswith("Memset"):
+                out.memsets += 1
+                out.memset_s += seconds
+            else:
+                out.kernels += 1
+                out.kernel_s += seconds
+        return out
+
+    def per_step(self, field_name: str) -> float | None:
+        """``field_name``'s total over the window / its steps (None without steps)."""
+        return getattr(self, field_name) / self.steps if self.steps else None
+
+
+def profile_steps(step: Step, first: int, count: int, device: torch.device) -> KernelProfile:
+    """Run steps ``first .. first + count - 1`` under ``torch.profiler`` (CPU and, on CUDA, CUDA activity;
+    no shapes, stacks or memory recorded) and return their :class:`KernelProfile` (all zero on a CPU);
+    the logged values of those steps are returned by :func:`run_steps`, not here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(first, first + count):
+            step(i)
+        sync(device)
+    return KernelProfile.from_events(prof.events(), count)
+
+
+@dataclass
+class StepRun:
+    """What :func:`run_steps` measured.
+
+    Attributes:
+        logged: the logged values of every step (warmup, timed, profiled), ``Tensor.tolist()`` of each.
+        warmup_s: wall time of the warmup steps (synchronized).
+        step_s: wall time of each timed step, from the device synchronization before it to the one after.
+        cpu_s: the process's CPU time (``time.process_time``, every thread) of the timed steps, summed;
+            each step's is read before its closing synchronization, so waiting for the device is not in it.
+        profile: the kernels of the profiled steps after the timed ones (None when there were none).
+    """
+
+    logged: list[Any]
+    warmup_s: float
+    step_s: list[float]
+    cpu_s: float
+    profile: KernelProfile | None
+
+    @property
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.step_s) if self.step_s else None
+
+    @property
+    def cpu_step_s(self) -> float | None:
+        """CPU time per timed step."""
+        return self.cpu_s / len(self.step_s) if self.step_s else None
+
+
+def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: torch.device) -> StepRun:
+    """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under :func:`profile_steps`.
+
+    Each timed step runs between two device synchronizations (its wall time is theirs); the process's CPU
+    time is read before the closing one, so a host that waits for the device does not count the wait (a
+    spinning ``cudaDeviceSynchronize`` would otherwise make every step look host-bound). The logged values
+    stay on the device until the end. Exceptions (``torch.cuda.OutOfMemoryError`` too) propagate.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> forward = lambda x: (((w * x).sum() - 1) ** 2,) * 2
+        >>> step = optimizer_step(forward, [w], [torch.ones(3)], lr=0.1, fused=False)
+        >>> run = run_steps(step, warmup=1, steps=3, profiled=1, device=torch.device("cpu"))
+        >>> len(run.logged), len(run.step_s), run.logged[0], run.profile.steps, run.profile.kernels
+        (5, 3, 4.0, 1, 0)
+    """
+    logged: list[torch.Tensor] = []
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        logged.append(step(i))
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    step_s: list[float] = []
+    cpu_s = 0.0
+    for i in range(warmup, warmup + steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        logged.append(step(i))
+        cpu_s += time.process_time() - c0
+        sync(device)
+        step_s.append(time.perf_counter() - t0)
+    profile = None
+    if profiled > 0:
+        first = warmup + steps
+        profile = profile_steps(lambda i: logged.append(step(i)), first, profiled, device)
+    return StepRun(
+        logged=torch.stack([t.detach().double() for t in logged]).cpu().tolist() if logged else [],
+        warmup_s=warmup_s,
+        step_s=step_s,
+        cpu_s=cpu_s,
+        profile=profile,
+    )
