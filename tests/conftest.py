@@ -109,6 +109,20 @@ def triton_kernels() -> bool:
 _POISON_FUNCTIONS = ("empty", "empty_like", "empty_strided")
 
 
+def _learn_torch_functions_before_poisoning() -> None:
+    """torch.compile learns torch's functions (which builtins it may trace) once, on first use, by name:
+    learned while a poisoning wrapper stands in for torch.empty, the real builtin the wrapper calls is
+    unknown to it and a compiled reference path breaks its graph there. Learn them first."""
+    try:
+        from torch._dynamo.trace_rules import get_torch_obj_rule_map
+    except ImportError:  # another torch: its compile tests say whether it needs this
+        return
+    get_torch_obj_rule_map()
+
+
+_learn_torch_functions_before_poisoning()
+
+
 def _poison_(t: object) -> None:
     """Fill a fresh allocation with NaN (floating, complex) or a big sentinel (integer, bool)."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:

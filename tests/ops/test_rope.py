@@ -12,6 +12,7 @@ position, so B * T stays small.
 from __future__ import annotations
 
 import doctest
+import warnings
 
 import pytest
 import torch
@@ -489,8 +490,12 @@ def test_stride_zero_grad_outputs(gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
-def test_tables_requiring_grad_use_the_reference(dtype, gen):
-    """cos/sin that require grad: no gradient is dropped, the differentiable reference runs."""
+def test_tables_requiring_grad_use_the_reference(dtype, gen, monkeypatch):
+    """cos/sin that require grad: no gradient is dropped, the differentiable reference runs, and on the
+    Triton path it says so once (one RuntimeWarning per process)."""
+    from fuselm.ops._common import dispatch
+
+    monkeypatch.setattr(dispatch, "_SAID", set())
     shape = (2, 5, 2, 1, 32, 32)
     q, k = make_qk(gen, shape, dtype, "bhtd")
     cos, sin = make_tables(gen, shape, dtype)
@@ -501,7 +506,12 @@ def test_tables_requiring_grad_use_the_reference(dtype, gen):
         outs = fn(*leaves)
         return torch.autograd.grad(outs, leaves, [g.to(o.dtype) for g, o in zip(gos, outs, strict=True)])
 
-    ours_ = grads(apply_rotary, (q, k, cos, sin))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours_ = grads(apply_rotary, (q, k, cos, sin))
+        grads(apply_rotary, (q, k, cos, sin))
+    said = [str(w.message) for w in caught if "cos / sin require grad" in str(w.message)]
+    assert len(said) == (1 if TRITON_PATH else 0), said
     eager = grads(hf_eager, (q, k, cos, sin))
     ref = grads(apply_rotary_reference, [t.double() for t in (q, k, cos, sin)])
     for what, o, e, r in zip(("dq", "dk", "dcos", "dsin"), ours_, eager, ref, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -42,6 +43,26 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.is_cuda:
         return True
     return tensor.device.type == "cpu" and interpret_mode()
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """A RuntimeWarning the first time ``message`` is said in this process (a slower path than the user
+    may expect runs, e.g. the PyTorch reference for an input the kernels do not cover), never again.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     say_once("fuselm.example: the reference runs"); say_once("fuselm.example: the reference runs")
+        >>> len(caught)
+        1
+    """
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 try:  # os.environ's own dict: an unset variable is one dict lookup (host time), set ones are read as usual

@@ -7,13 +7,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import say_once, use_triton
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import cast_for_autocast, check_choice, check_tensor
 from .._common.launch import cdiv, launcher, next_pow2
 from .._common.linear import projections_backward
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
+
+TABLES_NEED_GRAD = (
+    "fuselm.{op}: cos / sin require grad, so the differentiable PyTorch reference runs (slower; the kernels "
+    "give q and k their gradients only): detach the tables if they are not trained"
+)
 
 # Dense q and k (the usual case): the dense-rows kernel, about DENSE_BLOCK consecutive elements (whole
 # rows) a program
@@ -389,6 +394,8 @@ def apply_rotary(
     cos_b, sin_b, pos_b = broadcast_tables(cos, sin, position_ids, batch, seq_len, head_dim, layout, q.device)
     tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if q.dtype == torch.float64 or not use_triton(q) or tables_need_grad:
+        if tables_need_grad and use_triton(q) and q.dtype != torch.float64:
+            say_once(TABLES_NEED_GRAD.format(op="apply_rotary"))
         return apply_rotary_reference(q, k, cos, sin, position_ids=position_ids, layout=layout)
 
     bhtd = layout == "bhtd"
@@ -530,6 +537,8 @@ def qkv_rotary(
     cos_b, sin_b, _ = broadcast_tables(cos, sin, None, batch, seq_len, head_dim, "bthd", x.device)
     tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if x.dtype == torch.float64 or not use_triton(x) or tables_need_grad:
+        if tables_need_grad and use_triton(x) and x.dtype != torch.float64:
+            say_once(TABLES_NEED_GRAD.format(op="qkv_rotary"))
         q, k, v = (
             F.linear(x, w, b).view(batch, seq_len, -1, head_dim).transpose(1, 2)
             for w, b in zip(weights.values(), biases.values(), strict=True)
