@@ -110,17 +110,15 @@ _POISON_FUNCTIONS = ("empty", "empty_like", "empty_strided")
 
 
 def _learn_torch_functions_before_poisoning() -> None:
-    """torch.compile learns torch's functions (which builtins it may trace) once, on first use, by name:
-    learned while a poisoning wrapper stands in for torch.empty, the real builtin the wrapper calls is
-    unknown to it and a compiled reference path breaks its graph there. Learn them first."""
+    """torch.compile learns torch's functions (which builtins it may trace) on first use, by name, and
+    forgets them when a process group starts (init_process_group clears that cache): learned while a
+    poisoning wrapper stands in for torch.empty, the real builtin the wrapper calls is unknown to it and a
+    compiled reference path breaks its graph there. Learn them (a cache hit when known) before patching."""
     try:
         from torch._dynamo.trace_rules import get_torch_obj_rule_map
     except ImportError:  # another torch: its compile tests say whether it needs this
         return
     get_torch_obj_rule_map()
-
-
-_learn_torch_functions_before_poisoning()
 
 
 def _poison_(t: object) -> None:
@@ -160,6 +158,7 @@ def _poisoning(fn):
 def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a test runs, torch.empty / empty_like / empty_strided / Tensor.new_empty return NaN-filled
     floating tensors (integer ones: the dtype's max), so an element a kernel forgot to write shows up."""
+    _learn_torch_functions_before_poisoning()
     for name in _POISON_FUNCTIONS:
         fn = getattr(torch, name)
         if not getattr(fn, "__fuselm_poison__", False):

@@ -44,3 +44,54 @@ def test_an_incomplete_backend_is_not_one():
         def reduce_input_grad_(self, dx): ...
 
     assert not isinstance(NoBackward(), RowBackend)
+
+
+FAMILY_OPS = (
+    "loss_rows_fwd",
+    "loss_rows_fwd_inplace",
+    "loss_rows_bwd",
+    "loss_rows_bwd_inplace",
+    "linear_cross_entropy_fwd",
+    "linear_cross_entropy_bwd",
+    "linear_log_probs_fwd",
+    "linear_log_probs_bwd",
+)
+
+
+@pytest.mark.parametrize("op", FAMILY_OPS)
+def test_family_op_schemas_carry_every_scalar_option(op):
+    """The custom ops' schemas are derived from LossOptions (family_custom_op): every scalar field, by its
+    name and type, is an argument of every op of the family, so a new scalar option is one LossOptions
+    field (plus its kernel code) and reaches torch.compile's graphs with no schema or fake edited."""
+    import torch
+
+    import fuselm  # noqa: F401 - registers the ops
+    from fuselm.ops._common.loss.options import SCALAR_FIELDS, LossOptions
+
+    schema = getattr(torch.ops.fuselm, op).default._schema
+    arguments = {a.name: str(a.type) for a in schema.arguments}
+    types = {int: "int", str: "str", float: "float"}
+    for name in SCALAR_FIELDS:
+        assert arguments.get(name) == types[type(getattr(LossOptions(), name))], (op, name, arguments)
+    assert not any(a.kwarg_only for a in schema.arguments), "inductor calls fallback ops positionally"
+
+
+def test_family_op_called_positionally_or_by_name():
+    """Inductor's generated code passes every argument positionally; eager code by name: the function sees
+    the same tensors and named scalars either way."""
+    import torch
+
+    from fuselm.ops._common.loss.options import LossOptions, family_custom_op, options_of
+
+    seen = []
+
+    @family_custom_op("fuselm_test::rows", tensors="Tensor logits", flags="bool flag", returns="Tensor")
+    def rows(logits, weight, token_weights, weight_sum, grad_scale, **named):
+        seen.append((options_of(named, weight, token_weights), named["flag"]))
+        return logits.clone()
+
+    opts = LossOptions.of(label_smoothing=0.25, softcap=3.0)
+    x, one = torch.ones(2), torch.ones(1)
+    rows(x, None, None, None, one, **opts.op_kwargs(tensors=False), flag=True)
+    rows(x, None, None, None, one, *opts.op_kwargs(tensors=False).values(), True)
+    assert seen[0] == seen[1] == (opts, True)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .._common.loss.budget import MIN_BUDGET, memory_budget
-from .._common.loss.options import LossScales, options_of
+from .._common.loss.options import LossScales, family_custom_op, family_fake, options_of
 from .._common.loss.rows import LocalRows
 from . import chunked, fused
 
@@ -72,39 +72,25 @@ def _or_empty(t, like):
     return t if t is not None else like.new_empty(0)
 
 
-@torch.library.custom_op("fuselm::linear_cross_entropy_fwd", mutates_args=())
-def _fwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    plan_name: str,
-    chunk_rows: int,
-    fp32_weight_grad: bool,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    compute_grad: bool,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-    compute_predicted: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = options_of(locals())
-    plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
+_PLAN = "str plan_name, int chunk_rows, bool fp32_weight_grad"
+_NEEDS = "bool need_dx, bool need_dw, bool need_db"
+
+
+@family_custom_op(
+    "fuselm::linear_cross_entropy_fwd",
+    tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
+    flags=f"{_PLAN}, bool compute_grad, {_NEEDS}, bool compute_predicted",
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _fwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
+    opts = options_of(named, weight, token_weights)
+    plan = Plan(named["plan_name"], named["chunk_rows"], named["fp32_weight_grad"])
     scales = LossScales(weight_sum, grad_scale)
-    needs = (need_dx, need_dw, need_db)
+    needs = (named["need_dx"], named["need_dw"], named["need_db"])
     backend = LocalRows(w.shape[0])
+    compute_predicted = named["compute_predicted"]
     predicted = x.new_empty(x.shape[0] if compute_predicted else 0, dtype=torch.int64)
-    loss, lse, dx, dw, db = PLANS[plan_name].forward(
+    loss, lse, dx, dw, db = PLANS[plan.name].forward(
         plan,
         x,
         w,
@@ -114,73 +100,49 @@ def _fwd_op(
         opts,
         scales,
         backend,
-        compute_grad,
+        named["compute_grad"],
         needs,
         predicted if compute_predicted else None,
     )
     return loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, loss), predicted
 
 
-@_fwd_op.register_fake
-def _(
-    x, w, b, target, weight, token_weights, weight_sum, grad_scale, plan_name, chunk_rows, *scalars_and_flags
-):
-    compute_grad, need_dx, need_dw, need_db, compute_predicted = scalars_and_flags[-5:]
+@family_fake(_fwd_op)
+def _(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
+    grad = named["compute_grad"]
     n, v = x.shape[0], w.shape[0]
     loss = x.new_empty(n, dtype=torch.float32)
-    dx = x.new_empty(x.shape) if compute_grad and need_dx else x.new_empty(0)
-    dw = w.new_empty(w.shape) if compute_grad and need_dw else w.new_empty(0)
-    db = loss.new_empty(v) if compute_grad and need_db else loss.new_empty(0)
-    predicted = x.new_empty(n if compute_predicted else 0, dtype=torch.int64)
+    dx = x.new_empty(x.shape) if grad and named["need_dx"] else x.new_empty(0)
+    dw = w.new_empty(w.shape) if grad and named["need_dw"] else w.new_empty(0)
+    db = loss.new_empty(v) if grad and named["need_db"] else loss.new_empty(0)
+    predicted = x.new_empty(n if named["compute_predicted"] else 0, dtype=torch.int64)
     return loss, x.new_empty(n, dtype=torch.float32), dx, dw, db, predicted
 
 
-@torch.library.custom_op("fuselm::linear_cross_entropy_bwd", mutates_args=())
-def _bwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    dloss: torch.Tensor,
-    dlse: torch.Tensor | None,
-    lse: torch.Tensor,
-    plan_name: str,
-    chunk_rows: int,
-    fp32_weight_grad: bool,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = options_of(locals())
-    plan = Plan(plan_name, chunk_rows, fp32_weight_grad)
+@family_custom_op(
+    "fuselm::linear_cross_entropy_bwd",
+    tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
+    after="Tensor dloss, Tensor? dlse, Tensor lse",
+    flags=f"{_PLAN}, {_NEEDS}",
+    returns="(Tensor, Tensor, Tensor)",
+)
+def _bwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):
+    opts = options_of(named, weight, token_weights)
+    plan = Plan(named["plan_name"], named["chunk_rows"], named["fp32_weight_grad"])
     scales = LossScales(weight_sum, grad_scale)
     backend = LocalRows(w.shape[0])
-    needs = (need_dx, need_dw, need_db)
-    dx, dw, db = PLANS[plan_name].backward(
+    needs = (named["need_dx"], named["need_dw"], named["need_db"])
+    dx, dw, db = PLANS[plan.name].backward(
         plan, x, w, b, target, None, opts, scales, backend, dloss, dlse, lse, needs
     )
     return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
 
 
-@_bwd_op.register_fake
-def _(
-    x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, *names_scalars_and_needs
-):
-    need_dx, need_dw, need_db = names_scalars_and_needs[-3:]
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
-    dw = w.new_empty(w.shape) if need_dw else w.new_empty(0)
-    db = lse.new_empty(w.shape[0]) if need_db else lse.new_empty(0)
+@family_fake(_bwd_op)
+def _(x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):
+    dx = x.new_empty(x.shape) if named["need_dx"] else x.new_empty(0)
+    dw = w.new_empty(w.shape) if named["need_dw"] else w.new_empty(0)
+    db = lse.new_empty(w.shape[0]) if named["need_db"] else lse.new_empty(0)
     return dx, dw, db
 
 

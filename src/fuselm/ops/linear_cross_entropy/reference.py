@@ -53,9 +53,13 @@ def chunk_loss_grad(logits, target, opts: LossOptions, dloss, dlse):
         total = (loss * dloss).sum() + ((lse * dlse).sum() if dlse is not None else 0)
         return total, (loss, lse)
 
-    # torch.func rather than torch.autograd.grad: torch.compile traces it (fullgraph on the CPU path)
-    with torch.enable_grad():
+    if torch.compiler.is_compiling():  # torch.compile traces torch.func.grad, not torch.autograd.grad
         grad, (loss, lse) = torch.func.grad(objective, has_aux=True)(logits.detach())
+    else:  # torch.func refuses saved-tensor hooks (activation offloading, the demo's meter)
+        with torch.enable_grad():
+            z = logits.detach().requires_grad_()
+            total, (loss, lse) = objective(z)
+            (grad,) = torch.autograd.grad(total, z)
     return loss.detach(), lse.detach(), grad
 
 

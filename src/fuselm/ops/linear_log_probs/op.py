@@ -26,7 +26,7 @@ from .._common.guard import (
 from .._common.launch import cdiv, launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import LossOptions
+from .._common.loss.options import LossOptions, family_custom_op, family_fake, options_of
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import DOUBLE_BACKWARD, OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
@@ -276,34 +276,27 @@ def _or_empty(t, like, dtype=None):
     return t if t is not None else like.new_empty(0, dtype=dtype or like.dtype)
 
 
-@torch.library.custom_op("fuselm::linear_log_probs_fwd", mutates_args=())
-def _fwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    target: torch.Tensor,
-    budget: int,
-    slab_floor: int,
-    fixed_in_budget: bool,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    stats: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = (budget, slab_floor, fixed_in_budget)
-    opts = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature)
-    outs = linear_log_probs_fwd(x, w, b, target, None, plan, opts, stats)
+_PLAN = "int budget, int slab_floor, bool fixed_in_budget"
+
+
+@family_custom_op(
+    "fuselm::linear_log_probs_fwd",
+    tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
+    flags=f"{_PLAN}, int stats",
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    option_tensors=False,
+    scales=False,
+)
+def _fwd_op(x, w, b, target, **named):
+    plan = (named["budget"], named["slab_floor"], named["fixed_in_budget"])
+    outs = linear_log_probs_fwd(x, w, b, target, None, plan, options_of(named), named["stats"])
     log_probs = outs[0]
     return tuple(_or_empty(o, log_probs) for o in outs[:5]) + (_or_empty(outs[5], log_probs, torch.bool),)
 
 
-@_fwd_op.register_fake
-def _(x, w, b, target, budget, slab_floor, fixed_in_budget, *scalars_and_stats):
-    stats = scalars_and_stats[-1]
+@family_fake(_fwd_op)
+def _(x, w, b, target, **named):
+    stats = named["stats"]
     n = x.shape[0]
 
     def out(bit, dtype=torch.float32):
@@ -312,31 +305,16 @@ def _(x, w, b, target, budget, slab_floor, fixed_in_budget, *scalars_and_stats):
     return out(None), out(ENTROPY), out(None), out(SUM_SQ), out(MEAN), out(TOP1, torch.bool)
 
 
-@torch.library.custom_op("fuselm::linear_log_probs_bwd", mutates_args=())
-def _bwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    dlog_probs: torch.Tensor | None,
-    dentropy: torch.Tensor | None,
-    dlse: torch.Tensor | None,
-    budget: int,
-    slab_floor: int,
-    fixed_in_budget: bool,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@family_custom_op(
+    "fuselm::linear_log_probs_bwd",
+    tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
+    after="Tensor lse, Tensor? entropy, Tensor? dlog_probs, Tensor? dentropy, Tensor? dlse",
+    flags=f"{_PLAN}, bool need_dx, bool need_dw, bool need_db",
+    returns="(Tensor, Tensor, Tensor)",
+    option_tensors=False,
+    scales=False,
+)
+def _bwd_op(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, **named):
     dx, dw, db = linear_log_probs_bwd(
         x,
         w,
@@ -346,21 +324,20 @@ def _bwd_op(
         entropy,
         (dlog_probs, dentropy, dlse),
         None,
-        budget,
-        slab_floor,
-        fixed_in_budget,
-        LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, temperature),
-        (need_dx, need_dw, need_db),
+        named["budget"],
+        named["slab_floor"],
+        named["fixed_in_budget"],
+        options_of(named),
+        (named["need_dx"], named["need_dw"], named["need_db"]),
     )
     return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
 
 
-@_bwd_op.register_fake
-def _(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, *plan_scalars_and_needs):
-    need_dx, need_dw, need_db = plan_scalars_and_needs[-3:]
-    dx = x.new_empty(x.shape if need_dx else (0,))
-    dw = w.new_empty(w.shape if need_dw else (0,))
-    db = lse.new_empty(w.shape[0] if need_db else 0)
+@family_fake(_bwd_op)
+def _(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, **named):
+    dx = x.new_empty(x.shape if named["need_dx"] else (0,))
+    dw = w.new_empty(w.shape if named["need_dw"] else (0,))
+    db = lse.new_empty(w.shape[0] if named["need_db"] else 0)
     return dx, dw, db
 
 

@@ -80,21 +80,11 @@ class LossOptions(NamedTuple):
         return self.weight, self.token_weights
 
     def with_tensors(self, weight, token_weights) -> LossOptions:
-        """The same options with these tensors (self when they are already these). (Built field by field:
+        """The same options with these tensors (self when they are already these). (Built from the fields:
         NamedTuple._replace does not survive a graph break under torch 2.11's dynamo.)"""
         if weight is self.weight and token_weights is self.token_weights:
             return self
-        return LossOptions(
-            self.ignore_index,
-            self.reduction,
-            self.label_smoothing,
-            self.z_loss,
-            self.softcap,
-            self.logit_scale,
-            self.temperature,
-            weight,
-            token_weights,
-        )
+        return LossOptions(*(getattr(self, name) for name in SCALAR_FIELDS), weight, token_weights)
 
     def for_rows(self, rows) -> LossOptions:
         """The options of some rows (a slice or int64 indices): token_weights follow the rows."""
@@ -107,9 +97,9 @@ class LossOptions(NamedTuple):
 
     def op_kwargs(self, tensors: bool = True) -> dict:
         """Every field by name (without weight and token_weights when not ``tensors``): the keyword
-        arguments of the family's torch.library custom ops, whose parameters carry the fields' names
-        (:func:`options_of` reads them back)."""
-        names = LossOptions._fields if tensors else LossOptions._fields[:-2]
+        arguments of the family's torch.library custom ops (:func:`family_custom_op`, whose schemas carry
+        the fields' names; :func:`options_of` reads them back)."""
+        names = LossOptions._fields if tensors else SCALAR_FIELDS
         return {name: getattr(self, name) for name in names}
 
     @property
@@ -152,10 +142,107 @@ class LossOptions(NamedTuple):
         return self.with_tensors(weight, token_weights)
 
 
-def options_of(args) -> LossOptions:
-    """The LossOptions of a torch.library custom op's arguments (``locals()``: its parameters carry the
-    fields' names)."""
-    return LossOptions(*(args[name] for name in LossOptions._fields))
+TENSOR_FIELDS = ("weight", "token_weights")
+SCALAR_FIELDS = tuple(name for name in LossOptions._fields if name not in TENSOR_FIELDS)
+# a torch.library schema type per annotation of a scalar field (a new scalar option needs one of these)
+_SCHEMA_TYPES = {"int": "int", "str": "str", "float": "float", "bool": "bool"}
+
+
+def scalar_options_schema() -> str:
+    """The scalar fields of LossOptions as torch.library schema arguments, in field order.
+
+    Example:
+        >>> scalar_options_schema().split(", ")[:2]
+        ['int ignore_index', 'str reduction']
+    """
+    return ", ".join(f"{_SCHEMA_TYPES[_annotation(n)]} {n}" for n in SCALAR_FIELDS)
+
+
+def _annotation(field: str) -> str:
+    """A field's annotation as written ("int"): a string, a ForwardRef or a type, by Python version."""
+    a = LossOptions.__annotations__[field]
+    return a if isinstance(a, str) else getattr(a, "__forward_arg__", None) or a.__name__
+
+
+def family_custom_op(
+    qualname: str,
+    *,
+    tensors: str,
+    returns: str,
+    after: str = "",
+    flags: str = "",
+    option_tensors: bool = True,
+    scales: bool = True,
+    mutates_args: tuple[str, ...] = (),
+):
+    """A decorator making a torch.library custom op of the family whose schema is derived from LossOptions:
+    ``(<tensors>[, Tensor? weight, Tensor? token_weights][, Tensor? weight_sum, Tensor grad_scale][,
+    <after>], <every scalar field>[, <flags>]) -> <returns>``. The function and its fake
+    (:func:`family_fake`) get the tensors positionally and the scalars and flags as keyword arguments
+    (``**named``), however the op was called (inductor passes every argument positionally): a new scalar
+    option is a new LossOptions field, and every op of the family takes it (read it with
+    :func:`options_of`). ``tensors``, ``after``, ``flags``: schema arguments (``"Tensor x, Tensor w"``;
+    mutated ones marked ``Tensor(a!)`` and named in ``mutates_args``).
+
+    Example:
+        >>> @family_custom_op("fuselm_doc::rows", tensors="Tensor logits", returns="Tensor")
+        ... def rows(logits, weight, token_weights, weight_sum, grad_scale, **named):
+        ...     return logits * options_of(named, weight, token_weights).label_smoothing
+        >>> rows(torch.ones(2), None, None, None, torch.ones(1), **LossOptions().op_kwargs(tensors=False))
+        tensor([0., 0.])
+    """
+    parts = [tensors]
+    if option_tensors:
+        parts.append("Tensor? weight, Tensor? token_weights")
+    if scales:
+        parts.append("Tensor? weight_sum, Tensor grad_scale")
+    if after:
+        parts.append(after)
+    parts += [p for p in (scalar_options_schema(), flags) if p]
+    arguments = ", ".join(parts)
+    names = [a.strip().rsplit(" ", 1)[1] for a in arguments.split(",")]
+    n_tensors = sum(1 for a in arguments.split(",") if a.strip().startswith("Tensor"))
+
+    def decorate(fn):
+        op = torch.library.custom_op(
+            qualname, mutates_args=mutates_args, schema=f"({arguments}) -> {returns}"
+        )(_by_name(fn, names, n_tensors))
+        _SIGNATURES[id(op)] = (names, n_tensors)
+        return op
+
+    return decorate
+
+
+def family_fake(op):
+    """Register the fake of a :func:`family_custom_op` (called as the op's function is)."""
+    names, n_tensors = _SIGNATURES[id(op)]
+
+    def register(fn):
+        op.register_fake(_by_name(fn, names, n_tensors))
+        return fn
+
+    return register
+
+
+_SIGNATURES: dict[int, tuple[list[str], int]] = {}  # id(op) -> (argument names, leading tensors)
+
+
+def _by_name(fn, names: list[str], n_tensors: int):
+    """fn(*tensors, **scalars) from a call with the schema's arguments, positional or by name."""
+
+    def call(*args, **kwargs):
+        bound = dict(zip(names, args, strict=False))  # the leading ones positional
+        bound.update(kwargs)
+        values = [bound.pop(name) for name in names[:n_tensors]]
+        return fn(*values, **bound)
+
+    return call
+
+
+def options_of(named: dict, weight=None, token_weights=None) -> LossOptions:
+    """The LossOptions of a family custom op's keyword arguments (its scalars by field name) and its
+    option tensors."""
+    return LossOptions(*(named[name] for name in SCALAR_FIELDS), weight, token_weights)
 
 
 class LossScales(NamedTuple):

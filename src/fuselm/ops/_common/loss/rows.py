@@ -15,7 +15,15 @@ import torch
 
 from ..dispatch import interpret_mode, use_triton
 from ..launch import cdiv, launcher, persistent_grid, row_launch
-from .options import LossOptions, LossScales, loss_scales, options_of, reduce_rows
+from .options import (
+    LossOptions,
+    LossScales,
+    family_custom_op,
+    family_fake,
+    loss_scales,
+    options_of,
+    reduce_rows,
+)
 from .reference import scale_keeping_zeros
 from .row_kernels import (
     cross_entropy_bwd_kernel,
@@ -222,31 +230,20 @@ def reduced_loss(
     return out
 
 
-# ---- custom ops: torch.compile sees one opaque node per launch, no graph break. The options travel as
-# LossOptions.op_kwargs() and LossScales.op_kwargs(), by name. ----
+# ---- custom ops: torch.compile sees one opaque node per launch, no graph break. Their schemas come
+# from LossOptions (family_custom_op); options travel as LossOptions / LossScales.op_kwargs(). ----
 
 
-@torch.library.custom_op("fuselm::loss_rows_fwd", mutates_args=())
-def _fwd_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    compute_grad: bool,
-    compute_predicted: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = options_of(locals())
-    grad = torch.empty_like(logits) if compute_grad else None
-    predicted = _new_predicted(logits, compute_predicted)
+@family_custom_op(
+    "fuselm::loss_rows_fwd",
+    tensors="Tensor logits, Tensor target",
+    flags="bool compute_grad, bool compute_predicted",
+    returns="(Tensor, Tensor, Tensor, Tensor)",
+)
+def _fwd_op(logits, target, weight, token_weights, weight_sum, grad_scale, **named):
+    opts = options_of(named, weight, token_weights)
+    grad = torch.empty_like(logits) if named["compute_grad"] else None
+    predicted = _new_predicted(logits, named["compute_predicted"])
     loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), grad, predicted)
     return (
         loss,
@@ -264,94 +261,64 @@ def _or_empty_predicted(predicted, logits):
     return predicted if predicted is not None else logits.new_empty(0, dtype=torch.int64)
 
 
-@_fwd_op.register_fake
-def _(logits, target, weight, token_weights, weight_sum, grad_scale, *scalars_and_flags):
+def _fake_rows(logits, compute_predicted: bool):
+    """(loss, lse, predicted) of a fake: fp32 [N] twice, int64 [N] or [0]."""
     n = logits.shape[0]
-    compute_grad, compute_predicted = scalars_and_flags[-2:]
-    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
     predicted = logits.new_empty(n if compute_predicted else 0, dtype=torch.int64)
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), grad, predicted
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), predicted
 
 
-@torch.library.custom_op("fuselm::loss_rows_fwd_inplace", mutates_args=("logits",))
-def _fwd_inplace_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-    compute_predicted: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = options_of(locals())
-    predicted = _new_predicted(logits, compute_predicted)
+@family_fake(_fwd_op)
+def _(logits, target, weight, token_weights, weight_sum, grad_scale, **named):
+    loss, lse, predicted = _fake_rows(logits, named["compute_predicted"])
+    return loss, lse, torch.empty_like(logits) if named["compute_grad"] else logits.new_empty(0), predicted
+
+
+@family_custom_op(
+    "fuselm::loss_rows_fwd_inplace",
+    tensors="Tensor(a!) logits, Tensor target",
+    flags="bool compute_predicted",
+    returns="(Tensor, Tensor, Tensor)",
+    mutates_args=("logits",),
+)
+def _fwd_inplace_op(logits, target, weight, token_weights, weight_sum, grad_scale, **named):
+    opts = options_of(named, weight, token_weights)
+    predicted = _new_predicted(logits, named["compute_predicted"])
     loss, lse = rows_fwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), logits, predicted)
     return loss, lse, _or_empty_predicted(predicted, logits)
 
 
-@_fwd_inplace_op.register_fake
-def _(logits, *rest):
-    n = logits.shape[0]
-    predicted = logits.new_empty(n if rest[-1] else 0, dtype=torch.int64)
-    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), predicted
+@family_fake(_fwd_inplace_op)
+def _(logits, target, weight, token_weights, weight_sum, grad_scale, **named):
+    return _fake_rows(logits, named["compute_predicted"])
 
 
-@torch.library.custom_op("fuselm::loss_rows_bwd", mutates_args=())
-def _bwd_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    dloss: torch.Tensor,
-    dlse: torch.Tensor | None,
-    lse: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-) -> torch.Tensor:
-    opts = options_of(locals())
+_BWD_TENSORS = "Tensor dloss, Tensor? dlse, Tensor lse"
+
+
+@family_custom_op(
+    "fuselm::loss_rows_bwd", tensors="Tensor logits, Tensor target", after=_BWD_TENSORS, returns="Tensor"
+)
+def _bwd_op(logits, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):
+    opts = options_of(named, weight, token_weights)
     scales = LossScales(weight_sum, grad_scale)
     return rows_bwd_into(logits, target, opts, scales, dloss, dlse, lse, torch.empty_like(logits))
 
 
-@_bwd_op.register_fake
-def _(logits, *rest):
+@family_fake(_bwd_op)
+def _(logits, *tensors, **named):
     return torch.empty_like(logits)
 
 
-@torch.library.custom_op("fuselm::loss_rows_bwd_inplace", mutates_args=("logits",))
-def _bwd_inplace_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    token_weights: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    dloss: torch.Tensor,
-    dlse: torch.Tensor | None,
-    lse: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    logit_scale: float,
-    temperature: float,
-) -> None:
-    opts = options_of(locals())
+@family_custom_op(
+    "fuselm::loss_rows_bwd_inplace",
+    tensors="Tensor(a!) logits, Tensor target",
+    after=_BWD_TENSORS,
+    returns="()",
+    mutates_args=("logits",),
+)
+def _bwd_inplace_op(logits, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):
+    opts = options_of(named, weight, token_weights)
     rows_bwd_into(logits, target, opts, LossScales(weight_sum, grad_scale), dloss, dlse, lse, logits)
 
 
