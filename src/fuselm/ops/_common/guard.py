@@ -47,6 +47,24 @@ def cast_for_autocast(device_type: str, *tensors) -> tuple[tuple, bool]:
     return cast, True
 
 
+def check_number(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a Python float: a finite real number (> 0 with ``positive``), else ValueError naming
+    ``name``.
+
+    Example:
+        >>> check_number("temperature", 2, positive=True)
+        2.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not (value == value and abs(value) != float("inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
     choices = tuple(choices)
     if value not in choices:

@@ -17,7 +17,6 @@ from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import (
     FLOAT_DTYPES,
-    check_tensor,
     linear_operands,
     refuse_double_backward,
     rows_view,
@@ -441,17 +440,6 @@ def _check_outputs(outputs) -> tuple[str, ...]:
     return names
 
 
-def _check_float(name: str, value, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not (value == value and abs(value) != float("inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
 def linear_log_probs(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -562,17 +550,14 @@ def linear_log_probs(
     v = linear_weight.shape[0]
     if v == 0:
         raise ValueError("linear_weight must have at least one row (one class)")
-    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=device)
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape input.shape[:-1] = {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
-        )
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    temperature = _check_float("temperature", temperature, positive=True)
-    if softcap is not None:
-        softcap = _check_float("softcap", softcap, positive=True)
-    logit_scale = _check_float("logit_scale", logit_scale, positive=False)
+    # the family's options and checks: per-token statistics, so no reduction, smoothing or z-loss
+    opts = LossOptions.of(
+        ignore_index=ignore_index,
+        reduction="none",
+        softcap=softcap,
+        logit_scale=logit_scale,
+        temperature=temperature,
+    ).checked(input, target, v)
     names = _check_outputs(outputs)
     validate_memory(memory)
 
@@ -585,21 +570,14 @@ def linear_log_probs(
             linear_weight,
             target,
             linear_bias=linear_bias,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            softcap=softcap,
-            logit_scale=logit_scale,
+            ignore_index=opts.ignore_index,
+            temperature=opts.temperature,
+            softcap=opts.softcap or None,
+            logit_scale=opts.logit_scale,
             budget=budget,
             rows=rows,
         )
     else:
-        opts = LossOptions.of(
-            ignore_index=ignore_index,
-            reduction="none",
-            softcap=softcap,
-            logit_scale=logit_scale,
-            temperature=temperature,
-        )
         # (bytes, least classes of a slab, does the fp32 d input accumulator count against the bytes?)
         plan = (budget, AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR, memory != "min")
         stat_bits = sum(bit for name, bit in STAT_BITS.items() if name in names)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..dispatch import validate_enabled
-from ..guard import FLOAT_DTYPES, check_choice, check_target_range, check_tensor
+from ..guard import FLOAT_DTYPES, check_choice, check_number, check_target_range, check_tensor
 
 
 class LossOptions(NamedTuple):
@@ -51,26 +51,28 @@ class LossOptions(NamedTuple):
         temperature: float = 1.0,
         token_weights=None,
     ) -> LossOptions:
-        """The options, checked (each ValueError names its argument), with Python floats (softcap None ->
-        0.0) and a contiguous weight; weight and token_weights are checked against the input by
-        :meth:`checked`."""
+        """The options, checked (each ValueError names its argument: every float a finite number in its
+        range), with Python floats (softcap None -> 0.0) and a contiguous weight; weight and token_weights
+        are checked against the input by :meth:`checked`."""
         check_choice("reduction", reduction, ("mean", "sum", "none"))
+        label_smoothing = check_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        z_loss = check_number("z_loss", z_loss)
         if z_loss < 0:
             raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if softcap is not None:
+            softcap = check_number("softcap", softcap, positive=True)
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
         return cls(
             ignore_index,
             reduction,
-            float(label_smoothing),
-            float(z_loss),
-            float(softcap or 0.0),
-            float(logit_scale),
-            float(temperature),
+            label_smoothing,
+            z_loss,
+            softcap or 0.0,
+            check_number("logit_scale", logit_scale),
+            check_number("temperature", temperature, positive=True),
             weight.contiguous() if isinstance(weight, torch.Tensor) else weight,
             token_weights,
         )
