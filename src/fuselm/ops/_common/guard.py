@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import math
 from collections.abc import Iterable
 
@@ -55,7 +57,7 @@ def check_number(name: str, value: object, *, positive: bool = False) -> float:
         >>> check_number("temperature", 2, positive=True)
         2.0
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars too
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not (value == value and abs(value) != float("inf")):
