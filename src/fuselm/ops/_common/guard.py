@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numbers
-
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
