@@ -22,6 +22,10 @@ forward, which returns logits; the loss and gradients are still right. And ``pat
 ``fully_shard``: the root's class is then FSDP's subclass ``FSDP<Name>ForCausalLM(FSDPModule,
 <Name>ForCausalLM)``, which instance patching looks through, so the fused loss is put in too.
 
+And PEFT LoRA (issue 26, item 2): adapters on every linear of llama and qwen3, patched (fuselm's fused
+LoRA path, no fallback to PEFT's forward), the layers and the root sharded: the adapters' gradients and the
+losses are the single-process ones. A MoE family (qwen3_moe) runs the standard recipe too.
+
 All cases of one backend run in one spawn of 2 processes (a spawn costs seconds of imports).
 """
 
@@ -32,6 +36,7 @@ import gc
 import os
 import pickle
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -48,11 +53,37 @@ VOCAB, BATCH, SEQ = 300, 2, 16  # hf_models' tiny configs: hidden 64, 2 layers, 
 
 # (model_type, how): "standard" = patch, shard the layers, shard the root; "lm_head_alone" = the same
 # with lm_head sharded on its own too; "patch_after_shard" = shard first, then patch.
+# "lora": PEFT LoRA on every linear of the decoder (random A and B), patched (fuselm's fused LoRA path),
+# then sharded as "standard"; only the adapters train.
+LORA_TYPES = ("llama", "qwen3")
 CASES = (
-    *((model_type, "standard") for model_type in MODEL_TYPES),
+    *((model_type, "standard") for model_type in (*MODEL_TYPES, "qwen3_moe")),
     ("llama", "lm_head_alone"),
     ("llama", "patch_after_shard"),
+    *((model_type, "lora") for model_type in LORA_TYPES),
 )
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(model_type: str, how: str, dtype: torch.dtype, device) -> torch.nn.Module:
+    """The tiny model of the case, the same on every rank and in the single process (with LoRA adapters
+    for "lora": A and B random, so that every adapter gets a gradient)."""
+    model = build(model_type, dtype, device, seed=SEED)
+    if how != "lora":
+        return model
+    import peft
+
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False
+    )
+    torch.manual_seed(SEED + 1)
+    return peft.get_peft_model(model, config).to(device=device, dtype=dtype)
+
+
+def _trained(model: torch.nn.Module):
+    """(name, parameter) of what trains: every parameter, or the adapters of a PEFT model."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
 
 BACKENDS = (
     pytest.param("gloo", id="gloo-cpu"),
@@ -84,23 +115,26 @@ def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    model = build(model_type, torch.float32, device, seed=SEED)  # the same init on every rank
+    model = _model(model_type, how, torch.float32, device)  # the same init on every rank
+    causal_lm = model.get_base_model() if how == "lora" else model
     if how != "patch_after_shard":
         fuselm.hf.patch(model)
     if how == "lm_head_alone":
         fully_shard(model.lm_head, mesh=mesh)
-    for layer in model.model.layers:
+    for layer in causal_lm.model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(causal_lm, mesh=mesh)
     if how == "patch_after_shard":
         fuselm.hf.patch(model)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
 
     ids, labels = _batch(rank, device)
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
     grads = {}
-    for name, p in model.named_parameters():  # the same order on every rank: full_tensor() gathers
+    for name, p in _trained(model):  # the same order on every rank: full_tensor() gathers
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = grad.cpu()
     fuselm.hf.unpatch(model)
@@ -109,6 +143,8 @@ def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int)
         "grads": grads,
         "fused_loss": out.logits is None,  # fuselm's linear_cross_entropy path returns no logits
         "sharded": sharded,
+        # fuselm says once when a LoRA layer runs PEFT's forward instead of its fused path
+        "fallbacks": sorted({str(w.message) for w in caught if "fuselm" in str(w.message)}),
     }
 
 
@@ -167,12 +203,12 @@ def _fsdp_case(fsdp_runs, model_type: str, how: str) -> dict:
     for other in per_rank[1:]:
         for name, grad in per_rank[0]["grads"].items():
             assert torch.equal(grad, other["grads"][name]), f"{name}: full gradients differ across ranks"
-    assert len({(r["fused_loss"], r["sharded"]) for r in per_rank}) == 1
+    assert len({(r["fused_loss"], r["sharded"], tuple(r["fallbacks"])) for r in per_rank}) == 1
     return {**per_rank[0], "loss": torch.stack([r["loss"] for r in per_rank])}
 
 
 @functools.cache
-def _single_process(model_type: str, device_type: str) -> dict:
+def _single_process(model_type: str, device_type: str, how: str = "standard") -> dict:
     """The same step in this process on every rank's batch, unsharded: kind -> (per-rank losses, mean of
     the per-rank gradients) for "reference" (HF float64), "eager" (HF fp32), "patched" (fuselm fp32)."""
     device = torch.device(device_type)
@@ -180,7 +216,7 @@ def _single_process(model_type: str, device_type: str) -> dict:
     runs = {}
     for kind, dtype in (("reference", torch.float64), ("eager", torch.float32), ("patched", torch.float32)):
         assert not fuselm.hf.is_patched(model_type)  # HF's own code for the reference and eager
-        model = build(model_type, dtype, device, seed=SEED)
+        model = _model(model_type, "lora" if how == "lora" else "standard", dtype, device)
         if kind == "patched":
             fuselm.hf.patch(model)
         losses, grads = [], {}
@@ -190,15 +226,15 @@ def _single_process(model_type: str, device_type: str) -> dict:
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             losses.append(loss.detach().cpu())
-            for name, p in model.named_parameters():
+            for name, p in _trained(model):
                 grads[name] = grads.get(name, 0) + p.grad.cpu() / WORLD_SIZE
         fuselm.hf.unpatch(model)
         runs[kind] = (torch.stack(losses), grads)
     return runs
 
 
-def _check(label: str, fsdp: dict, model_type: str, device_type: str) -> None:
-    single = _single_process(model_type, device_type)
+def _check(label: str, fsdp: dict, model_type: str, device_type: str, how: str = "standard") -> None:
+    single = _single_process(model_type, device_type, how)
     (ref_loss, ref_grads), (eager_loss, eager_grads) = single["reference"], single["eager"]
     patched_loss, patched_grads = single["patched"]
     assert fsdp["grads"].keys() == ref_grads.keys()
@@ -211,7 +247,21 @@ def _check(label: str, fsdp: dict, model_type: str, device_type: str) -> None:
         assert_numerics(f"{label} {name}: FSDP vs single-process patched", ours, patched, reference)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", LORA_TYPES)
+def test_fsdp_peft_lora_step_matches_single_process(fsdp_runs, model_type):
+    """PEFT LoRA on every linear, fuselm.hf.patch (the fused LoRA path), fully_shard the layers and the
+    root: per-rank losses and the adapters' averaged gradients are the single-process ones, with the fused
+    loss and no LoRA layer falling back to PEFT's forward."""
+    pytest.importorskip("peft")
+    fsdp = _fsdp_case(fsdp_runs, model_type, "lora")
+    assert fsdp["sharded"], "fully_shard left a parameter unsharded"
+    assert fsdp["fused_loss"], "the patched CausalLM forward did not run fuselm's linear_cross_entropy"
+    assert not fsdp["fallbacks"], fsdp["fallbacks"]
+    assert fsdp["grads"] and all("lora_" in n for n in fsdp["grads"])
+    _check(f"{model_type} FSDP + LoRA", fsdp, model_type, fsdp_runs[0], "lora")
+
+
+@pytest.mark.parametrize("model_type", (*MODEL_TYPES, "qwen3_moe"))
 def test_fsdp_step_matches_single_process(fsdp_runs, model_type):
     """patch, fully_shard the layers and the root: the fused loss runs on the unsharded lm_head weight;
     per-rank losses and the averaged gradients are the single-process ones."""
