@@ -77,7 +77,14 @@ def test_docstring_examples_run(obj):
 
 # ---- import direction (docs/design.md section 1) ----
 
-ABOVE_OPS = ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.distributed", "fuselm.lora")
+ABOVE_OPS = (
+    "fuselm.nn",
+    "fuselm.hf",
+    "fuselm.trl",
+    "fuselm.distributed",
+    "fuselm.lora",
+    "fuselm.integrations",
+)
 OP_FOLDERS = sorted(p.name for p in (SRC / "ops").iterdir() if p.is_dir() and (p / "__init__.py").exists())
 # The modules inside public op folders (fuselm.ops.swiglu.op, ...): private to the op; a package above
 # the ops that may use only their public surface imports the folder (`from fuselm.ops.swiglu import f`).
@@ -97,6 +104,7 @@ RULES = {
             "fuselm.hf",
             "fuselm.trl",
             "fuselm.distributed",
+            "fuselm.integrations",
             "fuselm.cli",
             "transformers",
             "trl",
@@ -104,8 +112,11 @@ RULES = {
     ),
     "distributed": (
         "distributed",
-        ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.cli", "transformers", "trl"),
+        ("fuselm.nn", "fuselm.hf", "fuselm.trl", "fuselm.integrations", "fuselm.cli", "transformers", "trl"),
     ),
+    # hf and trl sit below the engines' integrations
+    "hf": ("hf", ("fuselm.integrations", "fuselm.cli")),
+    "trl": ("trl", ("fuselm.integrations", "fuselm.cli")),
     # lora: framework-agnostic math over the ops' public functions (fuselm.ops.<op> packages only);
     # bitsandbytes lazily inside lora/frozen.py only (test_lora_imports_bitsandbytes_lazily)
     "lora": (
@@ -115,6 +126,7 @@ RULES = {
             "fuselm.hf",
             "fuselm.trl",
             "fuselm.distributed",
+            "fuselm.integrations",
             "fuselm.cli",
             "fuselm.demo",
             "fuselm.ops._common",
