@@ -301,3 +301,22 @@ def test_import_scanner_resolves_relative_imports():
         "fuselm.ops.some_op.op",
     ]
     assert _forbidden("fuselm.nn.loss", ("fuselm.nn",)) and not _forbidden("fuselm.nnx", ("fuselm.nn",))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "fuselm.ops._common.guard",
+        "fuselm.ops._common.dispatch",
+        "fuselm.ops._common.loss.options",
+        "fuselm.cli",
+        "fuselm.integrations.axolotl",
+    ],
+)
+def test_helper_module_examples_run(module):
+    """The docstring examples of the shared helpers and the command line run as written."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    failed, attempted = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert attempted > 0 and failed == 0, f"{module}: {failed} of {attempted} examples failed"
