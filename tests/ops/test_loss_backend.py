@@ -95,3 +95,61 @@ def test_family_op_called_positionally_or_by_name():
     rows(x, None, None, None, one, **opts.op_kwargs(tensors=False), flag=True)
     rows(x, None, None, None, one, *opts.op_kwargs(tensors=False).values(), True)
     assert seen[0] == seen[1] == (opts, True)
+
+
+def _family_op_cases():
+    """(op, args, kwargs) of every family custom op on small inputs (the Triton path's device)."""
+    import torch
+    from conftest import kernel_device
+
+    from fuselm.ops._common.loss.options import LossOptions
+
+    device = kernel_device()
+    g = torch.Generator().manual_seed(0)
+    opts = LossOptions.of(label_smoothing=0.1, z_loss=1e-3).op_kwargs(tensors=False)
+    logits = torch.randn(6, 37, generator=g).to(device)
+    x, w = torch.randn(6, 16, generator=g).to(device), torch.randn(37, 16, generator=g).to(device)
+    t = torch.randint(0, 37, (6,), generator=g).to(device)
+    t[0] = -100
+    gs, dloss = torch.full((1,), 0.2, device=device), torch.full((1,), 0.5, device=device)
+    scales = (None, None, None, gs)
+    ops = torch.ops.fuselm
+    lse = ops.loss_rows_fwd(logits, t, *scales, **opts, compute_grad=False, compute_predicted=False)[1]
+    plan = {"plan_name": "chunked", "chunk_rows": 4, "fp32_weight_grad": False}
+    needs = {"need_dx": True, "need_dw": True, "need_db": False}
+    slabs = {"budget": 1 << 20, "slab_floor": 8, "fixed_in_budget": True}
+    llp_lse = ops.linear_log_probs_fwd(x, w, None, t, **opts, **slabs, stats=0)[2]
+    return [
+        (ops.loss_rows_fwd, (logits, t, *scales), {**opts, "compute_grad": True, "compute_predicted": True}),
+        (ops.loss_rows_fwd_inplace, (logits.clone(), t, *scales), {**opts, "compute_predicted": False}),
+        (ops.loss_rows_bwd, (logits, t, *scales, dloss, None, lse), opts),
+        (ops.loss_rows_bwd_inplace, (logits.clone(), t, *scales, dloss, None, lse), opts),
+        (
+            ops.linear_cross_entropy_fwd,
+            (x, w, None, t, *scales),
+            {**opts, **plan, **needs, "compute_grad": True, "compute_predicted": False},
+        ),
+        (ops.linear_cross_entropy_bwd, (x, w, None, t, *scales, dloss, None, lse), {**opts, **plan, **needs}),
+        (ops.linear_log_probs_fwd, (x, w, None, t), {**opts, **slabs, "stats": 0}),
+        (
+            ops.linear_log_probs_bwd,
+            (x, w, None, t, llp_lse, None, torch.ones(6, device=device), None, None),
+            {**opts, **slabs, **needs},
+        ),
+    ]
+
+
+def test_family_ops_pass_torch_library_opcheck():
+    """torch.library.opcheck on every family custom op: the schema (mutations declared), the fake against
+    the real implementation, autograd registration and AOT dispatch. Needs the Triton path (the ops launch
+    kernels): CUDA, or the CPU under TRITON_INTERPRET=1."""
+    import torch
+    from conftest import TRITON_PATH
+
+    if not TRITON_PATH:
+        pytest.skip("the family's custom ops launch Triton kernels: CUDA or TRITON_INTERPRET=1")
+    cases = _family_op_cases()
+    assert len(cases) == len(FAMILY_OPS)
+    for op, args, kwargs in cases:
+        result = torch.library.opcheck(op.default, args, kwargs)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
