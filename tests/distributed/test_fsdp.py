@@ -24,7 +24,9 @@ forward, which returns logits; the loss and gradients are still right. And ``pat
 
 And PEFT LoRA (issue 26, item 2): adapters on every linear of llama and qwen3, patched (fuselm's fused
 LoRA path, no fallback to PEFT's forward), the layers and the root sharded: the adapters' gradients and the
-losses are the single-process ones. A MoE family (qwen3_moe) runs the standard recipe too.
+losses are the single-process ones. A MoE family (qwen3_moe) runs the standard recipe too. And TRL's fused
+LM head (add_fused_lm_head, what TRL's trainers call) computed by fuselm (fuselm.trl.patch) under FSDP2:
+losses and gradients of one process running TRL's own head.
 
 All cases of one backend run in one spawn of 2 processes (a spawn costs seconds of imports).
 """
@@ -45,6 +47,7 @@ from kit.hf_models import MODEL_TYPES, build
 from kit.workers import nccl_world_sizes, run_workers
 
 import fuselm.hf
+import fuselm.trl
 from fuselm.ops._common.testing import assert_numerics
 
 WORLD_SIZE = 2
@@ -61,7 +64,9 @@ CASES = (
     ("llama", "lm_head_alone"),
     ("llama", "patch_after_shard"),
     *((model_type, "lora") for model_type in LORA_TYPES),
+    ("llama", "trl"),
 )
+TRL_OUTPUTS = ("log_probs", "entropy")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,6 +74,11 @@ def _model(model_type: str, how: str, dtype: torch.dtype, device) -> torch.nn.Mo
     """The tiny model of the case, the same on every rank and in the single process (with LoRA adapters
     for "lora": A and B random, so that every adapter gets a gradient)."""
     model = build(model_type, dtype, device, seed=SEED)
+    if how == "trl":  # TRL's fused LM head (what its trainers add): model(..., fused_lm_head=True)
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=TRL_OUTPUTS)
+        return model
     if how != "lora":
         return model
     import peft
@@ -117,7 +127,9 @@ def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int)
 
     model = _model(model_type, how, torch.float32, device)  # the same init on every rank
     causal_lm = model.get_base_model() if how == "lora" else model
-    if how != "patch_after_shard":
+    if how == "trl":
+        fuselm.trl.patch()
+    elif how != "patch_after_shard":
         fuselm.hf.patch(model)
     if how == "lm_head_alone":
         fully_shard(model.lm_head, mesh=mesh)
@@ -131,21 +143,33 @@ def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int)
     ids, labels = _batch(rank, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model(input_ids=ids, labels=labels)
+        out = _forward(model, how, ids, labels)
         out.loss.backward()
     grads = {}
     for name, p in _trained(model):  # the same order on every rank: full_tensor() gathers
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = grad.cpu()
-    fuselm.hf.unpatch(model)
+    if how == "trl":
+        fused = fuselm.trl.is_patched()
+        fuselm.trl.unpatch()
+    else:
+        fused = out.logits is None  # fuselm's linear_cross_entropy path returns no logits
+        fuselm.hf.unpatch(model)
     return {
         "loss": out.loss.detach().cpu(),
         "grads": grads,
-        "fused_loss": out.logits is None,  # fuselm's linear_cross_entropy path returns no logits
+        "fused_loss": fused,
         "sharded": sharded,
         # fuselm says once when a LoRA layer runs PEFT's forward instead of its fused path
         "fallbacks": sorted({str(w.message) for w in caught if "fuselm" in str(w.message)}),
     }
+
+
+def _forward(model, how: str, ids, labels):
+    """The step's forward: TRL's fused head for "trl" (its loss: the mean negative log-prob), else HF's."""
+    if how == "trl":
+        return model(input_ids=ids, labels=labels, fused_lm_head=True)
+    return model(input_ids=ids, labels=labels)
 
 
 def _fsdp_worker(rank: int, world_size: int, device_type: str, cases) -> dict:
@@ -216,19 +240,23 @@ def _single_process(model_type: str, device_type: str, how: str = "standard") ->
     runs = {}
     for kind, dtype in (("reference", torch.float64), ("eager", torch.float32), ("patched", torch.float32)):
         assert not fuselm.hf.is_patched(model_type)  # HF's own code for the reference and eager
-        model = _model(model_type, "lora" if how == "lora" else "standard", dtype, device)
-        if kind == "patched":
+        model = _model(model_type, how if how in ("lora", "trl") else "standard", dtype, device)
+        if kind == "patched" and how == "trl":
+            fuselm.trl.patch()
+        elif kind == "patched":
             fuselm.hf.patch(model)
         losses, grads = [], {}
         for rank in range(WORLD_SIZE):
             model.zero_grad(set_to_none=True)
             ids, labels = _batch(rank, device)
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = _forward(model, how, ids, labels).loss
             loss.backward()
             losses.append(loss.detach().cpu())
             for name, p in _trained(model):
                 grads[name] = grads.get(name, 0) + p.grad.cpu() / WORLD_SIZE
         fuselm.hf.unpatch(model)
+        if how == "trl":
+            fuselm.trl.unpatch()
         runs[kind] = (torch.stack(losses), grads)
     return runs
 
@@ -259,6 +287,16 @@ def test_fsdp_peft_lora_step_matches_single_process(fsdp_runs, model_type):
     assert not fsdp["fallbacks"], fsdp["fallbacks"]
     assert fsdp["grads"] and all("lora_" in n for n in fsdp["grads"])
     _check(f"{model_type} FSDP + LoRA", fsdp, model_type, fsdp_runs[0], "lora")
+
+
+def test_fsdp_trl_fused_head_matches_single_process(fsdp_runs):
+    """TRL's fused LM head (add_fused_lm_head, what its trainers use) on fuselm (fuselm.trl.patch) under
+    FSDP2: the per-rank losses (the mean negative log-prob) and every gradient equal one process running
+    TRL's own head, under the numerics rule."""
+    pytest.importorskip("trl")
+    fsdp = _fsdp_case(fsdp_runs, "llama", "trl")
+    assert fsdp["sharded"] and fsdp["fused_loss"], "fuselm.trl was not patched during the step"
+    _check("llama FSDP + TRL fused head", fsdp, "llama", fsdp_runs[0], "trl")
 
 
 @pytest.mark.parametrize("model_type", (*MODEL_TYPES, "qwen3_moe"))
