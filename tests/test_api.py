@@ -311,6 +311,7 @@ def test_import_scanner_resolves_relative_imports():
         "fuselm.ops._common.loss.options",
         "fuselm.cli",
         "fuselm.integrations.axolotl",
+        "fuselm.integrations.torchtitan",
     ],
 )
 def test_helper_module_examples_run(module):
