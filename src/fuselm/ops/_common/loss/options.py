@@ -209,7 +209,7 @@ def family_custom_op(
         op = torch.library.custom_op(
             qualname, mutates_args=mutates_args, schema=f"({arguments}) -> {returns}"
         )(_by_name(fn, names, n_tensors))
-        _SIGNATURES[id(op)] = (names, n_tensors)
+        op.fuselm_signature = (names, n_tensors)  # for family_fake
         return op
 
     return decorate
@@ -217,16 +217,13 @@ def family_custom_op(
 
 def family_fake(op):
     """Register the fake of a :func:`family_custom_op` (called as the op's function is)."""
-    names, n_tensors = _SIGNATURES[id(op)]
+    names, n_tensors = op.fuselm_signature
 
     def register(fn):
         op.register_fake(_by_name(fn, names, n_tensors))
         return fn
 
     return register
-
-
-_SIGNATURES: dict[int, tuple[list[str], int]] = {}  # id(op) -> (argument names, leading tensors)
 
 
 def _by_name(fn, names: list[str], n_tensors: int):
