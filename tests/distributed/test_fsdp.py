@@ -240,7 +240,7 @@ def _single_process(model_type: str, device_type: str, how: str = "standard") ->
     runs = {}
     for kind, dtype in (("reference", torch.float64), ("eager", torch.float32), ("patched", torch.float32)):
         assert not fuselm.hf.is_patched(model_type)  # HF's own code for the reference and eager
-        model = _model(model_type, how if how in ("lora", "trl") else "standard", dtype, device)
+        model = _model(model_type, how, dtype, device)
         if kind == "patched" and how == "trl":
             fuselm.trl.patch()
         elif kind == "patched":

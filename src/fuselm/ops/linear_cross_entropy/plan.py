@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .._common.loss.budget import MIN_BUDGET, memory_budget
-from .._common.loss.options import LossScales, family_custom_op, family_fake, options_of
+from .._common.loss.options import NEEDS_SCHEMA, LossScales, family_custom_op, family_fake, options_of
 from .._common.loss.rows import LocalRows
 from . import chunked, fused
 
@@ -73,13 +73,12 @@ def _or_empty(t, like):
 
 
 _PLAN = "str plan_name, int chunk_rows, bool fp32_weight_grad"
-_NEEDS = "bool need_dx, bool need_dw, bool need_db"
 
 
 @family_custom_op(
     "fuselm::linear_cross_entropy_fwd",
     tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
-    flags=f"{_PLAN}, bool compute_grad, {_NEEDS}, bool compute_predicted",
+    flags=f"{_PLAN}, bool compute_grad, {NEEDS_SCHEMA}, bool compute_predicted",
     returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _fwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
@@ -123,7 +122,7 @@ def _(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
     "fuselm::linear_cross_entropy_bwd",
     tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
     after="Tensor dloss, Tensor? dlse, Tensor lse",
-    flags=f"{_PLAN}, {_NEEDS}",
+    flags=f"{_PLAN}, {NEEDS_SCHEMA}",
     returns="(Tensor, Tensor, Tensor)",
 )
 def _bwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):

@@ -25,7 +25,7 @@ from .._common.guard import (
 from .._common.launch import cdiv, launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import LossOptions, family_custom_op, family_fake, options_of
+from .._common.loss.options import NEEDS_SCHEMA, LossOptions, family_custom_op, family_fake, options_of
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import DOUBLE_BACKWARD, OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
@@ -308,7 +308,7 @@ def _(x, w, b, target, **named):
     "fuselm::linear_log_probs_bwd",
     tensors="Tensor x, Tensor w, Tensor? b, Tensor target",
     after="Tensor lse, Tensor? entropy, Tensor? dlog_probs, Tensor? dentropy, Tensor? dlse",
-    flags=f"{_PLAN}, bool need_dx, bool need_dw, bool need_db",
+    flags=f"{_PLAN}, {NEEDS_SCHEMA}",
     returns="(Tensor, Tensor, Tensor)",
     option_tensors=False,
     scales=False,

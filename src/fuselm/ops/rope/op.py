@@ -15,10 +15,21 @@ from .._common.linear import projections_backward
 from .kernels import rope_fwd_kernel, rope_fwd_kernel_dense
 from .reference import LAYOUTS, apply_rotary_reference, broadcast_tables, check_qk
 
-TABLES_NEED_GRAD = (
-    "fuselm.{op}: cos / sin require grad, so the differentiable PyTorch reference runs (slower; the kernels "
-    "give q and k their gradients only): detach the tables if they are not trained"
-)
+
+def _kernels_run(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op: str) -> bool:
+    """Do the Triton kernels run for input ``t``? Not for float64 or off the Triton path (the reference
+    runs), nor when cos / sin require grad (the kernels give q and k their gradients only): then the
+    differentiable reference runs and says so once."""
+    if t.dtype == torch.float64 or not use_triton(t):
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        say_once(
+            f"fuselm.{op}: cos / sin require grad, so the differentiable PyTorch reference runs (slower; the "
+            "kernels give q and k their gradients only): detach the tables if they are not trained"
+        )
+        return False
+    return True
+
 
 # Dense q and k (the usual case): the dense-rows kernel, about DENSE_BLOCK consecutive elements (whole
 # rows) a program
@@ -392,10 +403,7 @@ def apply_rotary(
         return _apply_rotary_dtensor(q, k, cos, sin, position_ids, layout)
     batch, seq_len, _, _, head_dim = check_qk(q, k, layout)
     cos_b, sin_b, pos_b = broadcast_tables(cos, sin, position_ids, batch, seq_len, head_dim, layout, q.device)
-    tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-    if q.dtype == torch.float64 or not use_triton(q) or tables_need_grad:
-        if tables_need_grad and use_triton(q) and q.dtype != torch.float64:
-            say_once(TABLES_NEED_GRAD.format(op="apply_rotary"))
+    if not _kernels_run(q, cos, sin, "apply_rotary"):
         return apply_rotary_reference(q, k, cos, sin, position_ids=position_ids, layout=layout)
 
     bhtd = layout == "bhtd"
@@ -535,10 +543,7 @@ def qkv_rotary(
             if b.shape[0] != w.shape[0]:
                 raise ValueError(f"{name} must have shape [{w.shape[0]}], got {list(b.shape)}")
     cos_b, sin_b, _ = broadcast_tables(cos, sin, None, batch, seq_len, head_dim, "bthd", x.device)
-    tables_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-    if x.dtype == torch.float64 or not use_triton(x) or tables_need_grad:
-        if tables_need_grad and use_triton(x) and x.dtype != torch.float64:
-            say_once(TABLES_NEED_GRAD.format(op="qkv_rotary"))
+    if not _kernels_run(x, cos, sin, "qkv_rotary"):
         q, k, v = (
             F.linear(x, w, b).view(batch, seq_len, -1, head_dim).transpose(1, 2)
             for w, b in zip(weights.values(), biases.values(), strict=True)

@@ -146,6 +146,8 @@ class LossOptions(NamedTuple):
 
 TENSOR_FIELDS = ("weight", "token_weights")
 SCALAR_FIELDS = tuple(name for name in LossOptions._fields if name not in TENSOR_FIELDS)
+# the flags of a family op that say which gradients of (input, weight, bias) are wanted
+NEEDS_SCHEMA = "bool need_dx, bool need_dw, bool need_db"
 # a torch.library schema type per annotation of a scalar field (a new scalar option needs one of these)
 _SCHEMA_TYPES = {"int": "int", "str": "str", "float": "float", "bool": "bool"}
 
