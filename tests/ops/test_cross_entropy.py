@@ -998,3 +998,42 @@ def test_one_launch_scales_and_reduction_match_the_torch_ops(case, gen):
             assert torch.isinf(got) and torch.isinf(want)
         else:
             assert_numerics(f"{case} loss {dtype}", got, want, ref, dtype)
+
+
+@triton_path_only
+@pytest.mark.parametrize("case", list(SCALE_CASES))
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_scales_found_by_the_forward_kernel_equal_the_separate_launch(case, return_lse, gen, monkeypatch):
+    """For a batch small enough (rows.FIND_SCALES_MAX_LOADS) the forward kernel finds the batch's scales
+    itself, one launch less: the same loss, lse and gradient bit for bit as with the scales' own launch,
+    both plans (gradient in the forward; saved lse), ignored, all-ignored and out-of-range targets."""
+    kw = dict(SCALE_CASES[case])
+    n, n_cols = (300, 3001) if ON_GPU else (12, 601)
+    t = torch.randint(0, n_cols, (n,), generator=gen)
+    t[::5] = -100
+    if kw.pop("all_ignored", False):
+        t[:] = -100
+    if kw.pop("out_of_range", False):
+        t[5], t[9] = n_cols, -3
+    weight = torch.rand(n_cols, generator=gen) + 0.5 if kw.pop("weight", False) else None
+    t, weight = t.to(DEVICE), weight.to(DEVICE) if weight is not None else None
+    logits = (torch.randn(n, n_cols, generator=gen) * 3).to(DEVICE)
+
+    def run(max_loads):
+        counts: dict[str, int] = {}
+        monkeypatch.setattr(loss_rows, "FIND_SCALES_MAX_LOADS", max_loads)
+        monkeypatch.setattr(
+            loss_rows, "loss_scales_launch", counting(counts, "scales", loss_rows.loss_scales_launch)
+        )
+        z = logits.clone().requires_grad_()
+        out = fuselm.cross_entropy(z, t, weight=weight, return_lse=return_lse, **kw)
+        loss, lse = out if return_lse else (out, None)
+        loss.backward()
+        monkeypatch.undo()
+        return counts.get("scales", 0), [loss.detach(), z.grad] + ([lse.detach()] if return_lse else [])
+
+    found_launches, found = run(1 << 20)
+    separate_launches, separate = run(0)
+    assert (found_launches, separate_launches) == (0, 1)
+    for a, b in zip(found, separate, strict=True):
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), case

@@ -144,7 +144,7 @@ def test_second_launch_calls_the_compiled_kernel_directly(direct_mode):
     """The first launch of a specialization goes through Triton and keeps what it returns; the next one
     calls the compiled kernel's launcher with Triton's arguments: the grid padded to 3 dims, the stream,
     the function handle, the packed metadata, no launch metadata nor hooks, then every argument in the
-    kernel's order (constexprs and defaults included, options left out)."""
+    kernel's order (constexprs and defaults included, options left out), tensors as their data pointers."""
     fake = _FakeKernel()
     launch_fn = launcher(fake)
     before = launch_counts()
@@ -159,7 +159,7 @@ def test_second_launch_calls_the_compiled_kernel_directly(direct_mode):
     kind, direct_args = fake.calls[1]
     assert kind == "direct"
     assert direct_args[:9] == (5, 2, 1, 80, "function-handle", "packed-metadata", None, None, None)
-    assert direct_args[9:] == (x2, out2, 32, 2.0, None, 16, 0)
+    assert direct_args[9:] == (x2.data_ptr(), out2.data_ptr(), 32, 2.0, None, 16, 0)
     assert launch_counts() == (before[0] + 1, before[1] + 1)
     # another specialization (fp16 input): Triton again, then direct
     half = dict(args, x_ptr=torch.zeros(64, dtype=torch.float16))
@@ -167,6 +167,34 @@ def test_second_launch_calls_the_compiled_kernel_directly(direct_mode):
     launch_fn((4,), num_warps=2, **half)
     assert [c[0] for c in fake.calls] == ["triton", "direct", "triton", "direct"]
     assert len(launch_fn.cache) == 2
+
+
+def test_a_host_tensor_never_takes_a_binding_made_for_cuda_tensors(direct_mode):
+    """The direct call passes data pointers without Triton's check that they are device memory: a CPU
+    tensor where CUDA tensors were launched has another key, so it takes Triton's path (which refuses it)."""
+    fake = _FakeKernel()
+    launch_fn = launcher(fake)
+    on_cpu = _toy_args()
+    launch_fn.key(**on_cpu)
+    key = launch_fn.key(**on_cpu)
+    assert (torch.float32, True, False) == key[:3]  # x_ptr: dtype, 16-byte aligned, not CUDA
+    if torch.cuda.is_available():
+        on_gpu = dict(on_cpu, x_ptr=on_cpu["x_ptr"].cuda(), out_ptr=on_cpu["out_ptr"].cuda())
+        assert launch_fn.key(**on_gpu) != key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_tensor_after_cached_cuda_launches_raises_instead_of_faulting():
+    launch.set_direct_launch(None)
+    launch_fn = launcher(_toy_kernel)
+    x, out = torch.randn(64, device="cuda"), torch.empty(64, device="cuda")
+    for _ in range(2):
+        launch_fn((4,), x_ptr=x, out_ptr=out, n=64, scale=2.0, flag=None, BLOCK=16, MODE=1)
+    assert torch.equal(out, x * 2.0)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        launch_fn((4,), x_ptr=x.cpu(), out_ptr=out, n=64, scale=2.0, flag=None, BLOCK=16, MODE=1)
+    launch_fn((4,), x_ptr=x * 3, out_ptr=out, n=64, scale=1.0, flag=None, BLOCK=16, MODE=1)
+    assert torch.equal(out, x * 3)  # the context is intact
 
 
 def test_what_the_key_cannot_describe_goes_through_triton(direct_mode):

@@ -11,7 +11,7 @@ import pytest
 from fuselm.ops._common.loss.backend import RowBackend
 from fuselm.ops._common.loss.rows import LocalRows
 
-METHODS = ("forward", "backward", "reduce_input_grad_")
+METHODS = ("scales_for_forward", "forward", "backward", "reduce_input_grad_")
 
 
 def _backends():

@@ -21,7 +21,7 @@ from ..ops._common.dispatch import use_triton
 from ..ops._common.launch import row_launch
 from ..ops._common.loss.options import LossOptions, LossScales
 from ..ops._common.loss.reference import loss_from_stats, loss_grad_coefs, softmax_grad, transform_logits
-from ..ops._common.loss.rows import BWD_BLOCK, rows_bwd_into
+from ..ops._common.loss.rows import BWD_BLOCK, batch_scales, rows_bwd_into
 from .kernels import shard_stats_kernel
 
 
@@ -112,7 +112,8 @@ def shard_grad_reference(logits, target, col_offset, n_classes, opts, scales, dl
 class VocabShard:
     """This rank's classes [start, start + size) of n_classes, and the group that holds the others.
 
-    A row backend (ops/_common/loss/rows.py: forward, backward, reduce_input_grad_, n_classes), the
+    A row backend (ops/_common/loss/backend.py: scales_for_forward, forward, backward, reduce_input_grad_,
+    n_classes), the
     vocabulary-split counterpart of LocalRows: the ops' autograd Functions run on it unchanged."""
 
     group: object
@@ -140,6 +141,10 @@ class VocabShard:
         _all_gather_into(every, local.reshape(-1), self.group)
         every = every.view(world, *local.shape)
         return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0), every[:, 2].sum(0)
+
+    def scales_for_forward(self, target, opts: LossOptions) -> LossScales:
+        """The batch's LossScales over the whole vocabulary (rows.batch_scales), written now."""
+        return batch_scales(target, opts, self.n_classes)
 
     def forward(
         self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None, predicted=None

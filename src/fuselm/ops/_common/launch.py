@@ -13,7 +13,7 @@ the compiled kernel; later launches of that specialization are one dictionary lo
 of what Triton specializes on, and a direct call of the compiled kernel's launcher. The key holds, per
 argument in the kernel's order:
 
-- a tensor: its dtype and whether its data pointer is 16-byte aligned;
+- a tensor: its dtype, whether its data pointer is 16-byte aligned and whether it is a CUDA tensor;
 - an int: whether it is 1 and whether it is divisible by 16 (Triton specializes both), and its integer
   type by range (i32 / i64 / u64);
 - a float: only that it is a float (Triton passes floats as fp32 without specializing them); a bool or
@@ -21,6 +21,10 @@ argument in the kernel's order:
 - a constexpr: its value;
 
 then the options (``num_warps``, ``num_stages``, ``enable_fp_fusion``, ...) and the current CUDA device.
+The direct call passes each tensor as its data pointer (an int, read once for the key and the call):
+Triton's launcher then skips what it does per tensor argument (a Python method call and a driver query,
+cuPointerGetAttribute, which refuses host memory); a tensor that is not on a CUDA device has another key
+and takes Triton's path, which raises as before.
 The fast form of the key assumes that each parameter keeps the kind (tensor, int, float) it had at the
 first launch: a scalar of another kind is keyed by its kind and value as above (a slower form, the same
 information); a non-tensor where a tensor was, or an argument of any other type, makes the call take
@@ -297,10 +301,12 @@ def _kind(value) -> str:
 def _key_elements(p: str, kind: str) -> str:
     """Python expression of the key of runtime argument `p` whose parameter had `kind` at the first launch:
     the fast forms below for that kind, _scalar_key for another kind (or AttributeError for a parameter
-    that had a tensor: such a launch then goes through Triton). An int32 int's key is -1 for 1, else
-    whether it is divisible by 16 (other ints: _scalar_key); a float's is True."""
+    that had a tensor: such a launch then goes through Triton). A tensor's key is its dtype, whether its
+    data pointer is 16-byte aligned and whether it is a CUDA tensor (the pointer, kept in ``_fl_ptr_<p>``,
+    is what the direct call passes); an int32 int's is -1 for 1, else whether it is divisible by 16
+    (other ints: _scalar_key); a float's is True."""
     if kind == "t":
-        return f"{p}.dtype, {p}.data_ptr() & 15 == 0"
+        return f"{p}.dtype, (_fl_ptr_{p} := {p}.data_ptr()) & 15 == 0, {p}.is_cuda"
     if kind == "i":
         return (
             f"(-1 if {p} == 1 else {p} & 15 == 0) "
@@ -410,10 +416,11 @@ def _generate(ns: dict, kinds: dict | None) -> None:
     elements = ", ".join(
         n if n in constexprs else _key_elements(n, kinds[n] if kinds else "o") for n in names
     )
+    tensors = {n for n in names if n not in constexprs and kinds and kinds[n] == "t"}
     source = _TEMPLATE.format(
         params=signature,
         key_elements=elements,
-        args=", ".join(names),
+        args=", ".join(f"_fl_ptr_{n}" if n in tensors else n for n in names),
         kwargs=", ".join(f"{n!r}: {n}" for n in names),
     )
     name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")

@@ -44,7 +44,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss_dtype,
     ):
         opts = opts.with_tensors(weight, token_weights)
-        scales = batch_scales(target, opts, backend.n_classes)
+        scales = backend.scales_for_forward(target, opts)
         grad_in_forward = compute_grad and opts.reduction != "none" and not extras.lse
         mode = ("inplace" if inplace_backward else "new") if grad_in_forward else None
         predicted = target.new_empty(target.shape[0], dtype=torch.int64) if extras.argmax else None

@@ -19,6 +19,11 @@ class RowBackend(Protocol):
 
     n_classes: int  # the whole vocabulary
 
+    def scales_for_forward(self, target: torch.Tensor, opts: LossOptions) -> LossScales:
+        """The LossScales of the batch of the next :meth:`forward`, over all its rows (``target`` [N]):
+        written now, or by that forward."""
+        ...
+
     def forward(
         self,
         logits: torch.Tensor,

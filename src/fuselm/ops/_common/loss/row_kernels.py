@@ -77,7 +77,26 @@ def cross_entropy_fwd_kernel(
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FIND_SCALES: tl.constexpr = False,
+    MEAN: tl.constexpr = False,
+    WEIGHT_SUM: tl.constexpr = False,
 ):
+    """FIND_SCALES: grad_scale_ptr (and weight_sum_ptr for WEIGHT_SUM) are not written yet: every program
+    computes them from the targets (what loss_scales_kernel does, for a batch small enough that reading
+    every target once per program costs less than a launch) and program 0 stores them."""
+    if FIND_SCALES:
+        grad_scale, weight_sum_all = batch_scale_values(
+            target_ptr, weight_ptr, n_rows, n_cols, ignore_index, HAS_WEIGHT, MEAN, WEIGHT_SUM, 1024
+        )
+        if tl.program_id(0) == 0:
+            tl.store(grad_scale_ptr, grad_scale)
+            if WEIGHT_SUM:
+                tl.store(weight_sum_ptr, weight_sum_all)
+    else:
+        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+        weight_sum_all = 0.0
+        if HAS_WEIGHT and HAS_SMOOTHING:
+            weight_sum_all = tl.load(weight_sum_ptr).to(tl.float32)
     # persistent grid: a program walks rows pid, pid + grid, ... (bounds the rows in flight, so the
     # second read of a row hits L2)
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -139,7 +158,7 @@ def cross_entropy_fwd_kernel(
         if HAS_WEIGHT:
             w_t = tl.load(weight_ptr + t_safe).to(tl.float32)
             if HAS_SMOOTHING:
-                weight_sum = tl.load(weight_sum_ptr).to(tl.float32)
+                weight_sum = weight_sum_all
         loss = row_loss(
             lse,
             z_t,
@@ -168,7 +187,7 @@ def cross_entropy_fwd_kernel(
             # every warp has read z_t before any warp overwrites the row with the gradient (in place):
             # without this barrier a late z_t read lost that race on an H200 (fp32, long rows)
             tl.debug_barrier()
-            scale = tl.load(grad_scale_ptr).to(tl.float32) * token_weight
+            scale = grad_scale * token_weight
             p_coef, target_coef, smooth_coef = loss_grad_coefs(
                 w_t,
                 weight_sum,
@@ -330,10 +349,9 @@ def cross_entropy_bwd_kernel_scale(
 
 
 @triton.jit
-def loss_scales_kernel(
+def batch_scale_values(
     target_ptr,
     weight_ptr,
-    out_ptr,
     n_rows,
     n_classes,
     ignore_index,
@@ -342,9 +360,9 @@ def loss_scales_kernel(
     WEIGHT_SUM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: out[0] = the gradient scale (1 / the mean's denominator: the number of non-ignored
-    targets, or the sum of their class weights; 1 for other reductions), out[1] = the sum of the class
-    weights (WEIGHT_SUM: label smoothing with class weights)."""
+    """(the gradient scale: 1 / the mean's denominator, the number of non-ignored targets or the sum of
+    their class weights, 1 for other reductions; the sum of the class weights for WEIGHT_SUM (label
+    smoothing with class weights), else 0), read from every target (and class weight) by one program."""
     offs = tl.arange(0, BLOCK)
     scale = 1.0
     if MEAN:
@@ -361,13 +379,37 @@ def loss_scales_kernel(
             else:
                 acc += valid.to(tl.float32)
         scale = 1.0 / tl.sum(acc, axis=0)
-    tl.store(out_ptr, scale)
+    weight_sum = 0.0
     if WEIGHT_SUM:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_classes, BLOCK):
             c = start + offs
             acc += tl.load(weight_ptr + c, mask=c < n_classes, other=0.0).to(tl.float32)
-        tl.store(out_ptr + 1, tl.sum(acc, axis=0))
+        weight_sum = tl.sum(acc, axis=0)
+    return scale, weight_sum
+
+
+@triton.jit
+def loss_scales_kernel(
+    target_ptr,
+    weight_ptr,
+    out_ptr,
+    n_rows,
+    n_classes,
+    ignore_index,
+    HAS_WEIGHT: tl.constexpr,
+    MEAN: tl.constexpr,
+    WEIGHT_SUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: out[0] = the gradient scale, out[1] = the sum of the class weights (WEIGHT_SUM):
+    batch_scale_values."""
+    scale, weight_sum = batch_scale_values(
+        target_ptr, weight_ptr, n_rows, n_classes, ignore_index, HAS_WEIGHT, MEAN, WEIGHT_SUM, BLOCK
+    )
+    tl.store(out_ptr, scale)
+    if WEIGHT_SUM:
+        tl.store(out_ptr + 1, weight_sum)
 
 
 @triton.jit

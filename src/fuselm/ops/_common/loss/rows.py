@@ -43,6 +43,9 @@ LOOP_CONFIGS = ((16384, 16384, 16), (0, 4096, 4))  # (min V, BLOCK_V, num_warps)
 FWD_PROGRAMS_PER_SM = 4
 BWD_BLOCK = 8192
 SCALE_BLOCK = 8192
+# The forward kernel finds the batch's scales itself (every program reads every target: programs x rows
+# loads, L2-resident) up to this many loads, instead of one more launch (tens of microseconds of host time)
+FIND_SCALES_MAX_LOADS = 1 << 20
 
 # cached launch bindings of the kernels (ops/_common/launch.py)
 cross_entropy_fwd_launch = launcher(cross_entropy_fwd_kernel)
@@ -84,10 +87,13 @@ def _kernel_options(opts: LossOptions, scales: LossScales) -> dict:
     )
 
 
-def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad, predicted=None):
+def rows_fwd_into(
+    logits, target, opts: LossOptions, scales: LossScales, grad, predicted=None, find_scales=False
+):
     """Per-row loss and lse (fp32 [N]) of logits [N, V] (stride(-1) == 1), target [N]; with `grad` (may be
     `logits` itself), also writes d(sum_i loss_i * grad_scale) / d logits into it; with `predicted` (int64
-    [N]), the argmax of each row's logits (the first maximal class; -1 on ignored rows)."""
+    [N]), the argmax of each row's logits (the first maximal class; -1 on ignored rows). find_scales: the
+    `scales` buffers are not written yet: the kernel computes them (N > 0) and writes them."""
     n_rows, n_cols = logits.shape
     assert logits.stride(-1) == 1 and target.is_contiguous()
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
@@ -113,6 +119,9 @@ def rows_fwd_into(logits, target, opts: LossOptions, scales: LossScales, grad, p
         COMPUTE_GRAD=grad is not None,
         SINGLE_BLOCK=single,
         BLOCK_V=block,
+        FIND_SCALES=find_scales,
+        MEAN=find_scales and opts.reduction == "mean",
+        WEIGHT_SUM=find_scales and scales.weight_sum is not None,
         num_warps=num_warps,
         **_kernel_options(opts, scales),
     )
@@ -187,23 +196,29 @@ def batch_scales(target: torch.Tensor, opts: LossOptions, n_classes: int) -> Los
     """options.loss_scales of target [N] (contiguous) in one launch (eager, Triton path)."""
     if not _one_launch(target):
         return loss_scales(target, opts, n_classes)
-    weight_sum = opts.weight is not None and opts.has_smoothing
-    out = torch.empty(2, dtype=torch.float32, device=target.device)
+    scales = _scales_buffer(target, opts)
     loss_scales_launch(
         (1,),
         target_ptr=target,
-        weight_ptr=opts.weight if opts.weight is not None else out,
-        out_ptr=out,
+        weight_ptr=opts.weight if opts.weight is not None else scales.grad_scale,
+        out_ptr=scales.grad_scale,
         n_rows=target.numel(),
         n_classes=n_classes,
         ignore_index=opts.ignore_index,
         HAS_WEIGHT=opts.weight is not None,
         MEAN=opts.reduction == "mean",
-        WEIGHT_SUM=weight_sum,
+        WEIGHT_SUM=scales.weight_sum is not None,
         BLOCK=1024,
         num_warps=4,
     )
-    return LossScales(out[1:] if weight_sum else None, out[:1])
+    return scales
+
+
+def _scales_buffer(target: torch.Tensor, opts: LossOptions) -> LossScales:
+    """LossScales over one unwritten fp32 [2] buffer: grad_scale [1], then weight_sum [1] when label
+    smoothing has class weights (else None)."""
+    out = torch.empty(2, dtype=torch.float32, device=target.device)
+    return LossScales(out[1:] if opts.weight is not None and opts.has_smoothing else None, out[:1])
 
 
 def reduced_loss(
@@ -346,6 +361,22 @@ class LocalRows:
 
     def __init__(self, n_classes: int):
         self.n_classes = n_classes
+        self._unwritten = None  # scales that the next forward's kernel finds (scales_for_forward)
+
+    def scales_for_forward(self, target: torch.Tensor, opts: LossOptions) -> LossScales:
+        """The LossScales of a batch whose rows (all of them, with these targets) the next :meth:`forward`
+        gets (:func:`batch_scales`). On the eager Triton path, when every program of the forward kernel
+        can read every target (FIND_SCALES_MAX_LOADS), unwritten buffers that this forward's kernel fills:
+        one launch less."""
+        n_rows = target.numel()
+        if (
+            n_rows
+            and _one_launch(target)
+            and n_rows * persistent_grid(n_rows, target.device, FWD_PROGRAMS_PER_SM) <= FIND_SCALES_MAX_LOADS
+        ):
+            self._unwritten = _scales_buffer(target, opts)
+            return self._unwritten
+        return batch_scales(target, opts, self.n_classes)
 
     def forward(
         self, logits, target, opts: LossOptions, scales: LossScales, grad: str | None, predicted=None
@@ -365,7 +396,9 @@ class LocalRows:
                 predicted.copy_(pred)
             return loss, lse, g
         buf = logits if grad == "inplace" else (torch.empty_like(logits) if grad else None)
-        return (*rows_fwd_into(logits, target, opts, scales, buf, predicted), buf)
+        find_scales = scales is self._unwritten
+        self._unwritten = None
+        return (*rows_fwd_into(logits, target, opts, scales, buf, predicted, find_scales), buf)
 
     def backward(
         self, logits, target, opts: LossOptions, scales: LossScales, dloss, dlse, lse, inplace: bool
