@@ -1,6 +1,6 @@
 """fuselm's torchtitan loss (fuselm.integrations.torchtitan): the fused LM head + cross-entropy against
 plain PyTorch (always), and against torchtitan's own ChunkedLossWrapper on the same hidden states and head,
-in one process and under FSDP2 on 2 gloo processes, where torchtitan imports (skipped in CI, where it is not
+in one process and under FSDP2 on 2 processes (gloo; NCCL on 2 GPUs), where torchtitan imports (skipped in CI, where it is not
 installed: its dependencies are not in the CI budget)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kit.workers import run_workers
+from kit.workers import nccl_world_sizes, run_workers
 
 from fuselm.integrations.torchtitan import fused_head_loss
 from fuselm.ops._common.testing import assert_numerics
@@ -89,27 +89,29 @@ def test_torchtitan_loss_class_matches_its_chunked_wrapper():
         assert_numerics(f"{name} vs torchtitan's ChunkedLossWrapper", o, e, r, torch.float32)
 
 
-def _fsdp_worker(rank, world_size):
+def _fsdp_worker(rank, world_size, device_type):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _, theirs, ours = _titan()
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device_type, (world_size,))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     out = {}
     for name, loss in (("theirs", theirs), ("ours", ours)):
-        hidden, head, labels = _inputs(seed=rank)  # each rank its batch, the same head
+        hidden, head, labels = (t.to(device) for t in _inputs(seed=rank))  # each rank its batch
         torch.manual_seed(0)
-        head = _inputs()[1]
-        decoder = torch.nn.Linear(D, D, bias=False)
+        head = _inputs()[1].to(device)  # the same head on every rank
+        decoder = torch.nn.Linear(D, D, bias=False, device=device)
         with torch.no_grad():
             decoder.weight.copy_(torch.eye(D) + 0.01)
         fully_shard(decoder, mesh=mesh)
         fully_shard(head, mesh=mesh)
-        tokens = torch.tensor(26.0)  # the valid tokens of both ranks' batches together
+        tokens = torch.tensor(26.0, device=device)  # the valid tokens of both ranks' batches together
         loss.set_lm_head(head)
         value, _ = loss(decoder(hidden), labels, tokens)
         value.backward()
-        out[name] = (value.detach(), decoder.weight.grad.full_tensor(), head.weight.grad.full_tensor())
+        grads = (decoder.weight.grad.full_tensor(), head.weight.grad.full_tensor())
+        out[name] = tuple(t.detach().cpu() for t in (value, *grads))
     return out
 
 
@@ -132,12 +134,23 @@ def _fsdp_reference(world_size=2):
     return [(loss, *grads) for loss in losses]
 
 
-def test_torchtitan_loss_under_fsdp2_matches_its_chunked_wrapper():
-    """Two gloo ranks, the decoder and the head each fully_shard-ed: the loss on each rank's batch and the
-    reduced gradients of the decoder and of the head keep the numerics rule against float64, with
-    torchtitan's ChunkedLossWrapper (on the same modules) as the baseline."""
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl", marks=pytest.mark.skipif(2 not in nccl_world_sizes(), reason="needs 2 CUDA devices")
+        ),
+    ],
+)
+def test_torchtitan_loss_under_fsdp2_matches_its_chunked_wrapper(backend):
+    """Two ranks (gloo on the CPU; NCCL on 2 GPUs, fuselm's kernels on CUDA), the decoder and the head each
+    fully_shard-ed: the loss on each rank's batch and the reduced gradients of the decoder and of the head
+    keep the numerics rule against float64, with torchtitan's ChunkedLossWrapper (on the same modules) as
+    the baseline."""
     _titan()
-    results = run_workers(_fsdp_worker, 2, backend="gloo", args=(), timeout=240)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    results = run_workers(_fsdp_worker, 2, backend=backend, args=(device_type,), timeout=240)
     for rank, (out, ref) in enumerate(zip(results, _fsdp_reference(), strict=True)):
         names = ("loss", "d decoder", "d head")
         for name, o, e, r in zip(names, out["ours"], out["theirs"], ref, strict=True):
