@@ -10,6 +10,7 @@ Usage::
     fuselm bench e2e --models qwen3-0.6b --repeats 3 # the grid's Qwen3 shapes, 3 fresh processes each
     fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
     fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
+    fuselm bench linear_log_probs --world-size 2       # the same for per-token log-probs
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
 CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``bench-out/cpu``
@@ -134,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size",
         type=positive_int,
         default=1,
-        help="linear_cross_entropy only: split the vocabulary over this many GPUs (gloo processes on a CPU) "
-        "and compare with one GPU and with all-gathered logits; writes linear_cross_entropy_ws<N>.*",
+        help="linear_cross_entropy and linear_log_probs only: split the vocabulary over this many GPUs (gloo "
+        "processes on a CPU) and compare with one GPU and with all-gathered logits, fwd+bwd, --shapes NxHxV; "
+        "writes <suite>_ws<N>.* (e.g. linear_log_probs_ws2.md)",
     )
     return bench
 
@@ -160,10 +162,10 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         _list_suites()
         return 0
     if args.world_size > 1:  # the vocabulary split over ranks: its own runner, spawning one process per rank
-        if args.suite != "linear_cross_entropy":
-            raise UsageError(f"--world-size applies to linear_cross_entropy only, not to {args.suite!r}")
-        from .lce_parallel import run_cli
+        from .vocab_parallel import OPS, run_cli
 
+        if args.suite not in OPS:
+            raise UsageError(f"--world-size applies to {' and '.join(OPS)} only, not to {args.suite!r}")
         return run_cli(args, argv)
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)

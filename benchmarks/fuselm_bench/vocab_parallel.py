@@ -1,24 +1,37 @@
-"""Vocabulary-parallel linear cross-entropy: ``fuselm bench linear_cross_entropy --world-size W``.
+"""The vocabulary split over ranks: ``fuselm bench linear_cross_entropy|linear_log_probs --world-size W``.
 
-The classes of ``loss = cross_entropy(x @ W.T, target)`` are split over W processes (one GPU each with
-NCCL; gloo processes on a CPU): rank r holds the contiguous rows ``W[start_r:start_r + V_r]`` as
-``torch.tensor_split`` cuts them (V = qW + m: the first m ranks get q + 1 rows; 128256 over 2 ranks is
-64128 + 64128). x ``[N, H]`` (N(0, 1)), W (N(0, 1/H)) and target ``[N]`` (1/7 of it -100) are made from
-one seed by the op suite's ``make_inputs`` and broadcast from rank 0, so every rank holds the same
-problem. Shapes are ``N x H x V`` (``--shapes 8192x4096x128256``). Each provider is timed forward +
-backward of the mean loss, ``torch.autograd.grad`` w.r.t. x and the rank's weight rows (the op suite's
-``full`` mode):
+The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU):
+rank r holds the contiguous rows ``W[start_r:start_r + V_r]`` as ``torch.tensor_split`` cuts them (V = qW +
+m: the first m ranks get q + 1 rows; 128256 over 2 ranks is 64128 + 64128). Shapes are ``N x H x V``
+(``--shapes 8192x4096x128256``). Two ops run on the same machinery (:data:`OPS`, keyed by the single-GPU
+suite's name; each picks its inputs, its providers and the loss they return):
 
-- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy(x, W_r, target, vocab_sizes=...)`` on
-  every rank: the loss over the whole vocabulary, no rank ever holding ``[N, V]``.
+- ``linear_cross_entropy``: ``loss = cross_entropy(x @ W.T, target)``, the mean over the non-ignored
+  targets. Inputs from that suite's ``make_inputs``.
+- ``linear_log_probs``: per-token ``log_probs[i] = log softmax(x @ W.T)[i, target_i]`` (0 at ignored
+  targets), ``loss = log_probs.sum()``: the **sum** over the tokens, so every token's upstream gradient is 1
+  (an RL loss with unit advantages; no op can use it in its forward). Inputs from that suite's
+  ``make_inputs`` at ``(N, H, V, 7, 1)``: the same random x, W and targets as linear_cross_entropy's,
+  1/7 of the targets -100 as in that suite, log_probs only.
+
+x ``[N, H]`` (N(0, 1)), W (N(0, 1/H)) and target ``[N]`` are made from one seed and broadcast from rank 0,
+so every rank holds the same problem. Each provider is timed forward + backward of its loss,
+``torch.autograd.grad`` w.r.t. x and the rank's weight rows (the op suites' ``full`` mode). The providers,
+the same three names for both ops:
+
+- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy(x, W_r, target, vocab_sizes=...)`` /
+  ``fuselm.distributed.linear_log_probs(x, W_r, target, vocab_sizes=...).log_probs`` on every rank: the
+  result over the whole vocabulary, no rank ever holding ``[N, V]``.
 - ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output):
   x enters through an identity whose backward all-reduces its gradient, the local logits
   ``x @ W_r.T`` ``[N, V_r]`` are all-gathered into ``[N, V]`` (backward: the rank's columns of the
-  gradient, no communication), then ``F.cross_entropy(logits.float(), target)``. Not
+  gradient, no communication), then ``F.cross_entropy(logits.float(), target)`` /
+  ``logits.float().log_softmax(-1).gather(-1, target[:, None])`` (0 at ignored targets). Not
   ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W
   times too much for a loss that every rank computes in full.
-- ``fuselm_single``: ``fuselm.linear_cross_entropy(x, W, target)`` with the whole W on rank 0 alone
-  (the other ranks wait): the single-GPU reference the split is compared with.
+- ``fuselm_single``: ``fuselm.linear_cross_entropy(x, W, target)`` / ``fuselm.linear_log_probs(x, W,
+  target).log_probs`` with the whole W on rank 0 alone (the other ranks wait): the single-GPU reference
+  the split is compared with.
 
 Method: one group of W spawned processes (``torch.multiprocessing``, ``file://`` init in a temporary
 folder) first measures the card's ceilings on every rank (``harness.measure_ceilings``), then runs every
@@ -29,8 +42,9 @@ barrier, then ``steps`` steps, each between two CUDA events (CPU: ``time.perf_co
 not ``triton.testing.do_bench``: that picks its repetitions per process from timings, ranks could
 disagree on the number of collectives and hang. A rank's time is the median of its steps; a row's time
 is the slowest rank's (the step ends when the last rank's does), its extra memory the largest rank's;
-the JSON keeps every rank's. FLOPs are per rank: 6NHV/W for the split providers, 6NHV for the single
-GPU, so ``x floor`` is the time over the GEMM floor of the work one GPU does.
+the JSON keeps every rank's. FLOPs are per rank, for both ops: 6NHV/W for the split providers, 6NHV for
+the single GPU, so ``x floor`` is the time over the GEMM floor of the work one GPU does (per-token
+log-probs recompute the logits in the backward: 8NHV, 1.33x floor, bounds them).
 
 Failures: a case ends with an all-reduce of its status (ok, skipped, OOM, error) on every rank, so all
 ranks go on to the next case together, a failed case reported as such (``OOM`` for
@@ -38,6 +52,8 @@ ranks go on to the next case together, a failed case reported as such (``OOM`` f
 it: each rank writes its results to a file as it goes, the parent watches them, kills a group that makes
 no progress (``CASE_TIMEOUT_S``; ``FAILED_GRACE_S`` once a rank has reported a failure) and starts a
 fresh group for the remaining cases.
+
+Reports: ``<op>_ws<W>.{md,json,png}`` (``linear_log_probs_ws2.md``).
 """
 
 from __future__ import annotations
@@ -60,6 +76,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import linear_cross_entropy as lce
+from . import linear_log_probs as llp
 from .arguments import StepCounts, results_dir
 from .harness import (
     MIB,
@@ -83,8 +100,8 @@ from .harness import (
 )
 from .report import fmt_num, md_table, ratio, shape_label
 
-SPLIT_PROVIDERS = ("fuselm_split", "allgather_logits")  # the work spread over every rank
-GPU_SHAPES: tuple[Shape, ...] = ((8192, 4096, 128256), (8192, 4096, 256000))
+PROVIDERS = ("fuselm_split", "allgather_logits", "fuselm_single")  # every op's, in this order
+SPLIT_PROVIDERS = PROVIDERS[:2]  # the work spread over every rank
 CPU_SHAPES: tuple[Shape, ...] = ((256, 64, 1001),)
 SEED = 0
 STEPS = {
@@ -108,7 +125,7 @@ def vocab_split(v: int, world_size: int) -> list[int]:
     return [q + (r < m) for r in range(world_size)]
 
 
-# ---- providers: fn(inputs) -> loss; inputs: input, linear_weight (the rank's rows), target, vocab_sizes
+# ---- the baseline: all-gathered logits ----
 
 
 class _CopyToShards(torch.autograd.Function):
@@ -143,55 +160,175 @@ class _GatherVocab(torch.autograd.Function):
         return grad[:, ctx.start : ctx.start + ctx.size].contiguous(), None
 
 
+def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Sequence[int]) -> torch.Tensor:
+    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]``.
+
+    x ``[N, H]`` the same on every rank, weight_rows this rank's ``[V_r, H]`` of the split ``vocab_sizes``;
+    backward: this rank's columns of the gradient into its rows, dx summed over the ranks.
+    """
+    local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
+    return _GatherVocab.apply(local, tuple(vocab_sizes))
+
+
 def allgather_logits_loss(
     x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """The baseline: local logits all-gathered into ``[N, V]``, then ``F.cross_entropy(logits.float())``.
-
-    x ``[N, H]`` and target ``[N]`` the same on every rank, weight_rows this rank's ``[V_r, H]`` of the
-    split ``vocab_sizes``; the gradients are those of the whole problem (dx summed over the ranks).
-    """
-    local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
-    logits = _GatherVocab.apply(local, tuple(vocab_sizes))  # [N, V]
+    """The cross-entropy baseline: :func:`gathered_logits`, then ``F.cross_entropy(logits.float())`` (the
+    mean over the non-ignored targets)."""
+    logits = gathered_logits(x, weight_rows, vocab_sizes)
     return F.cross_entropy(logits.float(), target, ignore_index=lce.IGNORE_INDEX)
 
 
-def setup_fuselm_split(device: torch.device) -> Callable[[Inputs], Any]:
+def allgather_logits_log_probs(
+    x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
+) -> torch.Tensor:
+    """The log-probs baseline: :func:`gathered_logits`, then ``logits.float().log_softmax(-1).gather(-1,
+    target[:, None])``, ``[N]`` fp32, 0 at ignored targets (as ``fuselm.linear_log_probs`` gives them)."""
+    logits = gathered_logits(x, weight_rows, vocab_sizes)
+    kept = target != llp.IGNORE_INDEX
+    log_probs = logits.float().log_softmax(-1).gather(-1, target.clamp(min=0)[:, None]).squeeze(-1)
+    return torch.where(kept, log_probs, 0.0)
+
+
+# ---- the ops: providers fn(inputs) -> the scalar loss timed; inputs: input, linear_weight (the rank's
+# rows for the split providers, the whole W for fuselm_single), target, vocab_sizes
+
+
+def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x["input"], x["linear_weight"], x["target"]
+
+
+def _split_op(device: torch.device, name: str) -> Callable[..., Any]:
+    return import_peer(device, "fuselm.distributed", name, "fuselm.distributed", cuda=False)
+
+
+def setup_lce_split(device: torch.device) -> Callable[[Inputs], Any]:
     """fuselm.distributed.linear_cross_entropy on this rank's rows (the split passed: no size exchange)."""
-    split_lce = import_peer(
-        device, "fuselm.distributed", "linear_cross_entropy", "fuselm.distributed", cuda=False
-    )
-    return lambda x: split_lce(*lce._args(x), vocab_sizes=x["vocab_sizes"], memory="auto")
+    split_lce = _split_op(device, "linear_cross_entropy")
+    return lambda x: split_lce(*_args(x), vocab_sizes=x["vocab_sizes"], memory="auto")
 
 
-def setup_allgather_logits(device: torch.device) -> Callable[[Inputs], Any]:
+def setup_lce_allgather(device: torch.device) -> Callable[[Inputs], Any]:
     """All-gathered logits + F.cross_entropy (:func:`allgather_logits_loss`)."""
-    return lambda x: allgather_logits_loss(*lce._args(x), x["vocab_sizes"])
+    return lambda x: allgather_logits_loss(*_args(x), x["vocab_sizes"])
 
 
-def make_suite(world_size: int) -> Suite:
-    """The suite of a run over ``world_size`` ranks (its name names the report files)."""
+def setup_llp_split(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.distributed.linear_log_probs on this rank's rows, summed over the tokens."""
+    split_llp = _split_op(device, "linear_log_probs")
+    return lambda x: split_llp(*_args(x), vocab_sizes=x["vocab_sizes"], memory="auto").log_probs.sum()
+
+
+def setup_llp_allgather(device: torch.device) -> Callable[[Inputs], Any]:
+    """All-gathered logits, log_softmax, gather (:func:`allgather_logits_log_probs`), summed."""
+    return lambda x: allgather_logits_log_probs(*_args(x), x["vocab_sizes"]).sum()
+
+
+def setup_llp_single(device: torch.device) -> Callable[[Inputs], Any]:
+    """fuselm.linear_log_probs on the whole W, summed over the tokens."""
+    import fuselm
+
+    return lambda x: fuselm.linear_log_probs(*_args(x), memory="auto").log_probs.sum()
+
+
+def llp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
+    """The linear_log_probs suite's inputs at ``(N, H, V)``, 1/7 of the targets ignored, log_probs only."""
+    n, h, v = shape
+    return llp.make_inputs((n, h, v, lce.DEFAULT_IGNORE_K, llp.LOG_PROBS), dtype, device)
+
+
+@dataclass(frozen=True)
+class VocabParallelOp:
+    """What one op brings to the runner; :func:`make_suite` builds the suite of a run from it."""
+
+    name: str  # the single-GPU suite's: the CLI's suite argument and the report's name prefix
+    what: str  # the start of the suite's description
+    loss: str  # what the providers return, for the description
+    gpu_shapes: tuple[Shape, ...]
+    make_inputs: Callable[[Shape, torch.dtype, torch.device], Inputs]  # the whole problem, from the seed
+    cost: Callable[[Shape, str, torch.dtype], Cost]  # the whole problem's (one GPU's) FLOPs
+    providers: tuple[Provider, ...]  # the names of PROVIDERS, in that order
+    notes: tuple[str, ...] = ()
+
+
+_INPUTS_NOTE = (
+    "Inputs as the single-GPU suite's random ones: x ~ N(0, 1), W ~ N(0, 1/H), round(N/7) targets -100, "
+    "made from one seed and broadcast from rank 0."
+)
+
+OPS: dict[str, VocabParallelOp] = {
+    op.name: op
+    for op in (
+        VocabParallelOp(
+            name=lce.SUITE.name,
+            what="fused linear cross-entropy",
+            loss="loss: the mean cross-entropy over the non-ignored targets",
+            gpu_shapes=((8192, 4096, 128256), (8192, 4096, 256000)),
+            make_inputs=lce.make_inputs,
+            cost=lce.cost,
+            providers=(
+                Provider(
+                    "fuselm_split", setup_lce_split, "fuselm.distributed.linear_cross_entropy, every rank"
+                ),
+                Provider(
+                    "allgather_logits", setup_lce_allgather, "all-gathered [N, V] logits + F.cross_entropy"
+                ),
+                Provider("fuselm_single", lce.setup_fuselm, "fuselm.linear_cross_entropy, whole W on rank 0"),
+            ),
+            notes=(_INPUTS_NOTE,),
+        ),
+        VocabParallelOp(
+            name=llp.NAME,
+            what="per-token log-probs of the LM head",
+            loss="loss: the sum of the N per-token log-probs (0 at ignored targets)",
+            gpu_shapes=((8192, 4096, 128256), (16384, 4096, 151936)),
+            make_inputs=llp_inputs,
+            cost=llp.cost,
+            providers=(
+                Provider(
+                    "fuselm_split",
+                    setup_llp_split,
+                    "fuselm.distributed.linear_log_probs(...).log_probs.sum(), every rank",
+                ),
+                Provider(
+                    "allgather_logits",
+                    setup_llp_allgather,
+                    "all-gathered [N, V] logits, .float().log_softmax(-1).gather(-1, target[:, None]), sum",
+                ),
+                Provider(
+                    "fuselm_single",
+                    setup_llp_single,
+                    "fuselm.linear_log_probs(...).log_probs.sum(), whole W on rank 0",
+                ),
+            ),
+            notes=(
+                _INPUTS_NOTE + " log_probs only (no entropy).",
+                "loss: the sum of the per-token log-probs (every token's upstream gradient 1); fuselm's "
+                "backward recomputes the logits (8NHV: 1.33x floor bounds it), the gathered logits keep "
+                "them.",
+            ),
+        ),
+    )
+}
+
+
+def make_suite(op: str, world_size: int) -> Suite:
+    """The suite of a run of ``op`` (a key of :data:`OPS`) over ``world_size`` ranks (its name names the
+    report files: ``<op>_ws<world_size>``)."""
+    spec = OPS[op]
+    assert tuple(p.name for p in spec.providers) == PROVIDERS, spec.providers
     return Suite(
-        name=f"{lce.SUITE.name}_ws{world_size}",
+        name=f"{spec.name}_ws{world_size}",
         description=(
-            f"fused linear cross-entropy with the vocabulary split over {world_size} ranks: x [N, H] and "
-            "target [N] on every rank, rank r holding W[V_r rows, H]; mean over the non-ignored targets, "
-            "forward + backward"
+            f"{spec.what} with the vocabulary split over {world_size} ranks: x [N, H] and target [N] on "
+            f"every rank, rank r holding W[V_r rows, H]; {spec.loss}; forward + backward"
         ),
         shape_dims=("N", "H", "V"),
-        gpu_shapes=GPU_SHAPES,
+        gpu_shapes=spec.gpu_shapes,
         cpu_shapes=CPU_SHAPES,
-        providers=(
-            Provider(
-                "fuselm_split", setup_fuselm_split, "fuselm.distributed.linear_cross_entropy, every rank"
-            ),
-            Provider(
-                "allgather_logits", setup_allgather_logits, "all-gathered [N, V] logits + F.cross_entropy"
-            ),
-            Provider("fuselm_single", lce.setup_fuselm, "fuselm.linear_cross_entropy, whole W on rank 0"),
-        ),
-        make_inputs=lce.make_inputs,
-        cost=lce.cost,
+        providers=spec.providers,
+        make_inputs=spec.make_inputs,
+        cost=spec.cost,
         columns=("ms", "x_floor", "extra_mib"),
         forward_grad=True,
         notes=(
@@ -199,8 +336,7 @@ def make_suite(world_size: int) -> Suite:
             "the JSON).",
             f"FLOPs per rank: 6NHV/{world_size} for fuselm_split and allgather_logits, 6NHV for "
             "fuselm_single; x floor is the time over the GEMM floor of one GPU's share.",
-            "Inputs as the single-GPU suite's random ones: x ~ N(0, 1), W ~ N(0, 1/H), round(N/7) targets "
-            "-100, made from one seed and broadcast from rank 0.",
+            *spec.notes,
         ),
     )
 
@@ -219,6 +355,7 @@ class Case:
 class Plan:
     """What one group of ranks runs (pickled to every spawned process)."""
 
+    op: str  # a key of OPS
     world_size: int
     device_type: str
     dtype: torch.dtype
@@ -238,11 +375,12 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 def _inputs(case: Case, plan: Plan, device: torch.device, rank: int) -> Inputs:
     """The whole problem made from the seed; the split providers keep this rank's rows of W."""
     torch.manual_seed(SEED)
-    x = lce.make_inputs(case.shape, plan.dtype, device)
+    x = OPS[plan.op].make_inputs(case.shape, plan.dtype, device)
     if case.provider not in SPLIT_PROVIDERS:
         return {**x, "vocab_sizes": [case.shape[2]]}
     for t in x.values():  # one problem on every rank, whatever each rank's RNG does
-        dist.broadcast(t.detach(), src=0)
+        if isinstance(t, torch.Tensor):  # (the log-probs inputs also carry plain entries)
+            dist.broadcast(t.detach(), src=0)
     sizes = vocab_split(case.shape[2], plan.world_size)
     start = sum(sizes[:rank])
     rows = x["linear_weight"].detach()[start : start + sizes[rank]].clone().requires_grad_(True)
@@ -273,7 +411,8 @@ def time_steps(step: Callable[[], Any], device: torch.device, steps: int) -> lis
 def _measure(case: Case, plan: Plan, device: torch.device, rank: int) -> dict[str, Any]:
     """One rank's share of one case: loss, gradient norm, memory (CUDA), step times."""
     split = case.provider in SPLIT_PROVIDERS
-    fn = make_suite(plan.world_size).provider(case.provider).setup(device)  # SkipProvider: before collectives
+    suite = make_suite(plan.op, plan.world_size)
+    fn = suite.provider(case.provider).setup(device)  # SkipProvider: before collectives
     inputs = _inputs(case, plan, device, rank)
     wrt = [inputs["input"], inputs["linear_weight"]]
 
@@ -397,7 +536,7 @@ def run_group(plan: Plan, log: Callable[[str], None] = print) -> tuple[list[dict
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    with tempfile.TemporaryDirectory(prefix="fuselm-lce-parallel-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fuselm-vocab-parallel-") as tmp:
         ctx = mp.start_processes(
             _worker,
             args=(plan, str(Path(tmp) / "init"), tmp),
@@ -457,6 +596,7 @@ def _rank_error(record: dict[str, Any]) -> str:
 
 
 def case_row(
+    suite: Suite,
     case: Case,
     records: list[dict[str, Any]],
     world_size: int,
@@ -490,7 +630,7 @@ def case_row(
         row.peak_bytes = max(r["peak_bytes"] for r in working)
         row.grad_bytes = max(r["grad_bytes"] for r in working)
     row.loss, row.grad_norm = working[0]["loss"], working[0]["grad_norm"]
-    flops = lce.cost(case.shape, "full", dtype).flops
+    flops = suite.cost(case.shape, "full", dtype).flops
     return _finish(row, Cost(flops=flops / row.ranks), ceilings)
 
 
@@ -517,7 +657,7 @@ def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
             )
         }
         gemm = report.ceilings.gemm_tflops
-        floor = lce.cost(shape, "full", report.dtype).flops / world_size
+        floor = report.suite.cost(shape, "full", report.dtype).flops / world_size
         ms = {k: None if r is None else r.ms for k, r in rows.items()}
         mem = {k: None if r is None else r.extra_bytes for k, r in rows.items()}
         out.append(
@@ -606,6 +746,7 @@ def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, An
 
 def run(
     *,
+    op: str,
     world_size: int,
     shapes: Sequence[Shape],
     providers: Sequence[str],
@@ -617,15 +758,17 @@ def run(
     metadata: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Report, list[dict[str, Any]]]:
-    """Every (shape, provider) on ``world_size`` ranks; returns the report and each rank's device and
-    ceilings (nothing written). A group that fails or hangs is replaced by a fresh one for the cases left."""
-    suite = make_suite(world_size)
+    """Every (shape, provider) of ``op`` (a key of :data:`OPS`) on ``world_size`` ranks; returns the report
+    and each rank's device and ceilings (nothing written). A group that fails or hangs is replaced by a fresh
+    one for the cases left."""
+    suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
     records: list[dict[str, Any]] = []
     failed: dict[int, str] = {}
     pending, first = cases, True
     while pending:
         plan = Plan(
+            op,
             world_size,
             device_type,
             dtype,
@@ -670,7 +813,13 @@ def run(
     for case in cases:
         report.rows.append(
             case_row(
-                case, _case_records(records, case.index), world_size, dtype, ceilings, failed.get(case.index)
+                suite,
+                case,
+                _case_records(records, case.index),
+                world_size,
+                dtype,
+                ceilings,
+                failed.get(case.index),
             )
         )
     skipped = {
@@ -692,7 +841,8 @@ def timing_method(device_type: str, warmup: int, steps: int) -> str:
 
 
 def run_cli(args, argv: list[str]) -> int:
-    """``fuselm bench linear_cross_entropy --world-size W`` with the parsed ``fuselm bench`` arguments.
+    """``fuselm bench <op> --world-size W`` with the parsed ``fuselm bench`` arguments (``args.suite``: a
+    key of :data:`OPS`, linear_cross_entropy or linear_log_probs).
 
     Uses ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
     (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
@@ -703,7 +853,7 @@ def run_cli(args, argv: list[str]) -> int:
     from .runner import finish, plan_suite
 
     world_size = args.world_size
-    suite = make_suite(world_size)
+    suite = make_suite(args.suite, world_size)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     if cuda and torch.cuda.device_count() < world_size:
@@ -736,6 +886,7 @@ def run_cli(args, argv: list[str]) -> int:
         flush=True,
     )
     report, rank_info = run(
+        op=args.suite,
         world_size=world_size,
         shapes=shapes,
         providers=providers,

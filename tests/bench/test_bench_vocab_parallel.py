@@ -1,8 +1,8 @@
-"""CPU tests of ``fuselm bench linear_cross_entropy --world-size W``: the vocabulary split over W gloo
-processes against one process and against all-gathered logits.
+"""CPU tests of ``fuselm bench linear_cross_entropy|linear_log_probs --world-size W``: the vocabulary split
+over W gloo processes against one process and against all-gathered logits.
 
-One CLI run spawns the two ranks (importing torch in each takes seconds): everything that needs ranks is
-checked on its report; the rest (split, rows of failed cases, usage errors) in process.
+One CLI run per op spawns the two ranks (importing torch in each takes seconds): everything that needs ranks
+is checked on its report; the rest (split, rows of failed cases, usage errors) in process.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import math
 
 import pytest
 import torch
-from fuselm_bench import lce_parallel as par
+import torch.nn.functional as F
+from fuselm_bench import vocab_parallel as par
 from fuselm_bench.harness import Ceilings
 from fuselm_bench.report import markdown_table
 
@@ -20,6 +21,7 @@ from fuselm.cli import main
 
 SHAPE = (64, 32, 301)  # V odd: an uneven split, 151 + 150
 PROVIDERS = ["fuselm_split", "allgather_logits", "fuselm_single"]
+OPS = ["linear_cross_entropy", "linear_log_probs"]
 
 
 @pytest.fixture
@@ -33,17 +35,45 @@ def test_vocab_split_is_tensor_split(v, w):
     assert par.vocab_split(v, w) == [len(c) for c in torch.arange(v).tensor_split(w)]
 
 
+def test_both_ops_have_the_same_providers():
+    assert list(par.OPS) == OPS
+    for op in OPS:
+        suite = par.make_suite(op, 2)
+        assert suite.name == f"{op}_ws2" and suite.provider_names == PROVIDERS
+        assert suite.shape_dims == ("N", "H", "V")
+    assert par.make_suite("linear_log_probs", 2).gpu_shapes == ((8192, 4096, 128256), (16384, 4096, 151936))
+
+
+def _expected(op: str, shape: tuple[int, int, int]) -> tuple[float, float, int]:
+    """(loss, grad norm, ignored targets) of the op's problem from the runner's seed, in float64."""
+    torch.manual_seed(par.SEED)
+    inputs = par.OPS[op].make_inputs(shape, torch.float32, torch.device("cpu"))
+    x = inputs["input"].detach().double().requires_grad_(True)
+    w = inputs["linear_weight"].detach().double().requires_grad_(True)
+    target = inputs["target"]
+    kept = target != -100
+    logits = x @ w.T
+    if op == "linear_cross_entropy":
+        loss = F.cross_entropy(logits, target, ignore_index=-100)
+    else:  # the sum of the log-probs of the kept targets
+        loss = logits.log_softmax(-1)[kept].gather(-1, target[kept][:, None]).sum()
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    return float(loss.detach()), math.sqrt(float(dx.pow(2).sum() + dw.pow(2).sum())), int((~kept).sum())
+
+
 # ---- command line ----
 
 
 @pytest.mark.parametrize("suite", ["rms_norm", "cross_entropy", "e2e", "all"])
-def test_world_size_only_for_linear_cross_entropy(suite, tmp_path, capsys):
+def test_world_size_only_for_the_split_ops(suite, tmp_path, capsys):
     rc = main(["bench", suite, "--world-size", "2", "--device", "cpu", "--out", str(tmp_path)])
     assert rc == 2
-    assert f"--world-size applies to linear_cross_entropy only, not to '{suite}'" in capsys.readouterr().err
+    message = f"--world-size applies to linear_cross_entropy and linear_log_probs only, not to '{suite}'"
+    assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -54,28 +84,31 @@ def test_world_size_only_for_linear_cross_entropy(suite, tmp_path, capsys):
         (["--world-size", "2", "--steps", "0"], "--steps must be >= 1"),
     ],
 )
-def test_usage_errors(args, message, tmp_path, capsys):
-    rc = main(["bench", "linear_cross_entropy", "--device", "cpu", "--out", str(tmp_path), *args])
+def test_usage_errors(op, args, message, tmp_path, capsys):
+    rc = main(["bench", op, "--device", "cpu", "--out", str(tmp_path), *args])
     assert rc == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_two_gloo_ranks(tmp_path, capsys, reference_path):
+@pytest.mark.parametrize("op", OPS)
+def test_cli_two_gloo_ranks(op, tmp_path, capsys, reference_path):
     shape = "x".join(map(str, SHAPE))
-    argv = ["bench", "linear_cross_entropy", "--world-size", "2", "--device", "cpu", "--shapes", shape]
+    argv = ["bench", op, "--world-size", "2", "--device", "cpu", "--shapes", shape]
     assert main([*argv, "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
+    name = f"{op}_ws2"
     for ext in ("md", "json", "png"):
-        assert (tmp_path / f"linear_cross_entropy_ws2.{ext}").stat().st_size > 0
+        assert (tmp_path / f"{name}.{ext}").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.{ext}" for ext in ("json", "md", "png")]
 
-    data = json.loads((tmp_path / "linear_cross_entropy_ws2.json").read_text())
-    assert data["suite"] == "linear_cross_entropy_ws2" and data["world_size"] == 2
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["suite"] == name and data["world_size"] == 2
     assert data["dtype"] == "fp32" and data["modes"] == ["full"] and data["providers"] == PROVIDERS
     rows = {r["provider"]: r for r in data["rows"]}
     assert list(rows) == PROVIDERS
-    for name, r in rows.items():
-        ranks = 1 if name == "fuselm_single" else 2
+    for provider, r in rows.items():
+        ranks = 1 if provider == "fuselm_single" else 2
         assert r["error"] is None, r
         assert r["shape"] == list(SHAPE) and r["mode"] == "full" and r["ranks"] == ranks
         assert r["vocab_sizes"] == ([301] if ranks == 1 else [151, 150])
@@ -85,9 +118,14 @@ def test_cli_two_gloo_ranks(tmp_path, capsys, reference_path):
         # memory: measured on CUDA only; on CPU the fields are there, empty
         assert r["rank_extra_bytes"] == [None] * ranks and r["extra_bytes"] is None and r["extra_mib"] is None
     # the same loss and gradients from every provider (the baseline's dx is summed over the ranks once)
-    for name in PROVIDERS[:2]:
-        assert rows[name]["loss"] == pytest.approx(rows["fuselm_single"]["loss"], rel=1e-5)
-        assert rows[name]["grad_norm"] == pytest.approx(rows["fuselm_single"]["grad_norm"], rel=1e-5)
+    for provider in PROVIDERS[:2]:
+        assert rows[provider]["loss"] == pytest.approx(rows["fuselm_single"]["loss"], rel=1e-5)
+        assert rows[provider]["grad_norm"] == pytest.approx(rows["fuselm_single"]["grad_norm"], rel=1e-5)
+    # ... and they are the op's: the mean cross-entropy / the sum of the log-probs, from float64
+    loss, grad_norm, ignored = _expected(op, SHAPE)
+    assert ignored == round(SHAPE[0] / 7)  # the suites' inputs: 1/7 of the targets ignored
+    assert rows["fuselm_single"]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert rows["fuselm_single"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
 
     (s,) = data["summary"]
     assert s["shape"] == list(SHAPE) and s["vocab_sizes"] == [151, 150]
@@ -99,18 +137,24 @@ def test_cli_two_gloo_ranks(tmp_path, capsys, reference_path):
     assert "acceptance" not in data  # measured ratios only: targets live in issues
     meta = data["metadata"]
     assert meta["world_size"] == 2 and meta["backend"] == "gloo" and meta["device_type"] == "cpu"
-    assert meta["command"].startswith("fuselm bench linear_cross_entropy --world-size 2")
+    assert meta["command"].startswith(f"fuselm bench {op} --world-size 2")
     assert [r["rank"] for r in meta["ranks"]] == [0, 1]
     assert all(r["ceilings"]["gemm_tflops"] > 0 for r in meta["ranks"])
     assert data["ceilings"]["gemm_tflops"] == meta["ranks"][0]["ceilings"]["gemm_tflops"]
     assert "fixed counts" in meta["timing"]
 
-    md = (tmp_path / "linear_cross_entropy_ws2.md").read_text()
-    assert md.startswith("# fuselm bench linear_cross_entropy_ws2") and "**CPU figures**" in md
+    md = (tmp_path / f"{name}.md").read_text()
+    assert md.startswith(f"# fuselm bench {name}") and "**CPU figures**" in md
     assert "| N, H, V | provider | mode | ms | x floor | extra MiB |" in md
     assert "## Split over 2 ranks vs one GPU and vs all-gathered logits" in md
     assert "| 64x32x301 | 151 + 150 |" in md and "Acceptance" not in md
     assert "- rank 1: CPU" in md
+    split_op = (
+        "linear_cross_entropy" if op == "linear_cross_entropy" else "linear_log_probs(...).log_probs.sum()"
+    )
+    assert f"- fuselm_split: fuselm.distributed.{split_op}, every rank" in md
+    if op == "linear_log_probs":
+        assert "loss: the sum of the N per-token log-probs" in md
     assert "## Split over 2 ranks" in printed and "wrote " in printed
 
 
@@ -125,45 +169,49 @@ def _record(rank: int, status: str = "ok", agreed: str = "ok", **kw) -> dict:
     return {**base, **kw}
 
 
-def test_rows_of_failed_cases():
+@pytest.mark.parametrize("op", OPS)
+def test_rows_of_failed_cases(op):
+    suite = par.make_suite(op, 2)
     case = par.Case(0, (8192, 4096, 256000), "allgather_logits")
     ceil = Ceilings(gemm_tflops=700.0)
     oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 7.81 GiB."
     records = [_record(0, agreed="oom"), _record(1, "oom", "oom", error=oom)]
-    row = par.case_row(case, records, 2, torch.bfloat16, ceil)
+    row = par.case_row(suite, case, records, 2, torch.bfloat16, ceil)
     assert row.ms is None and row.error == f"{oom} (rank 1)"
     skipped = [_record(r, "skipped", "skipped", error="fuselm.distributed not importable") for r in (0, 1)]
-    row = par.case_row(case, skipped, 2, torch.bfloat16, ceil)
+    row = par.case_row(suite, case, skipped, 2, torch.bfloat16, ceil)
     assert row.error == "skipped: fuselm.distributed not importable"
-    assert "missing" in par.case_row(case, records[:1], 2, torch.bfloat16, ceil).error
-    hung = par.case_row(case, [], 2, torch.bfloat16, ceil, failure="no progress for 60 s")
+    assert "missing" in par.case_row(suite, case, records[:1], 2, torch.bfloat16, ceil).error
+    hung = par.case_row(suite, case, [], 2, torch.bfloat16, ceil, failure="no progress for 60 s")
     assert hung.error == "no progress for 60 s"
 
-    ok = par.case_row(case, [_record(0), _record(1)], 2, torch.bfloat16, ceil)
+    ok = par.case_row(suite, case, [_record(0), _record(1)], 2, torch.bfloat16, ceil)
     assert ok.ms == 3.0 and ok.rank_ms == [2.0, 3.0] and ok.extra_bytes == 1 << 20
     assert ok.flops == 6 * 8192 * 4096 * 256000 / 2
     report = par.Report(
-        suite=par.make_suite(2),
+        suite=suite,
         dtype=torch.bfloat16,
         modes=("full",),
         shapes=(case.shape,),
         providers=("allgather_logits",),
         metadata={},
         ceilings=ceil,
-        rows=[par.case_row(case, records, 2, torch.bfloat16, ceil)],
+        rows=[par.case_row(suite, case, records, 2, torch.bfloat16, ceil)],
     )
     assert "| 8192x4096x256000 | allgather_logits | full | OOM |" in markdown_table(report)
 
 
-def test_summary_of_split_vs_single():
+@pytest.mark.parametrize("op", OPS)
+def test_summary_of_split_vs_single(op):
+    suite = par.make_suite(op, 2)
     ceil = Ceilings(gemm_tflops=700.0)
     shape = (8192, 4096, 128256)
     rows = []
     for i, (provider, ms) in enumerate((("fuselm_split", 30.0), ("fuselm_single", 55.0))):
         recs = [_record(r, ms=ms, index=i) for r in range(2)]
-        rows.append(par.case_row(par.Case(i, shape, provider), recs, 2, torch.bfloat16, ceil))
+        rows.append(par.case_row(suite, par.Case(i, shape, provider), recs, 2, torch.bfloat16, ceil))
     report = par.Report(
-        suite=par.make_suite(2),
+        suite=suite,
         dtype=torch.bfloat16,
         modes=("full",),
         shapes=(shape,),
