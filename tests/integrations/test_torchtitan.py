@@ -1,7 +1,7 @@
 """fuselm's torchtitan loss (fuselm.integrations.torchtitan): the fused LM head + cross-entropy against
 plain PyTorch (always), and against torchtitan's own ChunkedLossWrapper on the same hidden states and head,
-in one process and under FSDP2 on 2 processes (gloo; NCCL on 2 GPUs), where torchtitan imports (skipped in CI, where it is not
-installed: its dependencies are not in the CI budget)."""
+in one process and under FSDP2 on 2 processes (gloo; NCCL on 2 GPUs), where torchtitan imports (skipped in
+CI, where it is not installed: its dependencies are not in the CI budget)."""
 
 from __future__ import annotations
 
