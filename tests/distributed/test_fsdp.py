@@ -57,13 +57,15 @@ VOCAB, BATCH, SEQ = 300, 2, 16  # hf_models' tiny configs: hidden 64, 2 layers, 
 # (model_type, how): "standard" = patch, shard the layers, shard the root; "lm_head_alone" = the same
 # with lm_head sharded on its own too; "patch_after_shard" = shard first, then patch.
 # "lora": PEFT LoRA on every linear of the decoder (random A and B), patched (fuselm's fused LoRA path),
-# then sharded as "standard"; only the adapters train.
+# then sharded as "standard"; only the adapters train. "qlora": the same over bitsandbytes 4-bit (NF4)
+# bases: fully_shard shards the packed bytes, fuselm.hf.patch kept each layer's quantization state.
 LORA_TYPES = ("llama", "qwen3")
 CASES = (
     *((model_type, "standard") for model_type in (*MODEL_TYPES, "qwen3_moe")),
     ("llama", "lm_head_alone"),
     ("llama", "patch_after_shard"),
     *((model_type, "lora") for model_type in LORA_TYPES),
+    ("llama", "qlora"),
     ("llama", "trl"),
 )
 TRL_OUTPUTS = ("log_probs", "entropy")
@@ -79,15 +81,47 @@ def _model(model_type: str, how: str, dtype: torch.dtype, device) -> torch.nn.Mo
 
         add_fused_lm_head(model, outputs=TRL_OUTPUTS)
         return model
-    if how != "lora":
+    if how not in ("lora", "qlora"):
         return model
     import peft
 
+    if how == "qlora":
+        model = _quantized(model, dtype, device)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False
     )
     torch.manual_seed(SEED + 1)
-    return peft.get_peft_model(model, config).to(device=device, dtype=dtype)
+    model = peft.get_peft_model(model, config)
+    return model.to(device=device, dtype=dtype) if how == "lora" else model.to(device)
+
+
+def _quantized(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
+    """The decoder's linears as bitsandbytes 4-bit (NF4) layers computing in fp32 (quantized on `device`),
+    or, for float64 (the reference), as dense float64 linears holding those layers' dequantized weights."""
+    import bitsandbytes as bnb
+
+    model = model.to(torch.float32)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LORA_TARGETS:
+                dense = getattr(parent, name, None)
+                if dense is None:
+                    continue
+                q = bnb.nn.Linear4bit(
+                    dense.in_features,
+                    dense.out_features,
+                    bias=False,
+                    compute_dtype=torch.float32,
+                    quant_type="nf4",
+                )
+                q.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4")
+                q = q.to(device)  # quantizes
+                if dtype == torch.float64:
+                    w = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state)
+                    q = torch.nn.Linear(dense.in_features, dense.out_features, bias=False, device=device)
+                    q.weight = torch.nn.Parameter(w.to(torch.float64))
+                setattr(parent, name, q)
+    return model.to(torch.float64) if dtype == torch.float64 else model
 
 
 def _trained(model: torch.nn.Module):
@@ -126,7 +160,7 @@ def _fsdp_step(model_type: str, how: str, mesh, device: torch.device, rank: int)
     from torch.distributed.tensor import DTensor
 
     model = _model(model_type, how, torch.float32, device)  # the same init on every rank
-    causal_lm = model.get_base_model() if how == "lora" else model
+    causal_lm = model.get_base_model() if how in ("lora", "qlora") else model
     if how == "trl":
         fuselm.trl.patch()
     elif how != "patch_after_shard":
@@ -287,6 +321,20 @@ def test_fsdp_peft_lora_step_matches_single_process(fsdp_runs, model_type):
     assert not fsdp["fallbacks"], fsdp["fallbacks"]
     assert fsdp["grads"] and all("lora_" in n for n in fsdp["grads"])
     _check(f"{model_type} FSDP + LoRA", fsdp, model_type, fsdp_runs[0], "lora")
+
+
+def test_fsdp_qlora_step_matches_single_process(fsdp_runs):
+    """PEFT LoRA over bitsandbytes 4-bit (NF4) bases, patched, then fully_shard-ed (the packed 4-bit bytes
+    sharded, each layer's quantization state kept on the layer by fuselm.hf.patch): per-rank losses and the
+    adapters' averaged gradients are the single-process ones (the float64 reference runs dense layers of
+    the dequantized weights), with every LoRA layer on fuselm's fused path."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    fsdp = _fsdp_case(fsdp_runs, "llama", "qlora")
+    assert fsdp["sharded"], "fully_shard left a parameter unsharded"
+    assert fsdp["fused_loss"] and not fsdp["fallbacks"], fsdp["fallbacks"]
+    assert fsdp["grads"] and all("lora_" in n for n in fsdp["grads"])
+    _check("llama FSDP + QLoRA", fsdp, "llama", fsdp_runs[0], "qlora")
 
 
 def test_fsdp_trl_fused_head_matches_single_process(fsdp_runs):

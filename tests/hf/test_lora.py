@@ -349,6 +349,30 @@ def test_quantized_layers_and_mlps_match_peft(bits, p, gen, tmp_path, fused_call
     assert fused_calls["lora_linear"] == 14 and fused_calls["lora_gated_mlp"] == 2
 
 
+def test_a_4bit_layer_that_lost_its_weights_state_keeps_it_on_the_layer(gen, tmp_path):
+    """What FSDP2's fully_shard does to a 4-bit base (its Params4bit replaced by a tensor of the packed
+    bytes, no quantization state): after keep_quant_states (fuselm.hf.patch calls it) the layer still gives
+    bitsandbytes' dequantized weight; without it the refusal says to patch before sharding."""
+    import bitsandbytes as bnb
+
+    model = quantized_model("llama", 4, gen, tmp_path)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, bnb.nn.Linear4bit)
+    want = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    layer.quant_state = None  # as a layer whose Params4bit was made without it
+    hf_lora.keep_quant_states(model)
+    assert layer.quant_state is layer.weight.quant_state
+    packed = layer.weight.data
+    kept = layer.quant_state
+    layer.quant_state = None
+    layer.weight = nn.Parameter(packed.clone(), requires_grad=False)  # the state is gone with the Params4bit
+    assert "sharded by fully_shard before fuselm.hf.patch" in hf_lora.lora_operands(layer)
+    layer.quant_state = kept
+    base, adapter, bias = hf_lora.lora_operands(layer)
+    assert adapter is None and bias is None
+    assert torch.equal(base.dense(), want)
+
+
 # ---- states that run fused: merged, disabled, eval, rsLoRA, no adapter ----
 
 

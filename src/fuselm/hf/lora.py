@@ -123,6 +123,11 @@ def _base_operands(layer: nn.Module) -> tuple | str:
         if type(layer).forward is not bnb_nn.Linear4bit.forward:
             return f"base layer {type(layer).__qualname__} (a Linear4bit with its own forward)"
         qs = getattr(weight, "quant_state", None) or getattr(layer, "quant_state", None)
+        if qs is None and (_is_dtensor(weight) or type(weight) is not bnb_nn.Params4bit):
+            return (
+                "4-bit base layer whose quantization state was lost (sharded by fully_shard before "
+                "fuselm.hf.patch? patch first: it keeps the state on the layer)"
+            )
         if qs is None:
             return "4-bit base layer not quantized yet (move it to its device first)"
         if getattr(qs, "packing_format_for_cpu", False):
@@ -233,6 +238,27 @@ def _mask_dtype(module: nn.Module, adapter: LoraAdapter, input_dtype: torch.dtyp
     if casts or input_dtype is None:
         return adapter
     return replace(adapter, mask_dtype=input_dtype)
+
+
+def keep_quant_states(model: nn.Module) -> None:
+    """Keep each bitsandbytes 4-bit layer's quantization state on the layer too (``layer.quant_state``,
+    bitsandbytes' own place for a state its weight lost), where :func:`lora_operands` finds it when the
+    weight no longer carries it: FSDP2's ``fully_shard`` replaces the ``Params4bit`` by a DTensor of the
+    packed bytes, and what its forward all-gathers is those bytes alone. ``fuselm.hf.patch`` calls it, so
+    patch before sharding; the state (absmax, code: 1/16 to 1/32 of the packed weight) stays whole on
+    every rank, the packed weight is sharded.
+
+    Example:
+        >>> keep_quant_states(nn.Linear(2, 2))  # no bitsandbytes layer: nothing to keep
+    """
+    bnb_nn = _bnb_nn()
+    if bnb_nn is None:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb_nn.Linear4bit) and getattr(module, "quant_state", None) is None:
+            qs = getattr(module.weight, "quant_state", None)
+            if qs is not None:
+                module.quant_state = qs
 
 
 # ---- warnings and names ----

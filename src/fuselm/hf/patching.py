@@ -36,7 +36,7 @@ from torch import nn
 from . import offload
 from ._common import INSTANCE_MARK, hf_class, is_peft_wrapper
 from .class_patch import family_of_target, is_class_patched, original_forward, patch_family, unpatch_family
-from .lora import is_lora_linear, lora_linear_forward, register_module_names
+from .lora import is_lora_linear, keep_quant_states, lora_linear_forward, register_module_names
 from .plan import Plan, forward_for, make_plan
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
 from .rotary import add_user, has_rope, remove_user, sweep
@@ -106,6 +106,7 @@ class _InstancePatch:
         self._peft_stamp = stamp
         if "lora" in self.plan.blocks:
             register_module_names(root)
+            keep_quant_states(root)
             for sub in root.modules():
                 if "forward" not in vars(sub) and is_lora_linear(sub):
                     vars(sub)["forward"] = _lora_instance_forward(sub)
@@ -228,6 +229,7 @@ def _patch_instance(model: nn.Module, plan: Plan) -> None:
         vars(sub)["forward"] = forward
     if "lora" in plan.blocks:
         register_module_names(model)  # fallback warnings name the layer ("model.layers.0.self_attn.q_proj")
+        keep_quant_states(model)  # found there once fully_shard has replaced the 4-bit weights
     for patch in patches:
         vars(patch.root)[INSTANCE_MARK] = patch
         if patch.uses_rope():
