@@ -115,7 +115,7 @@ def _family_op_cases():
     scales = (None, None, None, gs)
     ops = torch.ops.fuselm
     lse = ops.loss_rows_fwd(logits, t, *scales, **opts, compute_grad=False, compute_predicted=False)[1]
-    plan = {"plan_name": "chunked", "chunk_rows": 4, "fp32_weight_grad": False}
+    plan = {"kind": "chunked", "chunk_rows": 4, "fp32_weight_grad": False}
     needs = {"need_dx": True, "need_dw": True, "need_db": False}
     slabs = {"budget": 1 << 20, "slab_floor": 8, "fixed_in_budget": True}
     llp_lse = ops.linear_log_probs_fwd(x, w, None, t, **opts, **slabs, stats=0)[2]

@@ -12,7 +12,15 @@ from typing import NamedTuple
 import torch
 
 from .._common.loss.budget import MIN_BUDGET, memory_budget
-from .._common.loss.options import NEEDS_SCHEMA, LossScales, family_custom_op, family_fake, options_of
+from .._common.loss.options import (
+    NEEDS_SCHEMA,
+    LossScales,
+    family_custom_op,
+    family_fake,
+    fields_schema,
+    from_named,
+    options_of,
+)
 from .._common.loss.rows import LocalRows
 from . import chunked, fused
 
@@ -20,10 +28,11 @@ PLANS = {"chunked": chunked, "fused": fused}
 
 
 class Plan(NamedTuple):
-    """A plan by name, with the chunk rows of the chunked plan (0 for the fused one), and whether the weight
-    gradient is accumulated in an fp32 buffer (rounded to the weight's dtype once, at the end)."""
+    """A plan by kind ("chunked" or "fused"), with the chunk rows of the chunked plan (0 for the fused one),
+    and whether the weight gradient is accumulated in an fp32 buffer (rounded to the weight's dtype once,
+    at the end). The custom ops take its fields by name (options.fields_schema)."""
 
-    name: str
+    kind: str
     chunk_rows: int = 0
     fp32_weight_grad: bool = False
 
@@ -43,9 +52,10 @@ def choose_plan(
     split chunk alike; `n_classes`: the widest slice of the vocabulary). fp32_weight_grad: sum dW in fp32.
     argmax (predicted tokens wanted): chunks, also under "min" (8 MiB ones: the fused plan has no argmax)."""
     if memory == "min" and one_device and not argmax:
-        return Plan("fused", 0, fp32_weight_grad)
+        return Plan("fused", fp32_weight_grad=fp32_weight_grad)
     budget = memory_budget(memory, device, query_free=one_device)
-    return Plan("chunked", chunked.chunk_rows_for(budget, n_classes, hidden, itemsize), fp32_weight_grad)
+    chunk_rows = chunked.chunk_rows_for(budget, n_classes, hidden, itemsize)
+    return Plan("chunked", chunk_rows=chunk_rows, fp32_weight_grad=fp32_weight_grad)
 
 
 def fp32_accumulation(accum_dtype, input_dtype: torch.dtype) -> bool:
@@ -72,7 +82,7 @@ def _or_empty(t, like):
     return t if t is not None else like.new_empty(0)
 
 
-_PLAN = "str plan_name, int chunk_rows, bool fp32_weight_grad"
+_PLAN = fields_schema(Plan)
 
 
 @family_custom_op(
@@ -83,13 +93,13 @@ _PLAN = "str plan_name, int chunk_rows, bool fp32_weight_grad"
 )
 def _fwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
     opts = options_of(named, weight, token_weights)
-    plan = Plan(named["plan_name"], named["chunk_rows"], named["fp32_weight_grad"])
+    plan = from_named(Plan, named)
     scales = LossScales(weight_sum, grad_scale)
     needs = (named["need_dx"], named["need_dw"], named["need_db"])
     backend = LocalRows(w.shape[0])
     compute_predicted = named["compute_predicted"]
     predicted = x.new_empty(x.shape[0] if compute_predicted else 0, dtype=torch.int64)
-    loss, lse, dx, dw, db = PLANS[plan.name].forward(
+    loss, lse, dx, dw, db = PLANS[plan.kind].forward(
         plan,
         x,
         w,
@@ -127,11 +137,11 @@ def _(x, w, b, target, weight, token_weights, weight_sum, grad_scale, **named):
 )
 def _bwd_op(x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dlse, lse, **named):
     opts = options_of(named, weight, token_weights)
-    plan = Plan(named["plan_name"], named["chunk_rows"], named["fp32_weight_grad"])
+    plan = from_named(Plan, named)
     scales = LossScales(weight_sum, grad_scale)
     backend = LocalRows(w.shape[0])
     needs = (named["need_dx"], named["need_dw"], named["need_db"])
-    dx, dw, db = PLANS[plan.name].backward(
+    dx, dw, db = PLANS[plan.kind].backward(
         plan, x, w, b, target, None, opts, scales, backend, dloss, dlse, lse, needs
     )
     return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, lse)
@@ -143,11 +153,6 @@ def _(x, w, b, target, weight, token_weights, weight_sum, grad_scale, dloss, dls
     dw = w.new_empty(w.shape) if named["need_dw"] else w.new_empty(0)
     db = lse.new_empty(w.shape[0]) if named["need_db"] else lse.new_empty(0)
     return dx, dw, db
-
-
-def _plan_kwargs(plan: Plan) -> dict:
-    """The plan as the custom ops take it."""
-    return {"plan_name": plan.name, "chunk_rows": plan.chunk_rows, "fp32_weight_grad": plan.fp32_weight_grad}
 
 
 def run_forward(
@@ -163,7 +168,7 @@ def run_forward(
             target,
             **opts.op_kwargs(),
             **scales.op_kwargs(),
-            **_plan_kwargs(plan),
+            **plan._asdict(),
             compute_grad=compute_grad,
             need_dx=needs[0],
             need_dw=needs[1],
@@ -174,7 +179,7 @@ def run_forward(
             predicted.copy_(pred)
         kept = [t if compute_grad and need else None for t, need in zip((dx, dw, db), needs, strict=True)]
         return (loss, lse, *kept)
-    return PLANS[plan.name].forward(
+    return PLANS[plan.kind].forward(
         plan, x, w, b, target, rows, opts, scales, backend, compute_grad, needs, predicted
     )
 
@@ -192,12 +197,12 @@ def run_backward(plan: Plan, x, w, b, target, rows, opts, scales, backend, dloss
             dloss=dloss,
             dlse=dlse,
             lse=lse,
-            **_plan_kwargs(plan),
+            **plan._asdict(),
             need_dx=needs[0],
             need_dw=needs[1],
             need_db=needs[2],
         )
         return tuple(t if need else None for t, need in zip(grads, needs, strict=True))
-    return PLANS[plan.name].backward(
+    return PLANS[plan.kind].backward(
         plan, x, w, b, target, rows, opts, scales, backend, dloss, dlse, lse, needs
     )

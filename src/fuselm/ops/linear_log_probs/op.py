@@ -11,6 +11,8 @@ The math and the costs are in README.md.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
@@ -25,7 +27,15 @@ from .._common.guard import (
 from .._common.launch import cdiv, launcher, row_launch
 from .._common.loss.budget import memory_budget
 from .._common.loss.compaction import kept_rows
-from .._common.loss.options import NEEDS_SCHEMA, LossOptions, family_custom_op, family_fake, options_of
+from .._common.loss.options import (
+    NEEDS_SCHEMA,
+    LossOptions,
+    family_custom_op,
+    family_fake,
+    fields_schema,
+    from_named,
+    options_of,
+)
 from .kernels import linear_log_probs_bwd_kernel, linear_log_probs_fwd_kernel
 from .reference import DOUBLE_BACKWARD, OUTPUT_NAMES, LogProbs, linear_log_probs_reference
 
@@ -45,6 +55,17 @@ STAT_BITS = {"entropy": ENTROPY, "log_sum_sq_probs": SUM_SQ, "mean_logits": MEAN
 
 
 # ---- plan ----
+
+
+class SlabPlan(NamedTuple):
+    """How the vocabulary is cut into slabs: the bytes a slab's buffer (and, with fixed_in_budget, the
+    per-row memory beside it) may take, and the fewest classes of a slab (GEMM shapes stay large; the
+    budget is then exceeded: README.md). The custom ops take its fields by name (options.fields_schema),
+    as linear_cross_entropy's Plan."""
+
+    budget: int
+    slab_floor: int
+    fixed_in_budget: bool
 
 
 def slab_cols(budget: int, fixed: int, n_rows: int, n_classes: int, itemsize: int, floor: int) -> int:
@@ -90,15 +111,14 @@ def _kernel_options(opts: LossOptions) -> dict:
     )
 
 
-def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
+def linear_log_probs_fwd(x, w, b, target, rows, plan: SlabPlan, opts: LossOptions, stats):
     """Vocabulary-slab forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
-    rows to compute (ignored ones compacted out) or None for all. plan = (budget, slab_floor,
-    fixed_in_budget); opts: ignore_index, logit_scale, softcap, temperature; stats: bits of
+    rows to compute (ignored ones compacted out) or None for all; opts: ignore_index, logit_scale,
+    softcap, temperature; stats: bits of
     the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into one
     reused [n, Vs] buffer, one kernel folds them into the rows' running statistics. Returns (log_probs,
     entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where
     not asked."""
-    budget, slab_floor, fixed_in_budget = plan
     h = x.shape[1]
     v = w.shape[0]
     assert w.shape[1] == h and target.is_contiguous() and (b is None or b.is_contiguous())
@@ -114,7 +134,7 @@ def linear_log_probs_fwd(x, w, b, target, rows, plan, opts: LossOptions, stats):
     if n == 0:
         return outs
     fixed = n * (STATE_ROWS * 4 + 64) + (xk.numel() * x.element_size() if rows is not None else 0)
-    vs = slab_cols(budget, fixed if fixed_in_budget else 0, n, v, 4, slab_floor)
+    vs = slab_cols(plan.budget, fixed if plan.fixed_in_budget else 0, n, v, 4, plan.slab_floor)
     state = torch.empty((STATE_ROWS, n), **f32) if vs < v else log_probs  # running statistics
     flat = torch.empty(n * vs, **f32)  # the only tensor of many classes
     block_n, block_v, num_warps = _tile(vs, FWD_BLOCK)
@@ -188,9 +208,7 @@ def _dx_finish(dx, top, bottom, rows, chunk_rows):
     return dx
 
 
-def linear_log_probs_bwd(
-    x, w, b, target, lse, entropy, grads, rows, budget, slab_floor, fixed_in_budget, opts, needs
-):
+def linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, plan: SlabPlan, opts, needs):
     """Vocabulary-slab backward. lse, entropy (or None): [n] per computed row, from the forward; grads =
     (dlog_probs, dentropy, dlse), each fp32 [n] or None. Per slab of Vs classes: its logits for all n
     rows into one reused [n, Vs] buffer (input dtype), d/dlogits written over them in place, then
@@ -219,8 +237,8 @@ def linear_log_probs_bwd(
     fixed = n * 64 + (n * h * itemsize if rows is not None else 0)  # per-row vectors, gathered rows
     if bottom is not None:
         fixed += bottom.numel() * 4
-    fixed = fixed if fixed_in_budget else 0
-    vs = slab_cols(budget, fixed, n, v, itemsize, slab_floor)
+    fixed = fixed if plan.fixed_in_budget else 0
+    vs = slab_cols(plan.budget, fixed, n, v, itemsize, plan.slab_floor)
     flat = torch.empty(n * vs, dtype=x.dtype, device=x.device)  # the only tensor of many classes
     block_n, block_v, num_warps = _tile(vs, BWD_BLOCK)
     m = top.shape[0] if top is not None else 0
@@ -275,7 +293,7 @@ def _or_empty(t, like, dtype=None):
     return t if t is not None else like.new_empty(0, dtype=dtype or like.dtype)
 
 
-_PLAN = "int budget, int slab_floor, bool fixed_in_budget"
+_PLAN = fields_schema(SlabPlan)
 
 
 @family_custom_op(
@@ -287,7 +305,7 @@ _PLAN = "int budget, int slab_floor, bool fixed_in_budget"
     scales=False,
 )
 def _fwd_op(x, w, b, target, **named):
-    plan = (named["budget"], named["slab_floor"], named["fixed_in_budget"])
+    plan = from_named(SlabPlan, named)
     outs = linear_log_probs_fwd(x, w, b, target, None, plan, options_of(named), named["stats"])
     log_probs = outs[0]
     return tuple(_or_empty(o, log_probs) for o in outs[:5]) + (_or_empty(outs[5], log_probs, torch.bool),)
@@ -323,9 +341,7 @@ def _bwd_op(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, **named):
         entropy,
         (dlog_probs, dentropy, dlse),
         None,
-        named["budget"],
-        named["slab_floor"],
-        named["fixed_in_budget"],
+        from_named(SlabPlan, named),
         options_of(named),
         (named["need_dx"], named["need_dw"], named["need_db"]),
     )
@@ -344,15 +360,9 @@ def _(x, w, b, target, lse, entropy, dlog_probs, dentropy, dlse, **named):
 # ops above stand in, on all rows (no data-dependent shapes, no host sync).
 
 
-def _plan_kwargs(plan) -> dict:
-    """The (budget, slab_floor, fixed_in_budget) plan as the custom ops take it."""
-    budget, slab_floor, fixed_in_budget = plan
-    return {"budget": budget, "slab_floor": slab_floor, "fixed_in_budget": fixed_in_budget}
-
-
 def _run_fwd(x, w, b, target, rows, plan, opts, stats):
     if torch.compiler.is_compiling():
-        outs = _fwd_op(x, w, b, target, **_plan_kwargs(plan), **opts.op_kwargs(tensors=False), stats=stats)
+        outs = _fwd_op(x, w, b, target, **plan._asdict(), **opts.op_kwargs(tensors=False), stats=stats)
         keep = (True, stats & ENTROPY, True, stats & SUM_SQ, stats & MEAN, stats & TOP1)
         return tuple(o if k else None for o, k in zip(outs, keep, strict=True))
     return linear_log_probs_fwd(x, w, b, target, rows, plan, opts, stats)
@@ -372,14 +382,14 @@ def _run_bwd(x, w, b, target, lse, entropy, grads, rows, plan, opts, needs):
             dlog_probs=dlog_probs,
             dentropy=dentropy,
             dlse=dlse,
-            **_plan_kwargs(plan),
+            **plan._asdict(),
             **opts.op_kwargs(tensors=False),
             need_dx=need_dx,
             need_dw=need_dw,
             need_db=need_db,
         )
         return tuple(t if need else None for t, need in zip(out, needs, strict=True))
-    return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, *plan, opts, needs)
+    return linear_log_probs_bwd(x, w, b, target, lse, entropy, grads, rows, plan, opts, needs)
 
 
 # ---- autograd ----
@@ -578,8 +588,11 @@ def linear_log_probs(
             rows=rows,
         )
     else:
-        # (bytes, least classes of a slab, does the fp32 d input accumulator count against the bytes?)
-        plan = (budget, AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR, memory != "min")
+        plan = SlabPlan(
+            budget=budget,
+            slab_floor=AUTO_SLAB_FLOOR if memory == "auto" else MIN_SLAB_FLOOR,
+            fixed_in_budget=memory != "min",  # does the fp32 d input accumulator count against the bytes?
+        )
         stat_bits = sum(bit for name, bit in STAT_BITS.items() if name in names)
         stats = LinearLogProbsFunction.apply(
             rows_view(input),

@@ -159,12 +159,32 @@ def scalar_options_schema() -> str:
         >>> scalar_options_schema().split(", ")[:2]
         ['int ignore_index', 'str reduction']
     """
-    return ", ".join(f"{_SCHEMA_TYPES[_annotation(n)]} {n}" for n in SCALAR_FIELDS)
+    return fields_schema(LossOptions, SCALAR_FIELDS)
 
 
-def _annotation(field: str) -> str:
+def fields_schema(cls: type, fields: tuple[str, ...] | None = None) -> str:
+    """Fields (default: all) of a NamedTuple of ints, floats, strs and bools as torch.library schema
+    arguments, in field order: how the family's custom ops take LossOptions and the ops' plans (a plan is
+    such a NamedTuple; the ops pass it as ``plan._asdict()`` and read it back with :func:`from_named`).
+
+    Example:
+        >>> class Slabs(NamedTuple):
+        ...     budget: int
+        ...     exact: bool
+        >>> fields_schema(Slabs)
+        'int budget, bool exact'
+    """
+    return ", ".join(f"{_SCHEMA_TYPES[_annotation(cls, n)]} {n}" for n in fields or cls._fields)
+
+
+def from_named(cls: type, named: dict):
+    """The NamedTuple ``cls`` of a custom op's keyword arguments (its fields by name; others ignored)."""
+    return cls(*(named[name] for name in cls._fields))
+
+
+def _annotation(cls: type, field: str) -> str:
     """A field's annotation as written ("int"): a string, a ForwardRef or a type, by Python version."""
-    a = LossOptions.__annotations__[field]
+    a = cls.__annotations__[field]
     return a if isinstance(a, str) else getattr(a, "__forward_arg__", None) or a.__name__
 
 
@@ -243,7 +263,7 @@ def _by_name(fn, names: list[str], n_tensors: int):
 def options_of(named: dict, weight=None, token_weights=None) -> LossOptions:
     """The LossOptions of a family custom op's keyword arguments (its scalars by field name) and its
     option tensors."""
-    return LossOptions(*(named[name] for name in SCALAR_FIELDS), weight, token_weights)
+    return from_named(LossOptions, {**named, "weight": weight, "token_weights": token_weights})
 
 
 class LossScales(NamedTuple):
