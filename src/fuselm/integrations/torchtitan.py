@@ -5,10 +5,19 @@ then runs with ``_skip_lm_head=True`` and the loss gets the hidden states [B, L,
 ``lm_head`` module. :class:`FuselmLinearCrossEntropy` (such a subclass, built on first use: torchtitan is
 not a dependency of fuselm) computes ``sum of the token losses / global_valid_tokens`` with
 :func:`fuselm.linear_cross_entropy` (``ignore_index`` -100, torchtitan's), returning an ordinary
-differentiable loss (no per-chunk backward, no [chunk, V] logits); in a torchtitan config::
+differentiable loss (no per-chunk backward, no [chunk, V] logits); in a torchtitan config-registry
+function (``torchtitan.train --module my_configs --config llama3_8b_fuselm``)::
 
     from fuselm.integrations.torchtitan import FuselmLinearCrossEntropy
-    config = Trainer.Config(loss=FuselmLinearCrossEntropy.Config(memory="auto"), ...)
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    def llama3_8b_fuselm():
+        config = llama3_8b()
+        config.loss = FuselmLinearCrossEntropy.Config(memory="auto")  # or --loss.memory min / BYTES
+        return config
+
+The ``positions`` that torchtitan's trainer passes to its loss are ignored (as its CrossEntropyLoss does);
+any other loss input is refused.
 
 The LM head may be a plain module or FSDP2-sharded: the loss runs as the head's own forward, so FSDP
 gathers its weight and reduce-scatters its gradient as for any forward. Hidden states that are DTensors,
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._common.guard import validate_memory
 from ..ops.linear_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100  # torchtitan's (components/loss.py)
@@ -104,11 +114,19 @@ def _make_loss_class():
 
         def __init__(self, config: Config, *, compile_config=None):
             super().__init__(config, compile_config=compile_config)
-            self.memory = config.memory
+            memory = config.memory
+            if isinstance(memory, str) and memory.isdigit():  # torchtitan's CLI: --loss.memory 268435456
+                memory = int(memory)
+            validate_memory(memory)  # refused when the trainer is built, not at its first step
+            self.memory = memory
 
         def __call__(self, pred, labels, global_valid_tokens=None, **loss_inputs):
             if self.lm_head is None:
                 raise RuntimeError("FuselmLinearCrossEntropy: set_lm_head(lm_head) before the first call")
+            # torchtitan's trainer passes the batch's ``positions`` (per-document token positions, which
+            # its text dataloader always yields) to the loss; cross-entropy does not use them (neither
+            # does torchtitan's CrossEntropyLoss). Any other per-token input would change the loss.
+            loss_inputs.pop("positions", None)
             if loss_inputs:
                 raise ValueError(f"loss inputs {sorted(loss_inputs)} are not supported by the fused loss")
             loss = fused_head_loss(pred, self.lm_head, labels, global_valid_tokens, self.memory)
