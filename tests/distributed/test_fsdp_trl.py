@@ -63,7 +63,6 @@ import functools
 import math
 import os
 import pickle
-import sys
 import traceback
 from pathlib import Path
 
@@ -78,8 +77,7 @@ from fuselm.ops._common.testing import assert_numerics
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
-sys.path.append(str(Path(__file__).resolve().parents[1] / "trl"))  # the tiny tokenizer and datasets
-import trl_models as tm  # noqa: E402
+from kit import trl_models as tm  # noqa: E402
 
 WORLD_SIZE = 2
 SEED = 0

@@ -27,7 +27,7 @@ import torch
 from fuselm.ops._common.testing import assert_numerics
 
 trl = pytest.importorskip("trl")
-import trl_models as tm  # noqa: E402
+from kit import trl_models as tm  # noqa: E402
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 

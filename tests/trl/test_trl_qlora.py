@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import trl_models as tm
+from kit import trl_models as tm
 
 from fuselm.ops._common.testing import assert_numerics
 
