@@ -44,7 +44,7 @@ import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
 from kit.hf_models import MODEL_TYPES, build
-from kit.workers import nccl_world_sizes, run_workers
+from kit.workers import backend_params, run_workers
 
 import fuselm.hf
 import fuselm.trl
@@ -129,17 +129,7 @@ def _trained(model: torch.nn.Module):
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-BACKENDS = (
-    pytest.param("gloo", id="gloo-cpu"),
-    pytest.param(
-        "nccl",
-        id="nccl-cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(WORLD_SIZE not in nccl_world_sizes(), reason="needs 2 CUDA devices"),
-        ],
-    ),
-)
+BACKENDS = backend_params(WORLD_SIZE)
 
 
 def _batch(rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,7 +70,8 @@ import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
 from kit.hf_models import build
-from kit.workers import nccl_world_sizes, run_workers
+from kit.oracles import ExactTrlHead
+from kit.workers import backend_params, run_workers
 
 import fuselm.trl
 from fuselm.ops._common.testing import assert_numerics
@@ -87,37 +88,7 @@ CASES = ("sft", "sft_lora", "grpo")
 HEADS = ("fuselm", "trl")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-BACKENDS = (
-    pytest.param("gloo", id="gloo-cpu"),
-    pytest.param(
-        "nccl",
-        id="nccl-cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(WORLD_SIZE not in nccl_world_sizes(), reason="needs 2 CUDA devices"),
-        ],
-    ),
-)
-
-
-class ExactHead:
-    """TRL's kernel contract by definition, in the dtype of the inputs (float64 for the reference): the
-    [N, V] logits, log_softmax, gather (the same as tests/trl's)."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
-        z = torch.nn.functional.linear(hidden, weight, bias) * logit_scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        z = z / temperature
-        log_p = z.log_softmax(-1)
-        log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
-        with torch.no_grad():
-            log_sum_sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
-            mean_logits = z.mean(-1) if "mean_logits" in outputs else None
-            is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
-        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+BACKENDS = backend_params(WORLD_SIZE)
 
 
 @contextlib.contextmanager
@@ -129,7 +100,7 @@ def _head(kind: str):
     if kind == "fuselm":
         fuselm.trl.patch()
     elif kind == "exact":
-        trl_utils._ChunkedLogProbFunction = ExactHead
+        trl_utils._ChunkedLogProbFunction = ExactTrlHead
     try:
         yield
     finally:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from kit.workers import nccl_world_sizes, run_workers
+from kit.workers import backend_params, run_workers
 
 from fuselm.integrations.torchtitan import fused_head_loss
 from fuselm.ops._common.testing import ATOL, assert_numerics
@@ -157,15 +157,7 @@ def _fsdp_reference(world_size=2):
     return [(loss, *grads) for loss in losses]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "gloo",
-        pytest.param(
-            "nccl", marks=pytest.mark.skipif(2 not in nccl_world_sizes(), reason="needs 2 CUDA devices")
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", backend_params(2))
 def test_torchtitan_loss_under_fsdp2_matches_its_chunked_wrapper(backend):
     """Two ranks (gloo on the CPU; NCCL on 2 GPUs, fuselm's kernels on CUDA), the decoder and the head each
     fully_shard-ed: the loss on each rank's batch and the reduced gradients of the decoder and of the head
@@ -331,15 +323,7 @@ def _trainer_worker(rank, world_size, device_type, backend, config_name, cli_arg
     return curve
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "gloo",
-        pytest.param(
-            "nccl", marks=pytest.mark.skipif(2 not in nccl_world_sizes(), reason="needs 2 CUDA devices")
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", backend_params(2))
 def test_torchtitan_trainer_loss_curve_with_fuselm_equals_its_default(
     backend, tmp_path, monkeypatch, record_property
 ):

@@ -99,3 +99,24 @@ def split_sizes(world: int, how: str, n_classes: int) -> list[int]:
         return [max(0, min(per, n_classes - r * per)) for r in range(world)]
     base = [n_classes // world + (1 if r < n_classes % world else 0) for r in range(world)]
     return [base[0] + 2, *base[1:-1], base[-1] - 2]  # deliberately uneven
+
+
+class ExactTrlHead:
+    """TRL's chunked LM-head kernel contract (``trl.trainer.utils._ChunkedLogProbFunction.apply``) by
+    definition, in the dtype of the inputs (float64 for a reference run): the [N, V] logits, log_softmax,
+    gather; the statistics without a graph."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        z = torch.nn.functional.linear(hidden, weight, bias) * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        log_p = z.log_softmax(-1)
+        log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        with torch.no_grad():
+            log_sum_sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
+            mean_logits = z.mean(-1) if "mean_logits" in outputs else None
+            is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1

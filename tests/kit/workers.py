@@ -30,6 +30,21 @@ def nccl_world_sizes() -> tuple[int, ...]:
     return (2,) if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else ()
 
 
+def backend_params(world_size: int = 2) -> tuple:
+    """pytest params of the process-group backends a test runs on: "gloo" (CPU processes) always, "nccl"
+    (one GPU per rank, marked gpu) where `world_size` CUDA devices are there, else skipped saying so."""
+    import pytest
+
+    nccl_marks = [
+        pytest.mark.gpu,
+        pytest.mark.skipif(world_size not in nccl_world_sizes(), reason=f"needs {world_size} CUDA devices"),
+    ]
+    return (
+        pytest.param("gloo", id="gloo-cpu"),
+        pytest.param("nccl", id="nccl-cuda", marks=nccl_marks),
+    )
+
+
 def _entry(rank, world_size, backend, init_file, out_dir, fn, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -6,7 +6,7 @@ and contract checks, the adapter against TRL's kernel call by call.
 Trainers (SFT, DPO, GRPO, KTO, RLOO): a few steps of each, three times from the same checkpoint with
 the same seed (same data order, same sampled completions):
 - reference: the model in float64, TRL's head replaced by its definition in float64 (full logits,
-  log_softmax; :class:`ExactHead`), so the whole step is float64;
+  log_softmax; :class:`ExactTrlHead`), so the whole step is float64;
 - eager: fp32, TRL unpatched (TRL's own ChunkedLogProbFunction);
 - ours: fp32 under fuselm.trl.patch().
 Every logged value but clock readings (loss, grad norm, entropy, rewards, KL, log-probs, ...) and every
@@ -28,6 +28,7 @@ from fuselm.ops._common.testing import assert_numerics
 
 trl = pytest.importorskip("trl")
 from kit import trl_models as tm  # noqa: E402
+from kit.oracles import ExactTrlHead  # noqa: E402
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 
@@ -38,26 +39,6 @@ from fuselm.trl import patching  # noqa: E402
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 # ---- heads and spies ----
-
-
-class ExactHead:
-    """TRL's kernel contract by definition, in the dtype of the inputs (float64 for the reference run):
-    the [N, V] logits, log_softmax, gather."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
-        z = torch.nn.functional.linear(hidden, weight, bias) * logit_scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        z = z / temperature
-        log_p = z.log_softmax(-1)
-        log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
-        with torch.no_grad():
-            log_sum_sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
-            mean_logits = z.mean(-1) if "mean_logits" in outputs else None
-            is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
-        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +79,7 @@ def head(kind: str):
     if kind == "fuselm":
         fuselm.trl.patch()
     elif kind == "reference":
-        trl_utils._ChunkedLogProbFunction = ExactHead
+        trl_utils._ChunkedLogProbFunction = ExactTrlHead
     try:
         yield
     finally:
@@ -197,7 +178,7 @@ def test_adapter_matches_trl_kernel(temperature, softcap, logit_scale, bias, dev
     g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
     x, w, b, t, g_lp, g_ent = (None if a is None else a.to(device) for a in (x, w, b, t, g_lp, g_ent))
     results = []
-    runs = ((ExactHead, torch.float64), (ChunkedLogProbFunction, torch.float32), (None, torch.float32))
+    runs = ((ExactTrlHead, torch.float64), (ChunkedLogProbFunction, torch.float32), (None, torch.float32))
     for fn, dtype in runs:
         leaves = [p.detach().to(dtype).requires_grad_() if p is not None else None for p in (x, w, b)]
         args = (*leaves, t, temperature, 64, softcap, logit_scale, patching.TRL_OUTPUTS)
@@ -237,17 +218,17 @@ def test_adapter_under_autocast(leaf_dtype, device):
     g_lp, g_ent = torch.randn(2, n, generator=g, dtype=torch.float64)
     x, w, t, g_lp, g_ent = (a.to(device) for a in (x, w, t, g_lp, g_ent))
     results = []
-    for fn in (ExactHead, ChunkedLogProbFunction, None):
-        dtype = torch.float64 if fn is ExactHead else leaf_dtype
+    for fn in (ExactTrlHead, ChunkedLogProbFunction, None):
+        dtype = torch.float64 if fn is ExactTrlHead else leaf_dtype
         xx, ww = (p.detach().to(dtype).requires_grad_() for p in (x, w))
         if fn is None:
             fuselm.trl.patch()
             fn = trl_utils._ChunkedLogProbFunction
-        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=fn is not ExactHead)
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=fn is not ExactTrlHead)
         with autocast:
             lp, ent, *_ = fn.apply(xx, ww, None, t, 0.9, 128, None, 1.0, ("log_probs", "entropy"))
         fuselm.trl.unpatch()
-        assert fn is ExactHead or lp.dtype == ent.dtype == torch.float32
+        assert fn is ExactTrlHead or lp.dtype == ent.dtype == torch.float32
         ((lp * g_lp.to(lp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()).backward()
         assert xx.grad.dtype == ww.grad.dtype == dtype
         results.append((lp, ent, xx.grad, ww.grad))
