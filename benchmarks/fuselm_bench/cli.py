@@ -11,6 +11,7 @@ Usage::
     fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
     fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
     fuselm bench linear_log_probs --world-size 2       # the same for per-token log-probs
+    fuselm bench finetune --world-size 2 --providers hf,fuselm   # LoRA on 2 GPUs (FSDP2) vs one GPU
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
 CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``bench-out/cpu``
@@ -135,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size",
         type=positive_int,
         default=1,
-        help="linear_cross_entropy and linear_log_probs only: split the vocabulary over this many GPUs (gloo "
+        help="linear_cross_entropy and linear_log_probs: split the vocabulary over this many GPUs (gloo "
         "processes on a CPU) and compare with one GPU and with all-gathered logits, fwd+bwd, --shapes NxHxV; "
-        "writes <suite>_ws<N>.* (e.g. linear_log_probs_ws2.md)",
+        "finetune: each case on this many GPUs with FSDP2 (hf and fuselm; each rank its own B x T batch) "
+        "beside its one-GPU row, tokens/s per GPU; writes <suite>_ws<N>.* (e.g. linear_log_probs_ws2.md, "
+        "finetune_ws2.md)",
     )
     return bench
 
@@ -161,11 +164,13 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.suite is None:
         _list_suites()
         return 0
-    if args.world_size > 1:  # the vocabulary split over ranks: its own runner, spawning one process per rank
+    if args.world_size > 1 and args.suite != "finetune":  # finetune: its runner takes --world-size
         from .vocab_parallel import OPS, run_cli
 
-        if args.suite not in OPS:
-            raise UsageError(f"--world-size applies to {' and '.join(OPS)} only, not to {args.suite!r}")
+        if args.suite not in OPS:  # the vocabulary split over ranks: its own runner, one process per rank
+            raise UsageError(
+                f"--world-size applies to {', '.join(OPS)} and finetune only, not to {args.suite!r}"
+            )
         return run_cli(args, argv)
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)

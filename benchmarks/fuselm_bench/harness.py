@@ -274,8 +274,9 @@ def compute_ratios(ms: float | None, cost: Cost, ceilings: Ceilings) -> dict[str
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 
-def blocking_sync() -> str:
-    """Make the CUDA primary context of this process's first visible GPU wait for the GPU by sleeping
+def blocking_sync(ordinal: int = 0) -> str:
+    """Make the CUDA primary context of this process's visible GPU ``ordinal`` (the first by default; a
+    rank's own, ``cuda:<rank>``, in a group) wait for the GPU by sleeping
     (``CU_CTX_SCHED_BLOCKING_SYNC``) instead of spinning; call it before anything initializes CUDA. With
     the default (spin) a wait inside a step (Hugging Face's packed-sequence check syncs once per forward)
     burns CPU time for as long as the GPU is behind, so ``time.process_time`` would count the GPU's time
@@ -289,7 +290,7 @@ def blocking_sync() -> str:
     except OSError:
         return "spin (no libcuda.so.1)"
     device = ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
         return "spin (cuInit / cuDeviceGet failed)"
     set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
     code = set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC)

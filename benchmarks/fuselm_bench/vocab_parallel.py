@@ -49,25 +49,23 @@ log-probs recompute the logits in the backward: 8NHV, 1.33x floor, bounds them).
 Failures: a case ends with an all-reduce of its status (ok, skipped, OOM, error) on every rank, so all
 ranks go on to the next case together, a failed case reported as such (``OOM`` for
 ``torch.cuda.OutOfMemoryError``). A rank that fails inside a collective can leave the others waiting in
-it: each rank writes its results to a file as it goes, the parent watches them, kills a group that makes
-no progress (``CASE_TIMEOUT_S``; ``FAILED_GRACE_S`` once a rank has reported a failure) and starts a
-fresh group for the remaining cases.
+it: each rank writes its results to a file as it goes, the parent watches them
+(:mod:`fuselm_bench.rank_group`, shared with ``fuselm bench finetune --world-size``), kills a group that
+makes no progress
+(``CASE_TIMEOUT_S``; ``rank_group.FAILED_GRACE_S`` once a rank has reported a failure) and starts a fresh
+group for the remaining cases.
 
 Reports: ``<op>_ws<W>.{md,json,png}`` (``linear_log_probs_ws2.md``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +75,7 @@ import torch.nn.functional as F
 
 from . import linear_cross_entropy as lce
 from . import linear_log_probs as llp
+from . import rank_group
 from .arguments import StepCounts, results_dir
 from .harness import (
     MIB,
@@ -87,11 +86,8 @@ from .harness import (
     Report,
     Row,
     Shape,
-    SkipProvider,
     Suite,
     _finish,
-    error_text,
-    free_memory,
     fresh_bytes,
     import_peer,
     measure_ceilings,
@@ -109,9 +105,6 @@ STEPS = {
     "cpu": StepCounts(1, 5, quick_warmup=1, quick_steps=3),
 }
 CASE_TIMEOUT_S = {"cuda": 600.0, "cpu": 300.0}  # no case finished for this long: the group is killed
-FAILED_GRACE_S = 60.0  # a rank reported a failure: how long the others may take to reach the agreement
-POLL_S = 0.2
-STATUSES = ("ok", "skipped", "oom", "error")  # in order of precedence: the ranks agree on the worst
 
 
 def vocab_split(v: int, world_size: int) -> list[int]:
@@ -367,11 +360,6 @@ class Plan:
     timeout_s: float
 
 
-def _append(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def _inputs(case: Case, plan: Plan, device: torch.device, rank: int) -> Inputs:
     """The whole problem made from the seed; the split providers keep this rank's rows of W."""
     torch.manual_seed(SEED)
@@ -447,29 +435,12 @@ def _measure(case: Case, plan: Plan, device: torch.device, rank: int) -> dict[st
 
 
 def _run_case(case: Case, plan: Plan, device: torch.device, rank: int, path: Path) -> None:
-    """Measure (a split provider, or rank 0 of the single one), then agree on the status with every rank."""
+    """Measure (a split provider, or rank 0 of the single one), then agree on the status with every rank
+    (:func:`rank_group.finish_case`, also the barrier of the ranks idle during fuselm_single)."""
     record: dict[str, Any] = {"kind": "case", "index": case.index, "rank": rank, "status": "ok"}
-    try:
-        if case.provider in SPLIT_PROVIDERS or rank == 0:
-            record.update(_measure(case, plan, device, rank))
-    except SkipProvider as e:
-        record.update(status="skipped", error=str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        record.update(status="oom", error=error_text(e))
-    except Exception as e:  # noqa: BLE001 - reported in the row; the group goes on
-        record.update(status="error", error=error_text(e), traceback=traceback.format_exc()[-3000:])
-    if record["status"] != "ok":  # said now, in case the other ranks are stuck in a collective
-        _append(path, {**record, "final": False})
-    free_memory(device)
-    # the agreement (and the barrier of the ranks idle during fuselm_single): the worst status, and
-    # min / max of the case index, which differ if the ranks lost step
-    mine = [STATUSES.index(record["status"]), case.index, -case.index]
-    agreed = torch.tensor(mine, dtype=torch.int64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    status, hi, neg_lo = agreed.tolist()
-    if hi != -neg_lo:
-        raise RuntimeError(f"ranks out of step: cases {-neg_lo} to {hi} at one agreement")
-    _append(path, {**record, "agreed": STATUSES[status], "final": True})
+    if case.provider in SPLIT_PROVIDERS or rank == 0:
+        rank_group.measure_into(record, lambda: _measure(case, plan, device, rank), device)
+    rank_group.finish_case(record, path, device)
 
 
 def _worker(rank: int, plan: Plan, init_file: str, out_dir: str) -> None:
@@ -477,24 +448,12 @@ def _worker(rank: int, plan: Plan, init_file: str, out_dir: str) -> None:
     from .report import device_name
 
     path = Path(out_dir) / f"rank{rank}.jsonl"
-    if plan.device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        backend, device_id = "nccl", device
-    else:
+    if plan.device_type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
-        device, backend, device_id = torch.device("cpu"), "gloo", None
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=plan.world_size,
-        timeout=timedelta(seconds=plan.timeout_s),
-        device_id=device_id,
-    )
+    device = rank_group.join_group(rank, plan.world_size, plan.device_type, init_file, plan.timeout_s)
     try:
         ceilings = measure_ceilings(device, quick=plan.quick) if plan.ceilings else None
-        _append(
+        rank_group.append_record(
             path,
             {
                 "kind": "rank",
@@ -512,64 +471,23 @@ def _worker(rank: int, plan: Plan, init_file: str, out_dir: str) -> None:
 # ---- the parent: a group of ranks, watched ----
 
 
-def _read_records(out_dir: Path) -> list[dict[str, Any]]:
-    records = []
-    for path in sorted(out_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines(keepends=True):
-            if line.endswith("\n"):  # a line being written is read next time
-                records.append(json.loads(line))
-    return records
-
-
-def _case_records(records: list[dict[str, Any]], index: int, final: bool = True) -> list[dict[str, Any]]:
-    return [r for r in records if r["kind"] == "case" and r["index"] == index and r["final"] == final]
-
-
-def _failure_text(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return f"a rank failed: {lines[-1].strip()}" if lines else f"a rank failed: {type(e).__name__}"
+_case_records = rank_group.case_records
+_rank_error = rank_group.rank_error
 
 
 def run_group(plan: Plan, log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], str | None]:
-    """Run ``plan`` on ``plan.world_size`` spawned ranks; return their records and why the group stopped
-    early (None if it finished). Logs a line per finished case."""
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
-
-    with tempfile.TemporaryDirectory(prefix="fuselm-vocab-parallel-") as tmp:
-        ctx = mp.start_processes(
-            _worker,
-            args=(plan, str(Path(tmp) / "init"), tmp),
-            nprocs=plan.world_size,
-            join=False,
-            start_method="spawn",
-        )
-        done, last, failure = 0, time.monotonic(), None
-        while True:
-            try:
-                exited = ctx.join(POLL_S)
-            except ProcessException as e:  # join() has ended the other ranks
-                exited, failure = True, _failure_text(e)
-            records = _read_records(Path(tmp))
-            while done < len(plan.cases):
-                finished = _case_records(records, plan.cases[done].index)
-                if len(finished) < plan.world_size:
-                    break
-                log(case_line(plan.cases[done], finished))
-                done, last = done + 1, time.monotonic()
-            if exited:
-                break
-            noticed = done < len(plan.cases) and _case_records(records, plan.cases[done].index, final=False)
-            limit = FAILED_GRACE_S if noticed else plan.timeout_s
-            if time.monotonic() - last > limit:
-                failure = f"no progress for {limit:.0f} s (ranks stuck, e.g. in a collective); killed"
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                for p in ctx.processes:
-                    p.join()
-                break
-        return _read_records(Path(tmp)), failure
+    """Run ``plan`` on ``plan.world_size`` spawned ranks (:func:`rank_group.run_group`); return their
+    records and why the group stopped early (None if it finished). Logs a line per finished case."""
+    by_index = {c.index: c for c in plan.cases}
+    return rank_group.run_group(
+        _worker,
+        (plan,),
+        world_size=plan.world_size,
+        case_indices=[c.index for c in plan.cases],
+        timeout_s=plan.timeout_s,
+        on_case=lambda index, finished: log(case_line(by_index[index], finished)),
+        prefix="fuselm-vocab-parallel-",
+    )
 
 
 # ---- rows, summary, report ----
@@ -589,10 +507,6 @@ class ParallelRow(Row):
 
 def _traceback(record: dict[str, Any]) -> str:
     return "\n" + record["traceback"] if record.get("traceback") else ""
-
-
-def _rank_error(record: dict[str, Any]) -> str:
-    return f"{record['error']} (rank {record['rank']})"  # the error first: an OOM stays an OOM in the table
 
 
 def case_row(

@@ -386,3 +386,229 @@ def test_cli_gpu_small_run(tmp_path):
     saved = Path(data["finetune"]["model_folders"]["qwen3-0.6b"]["folder"])
     assert json.loads((saved / finetune.MARKER).read_text())["dtype"] == "bf16"
     assert sys.modules.get("fuselm_bench.finetune") is finetune
+
+
+# ---- --world-size W: each case on W ranks with FSDP2, beside its one-GPU row ----
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--providers", "hf,unsloth"], "--world-size 2: unsloth cannot run sharded"),
+        (["--providers", "liger,fuselm"], "--world-size 2: liger cannot run sharded"),
+    ],
+)
+def test_world_size_refuses_providers_fsdp2_does_not_run(args, message, tmp_path, capsys):
+    rc = main(["bench", "finetune", "--world-size", "2", "--device", "cpu", "--out", str(tmp_path), *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def _case(world_size: int = 2) -> finetune.GroupCase:
+    return finetune.GroupCase(
+        finetune.GPU_PLAN, "fuselm", ("llama3-8b", "lora", 4, 2048), world_size, "cuda", torch.bfloat16, 3,
+        10, {},
+    )  # fmt: skip
+
+
+def _rank_record(rank: int, agreed: str = "ok", final: bool = True, **kw) -> dict:
+    record = {"kind": "case", "index": 0, "rank": rank, "status": "ok", "final": final, **kw}
+    return {**record, "agreed": agreed} if final else record
+
+
+def test_group_row_takes_the_slowest_rank_and_the_largest_peak():
+    ok = {"first_loss": 11.9, "losses": [11.9, 11.8], "reserved_bytes": 10 * GIB}
+    records = [
+        _rank_record(0, step_ms=700.0, step_ms_all=[700.0], peak_bytes=9 * GIB, **ok),
+        _rank_record(1, step_ms=720.0, step_ms_all=[720.0], peak_bytes=8 * GIB, reserved_bytes=11 * GIB,
+                     first_loss=11.7),
+    ]  # fmt: skip
+    row = finetune.group_row(_case(), records, None)
+    assert isinstance(row, finetune.DataParallelRow) and row.shape == ("llama3-8b", "lora", 4, 2048, 2)
+    assert row.status == "ok" and row.world_size == 2 and row.step_ms == 720.0
+    assert row.tokens_per_s == pytest.approx(2 * 4 * 2048 / 0.72)
+    assert row.tokens_per_s_per_gpu == pytest.approx(4 * 2048 / 0.72)
+    assert (row.peak_bytes, row.reserved_bytes) == (9 * GIB, 11 * GIB)
+    assert row.rank_step_ms == [700.0, 720.0] and row.rank_peak_bytes == [9 * GIB, 8 * GIB]
+    assert row.rank_first_losses == [11.9, 11.7] and row.first_loss == 11.9  # rank 0's batch: one GPU's
+
+
+def test_group_row_of_a_failed_rank():
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    # every rank reached the agreement: the agreed status, the first failing rank's error
+    records = [
+        _rank_record(0, "oom", step_ms=1.0),
+        _rank_record(1, "oom", status="oom", error=oom),
+    ]
+    row = finetune.group_row(_case(), records, None)
+    assert row.status == "oom" and row.error == f"{oom} (rank 1)" and row.step_ms is None
+    # rank 1 said it failed, rank 0 stuck in a collective: the group was killed, the row says rank 1's error
+    said = [_rank_record(1, final=False, status="error", error="RuntimeError: boom", traceback="tb")]
+    row = finetune.group_row(
+        _case(), said, "no progress for 60 s (ranks stuck, e.g. in a collective); killed"
+    )
+    assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)" and row.traceback == "tb"
+    # nothing written: why the group stopped
+    row = finetune.group_row(_case(), [], "a rank failed: process 1 terminated with signal SIGKILL")
+    assert row.status == "error" and row.error.startswith("a rank failed")
+    assert finetune.group_row(_case(), [], None).error == "no result from ranks [0, 1]"
+
+
+def test_group_env_turns_nvlink_multicast_off_unless_set(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
+    env = finetune.group_env("cuda")
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert "NVSHMEM_DISABLE_NVLS" not in env and env["HF_HUB_OFFLINE"] == "1"
+    assert "NCCL_NVLS_ENABLE" not in finetune.group_env("cpu")
+
+
+def test_world_size_report_gives_tokens_per_gpu_against_one_gpu(tmp_path):
+    config = ("llama3-8b", "lora", 4, 2048)
+    rows = []
+    for p, one_ms, many_ms in (("hf", 1259.0, 1330.0), ("fuselm", 714.0, 760.0)):
+        one = finetune.DataParallelRow(
+            p, *config, "ok", step_ms=one_ms, tokens_per_s=8192 / one_ms * 1e3, peak_bytes=17 * GIB,
+            losses=[11.9], first_loss=11.9,
+        )  # fmt: skip
+        many = finetune.DataParallelRow(
+            p, *config, "ok", world_size=2, step_ms=many_ms, tokens_per_s=2 * 8192 / many_ms * 1e3,
+            peak_bytes=10 * GIB, losses=[11.9], first_loss=11.9, rank_step_ms=[many_ms - 5, many_ms],
+            rank_peak_bytes=[10 * GIB, 9 * GIB], rank_first_losses=[11.9, 11.8],
+        )  # fmt: skip
+        rows += [one, many]
+    rows.append(finetune.DataParallelRow("hf", "llama3-8b", "qlora", 4, 2048, "ok", step_ms=1238.0))
+    rows.append(
+        finetune.DataParallelRow(
+            "hf", "llama3-8b", "qlora", 4, 2048, "oom", world_size=2, error="OOM (rank 1)"
+        )
+    )
+    shapes = [(*c, w) for c in (config, ("llama3-8b", "qlora", 4, 2048)) for w in (1, 2)]
+    report = fresh_process.CaseReport(
+        finetune.GPU_PLAN, torch.bfloat16, "cuda", tuple(shapes), ("hf", "fuselm"), 3, 10,
+        {"device": "NVIDIA H100 80GB HBM3", "finetune": {"offload": True, "profile_steps": 2}}, rows=rows,
+    )  # fmt: skip
+    paths = finetune.write_data_parallel_report(report, 2, tmp_path)
+    assert sorted(p.name for p in paths.values()) == [
+        "finetune_ws2.json",
+        "finetune_ws2.md",
+        "finetune_ws2.png",
+    ]
+    md = paths["md"].read_text()
+    assert md.startswith("# fuselm bench finetune_ws2") and "## tokens/s per GPU, 2 GPUs / 1 GPU" in md
+    fuselm_line = (
+        "| llama3-8b | lora | 4x2048 | fuselm | 714 | 11.5k | 17.00 | 760 | 21.6k | 10.8k | 10.00 / 9.00 |"
+    )
+    assert fuselm_line + f" {714 / 760:.2f}x | 11.9000 / 11.9000 |" in md
+    assert "| llama3-8b | qlora | 4x2048 | hf | 1238 | — | n/a | OOM | OOM | OOM | OOM | — | — |" in md
+    assert "| llama3-8b lora 4x2048 x2gpu | fuselm | 755 / 760 | 10.00 / 9.00 | 11.9000 / 11.8000 |" in md
+    data = json.loads(paths["json"].read_text())
+    assert data["suite"] == "finetune_ws2" and data["world_size"] == 2
+    assert data["shape_fields"] == ["model", "scenario", "batch", "seq", "world_size"]
+    scaling = {(s["scenario"], s["provider"]): s for s in data["scaling"]}
+    assert scaling[("lora", "fuselm")]["per_gpu"] == pytest.approx(714 / 760)
+    assert scaling[("lora", "hf")]["peak_bytes_per_rank"] == [10 * GIB, 9 * GIB]
+    assert scaling[("qlora", "hf")]["per_gpu"] is None and scaling[("qlora", "hf")]["status"] == "oom"
+    ratios = {(r["scenario"], r["world_size"]): r for r in data["ratios"]}
+    assert ratios[("lora", 2)]["time_vs_hf"] == pytest.approx(760 / 1330)
+
+
+def _first_losses_agree(label: str, many: dict, one: dict) -> None:
+    """A group's first loss (rank 0: the one-GPU batch and weights) against the one-process row's, under
+    the numerics rule with the one-process run as the reference (err <= fp32's atol)."""
+    ours, single = (torch.tensor([r["first_loss"]], dtype=torch.float64) for r in (many, one))
+    assert_numerics(label, ours, single, single, torch.float32)
+
+
+def test_cli_world_size_2_cpu_lora(tmp_path, capsys, reference_path):
+    """hf and fuselm on 2 gloo ranks (FSDP2) beside their one-process rows: every row ok, rank 0's first
+    loss the one-process one, fuselm's the same as HF's; finetune_ws2.* written."""
+    out = tmp_path / "out"
+    args = ["bench", "finetune", "--world-size", "2", "--device", "cpu", "--scenarios", "lora"]
+    rc = main([*args, "--model-dir", str(tmp_path / "models"), "--no-progress", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert all((out / f"finetune_ws2.{ext}").stat().st_size > 0 for ext in ("md", "json", "png"))
+    assert not (out / "finetune.json").exists()
+    data = json.loads((out / "finetune_ws2.json").read_text())
+    assert data["providers"] == ["hf", "fuselm"] and data["metadata"]["backend"] == "gloo"
+    rows = {(r["provider"], r["world_size"]): r for r in data["rows"]}
+    assert set(rows) == {("hf", 1), ("fuselm", 1), ("hf", 2), ("fuselm", 2)}
+    for key, r in rows.items():
+        assert r["status"] == "ok" and r["error"] is None, (key, r)
+        assert r["step_ms"] > 0 and all(math.isfinite(x) for x in r["losses"])
+    for p in ("hf", "fuselm"):
+        many = rows[(p, 2)]
+        assert many["sharding"].startswith("FSDP2 over 2 ranks: fully_shard on each of 2 decoder layers")
+        assert len(many["rank_step_ms"]) == 2 and many["step_ms"] == max(many["rank_step_ms"])
+        assert many["tokens_per_s"] == pytest.approx(2 * 2 * 32 / many["step_ms"] * 1e3)
+        assert many["rank_first_losses"][0] == many["first_loss"] != many["rank_first_losses"][1]
+        _first_losses_agree(f"{p} first loss, 2 ranks vs 1 process", many, rows[(p, 1)])
+    assert rows[("fuselm", 2)]["fused_modules_ran"] > 0 and rows[("fuselm", 2)]["lora_layers_peft"] == 0
+    _first_losses_agree("fuselm vs hf first loss, 2 ranks", rows[("fuselm", 2)], rows[("hf", 2)])
+    md = (out / "finetune_ws2.md").read_text()
+    assert "## tokens/s per GPU, 2 GPUs / 1 GPU" in md and "gloo" in md
+    assert {(s["provider"], s["scenario"]) for s in data["scaling"]} == {("hf", "lora"), ("fuselm", "lora")}
+    assert all(s["per_gpu"] > 0 for s in data["scaling"])
+
+
+def test_cli_world_size_2_cpu_qlora_fuselm(tmp_path, capsys, reference_path):
+    """QLoRA (bitsandbytes' CPU 4-bit) patched by fuselm, then sharded: the row runs and rank 0's first
+    loss is the one-process one."""
+    if finetune.bnb_cpu_4bit_works() is not None:
+        pytest.skip(finetune.bnb_cpu_4bit_works())
+    out = tmp_path / "out"
+    args = ["bench", "finetune", "--world-size", "2", "--device", "cpu", "--scenarios", "qlora"]
+    rc = main([*args, "--providers", "fuselm", "--no-progress", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    data = json.loads((out / "finetune_ws2.json").read_text())
+    rows = {r["world_size"]: r for r in data["rows"]}
+    assert rows[1]["status"] == rows[2]["status"] == "ok", data["rows"]
+    _first_losses_agree("fuselm qlora first loss, 2 ranks vs 1 process", rows[2], rows[1])
+
+
+def _failing_rank(rank: int, stuck: bool, init_file: str, out_dir: str) -> None:
+    """A rank of :func:`rank_group.run_group`: rank 1 fails; rank 0 agrees with it, or (``stuck``) waits
+    forever as if inside a collective."""
+    import time
+
+    import torch.distributed as dist
+    from fuselm_bench import rank_group
+
+    path = Path(out_dir) / f"rank{rank}.jsonl"
+    device = rank_group.join_group(rank, 2, "cpu", init_file, 60.0)
+
+    def measure() -> dict:
+        if rank == 1:
+            raise RuntimeError("boom")
+        if stuck:
+            time.sleep(600)
+        return {"step_ms": 1.0}
+
+    record = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
+    rank_group.measure_into(record, measure, device)
+    if not (stuck and rank == 1):
+        rank_group.finish_case(record, path, device)
+    else:
+        rank_group.append_record(path, {**record, "final": False})
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["agreed", "stuck"])
+def test_a_failing_rank_ends_the_group_and_marks_the_row(stuck):
+    """A rank's error reaches every rank through the agreement (the group ends by itself), or, when the
+    other rank is stuck, the parent kills the group once the failure is said; either way the row has the
+    failing rank's error."""
+    from fuselm_bench import rank_group
+
+    records, failure = rank_group.run_group(
+        _failing_rank, (stuck,), world_size=2, case_indices=[0], timeout_s=120.0, grace_s=2.0
+    )
+    if stuck:
+        assert failure is not None and failure.startswith("no progress for 2 s")
+    else:
+        assert failure is None
+        assert [r["agreed"] for r in rank_group.case_records(records, 0)] == ["error", "error"]
+    row = finetune.group_row(_case(), records, failure)
+    assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)"

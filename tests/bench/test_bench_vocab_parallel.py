@@ -68,7 +68,9 @@ def _expected(op: str, shape: tuple[int, int, int]) -> tuple[float, float, int]:
 def test_world_size_only_for_the_split_ops(suite, tmp_path, capsys):
     rc = main(["bench", suite, "--world-size", "2", "--device", "cpu", "--out", str(tmp_path)])
     assert rc == 2
-    message = f"--world-size applies to linear_cross_entropy and linear_log_probs only, not to '{suite}'"
+    message = (
+        f"--world-size applies to linear_cross_entropy, linear_log_probs and finetune only, not to '{suite}'"
+    )
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
