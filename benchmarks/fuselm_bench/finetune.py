@@ -1456,6 +1456,9 @@ def data_parallel_markdown(report: fresh_process.CaseReport, world_size: int) ->
         f"steps per run: {report.warmup} warmup, {report.steps} timed, {extra.get('profile_steps')} profiled"
     )
     facts.append(f"fuselm: offload {'on' if extra.get('offload') else 'off'}")
+    facts += [
+        f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})" for m in report.merged
+    ]
     sections = [
         f"## tokens/s per GPU, {world_size} GPUs / 1 GPU\n\n" + scaling_table(report, world_size),
         "## Per rank\n\n" + per_rank_table(report),
