@@ -958,22 +958,28 @@ SCALE_CASES = {
 }
 
 
+def _scale_case(case: str, n: int, n_cols: int, ignore_every: int, gen):
+    """(targets [n] on the kernel device, every `ignore_every`-th ignored, class weights or None, the
+    case's remaining cross_entropy keywords) of SCALE_CASES[case]."""
+    kw = dict(SCALE_CASES[case])
+    t = torch.randint(0, n_cols, (n,), generator=gen)
+    t[::ignore_every] = -100
+    if kw.pop("all_ignored", False):
+        t[:] = -100
+    if kw.pop("out_of_range", False):
+        t[5], t[9] = n_cols, -3
+    weight = torch.rand(n_cols, generator=gen) + 0.5 if kw.pop("weight", False) else None
+    return t.to(DEVICE), weight.to(DEVICE) if weight is not None else None, kw
+
+
 @triton_path_only
 @pytest.mark.parametrize("case", list(SCALE_CASES))
 def test_one_launch_scales_and_reduction_match_the_torch_ops(case, gen):
     """batch_scales / reduced_loss (one Triton launch each on the eager path) give loss_scales /
     reduce_rows' values: over more rows and classes than one block (the kernels loop), ignored and
     out-of-range targets, class weights; the reduction in the loss dtype."""
-    kw = dict(SCALE_CASES[case])
-    n, n_cols, device = 2500, 3001, kernel_device()
-    t = torch.randint(0, n_cols, (n,), generator=gen)
-    t[::7] = -100
-    if kw.pop("all_ignored", False):
-        t[:] = -100
-    if kw.pop("out_of_range", False):
-        t[5], t[9] = n_cols, -3
-    weight = torch.rand(n_cols, generator=gen) + 0.5 if kw.pop("weight", False) else None
-    t, weight = t.to(device), weight.to(device) if weight is not None else None
+    n, n_cols = 2500, 3001
+    t, weight, kw = _scale_case(case, n, n_cols, 7, gen)
     opts = LossOptions.of(weight=weight, **kw)
     ours = loss_rows.batch_scales(t, opts, n_cols)
     eager = loss_scales(t, opts, n_cols)
@@ -988,7 +994,7 @@ def test_one_launch_scales_and_reduction_match_the_torch_ops(case, gen):
             assert torch.isinf(o).all() and torch.isinf(e).all()
         else:
             assert_numerics(f"{case} {name}", o, e, r.double(), torch.float32)
-    rows = torch.rand(n, generator=gen).to(device) * 5
+    rows = torch.rand(n, generator=gen).to(DEVICE) * 5
     for dtype in (torch.float32, torch.bfloat16):
         got = loss_rows.reduced_loss(rows, opts, ours, dtype)
         want = reduce_rows(rows, opts, eager).to(dtype)
@@ -1007,16 +1013,8 @@ def test_scales_found_by_the_forward_kernel_equal_the_separate_launch(case, retu
     """For a batch small enough (rows.FIND_SCALES_MAX_LOADS) the forward kernel finds the batch's scales
     itself, one launch less: the same loss, lse and gradient bit for bit as with the scales' own launch,
     both plans (gradient in the forward; saved lse), ignored, all-ignored and out-of-range targets."""
-    kw = dict(SCALE_CASES[case])
     n, n_cols = (300, 3001) if ON_GPU else (12, 601)
-    t = torch.randint(0, n_cols, (n,), generator=gen)
-    t[::5] = -100
-    if kw.pop("all_ignored", False):
-        t[:] = -100
-    if kw.pop("out_of_range", False):
-        t[5], t[9] = n_cols, -3
-    weight = torch.rand(n_cols, generator=gen) + 0.5 if kw.pop("weight", False) else None
-    t, weight = t.to(DEVICE), weight.to(DEVICE) if weight is not None else None
+    t, weight, kw = _scale_case(case, n, n_cols, 5, gen)
     logits = (torch.randn(n, n_cols, generator=gen) * 3).to(DEVICE)
 
     def run(max_loads):
