@@ -113,8 +113,8 @@ class VocabShard:
     """This rank's classes [start, start + size) of n_classes, and the group that holds the others.
 
     A row backend (ops/_common/loss/backend.py: scales_for_forward, forward, backward, reduce_input_grad_,
-    n_classes), the
-    vocabulary-split counterpart of LocalRows: the ops' autograd Functions run on it unchanged."""
+    n_classes), the vocabulary-split counterpart of LocalRows: the ops' autograd Functions run on it
+    unchanged."""
 
     group: object
     start: int
