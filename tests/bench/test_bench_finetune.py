@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuselm_bench import finetune, fresh_process, registry
+from fuselm_bench import finetune, finetune_sharded, fresh_process, registry
 
 from fuselm.cli import main
 from fuselm.ops._common.testing import assert_numerics
@@ -405,8 +405,8 @@ def test_world_size_refuses_providers_fsdp2_does_not_run(args, message, tmp_path
     assert not any(tmp_path.iterdir())
 
 
-def _case(world_size: int = 2) -> finetune.GroupCase:
-    return finetune.GroupCase(
+def _case(world_size: int = 2) -> finetune_sharded.GroupCase:
+    return finetune_sharded.GroupCase(
         finetune.GPU_PLAN, "fuselm", ("llama3-8b", "lora", 4, 2048), world_size, "cuda", torch.bfloat16, 3,
         10, {},
     )  # fmt: skip
@@ -424,8 +424,9 @@ def test_group_row_takes_the_slowest_rank_and_the_largest_peak():
         _rank_record(1, step_ms=720.0, step_ms_all=[720.0], peak_bytes=8 * GIB, reserved_bytes=11 * GIB,
                      first_loss=11.7),
     ]  # fmt: skip
-    row = finetune.group_row(_case(), records, None)
-    assert isinstance(row, finetune.DataParallelRow) and row.shape == ("llama3-8b", "lora", 4, 2048, 2)
+    row = finetune_sharded.group_row(_case(), records, None)
+    assert isinstance(row, finetune_sharded.DataParallelRow)
+    assert row.shape == ("llama3-8b", "lora", 4, 2048, 2)
     assert row.status == "ok" and row.world_size == 2 and row.step_ms == 720.0
     assert row.tokens_per_s == pytest.approx(2 * 4 * 2048 / 0.72)
     assert row.tokens_per_s_per_gpu == pytest.approx(4 * 2048 / 0.72)
@@ -441,46 +442,46 @@ def test_group_row_of_a_failed_rank():
         _rank_record(0, "oom", step_ms=1.0),
         _rank_record(1, "oom", status="oom", error=oom),
     ]
-    row = finetune.group_row(_case(), records, None)
+    row = finetune_sharded.group_row(_case(), records, None)
     assert row.status == "oom" and row.error == f"{oom} (rank 1)" and row.step_ms is None
     # rank 1 said it failed, rank 0 stuck in a collective: the group was killed, the row says rank 1's error
     said = [_rank_record(1, final=False, status="error", error="RuntimeError: boom", traceback="tb")]
-    row = finetune.group_row(
+    row = finetune_sharded.group_row(
         _case(), said, "no progress for 60 s (ranks stuck, e.g. in a collective); killed"
     )
     assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)" and row.traceback == "tb"
     # nothing written: why the group stopped
-    row = finetune.group_row(_case(), [], "a rank failed: process 1 terminated with signal SIGKILL")
+    row = finetune_sharded.group_row(_case(), [], "a rank failed: process 1 terminated with signal SIGKILL")
     assert row.status == "error" and row.error.startswith("a rank failed")
-    assert finetune.group_row(_case(), [], None).error == "no result from ranks [0, 1]"
+    assert finetune_sharded.group_row(_case(), [], None).error == "no result from ranks [0, 1]"
 
 
 def test_group_env_turns_nvlink_multicast_off_unless_set(monkeypatch):
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
-    env = finetune.group_env("cuda")
+    env = finetune_sharded.group_env("cuda")
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert "NVSHMEM_DISABLE_NVLS" not in env and env["HF_HUB_OFFLINE"] == "1"
-    assert "NCCL_NVLS_ENABLE" not in finetune.group_env("cpu")
+    assert "NCCL_NVLS_ENABLE" not in finetune_sharded.group_env("cpu")
 
 
 def test_world_size_report_gives_tokens_per_gpu_against_one_gpu(tmp_path):
     config = ("llama3-8b", "lora", 4, 2048)
     rows = []
     for p, one_ms, many_ms in (("hf", 1259.0, 1330.0), ("fuselm", 714.0, 760.0)):
-        one = finetune.DataParallelRow(
+        one = finetune_sharded.DataParallelRow(
             p, *config, "ok", step_ms=one_ms, tokens_per_s=8192 / one_ms * 1e3, peak_bytes=17 * GIB,
             losses=[11.9], first_loss=11.9,
         )  # fmt: skip
-        many = finetune.DataParallelRow(
+        many = finetune_sharded.DataParallelRow(
             p, *config, "ok", world_size=2, step_ms=many_ms, tokens_per_s=2 * 8192 / many_ms * 1e3,
             peak_bytes=10 * GIB, losses=[11.9], first_loss=11.9, rank_step_ms=[many_ms - 5, many_ms],
             rank_peak_bytes=[10 * GIB, 9 * GIB], rank_first_losses=[11.9, 11.8],
         )  # fmt: skip
         rows += [one, many]
-    rows.append(finetune.DataParallelRow("hf", "llama3-8b", "qlora", 4, 2048, "ok", step_ms=1238.0))
+    rows.append(finetune_sharded.DataParallelRow("hf", "llama3-8b", "qlora", 4, 2048, "ok", step_ms=1238.0))
     rows.append(
-        finetune.DataParallelRow(
+        finetune_sharded.DataParallelRow(
             "hf", "llama3-8b", "qlora", 4, 2048, "oom", world_size=2, error="OOM (rank 1)"
         )
     )
@@ -489,7 +490,7 @@ def test_world_size_report_gives_tokens_per_gpu_against_one_gpu(tmp_path):
         finetune.GPU_PLAN, torch.bfloat16, "cuda", tuple(shapes), ("hf", "fuselm"), 3, 10,
         {"device": "NVIDIA H100 80GB HBM3", "finetune": {"offload": True, "profile_steps": 2}}, rows=rows,
     )  # fmt: skip
-    paths = finetune.write_data_parallel_report(report, 2, tmp_path)
+    paths = finetune_sharded.write_data_parallel_report(report, 2, tmp_path)
     assert sorted(p.name for p in paths.values()) == [
         "finetune_ws2.json",
         "finetune_ws2.md",
@@ -610,5 +611,5 @@ def test_a_failing_rank_ends_the_group_and_marks_the_row(stuck):
     else:
         assert failure is None
         assert [r["agreed"] for r in rank_group.case_records(records, 0)] == ["error", "error"]
-    row = finetune.group_row(_case(), records, failure)
+    row = finetune_sharded.group_row(_case(), records, failure)
     assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)"
