@@ -191,8 +191,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench max-context``: ``--models`` (one model shape of ``fuselm bench finetune``, default
     llama3-8b), ``--scenarios`` (qlora or lora, default qlora), ``--providers`` (default fuselm, hf,
     unsloth), ``--caps`` (GiB, default 16,40,80), ``--seq-range LO:HI``, ``--rel-tol``, ``--max-probes``,
-    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--device``, ``--out``.
-    Raises ``UsageError``."""
+    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--model-dir`` (the saved
+    random-init model is kept there and reused, as in ``fuselm bench finetune``; else a temporary folder),
+    ``--device``, ``--out``. Raises ``UsageError``."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
@@ -218,7 +219,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
     )
     out_dir = results_dir(args.out, metadata["device"] if cuda else None)
-    model_dir = Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
+    keep = getattr(args, "model_dir", None) is not None
+    model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
     dtype = torch.bfloat16 if cuda else torch.float32
     searches: list[Search] = []
     try:
@@ -253,7 +255,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
                 searches.append(found)
                 print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(model_dir, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "max_context.md").write_text(markdown(searches, metadata))
     data = {"suite": NAME, "metadata": metadata, "searches": [asdict(s) for s in searches]}

@@ -117,3 +117,20 @@ def test_memory_cap_passes_the_device_index(device, index, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
     finetune.cap_memory(torch.device(device), 16.0)
     assert calls == [(0.2, index)]
+
+
+def test_model_dir_is_kept_and_reused(tmp_path, monkeypatch):
+    """--model-dir keeps the saved model after the run and a second run reuses it (two searches side by
+    side on one GPU share one build)."""
+    from fuselm_bench import finetune
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    models = tmp_path / "models"
+    args = ["bench", "max-context", "--device", "cpu", "--scenarios", "lora", "--providers", "fuselm"]
+    args += ["--seq-range", "16:16", "--rank", "4", "--model-dir", str(models)]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    (folder,) = models.iterdir()
+    marker = folder / finetune.MARKER
+    stamp = marker.stat().st_mtime_ns
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert marker.stat().st_mtime_ns == stamp
