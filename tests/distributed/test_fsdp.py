@@ -58,7 +58,10 @@ VOCAB, BATCH, SEQ = 300, 2, 16  # hf_models' tiny configs: hidden 64, 2 layers, 
 # with lm_head sharded on its own too; "patch_after_shard" = shard first, then patch.
 # "lora": PEFT LoRA on every linear of the decoder (random A and B), patched (fuselm's fused LoRA path),
 # then sharded as "standard"; only the adapters train. "qlora": the same over bitsandbytes 4-bit (NF4)
-# bases: fully_shard shards the packed bytes, fuselm.hf.patch kept each layer's quantization state.
+# bases: fully_shard shards the packed bytes, fuselm.hf.patch kept each layer's quantization state. The
+# bytes are stored as float32 (bitsandbytes' quant_storage, the documented FSDP + QLoRA recipe): torch
+# 2.11's fully_shard cannot shard an integer parameter (it makes every shard require grad), 2.13's can.
+QUANT_STORAGE = torch.float32
 LORA_TYPES = ("llama", "qwen3")
 CASES = (
     *((model_type, "standard") for model_type in (*MODEL_TYPES, "qwen3_moe")),
@@ -113,8 +116,11 @@ def _quantized(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.M
                     bias=False,
                     compute_dtype=torch.float32,
                     quant_type="nf4",
+                    quant_storage=QUANT_STORAGE,
                 )
-                q.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4")
+                q.weight = bnb.nn.Params4bit(
+                    dense.weight.data.clone(), requires_grad=False, quant_type="nf4", quant_storage=QUANT_STORAGE
+                )
                 q = q.to(device)  # quantizes
                 if dtype == torch.float64:
                     w = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state)

@@ -169,6 +169,22 @@ def _trainer(case: str, model, device_type: str, output_dir: str):
     return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tm.tokenizer())
 
 
+def _no_ddp_on_sharded(trainer) -> None:
+    """transformers >= 5.2x reads the mark set above (the model already reduces its own gradients) and asks
+    accelerate to prepare it without DDP; older ones (5.17 on the GPU machine) wrap the FSDP2 model in DDP,
+    which refuses DTensor parameters. There, the same request by hand: prepare_model without device
+    placement and in evaluation mode (accelerate's way of saying "do not wrap")."""
+    if hasattr(trainer, "is_distributed_loading_by_transformers"):
+        return
+    accelerator = trainer.accelerator
+    prepare_model = accelerator.prepare_model
+
+    def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
+        return prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_without_ddp
+
+
 def _one_gpu(args):
     """One GPU per process: where accelerate sees a single process (the test process), transformers counts
     every visible GPU and GRPOTrainer refuses the nn.DataParallel that would follow."""
@@ -280,6 +296,7 @@ def _fsdp_step(case: str, head: str, mesh, device, rank: int, checkpoint: str, c
     with _head(head):
         output_dir = os.path.join(os.path.dirname(checkpoint), f"out-{case}-{head}-{rank}")
         trainer = _trainer(case, model, device.type, output_dir)
+        _no_ddp_on_sharded(trainer)
         if case == "grpo":
             trainer._generate_and_score_completions = lambda generation_batch: _rollout(trainer, rank)
         compute_loss = trainer.compute_loss
