@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--model-dir",
-        help="finetune, max-context: folder for the saved random-init models (reused when already there; default: a "
-        "temporary folder removed after the run)",
+        help="finetune, max-context: folder for the saved random-init models (reused when already there; "
+        "default: a temporary folder removed after the run)",
     )
     bench.add_argument(
         "--world-size",

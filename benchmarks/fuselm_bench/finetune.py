@@ -8,8 +8,9 @@ a fresh process:
 
 - scenarios (``--scenarios``): ``qlora`` = bitsandbytes NF4 with double quantization, bf16 compute, the LM
   head not quantized (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)``:
-  the packed bytes stored as bf16, which FSDP2 shards on every torch); ``lora`` = a bf16 base;
+  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16,
+  bnb_4bit_quant_storage=torch.bfloat16)``: the packed bytes stored as bf16, which FSDP2 shards on every
+  torch); ``lora`` = a bf16 base;
 - LoRA (PEFT's ``LoraConfig``): r = ``--rank`` (16), alpha = ``--lora-alpha`` (= r), dropout
   ``--lora-dropout`` (0), on q, k, v, o, gate, up, down projections, no bias; AdamW (fused on CUDA) on the
   trainable (LoRA) parameters, lr 1e-4; batch ``--shapes BxT`` (4 x 2048), ``labels = input_ids`` (random

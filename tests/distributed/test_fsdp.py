@@ -118,8 +118,9 @@ def _quantized(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.M
                     quant_type="nf4",
                     quant_storage=QUANT_STORAGE,
                 )
+                weight = dense.weight.data.clone()
                 q.weight = bnb.nn.Params4bit(
-                    dense.weight.data.clone(), requires_grad=False, quant_type="nf4", quant_storage=QUANT_STORAGE
+                    weight, requires_grad=False, quant_type="nf4", quant_storage=QUANT_STORAGE
                 )
                 q = q.to(device)  # quantizes
                 if dtype == torch.float64:
