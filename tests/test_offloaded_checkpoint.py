@@ -133,14 +133,39 @@ def test_inputs_are_on_the_host_between_forward_and_backward():
 
 
 def test_buffers_are_reused_across_steps_and_shapes():
-    """The pool keys power-of-two byte classes: a second step, and a shorter sequence in the same class,
-    allocate nothing new."""
+    """A second step, and a shorter sequence, take the buffers of the first: nothing new is allocated."""
+    offload.empty_host_cache()
     blocks = _blocks(2, h=8)
     _run(blocks, torch.randn(2, 16, 8), "offload")  # 1 KiB per input
     held = offload.host_memory_stats()["pageable_bytes"]
     _run(blocks, torch.randn(2, 16, 8), "offload")
-    _run(blocks, torch.randn(2, 13, 8), "offload")  # 832 bytes: the 1 KiB class
-    assert offload.host_memory_stats()["pageable_bytes"] == held
+    _run(blocks, torch.randn(2, 13, 8), "offload")  # 832 bytes: in the 1 KiB buffers
+    assert offload.host_memory_stats()["pageable_bytes"] == held == 2 * 1024
+
+
+def test_longer_sequences_drop_the_smaller_buffers():
+    """When the sequences grow, the free buffers too small for them are dropped rather than kept beside
+    the new ones: the pool holds the buffers of the longest sequence only."""
+    offload.empty_host_cache()
+    blocks = _blocks(2, h=8)
+    for seq in (16, 64, 256):  # 1, 4, 16 KiB per input
+        _run(blocks, torch.randn(2, seq, 8), "offload")
+        assert offload.host_memory_stats()["pageable_bytes"] == 2 * seq * 64
+    _run(blocks, torch.randn(2, 16, 8), "offload")  # shorter again: the 16 KiB buffers serve it
+    assert offload.host_memory_stats()["pageable_bytes"] == 2 * 256 * 64
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, 1 << 20, (1 << 20) + 1, 3 << 20, 2_808_217_600, (1 << 33) - 1])
+def test_buffer_sizes(nbytes):
+    """Powers of two up to SMALL_BUFFER; above, less than 1/8 more than asked, on a coarse grid (1/16 of
+    the power of two above), so that nearby lengths share a size."""
+    size = offload.buffer_bytes(nbytes)
+    assert size >= nbytes
+    if nbytes <= offload.SMALL_BUFFER:
+        assert size & (size - 1) == 0 and size < 2 * max(nbytes, 1)
+    else:
+        power = 1 << (nbytes - 1).bit_length()
+        assert size % (power // offload.STEPS_PER_OCTAVE) == 0 and size < nbytes * 1.125
 
 
 def test_outputs_args_and_keywords_of_any_structure():
@@ -306,6 +331,29 @@ def test_docstring_examples_run():
 
 
 # ---- GPU ----
+
+
+@pytest.mark.gpu
+def test_gpu_inputs_go_to_page_locked_buffers_of_their_size():
+    """A CUDA input of 3 MiB + 4 bytes goes to a page-locked host buffer of buffer_bytes (3.25 MiB, where
+    PyTorch's pinned allocator would take 4 MiB), comes back exact, and empty_host_cache frees it."""
+    offload.empty_host_cache()
+    before = offload.host_memory_stats()["pinned_bytes"]
+    x = torch.randn((3 << 18) + 1, device="cuda", requires_grad=True)  # fp32: 3 MiB + 4 bytes
+    seen = []
+
+    def fn(t):
+        seen.append(t.detach().clone())
+        return t * 2.0
+
+    y = offload.offloaded_checkpoint(fn, x, use_reentrant=False)
+    ((buf, _, nbytes),) = offload._Stash._last().held
+    assert buf.is_pinned() and buf.numel() == offload.buffer_bytes(nbytes) == (13 << 18)
+    assert offload.host_memory_stats()["pinned_bytes"] - before == 13 << 18
+    y.sum().backward()
+    assert torch.equal(seen[0], seen[1]) and torch.equal(x.grad, torch.full_like(x, 2.0))
+    offload.empty_host_cache()
+    assert offload.host_memory_stats()["pinned_bytes"] == 0
 
 
 @pytest.mark.gpu

@@ -580,7 +580,8 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
 
 def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
     """Host memory used by the run. On CUDA ``host_pinned_bytes``: the peak of torch's pinned (host)
-    allocator when ``torch.cuda.host_memory_stats`` exists (``host_pinned_source`` names the key), else the
+    allocator when ``torch.cuda.host_memory_stats`` exists (``host_pinned_source`` names the key), plus the
+    peak of fuselm's offload pool when the run imported it (it registers its large buffers), else the
     resident set's growth since ``rss_before`` (psutil), and the source says so; None off CUDA (no pinned
     memory there). The RSS figures (growth, peak) are kept in any case."""
     out: dict[str, Any] = {"host_pinned_bytes": None, "host_pinned_source": None}
@@ -602,6 +603,10 @@ def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
     if keys:
         out["host_pinned_bytes"] = int(stats[keys[0]])
         out["host_pinned_source"] = f"torch.cuda.host_memory_stats()['{keys[0]}'] (pinned allocator peak)"
+        offload = sys.modules.get("fuselm.offload")  # page-locks its large buffers outside that allocator
+        if device.type == "cuda" and offload is not None:
+            out["host_pinned_bytes"] += offload.host_memory_stats()["peak_pinned_bytes"]
+            out["host_pinned_source"] += " + fuselm.offload.host_memory_stats()['peak_pinned_bytes']"
     elif device.type == "cuda" and out["rss_delta_bytes"] is not None:
         out["host_pinned_bytes"] = out["rss_delta_bytes"]
         out["host_pinned_source"] = "psutil RSS after the steps - before loading (no pinned-allocator stats)"

@@ -137,6 +137,20 @@ def test_host_memory_off_cuda_has_no_pinned_figure():
     assert out["rss_delta_bytes"] is not None and out["max_rss_bytes"] > 0
 
 
+def test_host_memory_on_cuda_adds_fuselms_registered_buffers(monkeypatch):
+    """fuselm.offload page-locks its large buffers itself (outside torch's pinned allocator): the pinned
+    figure is the sum of both peaks, and the source says so."""
+    import torch
+
+    from fuselm import offload
+
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.all.peak": 100})
+    monkeypatch.setattr(offload, "host_memory_stats", lambda: {"peak_pinned_bytes": 23})
+    out = finetune.host_memory(torch.device("cuda"), None)
+    assert out["host_pinned_bytes"] == 123
+    assert "fuselm.offload.host_memory_stats()['peak_pinned_bytes']" in out["host_pinned_source"]
+
+
 def test_bitsandbytes_4bit_runs_on_this_cpu():
     """The CPU smoke path runs qlora here (bitsandbytes' CPU backend); where it does not, the CLI drops it
     with a note (next test)."""
