@@ -156,6 +156,9 @@ def _trainer(case: str, model, device_type: str, output_dir: str):
     if case == "grpo":
         # an entropy bonus: the head's entropy output enters the loss and the gradients
         config = dict(num_generations=2, max_completion_length=COMPLETION, beta=0.04, entropy_coef=0.01)
+        if device_type == "cuda":  # the reference model: TRL's default device_map="auto" in one process
+            # spreads it over every visible GPU (ranks load it with None, then on their own GPU)
+            config["model_init_kwargs"] = {"device_map": {"": torch.cuda.current_device()}}
         args = _one_gpu(GRPOConfig(**common, **config))
         return GRPOTrainer(
             model=model,
@@ -169,7 +172,7 @@ def _trainer(case: str, model, device_type: str, output_dir: str):
     return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tm.tokenizer())
 
 
-def _no_ddp_on_sharded(trainer) -> None:
+def _no_ddp_on_sharded(trainer, sharded) -> None:
     """transformers >= 5.2x reads the mark set above (the model already reduces its own gradients) and asks
     accelerate to prepare it without DDP; older ones (5.17 on the GPU machine) wrap the FSDP2 model in DDP,
     which refuses DTensor parameters. There, the same request by hand: prepare_model without device
@@ -180,6 +183,8 @@ def _no_ddp_on_sharded(trainer) -> None:
     prepare_model = accelerator.prepare_model
 
     def prepare_without_ddp(model, device_placement=None, evaluation_mode=False):
+        if model is not sharded:
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         return prepare_model(model, device_placement=False, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_without_ddp
@@ -296,7 +301,7 @@ def _fsdp_step(case: str, head: str, mesh, device, rank: int, checkpoint: str, c
     with _head(head):
         output_dir = os.path.join(os.path.dirname(checkpoint), f"out-{case}-{head}-{rank}")
         trainer = _trainer(case, model, device.type, output_dir)
-        _no_ddp_on_sharded(trainer)
+        _no_ddp_on_sharded(trainer, model)
         if case == "grpo":
             trainer._generate_and_score_completions = lambda generation_batch: _rollout(trainer, rank)
         compute_loss = trainer.compute_loss
