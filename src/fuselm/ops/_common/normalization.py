@@ -108,10 +108,14 @@ def col_block(start, cols, n_cols, row_mask):
 
 
 @triton.jit
-def store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, cols, mask, HAS_DSUM: tl.constexpr):
-    """Store dx [+ the gradient of the residual sum, loaded here] in dx's dtype."""
+def tile_ptrs(ptr, rows, row_stride, cols):
+    """The pointers of the tile rows x cols [R, C] of a row-major tensor whose rows are row_stride apart."""
+    return ptr + rows[:, None] * row_stride + cols[None, :]
+
+
+@triton.jit
+def store_dx(dx, dx_ptrs, ds_ptrs, mask, HAS_DSUM: tl.constexpr):
+    """Store dx [+ the gradient of the residual sum, loaded here from ds_ptrs] in dx's dtype."""
     if HAS_DSUM:
-        ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + cols[None, :]
         dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
-    dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
-    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptrs, dx.to(dx_ptrs.dtype.element_ty), mask=mask)

@@ -11,7 +11,7 @@ shared with rms_norm are in ops/_common/normalization.py.
 import triton
 import triton.language as tl
 
-from .._common.normalization import col_block, load_norm_input, store_dx
+from .._common.normalization import col_block, load_norm_input, store_dx, tile_ptrs
 from .._common.partial_sums import accumulate_partial_row
 
 
@@ -79,9 +79,9 @@ def layer_norm_fwd_kernel(
         if SINGLE_BLOCK:
             mask = row_mask[:, None] & col_mask[None, :]
             s = load_norm_input(
-                x_ptr + rows[:, None] * x_row_stride + cols[None, :],
-                res_ptr + rows[:, None] * res_row_stride + cols[None, :],
-                sum_ptr + rows[:, None] * sum_row_stride + cols[None, :],
+                tile_ptrs(x_ptr, rows, x_row_stride, cols),
+                tile_ptrs(res_ptr, rows, res_row_stride, cols),
+                tile_ptrs(sum_ptr, rows, sum_row_stride, cols),
                 mask,
                 HAS_RESIDUAL,
                 True,
@@ -92,7 +92,7 @@ def layer_norm_fwd_kernel(
             tl.store(mean_ptr + rows[:, None], mean, mask=row_mask[:, None])
             tl.store(rstd_ptr + rows[:, None], rstd, mask=row_mask[:, None])
             y = _affine(d * rstd, w, b, HAS_WEIGHT, HAS_BIAS)
-            y_ptrs = y_ptr + rows[:, None] * y_row_stride + cols[None, :]
+            y_ptrs = tile_ptrs(y_ptr, rows, y_row_stride, cols)
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             # pass 1: mean (and the residual sum, stored)
@@ -100,9 +100,9 @@ def layer_norm_fwd_kernel(
             for start in range(0, n_cols, BLOCK_H):
                 c, _, mask = col_block(start, cols, n_cols, row_mask)
                 acc += load_norm_input(
-                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
-                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
-                    sum_ptr + rows[:, None] * sum_row_stride + c[None, :],
+                    tile_ptrs(x_ptr, rows, x_row_stride, c),
+                    tile_ptrs(res_ptr, rows, res_row_stride, c),
+                    tile_ptrs(sum_ptr, rows, sum_row_stride, c),
                     mask,
                     HAS_RESIDUAL,
                     True,
@@ -113,8 +113,8 @@ def layer_norm_fwd_kernel(
             for start in range(0, n_cols, BLOCK_H):
                 c, _, mask = col_block(start, cols, n_cols, row_mask)
                 s = load_norm_input(
-                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
-                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
+                    tile_ptrs(x_ptr, rows, x_row_stride, c),
+                    tile_ptrs(res_ptr, rows, res_row_stride, c),
                     sum_ptr,
                     mask,
                     HAS_RESIDUAL,
@@ -130,8 +130,8 @@ def layer_norm_fwd_kernel(
             for i in range(0, n_col_blocks):
                 c, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
                 s = load_norm_input(
-                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
-                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
+                    tile_ptrs(x_ptr, rows, x_row_stride, c),
+                    tile_ptrs(res_ptr, rows, res_row_stride, c),
                     sum_ptr,
                     mask,
                     HAS_RESIDUAL,
@@ -139,7 +139,7 @@ def layer_norm_fwd_kernel(
                 )
                 w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
                 y = _affine((s - mean) * rstd, w, b, HAS_WEIGHT, HAS_BIAS)
-                y_ptrs = y_ptr + rows[:, None] * y_row_stride + c[None, :]
+                y_ptrs = tile_ptrs(y_ptr, rows, y_row_stride, c)
                 tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -188,8 +188,8 @@ def layer_norm_bwd_kernel(
             rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            x = tl.load(tile_ptrs(x_ptr, rows, x_row_stride, cols), mask=mask, other=0.0)
+            dy = tl.load(tile_ptrs(dy_ptr, rows, dy_row_stride, cols), mask=mask, other=0.0)
             dy = dy.to(tl.float32)
             mean = tl.load(mean_ptr + rows[:, None], mask=row_mask[:, None], other=0.0)
             rstd = tl.load(rstd_ptr + rows[:, None], mask=row_mask[:, None], other=0.0)
@@ -201,7 +201,13 @@ def layer_norm_bwd_kernel(
             c1 = tl.sum(g, axis=1)[:, None] * inv_n_cols
             c2 = tl.sum(g * xhat, axis=1)[:, None] * inv_n_cols
             dx = (g - c1 - xhat * c2) * rstd
-            store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, cols, mask, HAS_DSUM)
+            store_dx(
+                dx,
+                tile_ptrs(dx_ptr, rows, dx_row_stride, cols),
+                tile_ptrs(dsum_ptr, rows, dsum_row_stride, cols),
+                mask,
+                HAS_DSUM,
+            )
             if COMPUTE_DW:
                 dw_acc += dy * xhat
             if COMPUTE_DB:
@@ -221,8 +227,8 @@ def layer_norm_bwd_kernel(
             acc2 = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
                 c_, c_mask, mask = col_block(start, cols, n_cols, row_mask)
-                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                x = tl.load(tile_ptrs(x_ptr, rows, x_row_stride, c_), mask=mask, other=0.0)
+                dy = tl.load(tile_ptrs(dy_ptr, rows, dy_row_stride, c_), mask=mask, other=0.0)
                 g = dy.to(tl.float32)
                 if HAS_WEIGHT:
                     g = g * tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32)[None, :]
@@ -234,15 +240,21 @@ def layer_norm_bwd_kernel(
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
                 c_, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
-                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                x = tl.load(tile_ptrs(x_ptr, rows, x_row_stride, c_), mask=mask, other=0.0)
+                dy = tl.load(tile_ptrs(dy_ptr, rows, dy_row_stride, c_), mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
                 xhat = tl.where(mask, (x.to(tl.float32) - mean) * rstd, 0.0)
                 g = dy
                 if HAS_WEIGHT:
                     g = g * tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32)[None, :]
                 dx = (g - c1 - xhat * c2) * rstd
-                store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
+                store_dx(
+                    dx,
+                    tile_ptrs(dx_ptr, rows, dx_row_stride, c_),
+                    tile_ptrs(dsum_ptr, rows, dsum_row_stride, c_),
+                    mask,
+                    HAS_DSUM,
+                )
                 if COMPUTE_DW:
                     accumulate_partial_row(dw_row, c_, c_mask, dy * xhat)
                 if COMPUTE_DB:

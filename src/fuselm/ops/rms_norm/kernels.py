@@ -14,7 +14,7 @@ helpers shared with layer_norm are in ops/_common/normalization.py.
 import triton
 import triton.language as tl
 
-from .._common.normalization import col_block, load_norm_input, store_dx
+from .._common.normalization import col_block, load_norm_input, store_dx, tile_ptrs
 from .._common.partial_sums import accumulate_partial_row
 
 # casting modes (the `casting` argument): where the PyTorch code being reproduced rounds
@@ -57,34 +57,16 @@ def _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING: tl.constexpr, HAS_W
 
 
 @triton.jit
-def _bwd_tile(
-    x_ptr,
-    x_row_stride,
-    dy_ptr,
-    dy_row_stride,
-    ds_ptr,
-    ds_row_stride,
-    rstd_ptr,
-    rb,
-    n_rows,
-    cols,
-    col_mask,
-    row_ids,
-    BLOCK_ROWS: tl.constexpr,
-    HAS_DSUM: tl.constexpr,
-):
-    """x, dy, d sum [BLOCK_ROWS, BLOCK_H] (as stored) and rstd [BLOCK_ROWS, 1] of row block rb (all
-    masked off past the last row)."""
-    rows = tl.cast(rb, tl.int64) * BLOCK_ROWS + row_ids
-    row_mask = rows < n_rows
+def _bwd_tile(x_ptrs, dy_ptrs, ds_ptrs, rstd_ptrs, row_mask, col_mask, HAS_DSUM: tl.constexpr):
+    """x, dy, d sum [R, C] (as stored) and rstd [R, 1] of one row block (masked off past the last row)."""
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0)
     if HAS_DSUM:
-        ds = tl.load(ds_ptr + rows[:, None] * ds_row_stride + cols[None, :], mask=mask, other=0.0)
+        ds = tl.load(ds_ptrs, mask=mask, other=0.0)
     else:
         ds = dy
-    rstd = tl.load(rstd_ptr + rows[:, None], mask=row_mask[:, None], other=0.0)
+    rstd = tl.load(rstd_ptrs, mask=row_mask[:, None], other=0.0)
     return x, dy, ds, rstd
 
 
@@ -128,9 +110,9 @@ def rms_norm_fwd_kernel(
         if SINGLE_BLOCK:
             mask = row_mask[:, None] & col_mask[None, :]
             s = load_norm_input(
-                x_ptr + rows[:, None] * x_row_stride + cols[None, :],
-                res_ptr + rows[:, None] * res_row_stride + cols[None, :],
-                sum_ptr + rows[:, None] * sum_row_stride + cols[None, :],
+                tile_ptrs(x_ptr, rows, x_row_stride, cols),
+                tile_ptrs(res_ptr, rows, res_row_stride, cols),
+                tile_ptrs(sum_ptr, rows, sum_row_stride, cols),
                 mask,
                 HAS_RESIDUAL,
                 True,
@@ -139,7 +121,7 @@ def rms_norm_fwd_kernel(
             rstd = tl.math.rsqrt(mean_sq + eps)
             tl.store(rstd_ptr + rows[:, None], rstd, mask=row_mask[:, None])
             y = _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING, HAS_WEIGHT)
-            y_ptrs = y_ptr + rows[:, None] * y_row_stride + cols[None, :]
+            y_ptrs = tile_ptrs(y_ptr, rows, y_row_stride, cols)
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             # pass 1: sum of squares (and the residual sum, stored)
@@ -147,9 +129,9 @@ def rms_norm_fwd_kernel(
             for start in range(0, n_cols, BLOCK_H):
                 c, _, mask = col_block(start, cols, n_cols, row_mask)
                 s = load_norm_input(
-                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
-                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
-                    sum_ptr + rows[:, None] * sum_row_stride + c[None, :],
+                    tile_ptrs(x_ptr, rows, x_row_stride, c),
+                    tile_ptrs(res_ptr, rows, res_row_stride, c),
+                    tile_ptrs(sum_ptr, rows, sum_row_stride, c),
                     mask,
                     HAS_RESIDUAL,
                     True,
@@ -163,8 +145,8 @@ def rms_norm_fwd_kernel(
             for i in range(0, n_col_blocks):
                 c, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
                 s = load_norm_input(
-                    x_ptr + rows[:, None] * x_row_stride + c[None, :],
-                    res_ptr + rows[:, None] * res_row_stride + c[None, :],
+                    tile_ptrs(x_ptr, rows, x_row_stride, c),
+                    tile_ptrs(res_ptr, rows, res_row_stride, c),
                     sum_ptr,
                     mask,
                     HAS_RESIDUAL,
@@ -175,7 +157,7 @@ def rms_norm_fwd_kernel(
                 else:
                     scale = c_mask
                 y = _normalize(s, mean_sq, rstd, scale, eps, x_ptr, CASTING, HAS_WEIGHT)
-                y_ptrs = y_ptr + rows[:, None] * y_row_stride + c[None, :]
+                y_ptrs = tile_ptrs(y_ptr, rows, y_row_stride, c)
                 tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -231,39 +213,27 @@ def rms_norm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
         n_programs = tl.num_programs(0)
         if PREFETCH:  # the first row block; each iteration then loads the next one before computing
+            r = tl.cast(pid, tl.int64) * BLOCK_ROWS + row_ids
             x_n, dy_n, ds_n, rstd_n = _bwd_tile(
-                x_ptr,
-                x_row_stride,
-                dy_ptr,
-                dy_row_stride,
-                dsum_ptr,
-                dsum_row_stride,
-                rstd_ptr,
-                pid,
-                n_rows,
-                cols,
+                tile_ptrs(x_ptr, r, x_row_stride, cols),
+                tile_ptrs(dy_ptr, r, dy_row_stride, cols),
+                tile_ptrs(dsum_ptr, r, dsum_row_stride, cols),
+                rstd_ptr + r[:, None],
+                r < n_rows,
                 col_mask,
-                row_ids,
-                BLOCK_ROWS,
                 HAS_DSUM,
             )
         for rb in range(pid, n_blocks, n_programs):
             if PREFETCH:  # compute the row block loaded by the previous iteration, load the next one
                 x, dy, ds, rstd = x_n, dy_n, ds_n, rstd_n
+            r = tl.cast(rb + n_programs if PREFETCH else rb, tl.int64) * BLOCK_ROWS + row_ids
             x_n, dy_n, ds_n, rstd_n = _bwd_tile(
-                x_ptr,
-                x_row_stride,
-                dy_ptr,
-                dy_row_stride,
-                dsum_ptr,
-                dsum_row_stride,
-                rstd_ptr,
-                rb + n_programs if PREFETCH else rb,
-                n_rows,
-                cols,
+                tile_ptrs(x_ptr, r, x_row_stride, cols),
+                tile_ptrs(dy_ptr, r, dy_row_stride, cols),
+                tile_ptrs(dsum_ptr, r, dsum_row_stride, cols),
+                rstd_ptr + r[:, None],
+                r < n_rows,
                 col_mask,
-                row_ids,
-                BLOCK_ROWS,
                 HAS_DSUM,
             )
             if not PREFETCH:  # the row block just loaded is this one
@@ -286,7 +256,7 @@ def rms_norm_bwd_kernel(
                 dx += ds.to(tl.float32)
             if IN_PLACE:  # every thread has loaded this row block's dy (and d sum) before it is overwritten
                 tl.debug_barrier()
-            dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + cols[None, :]
+            dx_ptrs = tile_ptrs(dx_ptr, rows, dx_row_stride, cols)
             tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw_acc += dy * n
@@ -301,8 +271,8 @@ def rms_norm_bwd_kernel(
             acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_H):
                 c_, c_mask, mask = col_block(start, cols, n_cols, row_mask)
-                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                x = tl.load(tile_ptrs(x_ptr, rows, x_row_stride, c_), mask=mask, other=0.0)
+                dy = tl.load(tile_ptrs(dy_ptr, rows, dy_row_stride, c_), mask=mask, other=0.0)
                 g = dy.to(tl.float32)
                 if HAS_WEIGHT:
                     g = g * (tl.load(w_ptr + c_, mask=c_mask, other=0.0).to(tl.float32) + offset)[None, :]
@@ -312,8 +282,8 @@ def rms_norm_bwd_kernel(
             n_col_blocks = tl.cdiv(n_cols, BLOCK_H)
             for i in range(0, n_col_blocks):
                 c_, c_mask, mask = col_block((n_col_blocks - 1 - i) * BLOCK_H, cols, n_cols, row_mask)
-                x = tl.load(x_ptr + rows[:, None] * x_row_stride + c_[None, :], mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + c_[None, :], mask=mask, other=0.0)
+                x = tl.load(tile_ptrs(x_ptr, rows, x_row_stride, c_), mask=mask, other=0.0)
+                dy = tl.load(tile_ptrs(dy_ptr, rows, dy_row_stride, c_), mask=mask, other=0.0)
                 dy = dy.to(tl.float32)
                 n = x.to(tl.float32) * rstd
                 g = dy
@@ -322,12 +292,18 @@ def rms_norm_bwd_kernel(
                 dx = (g - n * c) * rstd
                 if IN_PLACE:  # d sum (possibly dy itself) loaded by every thread, then the barrier, then dx
                     if HAS_DSUM:
-                        ds_ptrs = dsum_ptr + rows[:, None] * dsum_row_stride + c_[None, :]
+                        ds_ptrs = tile_ptrs(dsum_ptr, rows, dsum_row_stride, c_)
                         dx += tl.load(ds_ptrs, mask=mask, other=0.0).to(tl.float32)
                     tl.debug_barrier()
-                    dx_ptrs = dx_ptr + rows[:, None] * dx_row_stride + c_[None, :]
+                    dx_ptrs = tile_ptrs(dx_ptr, rows, dx_row_stride, c_)
                     tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 else:
-                    store_dx(dx, dx_ptr, dx_row_stride, dsum_ptr, dsum_row_stride, rows, c_, mask, HAS_DSUM)
+                    store_dx(
+                        dx,
+                        tile_ptrs(dx_ptr, rows, dx_row_stride, c_),
+                        tile_ptrs(dsum_ptr, rows, dsum_row_stride, c_),
+                        mask,
+                        HAS_DSUM,
+                    )
                 if COMPUTE_DW:
                     accumulate_partial_row(part_row, c_, c_mask, dy * n)
