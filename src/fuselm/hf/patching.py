@@ -7,15 +7,10 @@ Three targets:
   post-attention RMSNorm) get fuselm's ``forward`` as a class attribute and the modeling module's rotary
   function is replaced: every model of the family, built before or after, uses them.
 - a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM, a multimodal wrapper):
-  instance patching (here). Every submodule of a known family class gets fuselm's forward as an instance
-  attribute (:func:`_instance_forward` decides which); other models of the same class are untouched.
-
-Patch state lives on the patched modules themselves, so it follows them wherever they go: each instance
-forward is an :class:`InstanceForward`, and the outermost module of each family in the model (its root)
-holds an :class:`_InstancePatch` (the options, and the family's use of fuselm's RoPE). So
-:func:`is_patched` and :func:`unpatch` tell the truth about any model holding patched modules (the model
-``merge_and_unload`` returns from a patched PEFT model, a submodule), and a copy (``copy.deepcopy``,
-pickle, ``torch.save`` / ``torch.load``) is patched for real, with the same options.
+  instance patching (:mod:`fuselm.hf.instance_patch`). Every submodule of a known family class gets
+  fuselm's forward as an instance attribute; other models of the same class are untouched. The patch
+  state lives on the patched modules, so :func:`is_patched` and :func:`unpatch` tell the truth about any
+  model holding patched modules, and copies are patched for real.
 
 Patching a target again with other options replaces its patch (as ``unpatch`` then ``patch``).
 ``unpatch`` restores exactly what was there: the original class attributes (or their absence), the
@@ -25,250 +20,18 @@ original module function, no instance attributes left behind. The rotary functio
 
 from __future__ import annotations
 
-import functools
 import warnings
-import weakref
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from . import offload
-from ._common import INSTANCE_MARK, hf_class, is_peft_wrapper
-from .class_patch import family_of_target, is_class_patched, original_forward, patch_family, unpatch_family
-from .lora import is_lora_linear, keep_quant_states, lora_linear_forward, register_module_names
-from .plan import Plan, forward_for, make_plan
-from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
-from .rotary import add_user, has_rope, remove_user, sweep
-
-# ---- instance patching ----
-
-
-class InstanceForward(functools.partial):
-    """``module.forward`` as instance patching sets it: ``forward``, one of fuselm's forwards, bound to
-    ``module``, and standing for the bound method it is (``__func__``, ``__self__``, ``__qualname__``).
-    ``forward`` is ``make(*how)``: how it was made, so that a copy of the module gets its own."""
-
-    def __new__(cls, module: nn.Module, forward: Callable, make: Callable, how: tuple):
-        self = super().__new__(cls, forward, module)
-        self.make, self.how = make, how
-        self.__name__, self.__qualname__ = self.func.__name__, self.func.__qualname__
-        return self
-
-    @property
-    def __func__(self) -> Callable:
-        return self.func
-
-    @property
-    def __self__(self) -> nn.Module:
-        return self.args[0]
-
-    def __repr__(self) -> str:
-        return f"<fuselm forward {self.__qualname__} of {type(self.args[0]).__name__}>"
-
-    def __reduce__(self):
-        """Copied (``copy.deepcopy``) or pickled with its module: the copy's forward is made again and bound
-        to the copy of the module."""
-        return (_rebuilt_forward, (self.args[0], self.make, self.how))
-
-
-def _rebuilt_forward(module: nn.Module, make: Callable, how: tuple) -> InstanceForward:
-    """The forward of a copied or unpickled module (its state may not be restored yet: only its class is
-    read). In a process whose transformers gives no fuselm forward for it (a decoder layer of another
-    layout: warned), the copy runs HF's forward, through an InstanceForward that ``unpatch`` takes out."""
-    forward = make(*how)
-    if forward is None:
-        forward = original_forward(hf_class(module))
-    return InstanceForward(module, forward, make, how)
-
-
-class _InstancePatch:
-    """Held by the outermost module of a family in an instance-patched model (the family's root, attribute
-    :data:`INSTANCE_MARK`): the family, and the options its modules were patched with. The root is the
-    user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this, and so is the root
-    of a copy (``copy.deepcopy``, pickle): see :meth:`__reduce__`."""
-
-    __slots__ = ("spec", "plan", "_root", "_peft_stamp")
-
-    def __init__(self, root: nn.Module, spec: FamilySpec, plan: Plan):
-        self.spec, self.plan, self._root = spec, plan, weakref.ref(root)
-        self._peft_stamp = _peft_stamp(root)
-
-    def sync(self) -> None:
-        """Give fuselm's forward to the LoRA layers PEFT added to the root since it was patched
-        (``get_peft_model`` or ``add_adapter`` after ``fuselm.hf.patch``), on the root's next forward.
-        PEFT records its adapters in the root's ``peft_config`` dict: a changed dict (or size) is the cue,
-        so a forward with nothing new costs one dictionary lookup."""
-        root = self.root
-        stamp = _peft_stamp(root) if root is not None else None
-        if stamp == self._peft_stamp:
-            return
-        self._peft_stamp = stamp
-        if "lora" in self.plan.blocks:
-            register_module_names(root)
-            keep_quant_states(root)
-            for sub in root.modules():
-                if "forward" not in vars(sub) and is_lora_linear(sub):
-                    vars(sub)["forward"] = _lora_instance_forward(sub)
-
-    @property
-    def root(self) -> nn.Module | None:
-        return self._root()
-
-    def uses_rope(self) -> bool:
-        return "rope" in self.plan.blocks and has_rope(self.spec)
-
-    def __reduce__(self):
-        return (_restored_patch, (self.root, self.spec, self.plan))
-
-
-def _restored_patch(root: nn.Module, spec: FamilySpec, plan: Plan) -> _InstancePatch:
-    """The record of a copied or unpickled root: the copy uses the family's RoPE too (the dispatcher is
-    installed again when the process has none: loading a patched model is an explicit call)."""
-    patch = _InstancePatch(root, spec, plan)
-    if patch.uses_rope():
-        add_user(spec, root)
-    return patch
-
-
-def _peft_stamp(root: nn.Module) -> tuple[int, int] | None:
-    config = vars(root).get("peft_config")  # set by PEFT on the model it injects adapters into
-    return None if config is None else (id(config), len(config))
-
-
-def _lora_forward() -> Callable:
-    return lora_linear_forward
-
-
-def _lora_instance_forward(module: nn.Module) -> InstanceForward:
-    return InstanceForward(module, lora_linear_forward, _lora_forward, ())
-
-
-def _generic_lm(module: nn.Module, cls: type) -> bool:
-    """A decoder-only language model with a head of a family without a spec (encoder-decoder models
-    compute another loss: never touched; PEFT's wrappers are looked through: the model inside is patched)."""
-    config = getattr(module, "config", None)
-    return (
-        is_lm_class_name(cls.__name__)
-        and not is_peft_wrapper(module)
-        and isinstance(getattr(module, "lm_head", None), nn.Module)
-        and config is not None
-        and not getattr(config, "is_encoder_decoder", False)
-    )
-
-
-def _family_spec(module: nn.Module, plan: Plan) -> FamilySpec | None:
-    """The family of a module's class (a spec of the registry; the generic spec of a ``*ForCausalLM``
-    without one, when ``plan`` has a loss), or None."""
-    cls = hf_class(module)
-    spec = family_of_module(cls.__module__)
-    if spec is None and plan.loss is not None and _generic_lm(module, cls):
-        spec = generic_spec(cls)
-    return spec
-
-
-def _family_forward(spec: FamilySpec, cls: type, plan: Plan) -> Callable | None:
-    return forward_for(spec, cls, original_forward(cls), plan)
-
-
-def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
-    """The forward instance patching gives ``module`` under ``plan``, or None (it keeps its own): the one
-    place that decides which submodules of a model get an instance forward, and which one. Here: fuselm's
-    forward for the module's class when it is a class its family swaps (:func:`fuselm.hf.plan.forward_for`),
-    or the fused loss of a ``*ForCausalLM`` without a spec, or :func:`fuselm.hf.lora.lora_linear_forward` for
-    PEFT's LoRA Linear layers (``lora=True``)."""
-    if "lora" in plan.blocks and is_lora_linear(module):
-        return _lora_instance_forward(module)
-    spec = _family_spec(module, plan)
-    if spec is None:
-        return None
-    how = (spec, hf_class(module), plan)
-    forward = _family_forward(*how)
-    return None if forward is None else InstanceForward(module, forward, _family_forward, how)
-
-
-def _family_roots(model: nn.Module, plan: Plan) -> dict[nn.Module, FamilySpec]:
-    """The outermost module of each family in ``model`` (one per model of the family in it: a Llava's Llama
-    text model is the root of the llama family, the Llava wrapper of the llava family)."""
-    roots: dict[nn.Module, FamilySpec] = {}
-
-    def visit(module: nn.Module, above: frozenset) -> None:
-        spec = _family_spec(module, plan)
-        if spec is not None and spec not in above:
-            roots.setdefault(module, spec)
-            above = above | {spec}
-        for child in module.children():
-            visit(child, above)
-
-    visit(model, frozenset())
-    return roots
-
-
-def _instance_patches(model: nn.Module) -> list[_InstancePatch]:
-    return [vars(m)[INSTANCE_MARK] for m in model.modules() if INSTANCE_MARK in vars(m)]
-
-
-def _patch_instance(model: nn.Module, plan: Plan) -> None:
-    current = _instance_patches(model)
-    if current and all(p.plan == plan for p in current):
-        return
-    _unpatch_instance(model)  # other options: they replace the previous patch of this model
-    forwards = []
-    for sub in model.modules():
-        forward = None if "forward" in vars(sub) else _instance_forward(sub, plan)  # not someone else's
-        if forward is not None:
-            forwards.append((sub, forward))
-    patches = [_InstancePatch(root, spec, plan) for root, spec in _family_roots(model, plan).items()]
-    if not forwards and not any(p.uses_rope() for p in patches):
-        raise ValueError(
-            f"{type(model).__name__}: nothing fuselm.hf can patch with these flags: no module of a family "
-            f"it knows (supported model types: {', '.join(supported_model_types())}) and no decoder "
-            "*ForCausalLM / *ForConditionalGeneration with an lm_head"
-        )
-    for sub, forward in forwards:
-        vars(sub)["forward"] = forward
-    if "lora" in plan.blocks:
-        register_module_names(model)  # fallback warnings name the layer ("model.layers.0.self_attn.q_proj")
-        keep_quant_states(model)  # found there once fully_shard has replaced the 4-bit weights
-    for patch in patches:
-        vars(patch.root)[INSTANCE_MARK] = patch
-        if patch.uses_rope():
-            add_user(patch.spec, patch.root)
-    _warn_generic(patches, {sub for sub, _ in forwards})
-
-
-def _warn_generic(patches: list[_InstancePatch], patched: set[nn.Module]) -> None:
-    """One warning naming the ``*ForCausalLM`` models without a spec that got the fused loss."""
-    roots = {p.root: p.spec for p in patches}
-    generic = [(m, s) for m, s in roots.items() if family_of_module(s.module) is None and m in patched]
-    if not generic:
-        return
-    inside = [s.model_type for s in dict.fromkeys(roots.values()) if s.components()]
-    blocks = f"the {', '.join(inside)} blocks inside run fuselm's" if inside else "nothing else is swapped"
-    names = ", ".join(f"{hf_class(m).__name__} ({s.model_type})" for m, s in generic)
-    warnings.warn(
-        f"fuselm.hf: no spec for {names}: its loss is fused; its norms, RoPE and MLP stay Hugging Face's "
-        f"({blocks})",
-        stacklevel=4,
-    )
-
-
-def _unpatch_instance(model: nn.Module) -> None:
-    """Take out every instance forward and patch record fuselm put in ``model`` or its submodules."""
-    for sub in model.modules():
-        if isinstance(vars(sub).get("forward"), InstanceForward):
-            del vars(sub)["forward"]
-        patch = vars(sub).pop(INSTANCE_MARK, None)
-        if patch is not None:
-            remove_user(patch.spec, sub)
-
-
-def _class_spec(cls: type) -> FamilySpec | None:
-    spec = family_of_module(cls.__module__)
-    if spec is None and cls.__name__.endswith("ForCausalLM"):
-        return generic_spec(cls)
-    return spec
-
+from ._common import INSTANCE_MARK, hf_class
+from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
+from .instance_patch import InstanceForward, class_spec, patch_instance, unpatch_instance
+from .plan import make_plan
+from .registry import family_of_module
+from .rotary import sweep
 
 # ---- the public functions ----
 
@@ -409,7 +172,7 @@ def patch(
     if checkpointing not in (None, "offload"):
         raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")
     if isinstance(target, nn.Module):
-        _patch_instance(target, plan)
+        patch_instance(target, plan)
         if checkpointing == "offload":
             offload.enable(target)
     elif checkpointing is not None and isinstance(target, (str, type)):
@@ -435,7 +198,7 @@ def unpatch(target):
     class or model_type string gets its family's original classes back. Rotary functions no patch needs
     any more are restored. A target that was not patched is left as it is. Returns the target."""
     if isinstance(target, nn.Module):
-        _unpatch_instance(target)
+        unpatch_instance(target)
         if offload.is_enabled(target):
             offload.disable(target)
     elif isinstance(target, (str, type)):
@@ -455,7 +218,7 @@ def is_patched(target) -> bool:
         for m in target.modules():
             if INSTANCE_MARK in vars(m) or isinstance(vars(m).get("forward"), InstanceForward):
                 return True
-        return any(is_class_patched(_class_spec(hf_class(m))) for m in target.modules())
+        return any(is_class_patched(class_spec(hf_class(m))) for m in target.modules())
     if not isinstance(target, (str, type)):
         raise _bad_target(target)
     return is_class_patched(family_of_target(target))
