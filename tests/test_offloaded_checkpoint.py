@@ -151,8 +151,23 @@ def test_longer_sequences_drop_the_smaller_buffers():
     for seq in (16, 64, 256):  # 1, 4, 16 KiB per input
         _run(blocks, torch.randn(2, seq, 8), "offload")
         assert offload.host_memory_stats()["pageable_bytes"] == 2 * seq * 64
-    _run(blocks, torch.randn(2, 16, 8), "offload")  # shorter again: the 16 KiB buffers serve it
+    _run(blocks, torch.randn(2, 160, 8), "offload")  # shorter (10 KiB): the 16 KiB buffers serve it
     assert offload.host_memory_stats()["pageable_bytes"] == 2 * 256 * 64
+    _run(blocks, torch.randn(2, 16, 8), "offload")  # far shorter: buffers of its own beside them
+    assert offload.host_memory_stats()["pageable_bytes"] == 2 * 256 * 64 + 2 * 16 * 64
+
+
+def test_a_small_input_leaves_a_large_free_buffer_alone():
+    """A request takes a free buffer of at most twice its size: a small input gets a buffer of its own
+    while a large one is free (the large one stays for the next large input)."""
+    offload.empty_host_cache()
+    pool, cpu = offload._POOL, torch.device("cpu")
+    held = [pool.acquire(1 << 16, cpu)]
+    pool.release(held)
+    held = [pool.acquire(100, cpu), pool.acquire(40_000, cpu)]
+    assert [entry[0] for _, (_, entry), _ in held] == [128, 1 << 16]  # 40 KB took the 64 KiB buffer
+    pool.release(held)
+    assert offload.host_memory_stats()["pageable_bytes"] == 128 + (1 << 16)
 
 
 @pytest.mark.parametrize("nbytes", [1, 1000, 1 << 20, (1 << 20) + 1, 3 << 20, 2_808_217_600, (1 << 33) - 1])

@@ -98,8 +98,9 @@ def _pinned_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
 class _HostPool:
     """Flat uint8 host buffers (pinned for CUDA tensors), the free ones per device (index, None for CPU
     tensors) sorted by size, and the figures of :func:`host_memory_stats`. A request takes the smallest
-    free buffer that holds it; when none does, the free buffers smaller than the request are dropped (the
-    sequences grew: they would only pile up) and one of :func:`buffer_bytes` is made. A buffer serves one
+    free buffer that holds it, if at most twice its :func:`buffer_bytes`; else the free buffers smaller
+    than the request are dropped (the sequences grew: they would only pile up) and one of
+    :func:`buffer_bytes` is made. A buffer serves one
     device: its copies are ordered on that device's side stream, so one released with a copy still queued
     is reused behind it, and dropping one waits for that stream."""
 
@@ -122,7 +123,7 @@ class _HostPool:
         with self.lock:
             bucket = self.free.setdefault(index, [])
             at = bisect.bisect_left(bucket, (nbytes,))
-            if at < len(bucket):
+            if at < len(bucket) and bucket[at][0] <= 2 * buffer_bytes(nbytes):
                 entry = bucket.pop(at)
             else:
                 self._drop(index, bucket[:at])
