@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         "compile takes minutes)",
     )
     bench.add_argument(
+        "--gpus",
+        help="max-context: run every (provider, cap) search at once, on these GPUs in turn (e.g. 0,1: "
+        "each probe sees its GPU alone)",
+    )
+    bench.add_argument(
         "--model-dir",
         help="finetune, max-context: folder for the saved random-init models (reused when already there; "
         "default: a temporary folder removed after the run)",

@@ -323,8 +323,12 @@ def base_env(unsloth_compile: bool = False) -> dict[str, str]:
 
 
 def worker_env(provider: str, extra: dict[str, Any] | None = None) -> dict[str, str]:
-    """:func:`base_env` with ``--unsloth-compile`` (``extra["unsloth_compile"]``)."""
-    return base_env(bool((extra or {}).get("unsloth_compile")))
+    """:func:`base_env` with ``--unsloth-compile`` (``extra["unsloth_compile"]``), on the GPU
+    ``extra["gpu"]`` alone (``CUDA_VISIBLE_DEVICES``) when given."""
+    env = base_env(bool((extra or {}).get("unsloth_compile")))
+    if (extra or {}).get("gpu") is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(extra["gpu"])
+    return env
 
 
 UNSLOTH_BOOT = (
@@ -655,6 +659,7 @@ def train(
     memory_cap_gib: float | None = None,
     mlp_chunk_tokens: int | None = None,
     data_parallel: bool = False,
+    gpu: int | None = None,
 ) -> dict[str, Any]:
     """Load the saved ``model`` as ``provider`` does for ``scenario``, train LoRA for ``warmup`` +
     ``steps`` + ``profile_steps`` steps, return the measurements (raises ``SkipProvider`` when the provider
@@ -663,7 +668,8 @@ def train(
     ``data_parallel``: this process is one rank of an initialized ``torch.distributed`` group (``fuselm
     bench finetune --world-size``): the loaded (and patched) model is sharded with FSDP2
     (:func:`shard_fsdp2`) before the optimizer is built, and the rank trains on its own batch (rank 0's is
-    the single-process batch), so the group's global batch is world size x ``batch`` x ``seq``."""
+    the single-process batch), so the group's global batch is world size x ``batch`` x ``seq``.
+    ``gpu``: the GPU the parent gave this worker alone (:func:`worker_env`: it is this process's cuda:0)."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     if scenario not in SCENARIOS:

@@ -22,6 +22,7 @@ import math
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,31 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -> list[tuple]:
+    """(provider, cap, GPU) of each search: the GPUs of ``gpus`` in turn (None each without ``gpus``).
+
+    Example:
+        >>> side_by_side([("fuselm", 16.0), ("fuselm", 40.0), ("unsloth", 16.0), ("unsloth", 40.0)], [0, 1])
+        [('fuselm', 16.0, 0), ('fuselm', 40.0, 1), ('unsloth', 16.0, 0), ('unsloth', 40.0, 1)]
+    """
+    return [(p, c, gpus[i % len(gpus)] if gpus else None) for i, (p, c) in enumerate(jobs)]
+
+
+def _gpus(text: str | None, cuda: bool) -> list[int] | None:
+    if not text:
+        return None
+    if not cuda:
+        raise UsageError("--gpus runs the searches side by side on CUDA devices; this run has none")
+    try:
+        gpus = [int(g) for g in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpus takes comma-separated GPU indices, got {text!r}") from None
+    count = torch.cuda.device_count()
+    if any(not 0 <= g < count for g in gpus):
+        raise UsageError(f"--gpus must name GPUs 0..{count - 1}, got {text!r}")
+    return gpus
+
+
 def _caps(text: str | None, cuda: bool) -> list[float | None]:
     if not cuda:
         return [None]  # no cap on the CPU
@@ -191,7 +217,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench max-context``: ``--models`` (one model shape of ``fuselm bench finetune``, default
     llama3-8b), ``--scenarios`` (qlora or lora, default qlora), ``--providers`` (default fuselm, hf,
     unsloth), ``--caps`` (GiB, default 16,40,80), ``--seq-range LO:HI``, ``--rel-tol``, ``--max-probes``,
-    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--model-dir`` (the saved
+    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--gpus`` (every (provider,
+    cap) search at once, on these GPUs in turn: :func:`side_by_side`), ``--model-dir`` (the saved
     random-init model is kept there and reused, as in ``fuselm bench finetune``; else a temporary folder),
     ``--device``, ``--out``. Raises ``UsageError``."""
     device = pick_device(args.device)
@@ -214,6 +241,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     max_probes = getattr(args, "max_probes", None) or 12
     rank = getattr(args, "rank", None) or 32
     chunk = getattr(args, "mlp_chunk_tokens", None)
+    gpus = _gpus(getattr(args, "gpus", None), cuda)
     metadata = collect_metadata(device, argv)
     metadata.update(
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
@@ -222,38 +250,48 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     keep = getattr(args, "model_dir", None) is not None
     model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
     dtype = torch.bfloat16 if cuda else torch.float32
-    searches: list[Search] = []
+    jobs = side_by_side([(provider, cap) for provider in providers for cap in caps], gpus)
+    if gpus:
+        metadata["gpus"] = ", ".join(f"{p} cap {c}: GPU {g}" for p, c, g in jobs)
+
+    def run_search(provider: str, cap: float | None, gpu: int | None) -> Search:
+        extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
+        if cap is not None:
+            extra["memory_cap_gib"] = cap
+        if chunk is not None and provider == "fuselm":
+            extra["mlp_chunk_tokens"] = chunk
+        if gpu is not None:
+            extra["gpu"] = gpu
+
+        def probe(seq: int):
+            row = fresh_process.run_case(
+                finetune.BENCH,
+                provider,
+                (model, scenario, 1, seq),
+                plan=plan,
+                dtype=dtype,
+                device=device,
+                warmup=0,
+                steps=1,
+                extra=extra,
+            )
+            error = (getattr(row, "error", None) or "").strip()
+            print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
+            if row.status not in ("ok", "oom") and error:
+                print(error, flush=True)
+            return row
+
+        found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
+        print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
+        return found
+
     try:
         finetune.ensure_saved_model(model_dir, model, plan.tiny, dtype, device)
-        for provider in providers:
-            for cap in caps:
-                extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
-                if cap is not None:
-                    extra["memory_cap_gib"] = cap
-                if chunk is not None and provider == "fuselm":
-                    extra["mlp_chunk_tokens"] = chunk
-
-                def probe(seq: int, provider=provider, cap=cap, extra=extra):
-                    row = fresh_process.run_case(
-                        finetune.BENCH,
-                        provider,
-                        (model, scenario, 1, seq),
-                        plan=plan,
-                        dtype=dtype,
-                        device=device,
-                        warmup=0,
-                        steps=1,
-                        extra=extra,
-                    )
-                    error = (getattr(row, "error", None) or "").strip()
-                    print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
-                    if row.status not in ("ok", "oom") and error:
-                        print(error, flush=True)
-                    return row
-
-                found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
-                searches.append(found)
-                print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
+        if gpus:  # every search at once, each on its GPU (probes are fresh processes: threads only wait)
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                searches = list(pool.map(lambda job: run_search(*job), jobs))
+        else:
+            searches = [run_search(*job) for job in jobs]
     finally:
         if not keep:
             shutil.rmtree(model_dir, ignore_errors=True)

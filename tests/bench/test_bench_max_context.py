@@ -134,3 +134,60 @@ def test_model_dir_is_kept_and_reused(tmp_path, monkeypatch):
     stamp = marker.stat().st_mtime_ns
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     assert marker.stat().st_mtime_ns == stamp
+
+
+def test_gpus_put_the_searches_side_by_side(monkeypatch):
+    """--gpus: the searches take the listed GPUs in turn, and each probe's worker sees its GPU alone
+    (CUDA_VISIBLE_DEVICES); refused without CUDA or for a GPU that is not there, naming the option."""
+    import torch
+    from fuselm_bench import finetune
+
+    jobs = [("fuselm", 16.0), ("unsloth", 16.0), ("fuselm", 40.0)]
+    assert max_context.side_by_side(jobs, [0, 1]) == [
+        ("fuselm", 16.0, 0),
+        ("unsloth", 16.0, 1),
+        ("fuselm", 40.0, 0),
+    ]
+    assert max_context.side_by_side(jobs, None) == [(p, c, None) for p, c in jobs]
+    assert finetune.worker_env("fuselm", {"gpu": 1})["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in finetune.worker_env("fuselm", {})
+    with pytest.raises(max_context.UsageError, match="--gpus"):
+        max_context._gpus("0", cuda=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert max_context._gpus("0,1,1", cuda=True) == [0, 1, 1]
+    for bad in ("0,2", "x"):
+        with pytest.raises(max_context.UsageError, match="--gpus"):
+            max_context._gpus(bad, cuda=True)
+
+
+def test_side_by_side_searches_run_at_once(tmp_path, monkeypatch):
+    """With --gpus the searches run concurrently (a probe of each is in flight before any returns) and
+    the report keeps them in the order asked."""
+    import threading
+
+    import torch
+    from fuselm_bench import finetune, fresh_process
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(max_context, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(finetune, "ensure_saved_model", lambda *a, **k: (tmp_path, {}))
+    monkeypatch.setattr(max_context, "collect_metadata", lambda device, argv: {"device": "fake GPU"})
+    both_started = threading.Barrier(2, timeout=10)
+    seen = []
+
+    def fake_case(bench, provider, shape, *, extra, **kwargs):
+        seen.append((provider, extra["gpu"], extra["memory_cap_gib"]))
+        both_started.wait()  # a timeout here: the searches ran one after the other
+        result = {"status": "ok", "step_ms": 1.0, "peak_bytes": 1}
+        return fresh_process.make_row(bench, provider, shape, result)
+
+    monkeypatch.setattr(fresh_process, "run_case", fake_case)
+    args = ["bench", "max-context", "--scenarios", "lora", "--providers", "fuselm,unsloth", "--caps", "16"]
+    args += ["--seq-range", "1024:1024", "--gpus", "0,1", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    assert sorted(seen) == [("fuselm", 0, 16.0), ("unsloth", 1, 16.0)]
+    data = json.loads((tmp_path / "out" / "max_context.json").read_text())
+    assert [s["provider"] for s in data["searches"]] == ["fuselm", "unsloth"]
+    assert data["metadata"]["gpus"] == "fuselm cap 16.0: GPU 0, unsloth cap 16.0: GPU 1"
