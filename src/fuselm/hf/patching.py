@@ -25,13 +25,20 @@ import warnings
 import torch
 from torch import nn
 
-from . import offload
+from . import instance_patch, offload
 from ._common import INSTANCE_MARK, hf_class
 from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
 from .instance_patch import InstanceForward, class_spec, patch_instance, unpatch_instance
 from .plan import make_plan
 from .registry import family_of_module
 from .rotary import sweep
+
+
+def __getattr__(name: str):
+    """Instance patching's names, read here by pickles of patched models made before
+    :mod:`fuselm.hf.instance_patch` was split out of this module (AttributeError for any other)."""
+    return getattr(instance_patch, name)
+
 
 # ---- the public functions ----
 
