@@ -112,6 +112,25 @@ def _version(module: str) -> str | None:
         return None
 
 
+def host_cpu() -> str:
+    """The host's CPU model and the cores this process may use (a step's host time depends on them: the
+    same code's CPU time per step differs by 1.7x between the hosts of two GPU machines).
+
+    Example:
+        >>> "cores" in host_cpu()
+        True
+    """
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
 def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
     """Device, versions, commit and date of this run."""
     import fuselm
@@ -133,6 +152,7 @@ def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dic
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
+        "host": host_cpu(),
         "command": " ".join(["fuselm", *(argv if argv is not None else sys.argv[1:])]),
     }
     for peer in ("liger-kernel", "cut-cross-entropy"):

@@ -337,7 +337,7 @@ def test_cli_cpu_end_to_end_and_fuselm_losses_match_hf(tmp_path, capsys, referen
     assert data["shapes"] == [["llama3-8b", "qlora", 2, 32], ["llama3-8b", "lora", 2, 32]]
     assert data["finetune"]["model_folders"]["llama3-8b"]["folder"].startswith(str(models))
     assert (models / "llama3-8b-tiny-fp32" / finetune.MARKER).is_file()  # --model-dir: kept
-    assert {"peft", "bitsandbytes", "transformers", "commit"} <= set(data["metadata"])
+    assert {"peft", "bitsandbytes", "transformers", "commit", "host"} <= set(data["metadata"])
     rows = {(r["provider"], r["scenario"]): r for r in data["rows"]}
     assert set(rows) == {("hf", "qlora"), ("fuselm", "qlora"), ("hf", "lora"), ("fuselm", "lora")}
     plan = finetune.CPU_PLAN
