@@ -12,6 +12,7 @@ import functools
 import gc
 import inspect
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -142,13 +143,12 @@ def _peft(model, dropout):
     return wrapped
 
 
-@pytest.mark.parametrize("input_grads", ["hf_hook", "none"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_peft_lora_with_dropout(model_type, input_grads):
+def test_peft_lora_with_dropout(model_type):
     """PEFT LoRA (frozen base, lora_dropout 0.1) on all seven projections: loss and every LoRA gradient
     as without checkpointing and as HF's checkpointing under the same seed (the same dropout masks in the
-    recompute). With HF's input-grad hook removed the first layer's input does not require grad: the LoRA
-    weights of that layer still get their gradients."""
+    recompute). HF's input-grad hook is off under offloading, so the first layer's input does not require
+    grad: the LoRA weights of that layer still get their gradients."""
     wrapped = _peft(build(model_type, layers=2), dropout=0.1)
     ref = copy.deepcopy(wrapped).double()
     hf = copy.deepcopy(wrapped)
@@ -158,18 +158,53 @@ def test_peft_lora_with_dropout(model_type, input_grads):
     inner = ours.base_model.model
     assert all(_offloaded(layer) for layer in _decoder_layers(inner))
     seen = []
-    if input_grads == "none":
-        inner.disable_input_require_grads()
-        first = _decoder_layers(inner)[0]
-        first.register_forward_pre_hook(lambda m, args: seen.append(args[0].requires_grad))
+    first = _decoder_layers(inner)[0]
+    first.register_forward_pre_hook(lambda m, args: seen.append(args[0].requires_grad))
     ids, labels = _batch(300)
     models = (ref, wrapped, hf, ours)
     losses = [_step(m, ids, labels) for m in models]
-    if input_grads == "none":
-        assert seen and not any(seen)  # the embeddings (5.17 runs the pre-hook again in the recompute)
+    assert seen and not any(seen)  # the embeddings (5.17 runs the pre-hook again in the recompute)
     grads = [_grads(m) for m in models]
     assert all("lora_" in n for n in grads[3]) and len(grads[3]) == 2 * 7 * 2
     _compare(losses, grads, torch.float32)
+
+
+def _embedding_output_after_forward(model, ids, labels):
+    """Run a training forward; return (the loss, the input embeddings' output if still alive then)."""
+    seen = []
+    embeddings = model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    handle.remove()
+    gc.collect()
+    return loss, seen[0]()
+
+
+def test_input_embedding_hooks_are_off_while_offloading():
+    """HF's checkpointing makes the input embeddings' output require grad (a hook, for reentrant
+    checkpointing), which keeps it alive until the backward ends; under offloading the hook is removed and
+    later requests for it (HF's own enable calls, PEFT's) are noted, not done: the embedding output is
+    freed right after the forward. disable() puts the hook back."""
+    model = build("llama", layers=2)
+    model.get_input_embeddings().weight.requires_grad_(False)  # frozen, as under PEFT
+    _hf_checkpointing(model, use_reentrant=False)
+    ids, labels = _batch(300)
+    loss, embedded = _embedding_output_after_forward(model, ids, labels)
+    assert embedded is not None and embedded.requires_grad  # HF's hook: kept for the backward
+    del embedded
+    loss.backward()
+    offload.enable(model)
+    _hf_checkpointing(model, use_reentrant=True)  # what Trainer does at train(): hooks asked for again
+    model.enable_input_require_grads()  # what PEFT's prepare_model_for_kbit_training does
+    loss, embedded = _embedding_output_after_forward(model, ids, labels)
+    assert embedded is None  # freed before the backward
+    loss.backward()
+    offload.disable(model)
+    loss, embedded = _embedding_output_after_forward(model, ids, labels)
+    assert embedded is not None and embedded.requires_grad  # the hook is back
+    del embedded
+    loss.backward()
 
 
 @pytest.mark.parametrize("flag", ["gradient_checkpointing", "activation_checkpointing"])

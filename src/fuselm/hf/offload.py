@@ -27,6 +27,7 @@ _MISSING = None  # no such instance attribute (HF never sets these functions to 
 @dataclass
 class _State:
     turned_on: bool = False  # enable() switched HF's checkpointing on; disable() switches it off again
+    input_grads: bool = False  # HF's input-embedding hooks were asked for: disable() registers them again
 
 
 def _unpartial(func: Any) -> tuple[Any, dict]:
@@ -90,6 +91,29 @@ class _SetGradientCheckpointing:
         return result
 
 
+class _EnableInputRequireGrads:
+    """The instance-level ``enable_input_require_grads`` of a model under offloading: noted, not done.
+    HF's hook makes the input embeddings' output require grad so that reentrant checkpointing passes
+    gradients to frozen-base layers; offloaded_checkpoint does not need it (parameters get gradients
+    anyway), and with it the embedding output, a leaf then, stays on the device through the whole
+    backward (its AccumulateGrad holds it) and gets a gradient of its own at the end: one [B, T, H]
+    tensor and layer 0's input gradient for nothing."""
+
+    def __init__(self, model: torch.nn.Module, previous: Any) -> None:
+        self.model = model
+        self.previous = previous  # an instance-level function found there, or _MISSING
+
+    def __call__(self) -> None:
+        self.model.__dict__[_STATE].input_grads = True
+
+
+def _drop_input_grad_hooks(m: torch.nn.Module, state: _State) -> None:
+    """Remove HF's input-embedding hooks registered before offloading (noted for :func:`disable`)."""
+    if getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) is not None:
+        type(m).disable_input_require_grads(m)
+        state.input_grads = True
+
+
 def _pretrained(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers import PreTrainedModel
 
@@ -111,7 +135,10 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
     earlier is kept. Later switches of HF's checkpointing (by the user, PEFT's
     ``prepare_model_for_kbit_training``, Trainer's ``gradient_checkpointing=True``, any kwargs) keep
     offloading installed: the model's ``_set_gradient_checkpointing`` is wrapped on the instance. Calling
-    ``enable`` again is a no-op.
+    ``enable`` again is a no-op. HF's input-embedding hooks (``enable_input_require_grads``, which HF's
+    checkpointing and PEFT switch on) are off while offloading is on (the hooks are removed, later calls
+    noted): the embedding output then needs no gradient and is freed after the forward instead of waiting
+    on the device through the whole backward; :func:`disable` puts the hooks back.
 
     Args:
         model: a transformers model, or a module holding one (a PEFT ``PeftModel``: the first
@@ -160,6 +187,9 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
             m.__dict__[_STATE] = state
             previous = m.__dict__.get("_set_gradient_checkpointing", _MISSING)
             m.__dict__["_set_gradient_checkpointing"] = _SetGradientCheckpointing(m, previous)
+            previous = m.__dict__.get("enable_input_require_grads", _MISSING)
+            m.__dict__["enable_input_require_grads"] = _EnableInputRequireGrads(m, previous)
+            _drop_input_grad_hooks(m, state)
     if any(layer.gradient_checkpointing for layer in layers):
         _install(top)
         return model
@@ -170,9 +200,13 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _unwrap(m: torch.nn.Module) -> None:
-    wrapper = m.__dict__.pop("_set_gradient_checkpointing", None)
-    if isinstance(wrapper, _SetGradientCheckpointing) and wrapper.previous is not _MISSING:
-        m.__dict__["_set_gradient_checkpointing"] = wrapper.previous
+    for name, kind in (
+        ("_set_gradient_checkpointing", _SetGradientCheckpointing),
+        ("enable_input_require_grads", _EnableInputRequireGrads),
+    ):
+        wrapper = m.__dict__.pop(name, None)
+        if isinstance(wrapper, kind) and wrapper.previous is not _MISSING:
+            m.__dict__[name] = wrapper.previous
     m.__dict__.pop(_STATE, None)
 
 
@@ -214,6 +248,8 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
                 layer._gradient_checkpointing_func = hf_func
     if state.turned_on:
         (getattr(top, "activation_checkpointing_disable", None) or top.gradient_checkpointing_disable)()
+    elif state.input_grads:
+        top.enable_input_require_grads()  # HF's hooks, as checkpointing without offloading wants them
     return model
 
 
