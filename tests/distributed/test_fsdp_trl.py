@@ -58,8 +58,6 @@ All cases of one backend run in one spawn of 2 processes (a spawn costs seconds 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import os
 import pickle
@@ -70,7 +68,7 @@ import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
 from kit.hf_models import build
-from kit.oracles import ExactTrlHead
+from kit.spies import counting
 from kit.workers import backend_params, run_workers
 
 import fuselm.trl
@@ -89,23 +87,6 @@ HEADS = ("fuselm", "trl")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 BACKENDS = backend_params(WORLD_SIZE)
-
-
-@contextlib.contextmanager
-def _head(kind: str):
-    """TRL's fused LM head inside the block: "fuselm" (patched), "trl" (its own kernel) or "exact"."""
-    from trl.trainer import utils as trl_utils
-
-    original = trl_utils._ChunkedLogProbFunction
-    if kind == "fuselm":
-        fuselm.trl.patch()
-    elif kind == "exact":
-        trl_utils._ChunkedLogProbFunction = ExactTrlHead
-    try:
-        yield
-    finally:
-        fuselm.trl.unpatch()
-        trl_utils._ChunkedLogProbFunction = original
 
 
 # ---- the model, the trainer, the rollout (in the ranks and in the test process) ----
@@ -260,19 +241,9 @@ def _spies() -> dict:
     from fuselm.trl import patching
 
     counts = {"trl": 0, "fuselm": 0}
-    trl_forward, fuselm_op = ChunkedLogProbFunction.forward, patching.linear_log_probs
-
-    @functools.wraps(trl_forward)
-    def spy_trl(*args, **kwargs):
-        counts["trl"] += 1
-        return trl_forward(*args, **kwargs)
-
-    def spy_fuselm(*args, **kwargs):
-        counts["fuselm"] += 1
-        return fuselm_op(*args, **kwargs)
-
-    ChunkedLogProbFunction.forward = staticmethod(spy_trl)  # a fresh process: nothing to restore
-    patching.linear_log_probs = spy_fuselm
+    # a fresh process: nothing to restore
+    ChunkedLogProbFunction.forward = staticmethod(counting(counts, "trl", ChunkedLogProbFunction.forward))
+    patching.linear_log_probs = counting(counts, "fuselm", patching.linear_log_probs)
     return counts
 
 
@@ -298,7 +269,7 @@ def _fsdp_step(case: str, head: str, mesh, device, rank: int, checkpoint: str, c
 
     record: dict = {"losses": []}
     before = dict(counts)
-    with _head(head):
+    with tm.lm_head(head):
         output_dir = os.path.join(os.path.dirname(checkpoint), f"out-{case}-{head}-{rank}")
         trainer = _trainer(case, model, device.type, output_dir)
         _no_ddp_on_sharded(trainer, model)
@@ -455,7 +426,7 @@ def _single_process(case: str, device_type: str, checkpoint: str, batches) -> di
     for kind, dtype, head in (("reference", torch.float64, "exact"), ("eager", torch.float32, "trl")):
         model = _model(case, checkpoint, dtype, device)
         losses, grads = [], {}
-        with _head(head):
+        with tm.lm_head(head):
             output_dir = os.path.join(os.path.dirname(checkpoint), f"single-{case}-{kind}")
             trainer = _trainer(case, model, device_type, output_dir)
             model.train()

@@ -3,6 +3,7 @@ calls and keep the keyword arguments of each launch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,11 @@ class LaunchSpy:
 
 
 def counting(counts: dict[str, int], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` that adds one to ``counts[key]`` at each call (a launcher or a reference function)."""
+    """``fn`` that adds one to ``counts[key]`` at each call (a launcher or a reference function); it carries
+    ``fn``'s name and signature (``functools.wraps``), so code that inspects what it is given still sees
+    ``fn``."""
 
+    @functools.wraps(fn)
     def spy(*args, **kwargs):
         counts[key] = counts.get(key, 0) + 1
         return fn(*args, **kwargs)

@@ -7,6 +7,7 @@ Llama-shaped (hidden 32, 2 layers) with the same 128 ids.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -124,3 +125,28 @@ def reward_nouns(completions, **kwargs) -> list[float]:
     """A Python reward: +1 per noun in the completion, -0.5 per other word (completions are strings)."""
     nouns = set(NOUNS)
     return [sum(1.0 if w in nouns else -0.5 for w in text.split()) for text in completions]
+
+
+@contextlib.contextmanager
+def lm_head(kind: str):
+    """TRL's fused LM head (``trl.trainer.utils._ChunkedLogProbFunction``) inside the block: "fuselm"
+    (``fuselm.trl.patch()``), "trl" (its own kernel) or "exact" (:class:`kit.oracles.ExactTrlHead`, float64
+    exact); TRL's own is back afterwards."""
+    from trl.trainer import utils as trl_utils
+
+    import fuselm.trl
+
+    from .oracles import ExactTrlHead
+
+    if kind not in ("fuselm", "trl", "exact"):
+        raise ValueError(f"kind must be 'fuselm', 'trl' or 'exact', got {kind!r}")
+    original = trl_utils._ChunkedLogProbFunction
+    if kind == "fuselm":
+        fuselm.trl.patch()
+    elif kind == "exact":
+        trl_utils._ChunkedLogProbFunction = ExactTrlHead
+    try:
+        yield
+    finally:
+        fuselm.trl.unpatch()
+        trl_utils._ChunkedLogProbFunction = original

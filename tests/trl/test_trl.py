@@ -17,7 +17,6 @@ never under the patch, where fuselm's op is called as many times instead.
 
 from __future__ import annotations
 
-import contextlib
 import doctest
 import functools
 
@@ -71,20 +70,6 @@ def calls(monkeypatch):
     monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(spy_trl))
     monkeypatch.setattr(patching, "linear_log_probs", spy_fuselm)
     return counts
-
-
-@contextlib.contextmanager
-def head(kind: str):
-    """The LM head TRL's trainers use inside the block: "reference", "trl" or "fuselm"."""
-    if kind == "fuselm":
-        fuselm.trl.patch()
-    elif kind == "reference":
-        trl_utils._ChunkedLogProbFunction = ExactTrlHead
-    try:
-        yield
-    finally:
-        fuselm.trl.unpatch()
-        trl_utils._ChunkedLogProbFunction = ChunkedLogProbFunction
 
 
 # ---- patching ----
@@ -279,15 +264,15 @@ def test_add_fused_lm_head(calls, when, device):
     ids, labels = ids.to(device), labels.to(device)
     outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     results = []
-    for kind, dtype in (("reference", torch.float64), ("trl", torch.float32), ("fuselm", torch.float32)):
+    for kind, dtype in (("exact", torch.float64), ("trl", torch.float32), ("fuselm", torch.float32)):
         m = tm.clone(model, dtype).to(device)
         if when == "before":
-            with head(kind):
+            with tm.lm_head(kind):
                 trl_utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
                 out = m(input_ids=ids, labels=labels, fused_lm_head=True)
         else:
             trl_utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
-            with head(kind):
+            with tm.lm_head(kind):
                 out = m(input_ids=ids, labels=labels, fused_lm_head=True)
         (out.loss + out.entropy.sum() / 10).backward()
         fields = [out.loss, *(getattr(out, name).double() for name in outputs)]
@@ -336,7 +321,7 @@ def _train(config_cls, trainer_cls, kind, dtype, checkpoint, tmp_path, config, *
         model_init_kwargs={"dtype": dtype, "attn_implementation": "eager"},
         **{**COMMON, **config},
     )
-    with head(kind):
+    with tm.lm_head(kind):
         trainer = trainer_cls(model=checkpoint, args=args, processing_class=tm.tokenizer(), **trainer_kwargs)
         trainer.train()
     logs: dict[str, list[float]] = {}
@@ -355,7 +340,7 @@ def _check_runs(calls, run, skip=(), dtype=torch.float32):
     """Reference, TRL and fuselm runs of `run(kind, dtype)`: the spies, then the numerics rule on every
     logged value but clock readings (losses, gradient norms, entropies, rewards, ...) and on every trained
     parameter. Returns the reference run's logs."""
-    ref_logs, ref_params = run("reference", torch.float64)
+    ref_logs, ref_params = run("exact", torch.float64)
     assert calls["trl"] == 0 and calls["fuselm"] == 0
     eager_logs, eager_params = run("trl", torch.float32)
     assert calls["trl"] > 0 and calls["fuselm"] == 0  # TRL's kernel ran the unpatched run
@@ -405,7 +390,7 @@ def test_sft(calls, checkpoint, tmp_path, mode):
         config["learning_rate"] = 1.0
 
     def run(kind, dtype):
-        run_config = {**config, "bf16": False} if kind == "reference" else config
+        run_config = {**config, "bf16": False} if kind == "exact" else config
         return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, run_config, **kwargs)
 
     logs = _check_runs(calls, run, dtype=torch.bfloat16 if autocast else torch.float32)
