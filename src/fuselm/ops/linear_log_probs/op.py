@@ -114,11 +114,10 @@ def _kernel_options(opts: LossOptions) -> dict:
 def linear_log_probs_fwd(x, w, b, target, rows, plan: SlabPlan, opts: LossOptions, stats):
     """Vocabulary-slab forward. x [N, H], w [V, H], b [V] or None, target [N]; rows: int64 indices of the
     rows to compute (ignored ones compacted out) or None for all; opts: ignore_index, logit_scale,
-    softcap, temperature; stats: bits of
-    the optional statistics. Per slab of Vs classes: cuBLAS writes its fp32 logits for all n rows into one
-    reused [n, Vs] buffer, one kernel folds them into the rows' running statistics. Returns (log_probs,
-    entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one per computed row (fp32; bool), None where
-    not asked."""
+    softcap, temperature; stats: bits of the optional statistics. Per slab of Vs classes: cuBLAS writes
+    its fp32 logits for all n rows into one reused [n, Vs] buffer, one kernel folds them into the rows'
+    running statistics. Returns (log_probs, entropy, lse, log_sum_sq_probs, mean_logits, is_top1), one
+    per computed row (fp32; bool), None where not asked."""
     h = x.shape[1]
     v = w.shape[0]
     assert w.shape[1] == h and target.is_contiguous() and (b is None or b.is_contiguous())
