@@ -176,6 +176,63 @@ def fused_attention_source(forward: Callable) -> tuple[ast.Module, str] | str:
     return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), how
 
 
+_CORE_INPUT = "query_states, key_states, value_states = _fuselm_qkv"
+_CORE_TAIL = """
+attn_output = self.o_proj(attn_output)
+return attn_output, attn_weights
+"""
+
+
+def attention_core_source(forward: Callable) -> ast.Module | str:
+    """The syntax tree of a module defining ``_fuselm_make_core()``, which returns ``forward`` (HF's
+    attention forward, unwrapped, of Llama's layout) cut to what lies between the q, k, v input and the
+    output projection: the five input statements become ``query_states, key_states, value_states =
+    _fuselm_qkv`` (a new keyword-only parameter) and the forward returns ``(attn_output, attn_weights)``
+    before ``o_proj``; or why it cannot be cut so (its forward must end with ``attn_output =
+    self.o_proj(attn_output)`` and ``return attn_output, attn_weights``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError) as e:
+        return f"its source cannot be read ({type(e).__name__})"
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, ast.FunctionDef) or forward.__code__.co_freevars:
+        return "its forward is not a plain function"
+    body = [ast.dump(s) for s in fn.body]
+    want = _statements(_INPUT)
+    starts = [i for i in range(len(body) - len(want) + 1) if body[i : i + len(want)] == want]
+    if len(starts) != 1 or _statements(_HIDDEN_SHAPE)[0] not in body[: starts[0]]:
+        return "its forward does not begin with Llama's q, k, v and RoPE statements"
+    if body[-2:] != _statements(_CORE_TAIL):
+        return "its forward does not end with Llama's output projection and return"
+    i = starts[0]
+    fn.body[-2:] = fn.body[-1:]
+    fn.body[i : i + len(want)] = ast.parse(_CORE_INPUT).body
+    fn.args.kwonlyargs.append(ast.arg(arg="_fuselm_qkv"))
+    fn.args.kw_defaults.append(ast.Constant(value=None))
+    fn.decorator_list = []
+    maker = ast.parse("def _fuselm_make_core():\n    return forward\n").body[0]
+    maker.body.insert(0, fn)
+    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[]))
+
+
+def _attention_core(forward: Callable, rewrap: Callable, spec: FamilySpec) -> Callable | None:
+    """HF's attention forward cut at the q, k, v input and the output projection
+    (:func:`attention_core_source`), or None when it cannot be: what :mod:`fuselm.hf.decoder_layer`'s
+    two-node layer calls between its nodes."""
+    tree = attention_core_source(forward)
+    if isinstance(tree, str):
+        return None
+    namespace: dict = {}
+    origin = f"<fuselm: {forward.__qualname__} of {forward.__module__}, between q, k, v and o_proj>"
+    exec(compile(tree, origin, "exec"), forward.__globals__, namespace)  # noqa: S102 - HF's own source, cut
+    core = namespace["_fuselm_make_core"]()
+    core.__defaults__ = forward.__defaults__
+    core.__kwdefaults__ = {**(forward.__kwdefaults__ or {}), "_fuselm_qkv": None}
+    core.__qualname__ = f"fuselm_{spec.attention}.core"
+    core.__module__ = __name__
+    return rewrap(core)
+
+
 @functools.cache
 def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
     """fuselm's forward for the family's attention class whose forward is ``original``, or None (warned
@@ -210,4 +267,7 @@ def attention_forward(spec: FamilySpec, original: Callable) -> Callable | None:
     fused.__kwdefaults__ = forward.__kwdefaults__
     fused.__qualname__ = f"fuselm_{spec.attention}.forward"
     fused.__module__ = __name__
-    return rewrap(fused)
+    fused = rewrap(fused)
+    # the attention between its input and o_proj, for the two-node decoder layer (Llama's layout only)
+    fused.fuselm_core = _attention_core(forward, rewrap, spec) if made[1] == "qkv_rotary" else None
+    return fused

@@ -53,6 +53,7 @@ def patch(
     *,
     rms_norm: bool = True,
     fused_residual: bool = False,
+    fused_layer: bool = True,
     rope: bool = True,
     swiglu: bool = True,
     lora: bool = True,
@@ -87,6 +88,19 @@ def patch(
             -0.27% of a training step on an H100 (``benchmarks/results/h100/tuning/``
             ``e2e_fused_residual_ab.md``). With the default no source is read and the decoder layers
             stay HF's (their norms, attention and MLP inside run fuselm's forwards).
+        fused_layer: with ``rms_norm``, ``rope`` and ``swiglu`` (and no ``mlp_chunk_tokens``): in the
+            families whose decoder layer is Llama's pre-norm layout and whose attention is Llama's
+            (``FamilySpec.decoder_layer`` and ``.attention``), each layer runs as two autograd nodes around
+            HF's attention: the input norm, q / k / v and RoPE
+            (:func:`fuselm.ops.decoder_layer.norm_qkv_rotary`), then ``o_proj``, the residual add, the
+            post-attention norm, the MLP and the last add
+            (:func:`fuselm.ops.decoder_layer.attention_output_mlp`), where HF's modules build about
+            fifteen nodes and six module calls: the host time per step that bounds a small-batch run.
+            The same math and the same saved tensors as the separate fuselm ops. A layer whose
+            projections are PEFT / bitsandbytes layers or DTensors, or with hooks on its modules, runs
+            its modules (the LoRA path: ``lora``); under autocast too (said once), and under
+            torch.compile. Built from the installed transformers' source (the layer's and the
+            attention's syntax trees are checked against Llama's; a mismatch leaves them HF's, warned).
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: while a class patch or a live instance-patched model of the
             family needs it, every model of that family runs it (the same math as HF's). With it, in the
@@ -166,6 +180,7 @@ def patch(
     plan = make_plan(
         rms_norm=rms_norm,
         fused_residual=fused_residual,
+        fused_layer=fused_layer,
         rope=rope,
         swiglu=swiglu,
         lora=lora,

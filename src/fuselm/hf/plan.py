@@ -16,9 +16,11 @@ from .loss import LossOptions
 from .registry import FamilySpec
 
 # the block components; the loss is the last one. residual_norm: the decoder layer's add after the
-# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm). lora: PEFT's
+# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm). layer: the
+# decoder layer as two autograd nodes around the attention (fused_layer=True, the default, with rms_norm,
+# rope and swiglu and no mlp_chunk_tokens). lora: PEFT's
 # LoRA Linear layers run fuselm.lora (instance patching; the gated MLP's LoRA path comes with swiglu)
-BLOCKS = ("rms_norm", "residual_norm", "rope", "swiglu", "lora")
+BLOCKS = ("rms_norm", "residual_norm", "layer", "rope", "swiglu", "lora")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ def make_plan(
     memory: str | int,
     accum_dtype: torch.dtype | None,
     mlp_chunk_tokens: int | None = None,
+    fused_layer: bool = False,
 ) -> Plan:
     """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the loss
     options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
@@ -68,7 +71,8 @@ def make_plan(
     loss = LossOptions(bool(cross_entropy), label_smoothing, memory, accum_dtype)  # checked, also if unused
     if not (linear_cross_entropy or cross_entropy):
         loss = None
-    flags = (rms_norm, fused_residual, rope, swiglu, lora)
+    fused_layer = fused_layer and rms_norm and rope and swiglu and mlp_chunk_tokens is None
+    flags = (rms_norm, fused_residual, fused_layer, rope, swiglu, lora)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
@@ -82,8 +86,8 @@ def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> 
     name = cls.__name__
     if name == spec.rms_norm and "rms_norm" in plan.blocks:
         return rms_norm_forward(spec)
-    if name == spec.decoder_layer and "residual_norm" in plan.blocks:
-        return decoder_layer_forward(spec, original)
+    if name == spec.decoder_layer and ("residual_norm" in plan.blocks or "layer" in plan.blocks):
+        return decoder_layer_forward(spec, original, "layer" in plan.blocks, "residual_norm" in plan.blocks)
     if name == spec.attention and "rope" in plan.blocks:
         return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:

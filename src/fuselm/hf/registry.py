@@ -95,6 +95,7 @@ class FamilySpec:
         names = {
             "rms_norm": self.rms_norm,
             "residual_norm": self.decoder_layer,
+            "layer": self.decoder_layer if self.attention is not None and self.mlp is not None else None,
             "rope": self.rope,
             "swiglu": self.mlp,
         }

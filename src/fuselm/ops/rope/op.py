@@ -227,6 +227,16 @@ def rope_bwd(dq_embed, dk_embed, cos, sin, position_ids):
     return dq, dk
 
 
+def rope_bwd_rows(dq_embed, dk_embed, cos, sin):
+    """(dq, dk) as contiguous [B, T, heads, D] tensors (the [N, heads * D] operands of a projection's
+    backward GEMMs) from output gradients [B, T, heads, D] of any strides; cos / sin [B, T, R]. Eager
+    only (no custom op): for autograd nodes that fuse the projections with the rotation."""
+    dq = torch.empty(dq_embed.shape, dtype=dq_embed.dtype, device=dq_embed.device)
+    dk = torch.empty(dk_embed.shape, dtype=dk_embed.dtype, device=dk_embed.device)
+    _launch(dq_embed, dk_embed, dq, dk, cos, sin, None, is_bwd=True)
+    return dq, dk
+
+
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
 
 
@@ -445,9 +455,7 @@ class QKVRotaryFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dq, dk = _rope_bwd_op(dq_e, dk_e, cos, sin, None)
         else:
-            dq = torch.empty(dq_e.shape, dtype=dq_e.dtype, device=dq_e.device)
-            dk = torch.empty(dk_e.shape, dtype=dk_e.dtype, device=dk_e.device)
-            _launch(dq_e, dk_e, dq, dk, cos, sin, None, is_bwd=True)
+            dq, dk = rope_bwd_rows(dq_e, dk_e, cos, sin)
         dq, dk = dq.reshape(n_rows, -1), dk.reshape(n_rows, -1)
         dv = dv.transpose(1, 2).reshape(n_rows, -1)  # a view when dv is dense as [B, T, heads, D]
         dx, dw, db = projections_backward(x, (wq, wk, wv), (dq, dk, dv), need[0], need[1:4], need[4:7])
