@@ -57,7 +57,7 @@ def _compare(ours, eager, ids):
 
 def test_patched_llama_attention_runs_one_fused_node_per_layer(fused_calls):
     eager = build("llama")
-    ours = fuselm.hf.patch(clone(eager))
+    ours = fuselm.hf.patch(clone(eager), fused_layer=False)  # the attention alone
     ids = torch.randint(0, eager.config.vocab_size, (2, 12))
     _compare(ours, eager, ids)
     assert len(fused_calls) == eager.config.num_hidden_layers
@@ -72,7 +72,7 @@ def test_patched_llama_attention_runs_one_fused_node_per_layer(fused_calls):
 def test_hooked_projection_falls_back_to_hf_statements(fused_calls):
     """A forward hook on q_proj (or a PEFT / bitsandbytes layer): HF's statements run, with the hook."""
     eager = build("llama")
-    ours = fuselm.hf.patch(clone(eager))
+    ours = fuselm.hf.patch(clone(eager), fused_layer=False)
     seen = []
     for model in (eager, ours):
         model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))

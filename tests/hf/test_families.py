@@ -15,6 +15,8 @@ from kit.hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 
 import fuselm.hf
 from fuselm.hf import attention, blocks, decoder_layer, loss
+from fuselm.hf.attention import has_attention_core
+from fuselm.hf.decoder_layer import _forward_function
 from fuselm.hf.registry import ALIASES, FAMILIES, family
 from fuselm.nn.mlp import gated_mlp
 from fuselm.ops._common.testing import assert_numerics
@@ -25,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 OPS = {
     "rms_norm": (blocks, ("rms_norm",)),
     "residual_norm": (decoder_layer, ("residual_rms_norm",)),
+    "layer": (decoder_layer, ("norm_qkv_rotary",)),  # the two-node decoder layer
     "rope": (blocks, ("apply_rotary",)),
     "attention": (attention, ("qkv_rotary", "linear_projections")),  # the q, k, v projections fused
     "swiglu": (blocks, ("gated_mlp", "gated_packed")),
@@ -116,21 +119,35 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     named = {spec.rms_norm, spec.mlp} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
     assert type(ours).__name__ in swapped
-    assert spec.decoder_layer not in swapped  # the fused residual is opt-in (tests/hf/test_decoder_layer.py)
+    # the two-node layer (default) where the family has one; the fused residual is opt-in
+    assert (spec.decoder_layer in swapped) == ("layer" in spec.components() and has_attention_core(spec))
+    # it runs in the patched layers whose attention is Llama's from its q, k, v input to its o_proj and
+    # whose MLP is the gated one (not a MoE block); Llava's text model is a Llama
+    layers = [m for m in ours.modules() if type(m).__name__.endswith("DecoderLayer") and "forward" in vars(m)]
+    two_nodes = any(
+        getattr(_forward_function(m.self_attn), "fuselm_core", None) is not None
+        and _forward_function(m.mlp).__qualname__.startswith("fuselm_")
+        for m in layers
+    )
 
     calls = _Calls(monkeypatch)
     out = _train_step(ours, ids, labels)
     assert out.logits is None, "the training forward with labels made logits"
     if model_type == "llava":  # its text model is a Llama: instance patching finds that family's blocks
         assert {"LlamaRMSNorm", "LlamaMLP"} <= swapped
+    layer_calls = calls.n.get("layer", 0)
+    assert (layer_calls > 0) == two_nodes, f"two-node layer: {layer_calls} calls, expected: {two_nodes}"
     for component in ["loss", *spec.components()]:
-        if component == "rope":  # the RoPE function, or inside the fused attention input
-            assert calls.n.get("rope", 0) + calls.n.get("attention", 0) > 0, "rope: no call into fuselm"
-        elif component != "residual_norm":
+        if component == "rope":  # the RoPE function, or inside the fused attention input or layer
+            assert calls.n.get("rope", 0) + calls.n.get("attention", 0) + layer_calls > 0, "rope: no call"
+        elif component == "swiglu":
+            assert calls.n.get("swiglu", 0) + layer_calls > 0, "swiglu: no call into fuselm"
+        elif component not in ("residual_norm", "layer"):
             assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert "residual_norm" not in calls.n
     if spec.attention is not None:
-        assert calls.n.get("attention", 0) > 0, f"{spec.attention}: q, k, v not fused"
+        fused = calls.n.get("attention", 0) + layer_calls
+        assert fused > 0, f"{spec.attention}: q, k, v not fused"
     assert_numerics("loss", out.loss, base[1].loss, base[0].loss, torch.float32)
     grads = _grads(ours)
     assert grads.keys() == base_grads[1].keys()

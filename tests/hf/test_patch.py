@@ -16,7 +16,8 @@ import torch
 from kit.hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import _common, attention, blocks, plan
+from fuselm.hf import _common, attention, blocks, decoder_layer, plan
+from fuselm.hf.attention import has_attention_core
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
@@ -107,7 +108,8 @@ def test_instance_patch_touches_only_that_model(model_type):
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
     attn = {spec.attention} if spec.attention else set()  # q, k, v fused with the RoPE
-    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn}  # the decoder layer: opt-in
+    layer = {spec.decoder_layer} if "layer" in spec.components() and has_attention_core(spec) else set()
+    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn, *layer}
     assert not any("forward" in vars(m) for m in other.modules())
     assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
     fuselm.hf.unpatch(model)
@@ -117,10 +119,14 @@ def test_instance_patch_touches_only_that_model(model_type):
 
 
 def _rope_calls(monkeypatch) -> list:
-    """Records every call into fuselm's RoPE made through fuselm.hf (the rotary function, and the
-    attention input where the q, k, v projections are fused with it)."""
+    """Records every call into fuselm's RoPE made through fuselm.hf (the rotary function, the attention
+    input where the q, k, v projections are fused with it, and the two-node decoder layer's first node)."""
     calls = []
-    for module, name in ((blocks, "apply_rotary"), (attention, "qkv_rotary")):
+    for module, name in (
+        (blocks, "apply_rotary"),
+        (attention, "qkv_rotary"),
+        (decoder_layer, "norm_qkv_rotary"),
+    ):
 
         def spy(*args, _fn=getattr(module, name), **kwargs):
             calls.append(1)
@@ -520,7 +526,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     loaded = load()
     assert fuselm.hf.is_patched(loaded)
     patched = [m for m in loaded.modules() if "forward" in vars(m)]
-    swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaForCausalLM"}
+    swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM"}
     assert {type(m).__name__ for m in patched} == swapped
     assert all(vars(m)["forward"].__self__ is m for m in patched)
     assert module.apply_rotary_pos_emb is not rope_before

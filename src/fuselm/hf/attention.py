@@ -31,7 +31,7 @@ from collections.abc import Callable
 from ..nn.mlp import is_plain_linear
 from ..ops.projections import linear_projections
 from ..ops.rope import qkv_rotary
-from ._common import is_plain_tensor, warn_once
+from ._common import is_plain_tensor, modeling_module, warn_once
 from .layer_layout import split_checkpointing
 from .registry import FamilySpec
 
@@ -231,6 +231,20 @@ def _attention_core(forward: Callable, rewrap: Callable, spec: FamilySpec) -> Ca
     core.__qualname__ = f"fuselm_{spec.attention}.core"
     core.__module__ = __name__
     return rewrap(core)
+
+
+@functools.cache
+def has_attention_core(spec: FamilySpec) -> bool:
+    """Can the family's attention class (HF's forward in the installed transformers, also while fuselm
+    patches the class) be cut between its q, k, v input and its o_proj (:func:`attention_core_source`)?
+    Where it cannot (Qwen 3's q / k norms), the two-node decoder layer is not installed."""
+    cls = getattr(modeling_module(spec), spec.attention or "", None)
+    if cls is None:
+        return False
+    if getattr(cls.forward, "fuselm_core", None) is not None:  # class-patched: fuselm's, made from HF's
+        return True
+    split = split_checkpointing(cls.forward)
+    return not isinstance(split, str) and not isinstance(attention_core_source(split[0]), str)
 
 
 @functools.cache

@@ -151,7 +151,13 @@ def _layer_weights(layer: nn.Module, spec: FamilySpec, in_norm: tuple, post_norm
 
 
 def two_node_layer(
-    layer: nn.Module, spec: FamilySpec, in_norm: tuple, post_norm: tuple, named: dict, passed: dict, kwargs: dict
+    layer: nn.Module,
+    spec: FamilySpec,
+    in_norm: tuple,
+    post_norm: tuple,
+    named: dict,
+    passed: dict,
+    kwargs: dict,
 ):
     """The layer's output through :func:`fuselm.ops.decoder_layer.norm_qkv_rotary`, HF's attention between
     the q, k, v input and ``o_proj`` (its own code, cut from its forward: the cache, the attention
@@ -161,7 +167,9 @@ def two_node_layer(
     passes on to its attention by name."""
     x = named["hidden_states"]
     embeddings = named.get("position_embeddings")
-    if not (is_plain_tensor(x) and x.dim() == 3 and isinstance(embeddings, tuple) and embeddings[0].dim() == 3):
+    if not (
+        is_plain_tensor(x) and x.dim() == 3 and isinstance(embeddings, tuple) and embeddings[0].dim() == 3
+    ):
         return "its input is not a plain [B, T, H] tensor with [B, T, D] cos / sin"
     operands = _layer_weights(layer, spec, in_norm, post_norm)
     if isinstance(operands, str):
@@ -257,13 +265,19 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable, two_nodes: bool,
         if two_nodes and not torch.compiler.is_compiling():
             in_norm = fused_norm_args(spec, getattr(self, "input_layernorm", None), norm_forward)
             passed = {name: named[name] for name in attn_args}
-            out = "its input norm" if in_norm is None else two_node_layer(
-                self, spec, in_norm, post_norm, named, passed, kwargs if attn_var_kw else {}
+            out = (
+                "its input norm"
+                if in_norm is None
+                else two_node_layer(
+                    self, spec, in_norm, post_norm, named, passed, kwargs if attn_var_kw else {}
+                )
             )
             if not isinstance(out, str):
                 return out
             if out.startswith("autocast"):
-                warn_once(f"layer-autocast:{spec.module}.{layer}", f"fuselm.hf: {layer} runs its modules: {out}")
+                warn_once(
+                    f"layer-autocast:{spec.module}.{layer}", f"fuselm.hf: {layer} runs its modules: {out}"
+                )
         if not fused_residual:
             return raw(self, **named, **kwargs)
         return _fused_residual_layer(self, named, kwargs, post_norm, attn_args, attn_var_kw)

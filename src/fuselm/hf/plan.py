@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attention_forward
+from .attention import attention_forward, has_attention_core
 from .blocks import mlp_forward, rms_norm_forward
 from .causal_lm import causal_lm_forward
 from .decoder_layer import decoder_layer_forward
@@ -86,8 +86,11 @@ def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> 
     name = cls.__name__
     if name == spec.rms_norm and "rms_norm" in plan.blocks:
         return rms_norm_forward(spec)
-    if name == spec.decoder_layer and ("residual_norm" in plan.blocks or "layer" in plan.blocks):
-        return decoder_layer_forward(spec, original, "layer" in plan.blocks, "residual_norm" in plan.blocks)
+    if name == spec.decoder_layer:
+        two_nodes = "layer" in plan.blocks and "layer" in spec.components() and has_attention_core(spec)
+        if two_nodes or "residual_norm" in plan.blocks:
+            return decoder_layer_forward(spec, original, two_nodes, "residual_norm" in plan.blocks)
+        return None
     if name == spec.attention and "rope" in plan.blocks:
         return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:

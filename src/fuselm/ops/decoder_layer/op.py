@@ -17,14 +17,9 @@ import torch.nn.functional as F
 from .._common.dispatch import use_triton
 from .._common.guard import check_choice, check_tensor, rows_view
 from .._common.linear import projections_backward
-from ..rms_norm import rms_norm
-from ..rms_norm.op import rms_norm_bwd, rms_norm_fwd
-from ..rms_norm.reference import CASTINGS
-from ..rope import qkv_rotary
-from ..rope.op import rope_bwd_rows, rope_fwd
-from ..rope.reference import broadcast_tables
-from ..swiglu import gated_backward, gated_forward, swiglu_mlp
-from ..swiglu.reference import ACTIVATIONS
+from ..rms_norm import CASTINGS, rms_norm, rms_norm_bwd, rms_norm_fwd
+from ..rope import broadcast_tables, qkv_rotary, rope_bwd_rows, rope_fwd
+from ..swiglu import ACTIVATIONS, gated_backward, gated_forward, swiglu_mlp
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -81,15 +76,18 @@ class NormQKVRotaryFunction(torch.autograd.Function):
 
 
 class AttentionOutputMLPFunction(torch.autograd.Function):
-    """attn [B, T, A] or [B, T, heads, D], residual [B, T, H] -> s = residual + attn Wo^T (+ bo) -> h = RMSNorm(s) -> out = s +
-    down(act(gate(h)) * up(h)), the last add inside the down projection's GEMM (``addmm``: one rounding).
+    """attn [B, T, A] or [B, T, heads, D], residual [B, T, H] -> s = residual + attn Wo^T (+ bo) -> h =
+    RMSNorm(s) -> out = s + down(act(gate(h)) * up(h)), the last add inside the down projection's GEMM
+    (``addmm``: one rounding).
     Saves attn, s, rstd, h and the pre-activations g, u [N, I]; the product is recomputed in backward by
     the kernel that writes dg and du over the saved g and u, so a second backward raises. The backward
     gives the residual stream's gradient ds (the norm's backward with the output's gradient added, one
     kernel), then attn's and Wo's from it."""
 
     @staticmethod
-    def forward(ctx, attn, residual, wo, bo, norm_w, wg, wu, wd, bg, bu, bd, eps, offset, casting, activation):
+    def forward(
+        ctx, attn, residual, wo, bo, norm_w, wg, wu, wd, bg, bu, bd, eps, offset, casting, activation
+    ):
         shapes = (attn.shape, residual.shape)
         attn = rows_view(attn.reshape(residual.shape[0] * residual.shape[1], -1))  # [N, A]
         residual = rows_view(residual)  # [N, H]
@@ -134,7 +132,23 @@ class AttentionOutputMLPFunction(torch.autograd.Function):
         dwo = torch.mm(ds.t(), attn) if n_wo else None
         dbo = ds.sum(0) if n_bo else None
         dattn = torch.mm(ds, wo).view(ctx.shapes[0]) if n_attn else None
-        return dattn, ds.view(ctx.shapes[1]), dwo, dbo, dnorm_w, dwg, dwu, dwd, dbg, dbu, dbd, None, None, None, None
+        return (
+            dattn,
+            ds.view(ctx.shapes[1]),
+            dwo,
+            dbo,
+            dnorm_w,
+            dwg,
+            dwu,
+            dwd,
+            dbg,
+            dbu,
+            dbd,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 # ---- public functions ----
@@ -150,7 +164,9 @@ def _check_norm(norm_weight, hidden: int, x: torch.Tensor, eps, casting) -> None
     check_choice("norm_casting", casting, CASTINGS)
 
 
-def _check_linear(name: str, w, b, in_features: int, x: torch.Tensor, out_features: int | None = None) -> None:
+def _check_linear(
+    name: str, w, b, in_features: int, x: torch.Tensor, out_features: int | None = None
+) -> None:
     check_tensor(name, w, dtypes=_DTYPES, ndim=2, device=x.device)
     if w.shape[1] != in_features or (out_features is not None and w.shape[0] != out_features):
         want = f"[{out_features if out_features is not None else 'out'}, {in_features}]"

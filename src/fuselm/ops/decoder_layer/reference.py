@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..rms_norm.reference import rms_norm_reference
-from ..rope.reference import apply_rotary_reference
-from ..swiglu.reference import gated_reference
+from ..rms_norm import rms_norm_reference
+from ..rope import apply_rotary_reference
+from ..swiglu import gated_reference
 
 
 def norm_qkv_rotary_reference(
@@ -71,9 +71,10 @@ def attention_output_mlp_reference(
 
     Example:
         >>> B, T, H, I = 1, 3, 16, 24
-        >>> out = attention_output_mlp_reference(torch.randn(B, T, 8), torch.randn(B, T, H), torch.randn(H, 8),
-        ...                                      torch.ones(H), torch.randn(I, H), torch.randn(I, H),
-        ...                                      torch.randn(H, I), eps=1e-6)
+        >>> attn, residual = torch.randn(B, T, 8), torch.randn(B, T, H)
+        >>> out = attention_output_mlp_reference(attn, residual, torch.randn(H, 8), torch.ones(H),
+        ...                                      torch.randn(I, H), torch.randn(I, H), torch.randn(H, I),
+        ...                                      eps=1e-6)
         >>> out.shape
         torch.Size([1, 3, 16])
     """

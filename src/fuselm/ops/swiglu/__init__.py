@@ -8,9 +8,10 @@ from .op import (
     swiglu_mlp,
     swiglu_packed,
 )
-from .reference import gated_reference, geglu_reference, swiglu_reference
+from .reference import ACTIVATIONS, gated_reference, geglu_reference, swiglu_reference
 
 __all__ = [
+    "ACTIVATIONS",
     "gated_backward",
     "gated_forward",
     "geglu",

@@ -115,8 +115,14 @@ def test_attention_output_mlp_numerics(dtype, bias, activation, gen):
     outs = run(attention_output_mlp, leaves[0])
     if triton_path():
         assert type(outs[0].grad_fn).__name__ == "AttentionOutputMLPFunctionBackward"
-    _check(outs, run(attention_output_mlp_reference, leaves[1]), run(attention_output_mlp_reference, leaves[2]),
-           leaves, dtype, gen)
+    _check(
+        outs,
+        run(attention_output_mlp_reference, leaves[1]),
+        run(attention_output_mlp_reference, leaves[2]),
+        leaves,
+        dtype,
+        gen,
+    )
 
 
 @pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)])
@@ -125,8 +131,15 @@ def test_norm_styles(casting, offset, gen):
     x, norm_w, ws, _, cos, sin = _input_operands(gen, torch.float32, False)
     style = dict(norm_offset=offset, norm_casting=casting, eps=EPS)
     got = norm_qkv_rotary(x, norm_w, *ws, cos, sin, head_dim=D, **style)
-    want = norm_qkv_rotary_reference(x.double(), norm_w.double(), *(w.double() for w in ws), cos.double(),
-                                     sin.double(), head_dim=D, **style)
+    want = norm_qkv_rotary_reference(
+        x.double(),
+        norm_w.double(),
+        *(w.double() for w in ws),
+        cos.double(),
+        sin.double(),
+        head_dim=D,
+        **style,
+    )
     eager = norm_qkv_rotary_reference(x, norm_w, *ws, cos, sin, head_dim=D, **style)
     for i, (g, e, r) in enumerate(zip(got, eager, want, strict=True)):
         assert_numerics(f"qkv {i}", g, e, r)
@@ -178,8 +191,9 @@ def test_partial_gradients(gen):
     q, k, v = norm_qkv_rotary(x, norm_w, *ws, cos, sin, head_dim=D, eps=EPS)
     assert q.grad_fn.needs_input_grad[:2] == (True, False)
     (dx,) = torch.autograd.grad(q.sum() + k.sum() + v.sum(), (x,))
-    q, k, v = norm_qkv_rotary_reference(x64, norm_w.double(), *(w.double() for w in ws), cos.double(),
-                                        sin.double(), head_dim=D, eps=EPS)
+    q, k, v = norm_qkv_rotary_reference(
+        x64, norm_w.double(), *(w.double() for w in ws), cos.double(), sin.double(), head_dim=D, eps=EPS
+    )
     (want,) = torch.autograd.grad(q.sum() + k.sum() + v.sum(), (x64,))
     torch.testing.assert_close(dx.double(), want, rtol=1e-4, atol=1e-4)  # fp32 against fp64: rounding only
 
