@@ -501,15 +501,20 @@ def test_rloo(calls, checkpoint, tmp_path):
 
 def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
     """fuselm.hf.patch("llama") (block kernels) and fuselm.trl.patch() (head) together on SFTTrainer: the
-    model's norms, RoPE and MLP run fuselm.hf's forwards, the head runs fuselm.linear_log_probs, and
-    fuselm.hf's CausalLM loss (linear_cross_entropy) never runs (TRL calls the backbone directly)."""
+    model's decoder layers run fuselm.hf's two-node layer (norms, RoPE and MLP inside), the final norm
+    fuselm's RMSNorm, the head fuselm.linear_log_probs, and fuselm.hf's CausalLM loss
+    (linear_cross_entropy) never runs (TRL calls the backbone directly)."""
     from trl import SFTConfig, SFTTrainer
 
     import fuselm.hf
-    from fuselm.hf import attention, blocks, loss
+    from fuselm.hf import blocks, decoder_layer, loss
 
-    hf_calls = {"rms_norm": 0, "apply_rotary": 0, "qkv_rotary": 0, "gated_mlp": 0, "linear_cross_entropy": 0}
-    modules = {"linear_cross_entropy": loss, "qkv_rotary": attention}
+    hf_calls = {"rms_norm": 0, "norm_qkv_rotary": 0, "attention_output_mlp": 0, "linear_cross_entropy": 0}
+    modules = {
+        "linear_cross_entropy": loss,
+        "norm_qkv_rotary": decoder_layer,
+        "attention_output_mlp": decoder_layer,
+    }
     for name in hf_calls:
         module = modules.get(name, blocks)
         original = getattr(module, name)
@@ -531,6 +536,6 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
             fuselm.hf.unpatch("llama")
 
     _check_runs(calls, run)
-    assert hf_calls["rms_norm"] > 0 and hf_calls["gated_mlp"] > 0
-    assert hf_calls["qkv_rotary"] > 0  # the RoPE, fused with the q, k, v projections of Llama's attention
+    assert hf_calls["rms_norm"] > 0  # the final norm
+    assert hf_calls["norm_qkv_rotary"] > 0 and hf_calls["attention_output_mlp"] > 0  # every layer
     assert hf_calls["linear_cross_entropy"] == 0
