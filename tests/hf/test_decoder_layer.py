@@ -655,3 +655,21 @@ def test_fused_layer_false_keeps_hf_layers():
     assert fuselm.hf.patch(build("llama")).model.layers[0].forward.__func__.__qualname__ == (
         "fuselm_LlamaDecoderLayer.forward"
     )
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_two_node_layer_generates_as_hf(model_type, two_node_calls):
+    """Greedy generation (a KV cache, a padded batch's mask) through the two-node layers gives HF's
+    tokens: the cache update and the mask are HF's code between the nodes."""
+    eager = build(model_type)
+    ours = fuselm.hf.patch(clone(eager))
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in the first row
+    for m in (eager, ours):
+        m.eval()
+    want = eager.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert not two_node_calls
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert two_node_calls  # the prefill and every decoding step
+    assert torch.equal(got, want)
