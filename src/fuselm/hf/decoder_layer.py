@@ -1,10 +1,15 @@
-"""The decoder layer of Llama's pre-norm layout with the add after the attention fused into the
-post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps, residual=residual)``.
+"""The decoder layer of Llama's pre-norm layout, patched (``fuselm.hf.patch``):
 
-Opt-in (``fuselm.hf.patch(..., fused_residual=True)``): the layout is read from the installed
-transformers' source (:mod:`fuselm.hf.layer_layout`), and the layer's wrappers are rebuilt around
-fuselm's forward, for about a quarter of a percent of a training step
-(``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
+- by default (``fused_layer=True``), as two autograd nodes around HF's attention
+  (:func:`two_node_layer`: :mod:`fuselm.ops.decoder_layer`'s ``norm_qkv_rotary`` and
+  ``attention_output_mlp``, HF's attention code between them): a small-batch step's host time;
+- opt-in (``fused_residual=True``), for layers that run their modules: the add after the attention fused
+  into the post-attention RMSNorm, ``hidden, residual = fuselm.rms_norm(attn_out, w, eps,
+  residual=residual)`` (a quarter of a percent of a step,
+  ``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
+
+The layout is read from the installed transformers' source (:mod:`fuselm.hf.layer_layout`), and the
+layer's wrappers are rebuilt around fuselm's forward.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which decoder layers are Llama's pre-norm layout, read from the installed transformers' source (the syntax
 tree of the layer's forward), and the wrappers transformers puts around that forward (gradient checkpointing,
-keyword renames). Used only by the opt-in fused residual (``fuselm.hf.patch(..., fused_residual=True)``,
-:mod:`fuselm.hf.decoder_layer`): nothing here runs on the default patch path.
+keyword renames). Used by the patched decoder layer (:mod:`fuselm.hf.decoder_layer`: the two-node layer of
+the default patch, the opt-in fused residual) and by :mod:`fuselm.hf.attention`.
 """
 
 from __future__ import annotations

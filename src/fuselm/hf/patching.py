@@ -82,12 +82,9 @@ def patch(
             post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps,
             residual=residual)``, one kernel instead of an add and a norm (and one in backward instead of
             the norm's backward and a gradient add). The sum is rounded to the activations' dtype as HF's
-            add rounds it. Off by default: the layer forward it installs is built from the installed
-            transformers' source (its syntax tree is checked against Llama's, its keyword-renaming
-            wrappers are rebuilt around fuselm's code), which a transformers release can break, for
-            -0.27% of a training step on an H100 (``benchmarks/results/h100/tuning/``
-            ``e2e_fused_residual_ab.md``). With the default no source is read and the decoder layers
-            stay HF's (their norms, attention and MLP inside run fuselm's forwards).
+            add rounds it. For the layers that run their modules (the two-node layer of
+            ``fused_layer`` does it always): off by default, for -0.27% of a training step on an H100
+            (``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
         fused_layer: with ``rms_norm``, ``rope`` and ``swiglu`` (and no ``mlp_chunk_tokens``): in the
             families whose decoder layer is Llama's pre-norm layout and whose attention is Llama's
             (``FamilySpec.decoder_layer`` and ``.attention``), each layer runs as two autograd nodes around

@@ -90,12 +90,19 @@ class FamilySpec:
                 "apply_rotary_pos_emb(q, k, cos, sin) call: it needs that rope function"
             )
 
+    def _two_node_layer(self) -> bool:
+        """Can the decoder layer run as fuselm's two nodes: Llama's layout, an attention fuselm patches, a
+        gated MLP of split projections without multipliers (the attention's source is checked when
+        patching: :func:`fuselm.hf.attention.has_attention_core`)?"""
+        plain_mlp = self.mlp is not None and not self.packed_mlp and self.mlp_multipliers is None
+        return self.decoder_layer is not None and self.attention is not None and plain_mlp
+
     def components(self) -> dict[str, str]:
         """The block components the family swaps -> the class or function name each replaces."""
         names = {
             "rms_norm": self.rms_norm,
             "residual_norm": self.decoder_layer,
-            "layer": self.decoder_layer if self.attention is not None and self.mlp is not None else None,
+            "layer": self.decoder_layer if self._two_node_layer() else None,
             "rope": self.rope,
             "swiglu": self.mlp,
         }
