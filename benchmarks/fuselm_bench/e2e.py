@@ -76,7 +76,7 @@ PROVIDER_DESCRIPTIONS = {
 SEED = 0
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
-HOST_BOUND = 0.9  # bound by the host when CPU time per step >= HOST_BOUND x wall time per step
+HOST_BOUND = 0.9  # bound by the GPU when its kernels run >= HOST_BOUND of the step, else by the host
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -368,17 +368,19 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
     }
 
 
-def bound_by(cpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> str | None:
-    """``host`` when ``cpu_ms >= HOST_BOUND * step_ms`` (the GPU waits for the host), else ``GPU``; None
-    when either is missing or off CUDA (there the host does everything).
+def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> str | None:
+    """``GPU`` when the step's kernels keep the GPU busy ``>= HOST_BOUND`` of its wall time, else ``host``
+    (the GPU waits: for Python and the launches, or for a host-device synchronization); None when either is
+    missing or off CUDA (there the host does everything). Read from the GPU's side: the process CPU time also
+    counts spin-waits in synchronizations, so CPU ~ wall does not tell the two apart.
 
     Example:
-        >>> bound_by(45.0, 49.5), bound_by(39.1, 56.2), bound_by(None, 1.0), bound_by(5.0, 5.0, cuda=False)
-        ('host', 'GPU', None, None)
+        >>> bound_by(44.6, 48.2), bound_by(24.6, 59.7), bound_by(None, 1.0), bound_by(5.0, 5.0, cuda=False)
+        ('GPU', 'host', None, None)
     """
-    if cpu_ms is None or not step_ms or not cuda:
+    if gpu_ms is None or not step_ms or not cuda:
         return None
-    return "host" if cpu_ms >= HOST_BOUND * step_ms else "GPU"
+    return "GPU" if gpu_ms >= HOST_BOUND * step_ms else "host"
 
 
 # ---- the parent: one fresh process per (configuration, repeat, provider) ----
@@ -512,7 +514,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
             if not rows:
                 continue
             model, b, t = shape
-            cpu, wall = (fresh_process.median_of(rows, a) for a in ("cpu_ms", "step_ms"))
+            gpu, wall = (fresh_process.median_of(rows, a) for a in ("gpu_ms", "step_ms"))
             ok = any(r.status == "ok" for r in rows)
             lines.append(
                 [
@@ -524,7 +526,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
                     summary_cell(rows, "cpu_ms"),
                     summary_cell(rows, "gpu_ms"),
                     summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
-                    (bound_by(cpu, wall, cuda) or "n/a") if ok else "—",
+                    (bound_by(gpu, wall, cuda) or "n/a") if ok else "—",
                     summary_cell(rows, "peak_gib"),
                     summary_cell(rows, "first_loss", lambda v: f"{v:.4f}"),
                     "; ".join(dict.fromkeys(fresh_process.note_cell(r) for r in rows if r.error)),
@@ -569,8 +571,8 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         "GPU ms/step and launches/step: the summed device time of the CUDA kernels and their number in a "
         "torch.profiler window of the profiled steps (after the timed ones), / steps; memory copies and "
         "memsets are not in them (memcpy_ms, memcpys in the JSON).",
-        f"bound by: host when CPU ms/step >= {HOST_BOUND} x ms/step (the GPU waits for Python and the "
-        "launches), else GPU.",
+        f"bound by: GPU when GPU ms/step >= {HOST_BOUND} x ms/step, else host (the GPU waits for Python, "
+        "the launches or a synchronization).",
     ]
     if cuda:
         out.append(
@@ -626,7 +628,7 @@ def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
                 "seq": s[2],
                 "provider": p,
                 "bound_by": bound_by(
-                    fresh_process.median_of(report.rows_of(p, s), "cpu_ms"),
+                    fresh_process.median_of(report.rows_of(p, s), "gpu_ms"),
                     fresh_process.median_of(report.rows_of(p, s), "step_ms"),
                     report.device_type == "cuda",
                 ),

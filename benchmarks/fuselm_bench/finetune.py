@@ -996,7 +996,7 @@ def detail_table(report: fresh_process.CaseReport) -> str:
             if not rows:
                 continue
             ok = _ok(rows)
-            cpu, wall = (fresh_process.median_of(rows, a) for a in ("cpu_ms", "step_ms"))
+            gpu, wall = (fresh_process.median_of(rows, a) for a in ("gpu_ms", "step_ms"))
             gap = loss_gap(report, p, shape)
             first = ok[0] if ok else None
             fused = (
@@ -1017,7 +1017,7 @@ def detail_table(report: fresh_process.CaseReport) -> str:
                     e2e.summary_cell(rows, "cpu_ms", lambda v: f"{v:.0f}"),
                     e2e.summary_cell(rows, "gpu_ms", lambda v: f"{v:.0f}"),
                     e2e.summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
-                    (e2e.bound_by(cpu, wall, cuda) or "n/a") if ok else "—",
+                    (e2e.bound_by(gpu, wall, cuda) or "n/a") if ok else "—",
                     e2e.summary_cell(rows, "peak_gib", lambda v: f"{v:.2f}"),
                     e2e.summary_cell(rows, "reserved_gib", lambda v: f"{v:.2f}"),
                     e2e.summary_cell(rows, "pinned_gib", lambda v: f"{v:.2f}"),
@@ -1066,8 +1066,8 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         f"{report.repeats} repeat(s); cells are medians over the repeats (range in the details).",
         "ms/step: median of the timed steps, each between two device synchronizations; CPU ms/step: "
         "time.process_time() of the timed steps before each closing synchronization; GPU ms/step and "
-        "launches/step: CUDA kernels in a torch.profiler window after the timed steps; bound by: host when "
-        f"CPU >= {e2e.HOST_BOUND} x wall.",
+        "launches/step: CUDA kernels in a torch.profiler window after the timed steps; bound by: GPU when "
+        f"GPU >= {e2e.HOST_BOUND} x wall, else host.",
         "GiB: peak allocated = torch.cuda.max_memory_allocated() over the whole process (weights "
         "included); peak reserved = max_memory_reserved(); host pinned: "
         + (extra.get("host_pinned_source") or "see host_pinned_source in the JSON")

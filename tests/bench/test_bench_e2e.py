@@ -523,3 +523,12 @@ def test_cli_merge_from_a_path_joins_a_split_grid(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(fresh_process, "run_case", lambda *a, **k: pytest.fail("ran before the merge check"))
     assert main([*base, "--out", str(tmp_path / "c"), "--merge", str(tmp_path / "old.json")]) == 2
     assert "an older fuselm bench e2e wrote it" in capsys.readouterr().err
+
+
+def test_bound_by_reads_the_gpu_side():
+    """A step whose kernels fill its wall time is GPU-bound; one whose GPU idles is host-bound even when its
+    CPU time is below its wall time (a synchronization's wait: fuselm at 1x512 on an H100, 24.6 ms of
+    kernels in a 59.7 ms step with 51.8 ms of CPU). No GPU figure or no CUDA: no answer."""
+    assert e2e.bound_by(44.6, 48.2) == "GPU"
+    assert e2e.bound_by(24.6, 59.7) == "host"
+    assert e2e.bound_by(None, 59.7) is None and e2e.bound_by(5.0, 5.0, cuda=False) is None
