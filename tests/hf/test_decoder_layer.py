@@ -673,3 +673,18 @@ def test_two_node_layer_generates_as_hf(model_type, two_node_calls):
     got = ours.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert two_node_calls  # the prefill and every decoding step
     assert torch.equal(got, want)
+
+
+def test_output_attentions_and_hidden_states_as_hf(two_node_calls):
+    """output_attentions / output_hidden_states (transformers records them with hooks on the modules): the
+    patched model returns HF's attention weights and hidden states (eager attention, float32)."""
+    eager = build("llama")
+    eager.config._attn_implementation = "eager"
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager))
+    ref.config._attn_implementation = "eager"
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    outs = [m(ids, output_attentions=True, output_hidden_states=True) for m in (ref, eager, ours)]
+    assert len(outs[2].attentions) == len(outs[1].attentions) == 2
+    for name in ("attentions", "hidden_states"):
+        for i, (r, e, o) in enumerate(zip(*(getattr(out, name) for out in outs), strict=True)):
+            assert_numerics(f"{name} {i}", o, e, r, torch.float32)
