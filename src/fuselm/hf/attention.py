@@ -140,13 +140,9 @@ def _fuse_projections(fn: ast.FunctionDef) -> str | None:
     return None
 
 
-def fused_attention_source(forward: Callable) -> tuple[ast.Module, str] | str:
-    """(the syntax tree of a module defining ``_fuselm_make_forward(_fuselm_attention_input,
-    _fuselm_projections)``, which returns ``forward`` (HF's attention forward, unwrapped) rewritten, and
-    how: ``"qkv_rotary"`` when its five Llama input statements became one call of
-    ``_fuselm_attention_input``, ``"projections"`` when only its three projection calls became one call
-    of ``_fuselm_projections`` (q / k norms between the projections and the RoPE)); or why neither can be
-    done."""
+def _forward_tree(forward: Callable) -> ast.FunctionDef | str:
+    """The syntax tree of ``forward``'s definition (a plain function without closure variables), or why
+    it cannot be had."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError) as e:
@@ -156,24 +152,50 @@ def fused_attention_source(forward: Callable) -> tuple[ast.Module, str] | str:
         return "its forward is not a plain function"
     if forward.__code__.co_freevars:
         return "its forward uses closure variables"
+    return fn
+
+
+def _llama_input_at(fn: ast.FunctionDef) -> int | None:
+    """Where Llama's five q, k, v + RoPE statements begin in ``fn``'s body (once, after ``hidden_shape =
+    ...``), or None."""
     body = [ast.dump(s) for s in fn.body]
     want = _statements(_INPUT)
     starts = [i for i in range(len(body) - len(want) + 1) if body[i : i + len(want)] == want]
     if len(starts) == 1 and _statements(_HIDDEN_SHAPE)[0] in body[: starts[0]]:
-        i = starts[0]
-        fn.body[i : i + len(want)] = ast.parse(_FUSED_INPUT).body
+        return starts[0]
+    return None
+
+
+def _module_of(fn: ast.FunctionDef, maker: str) -> ast.Module:
+    """A module defining ``maker`` (a ``def ...: return forward`` source) with ``fn`` defined inside it,
+    undecorated."""
+    fn.decorator_list = []
+    made = ast.parse(maker).body[0]
+    made.body.insert(0, fn)
+    return ast.fix_missing_locations(ast.Module(body=[made], type_ignores=[]))
+
+
+def fused_attention_source(forward: Callable) -> tuple[ast.Module, str] | str:
+    """(the syntax tree of a module defining ``_fuselm_make_forward(_fuselm_attention_input,
+    _fuselm_projections)``, which returns ``forward`` (HF's attention forward, unwrapped) rewritten, and
+    how: ``"qkv_rotary"`` when its five Llama input statements became one call of
+    ``_fuselm_attention_input``, ``"projections"`` when only its three projection calls became one call
+    of ``_fuselm_projections`` (q / k norms between the projections and the RoPE)); or why neither can be
+    done."""
+    fn = _forward_tree(forward)
+    if isinstance(fn, str):
+        return fn
+    i = _llama_input_at(fn)
+    if i is not None:
+        fn.body[i : i + len(_statements(_INPUT))] = ast.parse(_FUSED_INPUT).body
         how = "qkv_rotary"
     else:
         reason = _fuse_projections(fn)
         if reason is not None:
             return reason
         how = "projections"
-    fn.decorator_list = []
-    maker = ast.parse(
-        "def _fuselm_make_forward(_fuselm_attention_input, _fuselm_projections):\n    return forward\n"
-    ).body[0]
-    maker.body.insert(0, fn)
-    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), how
+    maker = "def _fuselm_make_forward(_fuselm_attention_input, _fuselm_projections):\n    return forward\n"
+    return _module_of(fn, maker), how
 
 
 _CORE_INPUT = "query_states, key_states, value_states = _fuselm_qkv"
@@ -190,29 +212,19 @@ def attention_core_source(forward: Callable) -> ast.Module | str:
     _fuselm_qkv`` (a new keyword-only parameter) and the forward returns ``(attn_output, attn_weights)``
     before ``o_proj``; or why it cannot be cut so (its forward must end with ``attn_output =
     self.o_proj(attn_output)`` and ``return attn_output, attn_weights``)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError) as e:
-        return f"its source cannot be read ({type(e).__name__})"
-    fn = tree.body[0] if tree.body else None
-    if not isinstance(fn, ast.FunctionDef) or forward.__code__.co_freevars:
-        return "its forward is not a plain function"
-    body = [ast.dump(s) for s in fn.body]
-    want = _statements(_INPUT)
-    starts = [i for i in range(len(body) - len(want) + 1) if body[i : i + len(want)] == want]
-    if len(starts) != 1 or _statements(_HIDDEN_SHAPE)[0] not in body[: starts[0]]:
+    fn = _forward_tree(forward)
+    if isinstance(fn, str):
+        return fn
+    i = _llama_input_at(fn)
+    if i is None:
         return "its forward does not begin with Llama's q, k, v and RoPE statements"
-    if body[-2:] != _statements(_CORE_TAIL):
+    if [ast.dump(s) for s in fn.body[-2:]] != _statements(_CORE_TAIL):
         return "its forward does not end with Llama's output projection and return"
-    i = starts[0]
     fn.body[-2:] = fn.body[-1:]
-    fn.body[i : i + len(want)] = ast.parse(_CORE_INPUT).body
+    fn.body[i : i + len(_statements(_INPUT))] = ast.parse(_CORE_INPUT).body
     fn.args.kwonlyargs.append(ast.arg(arg="_fuselm_qkv"))
     fn.args.kw_defaults.append(ast.Constant(value=None))
-    fn.decorator_list = []
-    maker = ast.parse("def _fuselm_make_core():\n    return forward\n").body[0]
-    maker.body.insert(0, fn)
-    return ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[]))
+    return _module_of(fn, "def _fuselm_make_core():\n    return forward\n")
 
 
 def _attention_core(forward: Callable, rewrap: Callable, spec: FamilySpec) -> Callable | None:
