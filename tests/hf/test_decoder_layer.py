@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import importlib
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -627,9 +628,26 @@ def test_two_node_layer_under_autocast_runs_the_modules_and_says_so(two_node_cal
     model = fuselm.hf.patch(build("llama", device=device_type))
     ids, labels = _batch(300)
     with torch.autocast(device_type, dtype=torch.bfloat16):
-        with pytest.warns(UserWarning, match="LlamaDecoderLayer runs its modules: autocast is on"):
+        why = "LlamaDecoderLayer runs its modules: autocast to torch.bfloat16 over torch.float32"
+        with pytest.warns(UserWarning, match=why):
             out = _step(model, ids.to(device_type), labels.to(device_type))
     assert torch.isfinite(out.loss) and not two_node_calls
+
+
+def test_two_node_layer_under_autocast_to_the_models_dtype(two_node_calls):
+    """A bf16 model under bf16 autocast (Trainer's bf16=True): autocast casts nothing, the two nodes run,
+    silently, and the loss and gradients are those of the same model without autocast, bit for bit."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    model = fuselm.hf.patch(build("llama", dtype=torch.bfloat16, device=device_type))
+    ids, labels = (t.to(device_type) for t in _batch(300))
+    runs = []
+    for cast in (False, True):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cast), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "runs its modules" warning
+            runs.append((_step(model, ids, labels).loss.detach(), _grads(model)))
+    assert len(two_node_calls) == 4  # two layers, two runs
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
 
 
 def test_two_node_layer_not_where_hooks_or_adapters_are(two_node_calls):

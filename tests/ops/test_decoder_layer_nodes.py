@@ -212,6 +212,26 @@ def test_float64_and_autocast_run_the_separate_ops(gen):
     assert type(q.grad_fn) is not NormQKVRotaryFunction._backward_cls
 
 
+@triton_path_only
+def test_autocast_to_the_inputs_dtype_runs_the_nodes(gen):
+    """Autocast to the operands' own dtype casts nothing (Trainer's bf16=True on a bf16 model): the nodes
+    run and give what they give without autocast, bit for bit."""
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    dtype = torch.bfloat16
+    x, norm_w, ws, _, cos, sin = _input_operands(gen, dtype, False)
+    tensors, _ = _output_operands(gen, dtype, False)
+    tensors[1].requires_grad_()
+    runs = []
+    for cast in (False, True):
+        with torch.autocast(device_type, dtype=dtype, enabled=cast):
+            q, k, v = norm_qkv_rotary(x.requires_grad_(), norm_w, *ws, cos, sin, head_dim=D, eps=EPS)
+            out = attention_output_mlp(*tensors, eps=EPS)
+        assert type(q.grad_fn) is NormQKVRotaryFunction._backward_cls
+        assert type(out.grad_fn) is AttentionOutputMLPFunction._backward_cls
+        runs.append((q, k, v, out))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def test_bad_arguments_name_the_argument(gen):
     x, norm_w, ws, _, cos, sin = _input_operands(gen, torch.float32, False)
     with pytest.raises(ValueError, match="x must be 3-D"):

@@ -180,8 +180,13 @@ def two_node_layer(
     if isinstance(operands, str):
         return operands
     core, activation, (wq, wk, wv, wo, wg, wu, wd) = operands
-    if torch.is_autocast_enabled(x.device.type):
-        return "autocast is on (the two nodes take one dtype: load the model in its compute dtype)"
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype:
+        # autocast to the activations' own dtype (Trainer's bf16=True on a bf16 model) casts nothing
+        return (
+            f"autocast to {torch.get_autocast_dtype(device_type)} over {x.dtype} activations (the two "
+            "nodes take one dtype: load the model in its compute dtype)"
+        )
     attn = layer.self_attn
     q, k, v = norm_qkv_rotary(
         x,
@@ -227,7 +232,8 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable, two_nodes: bool,
     ``two_nodes`` (``patch(..., fused_layer=True)``, the default): the layer runs as two autograd nodes
     around HF's attention (:func:`two_node_layer`) when its norms, attention and MLP run fuselm's forwards
     without hooks, its projections are plain ``nn.Linear`` layers of plain tensors (not PEFT /
-    bitsandbytes layers, not DTensors), cos / sin are ``[B, T, D]``, autocast is off (said once) and
+    bitsandbytes layers, not DTensors), cos / sin are ``[B, T, D]``, autocast is off or to the
+    activations' own dtype (another autocast dtype: said once) and
     torch.compile is not tracing (compiled graphs pay no host time per node); otherwise as below.
 
     ``fused_residual`` (opt-in): HF's forward with one change: ``hidden_states = residual + attn_out;

@@ -95,7 +95,8 @@ def patch(
             fifteen nodes and six module calls: the host time per step that bounds a small-batch run.
             The same math and the same saved tensors as the separate fuselm ops. A layer whose
             projections are PEFT / bitsandbytes layers or DTensors, or with hooks on its modules, runs
-            its modules (the LoRA path: ``lora``); under autocast too (said once), and under
+            its modules (the LoRA path: ``lora``); under autocast to another dtype than the
+            activations' too (said once; autocast to their own dtype casts nothing: the nodes run), and under
             torch.compile. Built from the installed transformers' source (the layer's and the
             attention's syntax trees are checked against Llama's; a mismatch leaves them HF's, warned).
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial

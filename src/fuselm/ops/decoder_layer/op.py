@@ -4,7 +4,8 @@ attention: ``norm_qkv_rotary`` (input RMSNorm, q / k / v projections, RoPE) and 
 
 No kernels of its own: the nodes launch rms_norm's, rope's and swiglu's kernels and eager PyTorch's GEMMs
 directly (their launchers; no custom-op dispatch). Where a node does not run (no Triton for the tensors,
-float64, autocast, torch.compile, mixed dtypes, cos / sin requiring grad) the same math runs through the
+float64, autocast to another dtype, torch.compile, mixed dtypes, cos / sin requiring grad) the same math
+runs through the
 separate public ops (``fuselm.rms_norm``, ``qkv_rotary``, ``swiglu_mlp``), which have their own reference
 and compile paths.
 """
@@ -28,8 +29,9 @@ def _nodes_run(x: torch.Tensor, tensors, cos=None, sin=None) -> bool:
     """Do the fused nodes run for these operands (else the separate ops do)?"""
     if x.dtype == torch.float64 or not use_triton(x) or torch.compiler.is_compiling():
         return False
-    if torch.is_autocast_enabled(x.device.type):
-        return False
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype:
+        return False  # autocast to x's own dtype casts nothing: the nodes run
     if any(t is not None and t.dtype != x.dtype for t in tensors):
         return False
     return not (torch.is_grad_enabled() and cos is not None and (cos.requires_grad or sin.requires_grad))
@@ -202,7 +204,8 @@ def norm_qkv_rotary(
     Saved for backward: x, the normalized y, the fp32 rstd [N] and the tables (what the separate ops
     save); never q, k or v (the attention saves its own inputs). Backward: one launch rotates dq and dk
     back, three GEMMs accumulate dy in one buffer, one launch writes dx over it (and the norm weight's
-    gradient). The node runs for CUDA tensors of one dtype (fp32 / fp16 / bf16) outside autocast and
+    gradient). The node runs for CUDA tensors of one dtype (fp32 / fp16 / bf16), outside autocast or
+    under autocast to that dtype (which casts nothing; Trainer's ``bf16=True`` on a bf16 model), outside
     torch.compile; otherwise the same math runs through ``fuselm.rms_norm`` and :func:`qkv_rotary`.
 
     Args:
