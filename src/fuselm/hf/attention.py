@@ -245,18 +245,18 @@ def _attention_core(forward: Callable, rewrap: Callable, spec: FamilySpec) -> Ca
     return rewrap(core)
 
 
-@functools.cache
 def has_attention_core(spec: FamilySpec) -> bool:
-    """Can the family's attention class (HF's forward in the installed transformers, also while fuselm
-    patches the class) be cut between its q, k, v input and its o_proj (:func:`attention_core_source`)?
-    Where it cannot (Qwen 3's q / k norms), the two-node decoder layer is not installed."""
+    """Can the family's attention class be cut between its q, k, v input and its o_proj
+    (:func:`attention_core_source`)? Read from fuselm's forward of it (the class's own while fuselm patches
+    it, else the one :func:`attention_forward` makes, and caches, from HF's). Where it cannot (Qwen 3's
+    q / k norms), the two-node decoder layer is not installed."""
     cls = getattr(modeling_module(spec), spec.attention or "", None)
     if cls is None:
         return False
-    if getattr(cls.forward, "fuselm_core", None) is not None:  # class-patched: fuselm's, made from HF's
-        return True
-    split = split_checkpointing(cls.forward)
-    return not isinstance(split, str) and not isinstance(attention_core_source(split[0]), str)
+    forward = cls.forward
+    if not hasattr(forward, "fuselm_core"):  # not class-patched: HF's own forward
+        forward = attention_forward(spec, forward)
+    return forward is not None and forward.fuselm_core is not None
 
 
 @functools.cache
