@@ -353,7 +353,7 @@ def test_a_4bit_layer_that_lost_its_weights_state_keeps_it_on_the_layer(gen, tmp
     """What FSDP2's fully_shard does to a 4-bit base (its Params4bit replaced by a tensor of the packed
     bytes, no quantization state): after keep_quant_states (fuselm.hf.patch calls it) the layer still gives
     bitsandbytes' dequantized weight; without it the refusal says to patch before sharding."""
-    import bitsandbytes as bnb
+    bnb = pytest.importorskip("bitsandbytes")
 
     model = quantized_model("llama", 4, gen, tmp_path)
     layer = model.model.layers[0].self_attn.q_proj
