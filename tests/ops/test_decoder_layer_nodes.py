@@ -198,6 +198,39 @@ def test_partial_gradients(gen):
     torch.testing.assert_close(dx.double(), want, rtol=1e-4, atol=1e-4)  # fp32 against fp64: rounding only
 
 
+@triton_path_only
+def test_norm_qkv_rotary_one_bias_and_a_frozen_projection(gen):
+    """Node 1 runs q, k, v as one GEMM over the concatenated weights: a bias on q only (k and v without)
+    and a frozen k projection give what the reference gives, and the gradients of the weights (views of
+    one buffer) accumulate over two backward passes like any gradient."""
+    x, norm_w, ws, _, cos, sin = _input_operands(gen, torch.float32, False)
+    q_bias = _rand(gen, torch.float32, HQ * D, scale=0.1)
+    trainable = {"x": x, "norm_w": norm_w, "wq": ws[0], "wv": ws[2], "q_bias": q_bias}
+
+    def run(fn, t, tables):
+        wk = ws[1].to(t["x"].dtype)  # frozen
+        return fn(t["x"], t["norm_w"], t["wq"], wk, t["wv"], *tables, head_dim=D, eps=EPS, q_bias=t["q_bias"])
+
+    ours = {n: v.clone().requires_grad_() for n, v in trainable.items()}
+    eager = {n: v.clone().requires_grad_() for n, v in trainable.items()}
+    ref = {n: v.double().requires_grad_() for n, v in trainable.items()}
+    outs = run(norm_qkv_rotary, ours, (cos, sin))
+    assert type(outs[0].grad_fn).__name__ == "NormQKVRotaryFunctionBackward"
+    eagers = run(norm_qkv_rotary_reference, eager, (cos, sin))
+    refs = run(norm_qkv_rotary_reference, ref, (cos.double(), sin.double()))
+    dys = [_rand(gen, torch.float32, *o.shape) for o in outs]
+    for i, (o, e, r) in enumerate(zip(outs, eagers, refs, strict=True)):
+        assert_numerics(f"out {i}", o, e, r, torch.float32)
+    torch.autograd.backward(outs, dys)
+    torch.autograd.backward(run(norm_qkv_rotary, ours, (cos, sin)), dys)  # accumulates into .grad
+    torch.autograd.backward(eagers, dys, retain_graph=True)
+    torch.autograd.backward(eagers, dys)
+    torch.autograd.backward(refs, [d.double() for d in dys], retain_graph=True)
+    torch.autograd.backward(refs, [d.double() for d in dys])
+    for name in trainable:
+        assert_numerics(f"grad {name}", ours[name].grad, eager[name].grad, ref[name].grad, torch.float32)
+
+
 def test_float64_and_autocast_run_the_separate_ops(gen):
     """float64 runs the reference; under autocast the separate ops run (nn.Linear's casts): no node."""
     tensors, _ = _output_operands(gen, torch.float64, False)
