@@ -200,9 +200,8 @@ def test_partial_gradients(gen):
 
 @triton_path_only
 def test_norm_qkv_rotary_one_bias_and_a_frozen_projection(gen):
-    """Node 1 runs q, k, v as one GEMM over the concatenated weights: a bias on q only (k and v without)
-    and a frozen k projection give what the reference gives, and the gradients of the weights (views of
-    one buffer) accumulate over two backward passes like any gradient."""
+    """Node 1 with a bias on q only (k and v without) and a frozen k projection gives what the reference
+    gives, and its gradients accumulate over two backward passes like any gradient."""
     x, norm_w, ws, _, cos, sin = _input_operands(gen, torch.float32, False)
     q_bias = _rand(gen, torch.float32, HQ * D, scale=0.1)
     trainable = {"x": x, "norm_w": norm_w, "wq": ws[0], "wv": ws[2], "q_bias": q_bias}

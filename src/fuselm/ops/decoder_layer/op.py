@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .._common.dispatch import use_triton
 from .._common.guard import check_choice, check_tensor, rows_view
+from .._common.linear import projections_backward
 from ..rms_norm import CASTINGS, rms_norm, rms_norm_bwd, rms_norm_fwd
 from ..rope import broadcast_tables, qkv_rotary, rope_bwd_rows, rope_fwd
 from ..swiglu import ACTIVATIONS, gated_backward, gated_forward, swiglu_mlp
@@ -40,23 +41,20 @@ def _nodes_run(x: torch.Tensor, tensors, cos=None, sin=None) -> bool:
 
 
 class NormQKVRotaryFunction(torch.autograd.Function):
-    """x [B, T, H] -> y = RMSNorm(x) -> [q | k | v] = y [Wq; Wk; Wv]^T + b (one GEMM over the weights
-    concatenated for the call) -> RoPE of q and k; returned as [B, heads, T, D] views of [B, T, heads, D]
-    tensors (v copied out of the GEMM's output, so that nothing keeps q and k unrotated). Saves x, y,
-    rstd (fp32 [N]) and the tables; the backward rotates dq, dk back into column blocks of one [N, q + k
-    + v] buffer, copies dv into the last one, and gets dy in one GEMM and the three weight gradients in
-    another (views of one buffer); the norm's backward writes dx over dy."""
+    """x [B, T, H] -> y = RMSNorm(x) -> q, k, v = y W^T + b -> RoPE of q and k; returned as [B, heads, T, D]
+    views of [B, T, heads, D] tensors. Saves x, y, rstd (fp32 [N]) and the tables; the backward rotates
+    dq, dk back into [B, T, heads, D] buffers, accumulates dy = dq Wq + dk Wk + dv Wv in one buffer, and
+    the norm's backward writes dx over it."""
 
     @staticmethod
     def forward(ctx, x, norm_w, wq, wk, wv, bq, bk, bv, cos, sin, eps, offset, casting, head_dim):
         batch, seq_len, _ = x.shape
         x = rows_view(x)  # [N, H]: views made inside the node put no view nodes in the graph
         y, _, rstd = rms_norm_fwd(x, None, norm_w, eps, offset, casting)
-        n_q, n_k = wq.shape[0], wk.shape[0]
-        qkv = F.linear(y, torch.cat((wq, wk, wv)), _cat_biases((bq, bk, bv), (n_q, n_k, n_k)))
-        q, k, v = (b.view(batch, seq_len, -1, head_dim) for b in qkv.split_with_sizes((n_q, n_k, n_k), 1))
+        q = F.linear(y, wq, bq).view(batch, seq_len, -1, head_dim)
+        k = F.linear(y, wk, bk).view(batch, seq_len, -1, head_dim)
+        v = F.linear(y, wv, bv).view(batch, seq_len, -1, head_dim)
         q_out, k_out = rope_fwd(q, k, cos, sin, None)
-        v = v.contiguous()
         ctx.save_for_backward(x, y, rstd, norm_w, wq, wk, wv, cos, sin)
         ctx.norm = (eps, offset)
         ctx.x_shape = (batch, seq_len, x.shape[1])
@@ -65,38 +63,18 @@ class NormQKVRotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq_embed, dk_embed, dv):
         x, y, rstd, norm_w, wq, wk, wv, cos, sin = ctx.saved_tensors
-        batch, seq_len, _ = ctx.x_shape
-        n_q, n_k = wq.shape[0], wk.shape[0]
+        n_rows = x.shape[0]
         need = ctx.needs_input_grad
-        dqkv = torch.empty(x.shape[0], n_q + 2 * n_k, dtype=y.dtype, device=y.device)
-        blocks = dqkv.split_with_sizes((n_q, n_k, n_k), 1)
-        dq, dk, dv_rows = (b.view(batch, seq_len, -1, dv.shape[-1]) for b in blocks)
-        rope_bwd_rows(dq_embed.transpose(1, 2), dk_embed.transpose(1, 2), cos, sin, dq, dk)
-        dv_rows.copy_(dv.transpose(1, 2))
-        if all(need[2:5]):  # the three weight gradients in one GEMM, as views of its output
-            dw = list(torch.mm(dqkv.t(), y).split_with_sizes((n_q, n_k, n_k)))
-        else:
-            dw = [torch.mm(b.t(), y) if n else None for b, n in zip(blocks, need[2:5], strict=True)]
-        db = [None] * 3
-        if any(need[5:8]):
-            sums = dqkv.sum(0).split_with_sizes((n_q, n_k, n_k))
-            db = [d if n else None for d, n in zip(sums, need[5:8], strict=True)]
+        dq, dk = rope_bwd_rows(dq_embed.transpose(1, 2), dk_embed.transpose(1, 2), cos, sin)
+        douts = (dq.view(n_rows, -1), dk.view(n_rows, -1), dv.transpose(1, 2).reshape(n_rows, -1))
+        need_y = need[0] or need[1]
+        dy, dw, db = projections_backward(y, (wq, wk, wv), douts, need_y, need[2:5], need[5:8])
         dx = dnorm_w = None
-        if need[0] or need[1]:
-            dy = torch.mm(dqkv, torch.cat((wq, wk, wv)))  # one buffer: the norm's backward writes dx over it
+        if need_y:
             eps, offset = ctx.norm
             dx, dnorm_w = rms_norm_bwd(x, dy, None, norm_w, rstd, eps, offset, need[1], in_place=True)
             dx = dx.view(ctx.x_shape)
         return dx, dnorm_w, *dw, *db, None, None, None, None, None, None
-
-
-def _cat_biases(biases, rows):
-    """The concatenated bias of projections with these row counts (a missing one as zeros), or None when
-    none has a bias."""
-    if all(b is None for b in biases):
-        return None
-    like = next(b for b in biases if b is not None)
-    return torch.cat([like.new_zeros(n) if b is None else b for b, n in zip(biases, rows, strict=True)])
 
 
 class AttentionOutputMLPFunction(torch.autograd.Function):

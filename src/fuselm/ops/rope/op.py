@@ -227,16 +227,12 @@ def rope_bwd(dq_embed, dk_embed, cos, sin, position_ids):
     return dq, dk
 
 
-def rope_bwd_rows(dq_embed, dk_embed, cos, sin, dq=None, dk=None):
-    """(dq, dk) [B, T, heads, D] from output gradients [B, T, heads, D] of any strides; cos / sin [B, T,
-    R]. Written into ``dq`` / ``dk`` when given (any strides with a unit last one: e.g. column blocks of
-    one [N, q + k + v columns] buffer), else into new contiguous tensors (the [N, heads * D] operands of a
-    projection's backward GEMMs). Eager only (no custom op): for autograd nodes that fuse the projections
-    with the rotation."""
-    if dq is None:
-        dq = torch.empty(dq_embed.shape, dtype=dq_embed.dtype, device=dq_embed.device)
-    if dk is None:
-        dk = torch.empty(dk_embed.shape, dtype=dk_embed.dtype, device=dk_embed.device)
+def rope_bwd_rows(dq_embed, dk_embed, cos, sin):
+    """(dq, dk) as contiguous [B, T, heads, D] tensors (the [N, heads * D] operands of a projection's
+    backward GEMMs) from output gradients [B, T, heads, D] of any strides; cos / sin [B, T, R]. Eager
+    only (no custom op): for autograd nodes that fuse the projections with the rotation."""
+    dq = torch.empty(dq_embed.shape, dtype=dq_embed.dtype, device=dq_embed.device)
+    dk = torch.empty(dk_embed.shape, dtype=dk_embed.dtype, device=dk_embed.device)
     _launch(dq_embed, dk_embed, dq, dk, cos, sin, None, is_bwd=True)
     return dq, dk
 
