@@ -9,6 +9,10 @@ initialised causal LMs for three providers:
   an importable ``liger_kernel``; skipped with the reason otherwise.
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
+- ``fuselm-graph`` (opt-in: not in the default providers): the same model, its forward and backward
+  captured once in a CUDA graph and replayed every step, AdamW outside the graph (the README's recipe,
+  :func:`fuselm_bench.step_timing.graphed_optimizer_step`): what the host costs once Python and the launches
+  are gone from the step. Needs CUDA; skipped with the reason otherwise.
 
 Models (:data:`MODELS`, ``--models``): ``llama3.2-1b`` (hidden 2048, intermediate 8192, 16 layers, 32 heads,
 8 kv heads, head_dim 64, vocab 128256, tied embeddings, llama3 rope scaling), ``qwen3-0.6b`` (hidden 1024,
@@ -67,11 +71,16 @@ from .report import fmt_num, md_table
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
-PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm")
+PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "fuselm-graph")
+DEFAULT_PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm")
 PROVIDER_DESCRIPTIONS = {
     "hf": "transformers, eager modules, SDPA attention",
     "liger": "transformers + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
+    "fuselm-graph": (
+        "fuselm's model with forward + backward captured in one CUDA graph and replayed each step, AdamW "
+        "outside it (the README's recipe; opt-in: --providers ...,fuselm-graph)"
+    ),
 }
 SEED = 0
 LR = 1e-5
@@ -291,7 +300,7 @@ def build_model(
     config = training.causal_lm_config(shape.family, shape.settings(preset.tiny), "sdpa")
     torch.manual_seed(seed)
     built = training.build_causal_lm(config, device, dtype)
-    if provider == "fuselm":
+    if provider in ("fuselm", "fuselm-graph"):
         import fuselm.hf
 
         fuselm.hf.patch(built)
@@ -324,7 +333,9 @@ def train(
     )
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
-    step = step_timing.optimizer_step(
+    graphed = provider == "fuselm-graph"
+    make_step = step_timing.graphed_optimizer_step if graphed else step_timing.optimizer_step
+    step = make_step(
         training.causal_lm_loss(built),
         list(built.parameters()),
         [ids],
@@ -436,6 +447,8 @@ class E2ERow(fresh_process.WorkerRow):
 
 def _precheck(provider: str, device: torch.device) -> str | None:
     """A reason to skip ``provider`` without starting a process (None: try it)."""
+    if provider == "fuselm-graph" and device.type != "cuda":
+        return "needs CUDA (CUDA graphs)"
     if provider == "liger":
         if device.type != "cuda":
             return "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
@@ -450,6 +463,7 @@ BENCH = fresh_process.Bench(
     name=NAME,
     description=DESCRIPTION,
     providers=PROVIDERS,
+    default_providers=DEFAULT_PROVIDERS,
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=E2ERow,
     plan_flag="preset",

@@ -115,6 +115,8 @@ class Bench:
     peers: dict[str, str]
     metrics: dict[str, tuple[str, str]]
     precheck: Callable[[str, torch.device], str | None] | None = None
+    default_providers: tuple[str, ...] | None = None
+    """what runs without ``--providers`` (None: every provider)"""
     worker_prefix: Callable[[str], list[str]] | None = None
     """provider -> the command line that starts its worker, before ``--worker`` (default: ``python -m
     <module>``); e.g. one that imports a peer before anything else."""
@@ -679,13 +681,14 @@ def start_cli(
     plans: tuple[Any, Any],
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
 ) -> CliRun:
-    """``--providers`` (default: all), ``--device``, the GPU or the CPU plan of ``plans``, the shapes
-    (``grid(args, plan)`` when given, else ``--shapes`` with as many sizes as the bench's rows have, default
-    the plan's), warmup, steps and dtype, ``--repeats`` (default 1), ``--merge [PATH]``, the metadata with the
-    transformers version, the results folder. Raises ``UsageError`` for bad values and without
-    transformers."""
+    """``--providers`` (default: the bench's ``default_providers``, else all), ``--device``, the GPU or the
+    CPU plan of ``plans``, the shapes (``grid(args, plan)`` when given, else ``--shapes`` with as many sizes
+    as the bench's rows have, default the plan's), warmup, steps and dtype, ``--repeats`` (default 1),
+    ``--merge [PATH]``, the metadata with the transformers version, the results folder. Raises ``UsageError``
+    for bad values and without transformers."""
     providers = bench.providers
-    chosen = parse_list(args.providers, providers, "provider") if args.providers else list(providers)
+    default = bench.default_providers or providers
+    chosen = parse_list(args.providers, providers, "provider") if args.providers else list(default)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 import torch
-from fuselm_bench import e2e, fresh_process, registry
+from fuselm_bench import e2e, fresh_process, registry, step_timing
 from fuselm_bench.arguments import UsageError
+from fuselm_bench.cli import build_parser
 
 from fuselm.cli import main
 from fuselm.demo import training
@@ -215,6 +216,46 @@ def test_liger_skip_reasons(monkeypatch):
         with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
             e2e.apply_provider_before_build("liger", torch.device("cuda"), family)
     assert e2e._precheck("hf", CPU) is None and e2e._precheck("fuselm", CPU) is None
+
+
+def test_graph_provider_is_opt_in_and_needs_cuda():
+    """fuselm-graph (fuselm's model, forward + backward replayed from one CUDA graph) runs only when asked
+    for and only on CUDA; on a CPU the parent skips it without a process, with the reason."""
+    assert "fuselm-graph" in e2e.BENCH.providers and "fuselm-graph" not in e2e.DEFAULT_PROVIDERS
+    assert e2e._precheck("fuselm-graph", CPU) == "needs CUDA (CUDA graphs)"
+    plans = (e2e.GPU_PRESET, e2e.CPU_PRESET)
+    for extra, want in (
+        ([], list(e2e.DEFAULT_PROVIDERS)),
+        (["--providers", "fuselm-graph"], ["fuselm-graph"]),
+    ):
+        argv = ["e2e", "--device", "cpu", *extra]
+        args = build_parser().parse_args(argv)
+        assert fresh_process.start_cli(e2e.BENCH, args, argv, plans=plans, grid=e2e.grid).providers == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_step_trains_as_the_eager_step():
+    """The graphed step (capture after a warm-up on a side stream, replay, AdamW outside the graph) gives
+    the eager step's losses, step after step (fp32, a tiny Llama; float64 eager HF as the reference)."""
+    from fuselm.ops._common.testing import assert_numerics
+
+    cuda = torch.device("cuda")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1)).to(cuda)
+    losses = {}
+    runs = {
+        "eager": ("fuselm", torch.float32, step_timing.optimizer_step),
+        "graph": ("fuselm-graph", torch.float32, step_timing.graphed_optimizer_step),
+        "reference": ("hf", torch.float64, step_timing.optimizer_step),
+    }
+    for name, (provider, dtype, make_step) in runs.items():
+        model = e2e.build_model(e2e.CPU_PRESET, provider, dtype, cuda)
+        step = make_step(
+            training.causal_lm_loss(model), list(model.parameters()), [ids], lr=1e-2, fused=False
+        )
+        losses[name] = torch.stack([step(i).double() for i in range(4)])
+    assert not torch.equal(losses["eager"][0], losses["eager"][-1])  # it trains
+    assert_numerics("losses", losses["graph"], losses["eager"], losses["reference"], torch.float32)
 
 
 # ---- workers ----
