@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 from .._common.dispatch import use_triton
 from .._common.guard import check_choice, check_tensor, rows_view
-from .._common.linear import projections_backward
 from ..rms_norm import CASTINGS, rms_norm, rms_norm_bwd, rms_norm_fwd
-from ..rope import broadcast_tables, qkv_rotary, rope_bwd_rows, rope_fwd
+from ..rope import broadcast_tables, qkv_rotary, qkv_rotary_bwd, qkv_rotary_fwd
 from ..swiglu import ACTIVATIONS, gated_backward, gated_forward, swiglu_mlp
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -51,24 +50,18 @@ class NormQKVRotaryFunction(torch.autograd.Function):
         batch, seq_len, _ = x.shape
         x = rows_view(x)  # [N, H]: views made inside the node put no view nodes in the graph
         y, _, rstd = rms_norm_fwd(x, None, norm_w, eps, offset, casting)
-        q = F.linear(y, wq, bq).view(batch, seq_len, -1, head_dim)
-        k = F.linear(y, wk, bk).view(batch, seq_len, -1, head_dim)
-        v = F.linear(y, wv, bv).view(batch, seq_len, -1, head_dim)
-        q_out, k_out = rope_fwd(q, k, cos, sin, None)
         ctx.save_for_backward(x, y, rstd, norm_w, wq, wk, wv, cos, sin)
         ctx.norm = (eps, offset)
         ctx.x_shape = (batch, seq_len, x.shape[1])
-        return q_out.transpose(1, 2), k_out.transpose(1, 2), v.transpose(1, 2)
+        return qkv_rotary_fwd(y, (wq, wk, wv), (bq, bk, bv), cos, sin, batch, seq_len, head_dim)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed, dv):
         x, y, rstd, norm_w, wq, wk, wv, cos, sin = ctx.saved_tensors
-        n_rows = x.shape[0]
         need = ctx.needs_input_grad
-        dq, dk = rope_bwd_rows(dq_embed.transpose(1, 2), dk_embed.transpose(1, 2), cos, sin)
-        douts = (dq.view(n_rows, -1), dk.view(n_rows, -1), dv.transpose(1, 2).reshape(n_rows, -1))
         need_y = need[0] or need[1]
-        dy, dw, db = projections_backward(y, (wq, wk, wv), douts, need_y, need[2:5], need[5:8])
+        douts = (dq_embed, dk_embed, dv)
+        dy, dw, db = qkv_rotary_bwd(y, (wq, wk, wv), douts, cos, sin, need_y, need[2:5], need[5:8])
         dx = dnorm_w = None
         if need_y:
             eps, offset = ctx.norm

@@ -1,12 +1,12 @@
-from .op import apply_rotary, qkv_rotary, rope_bwd_rows, rope_fwd
+from .op import apply_rotary, qkv_rotary, qkv_rotary_bwd, qkv_rotary_fwd
 from .reference import apply_rotary_reference, broadcast_tables
 
-# rope_fwd / rope_bwd_rows: the launchers (no autograd), for the composite op ops/decoder_layer
+# qkv_rotary_fwd / qkv_rotary_bwd: the launchers (no autograd), for the composite op ops/decoder_layer
 __all__ = [
     "apply_rotary",
     "apply_rotary_reference",
     "broadcast_tables",
     "qkv_rotary",
-    "rope_bwd_rows",
-    "rope_fwd",
+    "qkv_rotary_bwd",
+    "qkv_rotary_fwd",
 ]

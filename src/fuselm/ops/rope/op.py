@@ -227,16 +227,6 @@ def rope_bwd(dq_embed, dk_embed, cos, sin, position_ids):
     return dq, dk
 
 
-def rope_bwd_rows(dq_embed, dk_embed, cos, sin):
-    """(dq, dk) as contiguous [B, T, heads, D] tensors (the [N, heads * D] operands of a projection's
-    backward GEMMs) from output gradients [B, T, heads, D] of any strides; cos / sin [B, T, R]. Eager
-    only (no custom op): for autograd nodes that fuse the projections with the rotation."""
-    dq = torch.empty(dq_embed.shape, dtype=dq_embed.dtype, device=dq_embed.device)
-    dk = torch.empty(dk_embed.shape, dtype=dk_embed.dtype, device=dk_embed.device)
-    _launch(dq_embed, dk_embed, dq, dk, cos, sin, None, is_bwd=True)
-    return dq, dk
-
-
 # ---- custom ops: torch.compile sees one opaque node per launch, no graph break ----
 
 
@@ -430,6 +420,36 @@ def apply_rotary(
 # ---- the attention input: q, k, v projections and the rotation of q and k as one autograd node ----
 
 
+def qkv_rotary_fwd(x, weights, biases, cos, sin, batch, seq_len, head_dim):
+    """The q, k, v projections of x [N, H] (``weights`` / ``biases``: q's, k's, v's) and the rotation of q
+    and k by cos / sin [B, T, R]: ``(q, k, v)`` as [B, heads, T, D] views of [B, T, heads, D] tensors.
+    No autograd: the forward of the nodes that fuse the projections with the rotation (:func:`qkv_rotary`,
+    ``fuselm.ops.decoder_layer``)."""
+    q, k, v = (
+        F.linear(x, w, b).view(batch, seq_len, -1, head_dim) for w, b in zip(weights, biases, strict=True)
+    )
+    q_out, k_out = _run_fwd(q, k, cos, sin, None)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2), v.transpose(1, 2)
+
+
+def qkv_rotary_bwd(x, weights, douts, cos, sin, need_x, need_weights, need_biases):
+    """The backward of :func:`qkv_rotary_fwd`: ``douts`` the gradients of its (q, k, v) ([B, heads, T, D],
+    any strides). One launch rotates dq and dk back into [B, T, heads, D] buffers (the [N, heads * D]
+    operands of the GEMMs), then :func:`projections_backward`: (dx [N, H] or None, the weights' gradients,
+    the biases')."""
+    dq_embed, dk_embed, dv = douts
+    n_rows = x.shape[0]
+    dq_e, dk_e = dq_embed.transpose(1, 2), dk_embed.transpose(1, 2)  # [B, T, heads, D] views
+    if torch.compiler.is_compiling():
+        dq, dk = _rope_bwd_op(dq_e, dk_e, cos, sin, None)
+    else:
+        dq = torch.empty(dq_e.shape, dtype=dq_e.dtype, device=dq_e.device)
+        dk = torch.empty(dk_e.shape, dtype=dk_e.dtype, device=dk_e.device)
+        _launch(dq_e, dk_e, dq, dk, cos, sin, None, is_bwd=True)
+    rows = (dq.reshape(n_rows, -1), dk.reshape(n_rows, -1), dv.transpose(1, 2).reshape(n_rows, -1))
+    return projections_backward(x, weights, rows, need_x, need_weights, need_biases)
+
+
 class QKVRotaryFunction(torch.autograd.Function):
     """q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv for x [N, H], q and k rotated; returned as
     [B, heads, T, D] views of [B, T, heads, D] tensors (Hugging Face attention's layout). Saves x, the
@@ -439,26 +459,16 @@ class QKVRotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, batch, seq_len, head_dim):
-        q = F.linear(x, wq, bq).view(batch, seq_len, -1, head_dim)
-        k = F.linear(x, wk, bk).view(batch, seq_len, -1, head_dim)
-        v = F.linear(x, wv, bv).view(batch, seq_len, -1, head_dim)
-        q_out, k_out = _run_fwd(q, k, cos, sin, None)
         ctx.save_for_backward(x, wq, wk, wv, cos, sin)
-        return q_out.transpose(1, 2), k_out.transpose(1, 2), v.transpose(1, 2)
+        return qkv_rotary_fwd(x, (wq, wk, wv), (bq, bk, bv), cos, sin, batch, seq_len, head_dim)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed, dv):
         x, wq, wk, wv, cos, sin = ctx.saved_tensors
-        n_rows = x.shape[0]
         need = ctx.needs_input_grad
-        dq_e, dk_e = dq_embed.transpose(1, 2), dk_embed.transpose(1, 2)  # [B, T, heads, D] views
-        if torch.compiler.is_compiling():
-            dq, dk = _rope_bwd_op(dq_e, dk_e, cos, sin, None)
-        else:
-            dq, dk = rope_bwd_rows(dq_e, dk_e, cos, sin)
-        dq, dk = dq.reshape(n_rows, -1), dk.reshape(n_rows, -1)
-        dv = dv.transpose(1, 2).reshape(n_rows, -1)  # a view when dv is dense as [B, T, heads, D]
-        dx, dw, db = projections_backward(x, (wq, wk, wv), (dq, dk, dv), need[0], need[1:4], need[4:7])
+        dx, dw, db = qkv_rotary_bwd(
+            x, (wq, wk, wv), (dq_embed, dk_embed, dv), cos, sin, need[0], need[1:4], need[4:7]
+        )
         return dx, *dw, *db, None, None, None, None, None
 
 
