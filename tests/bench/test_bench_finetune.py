@@ -603,10 +603,9 @@ def _failing_rank(rank: int, stuck: bool, init_file: str, out_dir: str) -> None:
 
     record = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
     rank_group.measure_into(record, measure, device)
-    if not (stuck and rank == 1):
-        rank_group.finish_case(record, path, device)
-    else:
-        rank_group.append_record(path, {**record, "final": False})
+    # stuck: rank 1 says its failure, then waits in the agreement for rank 0, as a real rank would (exiting
+    # at once instead could end the group before rank 0 finished connecting: a gloo error, not a stuck rank)
+    rank_group.finish_case(record, path, device)
     dist.destroy_process_group()
 
 
