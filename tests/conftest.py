@@ -141,9 +141,15 @@ def _poison_(t: object) -> None:
         pass
 
 
-def _poisoning(fn):
+def _poisoning(fn, factory: bool = False):
+    """``fn`` whose result is poisoned; a ``factory`` (torch.empty, torch.empty_strided) also gets the
+    device of an enclosing ``with torch.device(...)`` when none is passed: that context intercepts torch's
+    own functions only, so through this wrapper a model built under it would get CPU parameters."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if factory and kwargs.get("device") is None:
+            kwargs["device"] = torch.get_default_device()
         out = fn(*args, **kwargs)
         # Under torch.compile the graph is being traced: no runtime memory to poison.
         if not torch.compiler.is_compiling():
@@ -162,7 +168,7 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _POISON_FUNCTIONS:
         fn = getattr(torch, name)
         if not getattr(fn, "__fuselm_poison__", False):
-            monkeypatch.setattr(torch, name, _poisoning(fn))
+            monkeypatch.setattr(torch, name, _poisoning(fn, factory=name != "empty_like"))
     if not getattr(torch.Tensor.new_empty, "__fuselm_poison__", False):
         monkeypatch.setattr(torch.Tensor, "new_empty", _poisoning(torch.Tensor.new_empty))
 

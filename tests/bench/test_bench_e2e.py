@@ -249,7 +249,8 @@ def test_graphed_step_trains_as_the_eager_step():
         "reference": ("hf", torch.float64, step_timing.optimizer_step),
     }
     for name, (provider, dtype, make_step) in runs.items():
-        model = e2e.build_model(e2e.CPU_PRESET, provider, dtype, cuda)
+        # built in fp32 and then cast, so the float64 reference starts from the same weights
+        model = e2e.build_model(e2e.CPU_PRESET, provider, torch.float32, cuda).to(dtype)
         step = make_step(
             training.causal_lm_loss(model), list(model.parameters()), [ids], lr=1e-2, fused=False
         )

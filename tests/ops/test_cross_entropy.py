@@ -552,6 +552,9 @@ def test_poisoned_allocations():
     assert torch.isnan(torch.empty_like(torch.zeros(3, dtype=torch.bfloat16))).all()
     assert torch.isnan(torch.zeros(2).new_empty(4)).all()
     assert (torch.empty(3, dtype=torch.int64) == torch.iinfo(torch.int64).max).all()
+    with torch.device("meta"):  # the device context still reaches modules built under it
+        assert torch.nn.Embedding(4, 2).weight.device.type == "meta"
+        assert torch.empty_strided((2,), (1,)).device.type == "meta"
 
 
 @pytest.mark.parametrize(
