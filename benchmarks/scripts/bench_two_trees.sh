@@ -10,6 +10,8 @@ suites=(
     "linear_cross_entropy fuselm,fuselm_min"
     "rms_norm fuselm,fuselm_residual"
     "layer_norm fuselm"
+    "rope fuselm"
+    "swiglu fuselm"
 )
 for round in $(seq 1 "$rounds"); do
     for tree in before after; do
