@@ -66,6 +66,7 @@ from fuselm.demo import training
 
 from . import fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
+from .cases import Row
 from .harness import SkipProvider, import_peer
 from .report import fmt_num, md_table
 
@@ -398,7 +399,7 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
 
 
 @dataclass
-class E2ERow(fresh_process.WorkerRow):
+class E2ERow(Row):
     """One (provider, model, B, T, repeat) result. ``status``: ok, oom, error or skipped; ``error`` says
     why. ``step_ms`` is the median of ``step_ms_all``; ``cpu_ms``, ``gpu_ms``, ``launches`` are per step."""
 

@@ -78,6 +78,7 @@ from fuselm.demo import training
 
 from . import e2e, fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
+from .cases import GIB, Row
 from .harness import SkipProvider, error_text, import_peer
 from .report import DTYPE_NAMES, md_table, ratio
 
@@ -784,7 +785,7 @@ def _with_train(fn) -> fresh_process.Bench:
 
 
 @dataclass
-class FinetuneRow(fresh_process.WorkerRow):
+class FinetuneRow(Row):
     """One (provider, model, scenario, B, T, repeat) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq")
@@ -854,11 +855,11 @@ class FinetuneRow(fresh_process.WorkerRow):
 
     @property
     def reserved_gib(self) -> float | None:
-        return None if self.reserved_bytes is None else self.reserved_bytes / fresh_process.GIB
+        return None if self.reserved_bytes is None else self.reserved_bytes / GIB
 
     @property
     def pinned_gib(self) -> float | None:
-        return None if self.host_pinned_bytes is None else self.host_pinned_bytes / fresh_process.GIB
+        return None if self.host_pinned_bytes is None else self.host_pinned_bytes / GIB
 
     def figures(self) -> tuple[str, str]:
         step = "—" if self.step_ms is None else f"{self.step_ms:.0f} ms"
@@ -1081,7 +1082,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
     ]
     for model, info in (extra.get("model_folders") or {}).items():
         how = "reused" if info.get("reused") else f"saved in {info.get('build_s') or 0:.0f} s"
-        size = (info.get("bytes") or 0) / fresh_process.GIB
+        size = (info.get("bytes") or 0) / GIB
         out.append(f"Saved model {model}: {info.get('folder')} ({how}, {size:.2f} GiB, safetensors).")
     if extra.get("scenario_note"):
         out.append(extra["scenario_note"])

@@ -19,6 +19,7 @@ import torch
 
 from . import e2e, fresh_process, rank_group
 from .arguments import UsageError
+from .cases import GIB, Case, Row, run_cases
 from .finetune import (
     BENCH,
     DATA_PARALLEL_PROVIDERS,
@@ -269,16 +270,12 @@ def scaling_table(report: fresh_process.CaseReport, world_size: int) -> str:
                     p,
                     one_failed or f"{s['one_gpu_step_ms']:.0f}",
                     one_failed or e2e.fmt_tokens(s["one_gpu_tokens_per_s"]),
-                    one_failed or ("n/a" if peak_one is None else f"{peak_one / fresh_process.GIB:.2f}"),
+                    one_failed or ("n/a" if peak_one is None else f"{peak_one / GIB:.2f}"),
                     many_failed or f"{s['step_ms']:.0f}",
                     many_failed or e2e.fmt_tokens(s["tokens_per_s"]),
                     many_failed or e2e.fmt_tokens(s["tokens_per_s_per_gpu"]),
                     many_failed
-                    or (
-                        "n/a"
-                        if not peaks or None in peaks
-                        else " / ".join(f"{x / fresh_process.GIB:.2f}" for x in peaks)
-                    ),
+                    or ("n/a" if not peaks or None in peaks else " / ".join(f"{x / GIB:.2f}" for x in peaks)),
                     "—" if s["per_gpu"] is None else f"{s['per_gpu']:.2f}x",
                     first,
                 ]
@@ -298,7 +295,7 @@ def per_rank_table(report: fresh_process.CaseReport) -> str:
                 r.label(r.shape),
                 r.provider,
                 " / ".join("—" if x is None else f"{x:.0f}" for x in r.rank_step_ms),
-                " / ".join("n/a" if x is None else f"{x / fresh_process.GIB:.2f}" for x in r.rank_peak_bytes),
+                " / ".join("n/a" if x is None else f"{x / GIB:.2f}" for x in r.rank_peak_bytes),
                 " / ".join("—" if x is None else f"{x:.4f}" for x in r.rank_first_losses),
             ]
         )
@@ -476,24 +473,31 @@ def run_data_parallel(c: fresh_process.CliRun, world_size: int, progress: bool) 
     )  # fmt: skip
     report.rows[:] = one_gpu_rows(one.rows)
     report.skipped.update(one.skipped)
-    for shape in c.shapes:
-        for repeat in range(c.repeats):
-            for provider in c.providers:
-                if provider in report.skipped:
-                    continue
-                case = GroupCase(
-                    c.plan, provider, tuple(shape), world_size, c.device.type, c.dtype, c.warmup, c.steps,
-                    dict(c.extra),
-                )  # fmt: skip
-                row = run_group_case(case, repeat)
-                report.rows.append(row)
-                print(
-                    row.summary() + (f" (repeat {repeat + 1}/{c.repeats})" if c.repeats > 1 else ""),
-                    flush=True,
-                )
-                if row.traceback:
-                    print(row.traceback)
-                write()
+    one_gpu = list(report.rows)
+
+    def execute(case: Case) -> DataParallelRow:
+        group = GroupCase(
+            c.plan, case.provider, case.shape, world_size, c.device.type, c.dtype, c.warmup, c.steps,
+            dict(c.extra),
+        )  # fmt: skip
+        return run_group_case(group, case.repeat)
+
+    def on_row(rows: list[Row]) -> None:
+        report.rows[:] = one_gpu + rows
+        write()
+
+    run_cases(
+        [Case(p, tuple(s), repeat=r) for s in c.shapes for r in range(c.repeats) for p in c.providers],
+        execute,
+        desc=f"{bench.name} x{world_size}",
+        describe=lambda case: f"{case.provider} {FinetuneRow.label(case.shape)} #{case.repeat + 1}",
+        skipped=report.skipped,
+        repeats=c.repeats,
+        skip_provider=False,  # a provider skipped on one GPU is not run; one that skips on W runs the next
+        progress=progress,
+        log=lambda line: print(line, flush=True),
+        on_row=on_row,
+    )
     written = write()
     if previous is not None:
         report = fresh_process.merge_previous(bench, fresh_process._copy(report), previous)

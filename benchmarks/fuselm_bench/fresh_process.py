@@ -11,7 +11,8 @@ case); :func:`ratios`, :func:`ratio_table`, :func:`markdown`, :func:`report_json
 written to the same folder (a grid split over several commands).
 
 A case's "shape" is the row type's ``SHAPE_FIELDS``: sizes (ints) and, in ``TEXT_FIELDS``, names (a model,
-a scenario).
+a scenario); the row type is a dataclass of :class:`cases.Row`, and the loop over the cases is
+:func:`cases.run_cases`, as for the other runners.
 """
 
 from __future__ import annotations
@@ -28,64 +29,19 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 import fuselm
 
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
+from .cases import Case, Row, run_cases
 from .harness import SkipProvider, blocking_sync, error_text
 from .report import DTYPE_NAMES, collect_metadata, document, md_table, ratio
 from .runner import print_written
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
-GIB = 1 << 30
-
-
-class WorkerRow:
-    """For a row dataclass of a worker's result: its sizes (``SHAPE_FIELDS``), how a shape is named
-    (``SHAPE_DIMS`` in the JSON, ``SHAPE_TITLE`` over the tables' first column, ``SHAPE_FORMAT`` of a label),
-    ``shape`` and ``peak_gib``."""
-
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
-    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
-    SHAPE_TITLE: ClassVar[str] = ""
-    SHAPE_FORMAT: ClassVar[str] = ""
-    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()  # shape fields that are names (str), not sizes (int)
-    BATCH_FIELD: ClassVar[str | None] = "batch"  # out of memory at batch B: larger batches are not run
-    provider: str
-    status: str
-    peak_bytes: int | None
-    error: str | None
-    traceback: str | None
-
-    @classmethod
-    def label(cls, shape: Sequence[int]) -> str:
-        return cls.SHAPE_FORMAT.format(*shape)
-
-    def figures(self) -> tuple[str, str]:
-        """An ok row's main figure and what follows its peak memory in :meth:`summary`."""
-        raise NotImplementedError
-
-    def summary(self) -> str:
-        """The row's progress line: ``<provider> <shape>: <figure>, peak X GiB, <more>``, or its status and
-        error."""
-        label = f"{self.provider} {self.label(self.shape)}"
-        if self.status != "ok":
-            return f"{label}: {self.status}: {self.error}"
-        figure, more = self.figures()
-        peak = f", peak {self.peak_gib:.1f} GiB" if self.peak_gib is not None else ""
-        return f"{label}: {figure}{peak}, {more}"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE_FIELDS)
-
-    @property
-    def peak_gib(self) -> float | None:
-        return None if self.peak_bytes is None else self.peak_bytes / GIB
-
 
 Train = Callable[..., dict[str, Any]]
 """A worker's run: ``train(plan, provider, *shape, dtype=, device=, warmup=, steps=, seed=) -> result``."""
@@ -387,9 +343,7 @@ def run(
     written). Each row is logged (its summary and traceback) and then ``on_row(report so far)`` is called.
     A provider that ``bench.precheck`` or a worker skips is not run again. A provider out of memory at
     batch B (the row type's ``BATCH_FIELD``) is not run again at B or a larger batch of the same other
-    sizes (its row says so)."""
-    from tqdm.auto import tqdm
-
+    sizes (its row says so). The loop is :func:`cases.run_cases`'s."""
     bench.check_providers(providers)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -413,36 +367,33 @@ def run(
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
     options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
-    batch_at = fields.index(bench.row_type.BATCH_FIELD) if bench.row_type.BATCH_FIELD in fields else None
-    oom_at: dict[tuple[str, tuple[Any, ...]], int] = {}  # (provider, other sizes) -> smallest batch out
-    cases = [(s, r, p) for s in report.shapes for r in range(repeats) for p in providers]
-    bar = tqdm(cases, desc=bench.name, disable=not progress, leave=False)
-    for shape, repeat, provider in bar:
-        if provider in report.skipped:
-            continue
-        bar.set_postfix_str(f"{provider} {bench.row_type.label(shape)} #{repeat + 1}")
-        smallest = key = batch = None
-        if batch_at is not None:
-            batch, key = shape[batch_at], (provider, shape[:batch_at] + shape[batch_at + 1 :])
-            smallest = oom_at.get(key)
-        if smallest is not None and batch >= smallest:
-            error = f"not run: out of memory at batch {smallest} already"
-            row = make_row(bench, provider, shape, {"status": "oom", "error": error}, repeat)
-        else:
-            row = run_case(bench, provider, shape, timeout=timeout, extra=extra, repeat=repeat, **options)
-        if row.status == "oom" and key is not None:
-            oom_at[key] = min(batch, oom_at.get(key, batch))
-        if row.status == "skipped":
-            report.skipped[provider] = row.error or "skipped"
-            log(f"skipping provider {provider}: {row.error}")
-            continue
-        report.rows.append(row)
-        log(row.summary() + (f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""))
-        if row.traceback:
-            log(row.traceback)
+    batch = bench.row_type.BATCH_FIELD
+    cases = [Case(p, s, repeat=r) for s in report.shapes for r in range(repeats) for p in providers]
+
+    def execute(c: Case) -> Row:
+        return run_case(bench, c.provider, c.shape, timeout=timeout, extra=extra, repeat=c.repeat, **options)
+
+    def not_run(c: Case, why: str) -> Row:
+        return make_row(bench, c.provider, c.shape, {"status": "oom", "error": why}, c.repeat)
+
+    def on_rows(rows: list[Row]) -> None:
+        report.rows[:] = rows
         if on_row is not None:
             on_row(report)
-    bar.close()
+
+    report.rows[:] = run_cases(
+        cases,
+        execute,
+        desc=bench.name,
+        describe=lambda c: f"{c.provider} {bench.row_type.label(c.shape)} #{c.repeat + 1}",
+        skipped=report.skipped,
+        repeats=repeats,
+        batch_at=fields.index(batch) if batch in fields else None,
+        not_run=not_run,
+        progress=progress,
+        log=log,
+        on_row=on_rows,
+    )
     return report
 
 
@@ -503,12 +454,12 @@ def ratio_table(bench: Bench, report: CaseReport) -> str:
     return md_table(head, rows)
 
 
-def status_cell(row: WorkerRow, ok: str) -> str:
+def status_cell(row: Row, ok: str) -> str:
     """``ok`` for an ok row, else OOM or error."""
     return ok if row.status == "ok" else {"oom": "OOM"}.get(row.status, "error")
 
 
-def note_cell(row: WorkerRow) -> str:
+def note_cell(row: Row) -> str:
     """The row's error on one line, without the table's separators."""
     return (row.error or "").replace("|", "/").replace("\n", " ")
 

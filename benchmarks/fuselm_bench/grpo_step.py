@@ -43,6 +43,7 @@ import torch
 from fuselm.demo import training
 
 from . import e2e, fresh_process
+from .cases import Row
 from .harness import SkipProvider, import_peer
 from .report import md_table
 
@@ -214,7 +215,7 @@ def train(
 
 
 @dataclass
-class StepRow(fresh_process.WorkerRow):
+class StepRow(Row):
     """One (provider, B, P, C) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "prompt", "completion")

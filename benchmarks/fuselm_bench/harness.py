@@ -83,6 +83,8 @@ import torch
 
 from fuselm.demo.training import free_memory, sync
 
+from .cases import Case, Row, run_cases
+
 Shape = tuple[int, ...]
 Inputs = dict[str, torch.Tensor]
 
@@ -190,8 +192,9 @@ class Ceilings:
 
 
 @dataclass
-class Row:
-    """One result: raw numbers, derived rates and ratios, or an error string."""
+class OpRow(Row):
+    """One op-suite case (shape, provider, mode): raw numbers, derived rates and ratios, or an error string
+    (``status`` follows from it: ``skipped: ...``, an out-of-memory error, another error)."""
 
     shape: Shape
     provider: str
@@ -212,6 +215,21 @@ class Row:
     note: str | None = None
 
     @property
+    def status(self) -> str:
+        if self.error is None:
+            return "ok"
+        if self.error.startswith("skipped: "):
+            return "skipped"
+        return "oom" if self.error.startswith("OutOfMemoryError") else "error"
+
+    @classmethod
+    def label(cls, shape: Sequence[Any]) -> str:
+        return "x".join(str(s) for s in shape)
+
+    def figures(self) -> tuple[str, str]:
+        return f"{self.ms:.4g} ms", self.mode
+
+    @property
     def extra_mib(self) -> float | None:
         return None if self.extra_bytes is None else self.extra_bytes / MIB
 
@@ -227,10 +245,10 @@ class Report:
     providers: tuple[str, ...]
     metadata: dict[str, Any]
     ceilings: Ceilings
-    rows: list[Row] = field(default_factory=list)
+    rows: list[OpRow] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
-    def row(self, shape: Shape, provider: str, mode: str) -> Row | None:
+    def row(self, shape: Shape, provider: str, mode: str) -> OpRow | None:
         """The row for (shape, provider, mode), or None."""
         for r in self.rows:
             if tuple(r.shape) == tuple(shape) and r.provider == provider and r.mode == mode:
@@ -529,9 +547,9 @@ def _measure(
     dtype: torch.dtype,
     device: torch.device,
     quick: bool,
-) -> Row:
+) -> OpRow:
     """Time (and on CUDA, for fwd and full, measure the memory of) one (shape, provider, mode)."""
-    row = Row(shape=tuple(shape), provider=provider.name, mode=mode)
+    row = OpRow(shape=tuple(shape), provider=provider.name, mode=mode)
     torch.manual_seed(0)
     inputs = suite.make_inputs(shape, dtype, device)
     if mode == "fwd" and not suite.forward_grad:
@@ -586,13 +604,13 @@ def _measure(
 
 def _measure_bwd(
     suite: Suite,
-    row: Row,
+    row: OpRow,
     forward: Callable[[], list[torch.Tensor]],
     wrt: list[torch.Tensor],
     grad_outputs: list[torch.Tensor | None],
     device: torch.device,
     quick: bool,
-) -> Row:
+) -> OpRow:
     """The ``bwd`` row: the backward alone (:func:`time_backward_ms`); with ``suite.cuda_graph`` on CUDA
     also its replays from a graph of the backward alone (:func:`capture_backward_graph`)."""
 
@@ -612,7 +630,7 @@ def _measure_bwd(
     return row
 
 
-def _finish(row: Row, cost: Cost, ceilings: Ceilings) -> Row:
+def _finish(row: OpRow, cost: Cost, ceilings: Ceilings) -> OpRow:
     row.bytes, row.flops = cost.bytes, cost.flops
     for k, v in compute_ratios(row.ms, cost, ceilings).items():
         setattr(row, k, v)
@@ -649,9 +667,8 @@ def run_suite(
     ``ceilings`` defaults to :func:`measure_ceilings` on ``device``. A provider whose setup raises
     :class:`SkipProvider` is skipped with its reason; any other exception in one case becomes
     that row's ``error`` and the run goes on.
+    The loop is :func:`cases.run_cases`'s.
     """
-    from tqdm.auto import tqdm
-
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
@@ -688,17 +705,26 @@ def run_suite(
         active.append(p)
     free_memory(device)
 
-    cases = [(s, p, m) for s in report.shapes for p in active for m in modes]
-    bar = tqdm(cases, desc=suite.name, disable=not progress, leave=False)
-    for shape, provider, mode in bar:
-        bar.set_postfix_str(f"{'x'.join(map(str, shape))} {provider.name} {mode}")
+    by_name = {p.name: p for p in active}
+
+    def execute(case: Case) -> OpRow:
         try:
-            row = _measure(suite, provider, shape, mode, dtype, device, quick)
+            row = _measure(suite, by_name[case.provider], case.shape, case.mode, dtype, device, quick)
         except SkipProvider as e:
-            row = Row(shape=shape, provider=provider.name, mode=mode, error=f"skipped: {e}")
+            row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=f"skipped: {e}")
         except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
-            row = Row(shape=shape, provider=provider.name, mode=mode, error=error_text(e))
+            row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error_text(e))
         free_memory(device)
-        report.rows.append(_finish(row, suite.cost(shape, mode, dtype), ceilings))
-    bar.close()
+        return _finish(row, suite.cost(case.shape, case.mode, dtype), ceilings)
+
+    report.rows = run_cases(
+        [Case(p.name, s, mode=m) for s in report.shapes for p in active for m in modes],
+        execute,
+        desc=suite.name,
+        describe=lambda c: f"{OpRow.label(c.shape)} {c.provider} {c.mode}",
+        skipped=report.skipped,
+        skip_provider=False,  # a provider that cannot take one shape may take the next
+        progress=progress,
+        log=None,
+    )
     return report

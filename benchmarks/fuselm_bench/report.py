@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .harness import Report, Row
+from .harness import OpRow, Report
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
@@ -206,7 +206,7 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-def cell(row: Row, col: str) -> str:
+def cell(row: OpRow, col: str) -> str:
     """A row's value of column ``col`` as the tables write it (OOM or error for a failed time)."""
     if col == "ms" and row.ms is None and row.error:
         return "OOM" if row.error.startswith("OutOfMemoryError") else "error"

@@ -82,9 +82,9 @@ from .harness import (
     Ceilings,
     Cost,
     Inputs,
+    OpRow,
     Provider,
     Report,
-    Row,
     Shape,
     Suite,
     _finish,
@@ -494,7 +494,7 @@ def run_group(plan: Plan, log: Callable[[str], None] = print) -> tuple[list[dict
 
 
 @dataclass
-class ParallelRow(Row):
+class ParallelRow(OpRow):
     """A harness row plus what each rank measured and a cross-check of the providers."""
 
     ranks: int = 1  # ranks that did the work

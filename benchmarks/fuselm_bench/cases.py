@@ -1,0 +1,170 @@
+r"""The lab's one row type and one case loop.
+
+Every suite measures *cases*: one provider at one configuration (its "shape": sizes, and names such as a
+model), in one mode or one repeat. Where a case runs is the suite's business: in this process (the op
+suites time a kernel in place, :mod:`~fuselm_bench.harness`), in a fresh worker process (one training run
+per process, :mod:`~fuselm_bench.fresh_process`), or on a group of spawned ranks
+(:mod:`~fuselm_bench.rank_group`). Whatever runs it, a case gives a :class:`Row`, and :func:`run_cases` is
+the loop over the cases of a run: the progress bar, a provider that says it cannot run is not tried again,
+a provider out of memory at batch B is not tried at B or a larger batch, every row is logged and handed to
+``on_row`` as it comes. One runner does not go through it: the vocabulary-parallel op suites
+(:mod:`~fuselm_bench.vocab_parallel`) give all their cases to one long-lived group of ranks, since a group
+per case would cost more than the millisecond cases it times; their rows are :class:`Row`\ s all the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+STATUSES = ("ok", "skipped", "oom", "error")
+GIB = 1 << 30
+
+
+def _named_shape(row: Row) -> tuple[Any, ...]:
+    return tuple(getattr(row, f) for f in type(row).SHAPE_FIELDS)
+
+
+class Row:
+    """The base of every result row (each suite's row is a dataclass of this with its figures).
+
+    What every row has: ``provider``, ``status`` (one of :data:`STATUSES`), ``error`` (None when ok),
+    ``traceback``, ``peak_bytes``, its configuration ``shape`` and a one-line :meth:`summary`. A row either
+    names its sizes as fields (``SHAPE_FIELDS``; ``TEXT_FIELDS`` of them are names, not ints), and then
+    ``shape`` is those fields' values, or has a ``shape`` field of its own (the op suites' tuples).
+    ``SHAPE_DIMS`` names the sizes in the JSON, ``SHAPE_TITLE`` heads the tables' first column,
+    ``SHAPE_FORMAT`` formats a label, ``BATCH_FIELD`` is the size whose out-of-memory skips larger ones.
+    """
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
+    SHAPE_TITLE: ClassVar[str] = ""
+    SHAPE_FORMAT: ClassVar[str] = ""
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()
+    BATCH_FIELD: ClassVar[str | None] = "batch"
+    provider: str
+    status: str
+    peak_bytes: int | None
+    error: str | None
+    traceback: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.SHAPE_FIELDS and "shape" not in cls.__dict__.get("__annotations__", {}):
+            cls.shape = property(_named_shape, doc="the values of the SHAPE_FIELDS")
+
+    @classmethod
+    def label(cls, shape: Sequence[Any]) -> str:
+        return cls.SHAPE_FORMAT.format(*shape)
+
+    def figures(self) -> tuple[str, str]:
+        """An ok row's main figure and what follows its peak memory in :meth:`summary`."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """The row's progress line: ``<provider> <shape>: <figure>, peak X GiB, <more>``, or its status and
+        error."""
+        label = f"{self.provider} {self.label(self.shape)}"
+        if self.status != "ok":
+            return f"{label}: {self.status}: {self.error}"
+        figure, more = self.figures()
+        peak = f", peak {self.peak_gib:.1f} GiB" if self.peak_gib is not None else ""
+        return f"{label}: {figure}{peak}, {more}"
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / GIB
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement to make: ``provider`` at ``shape``, in ``mode`` (the op suites' fwd / bwd / full),
+    repeat number ``repeat`` (0-based)."""
+
+    provider: str
+    shape: tuple[Any, ...]
+    mode: str | None = None
+    repeat: int = 0
+
+
+def run_cases(
+    cases: Sequence[Case],
+    execute: Callable[[Case], Row],
+    *,
+    desc: str,
+    describe: Callable[[Case], str],
+    skipped: dict[str, str],
+    repeats: int = 1,
+    batch_at: int | None = None,
+    not_run: Callable[[Case, str], Row] | None = None,
+    skip_provider: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] | None = print,
+    on_row: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """``execute(case)`` for each case in order; returns the rows.
+
+    - A provider in ``skipped`` (name -> reason) is not run. With ``skip_provider``, a row of status
+      ``skipped`` adds its provider there (and is dropped); without, it is kept as that case's row.
+    - With ``batch_at`` (the index of the batch size in a shape), a provider out of memory at batch B is
+      not run at B or a larger batch of the same other sizes: ``not_run(case, why)`` is its row instead.
+    - Each row is logged (:meth:`Row.summary`, with its repeat when ``repeats`` > 1, and its traceback) when
+      ``log`` is given, then ``on_row(rows so far)`` is called.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class R(Row):
+        ...     SHAPE_FIELDS = ("batch",)
+        ...     SHAPE_FORMAT = "B{}"
+        ...     provider: str
+        ...     batch: int
+        ...     status: str = "ok"
+        ...     error: str | None = None
+        ...     peak_bytes: int | None = None
+        ...     def figures(self):
+        ...         return "fine", "1 step"
+        >>> def execute(case):
+        ...     return R(case.provider, case.shape[0], "oom" if case.shape[0] >= 4 else "ok", "too big")
+        >>> rows = run_cases([Case("p", (b,)) for b in (2, 4, 8)], execute, desc="demo", describe=str,
+        ...                  skipped={}, batch_at=0, progress=False,
+        ...                  not_run=lambda c, why: R(c.provider, c.shape[0], "oom", why))
+        p B2: fine, 1 step
+        p B4: oom: too big
+        p B8: oom: not run: out of memory at batch 4 already
+    """
+    from tqdm.auto import tqdm
+
+    rows: list[Row] = []
+    oom_at: dict[tuple[str, tuple[Any, ...]], int] = {}  # (provider, the other sizes) -> smallest batch out
+    bar = tqdm(cases, desc=desc, disable=not progress, leave=False)
+    for case in bar:
+        if case.provider in skipped:
+            continue
+        bar.set_postfix_str(describe(case))
+        key = batch = None
+        if batch_at is not None:
+            batch = case.shape[batch_at]
+            key = (case.provider, case.shape[:batch_at] + case.shape[batch_at + 1 :])
+        if key in oom_at and batch >= oom_at[key]:
+            assert not_run is not None, "run_cases: batch_at needs not_run"
+            row = not_run(case, f"not run: out of memory at batch {oom_at[key]} already")
+        else:
+            row = execute(case)
+        if row.status == "oom" and key is not None:
+            oom_at[key] = min(batch, oom_at.get(key, batch))
+        if row.status == "skipped" and skip_provider:
+            skipped[case.provider] = row.error or "skipped"
+            if log is not None:
+                log(f"skipping provider {case.provider}: {row.error}")
+            continue
+        rows.append(row)
+        if log is not None:
+            log(row.summary() + (f" (repeat {case.repeat + 1}/{repeats})" if repeats > 1 else ""))
+            if row.traceback:
+                log(row.traceback)
+        if on_row is not None:
+            on_row(rows)
+    bar.close()
+    return rows
