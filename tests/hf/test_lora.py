@@ -19,6 +19,7 @@ from conftest import kernel_device
 from kit.hf_models import build
 
 import fuselm.hf.lora as hf_lora
+import fuselm.hf.peft_operands as peft_operands
 import fuselm.lora as L
 from fuselm.ops._common.testing import assert_numerics
 
@@ -40,7 +41,7 @@ def randn(gen, shape, dtype, scale=1.0):
 
 
 def lora_layers(model) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if type(m) in hf_lora._peft_lora_types()}
+    return {n: m for n, m in model.named_modules() if type(m) in peft_operands.peft_lora_kinds()}
 
 
 def randomize_adapters(model, gen):
@@ -135,7 +136,7 @@ def assert_masks(got, masks):
 
 def check_layer(name, layer, gen, dtype):
     """lora_linear_forward vs PEFT's forward on one layer: output, dx, dA, dB (numerics rule)."""
-    ops = hf_lora.lora_operands(layer)
+    ops = peft_operands.lora_operands(layer)
     assert not isinstance(ops, str), f"{name}: {ops}"
     base, adapter, bias = ops
     p = peft_p(layer)
@@ -196,7 +197,7 @@ def mlp_masks(x, projs, inter):
 
 
 def check_mlp(name, mlp, act, gen, dtype):
-    ops = hf_lora.gated_mlp_operands(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    ops = peft_operands.gated_mlp_operands(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     assert not isinstance(ops, str), f"{name}: {ops}"
     hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
     x = randn(gen, (*LEAD, hidden), dtype).requires_grad_()
@@ -337,7 +338,7 @@ def test_quantized_layers_and_mlps_match_peft(bits, p, gen, tmp_path, fused_call
         pytest.skip("bitsandbytes' CUDA int8 matmul quantizes activations: tests/lora compares 8-bit there")
     model = quantized_model("llama", bits, gen, tmp_path)
     pm = peft_model("llama", gen, targets="all", p=p, model=model)
-    kinds = {hf_lora._peft_lora_types()[type(m)] for m in lora_layers(pm).values()}
+    kinds = {peft_operands.peft_lora_kinds()[type(m)] for m in lora_layers(pm).values()}
     assert kinds == {f"{bits}bit"}
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -360,15 +361,15 @@ def test_a_4bit_layer_that_lost_its_weights_state_keeps_it_on_the_layer(gen, tmp
     assert isinstance(layer, bnb.nn.Linear4bit)
     want = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
     layer.quant_state = None  # as a layer whose Params4bit was made without it
-    hf_lora.keep_quant_states(model)
+    peft_operands.keep_quant_states(model)
     assert layer.quant_state is layer.weight.quant_state
     packed = layer.weight.data
     kept = layer.quant_state
     layer.quant_state = None
     layer.weight = nn.Parameter(packed.clone(), requires_grad=False)  # the state is gone with the Params4bit
-    assert "sharded by fully_shard before fuselm.hf.patch" in hf_lora.lora_operands(layer)
+    assert "sharded by fully_shard before fuselm.hf.patch" in peft_operands.lora_operands(layer)
     layer.quant_state = kept
-    base, adapter, bias = hf_lora.lora_operands(layer)
+    base, adapter, bias = peft_operands.lora_operands(layer)
     assert adapter is None and bias is None
     assert torch.equal(base.dense(), want)
 
@@ -386,11 +387,11 @@ def test_merged_and_disabled_adapters_run_the_base_layer_fused(gen, fused_calls)
     x = randn(gen, (*LEAD, layer.in_features), torch.float64)
     base = layer.base_layer
     with pm.disable_adapter():
-        ops = hf_lora.lora_operands(layer)
+        ops = peft_operands.lora_operands(layer)
         assert ops[0] is base.weight and ops[1] is None
         assert torch.allclose(hf_lora.lora_linear_forward(layer, x), base(x), rtol=0, atol=1e-12)
     pm.merge_adapter()
-    assert hf_lora.lora_operands(layer)[1] is None
+    assert peft_operands.lora_operands(layer)[1] is None
     assert torch.allclose(hf_lora.lora_linear_forward(layer, x), layer(x), rtol=0, atol=1e-12)
     assert fused_calls["lora_linear"] == 2
 
@@ -409,7 +410,7 @@ def test_disabled_while_merged_falls_back_and_unmerges(gen):
 def test_eval_mode_has_no_dropout_and_rslora_scaling(gen, fused_calls):
     pm = peft_model("qwen3", gen, torch.float64, 16, "qv", 0.1, use_rslora=True).eval()
     layer = q_proj(pm)
-    _, adapter, _ = hf_lora.lora_operands(layer)
+    _, adapter, _ = peft_operands.lora_operands(layer)
     assert adapter.dropout == 0.0 and adapter.scaling == pytest.approx((2 * 16 + 4) / 16**0.5)
     x = randn(gen, (*LEAD, layer.in_features), torch.float64)
     assert torch.allclose(hf_lora.lora_linear_forward(layer, x), layer(x), rtol=1e-12, atol=1e-12)
@@ -418,9 +419,9 @@ def test_eval_mode_has_no_dropout_and_rslora_scaling(gen, fused_calls):
 
 def test_plain_layers_are_operands_without_adapter():
     lin = nn.Linear(8, 4).requires_grad_(False)
-    assert hf_lora.lora_operands(lin) == (lin.weight, None, lin.bias)
-    assert "requires grad" in hf_lora.lora_operands(nn.Linear(8, 4))
-    assert "not nn.Linear" in hf_lora.lora_operands(nn.Conv1d(2, 2, 1))
+    assert peft_operands.lora_operands(lin) == (lin.weight, None, lin.bias)
+    assert "requires grad" in peft_operands.lora_operands(nn.Linear(8, 4))
+    assert "not nn.Linear" in peft_operands.lora_operands(nn.Conv1d(2, 2, 1))
 
 
 # ---- fallbacks: PEFT's forward, one warning per module and reason ----
@@ -482,10 +483,11 @@ def test_mlp_falls_back_naming_the_projection(gen, fused_calls):
     assert fused_calls["lora_gated_mlp"] == 0
 
 
-def test_doctests_run():
+@pytest.mark.parametrize("module", [hf_lora, peft_operands], ids=lambda m: m.__name__)
+def test_doctests_run(module):
     import doctest
 
-    result = doctest.testmod(hf_lora, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

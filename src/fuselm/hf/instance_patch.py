@@ -20,7 +20,8 @@ from torch import nn
 
 from ._common import INSTANCE_MARK, hf_class, is_peft_wrapper
 from .class_patch import original_forward
-from .lora import is_lora_linear, keep_quant_states, lora_linear_forward, register_module_names
+from .lora import lora_linear_forward, register_module_names
+from .peft_operands import is_lora_linear, keep_quant_states
 from .plan import Plan, forward_for
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
 from .rotary import add_user, has_rope, remove_user

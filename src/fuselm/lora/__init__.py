@@ -1,4 +1,5 @@
-"""Fused LoRA / QLoRA projections (framework-agnostic math; the PEFT side is ``fuselm.hf.lora``).
+"""Fused LoRA / QLoRA projections (framework-agnostic math; the PEFT side is ``fuselm.hf.peft_operands``
+and ``fuselm.hf.lora``).
 
 ``lora_linear`` is one projection ``x W^T + b + s * (drop(x) A^T) B^T`` and ``lora_gated_mlp`` a gated
 MLP of three, over frozen base weights that are dense tensors or quantized (``Bnb4bitWeight``,
