@@ -44,6 +44,8 @@ def list_syncs(providers: list[str], model: str) -> None:
         seen: collections.Counter = collections.Counter()
 
         def record(message, category, filename, lineno, file=None, line=None, seen=seen):
+            if "prototype" in str(message):  # set_sync_debug_mode's own notice
+                return
             frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename][-6:]
             seen[" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}({f.name})" for f in frames[::-1])] += 1
 
