@@ -28,6 +28,7 @@ def test_all_is_pinned():
         "geglu_packed",
         "rms_norm",
         "layer_norm",
+        "CapturedStep",
         "nn",
         "distributed",
         "__version__",
@@ -141,6 +142,11 @@ RULES = {
     # (tests/test_offloaded_checkpoint.py checks the "only"); fuselm.hf.offload wires it into transformers
     "offload": (
         "offload.py",
+        ("fuselm", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "triton"),
+    ),
+    # graph_step.py: a captured training step; torch and the standard library only (any model's step)
+    "graph_step": (
+        "graph_step.py",
         ("fuselm", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "triton"),
     ),
     "demo": ("demo", ("fuselm.cli",)),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fuselm import CapturedStep
 from fuselm.demo.training import Forward, sync
 
 Step = Callable[[int], torch.Tensor]
@@ -46,38 +47,19 @@ def graphed_optimizer_step(
     fused: bool,
     warmup: int = 3,
 ) -> Step:
-    """A :data:`Step` whose forward and backward replay one CUDA graph (the README's recipe for a patched
-    model, "CUDA graphs"): ``batches[i % len(batches)]`` copied into a static input, the graph replayed
-    (the loss and every parameter's gradient written into static tensors, which the parameters hold as
-    ``.grad``), then ``AdamW.step()`` (``lr`` constant). The graph is captured here, after ``warmup``
-    forward + backward passes on a side stream (they compile every kernel and settle the allocator), so
-    the first steps the caller runs are replays. CUDA tensors of one shape only; every parameter must get
-    a gradient. Returns a copy of the logged value of each step."""
+    """A :data:`Step` whose forward and backward replay one CUDA graph (:class:`fuselm.CapturedStep`, the
+    README's "CUDA graphs"): ``batches[i % len(batches)]`` copied into the static input, the graph
+    replayed, then ``AdamW.step()`` (``lr`` constant) outside it. The graph is captured here, after
+    ``warmup`` passes, so the first steps the caller runs are replays. CUDA tensors of one shape only.
+    Returns the loss of each step (what ``forward`` logs for a causal LM)."""
     params = list(params)
-    static = batches[0].clone()
-
-    def forward_backward() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        loss, logged = forward(static)
-        return logged, torch.autograd.grad(loss, params)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            forward_backward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logged, grads = forward_backward()
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
+    captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=warmup)
     optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
 
     def step(i: int) -> torch.Tensor:
-        static.copy_(batches[i % len(batches)])
-        graph.replay()
+        loss = captured(batches[i % len(batches)])
         optimizer.step()
-        return logged.clone()
+        return loss
 
     return step
 

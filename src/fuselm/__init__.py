@@ -1,6 +1,7 @@
 """fuselm: fused Triton kernels for training language models."""
 
 from . import distributed, nn
+from .graph_step import CapturedStep
 from .ops.cross_entropy import cross_entropy
 from .ops.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
@@ -23,6 +24,7 @@ __all__ = [
     "geglu_packed",
     "rms_norm",
     "layer_norm",
+    "CapturedStep",
     "nn",
     "distributed",
     "__version__",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from kit.hf_models import build, clone
 
+import fuselm
 import fuselm.hf
 from fuselm.ops._common.testing import assert_numerics
 
@@ -84,37 +85,23 @@ def test_reduce_overhead_compile_of_a_patched_model():
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_of_a_patched_step():
-    """The README's recipe: forward and backward of a patched model's step captured by hand in a CUDA
-    graph (after a warm-up on a side stream) and replayed on new batches copied into the same inputs:
-    HF's loss and gradients."""
+    """The README's recipe: a patched model's forward and backward captured in a CUDA graph by
+    fuselm.CapturedStep and replayed on new batches: HF's loss and gradients."""
     hf = _sdpa(build("llama", device=DEVICE))  # eager attention builds its mask from a host scalar
     ref = clone(hf, torch.float64)
     model = fuselm.hf.patch(clone(hf))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    static_ids, static_labels = _batch(hf.config.vocab_size, seed=1)
-
-    def step():
-        loss = model(input_ids=static_ids, labels=static_labels).loss
-        return loss, torch.autograd.grad(loss, params)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_grads = step()
+    step = fuselm.CapturedStep(
+        lambda ids, labels: model(input_ids=ids, labels=labels).loss,
+        params,
+        list(_batch(hf.config.vocab_size, seed=1)),
+    )
     for seed in (2, 3):
         ids, labels = _batch(hf.config.vocab_size, seed=seed)
-        static_ids.copy_(ids)
-        static_labels.copy_(labels)
-        graph.replay()
-        torch.cuda.synchronize()
+        loss = step(ids, labels)
         loss_hf, grads_hf = _loss_and_grads(hf, ids, labels)
         loss_ref, grads_ref = _loss_and_grads(ref, ids, labels)
-        assert_numerics("loss", static_loss, loss_hf, loss_ref, torch.float32)
-        for g, g_hf, g_ref in zip(static_grads, grads_hf, grads_ref, strict=True):
-            assert_numerics("grad", g, g_hf, g_ref, torch.float32)
+        assert_numerics("loss", loss, loss_hf, loss_ref, torch.float32)
+        for p, g_hf, g_ref in zip(params, grads_hf, grads_ref, strict=True):
+            assert_numerics("grad", p.grad, g_hf, g_ref, torch.float32)
