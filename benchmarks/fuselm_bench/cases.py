@@ -7,9 +7,9 @@ per process, :mod:`~fuselm_bench.fresh_process`), or on a group of spawned ranks
 (:mod:`~fuselm_bench.rank_group`). Whatever runs it, a case gives a :class:`Row`, and :func:`run_cases` is
 the loop over the cases of a run: the progress bar, a provider that says it cannot run is not tried again,
 a provider out of memory at batch B is not tried at B or a larger batch, every row is logged and handed to
-``on_row`` as it comes. One runner does not go through it: the vocabulary-parallel op suites
-(:mod:`~fuselm_bench.vocab_parallel`) give all their cases to one long-lived group of ranks, since a group
-per case would cost more than the millisecond cases it times; their rows are :class:`Row`\ s all the same.
+``on_row`` as it comes. A process group (:class:`~fuselm_bench.rank_group.RankGroup`) may run one case
+(finetune --world-size) or stay up for the next ones (the vocabulary-parallel op suites, whose millisecond
+cases cost less than starting a group each); ``execute`` waits for its own case either way.
 """
 
 from __future__ import annotations
@@ -89,21 +89,22 @@ class Case:
 
 
 def run_cases(
-    cases: Sequence[Case],
-    execute: Callable[[Case], Row],
+    cases: Sequence[Any],
+    execute: Callable[[Any], Row],
     *,
     desc: str,
-    describe: Callable[[Case], str],
+    describe: Callable[[Any], str],
     skipped: dict[str, str],
     repeats: int = 1,
     batch_at: int | None = None,
-    not_run: Callable[[Case, str], Row] | None = None,
+    not_run: Callable[[Any, str], Row] | None = None,
     skip_provider: bool = True,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
     on_row: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """``execute(case)`` for each case in order; returns the rows.
+    """``execute(case)`` for each case in order; returns the rows. A case is a :class:`Case` or any object
+    with its ``provider``, ``shape`` and ``repeat`` (a runner's own case type, e.g. vocab_parallel's).
 
     - A provider in ``skipped`` (name -> reason) is not run. With ``skip_provider``, a row of status
       ``skipped`` adds its provider there (and is dropped); without, it is kept as that case's row.

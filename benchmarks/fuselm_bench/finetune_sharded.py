@@ -176,15 +176,17 @@ def run_group_case(case: GroupCase, repeat: int = 0) -> DataParallelRow:
     """``case`` on a fresh group of ``case.world_size`` spawned ranks (:mod:`fuselm_bench.rank_group`);
     its row (never raises for a failure of a rank: the row says it)."""
     t0 = time.perf_counter()
-    records, failure = rank_group.run_group(
+    group = rank_group.RankGroup(
         group_rank,
         (case,),
         world_size=case.world_size,
-        case_indices=[0],
         timeout_s=case.timeout_s,
         env=group_env(case.device_type),
         prefix="fuselm-finetune-group-",
     )
+    with group:
+        group.wait_for(0)
+        records, failure = group.records(), group.failure_with_output()
     row = group_row(case, records, failure, repeat)
     row.wall_s = time.perf_counter() - t0
     return row

@@ -8,7 +8,7 @@ each case gave as one JSON line to ``rank<r>.jsonl`` in that folder (:func:`appe
 with an all-reduce of its status on every rank (:func:`finish_case`: the worst of ok, skipped, OOM, error
 wins), so all ranks go on to the next case together and a failure on one rank becomes the case's status
 on all. A rank that fails while the others are inside a collective can leave them waiting there: it first
-writes a record of its failure (``final: False``), the parent (:func:`run_group`) reads the files as they
+writes a record of its failure (``final: False``), the parent (:class:`RankGroup`) reads the files as they
 grow, and kills a group that makes no progress (``timeout_s`` without a case finishing; ``grace_s`` once a
 rank has reported a failure).
 """
@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ def join_group(
 
 def capture_output(out_dir: str | Path, rank: int) -> None:
     """Send this process's stdout and stderr (file descriptors 1 and 2: Python's, C libraries') to
-    ``rank<r>.log`` in the group's folder; :func:`run_group` quotes its tail when the group fails."""
+    ``rank<r>.log`` in the group's folder; :class:`RankGroup` quotes its tail when the group fails."""
     import sys
 
     sys.stdout.flush()
@@ -173,64 +173,102 @@ def environment(extra: dict[str, str] | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run_group(
-    entry: Callable[..., None],
-    args: tuple[Any, ...],
-    *,
-    world_size: int,
-    case_indices: Sequence[int],
-    timeout_s: float,
-    grace_s: float = FAILED_GRACE_S,
-    on_case: Callable[[int, list[dict[str, Any]]], None] | None = None,
-    env: dict[str, str] | None = None,
-    prefix: str = "fuselm-rank-group-",
-) -> tuple[list[dict[str, Any]], str | None]:
-    """Spawn ``world_size`` processes ``entry(rank, *args, init_file, out_dir)`` (with ``env`` set in
-    their environment), which run the cases ``case_indices`` in that order; return every record they wrote
-    and why the group stopped early (None if it finished). ``on_case(index, final records)`` is called as
-    each case finishes on every rank. A group with no case finished for ``timeout_s``, or for ``grace_s``
-    after a rank said the case failed, is killed."""
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
+class RankGroup:
+    """``world_size`` spawned processes ``entry(rank, *args, init_file, out_dir)`` (with ``env`` set in their
+    environment) that run their cases in order, and the parent waiting for those cases one at a time
+    (:meth:`wait_for`): the process-group way of running :func:`cases.run_cases`'s cases. A group with no
+    case finished for ``timeout_s``, or for ``grace_s`` after a rank said the case failed, is killed; a
+    stopped group stays stopped (:attr:`failure` says why). Use it as a context manager (:meth:`close`)."""
 
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, environment(env):
-        ctx = mp.start_processes(
-            entry,
-            args=(*args, str(Path(tmp) / "init"), tmp),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        done, last, failure = 0, time.monotonic(), None
-        noticed_at: float | None = None  # when a rank first said the current case failed
+    def __init__(
+        self,
+        entry: Callable[..., None],
+        args: tuple[Any, ...],
+        *,
+        world_size: int,
+        timeout_s: float,
+        grace_s: float = FAILED_GRACE_S,
+        env: dict[str, str] | None = None,
+        prefix: str = "fuselm-rank-group-",
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
+        self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self.folder = Path(self._tmp.name)
+        with environment(env):
+            self._ctx = mp.start_processes(
+                entry,
+                args=(*args, str(self.folder / "init"), self._tmp.name),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
+        self._progress_at = time.monotonic()  # when the group last finished a case (or started)
+        self.exited = False
+        self.failure: str | None = None
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record the ranks have written so far (:func:`read_records`)."""
+        return read_records(self.folder)
+
+    def wait_for(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
+        """Wait until case ``index`` is final on every rank: its final records and None; or, when the group
+        stopped first (exited, a rank died, killed for no progress), the records so far and why."""
+        from torch.multiprocessing.spawn import ProcessException
+
+        noticed_at: float | None = None  # when a rank first said this case failed
         while True:
+            records = self.records()
+            finished = case_records(records, index)
+            if len(finished) >= self.world_size:
+                self._progress_at = time.monotonic()
+                return finished, None
+            if self.exited or self.failure is not None:
+                self.failure = self.failure or f"the ranks exited before case {index} finished"
+                return records, self.failure
             try:
-                exited = ctx.join(POLL_S)
+                self.exited = self._ctx.join(POLL_S)
             except ProcessException as e:  # join() has ended the other ranks
-                exited, failure = True, failure_text(e)
-            records = read_records(Path(tmp))
-            while done < len(case_indices):
-                finished = case_records(records, case_indices[done])
-                if len(finished) < world_size:
-                    break
-                if on_case is not None:
-                    on_case(case_indices[done], finished)
-                done, last, noticed_at = done + 1, time.monotonic(), None
-            if exited:
-                break
+                self.exited, self.failure = True, failure_text(e)
             now = time.monotonic()
-            if noticed_at is None and done < len(case_indices):
-                noticed_at = now if case_records(records, case_indices[done], final=False) else None
-            limit, since = (timeout_s, last) if noticed_at is None else (grace_s, noticed_at)
-            if now - since > limit:
-                failure = f"no progress for {limit:.0f} s (ranks stuck, e.g. in a collective); killed"
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                for p in ctx.processes:
-                    p.join()
+            if noticed_at is None and case_records(records, index, final=False):
+                noticed_at = now
+            limit, since = (
+                (self.timeout_s, self._progress_at) if noticed_at is None else (self.grace_s, noticed_at)
+            )
+            if not self.exited and now - since > limit:
+                self.failure = f"no progress for {limit:.0f} s (ranks stuck, e.g. in a collective); killed"
+                self._kill()
+
+    def failure_with_output(self) -> str | None:
+        """:attr:`failure` with the tail of each rank's captured output (:func:`capture_output`)."""
+        if self.failure is None:
+            return None
+        tails = output_tails(self.folder)
+        return self.failure + (f"\n{tails}" if tails else "")
+
+    def _kill(self) -> None:
+        for p in self._ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self._ctx.processes:
+            p.join()
+        self.exited = True
+
+    def close(self) -> None:
+        """Wait for ranks that are finishing (``timeout_s`` at most), kill what is left, remove the folder."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.exited and time.monotonic() < deadline:
+            try:
+                self.exited = self._ctx.join(POLL_S)
+            except Exception:  # noqa: BLE001 - a rank failing while it ends: what it wrote stays read
                 break
-        if failure is not None:
-            tails = output_tails(Path(tmp))
-            failure += f"\n{tails}" if tails else ""
-        return read_records(Path(tmp)), failure
+        self._kill()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

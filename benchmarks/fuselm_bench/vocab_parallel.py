@@ -77,6 +77,7 @@ from . import linear_cross_entropy as lce
 from . import linear_log_probs as llp
 from . import rank_group
 from .arguments import StepCounts, results_dir
+from .cases import run_cases
 from .harness import (
     MIB,
     Ceilings,
@@ -339,9 +340,12 @@ def make_suite(op: str, world_size: int) -> Suite:
 
 @dataclass(frozen=True)
 class Case:
+    """One (shape, provider) of a run; ``index`` orders the run's cases (what the ranks agree on)."""
+
     index: int
     shape: Shape
     provider: str
+    repeat: int = 0  # one measurement per case (run_cases's field)
 
 
 @dataclass(frozen=True)
@@ -475,17 +479,13 @@ _case_records = rank_group.case_records
 _rank_error = rank_group.rank_error
 
 
-def run_group(plan: Plan, log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], str | None]:
-    """Run ``plan`` on ``plan.world_size`` spawned ranks (:func:`rank_group.run_group`); return their
-    records and why the group stopped early (None if it finished). Logs a line per finished case."""
-    by_index = {c.index: c for c in plan.cases}
-    return rank_group.run_group(
+def start_group(plan: Plan) -> rank_group.RankGroup:
+    """``plan``'s cases on ``plan.world_size`` fresh spawned ranks (:func:`_worker`)."""
+    return rank_group.RankGroup(
         _worker,
         (plan,),
         world_size=plan.world_size,
-        case_indices=[c.index for c in plan.cases],
         timeout_s=plan.timeout_s,
-        on_case=lambda index, finished: log(case_line(by_index[index], finished)),
         prefix="fuselm-vocab-parallel-",
     )
 
@@ -677,44 +677,60 @@ def run(
     one for the cases left."""
     suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
-    records: list[dict[str, Any]] = []
-    failed: dict[int, str] = {}
-    pending, first = cases, True
-    while pending:
-        plan = Plan(
-            op,
-            world_size,
-            device_type,
-            dtype,
-            max(warmup, 1),
-            steps,
-            quick,
-            tuple(pending),
-            first,
-            CASE_TIMEOUT_S[device_type],
-        )
-        got, failure = run_group(plan, log)
-        records += got if first else [r for r in got if r["kind"] == "case"]
-        first = False
-        finished = [c for c in pending if len(_case_records(got, c.index)) == world_size]
-        rest = [c for c in pending if c not in finished]
-        if not rest:
-            break
-        notice = _case_records(got, rest[0].index, final=False)
-        failed[rest[0].index] = _rank_error(notice[0]) if notice else (failure or "the ranks stopped early")
-        where = f"{shape_label(rest[0].shape)} {rest[0].provider}"
-        log(f"{where}: {failed[rest[0].index]}" + (_traceback(notice[0]) if notice else ""))
-        if not finished and not notice:  # no progress and no reason: a fresh group would fail the same way
-            for c in rest[1:]:
-                failed[c.index] = f"not run: {failure}"
-            break
-        pending = rest[1:]
+    state: dict[str, Any] = {"group": None, "rank_info": [], "ceilings": Ceilings(), "gave_up": None}
 
-    rank_info = sorted(
-        ({k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "rank"),
-        key=lambda r: r["rank"],
-    )
-    ceilings = Ceilings(**rank_info[0]["ceilings"]) if rank_info and rank_info[0]["ceilings"] else Ceilings()
+    def group_for(case: Case) -> rank_group.RankGroup:
+        """The live group, or a fresh one for this case and the ones after it (the first measures the
+        ceilings)."""
+        if state["group"] is None:
+            first = not state["rank_info"]
+            rest = tuple(c for c in cases if c.index >= case.index)
+            plan = Plan(op, world_size, device_type, dtype, max(warmup, 1), steps, quick, rest, first,
+                        CASE_TIMEOUT_S[device_type])  # fmt: skip
+            state["group"], state["fresh"] = start_group(plan), True
+        return state["group"]
+
+    def execute(case: Case) -> ParallelRow:
+        if state["gave_up"] is not None:
+            return case_row(
+                suite, case, [], world_size, dtype, state["ceilings"], f"not run: {state['gave_up']}"
+            )
+        group = group_for(case)
+        finished, failure = group.wait_for(case.index)
+        if not state["rank_info"]:
+            ranks = [r for r in group.records() if r["kind"] == "rank"]
+            state["rank_info"] = sorted(({k: v for k, v in r.items() if k != "kind"} for r in ranks),
+                                        key=lambda r: r["rank"])  # fmt: skip
+            if state["rank_info"] and state["rank_info"][0]["ceilings"]:
+                state["ceilings"] = Ceilings(**state["rank_info"][0]["ceilings"])
+        if failure is None:
+            state["fresh"] = False
+            log(case_line(case, finished))
+            return case_row(suite, case, finished, world_size, dtype, state["ceilings"])
+        notice = _case_records(group.records(), case.index, final=False)
+        why = _rank_error(notice[0]) if notice else (group.failure_with_output() or "the ranks stopped early")
+        log(f"{shape_label(case.shape)} {case.provider}: {why}" + (_traceback(notice[0]) if notice else ""))
+        if state["fresh"] and not notice:  # no progress and no reason: a fresh group would fail the same way
+            state["gave_up"] = group.failure_with_output() or "the ranks stopped early"
+        group.close()
+        state["group"] = None
+        return case_row(suite, case, [], world_size, dtype, state["ceilings"], why)
+
+    try:
+        rows = run_cases(
+            cases,
+            execute,
+            desc=f"{op} x{world_size}",
+            describe=lambda c: f"{shape_label(c.shape)} {c.provider}",
+            skipped={},
+            skip_provider=False,  # the ranks agree per case; a provider skipped on one shape may run the next
+            progress=False,
+            log=None,  # each case logs its own line (case_line: the slowest rank, the loss)
+        )
+    finally:
+        if state["group"] is not None:
+            state["group"].close()
+    rank_info, ceilings = state["rank_info"], state["ceilings"]
     report = Report(
         suite=suite,
         dtype=dtype,
@@ -723,19 +739,8 @@ def run(
         providers=tuple(providers),
         metadata=dict(metadata or {}),
         ceilings=ceilings,
+        rows=rows,
     )
-    for case in cases:
-        report.rows.append(
-            case_row(
-                suite,
-                case,
-                _case_records(records, case.index),
-                world_size,
-                dtype,
-                ceilings,
-                failed.get(case.index),
-            )
-        )
     skipped = {
         r.provider: r.error.removeprefix("skipped: ")
         for r in report.rows

@@ -584,7 +584,7 @@ def test_cli_world_size_2_cpu_qlora_fuselm(tmp_path, capsys, reference_path):
 
 
 def _failing_rank(rank: int, stuck: bool, init_file: str, out_dir: str) -> None:
-    """A rank of :func:`rank_group.run_group`: rank 1 fails; rank 0 agrees with it, or (``stuck``) waits
+    """A rank of a :class:`rank_group.RankGroup`: rank 1 fails; rank 0 agrees with it, or (``stuck``) waits
     forever as if inside a collective."""
     import time
 
@@ -616,9 +616,9 @@ def test_a_failing_rank_ends_the_group_and_marks_the_row(stuck):
     failing rank's error."""
     from fuselm_bench import rank_group
 
-    records, failure = rank_group.run_group(
-        _failing_rank, (stuck,), world_size=2, case_indices=[0], timeout_s=120.0, grace_s=2.0
-    )
+    with rank_group.RankGroup(_failing_rank, (stuck,), world_size=2, timeout_s=120.0, grace_s=2.0) as group:
+        group.wait_for(0)
+        records, failure = group.records(), group.failure
     if stuck:
         assert failure is not None and failure.startswith("no progress for 2 s")
     else:
@@ -626,3 +626,36 @@ def test_a_failing_rank_ends_the_group_and_marks_the_row(stuck):
         assert [r["agreed"] for r in rank_group.case_records(records, 0)] == ["error", "error"]
     row = finetune_sharded.group_row(_case(), records, failure)
     assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)"
+
+
+def _ranks_with_a_death(rank: int, die_at: int, init_file: str, out_dir: str) -> None:
+    """Two ranks running cases 0, 1, 2; at case ``die_at`` rank 1 exits at once (a crash: no record)."""
+    import os
+
+    import torch.distributed as dist
+    from fuselm_bench import rank_group
+
+    path = Path(out_dir) / f"rank{rank}.jsonl"
+    device = rank_group.join_group(rank, 2, "cpu", init_file, 60.0)
+    for index in range(3):
+        if index == die_at and rank == 1:
+            os._exit(3)
+        record = {"kind": "case", "index": index, "rank": rank, "status": "ok", "step_ms": float(index)}
+        rank_group.finish_case(record, path, device)
+    dist.destroy_process_group()
+
+
+def test_a_group_is_waited_for_case_by_case_and_a_crash_ends_it():
+    """RankGroup.wait_for returns each case's final records as the ranks finish it; after a rank crashes,
+    the case it was in and every later one report the failure (the runner starts a fresh group)."""
+    from fuselm_bench import rank_group
+
+    with rank_group.RankGroup(_ranks_with_a_death, (1,), world_size=2, timeout_s=120.0, grace_s=2.0) as group:
+        finished, failure = group.wait_for(0)
+        assert failure is None and sorted(r["rank"] for r in finished) == [0, 1]
+        assert {r["agreed"] for r in finished} == {"ok"}
+        finished, failure = group.wait_for(1)
+        assert failure is not None and ("a rank failed" in failure or "no progress" in failure), failure
+        assert group.wait_for(2)[1] == failure  # a stopped group stays stopped
+    with rank_group.RankGroup(_ranks_with_a_death, (-1,), world_size=2, timeout_s=120.0) as group:
+        assert [group.wait_for(i)[1] for i in range(3)] == [None, None, None]
