@@ -10,7 +10,7 @@ initialised causal LMs for three providers:
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
 - ``fuselm-graph`` (opt-in: not in the default providers): the same model, its forward and backward
-  captured once in a CUDA graph and replayed every step, AdamW outside the graph (the README's recipe,
+  captured once in a CUDA graph and replayed every step, AdamW outside the graph (``fuselm.CapturedStep``,
   :func:`fuselm_bench.step_timing.graphed_optimizer_step`): what the host costs once Python and the launches
   are gone from the step. Needs CUDA; skipped with the reason otherwise.
 
@@ -79,8 +79,8 @@ PROVIDER_DESCRIPTIONS = {
     "liger": "transformers + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
     "fuselm-graph": (
-        "fuselm's model with forward + backward captured in one CUDA graph and replayed each step, AdamW "
-        "outside it (the README's recipe; opt-in: --providers ...,fuselm-graph)"
+        "fuselm's model with forward + backward captured in one CUDA graph and replayed each step "
+        "(fuselm.CapturedStep), AdamW outside it (opt-in: --providers ...,fuselm-graph)"
     ),
 }
 SEED = 0
