@@ -35,6 +35,7 @@ def _linear_step():
         (dict(example_inputs=torch.ones(3)), "example_inputs must be a sequence of tensors"),
         (dict(example_inputs=[3.0]), r"example_inputs\[0\] must be a CUDA tensor, got float"),
         (dict(params=[]), "params is empty"),
+        (dict(example_inputs=[]), "example_inputs is empty"),
         (dict(params=[torch.ones(3)]), r"params\[0\] must be a tensor that requires grad"),
         (dict(loss_fn=3), "loss_fn must be callable"),
     ],

@@ -79,6 +79,8 @@ class CapturedStep:
         if isinstance(example_inputs, torch.Tensor):
             raise TypeError("example_inputs must be a sequence of tensors (wrap a single tensor in a list)")
         examples = list(example_inputs)
+        if not examples:
+            raise ValueError("example_inputs is empty: give the step's input tensors (e.g. [input_ids])")
         for i, t in enumerate(examples):
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 where = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a tensor on {t.device}"
