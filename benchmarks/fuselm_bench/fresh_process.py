@@ -585,20 +585,19 @@ def write_bars(
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(panel_title)
         if not mark_failures:
-            if providers:
-                ax.legend(fontsize=8)
             continue
         ax.set_xlim(-0.5, len(labels) - 0.5)
         ax.set_xlabel(bench.row_type.SHAPE_TITLE)
-        if any_value:
-            ax.legend(fontsize=8)
-        else:
+        if not any_value:
             ax.set_yticks([])
             text = "n/a (no CUDA)" if report.device_type != "cuda" else "no results"
             ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
     fig.suptitle(f"fuselm bench {bench.name}{title}, {dtype}, {report.metadata.get('device')}", fontsize=10)
-    fig.tight_layout()
+    if providers:  # one legend for every panel, below them (a legend per panel hides bars)
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", ncol=len(providers), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07 if providers else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
