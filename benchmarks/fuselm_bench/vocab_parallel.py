@@ -677,7 +677,15 @@ def run(
     one for the cases left."""
     suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
-    state: dict[str, Any] = {"group": None, "rank_info": [], "ceilings": Ceilings(), "gave_up": None}
+    # the live group (None between groups), whether it has finished no case yet, what the first group said
+    # of the ranks (device, ceilings), and why the cases left are not run (a fresh group failed at once)
+    state: dict[str, Any] = {
+        "group": None,
+        "fresh": False,
+        "rank_info": [],
+        "ceilings": Ceilings(),
+        "gave_up": None,
+    }
 
     def group_for(case: Case) -> rank_group.RankGroup:
         """The live group, or a fresh one for this case and the ones after it (the first measures the
