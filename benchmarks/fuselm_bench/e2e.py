@@ -9,6 +9,9 @@ initialised causal LMs for three providers:
   an importable ``liger_kernel``; skipped with the reason otherwise.
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
+- ``fuselm-layer`` (opt-in: not in the default providers): ``fuselm.hf.patch(model, fused_layer=True)``,
+  each decoder layer as two autograd nodes around HF's attention, made from transformers' source (Llama's
+  layers; Qwen 3's: its attention's q, k, v projections as one node): less host time per step.
 - ``fuselm-graph`` (opt-in: not in the default providers): the same model, its forward and backward
   captured once in a CUDA graph and replayed every step, AdamW outside the graph (``fuselm.CapturedStep``,
   :func:`fuselm_bench.step_timing.graphed_optimizer_step`): what the host costs once Python and the launches
@@ -72,12 +75,16 @@ from .report import fmt_num, md_table
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
-PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "fuselm-graph")
+PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "fuselm-layer", "fuselm-graph")
 DEFAULT_PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm")
 PROVIDER_DESCRIPTIONS = {
     "hf": "transformers, eager modules, SDPA attention",
     "liger": "transformers + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
+    "fuselm-layer": (
+        "transformers + fuselm.hf.patch(model, fused_layer=True): two autograd nodes per decoder layer "
+        "(opt-in: --providers ...,fuselm-layer)"
+    ),
     "fuselm-graph": (
         "fuselm's model with forward + backward captured in one CUDA graph and replayed each step "
         "(fuselm.CapturedStep), AdamW outside it (opt-in: --providers ...,fuselm-graph)"
@@ -301,10 +308,10 @@ def build_model(
     config = training.causal_lm_config(shape.family, shape.settings(preset.tiny), "sdpa")
     torch.manual_seed(seed)
     built = training.build_causal_lm(config, device, dtype)
-    if provider in ("fuselm", "fuselm-graph"):
+    if provider in ("fuselm", "fuselm-layer", "fuselm-graph"):
         import fuselm.hf
 
-        fuselm.hf.patch(built)
+        fuselm.hf.patch(built, fused_layer=provider == "fuselm-layer")
     return built
 
 

@@ -126,7 +126,7 @@ def make_cases(rows: int, dtype: torch.dtype, sizes=(2048, 8192, 32000)):
         (xa, wq, wk, wv),
     )
 
-    # the two nodes of a decoder layer (the default patch's layer) against HF's modules' torch ops:
+    # the two nodes of a decoder layer (patch(..., fused_layer=True)) against HF's modules' torch ops:
     # input norm + q, k, v + RoPE; o_proj + residual add + post-attention norm + gated MLP + last add
     from fuselm.ops.decoder_layer import attention_output_mlp, norm_qkv_rotary
 

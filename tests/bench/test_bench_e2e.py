@@ -170,6 +170,24 @@ def test_hf_and_fuselm_start_from_the_same_weights(model):
         fuselm.hf.unpatch(fl)
 
 
+def test_layer_provider_is_opt_in_and_patches_with_fused_layer():
+    """fuselm-layer runs only when asked for; its model is fuselm's with fused_layer=True (the decoder
+    layers run fuselm's two-node forward; the plain fuselm provider's stay HF's), from the same weights."""
+    import fuselm.hf
+
+    assert "fuselm-layer" in e2e.BENCH.providers and "fuselm-layer" not in e2e.DEFAULT_PROVIDERS
+    models = [e2e.build_model(e2e.CPU_PRESET, p, torch.float32, CPU) for p in ("fuselm", "fuselm-layer")]
+    try:
+        plain, fused = (m.model.layers[0] for m in models)
+        assert "forward" not in vars(plain)  # its class's, HF's
+        assert fused.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
+        for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
+            assert torch.equal(a, b), name
+    finally:
+        for m in models:
+            fuselm.hf.unpatch(m)
+
+
 def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
     """The Qwen3 path of a worker (without the process): a tiny Qwen3ForCausalLM, with q/k norms, trains;
     the CPU figures are there, the GPU ones are not (no CUDA)."""

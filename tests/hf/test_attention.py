@@ -1,6 +1,9 @@
 """fuselm.hf.attention: the attention forward made from Hugging Face's own source with the q, k, v
-projections and the RoPE call as one node (fuselm.ops.rope.qkv_rotary); when it runs, when it falls back
-to HF's statements, and what happens when the installed source differs."""
+projections and the RoPE call as one node (fuselm.ops.rope.qkv_rotary), opt-in (fused_layer=True); when
+it runs, when it falls back to HF's statements, and what happens when the installed source differs.
+
+Granite's attention is Llama's but its decoder layer is not (residual multipliers): its layers run their
+modules, so its attention's own forward runs under fused_layer=True (Llama's layers run as two nodes)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 def _unpatched():
     yield
     fuselm.hf.unpatch("llama")
+    fuselm.hf.unpatch("granite")
 
 
 @pytest.fixture
@@ -55,9 +59,9 @@ def _compare(ours, eager, ids):
         assert_numerics(name, outs[2][1][name], outs[1][1][name], outs[0][1][name], torch.float32)
 
 
-def test_patched_llama_attention_runs_one_fused_node_per_layer(fused_calls):
-    eager = build("llama")
-    ours = fuselm.hf.patch(clone(eager), fused_layer=False)  # the attention alone
+def test_patched_attention_runs_one_fused_node_per_layer(fused_calls):
+    eager = build("granite")
+    ours = fuselm.hf.patch(clone(eager), fused_layer=True)
     ids = torch.randint(0, eager.config.vocab_size, (2, 12))
     _compare(ours, eager, ids)
     assert len(fused_calls) == eager.config.num_hidden_layers
@@ -71,8 +75,8 @@ def test_patched_llama_attention_runs_one_fused_node_per_layer(fused_calls):
 
 def test_hooked_projection_falls_back_to_hf_statements(fused_calls):
     """A forward hook on q_proj (or a PEFT / bitsandbytes layer): HF's statements run, with the hook."""
-    eager = build("llama")
-    ours = fuselm.hf.patch(clone(eager), fused_layer=False)
+    eager = build("granite")
+    ours = fuselm.hf.patch(clone(eager), fused_layer=True)
     seen = []
     for model in (eager, ours):
         model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
@@ -82,10 +86,17 @@ def test_hooked_projection_falls_back_to_hf_statements(fused_calls):
     assert len(seen) == 2  # the hook ran in HF's model and in fuselm's (the float64 twin has none)
 
 
-def test_unpatch_restores_hf_forward():
-    model = fuselm.hf.patch(build("llama"))
-    fuselm.hf.unpatch(model)
+def test_only_fused_layer_swaps_the_attention_forward_and_unpatch_restores_it(fused_calls):
+    """The default patch leaves the attention's forward HF's (its RoPE call runs fuselm's kernel);
+    fused_layer=True gives it fuselm's; unpatching takes it out."""
+    model = fuselm.hf.patch(build("granite"))
     attn = model.model.layers[0].self_attn
+    assert "forward" not in vars(attn)
+    model(input_ids=torch.randint(0, model.config.vocab_size, (2, 12)))
+    assert not fused_calls
+    fuselm.hf.patch(model, fused_layer=True)
+    assert vars(attn)["forward"].func.__qualname__ == "fuselm_GraniteAttention.forward"
+    fuselm.hf.unpatch(model)
     assert "forward" not in vars(attn)
 
 
@@ -141,8 +152,8 @@ def test_patched_model_under_autocast(fused_calls):
     runs (its operands cast as nn.Linear's are), and the loss and every gradient (fp32) follow HF's under
     the same autocast, against the float64 model (numerics rule at bf16)."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    eager = build("llama", device=device_type)
-    ours = fuselm.hf.patch(clone(eager))
+    eager = build("granite", device=device_type)
+    ours = fuselm.hf.patch(clone(eager), fused_layer=True)
     ref = clone(eager, torch.float64)
     ids = torch.randint(0, eager.config.vocab_size, (2, 12)).to(device_type)
     results = []

@@ -2,7 +2,8 @@
 opt-in: ``fuselm.hf.patch(..., fused_residual=True)``): which families get it, that a patched tiny model
 computes HF's loss, logits and every gradient under the numerics rule (fp32 and bf16, float64 reference),
 that the call reaches HF's attention exactly as HF's forward makes it, gradient checkpointing, PEFT, the
-fallbacks, that unpatching and the flag leave HF's layer, and that the default patch reads no source.
+fallbacks, that unpatching and the flag leave HF's layer, and that the default patch reads no source;
+then the two-node layer (opt-in: ``fused_layer=True``).
 
 The models are patched with only the norms and the fused residual (``rope=False, swiglu=False``, HF's
 loss on its logits), so that what is compared is the layer itself; test_families.py runs every family
@@ -24,7 +25,7 @@ from conftest import triton_path
 from kit.hf_models import ALL_TYPES, build, clone
 
 import fuselm.hf
-from fuselm.hf import _common, decoder_layer, layer_layout
+from fuselm.hf import _common, attention, decoder_layer, layer_layout
 from fuselm.hf.registry import FAMILIES, LAYER_NOT_FUSED, family
 from fuselm.ops._common.testing import assert_numerics
 
@@ -485,13 +486,9 @@ def test_the_fused_residual_is_opt_in(by, fused_calls):
         fuselm.hf.patch(target, fused_residual=True, rms_norm=False)
 
 
-def test_source_is_read_once_per_class(monkeypatch):
-    """The default patch (the two-node layer, the fused attention input) reads the installed source once per
-    class, when its forward is first built: patching again parses nothing (no ast.parse, no
-    inspect.getsource / findsource) for an instance or a class patch, and the patched model trains; a
-    forward not built yet does read the layer's source, which the same guards stop."""
-    model = build("llama")
-    fuselm.hf.patch(build("llama"))  # builds (and caches) the forwards
+def _refuse_source_reading(guard):
+    """Make ast.parse, inspect.getsource and inspect.findsource raise AssertionError (under ``guard``, a
+    monkeypatch context)."""
 
     def refuse(name):
         def refused(*args, **kwargs):
@@ -499,18 +496,45 @@ def test_source_is_read_once_per_class(monkeypatch):
 
         return refused
 
+    guard.setattr(ast, "parse", refuse("ast.parse"))
+    guard.setattr(inspect, "getsource", refuse("inspect.getsource"))
+    guard.setattr(inspect, "findsource", refuse("inspect.findsource"))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma", "granite"])
+def test_the_default_patch_reads_no_source(model_type, monkeypatch):
+    """The default patch, of an instance or of the family's classes, never reads transformers' source (no
+    ast.parse, no inspect.getsource / findsource), also with nothing built and cached before, and the
+    patched model trains through fuselm's forwards."""
+    attention.attention_forward.cache_clear()
+    decoder_layer.decoder_layer_forward.cache_clear()
     with monkeypatch.context() as guard:
-        guard.setattr(ast, "parse", refuse("ast.parse"))
-        guard.setattr(inspect, "getsource", refuse("inspect.getsource"))
-        guard.setattr(inspect, "findsource", refuse("inspect.findsource"))
-        fuselm.hf.patch(model)
-        fuselm.hf.patch("llama")
+        _refuse_source_reading(guard)
+        model = fuselm.hf.patch(build(model_type))
+        fuselm.hf.patch(model_type)
+        out = _step(model, *_batch(model.config.vocab_size))
+        fuselm.hf.unpatch(model_type)
+    assert out.logits is None and torch.isfinite(out.loss)
+    assert model.forward.__func__.__qualname__.startswith("fuselm_")
+
+
+def test_fused_layer_reads_the_source_once_per_class(monkeypatch):
+    """fused_layer=True (the two-node layer, the fused attention input) reads the installed source once per
+    class, when its forward is first built: patching again parses nothing for an instance or a class patch,
+    and the patched model trains; a forward not built yet does read the layer's source, which the same
+    guards stop."""
+    model = build("llama")
+    fuselm.hf.patch(build("llama"), fused_layer=True)  # builds (and caches) the forwards
+    with monkeypatch.context() as guard:
+        _refuse_source_reading(guard)
+        fuselm.hf.patch(model, fused_layer=True)
+        fuselm.hf.patch("llama", fused_layer=True)
         decoder_layer.decoder_layer_forward.cache_clear()  # not cached: built from the source again
         with pytest.raises(AssertionError, match="called on the patch path"):
             fuselm.hf.patch(build("llama"), fused_residual=True)
     out = _step(model, *_batch(300))
     assert out.logits is None and torch.isfinite(out.loss)
-    assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
+    assert model.model.layers[0].forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
 
 
 def test_class_patch_reaches_fsdp2_classes_made_before_and_during_it(fused_calls):
@@ -575,7 +599,7 @@ def test_torch_compile_fullgraph_takes_the_fused_path(fused_calls):
     torch._dynamo.reset()
 
 
-# ---- the two-node layer (fused_layer=True, the default) ----
+# ---- the two-node layer (fused_layer=True, opt-in) ----
 
 TWO_NODE_TYPES = ("llama", "mistral", "qwen2", "gemma")  # gemma: (1 + weight) norms, GeLU-tanh
 
@@ -598,7 +622,7 @@ def two_node_calls(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model_type", TWO_NODE_TYPES)
 def test_two_node_layer_matches_hf(model_type, dtype, checkpointing, two_node_calls):
-    """The default patch runs every decoder layer as two nodes around HF's attention (Mistral's and Qwen 2's
+    """fused_layer=True runs every decoder layer as two nodes around HF's attention (Mistral's and Qwen 2's
     sliding-window arguments, Qwen 2's q, k, v biases, Gemma's norms and GeGLU reach it): loss, logits and
     every gradient follow the numerics rule against HF's (float64 reference), with and without gradient
     checkpointing."""
@@ -606,7 +630,8 @@ def test_two_node_layer_matches_hf(model_type, dtype, checkpointing, two_node_ca
         pytest.skip("the Triton interpreter truncates fp32 to bf16: bf16 is checked on the GPU")
     eager = build(model_type, dtype=dtype)
     models = [clone(eager, torch.float64), eager, clone(eager)]
-    models[2] = fuselm.hf.patch(models[2], linear_cross_entropy=False)  # logits, to compare them too
+    # HF's loss on the logits, to compare them too
+    models[2] = fuselm.hf.patch(models[2], linear_cross_entropy=False, fused_layer=True)
     if checkpointing:
         for m in models:
             _checkpointing(m, use_reentrant=False)
@@ -625,7 +650,7 @@ def test_two_node_layer_under_autocast_runs_the_modules_and_says_so(two_node_cal
     warning naming the reason."""
     monkeypatch.setattr(_common, "_warned", set())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    model = fuselm.hf.patch(build("llama", device=device_type))
+    model = fuselm.hf.patch(build("llama", device=device_type), fused_layer=True)
     ids, labels = _batch(300)
     with torch.autocast(device_type, dtype=torch.bfloat16):
         why = "LlamaDecoderLayer runs its modules: autocast to torch.bfloat16 over torch.float32"
@@ -638,7 +663,7 @@ def test_two_node_layer_under_autocast_to_the_models_dtype(two_node_calls):
     """A bf16 model under bf16 autocast (Trainer's bf16=True): autocast casts nothing, the two nodes run,
     silently, and the loss and gradients are those of the same model without autocast, bit for bit."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    model = fuselm.hf.patch(build("llama", dtype=torch.bfloat16, device=device_type))
+    model = fuselm.hf.patch(build("llama", dtype=torch.bfloat16, device=device_type), fused_layer=True)
     ids, labels = (t.to(device_type) for t in _batch(300))
     runs = []
     for cast in (False, True):
@@ -653,26 +678,40 @@ def test_two_node_layer_under_autocast_to_the_models_dtype(two_node_calls):
 def test_two_node_layer_not_where_hooks_or_adapters_are(two_node_calls):
     """A hook on the MLP, or PEFT LoRA layers on the projections: the layer runs its modules (hooks run,
     the adapters take fuselm.lora's path), silently (it is their designed path)."""
-    model = fuselm.hf.patch(build("llama"))
+    model = fuselm.hf.patch(build("llama"), fused_layer=True)
     seen = []
     model.model.layers[0].mlp.register_forward_hook(lambda *a: seen.append(1))
     _step(model, *_batch(300))
     assert seen == [1] and len(two_node_calls) == 1  # the other layer took the two nodes
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
-    fuselm.hf.patch(lora)
+    fuselm.hf.patch(lora, fused_layer=True)
     two_node_calls.clear()
     _step(lora, *_batch(300))
     assert not two_node_calls
 
 
-def test_fused_layer_false_keeps_hf_layers():
-    model = fuselm.hf.patch(build("llama"), fused_layer=False)
+def test_the_two_node_layer_is_opt_in():
+    model = fuselm.hf.patch(build("llama"))
     module = importlib.import_module(family("llama").module)
     assert model.model.layers[0].forward.__func__ is vars(module.LlamaDecoderLayer)["forward"]
-    assert fuselm.hf.patch(build("llama")).model.layers[0].forward.__func__.__qualname__ == (
-        "fuselm_LlamaDecoderLayer.forward"
-    )
+    fused = fuselm.hf.patch(build("llama"), fused_layer=True).model.layers[0]
+    assert fused.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (dict(rms_norm=False), "needs rms_norm=True"),
+        (dict(rope=False, swiglu=False), "needs rope=True and swiglu=True"),
+        (dict(mlp_chunk_tokens=64), "cannot take mlp_chunk_tokens"),
+    ],
+)
+def test_fused_layer_without_its_parts_is_refused(flags, why):
+    model = build("llama")
+    with pytest.raises(ValueError, match=f"fused_layer=True .*{why}"):
+        fuselm.hf.patch(model, fused_layer=True, **flags)
+    assert not fuselm.hf.is_patched(model)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
@@ -680,7 +719,7 @@ def test_two_node_layer_generates_as_hf(model_type, two_node_calls):
     """Greedy generation (a KV cache, a padded batch's mask) through the two-node layers gives HF's
     tokens: the cache update and the mask are HF's code between the nodes."""
     eager = build(model_type)
-    ours = fuselm.hf.patch(clone(eager))
+    ours = fuselm.hf.patch(clone(eager), fused_layer=True)
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding in the first row
@@ -698,7 +737,7 @@ def test_output_attentions_and_hidden_states_as_hf(two_node_calls):
     patched model returns HF's attention weights and hidden states (eager attention, float32)."""
     eager = build("llama")
     eager.config._attn_implementation = "eager"
-    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager))
+    ref, ours = clone(eager, torch.float64), fuselm.hf.patch(clone(eager), fused_layer=True)
     ref.config._attn_implementation = "eager"
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     outs = [m(ids, output_attentions=True, output_hidden_states=True) for m in (ref, eager, ours)]

@@ -93,11 +93,18 @@ def _train_step(model, ids, labels, **inputs):
     return out
 
 
-@pytest.mark.parametrize("model_type", ALL_TYPES)
-def test_family_patched_matches_hf(model_type, monkeypatch):
+# every family with the default patch; with fused_layer=True those it changes (an attention fuselm swaps)
+PATCHES = [(t, False) for t in ALL_TYPES] + [(t, True) for t in ALL_TYPES if family(t).attention is not None]
+
+
+@pytest.mark.parametrize(
+    "model_type, fused_layer", PATCHES, ids=[f"{t}{'-fused_layer' if f else ''}" for t, f in PATCHES]
+)
+def test_family_patched_matches_hf(model_type, fused_layer, monkeypatch):
     """HF's model and its float64 twin run (training step, then eval) before fuselm patches a third copy:
     the RoPE is module-level in HF, and while a patched model of the family lives every model of it runs
-    fuselm's, so the baselines must run first to be HF's own."""
+    fuselm's, so the baselines must run first to be HF's own. The default patch leaves the decoder layers
+    and the attention HF's; fused_layer=True swaps them where the family's are Llama's."""
     eager = build(model_type)
     ref = clone(eager, torch.float64)
     mine = clone(eager)
@@ -114,13 +121,15 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
     with torch.no_grad():
         base_evals = [m(input_ids=ids, labels=labels) for m in (ref, eager)]
 
-    ours = fuselm.hf.patch(mine)
+    ours = fuselm.hf.patch(mine, fused_layer=fused_layer)
     swapped = {type(m).__name__ for m in ours.modules() if "forward" in vars(m)}
     named = {spec.rms_norm, spec.mlp} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
     assert type(ours).__name__ in swapped
-    # the two-node layer (default) where the family has one; the fused residual is opt-in
-    assert (spec.decoder_layer in swapped) == ("layer" in spec.components() and has_attention_core(spec))
+    # the two-node layer (fused_layer=True) where the family has one; the fused residual is opt-in
+    two_node_family = "layer" in spec.components() and has_attention_core(spec)
+    assert (spec.decoder_layer in swapped) == (fused_layer and two_node_family)
+    assert (spec.attention in swapped) == (fused_layer and spec.attention is not None)
     # it runs in the patched layers whose attention is Llama's from its q, k, v input to its o_proj and
     # whose MLP is the gated one (not a MoE block); Llava's text model is a Llama
     layers = [m for m in ours.modules() if type(m).__name__.endswith("DecoderLayer") and "forward" in vars(m)]
@@ -145,9 +154,11 @@ def test_family_patched_matches_hf(model_type, monkeypatch):
         elif component not in ("residual_norm", "layer"):
             assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert "residual_norm" not in calls.n
-    if spec.attention is not None:
-        fused = calls.n.get("attention", 0) + layer_calls
+    fused = calls.n.get("attention", 0) + layer_calls
+    if fused_layer:
         assert fused > 0, f"{spec.attention}: q, k, v not fused"
+    else:
+        assert fused == 0, "the default patch fused the attention's q, k, v"
     assert_numerics("loss", out.loss, base[1].loss, base[0].loss, torch.float32)
     grads = _grads(ours)
     assert grads.keys() == base_grads[1].keys()

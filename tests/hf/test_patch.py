@@ -98,17 +98,20 @@ def test_class_patch_reaches_models_built_before_and_after():
         assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
 
 
+@pytest.mark.parametrize("fused_layer", [False, True], ids=["default", "fused_layer"])
 @pytest.mark.parametrize("model_type", CLASSIC_TYPES)
-def test_instance_patch_touches_only_that_model(model_type):
+def test_instance_patch_touches_only_that_model(model_type, fused_layer):
     spec, module = family(model_type), _modeling(model_type)
     model, other = build(model_type), build(model_type)
     before = _snapshot(model_type)  # after building: HF caches a few values on its classes then
-    assert fuselm.hf.patch(model) is model
+    assert fuselm.hf.patch(model, fused_layer=fused_layer) is model
     assert fuselm.hf.is_patched(model)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
-    attn = {spec.attention} if spec.attention else set()  # q, k, v fused with the RoPE
-    layer = {spec.decoder_layer} if "layer" in spec.components() and has_attention_core(spec) else set()
+    # fused_layer: q, k, v fused with the RoPE, and the two-node layer where the family has one
+    attn = {spec.attention} if spec.attention and fused_layer else set()
+    two_nodes = fused_layer and "layer" in spec.components() and has_attention_core(spec)
+    layer = {spec.decoder_layer} if two_nodes else set()
     assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn, *layer}
     assert not any("forward" in vars(m) for m in other.modules())
     assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
@@ -199,7 +202,7 @@ def test_repatching_an_instance_applies_the_new_options():
     assert model(input_ids=ids, labels=labels).logits is not None
     fuselm.hf.patch(model, rms_norm=False)
     kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
-    assert kinds == {"LlamaMLP", "LlamaAttention", "LlamaForCausalLM"}
+    assert kinds == {"LlamaMLP", "LlamaForCausalLM"}
     fuselm.hf.patch(model, rms_norm=False)  # the same options: nothing changes
     assert {type(m).__name__ for m in model.modules() if "forward" in vars(m)} == kinds
     fuselm.hf.unpatch(model)
@@ -514,7 +517,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     alone."""
     module = _modeling("llama")
     rope_before = module.apply_rotary_pos_emb
-    model = fuselm.hf.patch(build("llama"), label_smoothing=0.1)
+    model = fuselm.hf.patch(build("llama"), label_smoothing=0.1, fused_layer=True)
     ids, labels = _batch()
     want = _run(model, ids, labels)
     want_grads = _grads(model)

@@ -499,17 +499,20 @@ def test_rloo(calls, checkpoint, tmp_path):
     assert max(abs(x) for x in logs["loss"]) < 1e-6 and logs["kl"][-1] != 0
 
 
-def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_layer", [False, True], ids=["default", "fused_layer"])
+def test_sft_with_hf_patch(fused_layer, calls, checkpoint, tmp_path, monkeypatch):
     """fuselm.hf.patch("llama") (block kernels) and fuselm.trl.patch() (head) together on SFTTrainer: the
-    model's decoder layers run fuselm.hf's two-node layer (norms, RoPE and MLP inside), the final norm
-    fuselm's RMSNorm, the head fuselm.linear_log_probs, and fuselm.hf's CausalLM loss
-    (linear_cross_entropy) never runs (TRL calls the backbone directly)."""
+    model's norms, RoPE and MLP run fuselm's (with fused_layer=True its decoder layers run fuselm.hf's
+    two-node layer, with the norms, RoPE and MLP inside, and the final norm fuselm's RMSNorm), the head
+    fuselm.linear_log_probs, and fuselm.hf's CausalLM loss (linear_cross_entropy) never runs (TRL calls
+    the backbone directly)."""
     from trl import SFTConfig, SFTTrainer
 
     import fuselm.hf
     from fuselm.hf import blocks, decoder_layer, loss
 
-    hf_calls = {"rms_norm": 0, "norm_qkv_rotary": 0, "attention_output_mlp": 0, "linear_cross_entropy": 0}
+    names = ("rms_norm", "apply_rotary", "gated_mlp", "norm_qkv_rotary", "attention_output_mlp")
+    hf_calls = dict.fromkeys((*names, "linear_cross_entropy"), 0)
     modules = {
         "linear_cross_entropy": loss,
         "norm_qkv_rotary": decoder_layer,
@@ -528,7 +531,7 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
 
     def run(kind, dtype):
         if kind == "fuselm":
-            fuselm.hf.patch("llama")
+            fuselm.hf.patch("llama", fused_layer=fused_layer)
         try:
             kwargs = dict(train_dataset=tm.prompt_completion(16))
             return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, config, **kwargs)
@@ -536,6 +539,9 @@ def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
             fuselm.hf.unpatch("llama")
 
     _check_runs(calls, run)
-    assert hf_calls["rms_norm"] > 0  # the final norm
-    assert hf_calls["norm_qkv_rotary"] > 0 and hf_calls["attention_output_mlp"] > 0  # every layer
+    ran = {name for name in names if hf_calls[name] > 0}
+    if fused_layer:  # every layer as two nodes; the final norm alone runs fuselm's RMSNorm module
+        assert ran == {"rms_norm", "norm_qkv_rotary", "attention_output_mlp"}
+    else:
+        assert ran == {"rms_norm", "apply_rotary", "gated_mlp"}
     assert hf_calls["linear_cross_entropy"] == 0

@@ -83,7 +83,7 @@ def patch_family(spec: FamilySpec, plan: Plan) -> None:
     module = modeling_module(spec)
     names = [spec.components()[c] for c in plan.blocks if c in spec.components() and c != "rope"]
     names = list(dict.fromkeys(names))  # the decoder layer once, for both of its components
-    if "rope" in plan.blocks and spec.attention is not None:  # the q, k, v projections fused with RoPE
+    if "layer" in plan.blocks and spec.attention is not None:  # the q, k, v projections fused with RoPE
         names.append(spec.attention)
     names += list(spec.causal_lms) if plan.loss is not None else []
     saved, missing = [], []

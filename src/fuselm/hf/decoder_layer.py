@@ -1,6 +1,6 @@
 """The decoder layer of Llama's pre-norm layout, patched (``fuselm.hf.patch``):
 
-- by default (``fused_layer=True``), as two autograd nodes around HF's attention
+- opt-in (``fused_layer=True``), as two autograd nodes around HF's attention
   (:func:`two_node_layer`: :mod:`fuselm.ops.decoder_layer`'s ``norm_qkv_rotary`` and
   ``attention_output_mlp``, HF's attention code between them): a small-batch step's host time;
 - opt-in (``fused_residual=True``), for layers that run their modules: the add after the attention fused
@@ -9,7 +9,8 @@
   ``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
 
 The layout is read from the installed transformers' source (:mod:`fuselm.hf.layer_layout`), and the
-layer's wrappers are rebuilt around fuselm's forward.
+layer's wrappers are rebuilt around fuselm's forward: hence both are opt-in (the default patch reads no
+source and leaves the layer HF's, its norms and MLP running fuselm's forwards).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def decoder_layer_forward(spec: FamilySpec, original: Callable, two_nodes: bool,
     ``original`` (the class's forward) is not that layout in the installed transformers
     (:func:`llama_layer_layout`).
 
-    ``two_nodes`` (``patch(..., fused_layer=True)``, the default): the layer runs as two autograd nodes
+    ``two_nodes`` (``patch(..., fused_layer=True)``, opt-in): the layer runs as two autograd nodes
     around HF's attention (:func:`two_node_layer`) when its norms, attention and MLP run fuselm's forwards
     without hooks, its projections are plain ``nn.Linear`` layers of plain tensors (not PEFT /
     bitsandbytes layers, not DTensors), cos / sin are ``[B, T, D]``, autocast is off or to the

@@ -53,7 +53,7 @@ def patch(
     *,
     rms_norm: bool = True,
     fused_residual: bool = False,
-    fused_layer: bool = True,
+    fused_layer: bool = False,
     rope: bool = True,
     swiglu: bool = True,
     lora: bool = True,
@@ -84,27 +84,26 @@ def patch(
             the norm's backward and a gradient add). The sum is rounded to the activations' dtype as HF's
             add rounds it. For the layers that run their modules (the two-node layer of
             ``fused_layer`` does it always): off by default, for -0.27% of a training step on an H100
-            (``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``).
-        fused_layer: with ``rms_norm``, ``rope`` and ``swiglu`` (and no ``mlp_chunk_tokens``): in the
-            families whose decoder layer is Llama's pre-norm layout and whose attention is Llama's
-            (``FamilySpec.decoder_layer`` and ``.attention``), each layer runs as two autograd nodes around
-            HF's attention: the input norm, q / k / v and RoPE
+            (``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``). Checks the layer's layout on the
+            installed transformers' source, as ``fused_layer`` does.
+        fused_layer: opt-in, with ``rms_norm``, ``rope`` and ``swiglu`` (and no ``mlp_chunk_tokens``), for
+            the host time of a small-batch step: in the families whose decoder layer is Llama's pre-norm
+            layout and whose attention is Llama's (``FamilySpec.decoder_layer`` and ``.attention``), each
+            layer runs as two autograd nodes around HF's attention: the input norm, q / k / v and RoPE
             (:func:`fuselm.ops.decoder_layer.norm_qkv_rotary`), then ``o_proj``, the residual add, the
             post-attention norm, the MLP and the last add
             (:func:`fuselm.ops.decoder_layer.attention_output_mlp`), where HF's modules build about
-            fifteen nodes and six module calls: the host time per step that bounds a small-batch run.
-            The same math and the same saved tensors as the separate fuselm ops. A layer whose
-            projections are PEFT / bitsandbytes layers or DTensors, or with hooks on its modules, runs
-            its modules (the LoRA path: ``lora``); under autocast to another dtype than the
-            activations' too (said once; autocast to their own dtype casts nothing: the nodes run), and under
-            torch.compile. Built from the installed transformers' source (the layer's and the
-            attention's syntax trees are checked against Llama's; a mismatch leaves them HF's, warned).
+            fifteen nodes and six module calls. The same math and the same saved tensors as the separate
+            fuselm ops. Where the layer runs its modules (its projections are PEFT / bitsandbytes layers or
+            DTensors, hooks on its modules, autocast to another dtype than the activations' (said once),
+            torch.compile) and in the families whose attention alone is Llama's, the attention's q, k, v
+            projections and RoPE run as one node (:mod:`fuselm.hf.attention`). Both are made from the
+            installed transformers' source: HF's layer and attention forwards are checked statement for
+            statement against Llama's and cut there (HF's attention code runs between the nodes); a
+            mismatch leaves them HF's, warned once. Off by default: the default patch reads no source.
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: while a class patch or a live instance-patched model of the
-            family needs it, every model of that family runs it (the same math as HF's). With it, in the
-            families whose attention starts with Llama's q, k, v and RoPE statements
-            (``FamilySpec.attention``), those run as one autograd node (:mod:`fuselm.hf.attention`:
-            HF's own forward with the five statements replaced, read from the installed source).
+            family needs it, every model of that family runs it (the same math as HF's).
         swiglu: the gated MLP (also shared experts and dense layers of MoE models) runs the fused
             activation; with separate ``gate_proj``/``up_proj`` the down projection's input is recomputed
             in backward instead of saved, and plain ``nn.Linear`` projections run as one autograd node
@@ -155,7 +154,8 @@ def patch(
             model in which nothing can be patched with these flags (fuselm never patches silently
             nothing), both loss flags, a bad ``label_smoothing``, ``memory`` or ``accum_dtype`` (the
             message names the argument and its allowed values), ``fused_residual`` without
-            ``rms_norm``.
+            ``rms_norm``, ``fused_layer`` without ``rms_norm``, ``rope`` or ``swiglu`` or with
+            ``mlp_chunk_tokens``.
         ImportError: transformers is missing, or too old for the family's modeling module.
 
     Example:

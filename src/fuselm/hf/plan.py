@@ -17,9 +17,10 @@ from .registry import FamilySpec
 
 # the block components; the loss is the last one. residual_norm: the decoder layer's add after the
 # attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm). layer: the
-# decoder layer as two autograd nodes around the attention (fused_layer=True, the default, with rms_norm,
-# rope and swiglu and no mlp_chunk_tokens). lora: PEFT's
-# LoRA Linear layers run fuselm.lora (instance patching; the gated MLP's LoRA path comes with swiglu)
+# decoder layer as two autograd nodes around the attention and the attention's q, k, v + RoPE as one node,
+# made from the installed transformers' source (opt-in: fused_layer=True, with rms_norm, rope and swiglu and
+# no mlp_chunk_tokens). lora: PEFT's LoRA Linear layers run fuselm.lora (instance patching; the gated MLP's
+# LoRA path comes with swiglu)
 BLOCKS = ("rms_norm", "residual_norm", "layer", "rope", "swiglu", "lora")
 
 
@@ -68,10 +69,22 @@ def make_plan(
         raise ValueError(
             "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
         )
+    if fused_layer:
+        parts = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
+        missing = [name for name, on in parts.items() if not on]
+        if missing:
+            raise ValueError(
+                f"fused_layer=True fuses fuselm's RMSNorm, RoPE and gated MLP into two nodes per layer: it "
+                f"needs {' and '.join(f'{name}=True' for name in missing)}"
+            )
+        if mlp_chunk_tokens is not None:
+            raise ValueError(
+                "fused_layer=True runs each layer's MLP whole, in one node: it cannot take mlp_chunk_tokens "
+                "(pick one)"
+            )
     loss = LossOptions(bool(cross_entropy), label_smoothing, memory, accum_dtype)  # checked, also if unused
     if not (linear_cross_entropy or cross_entropy):
         loss = None
-    fused_layer = fused_layer and rms_norm and rope and swiglu and mlp_chunk_tokens is None
     flags = (rms_norm, fused_residual, fused_layer, rope, swiglu, lora)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
@@ -91,7 +104,7 @@ def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> 
         if two_nodes or "residual_norm" in plan.blocks:
             return decoder_layer_forward(spec, original, two_nodes, "residual_norm" in plan.blocks)
         return None
-    if name == spec.attention and "rope" in plan.blocks:
+    if name == spec.attention and "layer" in plan.blocks:
         return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:
         return mlp_forward(spec, original, plan.mlp_chunk)

@@ -58,7 +58,7 @@ class FamilySpec:
             also checks the layout when it is built (:func:`fuselm.hf.layer_layout.llama_layer_layout`)
             and leaves a layer that differs HF's.
         attention: the attention class whose q, k, v projections of ``hidden_states`` fuselm runs as one
-            node with the RoPE component, with the rotation too where the forward begins with Llama's five
+            node under ``fused_layer=True``, with the rotation too where the forward begins with Llama's five
             input statements (:mod:`fuselm.hf.attention`; read from the installed source when patching),
             or None.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
