@@ -11,7 +11,8 @@ Hugging Face's attention forward (Llama's, and the ~150 modeling files that copy
 
 which autograd records as about twenty nodes (three linears, a view and a transpose node each, the
 rotation), each costing host time in every step: at small batch the step is bound by that host time.
-fuselm's forward is the installed transformers' own forward with those five statements replaced by one
+fuselm's forward (opt-in: ``fuselm.hf.patch(..., fused_layer=True)``; the default patch leaves the
+attention HF's) is the installed transformers' own forward with those five statements replaced by one
 call (:func:`attention_input`), made from its source when patching (the syntax tree, compared statement
 for statement, so a transformers version that changes them is seen then: the class keeps HF's forward
 and a warning says why). Everything else (the attention interface, the cache, the output projection)

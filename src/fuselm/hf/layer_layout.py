@@ -1,7 +1,7 @@
 """Which decoder layers are Llama's pre-norm layout, read from the installed transformers' source (the syntax
 tree of the layer's forward), and the wrappers transformers puts around that forward (gradient checkpointing,
-keyword renames). Used by the patched decoder layer (:mod:`fuselm.hf.decoder_layer`: the two-node layer of
-the default patch, the opt-in fused residual) and by :mod:`fuselm.hf.attention`.
+keyword renames). Used by the patched decoder layer (:mod:`fuselm.hf.decoder_layer`: the two-node layer and
+the fused residual, both opt-in) and by :mod:`fuselm.hf.attention`; never by the default patch.
 """
 
 from __future__ import annotations
