@@ -17,6 +17,7 @@ import fuselm.hf
 from fuselm.hf import attention, blocks, decoder_layer, loss
 from fuselm.hf.attention import has_attention_core
 from fuselm.hf.decoder_layer import _forward_function
+from fuselm.hf.installs import rope_in_module
 from fuselm.hf.registry import ALIASES, FAMILIES, family
 from fuselm.nn.mlp import gated_mlp
 from fuselm.ops._common.testing import assert_numerics
@@ -182,7 +183,7 @@ def test_class_patch_round_trip(model_type):
     module = importlib.import_module(spec.module)
     names = [*spec.causal_lms, *(n for c, n in spec.components().items() if c != "rope")]
     before = {n: vars(getattr(module, n)).get("forward") for n in names}
-    rope_before = getattr(module, spec.rope) if spec.rope else None
+    rope_before = rope_in_module(spec) if spec.rope else None
     fuselm.hf.patch(model_type, fused_residual=True)
     assert fuselm.hf.is_patched(model_type)
     for n in names:
@@ -192,7 +193,7 @@ def test_class_patch_round_trip(model_type):
     for n in names:
         assert vars(getattr(module, n)).get("forward") is before[n], n
     if spec.rope:
-        assert getattr(module, spec.rope) is rope_before
+        assert rope_in_module(spec) is rope_before
 
 
 def test_aliases_point_at_registered_families():
@@ -316,8 +317,7 @@ def test_falcon_h1_spec_patches_the_attention_blocks_and_leaves_the_mamba_mixer(
     model = fuselm.hf.patch(transformers.FalconH1ForCausalLM(config))
     gated = [m for m in model.modules() if type(m).__name__ == "FalconH1RMSNormGated"]
     assert gated and all("forward" not in vars(m) for m in gated)
-    module = importlib.import_module(spec.module)
-    assert module.apply_rotary_pos_emb.__qualname__ == "fuselm_falcon_h1_apply_rotary_pos_emb"
+    assert rope_in_module(spec).__qualname__ == "fuselm_falcon_h1_apply_rotary_pos_emb"
 
 
 # ---- Gemma 4: weight-only norms (some without weight), one-tensor RoPE, the vision tower ----

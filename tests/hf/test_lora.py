@@ -21,6 +21,7 @@ from kit.hf_models import build
 import fuselm.hf.lora as hf_lora
 import fuselm.hf.peft_operands as peft_operands
 import fuselm.lora as L
+from fuselm.hf._common import register_module_names
 from fuselm.ops._common.testing import assert_numerics
 
 peft = pytest.importorskip("peft")
@@ -60,7 +61,7 @@ def peft_model(model_type, gen, dtype=torch.float32, r=8, targets="all", p=0.0, 
     config = LoraConfig(r=r, lora_alpha=2 * r + 4, target_modules=TARGETS[targets], lora_dropout=p, **cfg)
     pm = get_peft_model(model, config)
     randomize_adapters(pm, gen)
-    hf_lora.register_module_names(pm)
+    register_module_names(pm)
     return pm.train()
 
 
@@ -80,7 +81,11 @@ def fused_calls(monkeypatch):
 
 
 def no_fuselm_warnings(record):
-    msgs = [str(w.message) for w in record if "fuselm.hf.lora" in str(w.message)]
+    msgs = [
+        str(w.message)
+        for w in record
+        if str(w.message).startswith("fuselm.hf: ") and " run" in str(w.message)
+    ]
     assert not msgs, msgs
 
 
@@ -428,7 +433,7 @@ def test_plain_layers_are_operands_without_adapter():
 
 
 def fallback(pm, gen, expect):
-    hf_lora.register_module_names(pm)
+    register_module_names(pm)
     name, layer = next(iter(lora_layers(pm).items()))
     x = randn(gen, (*LEAD, layer.in_features), torch.float32)
     with warnings.catch_warnings(record=True) as record:
@@ -436,8 +441,12 @@ def fallback(pm, gen, expect):
         torch.manual_seed(SEED)
         y = hf_lora.lora_linear_forward(layer, x)
         hf_lora.lora_linear_forward(layer, x)  # the second call does not warn again
-    msgs = [str(w.message) for w in record if "fuselm.hf.lora" in str(w.message)]
-    assert msgs == [f"fuselm.hf.lora: {name} runs PEFT's forward: {expect}"]
+    msgs = [
+        str(w.message)
+        for w in record
+        if str(w.message).startswith("fuselm.hf: ") and " run" in str(w.message)
+    ]
+    assert msgs == [f"fuselm.hf: {name} runs PEFT's forward: {expect}"]
     torch.manual_seed(SEED)
     assert torch.equal(y, layer(x)), "the fallback is PEFT's forward itself"
     return layer

@@ -18,6 +18,7 @@ from kit.hf_models import CLASSIC_TYPES, build, clone, tiny_config
 import fuselm.hf
 from fuselm.hf import _common, attention, blocks, decoder_layer, plan
 from fuselm.hf.attention import has_attention_core
+from fuselm.hf.installs import rope_in_module
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
 from fuselm.ops._common.testing import assert_numerics
@@ -82,7 +83,7 @@ def test_class_patch_round_trip(model_type, by):
     assert fuselm.hf.is_patched(target)
     for name in before[0]:
         assert getattr(module, name).forward is not before[0][name]["forward"]
-    assert getattr(module, spec.rope) is not before[1][spec.rope]
+    assert rope_in_module(spec) is not before[1][spec.rope]
     fuselm.hf.patch(target, fused_residual=True)  # idempotent
     fuselm.hf.unpatch(target)
     _same(before, _snapshot(model_type))
@@ -101,7 +102,7 @@ def test_class_patch_reaches_models_built_before_and_after():
 @pytest.mark.parametrize("fused_layer", [False, True], ids=["default", "fused_layer"])
 @pytest.mark.parametrize("model_type", CLASSIC_TYPES)
 def test_instance_patch_touches_only_that_model(model_type, fused_layer):
-    spec, module = family(model_type), _modeling(model_type)
+    spec = family(model_type)
     model, other = build(model_type), build(model_type)
     before = _snapshot(model_type)  # after building: HF caches a few values on its classes then
     assert fuselm.hf.patch(model, fused_layer=fused_layer) is model
@@ -114,7 +115,7 @@ def test_instance_patch_touches_only_that_model(model_type, fused_layer):
     layer = {spec.decoder_layer} if two_nodes else set()
     assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn, *layer}
     assert not any("forward" in vars(m) for m in other.modules())
-    assert getattr(module, spec.rope).__qualname__.startswith("fuselm_")  # rope is module-level in HF
+    assert rope_in_module(spec).__qualname__.startswith("fuselm_")  # rope is module-level in HF
     fuselm.hf.unpatch(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert not fuselm.hf.is_patched(model)
@@ -143,8 +144,7 @@ def test_garbage_collection_changes_no_module(monkeypatch):
     """A patched model dropped unpatched: collecting it changes no module (a module global changed
     mid torch.compile can crash dynamo); the rotary dispatcher left in the module runs HF's function
     from then on, and the next explicit unpatch restores the original object."""
-    module = _modeling("llama")
-    original = module.apply_rotary_pos_emb
+    original = rope_in_module(family("llama"))
     model = fuselm.hf.patch(build("llama"))
     other = build("llama")
     assert not fuselm.hf.is_patched(other)  # per instance, though it shares the module-level RoPE
@@ -160,7 +160,7 @@ def test_garbage_collection_changes_no_module(monkeypatch):
     other(input_ids=ids)
     assert not calls  # no live patch needs it: HF's function runs
     fuselm.hf.unpatch("llama")
-    assert module.apply_rotary_pos_emb is original
+    assert rope_in_module(family("llama")) is original
 
 
 def test_drop_a_compiled_patched_model_then_compile_another():
@@ -244,18 +244,17 @@ def test_loss_options_reach_the_loss_forward(by, monkeypatch):
 
 
 def test_rope_stays_patched_while_any_patched_model_needs_it():
-    module = _modeling("llama")
-    original = module.apply_rotary_pos_emb
+    original = rope_in_module(family("llama"))
     a, b = build("llama"), build("llama")
     fuselm.hf.patch(a)
     fuselm.hf.patch(b)
     fuselm.hf.unpatch(a)
-    assert module.apply_rotary_pos_emb is not original
+    assert rope_in_module(family("llama")) is not original
     fuselm.hf.patch("llama")
     fuselm.hf.unpatch(b)
-    assert module.apply_rotary_pos_emb is not original  # the class patch still needs it
+    assert rope_in_module(family("llama")) is not original  # the class patch still needs it
     fuselm.hf.unpatch("llama")
-    assert module.apply_rotary_pos_emb is original
+    assert rope_in_module(family("llama")) is original
 
 
 def test_component_flags():
@@ -263,7 +262,7 @@ def test_component_flags():
     fuselm.hf.patch(model, rms_norm=False, rope=False, swiglu=True, linear_cross_entropy=False)
     kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
     assert kinds == {"LlamaMLP"}
-    assert not _modeling("llama").apply_rotary_pos_emb.__qualname__.startswith("fuselm_")
+    assert not _common.is_fuselm_forward(rope_in_module(family("llama")))
 
 
 def test_bad_targets_and_flags():
@@ -478,7 +477,7 @@ def test_the_patch_state_follows_the_model_peft_merges_into(monkeypatch):
     patched (is_patched, fuselm's loss and RoPE run, also once the PEFT wrapper is gone) and unpatch(merged)
     takes every forward and record out and gives the family's RoPE back (issue 25 item 2)."""
     peft = pytest.importorskip("peft")
-    rope_before = _modeling("llama").apply_rotary_pos_emb
+    rope_before = rope_in_module(family("llama"))
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = fuselm.hf.patch(peft.get_peft_model(build("llama"), lora))
     merged = model.merge_and_unload()
@@ -491,7 +490,7 @@ def test_the_patch_state_follows_the_model_peft_merges_into(monkeypatch):
     assert out.logits is None and calls
     fuselm.hf.unpatch(merged)
     assert not fuselm.hf.is_patched(merged) and not _left_behind(merged)
-    assert _modeling("llama").apply_rotary_pos_emb is rope_before
+    assert rope_in_module(family("llama")) is rope_before
 
 
 def _saved(model, how: str, tmp_path):
@@ -515,8 +514,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     the original), its family's RoPE is fuselm's (the dispatcher put back when loading finds none), the
     loss and gradients are the original's bit for bit; is_patched, re-patching and unpatch act on the copy
     alone."""
-    module = _modeling("llama")
-    rope_before = module.apply_rotary_pos_emb
+    rope_before = rope_in_module(family("llama"))
     model = fuselm.hf.patch(build("llama"), label_smoothing=0.1, fused_layer=True)
     ids, labels = _batch()
     want = _run(model, ids, labels)
@@ -525,14 +523,14 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     fuselm.hf.unpatch(model)  # and gone: nothing of the original's patch is left in the process
     del model
     gc.collect()
-    assert (module.apply_rotary_pos_emb is rope_before) == (how != "deepcopy")
+    assert (rope_in_module(family("llama")) is rope_before) == (how != "deepcopy")
     loaded = load()
     assert fuselm.hf.is_patched(loaded)
     patched = [m for m in loaded.modules() if "forward" in vars(m)]
     swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM"}
     assert {type(m).__name__ for m in patched} == swapped
     assert all(vars(m)["forward"].__self__ is m for m in patched)
-    assert module.apply_rotary_pos_emb is not rope_before
+    assert rope_in_module(family("llama")) is not rope_before
     calls = _rope_calls(monkeypatch)
     got = _run(loaded, ids, labels)
     assert calls and got.logits is None
@@ -544,7 +542,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     assert loaded.forward.__func__.__qualname__.endswith("forward[logits]")
     fuselm.hf.unpatch(loaded)
     assert not fuselm.hf.is_patched(loaded) and not _left_behind(loaded)
-    assert module.apply_rotary_pos_emb is rope_before
+    assert rope_in_module(family("llama")) is rope_before
 
 
 def _trainer_args(tmp_path, model) -> dict:

@@ -9,13 +9,19 @@ transformers is an optional dependency (``pip install "fuselm[hf]"``); it is imp
 patched, not when this package is. Tested with transformers 5.17 and 5.23.
 """
 
+from .hub_kernels import kernel_config
 from .patching import is_patched, patch, unpatch
 from .registry import FAMILIES, FamilySpec, markdown_table, supported_model_types
+from .report import BlockRun, Report, report
 
 __all__ = [
     "patch",
     "unpatch",
     "is_patched",
+    "report",
+    "Report",
+    "BlockRun",
+    "kernel_config",
     "supported_model_types",
     "markdown_table",
     "FAMILIES",

@@ -12,27 +12,71 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed, is_plain_linear
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rotary
-from .lora import lora_gated_mlp_forward, warn_fallback
-from .registry import NORM_STYLES, FamilySpec
+from ._common import hf_class, original_forward, warn_fallback
+from .lora import lora_gated_mlp_forward
+from .registry import EPS_NAMES, NORM_STYLES, FamilySpec
+
+
+def norm_operands(spec: FamilySpec, module: nn.Module) -> tuple[torch.Tensor | None, float]:
+    """``(weight or None, eps)``: what the family's RMSNorm forward reads of ``module`` (the one place that
+    reads them; the epsilon goes by one of :data:`~fuselm.hf.registry.EPS_NAMES`). AttributeError naming
+    the attribute ``module`` lacks."""
+    scale_flag = NORM_STYLES[spec.norm_style].get("scale_flag")  # False: no weight (Gemma 4's with_scale)
+    weight = module.weight if scale_flag is None or getattr(module, scale_flag) else None
+    for name in EPS_NAMES:
+        eps = getattr(module, name, None)
+        if eps is not None:
+            return weight, eps
+    raise AttributeError(f"{type(module).__name__} has no epsilon attribute ({' or '.join(EPS_NAMES)})")
 
 
 @functools.cache
 def rms_norm_forward(spec: FamilySpec) -> Callable:
-    """``forward(self, hidden_states)`` of the family's RMSNorm through :func:`fuselm.rms_norm`."""
+    """``forward(self, hidden_states)`` of the family's RMSNorm through :func:`fuselm.rms_norm`. A module
+    without the attributes it reads (:func:`norm_operands`) runs HF's forward, said once."""
     style = NORM_STYLES[spec.norm_style]
-    eps_attr, offset, casting = style["eps_attr"], style["offset"], style["casting"]
-    scale_flag = style.get("scale_flag")  # a bool attribute: False means no weight (Gemma 4's with_scale)
+    offset, casting = style["offset"], style["casting"]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if scale_flag is None or getattr(self, scale_flag) else None
-        return rms_norm(hidden_states, weight, getattr(self, eps_attr), offset=offset, casting=casting)
+        try:
+            weight, eps = norm_operands(spec, self)
+        except AttributeError as e:
+            warn_fallback(self, str(e), "Hugging Face's forward")
+            return original_forward(hf_class(self))(self, hidden_states)
+        return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
 
     forward.__qualname__ = f"fuselm_{spec.rms_norm}.forward"
     return forward
+
+
+def unreadable(spec: FamilySpec, module: nn.Module) -> str | None:
+    """Why fuselm's forward for ``module`` (of a class the family swaps) cannot run it, checked when an
+    instance is patched: an attribute the forward reads is missing, or the MLP's activation has no fuselm
+    kernel; None when it can."""
+    name = hf_class(module).__name__
+    try:
+        if name == spec.rms_norm:
+            norm_operands(spec, module)
+        elif name == spec.mlp:
+            return _mlp_unreadable(spec, module)
+    except AttributeError as e:
+        return str(e)
+    return None
+
+
+def _mlp_unreadable(spec: FamilySpec, module: nn.Module) -> str | None:
+    activation = getattr(module.config, spec.act_attr)
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} has no fuselm kernel"
+    names = ("gate_up_proj", "down_proj") if spec.packed_mlp else ("gate_proj", "up_proj", "down_proj")
+    for attr in names + (spec.mlp_multipliers or ()):
+        getattr(module, attr)
+    return None
 
 
 @functools.cache
@@ -59,6 +103,7 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
         activation = getattr(self.config, spec.act_attr, None)
         act = ACTIVATIONS.get(activation)
         if act is None:
+            warn_fallback(self, f"activation {activation!r} has no fuselm kernel", "Hugging Face's forward")
             return original(self, x)
         if spec.packed_mlp:
             return self.down_proj(gated_packed(self.gate_up_proj(x), act))
@@ -90,29 +135,39 @@ def rope_function(spec: FamilySpec, original: Callable) -> Callable:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` through :func:`fuselm.apply_rotary`
     (both layouts HF uses: ``unsqueeze_dim=1`` is ``[B, heads, T, D]``, ``2`` is ``[B, T, heads, D]``);
     any other call (extra arguments, another ``unsqueeze_dim``) runs the original."""
-    layouts = {1: "bhtd", 2: "bthd"}
     if spec.rope_one_tensor:
-        return _one_tensor_rope_function(spec, original, layouts)
+        return _one_tensor_rope_function(spec, original)
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
-        if args or kwargs or unsqueeze_dim not in layouts or cos.dim() != 3:
+        layout = None if args or kwargs else rope_layout(cos, unsqueeze_dim)
+        if layout is None:
             return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
-        return apply_rotary(q, k, cos, sin, layout=layouts[unsqueeze_dim])
+        return apply_rotary(q, k, cos, sin, layout=layout)
 
     apply_rotary_pos_emb.__module__ = __name__
     apply_rotary_pos_emb.__qualname__ = f"fuselm_{spec.model_type}_apply_rotary_pos_emb"
     return apply_rotary_pos_emb
 
 
-def _one_tensor_rope_function(spec: FamilySpec, original: Callable, layouts: dict[int, str]) -> Callable:
+def rope_layout(cos: torch.Tensor, unsqueeze_dim: int) -> str | None:
+    """The :func:`fuselm.apply_rotary` layout of HF's ``apply_rotary_pos_emb(..., cos, sin, unsqueeze_dim)``
+    call (``unsqueeze_dim=1`` is ``[B, heads, T, D]``, ``2`` is ``[B, T, heads, D]``), or None: a call it
+    does not cover (another ``unsqueeze_dim``, tables that are not ``[B, T, D]``)."""
+    return _ROPE_LAYOUTS.get(unsqueeze_dim) if cos.dim() == 3 else None
+
+
+_ROPE_LAYOUTS = {1: "bhtd", 2: "bthd"}
+
+
+def _one_tensor_rope_function(spec: FamilySpec, original: Callable) -> Callable:
     """``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` (Gemma 4: q and k rotated by separate calls,
     also each axis part of the vision tower's 2-D RoPE) through :func:`fuselm.apply_rotary`, with a
     zero-head key beside ``x`` (the kernel skips it: one launch per call, nothing computed twice)."""
 
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1, *args, **kwargs):
-        if args or kwargs or unsqueeze_dim not in layouts or cos.dim() != 3 or x.dim() != 4:
+        layout = None if args or kwargs or x.dim() != 4 else rope_layout(cos, unsqueeze_dim)
+        if layout is None:
             return original(x, cos, sin, unsqueeze_dim, *args, **kwargs)
-        layout = layouts[unsqueeze_dim]
         no_heads = x.narrow(1 if layout == "bhtd" else 2, 0, 0)
         return apply_rotary(x, no_heads, cos, sin, layout=layout)[0]
 

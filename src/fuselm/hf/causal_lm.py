@@ -18,6 +18,7 @@ from torch import nn
 
 from ..nn.mlp import is_plain_linear
 from ._common import INSTANCE_MARK, peft_class, warn_once
+from .hub_kernels import warn_shadowed
 from .loss import LossOptions, causal_lm_loss, causal_lm_loss_from_logits
 from .registry import FamilySpec
 
@@ -225,6 +226,8 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
         call = _call_args(original, self, args, kwargs)
         labels, shift_labels = call.get("labels"), call.get("shift_labels")
         training = self.training and torch.is_grad_enabled()
+        if training:
+            warn_shadowed(self)  # once per model: a patched block running something else says so
         if training and labels is None and shift_labels is None:
             warn_once(
                 "no-labels",

@@ -5,15 +5,19 @@ it is patched. Unpatching restores the very same objects (or their absence)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._common import is_peft_wrapper, modeling_module, sharded_classes
+from ._common import (
+    MISSING,
+    ORIGINAL_FORWARDS,
+    is_peft_wrapper,
+    modeling_module,
+    original_forward,
+    sharded_classes,
+)
+from .installs import add_user, has_rope, remove_user
 from .plan import Plan, forward_for
 from .registry import FamilySpec, family, family_of_module, generic_spec, supported_model_types
-from .rotary import add_user, has_rope, remove_user
-
-MISSING = object()  # a class attribute that was not in the class's own __dict__
 
 
 @dataclass
@@ -27,15 +31,6 @@ _class_patches: dict[FamilySpec, _ClassPatch] = {}
 
 def is_class_patched(spec: FamilySpec | None) -> bool:
     return spec in _class_patches
-
-
-def original_forward(cls: type) -> Callable:
-    """HF's own forward of a class, also while the class is class-patched."""
-    for patch in _class_patches.values():
-        for owner, name, previous in patch.saved:
-            if owner is cls and name == "forward":
-                return previous if previous is not MISSING else cls.__mro__[1].forward
-    return cls.forward
 
 
 def family_of_target(target: str | type) -> FamilySpec:
@@ -69,6 +64,7 @@ def unpatch_family(spec: FamilySpec) -> None:
             delattr(owner, name)
         else:
             setattr(owner, name, previous)
+        ORIGINAL_FORWARDS.pop(owner, None)
         for sub in sharded_classes(owner):  # made by FSDP2 while patched: wrapping fuselm's forward
             if getattr(vars(sub)["forward"], "__wrapped__", None) is current is not None:
                 sub.forward = getattr(owner, name)  # as if made from the restored class
@@ -96,6 +92,7 @@ def patch_family(spec: FamilySpec, plan: Plan) -> None:
         if new is None:  # a decoder layer that is not Llama's layout here (warned): it stays HF's
             continue
         saved.append((cls, "forward", cls.__dict__.get("forward", MISSING)))
+        ORIGINAL_FORWARDS[cls] = cls.forward
         cls.forward = new
         for sub in sharded_classes(cls):  # FSDP2's class of it, made before: holds the old forward
             saved.append((sub, "forward", sub.__dict__.get("forward", MISSING)))
@@ -110,8 +107,7 @@ def patch_family(spec: FamilySpec, plan: Plan) -> None:
             f"(it swaps: {', '.join(spec.components()) or 'only the loss'})"
         )
     _class_patches[spec] = _ClassPatch(plan, saved)
-    if rope:
-        add_user(spec, None)
+    add_user(spec, None, rope=rope)
     if missing:
         warnings.warn(
             f"fuselm.hf: {spec.module} has no {', '.join(missing)} in this transformers version; "

@@ -25,7 +25,7 @@ from ..nn.mlp import ACTIVATIONS, is_plain_linear
 from ..ops.decoder_layer import attention_output_mlp, norm_qkv_rotary
 from ..ops.rms_norm import rms_norm
 from ._common import hf_class, is_plain_tensor, warn_once
-from .blocks import rms_norm_forward
+from .blocks import norm_operands, rms_norm_forward
 from .layer_layout import llama_layer_layout, split_checkpointing
 from .registry import NORM_STYLES, FamilySpec
 
@@ -78,14 +78,14 @@ def fused_norm_args(spec: FamilySpec, norm, norm_forward: Callable) -> tuple | N
         return None
     if not _same_function(_forward_function(norm), norm_forward) or _hooked(norm):
         return None
+    try:
+        weight, eps = norm_operands(spec, norm)
+    except AttributeError:  # its own forward says so (it runs HF's)
+        return None
+    if weight is not None and not is_plain_tensor(weight):
+        return None
     style = NORM_STYLES[spec.norm_style]
-    scale_flag = style.get("scale_flag")
-    weight = None
-    if scale_flag is None or getattr(norm, scale_flag):
-        weight = getattr(norm, "weight", None)
-        if not is_plain_tensor(weight):
-            return None
-    return weight, getattr(norm, style["eps_attr"]), style["offset"], style["casting"]
+    return weight, eps, style["offset"], style["casting"]
 
 
 def residual_rms_norm(

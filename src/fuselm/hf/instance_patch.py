@@ -18,13 +18,24 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ._common import INSTANCE_MARK, hf_class, is_peft_wrapper
-from .class_patch import original_forward
-from .lora import lora_linear_forward, register_module_names
+from ._common import (
+    INSTANCE_MARK,
+    INSTANCE_PATCHED,
+    fallbacks,
+    hf_class,
+    is_peft_wrapper,
+    module_name,
+    original_forward,
+    record_fallback,
+    register_module_names,
+)
+from .blocks import unreadable
+from .hub_kernels import give_back, kernelized, take_over
+from .installs import add_user, has_rope, remove_user
+from .lora import lora_linear_forward
 from .peft_operands import is_lora_linear, keep_quant_states
 from .plan import Plan, forward_for
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
-from .rotary import add_user, has_rope, remove_user
 
 # ---- instance patching ----
 
@@ -64,13 +75,14 @@ def _rebuilt_forward(module: nn.Module, make: Callable, how: tuple) -> InstanceF
     forward = make(*how)
     if forward is None:
         forward = original_forward(hf_class(module))
+    INSTANCE_PATCHED.add(module)
     return InstanceForward(module, forward, make, how)
 
 
 class _InstancePatch:
     """Held by the outermost module of a family in an instance-patched model (the family's root, attribute
     :data:`INSTANCE_MARK`): the family, and the options its modules were patched with. The root is the
-    user of the family's RoPE (:func:`fuselm.hf.rotary.add_user`) while it holds this, and so is the root
+    user of the family's RoPE (:func:`fuselm.hf.installs.add_user`) while it holds this, and so is the root
     of a copy (``copy.deepcopy``, pickle): see :meth:`__reduce__`."""
 
     __slots__ = ("spec", "plan", "_root", "_peft_stamp")
@@ -94,7 +106,7 @@ class _InstancePatch:
             keep_quant_states(root)
             for sub in root.modules():
                 if "forward" not in vars(sub) and is_lora_linear(sub):
-                    vars(sub)["forward"] = _lora_instance_forward(sub)
+                    _give_forward(sub, _lora_instance_forward(sub))
 
     @property
     def root(self) -> nn.Module | None:
@@ -111,8 +123,7 @@ def _restored_patch(root: nn.Module, spec: FamilySpec, plan: Plan) -> _InstanceP
     """The record of a copied or unpickled root: the copy uses the family's RoPE too (the dispatcher is
     installed again when the process has none: loading a patched model is an explicit call)."""
     patch = _InstancePatch(root, spec, plan)
-    if patch.uses_rope():
-        add_user(spec, root)
+    add_user(spec, root, rope=patch.uses_rope())
     return patch
 
 
@@ -169,7 +180,13 @@ def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
         return None
     how = (spec, hf_class(module), plan)
     forward = _family_forward(*how)
-    return None if forward is None else InstanceForward(module, forward, _family_forward, how)
+    if forward is None:
+        return None
+    reason = unreadable(spec, module)
+    if reason is not None:  # a missing attribute it reads: HF's forward (the caller says so)
+        record_fallback(module, reason, "Hugging Face's forward")
+        return None
+    return InstanceForward(module, forward, _family_forward, how)
 
 
 def _family_roots(model: nn.Module, plan: Plan) -> dict[nn.Module, FamilySpec]:
@@ -198,11 +215,16 @@ def patch_instance(model: nn.Module, plan: Plan) -> None:
     if current and all(p.plan == plan for p in current):
         return
     unpatch_instance(model)  # other options: they replace the previous patch of this model
-    forwards = []
+    register_module_names(model)  # warnings and the report name modules ("model.layers.0.mlp")
+    forwards, kept = [], {}
     for sub in model.modules():
-        forward = None if "forward" in vars(sub) else _instance_forward(sub, plan)  # not someone else's
+        if "forward" in vars(sub) and not kernelized(sub):  # someone else's instance forward: left to it
+            continue
+        forward = _instance_forward(sub, plan)
         if forward is not None:
             forwards.append((sub, forward))
+        for reason in fallbacks(sub):
+            kept.setdefault(reason, []).append(module_name(sub))
     patches = [_InstancePatch(root, spec, plan) for root, spec in _family_roots(model, plan).items()]
     if not forwards and not any(p.uses_rope() for p in patches):
         raise ValueError(
@@ -211,15 +233,23 @@ def patch_instance(model: nn.Module, plan: Plan) -> None:
             "*ForCausalLM / *ForConditionalGeneration with an lm_head"
         )
     for sub, forward in forwards:
-        vars(sub)["forward"] = forward
+        _give_forward(sub, forward)
     if "lora" in plan.blocks:
-        register_module_names(model)  # fallback warnings name the layer ("model.layers.0.self_attn.q_proj")
         keep_quant_states(model)  # found there once fully_shard has replaced the 4-bit weights
     for patch in patches:
         vars(patch.root)[INSTANCE_MARK] = patch
-        if patch.uses_rope():
-            add_user(patch.spec, patch.root)
+        add_user(patch.spec, patch.root, rope=patch.uses_rope())
     _warn_generic(patches, {sub for sub, _ in forwards})
+    for reason, names in kept.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        warnings.warn(f"fuselm.hf: {names[0]}{more} run Hugging Face's forward: {reason}", stacklevel=3)
+
+
+def _give_forward(module: nn.Module, forward: InstanceForward) -> None:
+    """``module`` runs ``forward`` from now on (a hub kernel's forward kernelize put there is kept aside)."""
+    take_over(module)
+    vars(module)["forward"] = forward
+    INSTANCE_PATCHED.add(module)
 
 
 def _warn_generic(patches: list[_InstancePatch], patched: set[nn.Module]) -> None:
@@ -243,6 +273,8 @@ def unpatch_instance(model: nn.Module) -> None:
     for sub in model.modules():
         if isinstance(vars(sub).get("forward"), InstanceForward):
             del vars(sub)["forward"]
+            INSTANCE_PATCHED.discard(sub)
+            give_back(sub)
         patch = vars(sub).pop(INSTANCE_MARK, None)
         if patch is not None:
             remove_user(patch.spec, sub)

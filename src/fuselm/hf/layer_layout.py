@@ -155,15 +155,17 @@ def split_checkpointing(forward: Callable) -> tuple[Callable, bool, Callable] | 
     transformers 5.23's ``GradientCheckpointingLayer`` wraps every subclass's forward in
     ``forward_with_checkpointing`` (so module hooks stay outside the checkpoint), 5.17's checkpoints in
     ``__call__`` around an unwrapped forward. 5.24 also decorates the forward with ``deprecate_kwarg``
-    (``past_key_values`` renamed ``cache``): such wrappers are kept, around fuselm's forward too. Any other
-    wrapper: a reason (the layer stays HF's)."""
+    (``past_key_values`` renamed ``cache``) and 5.25 the attention's with ``kernels``' ``use_kernelized_func``
+    (which routes the module-level rotary function to the module's own kernel): such wrappers
+    (:data:`_KEPT_WRAPPERS`) are kept, around fuselm's forward too. Any other wrapper: a reason (the layer
+    stays HF's)."""
     checkpoints = False
     code = getattr(forward, "__code__", None)
     if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
         forward, checkpoints = forward.__wrapped__, True
     renaming = []
     while getattr(forward, "__wrapped__", None) is not None:
-        if not _is_kwarg_deprecation(forward):
+        if _wrapped_cell(forward) is None:
             if getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
                 return "its forward is wrapped twice"
             return f"its forward is wrapped ({getattr(forward, '__qualname__', forward)!r})"
@@ -178,24 +180,33 @@ def split_checkpointing(forward: Callable) -> tuple[Callable, bool, Callable] | 
     return forward, checkpoints, rewrap
 
 
-def _is_kwarg_deprecation(fn: Callable) -> bool:
-    """Is ``fn`` the wrapper transformers' ``deprecate_kwarg`` makes (it renames or warns about keyword
-    arguments, then calls the function it wraps, held in its closure as ``func``)?"""
+# wrappers HF puts around forwards that fuselm keeps around its own: (file, function name, the closure
+# cell holding the wrapped function). transformers' deprecate_kwarg renames or warns about keyword
+# arguments; kernels' use_kernelized_func routes module-level functions to the module's own kernels.
+_KEPT_WRAPPERS = (
+    ("transformers/utils/deprecation.py", "wrapped_func", "func"),
+    ("kernels/_internals/layer/layer.py", "new_forward", "orig_forward"),
+)
+
+
+def _wrapped_cell(fn: Callable) -> str | None:
+    """The closure cell of ``fn`` holding the function it wraps, when ``fn`` is one of the wrappers fuselm
+    keeps (:data:`_KEPT_WRAPPERS`); else None."""
     code = getattr(fn, "__code__", None)
-    return (
-        code is not None
-        and code.co_name == "wrapped_func"
-        and code.co_filename.replace("\\", "/").endswith("transformers/utils/deprecation.py")
-        and "func" in code.co_freevars
-        and fn.__closure__ is not None
-    )
+    if code is None or fn.__closure__ is None:
+        return None
+    path = code.co_filename.replace("\\", "/")
+    for file, name, cell in _KEPT_WRAPPERS:
+        if code.co_name == name and path.endswith(file) and cell in code.co_freevars:
+            return cell
+    return None
 
 
 def _with_wrapped(wrapper: Callable, fn: Callable) -> Callable:
-    """A copy of a ``deprecate_kwarg`` wrapper that calls ``fn`` instead of the function it wrapped (the
-    same code and settings, its ``func`` cell replaced)."""
+    """A copy of a kept wrapper (:data:`_KEPT_WRAPPERS`) that calls ``fn`` instead of the function it
+    wrapped (the same code and settings, that one cell replaced)."""
     cells = list(wrapper.__closure__)
-    cells[wrapper.__code__.co_freevars.index("func")] = types.CellType(fn)
+    cells[wrapper.__code__.co_freevars.index(_wrapped_cell(wrapper))] = types.CellType(fn)
     copy_ = types.FunctionType(
         wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, tuple(cells)
     )

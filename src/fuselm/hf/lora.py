@@ -9,64 +9,12 @@
 
 from __future__ import annotations
 
-import warnings
-import weakref
-
 import torch
 import torch.nn as nn
 
 from ..lora import Bnb4bitWeight, lora_gated_mlp, lora_linear
+from ._common import warn_fallback
 from .peft_operands import gated_mlp_operands, lora_operands, with_mask_dtype
-
-_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> reasons warned
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> qualified name
-
-
-# ---- warnings and names ----
-
-
-def register_module_names(model: nn.Module, prefix: str = "") -> None:
-    """Remember the qualified names of ``model``'s modules for fuselm's fallback warnings.
-
-    Example:
-        >>> m = nn.Sequential(nn.Linear(2, 2)); register_module_names(m); module_name(m[0])
-        '0'
-    """
-    for name, module in model.named_modules(prefix=prefix):
-        _NAMES[module] = name or type(module).__name__
-
-
-def module_name(module: nn.Module) -> str:
-    """The registered name of ``module`` (:func:`register_module_names`), else its class name.
-
-    Example:
-        >>> module_name(nn.Linear(2, 2))
-        'Linear'
-    """
-    try:
-        return _NAMES.get(module) or type(module).__name__
-    except TypeError:  # not weak-referenceable
-        return type(module).__name__
-
-
-def warn_fallback(module: nn.Module, reason: str, what: str = "PEFT's forward") -> None:
-    """``warnings.warn`` once per (module, reason): "fuselm.hf.lora: <name> runs <what>: <reason>".
-
-    Example:
-        >>> import warnings
-        >>> m = nn.Linear(2, 2)
-        >>> with warnings.catch_warnings(record=True) as w:
-        ...     warnings.simplefilter("always")
-        ...     warn_fallback(m, "a reason"); warn_fallback(m, "a reason")
-        >>> [str(x.message) for x in w]
-        ["fuselm.hf.lora: Linear runs PEFT's forward: a reason"]
-    """
-    seen = _WARNED.setdefault(module, set())
-    if reason in seen:
-        return
-    seen.add(reason)
-    warnings.warn(f"fuselm.hf.lora: {module_name(module)} runs {what}: {reason}", stacklevel=3)
-
 
 # ---- forwards ----
 

@@ -15,7 +15,7 @@ Three targets:
 Patching a target again with other options replaces its patch (as ``unpatch`` then ``patch``).
 ``unpatch`` restores exactly what was there: the original class attributes (or their absence), the
 original module function, no instance attributes left behind. The rotary function is module-level in HF
-(:mod:`fuselm.hf.rotary`): it runs fuselm's RoPE while a class patch or a live patched model needs it.
+(:mod:`fuselm.hf.installs`): it runs fuselm's RoPE while a class patch or a live patched model needs it.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch import nn
 from . import instance_patch, offload
 from ._common import INSTANCE_MARK, hf_class
 from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
+from .installs import sweep
 from .instance_patch import InstanceForward, class_spec, patch_instance, unpatch_instance
 from .plan import make_plan
 from .registry import family_of_module
-from .rotary import sweep
 
 
 def __getattr__(name: str):

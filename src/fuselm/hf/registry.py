@@ -12,19 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# How a family's RMSNorm computes, as arguments of fuselm.rms_norm, and where its epsilon lives.
+# The names an RMSNorm's epsilon goes by (transformers renames them between versions: Llama 4's and Gemma 4's
+# `eps` became `variance_epsilon` in 5.25); the first one a module has is read (fuselm.hf.blocks.norm_operands).
+EPS_NAMES = ("variance_epsilon", "eps")
+
+# How a family's RMSNorm computes, as arguments of fuselm.rms_norm.
 NORM_STYLES = {
     # LlamaRMSNorm: normalize in fp32, cast to the input dtype, multiply by weight.
-    "llama": {"eps_attr": "variance_epsilon", "offset": 0.0, "casting": "llama"},
-    # Llama 4's text RMSNorm: Llama's rounding, the epsilon under another name.
-    "llama4": {"eps_attr": "eps", "offset": 0.0, "casting": "llama"},
+    "llama": {"offset": 0.0, "casting": "llama"},
     # GemmaRMSNorm: everything in fp32 with (1 + weight), cast at the end.
-    "gemma": {"eps_attr": "eps", "offset": 1.0, "casting": "gemma"},
+    "gemma": {"offset": 1.0, "casting": "gemma"},
     # Olmo2RMSNorm (OLMo 3, gpt-oss): everything in fp32 with the weight, cast at the end.
-    "olmo2": {"eps_attr": "variance_epsilon", "offset": 0.0, "casting": "gemma"},
+    "olmo2": {"offset": 0.0, "casting": "gemma"},
     # Gemma4RMSNorm: everything in fp32 with the weight itself (no 1 + weight, unlike Gemma 1-3), cast at
     # the end; ``with_scale=False`` instances (Gemma 4's v_norm, router norm) have no weight at all.
-    "gemma4": {"eps_attr": "eps", "offset": 0.0, "casting": "gemma", "scale_flag": "with_scale"},
+    "gemma4": {"offset": 0.0, "casting": "gemma", "scale_flag": "with_scale"},
 }
 
 
@@ -238,7 +240,6 @@ FAMILIES: dict[str, FamilySpec] = {
             "Llama4Text",
             module="llama4",
             causal_lms=("Llama4ForCausalLM",),
-            norm_style="llama4",
             rope=None,
             keeps=f"{EXPERTS}, RoPE (complex), L2 q/k norm",
         ),
