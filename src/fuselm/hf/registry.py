@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The names an RMSNorm's epsilon goes by (transformers renames them between versions: Llama 4's and Gemma 4's
-# `eps` became `variance_epsilon` in 5.25); the first one a module has is read (fuselm.hf.blocks.norm_operands).
+# The names an RMSNorm's epsilon goes by (transformers renames them between versions: Llama 4's and Gemma
+# 4's `eps` became `variance_epsilon` in 5.25); the first one a module has is read (blocks.norm_operands).
 EPS_NAMES = ("variance_epsilon", "eps")
 
 # How a family's RMSNorm computes, as arguments of fuselm.rms_norm.
