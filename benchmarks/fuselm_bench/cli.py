@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from .arguments import UsageError, positive_int
+from .report import set_offline_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    set_offline_env()
     try:
         return _bench(args, ["bench", *argv])
     except UsageError as e:

@@ -25,7 +25,8 @@ a fresh process:
   ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``; CUDA only). A provider
   that cannot be imported, or needs CUDA where there is none, is skipped with the reason.
 
-Every worker runs with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1`` and, as
+Every worker runs with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
+UNSLOTH_DISABLE_STATISTICS=1`` and, as
 Unsloth sets it for itself, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (unless the parent's
 environment sets an allocator configuration); Unsloth's worker also ``UNSLOTH_COMPILE_DISABLE=1`` unless
 ``--unsloth-compile`` (its per-block compile takes minutes: the eager figure is what fits in a call).
@@ -80,7 +81,7 @@ from . import e2e, fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import GIB, Row
 from .harness import SkipProvider, error_text, import_peer
-from .report import DTYPE_NAMES, md_table, ratio
+from .report import DTYPE_NAMES, OFFLINE_ENV, md_table, ratio
 
 NAME = "finetune"
 DESCRIPTION = "LoRA / QLoRA fine-tuning steps (PEFT): HF vs + Liger vs + fuselm vs Unsloth"
@@ -313,9 +314,10 @@ def build_main(argv: list[str]) -> int:
 
 
 def base_env(unsloth_compile: bool = False) -> dict[str, str]:
-    """What every worker runs with: no hub, no Unsloth statistics, Unsloth's allocator setting for every
-    provider (unless the parent sets an allocator configuration), Unsloth's compile off unless asked."""
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
+    """What every worker runs with: no hub (:data:`fuselm_bench.report.OFFLINE_ENV`), no Unsloth statistics,
+    Unsloth's allocator setting for every provider (unless the parent sets an allocator configuration),
+    Unsloth's compile off unless asked."""
+    env = {**OFFLINE_ENV, "UNSLOTH_DISABLE_STATISTICS": "1"}
     if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if not unsloth_compile:

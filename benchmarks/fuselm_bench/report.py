@@ -131,8 +131,20 @@ def host_cpu() -> str:
     return f"{model}, {cores} cores"
 
 
+# What every run of the lab sets unless the caller's environment says otherwise: GPU machines run
+# offline, and transformers >= 5.25 would otherwise look hub kernels up at every from_pretrained (and
+# raise offline); recorded in every result's metadata.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "USE_HUB_KERNELS": "0"}
+
+
+def set_offline_env() -> None:
+    """:data:`OFFLINE_ENV` into ``os.environ`` where unset (the lab's processes and workers inherit it)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
-    """Device, versions, commit and date of this run."""
+    """Device, versions, commit, date and the hub settings (:data:`OFFLINE_ENV`) of this run."""
     import fuselm
 
     triton_version = None
@@ -154,6 +166,7 @@ def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dic
         "python": platform.python_version(),
         "host": host_cpu(),
         "command": " ".join(["fuselm", *(argv if argv is not None else sys.argv[1:])]),
+        "env": {key: os.environ.get(key) for key in OFFLINE_ENV},
     }
     for peer in ("liger-kernel", "cut-cross-entropy"):
         v = _version(peer)

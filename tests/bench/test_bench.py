@@ -103,6 +103,15 @@ def test_gpu_slug(name, slug):
     assert report.gpu_slug(name) == slug
 
 
+def test_runs_are_offline_unless_the_caller_says_otherwise_and_metadata_says_how(monkeypatch):
+    for key in report.OFFLINE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("USE_HUB_KERNELS", "1")  # the caller's choice stays
+    report.set_offline_env()
+    meta = report.collect_metadata(torch.device("cpu"), ["bench", "rope"])
+    assert meta["env"] == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "USE_HUB_KERNELS": "1"}
+
+
 def test_git_commit_is_a_string():
     commit = report.git_commit()
     assert isinstance(commit, str) and commit

@@ -116,6 +116,7 @@ def test_make_tokenizer_rejects_clashing_special_ids():
 def test_worker_environment():
     env = finetune.worker_env("hf", {"unsloth_compile": False})
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["UNSLOTH_DISABLE_STATISTICS"] == "1"
+    assert env["USE_HUB_KERNELS"] == "0"  # transformers >= 5.25 would look hub kernels up (and raise offline)
     assert env["UNSLOTH_COMPILE_DISABLE"] == "1"
     assert "UNSLOTH_COMPILE_DISABLE" not in finetune.worker_env("unsloth", {"unsloth_compile": True})
     assert finetune.worker_prefix("hf")[1:] == ["-m", "fuselm_bench.finetune"]
