@@ -21,6 +21,7 @@ from kit.hf_models import build
 import fuselm.hf.lora as hf_lora
 import fuselm.hf.peft_operands as peft_operands
 import fuselm.lora as L
+from fuselm.hf import _common as hf_common
 from fuselm.hf._common import register_module_names
 from fuselm.ops._common.testing import assert_numerics
 
@@ -492,7 +493,7 @@ def test_mlp_falls_back_naming_the_projection(gen, fused_calls):
     assert fused_calls["lora_gated_mlp"] == 0
 
 
-@pytest.mark.parametrize("module", [hf_lora, peft_operands], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [hf_common, peft_operands], ids=lambda m: m.__name__)
 def test_doctests_run(module):
     import doctest
 

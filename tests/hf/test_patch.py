@@ -589,7 +589,9 @@ def test_trainer_with_gradient_accumulation_matches_hf(tmp_path):
         assert_numerics(f"trained {name}", params[2][name], params[1][name], params[0][name], torch.float32)
 
 
-@pytest.mark.parametrize("module", [fuselm.hf.patching, fuselm.hf.registry], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [fuselm.hf.patching, fuselm.hf.registry, fuselm.hf.block_report], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     """The docstring examples of fuselm.hf (patch, the registry's functions) run as written."""
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)

@@ -6,13 +6,13 @@
     >>> fuselm.hf.unpatch(model)                                                           # doctest: +SKIP
 
 transformers is an optional dependency (``pip install "fuselm[hf]"``); it is imported when a target is
-patched, not when this package is. Tested with transformers 5.17 and 5.23.
+patched, not when this package is. Tested with transformers 5.17 to 5.25 (README: transformers >= 5.25).
 """
 
 from .hub_kernels import kernel_config
 from .patching import is_patched, patch, unpatch
 from .registry import FAMILIES, FamilySpec, markdown_table, supported_model_types
-from .report import BlockRun, Report, report
+from .block_report import BlockRun, Report, report
 
 __all__ = [
     "patch",

@@ -90,7 +90,7 @@ def report(model: nn.Module) -> Report:
         >>> rows = fuselm.hf.report(model)
         >>> sorted({row.runs for row in rows})
         ['fuselm']
-        >>> print(rows[0])
+        >>> print(rows[1])
         model.layers.0.mlp  [LlamaMLP]  fuselm
         >>> _ = fuselm.hf.unpatch(model)
     """
