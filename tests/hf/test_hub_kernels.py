@@ -91,7 +91,7 @@ def fuselm_norms(monkeypatch) -> list:
 
 
 def _step(model, train=True):
-    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0)).to(model.device)
     model.train(train)
     out = model(input_ids=ids, labels=ids)
     if train:
@@ -339,3 +339,97 @@ def test_rope_of_a_patched_family_runs_fuselm_under_kernels():
     assert "rotary" not in HUB_RUNS
     row = [r for r in fuselm.hf.report(model) if r.cls == "function"]
     assert [r.runs for r in row] == ["fuselm"]
+
+
+# ---- on a GPU: transformers' own default mapping, its hub repositories stood in for locally ----
+
+_STAND_IN_REPO = """
+import torch
+
+RUNS = []
+
+
+class {layer}(torch.nn.Module):
+    def forward(self, {args}):
+        RUNS.append(1)
+        return type(self).forward(self, {call})
+"""
+
+
+def _stand_in_repo(root, name: str, layer: str, args: str, call: str) -> str:
+    """A kernels-format repository (one universal build) whose layer counts its runs, then runs the
+    module's own forward: what a hub kernel is to fuselm, without the Hub."""
+    build = root / name / "torch-universal"
+    build.mkdir(parents=True)
+    meta = {"name": name, "id": f"standin_{name}", "version": 1, "license": "Apache-2.0"}
+    meta |= {"python-depends": [], "backend": {"type": "universal"}}
+    (build / "metadata.json").write_text(__import__("json").dumps(meta))
+    body = _STAND_IN_REPO.format(layer=layer, args=args, call=call)
+    (build / "__init__.py").write_text(body + f"\n\nclass layers:\n    {layer} = {layer}\n")
+    return str(root / name)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: transformers maps hub kernels on GPUs")
+def test_on_the_gpu_fuselm_runs_under_transformers_default_hub_kernels(tmp_path, monkeypatch, fuselm_norms):
+    """from_pretrained on a GPU with kernels on (transformers' default mapping: Liger's RMSNorm, the rotary
+    kernel; their repositories stood in for by counting local ones through LOCAL_KERNELS): unpatched, the
+    hub layers run; patched (instance, or class before loading), fuselm's run in every norm and the
+    rotary function, in eval, after train() + backward, and after kernelize by hand; and the
+    kernel_config() route runs fuselm's layers, offline."""
+    import sys
+
+    liger = _stand_in_repo(tmp_path, "liger", "LigerRMSNorm", "hidden_states", "hidden_states")
+    rope = _stand_in_repo(
+        tmp_path,
+        "rotary",
+        "apply_rotary_transformers",
+        "q, k, cos, sin, unsqueeze_dim=1",
+        "q, k, cos, sin, unsqueeze_dim",
+    )
+    local = f"kernels-community/liger-kernels={liger}:kernels-community/rotary={rope}"
+    monkeypatch.setenv("LOCAL_KERNELS", local)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = _saved(tmp_path)
+
+    def load(**kwargs):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, device_map="cuda", **kwargs)
+
+    def hub_runs() -> int:
+        return sum(
+            len(sys.modules[f"standin_{n}"].RUNS)
+            for n in ("liger", "rotary")
+            if f"standin_{n}" in sys.modules
+        )
+
+    def clear() -> None:
+        fuselm_norms.clear()
+        for n in ("liger", "rotary"):
+            if f"standin_{n}" in sys.modules:
+                sys.modules[f"standin_{n}"].RUNS.clear()
+
+    model = load()
+    _step(model, train=False)
+    assert hub_runs() > 0 and not fuselm_norms  # the default mapping is in effect
+    fuselm.hf.patch(model)
+    for how in ("eval", "train", "kernelize"):
+        clear()
+        if how == "kernelize":
+            kernels.kernelize(model, mode=kernels.Mode.TRAINING)
+        _step(model, train=how != "eval")
+        assert hub_runs() == 0 and len(fuselm_norms) == len(_norms(model)), how
+    assert {r.runs for r in fuselm.hf.report(model)} == {"fuselm"}
+    fuselm.hf.unpatch(model)
+    fuselm.hf.patch("llama")
+    clear()
+    model = load()
+    _step(model)
+    assert hub_runs() == 0 and len(fuselm_norms) == len(_norms(model))
+    fuselm.hf.unpatch("llama")
+    clear()
+    model = load(use_kernels=True, kernel_config=fuselm.hf.kernel_config())
+    for train in (False, True):
+        _step(model, train)
+        assert hub_runs() == 0 and len(fuselm_norms) == len(_norms(model))
+        fuselm_norms.clear()
