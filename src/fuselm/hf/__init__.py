@@ -9,10 +9,10 @@ transformers is an optional dependency (``pip install "fuselm[hf]"``); it is imp
 patched, not when this package is. Tested with transformers 5.17 to 5.25 (README: transformers >= 5.25).
 """
 
+from .block_report import BlockRun, Report, report
 from .hub_kernels import kernel_config
 from .patching import is_patched, patch, unpatch
 from .registry import FAMILIES, FamilySpec, markdown_table, supported_model_types
-from .block_report import BlockRun, Report, report
 
 __all__ = [
     "patch",

@@ -21,7 +21,6 @@ from torch import nn
 from ._common import (
     INSTANCE_MARK,
     INSTANCE_PATCHED,
-    fallbacks,
     hf_class,
     is_peft_wrapper,
     module_name,
@@ -180,13 +179,7 @@ def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
         return None
     how = (spec, hf_class(module), plan)
     forward = _family_forward(*how)
-    if forward is None:
-        return None
-    reason = unreadable(spec, module)
-    if reason is not None:  # a missing attribute it reads: HF's forward (the caller says so)
-        record_fallback(module, reason, "Hugging Face's forward")
-        return None
-    return InstanceForward(module, forward, _family_forward, how)
+    return None if forward is None else InstanceForward(module, forward, _family_forward, how)
 
 
 def _family_roots(model: nn.Module, plan: Plan) -> dict[nn.Module, FamilySpec]:
@@ -221,9 +214,13 @@ def patch_instance(model: nn.Module, plan: Plan) -> None:
         if "forward" in vars(sub) and not kernelized(sub):  # someone else's instance forward: left to it
             continue
         forward = _instance_forward(sub, plan)
-        if forward is not None:
+        if forward is None:
+            continue
+        reason = unreadable(forward.how[0], sub) if forward.how else None  # family forwards: their reads
+        if reason is None:
             forwards.append((sub, forward))
-        for reason in fallbacks(sub):
+        else:  # an attribute its forward reads is missing here: HF's forward, said below
+            record_fallback(sub, reason, "Hugging Face's forward")
             kept.setdefault(reason, []).append(module_name(sub))
     patches = [_InstancePatch(root, spec, plan) for root, spec in _family_roots(model, plan).items()]
     if not forwards and not any(p.uses_rope() for p in patches):
