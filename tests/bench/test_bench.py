@@ -223,7 +223,7 @@ class _SleepyBackward(torch.autograd.Function):
 
 
 def test_bwd_is_the_backward_alone_measured_on_its_own():
-    """Issue 25 item 6: bwd was median(full) - median(fwd), negative whenever the no-grad forward of fwd mode
+    """bwd was once median(full) - median(fwd), negative whenever the no-grad forward of fwd mode
     costs more than the forward inside full. Here the no-grad forward sleeps 30 ms, the recording one 10 ms,
     the backward 4 ms: the old derivation gave 14 - 30 = -16 ms; the backward alone is 4 ms and some."""
 
@@ -444,7 +444,7 @@ def test_cli_bench_cross_entropy_cpu(tmp_path, capsys):
 
 
 def test_cpu_results_leave_the_checkout_clean(tmp_path, monkeypatch, capsys):
-    """Issue 25 item 6: without --out a CPU run wrote benchmarks/results/cpu/, untracked in the checkout. It
+    """Without --out a CPU run wrote benchmarks/results/cpu/, untracked in the checkout. It
     now writes bench-out/cpu/, which the checkout's .gitignore ignores: in a git work tree with that
     .gitignore, the run leaves nothing untracked but the .gitignore itself."""
     import shutil

@@ -199,7 +199,7 @@ def test_cli_without_model_dir_removes_its_temporary_models_and_drops_qlora_with
 
 def _gpu_report() -> fresh_process.CaseReport:
     shapes = (("llama3-8b", "qlora", 4, 2048), ("llama3-8b", "lora", 4, 2048))
-    table = {  # issue 23's figures (ms, GiB)
+    table = {  # the figures of the finetune table (ms, GiB)
         ("qlora", "hf"): (1358, 23.75),
         ("qlora", "liger"): (1154, 10.38),
         ("qlora", "fuselm"): (1148, 10.38),
@@ -397,7 +397,7 @@ def test_cli_gpu_small_run(tmp_path):
         assert r["gpu_ms"] > 0 and r["launches"] > 0 and r["peak_bytes"] > r["weights_bytes"] > 0
         assert r["reserved_bytes"] >= r["peak_bytes"] and r["host_pinned_source"]
     gaps = [g["max_abs_diff_vs_hf"] for g in data["loss_gaps"] if g["provider"] == "fuselm"]
-    assert gaps and all(g is not None and g < 1e-2 for g in gaps)  # issue 23's acceptance bound
+    assert gaps and all(g is not None and g < 1e-2 for g in gaps)  # first losses agree within 1e-2
     saved = Path(data["finetune"]["model_folders"]["qwen3-0.6b"]["folder"])
     assert json.loads((saved / finetune.MARKER).read_text())["dtype"] == "bf16"
     assert sys.modules.get("fuselm_bench.finetune") is finetune

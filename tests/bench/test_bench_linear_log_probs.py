@@ -75,7 +75,7 @@ def test_split_shape_describe_cost():
     n, h, v = 8192, 4096, 128256
     for mode, k in (("fwd", 2), ("bwd", 4), ("full", 6)):
         assert llp.cost((n, h, v, 7, 2), mode, torch.bfloat16).flops == k * n * h * v
-    # issue 13: TRL at 54.7 ms fwd+bwd with a 687 TFLOP/s GEMM is 1.46x the 6NHV floor (8NHV = 1.33x)
+    # TRL at 54.7 ms fwd+bwd with a 687 TFLOP/s GEMM is 1.46x the 6NHV floor (8NHV = 1.33x)
     r = compute_ratios(54.7, llp.cost((n, h, v, 7, 2), "full", torch.bfloat16), Ceilings(gemm_tflops=687.0))
     assert r["x_floor"] == pytest.approx(1.46, abs=0.01)
 

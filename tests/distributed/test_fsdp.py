@@ -22,7 +22,7 @@ forward, which returns logits; the loss and gradients are still right. And ``pat
 ``fully_shard``: the root's class is then FSDP's subclass ``FSDP<Name>ForCausalLM(FSDPModule,
 <Name>ForCausalLM)``, which instance patching looks through, so the fused loss is put in too.
 
-And PEFT LoRA (issue 26, item 2): adapters on every linear of llama and qwen3, patched (fuselm's fused
+And PEFT LoRA: adapters on every linear of llama and qwen3, patched (fuselm's fused
 LoRA path, no fallback to PEFT's forward), the layers and the root sharded: the adapters' gradients and the
 losses are the single-process ones. A MoE family (qwen3_moe) runs the standard recipe too. And TRL's fused
 LM head (add_fused_lm_head, what TRL's trainers call) computed by fuselm (fuselm.trl.patch) under FSDP2:

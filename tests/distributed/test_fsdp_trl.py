@@ -1,4 +1,4 @@
-"""TRL's SFT and GRPO trainers under FSDP2 with ``fuselm.trl.patch()`` (issue 26, item 2): one training step
+"""TRL's SFT and GRPO trainers under FSDP2 with ``fuselm.trl.patch()``: one training step
 on 2 ranks gives, on each rank, the loss of the same step on TRL's own LM head kernel, and the same
 gradients, both under the numerics rule against a float64 single-process reference (docs/design.md
 section 5). Peak memory per rank is reported (``pytest -s``): ``torch.cuda.max_memory_allocated`` of the

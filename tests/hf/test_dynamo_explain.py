@@ -1,5 +1,5 @@
-"""torch._dynamo.explain of a patched model exits cleanly (issue 25 item 8: six "Exception ignored in
-ExactWeakKeyDictionary" tracebacks at interpreter exit were reported on the CPU path). The tracebacks come
+"""torch._dynamo.explain of a patched model exits cleanly (no "Exception ignored in ExactWeakKeyDictionary"
+tracebacks at interpreter exit, which the CPU path once printed). The tracebacks come
 at exit, so the run is a fresh Python process whose stderr is checked as a whole."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def test_garbage_collection_changes_no_module(monkeypatch):
 
 
 def test_drop_a_compiled_patched_model_then_compile_another():
-    """Item 7 of issue 12: drop a compiled patched model, collect, compile another model in the same
+    """Drop a compiled patched model, collect, compile another model in the same
     process: no crash, and unpatch still restores the original objects."""
     ids, labels = _batch(t=8)
     before = _snapshot("llama")
@@ -306,7 +306,7 @@ BAD_LOSS_OPTIONS = [
 @pytest.mark.parametrize("by", ["instance", "class"])
 @pytest.mark.parametrize(("options", "message"), BAD_LOSS_OPTIONS, ids=lambda x: str(x))
 def test_bad_loss_options_raise_at_patch_time(options, message, by):
-    """Every loss option is checked by patch() (issue 25 item 4: memory="low" was accepted and the first
+    """Every loss option is checked by patch() (memory="low" once was accepted and the first
     training step raised): ValueError naming the argument and what it may be; nothing is patched."""
     model = build("llama")
     with pytest.raises(ValueError, match=message):
@@ -475,7 +475,7 @@ def _left_behind(model) -> list[str]:
 def test_the_patch_state_follows_the_model_peft_merges_into(monkeypatch):
     """After patch(peft_model), merge_and_unload() returns the model inside with its patched modules: it is
     patched (is_patched, fuselm's loss and RoPE run, also once the PEFT wrapper is gone) and unpatch(merged)
-    takes every forward and record out and gives the family's RoPE back (issue 25 item 2)."""
+    takes every forward and record out and gives the family's RoPE back."""
     peft = pytest.importorskip("peft")
     rope_before = rope_in_module(family("llama"))
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -509,8 +509,8 @@ def _saved(model, how: str, tmp_path):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
-    """A deep copy, a pickle round trip or torch.save / torch.load of a patched model is patched for real
-    (issue 25 item 3): its modules run fuselm's forwards (bound to the copy's modules, with the options of
+    """A deep copy, a pickle round trip or torch.save / torch.load of a patched model is patched for real:
+    its modules run fuselm's forwards (bound to the copy's modules, with the options of
     the original), its family's RoPE is fuselm's (the dispatcher put back when loading finds none), the
     loss and gradients are the original's bit for bit; is_patched, re-patching and unpatch act on the copy
     alone."""

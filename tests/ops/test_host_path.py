@@ -1,4 +1,4 @@
-"""The eager host path of the fused ops (issue 24): every launch after the first of a specialization goes
+"""The eager host path of the fused ops: every launch after the first of a specialization goes
 through the cached launch binding (ops/_common/launch.py) with the same results, and a step of fused ops
 is captured in a CUDA graph, forward and backward (README: "Making a patched step cheaper on the host")."""
 
