@@ -702,17 +702,3 @@ def test_mlp_chunk_tokens_bad_value_names_it(bad):
 def test_mlp_chunk_tokens_needs_swiglu():
     with pytest.raises(ValueError, match="^mlp_chunk_tokens chunks fuselm's gated MLP"):
         fuselm.hf.patch(build("llama"), swiglu=False, mlp_chunk_tokens=8)
-
-
-def test_a_patched_model_pickled_before_instance_patch_was_split_out_loads(tmp_path):
-    """Pickles made by fuselm before hf/instance_patch.py existed name the patch state's classes under
-    fuselm.hf.patching: the bytes of such a pickle (the module path rewritten back) still load, patched."""
-    model = fuselm.hf.patch(build("llama"))
-    ids, labels = _batch()
-    want = _run(model, ids, labels)
-    data = pickle.dumps(model, protocol=0)  # module paths as text lines: rewritable
-    old = data.replace(b"fuselm.hf.instance_patch", b"fuselm.hf.patching")
-    assert old != data and b"fuselm.hf.instance_patch" not in old
-    loaded = pickle.loads(old)
-    assert fuselm.hf.is_patched(loaded)
-    torch.testing.assert_close(_run(loaded, ids, labels).loss, want.loss, rtol=0, atol=0)

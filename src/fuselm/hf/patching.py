@@ -25,20 +25,13 @@ import warnings
 import torch
 from torch import nn
 
-from . import instance_patch, offload
+from . import offload
 from ._common import INSTANCE_MARK, hf_class
 from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
 from .installs import sweep
 from .instance_patch import InstanceForward, class_spec, patch_instance, unpatch_instance
 from .plan import make_plan
 from .registry import family_of_module
-
-
-def __getattr__(name: str):
-    """Instance patching's names, read here by pickles of patched models made before
-    :mod:`fuselm.hf.instance_patch` was split out of this module (AttributeError for any other)."""
-    return getattr(instance_patch, name)
-
 
 # ---- the public functions ----
 
