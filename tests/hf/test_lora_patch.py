@@ -319,6 +319,23 @@ def test_checkpointing_offload_through_patch():
     assert not offload.is_enabled(ours)
 
 
+def test_repatching_replaces_the_checkpointing_too():
+    """checkpointing is an option of the patch like the others: patching again without it turns the
+    offloading that patch asked for off (and HF's checkpointing with it, which offloading switched on);
+    with the same options nothing changes; unpatch turns it off."""
+    from fuselm.hf import offload
+
+    model = fuselm.hf.patch(build("llama"), checkpointing="offload")
+    assert offload.is_enabled(model) and model.is_gradient_checkpointing
+    fuselm.hf.patch(model, checkpointing="offload")
+    assert offload.is_enabled(model)
+    fuselm.hf.patch(model, label_smoothing=0.1)
+    assert not offload.is_enabled(model) and not model.is_gradient_checkpointing
+    fuselm.hf.patch(model, checkpointing="offload")
+    fuselm.hf.unpatch(model)
+    assert not offload.is_enabled(model)
+
+
 def test_checkpointing_bad_value_names_the_argument():
     model = lora_model("llama", torch.float32, 8, 0.0, "qv")
     with pytest.raises(ValueError, match="checkpointing"):

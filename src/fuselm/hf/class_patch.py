@@ -16,13 +16,13 @@ from ._common import (
     sharded_classes,
 )
 from .installs import add_user, has_rope, remove_user
-from .plan import Plan, forward_for
+from .plan import PatchPlan, forward_for
 from .registry import FamilySpec, family, family_of_module, generic_spec, supported_model_types
 
 
 @dataclass
 class _ClassPatch:
-    plan: Plan
+    plan: PatchPlan
     saved: list[tuple[type, str, object]]  # (class, attribute, previous value or MISSING)
 
 
@@ -71,7 +71,7 @@ def unpatch_family(spec: FamilySpec) -> None:
     remove_user(spec, None)
 
 
-def patch_family(spec: FamilySpec, plan: Plan) -> None:
+def patch_family(spec: FamilySpec, plan: PatchPlan) -> None:
     current = _class_patches.get(spec)
     if current is not None and current.plan == plan:
         return

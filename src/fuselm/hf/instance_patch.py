@@ -33,7 +33,7 @@ from .hub_kernels import give_back, kernelized, take_over
 from .installs import add_user, has_rope, remove_user
 from .lora import lora_linear_forward
 from .peft_operands import is_lora_linear, keep_quant_states
-from .plan import Plan, forward_for
+from .plan import PatchPlan, forward_for
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
 
 # ---- instance patching ----
@@ -86,7 +86,7 @@ class _InstancePatch:
 
     __slots__ = ("spec", "plan", "_root", "_peft_stamp")
 
-    def __init__(self, root: nn.Module, spec: FamilySpec, plan: Plan):
+    def __init__(self, root: nn.Module, spec: FamilySpec, plan: PatchPlan):
         self.spec, self.plan, self._root = spec, plan, weakref.ref(root)
         self._peft_stamp = _peft_stamp(root)
 
@@ -118,7 +118,7 @@ class _InstancePatch:
         return (_restored_patch, (self.root, self.spec, self.plan))
 
 
-def _restored_patch(root: nn.Module, spec: FamilySpec, plan: Plan) -> _InstancePatch:
+def _restored_patch(root: nn.Module, spec: FamilySpec, plan: PatchPlan) -> _InstancePatch:
     """The record of a copied or unpickled root: the copy uses the family's RoPE too (the dispatcher is
     installed again when the process has none: loading a patched model is an explicit call)."""
     patch = _InstancePatch(root, spec, plan)
@@ -152,7 +152,7 @@ def _generic_lm(module: nn.Module, cls: type) -> bool:
     )
 
 
-def _family_spec(module: nn.Module, plan: Plan) -> FamilySpec | None:
+def _family_spec(module: nn.Module, plan: PatchPlan) -> FamilySpec | None:
     """The family of a module's class (a spec of the registry; the generic spec of a ``*ForCausalLM``
     without one, when ``plan`` has a loss), or None."""
     cls = hf_class(module)
@@ -162,11 +162,11 @@ def _family_spec(module: nn.Module, plan: Plan) -> FamilySpec | None:
     return spec
 
 
-def _family_forward(spec: FamilySpec, cls: type, plan: Plan) -> Callable | None:
+def _family_forward(spec: FamilySpec, cls: type, plan: PatchPlan) -> Callable | None:
     return forward_for(spec, cls, original_forward(cls), plan)
 
 
-def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
+def _instance_forward(module: nn.Module, plan: PatchPlan) -> InstanceForward | None:
     """The forward instance patching gives ``module`` under ``plan``, or None (it keeps its own): the one
     place that decides which submodules of a model get an instance forward, and which one. Here: fuselm's
     forward for the module's class when it is a class its family swaps (:func:`fuselm.hf.plan.forward_for`),
@@ -182,7 +182,7 @@ def _instance_forward(module: nn.Module, plan: Plan) -> InstanceForward | None:
     return None if forward is None else InstanceForward(module, forward, _family_forward, how)
 
 
-def _family_roots(model: nn.Module, plan: Plan) -> dict[nn.Module, FamilySpec]:
+def _family_roots(model: nn.Module, plan: PatchPlan) -> dict[nn.Module, FamilySpec]:
     """The outermost module of each family in ``model`` (one per model of the family in it: a Llava's Llama
     text model is the root of the llama family, the Llava wrapper of the llava family)."""
     roots: dict[nn.Module, FamilySpec] = {}
@@ -203,7 +203,13 @@ def _instance_patches(model: nn.Module) -> list[_InstancePatch]:
     return [vars(m)[INSTANCE_MARK] for m in model.modules() if INSTANCE_MARK in vars(m)]
 
 
-def patch_instance(model: nn.Module, plan: Plan) -> None:
+def instance_plan(model: nn.Module) -> PatchPlan | None:
+    """The plan ``model`` was instance-patched with (None: it was not)."""
+    current = _instance_patches(model)
+    return current[0].plan if current else None
+
+
+def patch_instance(model: nn.Module, plan: PatchPlan) -> None:
     current = _instance_patches(model)
     if current and all(p.plan == plan for p in current):
         return

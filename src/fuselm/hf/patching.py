@@ -29,7 +29,7 @@ from . import offload
 from ._common import INSTANCE_MARK, hf_class
 from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
 from .installs import sweep
-from .instance_patch import InstanceForward, class_spec, patch_instance, unpatch_instance
+from .instance_patch import InstanceForward, class_spec, instance_plan, patch_instance, unpatch_instance
 from .plan import make_plan
 from .registry import family_of_module
 
@@ -125,7 +125,9 @@ def patch(
         checkpointing: None (HF's gradient checkpointing as the model has it) or ``"offload"`` (built
             models only): gradient checkpointing with each decoder layer's input kept in pinned host
             memory between forward and backward (:func:`fuselm.hf.offload.enable`: turned on if it is off,
-            kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag).
+            kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag). An option
+            of the patch like the others: patching the model again without it, or unpatching, turns the
+            offloading off.
         mlp_chunk_tokens: None, or (with ``swiglu``) the gated MLP runs over chunks of this many tokens:
             no ``[tokens, intermediate]`` tensor is ever held, only x is saved, each chunk's gate and up
             projections are recomputed in backward (for the longest sequences, where those tensors
@@ -181,13 +183,15 @@ def patch(
         memory=memory,
         accum_dtype=accum_dtype,
         mlp_chunk_tokens=mlp_chunk_tokens,
+        checkpointing=checkpointing,
     )
-    if checkpointing not in (None, "offload"):
-        raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")
     if isinstance(target, nn.Module):
+        before = instance_plan(target)
         patch_instance(target, plan)
-        if checkpointing == "offload":
+        if plan.checkpointing == "offload":
             offload.enable(target)
+        elif before is not None and before.checkpointing == "offload" and offload.is_enabled(target):
+            offload.disable(target)  # the plan that asked for it is replaced
     elif checkpointing is not None and isinstance(target, (str, type)):
         raise ValueError("checkpointing='offload' takes a built model, not a model class or model_type")
     elif isinstance(target, (str, type)):

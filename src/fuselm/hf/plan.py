@@ -1,5 +1,6 @@
-"""What one ``fuselm.hf.patch`` call asks for (:class:`Plan`, checked when patching), and which of fuselm's
-forwards a class of a family gets under it (:func:`forward_for`): what class and instance patching share."""
+"""What one ``fuselm.hf.patch`` call asks for (:class:`PatchPlan`, checked when patching), and which of
+fuselm's forwards a class of a family gets under it (:func:`forward_for`): what class and instance
+patching share."""
 
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ from .registry import FamilySpec
 BLOCKS = ("rms_norm", "residual_norm", "layer", "rope", "swiglu", "lora")
 
 
+CHECKPOINTING = (None, "offload")  # HF's gradient checkpointing as the model has it; layer inputs on the host
+
+
 @dataclass(frozen=True)
-class Plan:
-    """What one ``patch`` call asks for: block components (of :data:`BLOCKS`), and the loss options (None:
-    the loss stays HF's)."""
+class PatchPlan:
+    """Every option of one ``patch`` call: block components (of :data:`BLOCKS`), the loss options (None:
+    the loss stays HF's), the MLP's chunk size and the checkpointing mode (of :data:`CHECKPOINTING`).
+    Patching a target again with another plan replaces its patch, options and checkpointing alike."""
 
     blocks: tuple[str, ...]
     loss: LossOptions | None
     mlp_chunk: int | None = None  # the gated MLP over chunks of this many tokens (long sequences)
+    checkpointing: str | None = None
 
 
 def make_plan(
@@ -48,9 +54,12 @@ def make_plan(
     accum_dtype: torch.dtype | None,
     mlp_chunk_tokens: int | None = None,
     fused_layer: bool = False,
-) -> Plan:
-    """The :class:`Plan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the loss
-    options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
+    checkpointing: str | None = None,
+) -> PatchPlan:
+    """The :class:`PatchPlan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the
+    loss options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
@@ -89,10 +98,10 @@ def make_plan(
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
-    return Plan(blocks, loss, mlp_chunk_tokens)
+    return PatchPlan(blocks, loss, mlp_chunk_tokens, checkpointing)
 
 
-def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: Plan) -> Callable | None:
+def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: PatchPlan) -> Callable | None:
     """fuselm's forward for ``cls``, a class of ``spec``'s modeling module whose own (HF's) forward is
     ``original``, under ``plan``; None: the class keeps HF's (not a class the family swaps, not asked for,
     or a decoder layer that is not Llama's layout in this transformers, warned once)."""
