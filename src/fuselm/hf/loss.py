@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops._common.guard import TargetRangeError, validate_memory
+from ..ops._common.guard import FLOAT_DTYPES, TargetRangeError, check_choice, validate_memory
+from ..ops._common.loss.options import LossOptions as OpsLossOptions
 from ..ops.cross_entropy import cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 
@@ -21,13 +22,16 @@ class LossOptions:
     Attributes:
         from_logits: HF's logits are made and returned, the loss on them by :func:`fuselm.cross_entropy`
             (``patch(..., cross_entropy=True)``); otherwise the fused loss from the hidden states.
-        label_smoothing: PyTorch's label smoothing, applied inside the fused loss: a float in [0, 1).
+        label_smoothing: PyTorch's label smoothing, applied inside the fused loss: a number in [0, 1].
         memory: the ``memory=`` plan of :func:`fuselm.linear_cross_entropy`: ``"auto"``, ``"min"`` or a
             positive int (bytes).
-        accum_dtype: its ``accum_dtype=``: None, or torch.float32 for an fp32 lm_head gradient accumulator.
+        accum_dtype: its ``accum_dtype=``: None, torch.float32 for an fp32 lm_head gradient accumulator,
+            or the model's own dtype (the same as None).
 
-    Checked when made (``fuselm.hf.patch`` makes one), so a bad option fails at patch time, not at the
-    first training step: ValueError naming the argument and its allowed values.
+    Checked when made (``fuselm.hf.patch`` makes one) by the ops' own validators, so a bad option fails
+    at patch time, not at the first training step: ValueError naming the argument and its allowed values
+    (an ``accum_dtype`` that is a float dtype other than float32 and the model's is refused by the loss
+    at its first call, where the model's dtype is known).
     """
 
     from_logits: bool = False
@@ -36,13 +40,10 @@ class LossOptions:
     accum_dtype: torch.dtype | None = None
 
     def __post_init__(self):
-        smoothing = self.label_smoothing
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
-            raise ValueError(f"label_smoothing must be a float in [0, 1), got {smoothing!r}")
-        object.__setattr__(self, "label_smoothing", float(smoothing))  # frozen: one key for 0 and 0.0
+        smoothing = OpsLossOptions.of(label_smoothing=self.label_smoothing).label_smoothing
+        object.__setattr__(self, "label_smoothing", smoothing)  # frozen: one key for 0 and 0.0
         validate_memory(self.memory)
-        if self.accum_dtype not in (None, torch.float32):
-            raise ValueError(f"accum_dtype must be None or torch.float32, got {self.accum_dtype!r}")
+        check_choice("accum_dtype", self.accum_dtype, (None, *FLOAT_DTYPES))
 
 
 def shifted_targets(
