@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops._common.guard import check_chunk_rows
 from .attention import attention_forward, has_attention_core
 from .blocks import mlp_forward, rms_norm_forward
 from .causal_lm import causal_lm_forward
@@ -65,15 +66,9 @@ def make_plan(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
             "(linear_cross_entropy=False for the loss on materialized logits)"
         )
-    if mlp_chunk_tokens is not None:
-        if (
-            isinstance(mlp_chunk_tokens, bool)
-            or not isinstance(mlp_chunk_tokens, int)
-            or mlp_chunk_tokens < 1
-        ):
-            raise ValueError(f"mlp_chunk_tokens must be None or an int >= 1, got {mlp_chunk_tokens!r}")
-        if not swiglu:
-            raise ValueError("mlp_chunk_tokens chunks fuselm's gated MLP: it needs swiglu=True")
+    check_chunk_rows("mlp_chunk_tokens", mlp_chunk_tokens)
+    if mlp_chunk_tokens is not None and not swiglu:
+        raise ValueError("mlp_chunk_tokens chunks fuselm's gated MLP: it needs swiglu=True")
     if fused_residual and not rms_norm:
         raise ValueError(
             "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"

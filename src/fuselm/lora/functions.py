@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops._common.guard import check_chunk_rows
 from ..ops.swiglu import gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
@@ -633,10 +634,7 @@ def lora_gated_mlp(
     _check_x("x", x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if chunk_rows is not None and (
-        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
-    ):
-        raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
+    check_chunk_rows("chunk_rows", chunk_rows)
     cdt, autocast = _compute_dtype(x)
     gb, gadapter, gbias = _operands("gate", gate)
     ub, uadapter, ubias = _operands("up", up)

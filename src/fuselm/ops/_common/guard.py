@@ -66,6 +66,19 @@ def check_number(name: str, value: object, *, positive: bool = False) -> float:
     return value
 
 
+def check_chunk_rows(name: str, value: object) -> None:
+    """A chunk size of rows (tokens): None or an int >= 1, else ValueError naming ``name``.
+
+    Example:
+        >>> check_chunk_rows("chunk_rows", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: chunk_rows must be None or an int >= 1, got 0
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
     choices = tuple(choices)
     if value not in choices:

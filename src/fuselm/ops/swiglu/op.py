@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from .._common.dispatch import use_triton
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.fp32_matmul import mm_fp32_into
-from .._common.guard import FLOAT_DTYPES, cast_for_autocast, check_choice, check_tensor, rows_view
+from .._common.guard import (
+    FLOAT_DTYPES,
+    cast_for_autocast,
+    check_choice,
+    check_chunk_rows,
+    check_tensor,
+    rows_view,
+)
 from .._common.launch import cdiv, launcher, next_pow2
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import ACTIVATIONS, gated_bwd_reference, gated_fwd_reference, split_packed
@@ -884,10 +891,7 @@ def swiglu_mlp(
             check_tensor(name, biases[name], dtypes=(x.dtype,), ndim=1, device=x.device)
             if biases[name].shape[0] != size:
                 raise ValueError(f"{name} must have shape [{size}], got {list(biases[name].shape)}")
-    if chunk_rows is not None and (
-        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
-    ):
-        raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
+    check_chunk_rows("chunk_rows", chunk_rows)
     x2 = rows_view(x)
     if chunk_rows is not None and x2.shape[0] > chunk_rows:
         y = ChunkedGatedMLPFunction.apply(x2, *weights.values(), *biases.values(), activation, chunk_rows)
