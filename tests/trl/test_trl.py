@@ -125,8 +125,9 @@ def test_changed_kernel_contract(monkeypatch):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="memory"):
-        fuselm.trl.patch(memory="fast")
+    for bad in ("fast", 0, True, 1.5e9):
+        with pytest.raises(ValueError, match="^memory must be 'auto', 'min' or a positive int"):
+            fuselm.trl.patch(memory=bad)
     hidden, weight, targets = torch.randn(3, 8), torch.randn(10, 8), torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="unknown"):
         outputs = ("log_probs", "lse")

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..ops._common.guard import validate_memory
 from ..ops.linear_log_probs import linear_log_probs
 
 SUPPORTED = ">=1.16,<2"  # the trl versions with the global and the signature below
@@ -37,7 +38,6 @@ TRL_PARAMETERS = (
 )
 # The per-token outputs, in the order TRL's kernel returns them
 TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-MEMORY_PLANS = ("auto", "min")
 
 _original: type | None = None  # TRL's class while patched
 _memory: str | int = "auto"  # the plan FusedLogProbs asks linear_log_probs for
@@ -174,9 +174,7 @@ def patch(*, memory: str | int = "auto") -> None:
         >>> fuselm.trl.unpatch()                # doctest: +SKIP
     """
     global _original, _memory
-    budget = isinstance(memory, int) and not isinstance(memory, bool) and memory > 0
-    if not (memory in MEMORY_PLANS or budget):
-        raise ValueError(f'memory must be "auto", "min" or a positive byte budget (int), got {memory!r}')
+    validate_memory(memory)
     utils = _trl_utils()
     _memory = memory
     current = getattr(utils, TRL_GLOBAL)
