@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ._common import fallbacks, hf_class, is_fuselm_forward, module_name, register_module_names
+from .activation_plan import ActivationPlan
+from .activation_plan import current as current_activation_plan
 from .hub_kernels import meant_for_fuselm, what_runs
 from .installs import has_rope, rope_in_module, rope_runs_fuselm
 from .peft_operands import is_lora_linear
@@ -32,14 +34,19 @@ class BlockRun:
 
 
 class Report(list):
-    """A list of :class:`BlockRun`; ``str()`` gives one line per block and a count per implementation."""
+    """A list of :class:`BlockRun`; ``activations``: the model's activation plan
+    (:class:`~fuselm.hf.activation_plan.ActivationPlan`, with ``checkpointing="auto"``), else None.
+    ``str()`` gives one line per block, a count per implementation and the plan."""
+
+    activations: ActivationPlan | None = None
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}
         for row in self:
             counts[row.runs] = counts.get(row.runs, 0) + 1
         summary = ", ".join(f"{n} {runs}" for runs, n in counts.items())
-        return "\n".join([*map(str, self), f"{len(self)} blocks: {summary}"])
+        plan = [] if self.activations is None else [f"activations: {self.activations}"]
+        return "\n".join([*map(str, self), f"{len(self)} blocks: {summary}", *plan])
 
 
 def _is_block(module: nn.Module) -> bool:
@@ -58,8 +65,7 @@ def _rope_row(spec: FamilySpec, model: nn.Module) -> BlockRun:
     for module in model.modules():  # transformers >= 5.25: each attention's own wrapper of the function
         wrapper = getattr(module, "_kernel_funcs", {}).get(spec.rope)
         if wrapper is not None:
-            runs = what_runs(wrapper)
-            return BlockRun(name, "function", "Hugging Face's" if runs == "fuselm" else runs)
+            return BlockRun(name, "function", what_runs(wrapper))
     runs = "fuselm" if is_fuselm_forward(rope_in_module(spec)) else "Hugging Face's"
     return BlockRun(name, "function", runs)
 
@@ -67,8 +73,9 @@ def _rope_row(spec: FamilySpec, model: nn.Module) -> BlockRun:
 def report(model: nn.Module) -> Report:
     """What each block of ``model`` that fuselm patches (or would) runs: per module, fuselm's forward, a hub
     kernel that ``kernelize`` installed, Hugging Face's forward or another one; and per family, its rotary
-    function. ``why`` gives the reasons fuselm recorded for a block that runs something else (an attribute
-    its forward reads is missing, an activation without a kernel, a LoRA layer PEFT runs itself). A block
+    function; with ``checkpointing="auto"``, the activation plan of the decoder layers. ``why`` gives the
+    reasons fuselm recorded for a block that runs something else (an attribute its forward reads is
+    missing, an activation without a kernel, a LoRA layer PEFT runs itself). A block
     fuselm patched that runs something else is also said once, as a warning, at the first training
     forward of a patched ``*ForCausalLM``.
 
@@ -107,4 +114,5 @@ def report(model: nn.Module) -> Report:
         why = "; ".join(f"{what}: {reason}" for reason, what in fallbacks(module).items())
         rows.append(BlockRun(module_name(module), hf_class(module).__name__, what_runs(module), why))
     rows.extend(_rope_row(spec, model) for spec in families)
+    rows.activations = current_activation_plan(model)
     return rows

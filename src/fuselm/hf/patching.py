@@ -25,12 +25,12 @@ import warnings
 import torch
 from torch import nn
 
-from . import offload
+from . import activation_plan, offload
 from ._common import INSTANCE_MARK, hf_class
 from .class_patch import family_of_target, is_class_patched, patch_family, unpatch_family
 from .installs import sweep
 from .instance_patch import InstanceForward, class_spec, instance_plan, patch_instance, unpatch_instance
-from .plan import make_plan
+from .plan import PatchPlan, make_plan
 from .registry import family_of_module
 
 # ---- the public functions ----
@@ -56,6 +56,7 @@ def patch(
     memory: str | int = "auto",
     accum_dtype: torch.dtype | None = None,
     checkpointing: str | None = None,
+    memory_budget: float | None = None,
     mlp_chunk_tokens: int | None = None,
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
@@ -125,9 +126,16 @@ def patch(
         checkpointing: None (HF's gradient checkpointing as the model has it) or ``"offload"`` (built
             models only): gradient checkpointing with each decoder layer's input kept in pinned host
             memory between forward and backward (:func:`fuselm.hf.offload.enable`: turned on if it is off,
-            kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag). An option
-            of the patch like the others: patching the model again without it, or unpatching, turns the
-            offloading off.
+            kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag), or ``"auto"``
+            (built models only): per decoder layer, keep its activations, recompute it, or offload its
+            input, so that the step's peak stays under ``memory_budget``, recomputing as little as it
+            allows (:mod:`fuselm.hf.activation_plan`: planned at the first training forward, again when a
+            batch has more tokens; ``fuselm.hf.report(model).activations`` says what each layer does).
+            Options of the patch like the others: patching the model again without them, or unpatching,
+            turns them off.
+        memory_budget: with ``checkpointing="auto"``: GiB for the training step's peak (weights,
+            optimizer state and activations); None: 90% of the GPU's memory (on the CPU: no limit, every
+            layer keeps its activations). A number > 0.
         mlp_chunk_tokens: None, or (with ``swiglu``) the gated MLP runs over chunks of this many tokens:
             no ``[tokens, intermediate]`` tensor is ever held, only x is saved, each chunk's gate and up
             projections are recomputed in backward (for the longest sequences, where those tensors
@@ -184,16 +192,17 @@ def patch(
         accum_dtype=accum_dtype,
         mlp_chunk_tokens=mlp_chunk_tokens,
         checkpointing=checkpointing,
+        memory_budget=memory_budget,
     )
     if isinstance(target, nn.Module):
         before = instance_plan(target)
         patch_instance(target, plan)
-        if plan.checkpointing == "offload":
-            offload.enable(target)
-        elif before is not None and before.checkpointing == "offload" and offload.is_enabled(target):
-            offload.disable(target)  # the plan that asked for it is replaced
+        if before != plan:
+            _set_checkpointing(target, before, plan)
     elif checkpointing is not None and isinstance(target, (str, type)):
-        raise ValueError("checkpointing='offload' takes a built model, not a model class or model_type")
+        raise ValueError(
+            f"checkpointing={checkpointing!r} takes a built model, not a model class or model_type"
+        )
     elif isinstance(target, (str, type)):
         spec = family_of_target(target)
         patch_family(spec, plan)
@@ -209,6 +218,18 @@ def patch(
     return target
 
 
+def _set_checkpointing(model: nn.Module, before: PatchPlan | None, plan: PatchPlan) -> None:
+    """The checkpointing ``plan`` asks for on ``model``, the one ``before`` asked for taken out first."""
+    if before is not None and before.checkpointing is not None:
+        activation_plan.disable(model)
+        if offload.is_enabled(model):
+            offload.disable(model)
+    if plan.checkpointing == "offload":
+        offload.enable(model)
+    elif plan.checkpointing == "auto":
+        activation_plan.enable(model, plan.memory_budget)
+
+
 def unpatch(target):
     """Undo :func:`patch` on the same target: a built model loses every forward fuselm gave it or its
     submodules (also a model holding modules of a patched one: ``merge_and_unload``'s result, a copy); a
@@ -216,6 +237,7 @@ def unpatch(target):
     any more are restored. A target that was not patched is left as it is. Returns the target."""
     if isinstance(target, nn.Module):
         unpatch_instance(target)
+        activation_plan.disable(target)
         if offload.is_enabled(target):
             offload.disable(target)
     elif isinstance(target, (str, type)):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops._common.guard import check_chunk_rows
+from .activation_plan import check_budget
 from .attention import attention_forward, has_attention_core
 from .blocks import mlp_forward, rms_norm_forward
 from .causal_lm import causal_lm_forward
@@ -26,7 +27,9 @@ from .registry import FamilySpec
 BLOCKS = ("rms_norm", "residual_norm", "layer", "rope", "swiglu", "lora")
 
 
-CHECKPOINTING = (None, "offload")  # HF's gradient checkpointing as the model has it; layer inputs on the host
+# None: HF's gradient checkpointing as the model has it; "offload": every layer's input on the host;
+# "auto": per layer, keep / recompute / offload under a memory budget (fuselm.hf.activation_plan)
+CHECKPOINTING = (None, "offload", "auto")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class PatchPlan:
     loss: LossOptions | None
     mlp_chunk: int | None = None  # the gated MLP over chunks of this many tokens (long sequences)
     checkpointing: str | None = None
+    memory_budget: float | None = None  # GiB, with checkpointing="auto" (None: the default budget)
 
 
 def make_plan(
@@ -56,11 +60,16 @@ def make_plan(
     mlp_chunk_tokens: int | None = None,
     fused_layer: bool = False,
     checkpointing: str | None = None,
+    memory_budget: float | None = None,
 ) -> PatchPlan:
     """The :class:`PatchPlan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the
     loss options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
     if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing must be None or 'offload', got {checkpointing!r}")
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    if memory_budget is not None:
+        memory_budget = check_budget(memory_budget)
+        if checkpointing != "auto":
+            raise ValueError("memory_budget is the budget of checkpointing='auto': pass both")
     if cross_entropy and linear_cross_entropy:
         raise ValueError(
             "cross_entropy and linear_cross_entropy: two ways to compute the loss, pick one "
@@ -93,7 +102,7 @@ def make_plan(
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
-    return PatchPlan(blocks, loss, mlp_chunk_tokens, checkpointing)
+    return PatchPlan(blocks, loss, mlp_chunk_tokens, checkpointing, memory_budget)
 
 
 def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: PatchPlan) -> Callable | None:

@@ -1,0 +1,265 @@
+"""``checkpointing="auto"``: per decoder layer, what a training step keeps, recomputes or offloads, so that
+the step's peak stays under a memory budget and it recomputes as little as the budget allows.
+
+A decoder layer runs in one of three modes (:data:`MODES`):
+
+- ``"keep"``: no checkpointing; its activations stay on the device from forward to backward (no
+  recompute: the fastest, ``K`` bytes per token, measured);
+- ``"recompute"``: gradient checkpointing; only its input stays (``I = H x itemsize`` bytes per token), its
+  forward runs again in the backward;
+- ``"offload"``: checkpointing with the input in pinned host memory
+  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device.
+
+The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute),
+then on recomputed ones (each saves a host round trip), and offloads the rest:
+``peak ~ base + n_keep K T + n_recompute I T + K T`` (the last term: one layer's activations while a
+checkpointed layer's backward runs, none when every layer is kept), where ``base`` is what the device
+holds when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of
+the trainable parameters not allocated yet. The offloaded layers are the first ones (their inputs come
+back last in the backward: the most time for the copies), the kept ones the last.
+
+``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
+batch has more tokens than the plan was made for) the first decoder layer's forward runs once more on its
+real inputs with the bytes it saves for backward counted (parameters excluded), under a forked RNG (the
+dropout masks of the step stay the ones HF would draw). Every plan computes the same loss and gradients:
+checkpointing recomputes exactly (the forward's RNG states are restored).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from . import offload
+
+MODES = ("keep", "recompute", "offload")
+GIB = 1 << 30
+DEFAULT_DEVICE_FRACTION = 0.9  # checkpointing="auto" without memory_budget: this much of the GPU's memory
+_PLANNER = "_fuselm_activation_planner"  # on the top PreTrainedModel: its _Planner
+_log = logging.getLogger("fuselm.hf")
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """The modes of the decoder layers (first to last) for batches of up to ``tokens`` tokens, with the
+    figures they were chosen from (bytes)."""
+
+    tokens: int
+    modes: tuple[str, ...]
+    budget: int
+    base: int
+    keep_bytes_per_token: int
+    input_bytes_per_token: int
+
+    @property
+    def estimated_peak(self) -> int:
+        return _peak(
+            self.modes, self.tokens, self.base, self.keep_bytes_per_token, self.input_bytes_per_token
+        )
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{self.modes.count(m)} {m}" for m in MODES if m in self.modes)
+        return (
+            f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
+            f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
+            f"{_size(self.keep_bytes_per_token * self.tokens)})"
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def _peak(modes: tuple[str, ...], tokens: int, base: int, keep: int, inp: int) -> int:
+    held = sum(keep if m == "keep" else inp if m == "recompute" else 0 for m in modes) * tokens
+    transient = 0 if all(m == "keep" for m in modes) else keep * tokens  # a recompute's activations
+    return base + held + transient
+
+
+def plan_layers(n_layers: int, tokens: int, budget: int, base: int, keep: int, inp: int) -> tuple[str, ...]:
+    """The modes of ``n_layers`` decoder layers for ``tokens`` tokens under ``budget`` bytes, from ``base``
+    bytes held anyway, ``keep`` bytes per token of a kept layer and ``inp`` of a layer's input: as many
+    kept layers as fit, then recomputed ones, the rest offloaded (all offloaded when even that is over).
+
+    Example (a kept layer holds 200 bytes here, an input 20):
+        >>> plan_layers(4, 10, budget=1000, base=200, keep=20, inp=2)
+        ('keep', 'keep', 'keep', 'keep')
+        >>> plan_layers(4, 10, budget=700, base=200, keep=20, inp=2)
+        ('recompute', 'recompute', 'recompute', 'keep')
+        >>> plan_layers(4, 10, budget=450, base=200, keep=20, inp=2)
+        ('offload', 'offload', 'recompute', 'recompute')
+    """
+    if _peak(("keep",) * n_layers, tokens, base, keep, inp) <= budget:
+        return ("keep",) * n_layers
+    room = budget - base - keep * tokens  # one checkpointed layer's backward at a time
+    n_keep = max(0, min(n_layers - 1, room // max(keep * tokens, 1)))
+    room -= n_keep * keep * tokens
+    n_recompute = max(0, min(n_layers - n_keep, room // max(inp * tokens, 1)))
+    n_offload = n_layers - n_keep - n_recompute
+    return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
+
+
+def check_budget(memory_budget: object) -> float:
+    """``memory_budget`` (GiB) as a float: a finite number > 0, else ValueError naming it."""
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise ValueError(f"memory_budget must be a number of GiB, got {type(memory_budget).__name__}")
+    if not (math.isfinite(memory_budget) and memory_budget > 0):
+        raise ValueError(f"memory_budget must be a finite number of GiB > 0, got {memory_budget!r}")
+    return float(memory_budget)
+
+
+# ---- measuring ----
+
+
+def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes ``layer``'s forward saves for backward on these inputs (its parameters and buffers excluded;
+    each storage counted once), the hidden states taken as a tensor that needs grad (a middle layer's)."""
+    own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hidden = args[0].detach().requires_grad_(True)
+    checkpointing = layer.gradient_checkpointing
+    devices = [args[0].device] if args[0].is_cuda else []
+    try:
+        layer.gradient_checkpointing = False
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer.forward(hidden, *args[1:], **kwargs)
+        del out
+    finally:
+        layer.gradient_checkpointing = checkpointing
+    return sum(seen.values())
+
+
+def _allocated(model: torch.nn.Module) -> int:
+    """The bytes of the model's own tensors (each storage once): what the CPU holds for it."""
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
+    tensors.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.buffers()})
+    return sum(tensors.values())
+
+
+def _pending_grads(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if torch.is_tensor(ids):
+        return ids.numel()
+    embeds = kwargs.get("inputs_embeds")
+    return embeds.shape[:-1].numel() if torch.is_tensor(embeds) else None
+
+
+# ---- the planner on a model ----
+
+
+class _Planner:
+    """A model's budget, its plan, and the hooks that make and apply it."""
+
+    def __init__(self, top: torch.nn.Module, budget: int | None):
+        self.top, self.budget, self.plan = top, budget, None
+        self.layers = offload._layers(top)
+        self.pending: tuple[int, int, int] | None = None  # tokens, the model's bytes, gradients to come
+        self.handles = [
+            top.register_forward_pre_hook(self.before_model, with_kwargs=True),
+            self.layers[0].register_forward_pre_hook(self.before_first_layer, with_kwargs=True),
+        ]
+
+    def before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        tokens = _tokens(args, kwargs)
+        if tokens is not None and (self.plan is None or tokens > self.plan.tokens):
+            # measured and planned when the first layer sees its inputs; the model's tensors counted now,
+            # before its forward (the fused loss lends the lm_head out during it)
+            own = _allocated(module)
+            self.pending = (tokens, own, _pending_grads(module))
+        elif self.plan is not None:
+            self.apply(self.plan.modes)  # again: HF's checkpointing switches set every layer alike
+
+    def before_first_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.pending is None:
+            return
+        (tokens, own, grads), self.pending = self.pending, None
+        hidden = args[0]
+        device = hidden.device
+        budget = self.budget
+        if budget is None:
+            budget = (
+                int(DEFAULT_DEVICE_FRACTION * torch.cuda.mem_get_info(device)[1])
+                if device.type == "cuda"
+                else 1 << 62  # no device memory to spend on the CPU: every layer is kept
+            )
+        keep = math.ceil(_saved_bytes(layer, args, kwargs) / tokens)
+        inp = hidden.shape[-1] * hidden.element_size()
+        base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
+        modes = plan_layers(len(self.layers), tokens, budget, base, keep, inp)
+        self.plan = ActivationPlan(tokens, modes, budget, base, keep, inp)
+        if self.plan.estimated_peak > budget:
+            _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
+        else:
+            _log.info("fuselm.hf: activation plan: %s", self.plan)
+        self.apply(modes)
+
+    def apply(self, modes: tuple[str, ...]) -> None:
+        for layer, mode in zip(self.layers, modes, strict=True):
+            layer.gradient_checkpointing = mode != "keep"
+            offloaded = offload._is_offloaded(layer.__dict__.get("_gradient_checkpointing_func"))
+            if mode == "recompute" and offloaded:
+                layer._gradient_checkpointing_func = _recompute_fn(layer)
+            elif mode == "offload" and not offloaded:
+                layer._gradient_checkpointing_func = offload._offloaded_from(_recompute_fn(layer), layer)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _recompute_fn(layer: torch.nn.Module) -> Callable:
+    """HF's checkpointing function of ``layer`` (kept aside by :mod:`fuselm.hf.offload`), else torch's
+    non-reentrant checkpoint."""
+    hf_func = layer.__dict__.get(offload._HF_FUNC)
+    return hf_func or functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
+
+
+def enable(model: torch.nn.Module, memory_budget: float | None = None) -> torch.nn.Module:
+    """``checkpointing="auto"`` on ``model`` (:func:`fuselm.hf.patch` calls it): offloading installed
+    (:func:`fuselm.hf.offload.enable`), then the layers' modes planned at the first training forward and
+    whenever a batch has more tokens. ``memory_budget``: GiB for the step's peak; None: 90% of the GPU's
+    memory (every layer kept on the CPU)."""
+    budget = None if memory_budget is None else int(check_budget(memory_budget) * GIB)
+    disable(model)
+    offload.enable(model)
+    top = offload._pretrained(model)[0]
+    top.__dict__[_PLANNER] = _Planner(top, budget)
+    return model
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Take the planner out of ``model`` (the layers stay as the last plan set them until offloading or
+    HF's checkpointing is switched)."""
+    for m in model.modules():
+        planner = m.__dict__.pop(_PLANNER, None)
+        if planner is not None:
+            planner.remove()
+
+
+def current(model: torch.nn.Module) -> ActivationPlan | None:
+    """The activation plan of ``model`` (None: no ``checkpointing="auto"``, or no training forward yet)."""
+    for m in model.modules():
+        planner = m.__dict__.get(_PLANNER)
+        if planner is not None:
+            return planner.plan
+    return None

@@ -1,0 +1,233 @@
+"""checkpointing="auto": the memory-budgeted activation plan of the decoder layers (keep / recompute /
+offload), its choice under a budget, re-planning when batches grow, the plan in fuselm.hf.report, the
+checks of memory_budget, and that every plan gives HF + PEFT's loss and gradients (numerics rule; dropout
+masks included). On the CPU the device holds the model's own tensors, so budgets are exact here."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from kit.hf_models import build, clone
+
+import fuselm.hf
+from fuselm.hf import activation_plan, offload
+from fuselm.hf.activation_plan import GIB, plan_layers
+from fuselm.ops._common.testing import assert_numerics
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LAYERS = 4
+
+
+def _batch(t: int, b: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 300, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss
+
+
+def _peft(model, dropout=0.1):
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+    return peft.get_peft_model(model, config)
+
+
+def _hf_checkpointing(model) -> None:
+    """HF's gradient checkpointing on (non-reentrant), under the name this transformers version has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _model(lora: bool, dtype=torch.float32, base=None):
+    model = clone(base, dtype) if base is not None else build("llama", layers=LAYERS)
+    if lora:
+        torch.manual_seed(0)  # the same LoRA initialization for every copy
+        model = _peft(model)
+    return model
+
+
+def _figures(lora: bool = False, t: int = 16) -> activation_plan.ActivationPlan:
+    """The measured figures of a plan with no limit (every layer kept), for 2 x t tokens."""
+    model = fuselm.hf.patch(_model(lora), checkpointing="auto", memory_budget=1e6)
+    _step(model, _batch(t))
+    plan = activation_plan.current(model)
+    assert plan.modes == ("keep",) * LAYERS
+    return plan
+
+
+def _gib(nbytes: int) -> float:
+    """A budget of ``nbytes`` in GiB, 64 bytes over (no plan boundary is that close)."""
+    return (nbytes + 64) / GIB
+
+
+def test_plan_layers_spends_the_budget_on_kept_layers_first():
+    args = dict(tokens=10, base=100, keep=20, inp=2)  # a kept layer: 200 bytes, an input: 20
+    assert plan_layers(4, budget=900, **args) == ("keep",) * 4  # 100 + 4 x 200 fits: no recompute at all
+    assert plan_layers(4, budget=899, **args) == ("recompute", "recompute", "keep", "keep")  # + 200 transient
+    assert plan_layers(4, budget=100 + 200 + 60, **args) == ("offload",) + ("recompute",) * 3
+    assert plan_layers(4, budget=100 + 200 + 80, **args) == ("recompute",) * 4
+    assert plan_layers(4, budget=100 + 200 + 20, **args) == ("offload",) * 3 + ("recompute",)
+    assert plan_layers(4, budget=50, **args) == ("offload",) * 4  # over anyway: the least it can hold
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(activation_plan.plan_layers):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_plan_follows_the_budget_from_measured_figures():
+    """Budgets made from the measured figures give the plans plan_layers says, with estimated peaks
+    within them, and each layer checkpoints as its mode says (offloaded or not)."""
+    f = _figures()
+    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    assert 4 * inp < kept
+    for budget, want in [
+        (f.base + 4 * kept, ("keep",) * 4),
+        (f.base + 3 * kept + inp, ("offload", "recompute", "keep", "keep")),
+        (f.base + kept + 4 * inp, ("recompute",) * 4),
+        (f.base + kept, ("offload",) * 4),
+    ]:
+        model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
+        _step(model, _batch(16))
+        plan = activation_plan.current(model)
+        assert plan.modes == want and plan.estimated_peak <= budget
+        for layer, mode in zip(model.model.layers, want, strict=True):
+            assert layer.gradient_checkpointing == (mode != "keep")
+            if mode != "keep":
+                func = vars(layer).get("_gradient_checkpointing_func")
+                assert offload._is_offloaded(func) == (mode == "offload")
+
+
+@pytest.mark.parametrize("plan", ["keep", "mixed", "offload"])
+def test_every_plan_gives_hf_peft_loss_and_gradients(plan):
+    """PEFT LoRA (dropout 0.1) on all linears: fuselm with checkpointing="auto" under a budget that keeps
+    every layer, mixes the three modes, or offloads every layer, against HF + PEFT with HF's gradient
+    checkpointing: the same loss and LoRA gradients under the numerics rule (the dropout masks are the
+    same: checkpointing replays the forward's RNG, the plan's probe runs under a forked RNG)."""
+    f = _figures(lora=True)
+    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    budget = {"keep": 1e6 * GIB, "mixed": f.base + 2 * kept + inp, "offload": 1}[plan]
+    base = build("llama", layers=LAYERS)
+    ids = _batch(16)
+    results = []
+    for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        model = _model(True, dtype, base)
+        if ours:
+            fuselm.hf.patch(model, checkpointing="auto", memory_budget=_gib(budget))
+        else:
+            _hf_checkpointing(model)
+        torch.manual_seed(1)
+        loss = _step(model, ids)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss, grads))
+    modes = activation_plan.current(model).modes
+    assert ("keep" in modes, "offload" in modes) == {"keep": (True, False), "offload": (False, True)}.get(
+        plan, (True, True)
+    )
+    (ref, ref_g), (eager, eager_g), (got, got_g) = results
+    assert_numerics("loss", got, eager, ref, torch.float32)
+    assert got_g.keys() == eager_g.keys() and got_g
+    for name in got_g:
+        assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
+
+
+def test_full_fine_tuning_counts_the_gradients_to_come():
+    """No PEFT: the parameters' gradients are not allocated at the first forward; the plan's base counts
+    them (what the backward will hold) besides the model's tensors."""
+    model = fuselm.hf.patch(build("llama", layers=LAYERS), checkpointing="auto", memory_budget=1.0)
+    _step(model, _batch(16))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert activation_plan.current(model).base >= 2 * params
+
+
+def test_a_batch_with_more_tokens_is_planned_again():
+    model = fuselm.hf.patch(build("llama", layers=LAYERS), checkpointing="auto", memory_budget=1.0)
+    _step(model, _batch(32))
+    first = activation_plan.current(model)
+    _step(model, _batch(16))
+    assert activation_plan.current(model) is first  # fewer tokens: the plan holds
+    _step(model, _batch(64))
+    again = activation_plan.current(model)
+    assert again is not first and again.tokens == 128  # measured again: not every saved tensor is O(T)
+
+
+def test_hf_checkpointing_switches_keep_the_plan():
+    """Trainer switches HF's checkpointing on at train(): every layer alike; the plan is applied again at
+    the next training forward."""
+    f = _figures()
+    budget = f.base + 2 * f.keep_bytes_per_token * f.tokens + f.input_bytes_per_token * f.tokens
+    model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
+    _step(model, _batch(16))
+    modes = activation_plan.current(model).modes
+    assert "keep" in modes and "offload" in modes
+    _hf_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    _step(model, _batch(16))
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [m != "keep" for m in modes]
+
+
+def test_the_plan_is_reported_and_follows_the_patch():
+    model = fuselm.hf.patch(build("llama", layers=LAYERS), checkpointing="auto", memory_budget=1.0)
+    assert fuselm.hf.report(model).activations is None  # no training forward yet
+    _step(model, _batch(16))
+    text = str(fuselm.hf.report(model))
+    assert text.splitlines()[-1] == f"activations: {activation_plan.current(model)}"
+    assert "4 decoder layers at 32 tokens: 4 keep" in text
+    fuselm.hf.patch(model)  # another plan: no checkpointing="auto"
+    assert activation_plan.current(model) is None and not offload.is_enabled(model)
+    fuselm.hf.patch(model, checkpointing="auto")
+    fuselm.hf.unpatch(model)
+    assert activation_plan.current(model) is None and not offload.is_enabled(model)
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        (-1, "must be a finite number of GiB > 0"),
+        (0, "must be a finite number of GiB > 0"),
+        (float("nan"), "must be a finite number of GiB > 0"),
+        (float("inf"), "must be a finite number of GiB > 0"),
+        ("8", "must be a number of GiB, got str"),
+        (True, "must be a number of GiB, got bool"),
+    ],
+)
+def test_bad_memory_budgets_are_named_at_patch_time(budget, message):
+    model = build("llama", layers=1)
+    with pytest.raises(ValueError, match=f"^memory_budget {message}"):
+        fuselm.hf.patch(model, checkpointing="auto", memory_budget=budget)
+    assert not fuselm.hf.is_patched(model)
+
+
+def test_memory_budget_needs_auto_and_auto_needs_a_model():
+    with pytest.raises(ValueError, match="^memory_budget is the budget of checkpointing='auto'"):
+        fuselm.hf.patch(build("llama", layers=1), checkpointing="offload", memory_budget=8)
+    with pytest.raises(ValueError, match="^checkpointing='auto' takes a built model"):
+        fuselm.hf.patch("llama", checkpointing="auto")
+    with pytest.raises(ValueError, match="^checkpointing must be one of"):
+        fuselm.hf.patch(build("llama", layers=1), checkpointing="budget")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_its_own_planner(how):
+    import copy
+    import pickle
+
+    model = fuselm.hf.patch(build("llama", layers=LAYERS), checkpointing="auto", memory_budget=1.0)
+    want = _step(model, _batch(16))
+    other = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    planner = vars(other)[activation_plan._PLANNER]
+    assert planner.top is other and all(
+        a is b for a, b in zip(planner.layers, other.model.layers, strict=True)
+    )
+    assert torch.equal(_step(other, _batch(16)), want)
+    _step(other, _batch(32))
+    assert activation_plan.current(other).tokens == 64 and activation_plan.current(model).tokens == 32
