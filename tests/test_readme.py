@@ -1,4 +1,5 @@
-"""The README cannot drift: its runnable snippets run, its fine-tuning tables equal the committed JSON.
+"""The README and docs/benchmarks.md cannot drift: the README's runnable snippets run, and the benchmark
+tables and figures of both (one text: each table in one of them) equal the committed JSON.
 
 - Every ```python block of README.md whose first line is ``# runnable on CPU`` runs as written, each in
   a fresh Python process (a fresh namespace, and no process-wide state such as ``fuselm.hf.patch("qwen3")``
@@ -33,8 +34,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"  # the tables the README does not headline
 RESULTS = ROOT / "benchmarks" / "results" / "h200"
 MARKER = "# runnable on CPU"
+
+
+def documents() -> str:
+    """The README and docs/benchmarks.md, one text: where the benchmark tables and figures are."""
+    return README.read_text() + "\n\n" + BENCHMARKS.read_text()
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -83,8 +90,8 @@ PROVIDERS = {"+ fuselm.hf.patch": "fuselm", "Unsloth": "unsloth", "HF + PEFT": "
 
 def table_after(marker: str) -> list[list[str]]:
     """The cells (bold stripped) of the markdown table right after the line ``marker``."""
-    lines = README.read_text().splitlines()
-    assert marker in lines, f"README.md has no line {marker!r}"
+    lines = documents().splitlines()
+    assert marker in lines, f"README.md / docs/benchmarks.md have no line {marker!r}"
     rows = []
     for line in lines[lines.index(marker) + 1 :]:
         if not line.startswith("|"):
@@ -146,7 +153,7 @@ def test_readme_states_the_committed_demo_gap():
     # "losses within 1e-3 of HF's" was false; the README states the committed max abs difference
     demo = json.loads((RESULTS / "demo" / "fuselm_demo.json").read_text())
     gap = demo["comparison"]["max_abs"]
-    claim = re.search(r"losses within ([0-9.e-]+) of HF's \(max abs difference", README.read_text())
+    claim = re.search(r"losses within ([0-9.e-]+) of HF's \(max abs difference", documents())
     assert claim is not None
     assert claim.group(1) == f"{gap:.2g}"
 
@@ -173,9 +180,11 @@ def load(gpu: str, suite: str) -> dict:
 
 def table_in(title: str) -> list[list[str]]:
     """The cells (bold stripped) of the first markdown table after the paragraph starting ``**title**``."""
-    lines = README.read_text().splitlines()
+    lines = documents().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(f"**{title}**")]
-    assert len(starts) == 1, f"README.md: {len(starts)} paragraphs start with **{title}**"
+    assert len(starts) == 1, (
+        f"README.md + docs/benchmarks.md: {len(starts)} paragraphs start with **{title}**"
+    )
     i = starts[0]
     while not lines[i].startswith("|"):
         i += 1
@@ -188,7 +197,7 @@ def table_in(title: str) -> list[list[str]]:
 
 def commit_named(title: str) -> str:
     """The commit the paragraph ``**title**`` names (``... at <hash>``)."""
-    text = README.read_text()
+    text = documents()
     start = text.index(f"**{title}**")
     return re.search(r" at ([0-9a-f]{7})", text[start : start + 400]).group(1)
 
@@ -295,7 +304,7 @@ def test_linear_log_probs_table_equals_json():
     assert err[0] == "err of log-probs (bf16)"
     head, body = table[0], table[2:]
     assert commit_named(title) == data["metadata"]["commit"]
-    assert f"{data['ceilings']['gemm_tflops']:.0f} TFLOP/s" in README.read_text()
+    assert f"{data['ceilings']['gemm_tflops']:.0f} TFLOP/s" in documents()
     for row in body:
         for header, cell in zip(head[1:], row[1:], strict=True):
             assert (
@@ -350,7 +359,7 @@ def test_block_kernel_table_equals_json():
         if gpu == "h100":
             assert f"copy {data['ceilings']['copy_tbps']:.2f} TB/s" in row[0]
         else:
-            assert f"{data['ceilings']['copy_tbps']:.2f} TB/s" in README.read_text()
+            assert f"{data['ceilings']['copy_tbps']:.2f} TB/s" in documents()
         for header, cell in zip(head[1:], row[1:], strict=True):
             provider = rename.get(providers[header], providers[header])
             main = cell.split(" (")[0]
@@ -386,7 +395,7 @@ def test_e2e_table_equals_json():
 
 def test_grpo_step_paragraph_equals_json():
     data = load("h100", "grpo_step")
-    text = README.read_text()
+    text = documents()
     start = text.index("**A GRPO-shaped step**")
     para = text[start : text.index("\n\n", start)].replace("**", "").replace("\n", " ")
     row = {(r["provider"], r["batch"]): r for r in data["rows"]}
@@ -421,7 +430,7 @@ def test_grpo_step_paragraph_equals_json():
 
 def paragraph(start: str) -> str:
     """The README paragraph starting with ``start``, on one line, bold stripped."""
-    text = README.read_text()
+    text = documents()
     i = text.index(start)
     return text[i : text.index("\n\n", i)].replace("**", "").replace("\n", " ")
 
