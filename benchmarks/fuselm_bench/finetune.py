@@ -114,8 +114,8 @@ FUSELM_PREFIX = "fuselm"
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A run plan: full-size models in bf16 on a GPU, or tiny ones in fp32 on a CPU."""
+class FinetuneDefaults:
+    """The suite's defaults on a device: full-size models in bf16 on a GPU, or tiny ones in fp32 on a CPU."""
 
     name: str
     tiny: bool
@@ -134,7 +134,7 @@ class Plan:
         return tuple((m, s, b, t) for m in self.models for s in self.scenarios for b, t in self.shapes)
 
 
-GPU_PLAN = Plan(
+GPU_PLAN = FinetuneDefaults(
     name="gpu",
     tiny=False,
     models=("llama3-8b",),
@@ -147,7 +147,7 @@ GPU_PLAN = Plan(
     profile_steps=2,
     fused_adamw=True,
 )
-CPU_PLAN = Plan(
+CPU_PLAN = FinetuneDefaults(
     name="cpu",
     tiny=True,
     models=("llama3-8b",),
@@ -639,7 +639,7 @@ def cap_memory(device: torch.device, gib: float) -> None:
 
 
 def train(
-    plan: Plan,
+    plan: FinetuneDefaults,
     provider: str,
     model: str,
     scenario: str,
@@ -1166,7 +1166,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 # ---- command line ----
 
 
-def grid(args: argparse.Namespace, plan: Plan) -> list[tuple[str, str, int, int]]:
+def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, str, int, int]]:
     """``--models`` x ``--scenarios`` x ``--shapes`` (each default: the plan's). Raises ``UsageError``.
 
     Example:

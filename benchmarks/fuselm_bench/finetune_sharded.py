@@ -26,8 +26,8 @@ from .finetune import (
     NAME,
     SEED,
     WORKER_TIMEOUT_S,
+    FinetuneDefaults,
     FinetuneRow,
-    Plan,
     _ok,
     base_env,
     detail_table,
@@ -76,7 +76,7 @@ class GroupCase:
     """One (provider, configuration) on a group of ranks, pickled to each spawned rank: :func:`train`'s
     arguments (``options``: its keyword arguments from the command line, as a worker's ``--extra``)."""
 
-    plan: Plan
+    plan: FinetuneDefaults
     provider: str
     shape: tuple[str, str, int, int]
     world_size: int

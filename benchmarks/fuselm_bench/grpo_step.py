@@ -62,7 +62,7 @@ WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must n
 
 
 @dataclass(frozen=True)
-class Plan:
+class GrpoDefaults:
     """Shapes and step counts of a run; ``preset`` is the e2e benchmark's model preset (named as the plan)."""
 
     preset: e2e.Preset
@@ -77,10 +77,10 @@ class Plan:
         return self.preset.name
 
 
-GPU_PLAN = Plan(
+GPU_PLAN = GrpoDefaults(
     e2e.GPU_PRESET, ((8, 512, 1536), (16, 512, 1536)), warmup=3, steps=8, quick_warmup=2, quick_steps=3
 )
-CPU_PLAN = Plan(e2e.CPU_PRESET, ((2, 16, 48),), warmup=1, steps=2, quick_warmup=1, quick_steps=1)
+CPU_PLAN = GrpoDefaults(e2e.CPU_PRESET, ((2, 16, 48),), warmup=1, steps=2, quick_warmup=1, quick_steps=1)
 PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 
 
@@ -158,7 +158,7 @@ def policy_loss(log_probs: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) 
 
 
 def train(
-    plan: Plan,
+    plan: GrpoDefaults,
     provider: str,
     batch: int,
     prompt: int,

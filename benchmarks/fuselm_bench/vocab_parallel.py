@@ -349,7 +349,7 @@ class Case:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SplitRun:
     """What one group of ranks runs (pickled to every spawned process)."""
 
     op: str  # a key of OPS
@@ -364,7 +364,7 @@ class Plan:
     timeout_s: float
 
 
-def _inputs(case: Case, plan: Plan, device: torch.device, rank: int) -> Inputs:
+def _inputs(case: Case, plan: SplitRun, device: torch.device, rank: int) -> Inputs:
     """The whole problem made from the seed; the split providers keep this rank's rows of W."""
     torch.manual_seed(SEED)
     x = OPS[plan.op].make_inputs(case.shape, plan.dtype, device)
@@ -400,7 +400,7 @@ def time_steps(step: Callable[[], Any], device: torch.device, steps: int) -> lis
     return [start.elapsed_time(end) for start, end in events]
 
 
-def _measure(case: Case, plan: Plan, device: torch.device, rank: int) -> dict[str, Any]:
+def _measure(case: Case, plan: SplitRun, device: torch.device, rank: int) -> dict[str, Any]:
     """One rank's share of one case: loss, gradient norm, memory (CUDA), step times."""
     split = case.provider in SPLIT_PROVIDERS
     suite = make_suite(plan.op, plan.world_size)
@@ -438,7 +438,7 @@ def _measure(case: Case, plan: Plan, device: torch.device, rank: int) -> dict[st
     return out
 
 
-def _run_case(case: Case, plan: Plan, device: torch.device, rank: int, path: Path) -> None:
+def _run_case(case: Case, plan: SplitRun, device: torch.device, rank: int, path: Path) -> None:
     """Measure (a split provider, or rank 0 of the single one), then agree on the status with every rank
     (:func:`rank_group.finish_case`, also the barrier of the ranks idle during fuselm_single)."""
     record: dict[str, Any] = {"kind": "case", "index": case.index, "rank": rank, "status": "ok"}
@@ -447,7 +447,7 @@ def _run_case(case: Case, plan: Plan, device: torch.device, rank: int, path: Pat
     rank_group.finish_case(record, path, device)
 
 
-def _worker(rank: int, plan: Plan, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, plan: SplitRun, init_file: str, out_dir: str) -> None:
     """A spawned rank: join the group, measure the ceilings (if asked), run the cases, write records."""
     from .report import device_name
 
@@ -479,7 +479,7 @@ _case_records = rank_group.case_records
 _rank_error = rank_group.rank_error
 
 
-def start_group(plan: Plan) -> rank_group.RankGroup:
+def start_group(plan: SplitRun) -> rank_group.RankGroup:
     """``plan``'s cases on ``plan.world_size`` fresh spawned ranks (:func:`_worker`)."""
     return rank_group.RankGroup(
         _worker,
@@ -693,7 +693,7 @@ def run(
         if state["group"] is None:
             first = not state["rank_info"]
             rest = tuple(c for c in cases if c.index >= case.index)
-            plan = Plan(op, world_size, device_type, dtype, max(warmup, 1), steps, quick, rest, first,
+            plan = SplitRun(op, world_size, device_type, dtype, max(warmup, 1), steps, quick, rest, first,
                         CASE_TIMEOUT_S[device_type])  # fmt: skip
             state["group"], state["fresh"] = start_group(plan), True
         return state["group"]
