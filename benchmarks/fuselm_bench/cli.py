@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="max-context, fuselm: the patched MLP over chunks of this many tokens (mlp_chunk_tokens=)",
     )
+    bench.add_argument(
+        "--memory-budgets",
+        help="finetune: GiB, comma-separated: fuselm once per budget, patch(checkpointing='auto', "
+        "memory_budget=) (providers fuselm@<GiB>), step time against peak memory in the plot",
+    )
     bench.add_argument("--rank", type=positive_int, help="finetune: LoRA rank r (default 16; alpha = r)")
     bench.add_argument("--lora-alpha", type=float, help="finetune: LoRA alpha (default: the rank)")
     bench.add_argument("--lora-dropout", type=float, help="finetune: LoRA dropout (default 0)")

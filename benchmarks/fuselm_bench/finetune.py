@@ -63,6 +63,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -98,6 +99,30 @@ PROVIDER_DESCRIPTIONS = {
     "'unsloth'), imported first in its worker",
 }
 SCENARIOS: tuple[str, ...] = ("qlora", "lora")
+
+
+def split_provider(provider: str) -> tuple[str, float | None]:
+    """``(provider, memory budget in GiB or None)`` of a provider name: ``fuselm@24`` is fuselm patched with
+    ``checkpointing="auto", memory_budget=24`` (``--memory-budgets``); ValueError for another variant.
+
+    Example:
+        >>> split_provider("fuselm@24"), split_provider("hf")
+        (('fuselm', 24.0), ('hf', None))
+    """
+    base, at, budget = provider.partition("@")
+    if not at:
+        return provider, None
+    if base != "fuselm":
+        raise ValueError(f"{provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
+    return base, float(budget)
+
+
+def provider_title(provider: str) -> str:
+    """The column title of a provider (a budget variant: the base title and its budget)."""
+    base, budget = split_provider(provider)
+    return PROVIDER_TITLES[base] + ("" if budget is None else f" @ {budget:g} GiB")
+
+
 SCENARIO_TITLES = {"qlora": "QLoRA (NF4 base)", "lora": "bf16 LoRA"}
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SEED = 0
@@ -376,11 +401,14 @@ def _quantization(scenario: str):
     )
 
 
-def apply_fuselm(model, offload: bool, mlp_chunk_tokens: int | None = None) -> str:
+def apply_fuselm(
+    model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | None = None
+) -> str:
     """``fuselm.hf.patch(model)`` for the fuselm provider, with activation offloading when ``offload``:
     ``patch(model, checkpointing="offload")`` when ``patch`` has that parameter, else the documented
     equivalent ``fuselm.hf.offload.enable(model)`` when this fuselm has it (on top of HF's non-reentrant
-    checkpointing, already on). Returns how the model checkpoints."""
+    checkpointing, already on); with ``memory_budget`` (GiB), ``patch(model, checkpointing="auto",
+    memory_budget=...)`` instead. Returns how the model checkpoints."""
     import fuselm.hf
 
     hf = "HF gradient checkpointing (use_reentrant=False)"
@@ -390,6 +418,11 @@ def apply_fuselm(model, offload: bool, mlp_chunk_tokens: int | None = None) -> s
             raise SkipProvider("this fuselm has no patch(mlp_chunk_tokens=)")
         chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
         hf = f"{hf}, MLP in chunks of {mlp_chunk_tokens} tokens"
+    if memory_budget is not None:
+        if "memory_budget" not in inspect.signature(fuselm.hf.patch).parameters:
+            raise SkipProvider("this fuselm has no patch(memory_budget=)")
+        fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
+        return f"{hf} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
     if not offload:
         fuselm.hf.patch(model, **chunks)
         return f"{hf}; --no-offload"
@@ -421,9 +454,11 @@ def load_peft_model(
     seed: int,
     offload: bool,
     mlp_chunk_tokens: int | None = None,
+    memory_budget: float | None = None,
 ) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints
-    (``mlp_chunk_tokens``: fuselm's MLP over chunks of tokens; the other providers have no such option)."""
+    (``mlp_chunk_tokens``: fuselm's MLP over chunks of tokens; ``memory_budget``: fuselm's activation plan
+    under that many GiB; the other providers have no such options)."""
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
@@ -474,7 +509,7 @@ def load_peft_model(
     model = get_peft_model(model, config)
     checkpointing = "HF gradient checkpointing (use_reentrant=False)"
     if provider == "fuselm":
-        checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens)
+        checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens, memory_budget)
     return model.train(), checkpointing
 
 
@@ -673,6 +708,7 @@ def train(
     (:func:`shard_fsdp2`) before the optimizer is built, and the rank trains on its own batch (rank 0's is
     the single-process batch), so the group's global batch is world size x ``batch`` x ``seq``.
     ``gpu``: the GPU the parent gave this worker alone (:func:`worker_env`: it is this process's cuda:0)."""
+    provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     if scenario not in SCENARIOS:
@@ -713,6 +749,7 @@ def train(
             seed=seed,
             offload=offload,
             mlp_chunk_tokens=mlp_chunk_tokens,
+            memory_budget=memory_budget,
         )
         sharding = shard_fsdp2(peft_model, device) if data_parallel else None
         load_s = time.perf_counter() - t0
@@ -762,9 +799,20 @@ def train(
         "losses": run.logged,
         "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": fuselm_warnings[:20],
+        "activation_plan": _activation_plan(peft_model),
         **fused_forwards(peft_model, called.ids),
     }
     return out
+
+
+def _activation_plan(model) -> str | None:
+    """fuselm's activation plan of ``model`` (``checkpointing="auto"``), as it reports it, or None."""
+    try:
+        from fuselm.hf import activation_plan
+    except ImportError:
+        return None
+    plan = activation_plan.current(model)
+    return None if plan is None else str(plan)
 
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
@@ -838,6 +886,7 @@ class FinetuneRow(Row):
     warmup_s: float | None = None
     wall_s: float | None = None
     memory_cap_gib: float | None = None  # set_per_process_memory_fraction's cap (max-context)
+    activation_plan: str | None = None  # fuselm@<GiB>: what each decoder layer kept, recomputed, offloaded
     # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
     gpu_wait: str | None = None
     error: str | None = None
@@ -954,7 +1003,7 @@ def issue_table(report: fresh_process.CaseReport, model: str, batch: int, seq: i
     """Issue 23's layout for one (model, B x T): scenario rows x provider columns, ``ms, GiB`` (medians
     over the repeats; GiB = peak allocated), then fuselm / Unsloth and fuselm / HF (time, memory)."""
     providers = [p for p in report.providers if p not in report.skipped]
-    head = ["scenario", *(PROVIDER_TITLES[p] for p in providers)]
+    head = ["scenario", *(provider_title(p) for p in providers)]
     head += ["fuselm / Unsloth (time, memory)", "fuselm / HF (time, memory)"]
     lines = []
     for scenario in SCENARIOS:
@@ -1144,7 +1193,11 @@ def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
 
 
 def write_png(report: fresh_process.CaseReport, path: Path) -> None:
-    """Bars of step time and peak memory per provider, one group per (model, scenario, B x T)."""
+    """Bars of step time and peak memory per provider, one group per (model, scenario, B x T); with
+    memory budgets (``fuselm@<GiB>`` providers), step time against peak memory instead."""
+    if any(split_provider(p)[1] is not None for p in report.providers):
+        write_budget_png(report, path)
+        return
     fresh_process.write_bars(
         BENCH,
         report,
@@ -1154,6 +1207,49 @@ def write_png(report: fresh_process.CaseReport, path: Path) -> None:
         width_per_shape=3.0,
         mark_failures=True,
     )
+
+
+def write_budget_png(report: fresh_process.CaseReport, path: Path) -> None:
+    """One panel per (model, scenario, B x T): each provider's step time (median ms) against its peak
+    allocated GiB, fuselm's budgets joined by a line and labelled, the peers as marked points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(report.shapes)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.0 * len(shapes), 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        budgets = []
+        for provider in report.providers:
+            rows = _ok(report.rows_of(provider, shape))
+            ms, gib = fresh_process.median_of(rows, "step_ms"), fresh_process.median_of(rows, "peak_gib")
+            if ms is None or gib is None:
+                continue
+            base, budget = split_provider(provider)
+            if budget is not None:
+                budgets.append((gib, ms, budget))
+                continue
+            marker = {"unsloth": "*", "hf": "x", "liger": "^"}.get(base, "o")
+            ax.scatter(
+                [gib], [ms], marker=marker, s=120 if marker == "*" else 50, label=PROVIDER_TITLES[base]
+            )
+        if budgets:
+            budgets.sort()
+            ax.plot([b[0] for b in budgets], [b[1] for b in budgets], "o-", label="fuselm, memory_budget=")
+            for gib, ms, budget in budgets:
+                ax.annotate(
+                    f"{budget:g} GiB", (gib, ms), textcoords="offset points", xytext=(4, 4), fontsize=8
+                )
+        ax.set_title(BENCH.row_type.label(shape), fontsize=9)
+        ax.set_xlabel("peak allocated GiB")
+        ax.set_ylabel("ms per step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"fuselm bench {NAME}: step time against memory ({report.plan.name} plan)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
@@ -1209,6 +1305,10 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"--profile-steps must be >= 0, got {profile}")
     profile = c.plan.profile_steps if profile is None else profile
     unsloth_compile = bool(getattr(args, "unsloth_compile", False))
+    budgets = getattr(args, "memory_budgets", None)
+    if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
+        values = [parse_budget(b) for b in budgets.split(",")]
+        c.providers = [*c.providers, *(f"fuselm@{b:g}" for b in values)]
     scenario_note = None
     if not cuda and any(s[1] == "qlora" for s in c.shapes):
         reason = bnb_cpu_4bit_works()
@@ -1282,6 +1382,22 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         if not keep:
             shutil.rmtree(model_dir, ignore_errors=True)
     return fresh_process.exit_code(report)
+
+
+def parse_budget(text: str) -> float:
+    """One ``--memory-budgets`` value: GiB, a number > 0; UsageError otherwise.
+
+    Example:
+        >>> parse_budget("24"), parse_budget("7.5")
+        (24.0, 7.5)
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--memory-budgets: {text!r} is not a number of GiB") from None
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"--memory-budgets: {text!r} must be a number of GiB > 0")
+    return value
 
 
 def _version(package: str) -> str | None:

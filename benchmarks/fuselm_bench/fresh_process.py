@@ -84,9 +84,17 @@ class Bench:
     def module(self) -> str:
         return f"fuselm_bench.{self.name}"
 
+    def describe(self, provider: str) -> str:
+        """A provider's description (a variant ``<provider>@<setting>``: its base's, and the setting)."""
+        base, at, setting = provider.partition("@")
+        text = self.provider_descriptions[base]
+        return f"{text}; variant @{setting}" if at else text
+
     def check_providers(self, providers: Sequence[str]) -> None:
+        """Each provider is one of the bench's, or a variant of one (``<provider>@<setting>``: finetune's
+        memory budgets)."""
         for p in providers:
-            if p not in self.providers:
+            if p.partition("@")[0] not in self.providers:
                 raise ValueError(f"unknown provider {p!r}; known: {', '.join(self.providers)}")
 
 
@@ -491,7 +499,7 @@ def markdown(
         cpu_figures if report.device_type != "cuda" else None,
         facts,
         [table, ratio_table(bench, report)],
-        [*notes, *(f"{p}: {bench.provider_descriptions[p]}" for p in report.providers)],
+        [*notes, *(f"{p}: {bench.describe(p)}" for p in report.providers)],
         report.skipped,
     )
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from fuselm_bench import finetune, finetune_sharded, fresh_process, registry
+from fuselm_bench.arguments import UsageError
 
 from fuselm.cli import main
 from fuselm.ops._common.testing import assert_numerics
@@ -660,3 +661,27 @@ def test_a_group_is_waited_for_case_by_case_and_a_crash_ends_it():
         assert group.wait_for(2)[1] == failure  # a stopped group stays stopped
     with rank_group.RankGroup(_ranks_with_a_death, (-1,), world_size=2, timeout_s=120.0) as group:
         assert [group.wait_for(i)[1] for i in range(3)] == [None, None, None]
+
+
+def test_cli_cpu_memory_budgets_run_fuselm_once_per_budget(tmp_path, capsys):
+    """--memory-budgets: fuselm once per budget (patch(checkpointing="auto", memory_budget=)), its plan in
+    the row, a column per budget, and the plot of step time against peak memory."""
+    out = tmp_path / "out"
+    args = ["bench", "finetune", "--device", "cpu", "--providers", "fuselm", "--scenarios", "lora"]
+    rc = main([*args, "--memory-budgets", "0.0001,1", "--no-progress", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    data = json.loads((out / "finetune.json").read_text())
+    rows = {r["provider"]: r for r in data["rows"]}
+    assert set(rows) == {"fuselm", "fuselm@0.0001", "fuselm@1"}
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["fuselm"]["activation_plan"] is None
+    for budget, mode in (("0.0001", "2 offload"), ("1", "2 keep")):
+        row = rows[f"fuselm@{budget}"]
+        assert row["checkpointing"].endswith(f"fuselm.hf.patch(checkpointing='auto', memory_budget={budget})")
+        assert f"2 decoder layers at 64 tokens: {mode}" in row["activation_plan"]
+    assert "+ fuselm.hf.patch @ 1 GiB" in (out / "finetune.md").read_text()
+    assert (out / "finetune.png").stat().st_size > 0
+    with pytest.raises(UsageError, match="--memory-budgets: '-1' must be a number of GiB > 0"):
+        finetune.parse_budget("-1")
+    with pytest.raises(ValueError, match="only fuselm takes a memory budget"):
+        finetune.split_provider("hf@8")
