@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops._common.guard import check_chunk_rows
+from ..ops.swiglu import check_chunk_rows
 from .activation_plan import check_budget
 from .attention import attention_forward, has_attention_core
 from .blocks import mlp_forward, rms_norm_forward

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops._common.guard import check_chunk_rows
-from ..ops.swiglu import gated_backward, gated_forward
+from ..ops.swiglu import check_chunk_rows, gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")

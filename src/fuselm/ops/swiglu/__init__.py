@@ -1,3 +1,4 @@
+from .._common.guard import check_chunk_rows  # the MLP's chunk size, for fuselm.lora and fuselm.hf
 from .op import (
     gated_backward,
     gated_forward,
@@ -12,6 +13,7 @@ from .reference import ACTIVATIONS, gated_reference, geglu_reference, swiglu_ref
 
 __all__ = [
     "ACTIVATIONS",
+    "check_chunk_rows",
     "gated_backward",
     "gated_forward",
     "geglu",
