@@ -433,3 +433,33 @@ def test_on_the_gpu_fuselm_runs_under_transformers_default_hub_kernels(tmp_path,
         _step(model, train)
         assert hub_runs() == 0 and len(fuselm_norms) == len(_norms(model))
         fuselm_norms.clear()
+
+
+def test_fuselm_layers_on_a_class_they_do_not_know_run_its_own_forward_said_once():
+    """fuselm's kernels layers bound to a module of a family fuselm has no spec for (transformers maps
+    every class tagged "RMSNorm" / "rotary_pos_emb"): the module's own forward runs, one warning."""
+    import types
+
+    from fuselm.hf import hub_kernels
+
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match="RMSNorm is no RMSNorm fuselm knows: its own forward runs"):
+        out = types.MethodType(hub_kernels.RMSNorm.forward, norm)(x)
+    assert torch.equal(out, norm(x))
+
+    class OtherRotary(torch.nn.Module):
+        def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+            return q + 1, k + 1
+
+    OtherRotary.__module__ = "somewhere.modeling_other"
+    q, k, cos = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8)
+    with pytest.warns(UserWarning, match="rotary function of somewhere.modeling_other is not one fuselm"):
+        got = types.MethodType(hub_kernels.ApplyRotary.forward, OtherRotary())(q, k, cos, cos)
+    assert torch.equal(got[0], q + 1) and torch.equal(got[1], k + 1)
+
+
+@pytest.mark.skipif(kernels is not None, reason="the kernels package is installed here")
+def test_kernel_config_without_kernels_says_what_to_install():
+    with pytest.raises(ImportError, match="needs transformers with KernelConfig and the kernels package"):
+        fuselm.hf.kernel_config()
