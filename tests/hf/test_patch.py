@@ -142,8 +142,8 @@ def _rope_calls(monkeypatch) -> list:
 
 def test_garbage_collection_changes_no_module(monkeypatch):
     """A patched model dropped unpatched: collecting it changes no module (a module global changed
-    mid torch.compile can crash dynamo); the rotary dispatcher left in the module runs HF's function
-    from then on, and the next explicit unpatch restores the original object."""
+    mid torch.compile can crash dynamo) and nothing that runs (a checkpointed layer's recompute must run
+    what its forward ran): fuselm's RoPE stays until the next explicit unpatch restores the original."""
     original = rope_in_module(family("llama"))
     model = fuselm.hf.patch(build("llama"))
     other = build("llama")
@@ -151,16 +151,37 @@ def test_garbage_collection_changes_no_module(monkeypatch):
     ids, _ = _batch()
     calls = _rope_calls(monkeypatch)
     other(input_ids=ids)
-    assert calls  # module-level in HF: while a patched llama lives, every llama runs fuselm's RoPE
+    assert calls  # module-level in HF: every llama runs fuselm's RoPE
     before = _snapshot("llama")
     del model
     gc.collect()
     _same(before, _snapshot("llama"))  # nothing changed by the collection
     calls.clear()
     other(input_ids=ids)
-    assert not calls  # no live patch needs it: HF's function runs
-    fuselm.hf.unpatch("llama")
+    assert calls  # still fuselm's: no switch outside an explicit call
+    fuselm.hf.unpatch("llama")  # finds no patch of llama left: HF's function back
     assert rope_in_module(family("llama")) is original
+    calls.clear()
+    other(input_ids=ids)
+    assert not calls
+
+
+def test_a_model_collected_mid_step_does_not_change_the_recompute():
+    """HF's gradient checkpointing on an unpatched llama while a patched llama is collected between the
+    forward and the backward: the recompute runs the RoPE the forward ran (torch's checkpoint raises when
+    the tensors saved differ), and the gradients are those of a step without the collection."""
+    torch.manual_seed(0)
+    model = build("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, labels = _batch()
+    want = _run(clone(model), ids, labels)
+    patched = fuselm.hf.patch(build("llama"))
+    out = model(input_ids=ids, labels=labels)
+    del patched
+    gc.collect()
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
 
 
 def test_drop_a_compiled_patched_model_then_compile_another():

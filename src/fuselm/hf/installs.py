@@ -1,12 +1,14 @@
 """What fuselm.hf installs outside the modules it patches, while a patch of a family needs it.
 
 - The family's rotary function. The attention calls ``apply_rotary_pos_emb`` by name, so it is module-level:
-  up to transformers 5.24 a plain function, replaced in the modeling module by fuselm's dispatcher; from
+  up to transformers 5.24 a plain function, replaced in the modeling module by fuselm's; from
   5.25 a ``kernels`` function-module (an ``nn.Module`` the attention calls, which ``kernelize`` may route to
-  a hub kernel), which keeps its identity (pickles of models name it) and gets the dispatcher as its
-  instance forward. The dispatcher runs fuselm's RoPE while a class patch or a live instance-patched model
-  of the family asked for it (a weak set: a garbage-collected model drops out by itself), and what was
-  there otherwise.
+  a hub kernel), which keeps its identity (pickles of models name it) and gets fuselm's function as its
+  instance forward. It stays until no class patch and no live instance-patched model of the family (a
+  weak set: a garbage-collected model drops out by itself) asks for it, and is taken out at the next
+  explicit call; meanwhile every model of the family runs it (the same math as HF's). Never switched
+  inside a step: a model collected between a checkpointed layer's forward and its recompute must not
+  change what the recompute runs (the saved tensors would differ).
 - A guard on each class of the family that ``kernels`` can kernelize (transformers >= 5.25 tags them with
   ``kernel_layer_name``): its ``kernel_condition`` makes ``kernelize`` skip the modules that run fuselm's
   forward (:func:`fuselm.hf.hub_kernels.guarded_condition`), so a ``train()`` / ``eval()`` switch of a
@@ -34,7 +36,7 @@ from .registry import FamilySpec
 
 @dataclass
 class _Install:
-    """One install for a family (its rotary dispatcher, or its kernelize guards) and who needs it."""
+    """One install for a family (its rotary function, or its kernelize guards) and who needs it."""
 
     undo: Callable[[], None] = lambda: None
     class_user: bool = False
@@ -60,21 +62,8 @@ def rope_in_module(spec: FamilySpec) -> Callable:
 
 
 def rope_runs_fuselm(spec: FamilySpec) -> bool:
-    """Does the family's attention run fuselm's RoPE now (the dispatcher installed, and a patch using it)?"""
-    record = _installs.get((spec, "rope"))
-    return record is not None and record.in_use() and is_fuselm_forward(rope_in_module(spec))
-
-
-def _dispatcher(record: _Install, fused: Callable, original: Callable) -> Callable:
-    def apply_rotary_pos_emb(*args, **kwargs):
-        if record.class_user or record.instances:
-            return fused(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    apply_rotary_pos_emb.__module__ = fused.__module__
-    apply_rotary_pos_emb.__qualname__ = fused.__qualname__
-    apply_rotary_pos_emb.__wrapped__ = original
-    return apply_rotary_pos_emb
+    """Does the family's attention run fuselm's RoPE now (installed by a patch)?"""
+    return (spec, "rope") in _installs and is_fuselm_forward(rope_in_module(spec))
 
 
 def _install_rope(spec: FamilySpec, record: _Install) -> Callable[[], None]:
@@ -82,7 +71,7 @@ def _install_rope(spec: FamilySpec, record: _Install) -> Callable[[], None]:
     current = getattr(module, spec.rope)
     if isinstance(current, nn.Module):  # kernels' function-module: its own forward dispatches to hub kernels
         original = types.MethodType(type(current).forward, current)
-        installed = _dispatcher(record, rope_function(spec, original), original)
+        installed = rope_function(spec, original)
         vars(current)["forward"] = installed
 
         def undo() -> None:
@@ -90,7 +79,7 @@ def _install_rope(spec: FamilySpec, record: _Install) -> Callable[[], None]:
                 del vars(current)["forward"]
 
         return undo
-    installed = _dispatcher(record, rope_function(spec, current), current)
+    installed = rope_function(spec, current)
     setattr(module, spec.rope, installed)
 
     def undo() -> None:

@@ -119,7 +119,7 @@ class _InstancePatch:
 
 
 def _restored_patch(root: nn.Module, spec: FamilySpec, plan: PatchPlan) -> _InstancePatch:
-    """The record of a copied or unpickled root: the copy uses the family's RoPE too (the dispatcher is
+    """The record of a copied or unpickled root: the copy uses the family's RoPE too (fuselm's is
     installed again when the process has none: loading a patched model is an explicit call)."""
     patch = _InstancePatch(root, spec, plan)
     add_user(spec, root, rope=patch.uses_rope())

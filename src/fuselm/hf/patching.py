@@ -96,8 +96,8 @@ def patch(
             statement against Llama's and cut there (HF's attention code runs between the nodes); a
             mismatch leaves them HF's, warned once. Off by default: the default patch reads no source.
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
-            rotary). Module-level in HF: while a class patch or a live instance-patched model of the
-            family needs it, every model of that family runs it (the same math as HF's).
+            rotary). Module-level in HF: from the patch on, every model of that family runs it (the same
+            math as HF's), until a later ``patch`` / ``unpatch`` call finds no patch of the family left.
         swiglu: the gated MLP (also shared experts and dense layers of MoE models) runs the fused
             activation; with separate ``gate_proj``/``up_proj`` the down projection's input is recomputed
             in backward instead of saved, and plain ``nn.Linear`` projections run as one autograd node
@@ -147,7 +147,7 @@ def patch(
     overrides a class patch of the same classes for that model. The patch lives on the patched modules:
     a model holding them is patched (``peft_model.merge_and_unload()``), and a copy of a patched model
     (``copy.deepcopy``, pickle, ``torch.save`` / ``torch.load``) is patched for real, with the same
-    options (loading it installs the family's RoPE dispatcher if the process has none).
+    options (loading it installs the family's RoPE if the process has none).
 
     Returns:
         the target (so ``model = fuselm.hf.patch(model)`` reads naturally).
