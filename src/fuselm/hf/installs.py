@@ -66,7 +66,7 @@ def rope_runs_fuselm(spec: FamilySpec) -> bool:
     return (spec, "rope") in _installs and is_fuselm_forward(rope_in_module(spec))
 
 
-def _install_rope(spec: FamilySpec, record: _Install) -> Callable[[], None]:
+def _install_rope(spec: FamilySpec) -> Callable[[], None]:
     module = modeling_module(spec)
     current = getattr(module, spec.rope)
     if isinstance(current, nn.Module):  # kernels' function-module: its own forward dispatches to hub kernels
@@ -96,7 +96,7 @@ def _kernelizable_classes(spec: FamilySpec) -> list[type]:
     return [c for c in classes if c is not None and hasattr(c, "kernel_layer_name")]
 
 
-def _install_guards(spec: FamilySpec, record: _Install) -> Callable[[], None]:
+def _install_guards(spec: FamilySpec) -> Callable[[], None]:
     saved = []
     for cls in _kernelizable_classes(spec):
         saved.append((cls, vars(cls).get("kernel_condition", MISSING)))
@@ -122,7 +122,7 @@ def add_user(spec: FamilySpec, user: nn.Module | None, *, rope: bool) -> None:
         record = _installs.get((spec, what))
         if record is None:
             record = _installs[(spec, what)] = _Install()
-            record.undo = _INSTALLERS[what](spec, record)
+            record.undo = _INSTALLERS[what](spec)
         if user is None:
             record.class_user = True
         else:
