@@ -69,10 +69,14 @@ def unreadable(spec: FamilySpec, module: nn.Module) -> str | None:
     return None
 
 
+def _no_kernel(activation: object) -> str:
+    return f"activation {activation!r} has no fuselm kernel"
+
+
 def _mlp_unreadable(spec: FamilySpec, module: nn.Module) -> str | None:
     activation = getattr(module.config, spec.act_attr)
     if activation not in ACTIVATIONS:
-        return f"activation {activation!r} has no fuselm kernel"
+        return _no_kernel(activation)
     names = ("gate_up_proj", "down_proj") if spec.packed_mlp else ("gate_proj", "up_proj", "down_proj")
     for attr in names + (spec.mlp_multipliers or ()):
         getattr(module, attr)
@@ -103,7 +107,7 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
         activation = getattr(self.config, spec.act_attr, None)
         act = ACTIVATIONS.get(activation)
         if act is None:
-            warn_fallback(self, f"activation {activation!r} has no fuselm kernel", "Hugging Face's forward")
+            warn_fallback(self, _no_kernel(activation), "Hugging Face's forward")
             return original(self, x)
         if spec.packed_mlp:
             return self.down_proj(gated_packed(self.gate_up_proj(x), act))

@@ -80,7 +80,7 @@ def warn_shadowed(model: nn.Module) -> None:
     """One warning per module of ``model`` that a fuselm patch gave fuselm's forward but that runs
     something else (a hub kernel kernelize put there before a class patch, a forward assigned since);
     checked once per model (the patched ``*ForCausalLM`` forward calls it at every training forward)."""
-    if model in _CHECKED or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or model in _CHECKED:  # nothing traced
         return
     _CHECKED.add(model)
     for name, module in model.named_modules():
