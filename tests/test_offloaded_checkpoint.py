@@ -303,8 +303,9 @@ def test_no_positional_tensor_warns():
     assert lin.weight.grad is not None
 
 
-def test_signature_is_torch_checkpoints():
-    ours = inspect.signature(offload.offloaded_checkpoint).parameters
+@pytest.mark.parametrize("name", ["offloaded_checkpoint", "recompute_checkpoint"])
+def test_signature_is_torch_checkpoints(name):
+    ours = inspect.signature(getattr(offload, name)).parameters
     theirs = inspect.signature(torch_checkpoint.checkpoint).parameters
     assert list(theirs) == [p for p in ours if p != "preserve_rng_state"]
     assert ours["preserve_rng_state"].kind is inspect.Parameter.KEYWORD_ONLY
@@ -320,6 +321,135 @@ def test_checkpoint_fn_binds_checked_options():
         offload.checkpoint_fn(use_reentrant=False, offload_to="disk")
     with pytest.raises(ValueError, match="context_fn"):
         offload.checkpoint_fn(context_fn=lambda: (None, None))
+    assert offload.checkpoint_fn(False, use_reentrant=False).func is offload.recompute_checkpoint
+    with pytest.raises(ValueError, match="^checkpoint_fn: offload must be a bool, got 'no'"):
+        offload.checkpoint_fn("no")
+
+
+# ---- recompute_checkpoint, and outputs a recompute leaves unread ----
+
+
+def test_recompute_checkpoint_keeps_inputs_on_their_device_and_matches():
+    blocks, x = _blocks(), torch.randn(4, 16, requires_grad=True)
+    want = _run(blocks, x, None)
+    want_grads, want_x = _param_grads(blocks), x.grad.clone()
+    blocks.zero_grad(set_to_none=True)
+    x.grad = None
+    before = offload.host_memory_stats()["offloads"]
+    torch.manual_seed(5)
+    y = x
+    for block in blocks:
+        y = offload.recompute_checkpoint(block, y, 0.5, use_reentrant=False)
+    assert offload.host_memory_stats()["offloads"] == before  # nothing went to host buffers
+    loss = (y * y).mean()
+    loss.backward()
+    assert torch.equal(loss, want) and torch.equal(x.grad, want_x)
+    for name, grad in _param_grads(blocks).items():
+        assert torch.equal(grad, want_grads[name]), name
+
+
+class Tail(torch.nn.Module):
+    """y = x + last(tanh(first(x))) [* w]: ``last``'s output may go unread in a recompute when nothing
+    after it saves (``scaled``: the product with w saves it); counts the calls of ``last``'s GEMM."""
+
+    def __init__(self, h: int, scaled: bool = False) -> None:
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(h, h), torch.nn.Linear(h, h)
+        self.w = torch.nn.Parameter(torch.randn(h)) if scaled else None
+        self.computed = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if offload.output_may_go_unread():
+            # what backward needs of `last`: its input (saved by a Function that skips the GEMM)
+            y = _SkippedLinear.apply(h, self.last.weight, self.last.bias)
+            offload.note_unread_output()
+        else:
+            self.computed += 1
+            y = self.last(h)
+        if self.w is not None:
+            y = y * self.w
+        return x + y
+
+
+class _SkippedLinear(torch.autograd.Function):
+    """A linear layer's graph without its output's values (NaN, so that any read shows)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b):
+        ctx.save_for_backward(h, w)
+        return h.new_full((*h.shape[:-1], w.shape[0]), float("nan"))
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w = ctx.saved_tensors
+        return dy @ w, dy.flatten(0, -2).t() @ h.flatten(0, -2), dy.flatten(0, -2).sum(0)
+
+
+@pytest.mark.parametrize("how", ["recompute", "offload"])
+def test_a_recompute_may_leave_the_last_output_unread(how):
+    """The recompute of a checkpointed call skips an output nothing after it saves: the same gradients,
+    the skipped work done once (the forward), not twice."""
+    check = offload.recompute_checkpoint if how == "recompute" else offload.offloaded_checkpoint
+    torch.manual_seed(0)
+    tail, x = Tail(8), torch.randn(3, 8, requires_grad=True)
+    want = torch.autograd.grad((tail(x) ** 2).sum(), [x, *tail.parameters()])
+    tail.computed = 0
+    (check(tail, x, use_reentrant=False) ** 2).sum().backward()
+    assert tail.computed == 1  # the forward only
+    for got, exp in zip([x.grad, *(p.grad for p in tail.parameters())], want, strict=True):
+        assert_numerics("grad", got, exp, exp, torch.float32)
+
+
+def test_a_save_after_an_unread_output_recomputes_in_full_once_and_for_ever():
+    """Something after the skipped output saves a tensor (here y * w saves y): the recompute runs again
+    with every output computed (the gradients stay right), said once; later recomputes of that kind of
+    call never skip."""
+    torch.manual_seed(0)
+    tail, x = Tail(8, scaled=True), torch.randn(3, 8, requires_grad=True)
+    want = torch.autograd.grad((tail(x) ** 2).sum(), [x, *tail.parameters()])
+    for step in range(2):
+        tail.computed = 0
+        x.grad = None
+        tail.zero_grad(set_to_none=True)
+        if step == 0:
+            with pytest.warns(UserWarning, match="saves a tensor after an output it skipped"):
+                (offload.recompute_checkpoint(tail, x) ** 2).sum().backward()
+        else:
+            (offload.recompute_checkpoint(tail, x) ** 2).sum().backward()
+        assert tail.computed == 2  # the forward and one full recompute (the skipping one ran first)
+        for got, exp in zip([x.grad, *(p.grad for p in tail.parameters())], want, strict=True):
+            assert torch.isfinite(got).all()
+            assert_numerics("grad", got, exp, exp, torch.float32)
+    offload._OUTPUTS_READ.discard(Tail)
+
+
+def test_outputs_are_read_outside_a_recompute():
+    """Not in a recompute, under no_grad in one, nor in the forward of a checkpointed call nested in one
+    (its output feeds the outer call's), nor under other saved-tensor hooks: every output is read."""
+    assert not offload.output_may_go_unread()
+    with pytest.raises(RuntimeError, match="outside a recompute"):
+        offload.note_unread_output()
+    seen = []
+
+    def inner(x):
+        seen.append(("inner", offload.output_may_go_unread()))
+        return x * 2
+
+    def outer(x):
+        seen.append(("outer", offload.output_may_go_unread()))
+        with torch.no_grad():
+            seen.append(("no_grad", offload.output_may_go_unread()))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            seen.append(("hooks", offload.output_may_go_unread()))
+        return offload.recompute_checkpoint(inner, x.sin())
+
+    x = torch.randn(4, requires_grad=True)
+    offload.recompute_checkpoint(outer, x).sum().backward()
+    assert ("outer", True) in seen and ("no_grad", True) not in seen and ("hooks", True) not in seen
+    assert ("inner", True) in seen  # its own recompute (in the outer backward)
+    forwards = [s for s in seen if s[0] == "inner"][:2]  # the first forward, then the outer recompute's
+    assert forwards == [("inner", False), ("inner", False)]
 
 
 def test_imports_torch_and_the_standard_library_only():

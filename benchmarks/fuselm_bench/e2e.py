@@ -383,6 +383,7 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
         "memcpy_ms": per_step("memcpy_s", 1e3),
         "memcpys": per_step("memcpys", 1.0),
         "profile_steps": 0 if run.profile is None else run.profile.steps,
+        "top_kernels": None if prof is None else prof.top(),
         "warmup_s": run.warmup_s,
     }
 

@@ -860,6 +860,7 @@ class FinetuneRow(Row):
     memcpy_ms: float | None = None
     memcpys: float | None = None
     profile_steps: int | None = None
+    top_kernels: list | None = None  # (name, ms/step, launches/step) of the profiled steps, most time first
     peak_bytes: int | None = None
     reserved_bytes: int | None = None
     weights_bytes: int | None = None

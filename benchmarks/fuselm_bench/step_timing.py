@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ class KernelProfile:
     memcpy_s: float = 0.0
     memsets: int = 0
     memset_s: float = 0.0
+    by_name: dict[str, list[float]] = field(default_factory=dict)  # kernel name: [seconds, launches]
 
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
@@ -109,7 +110,16 @@ class KernelProfile:
             else:
                 out.kernels += 1
                 out.kernel_s += seconds
+                entry = out.by_name.setdefault(event.name, [0.0, 0])
+                entry[0] += seconds
+                entry[1] += 1
         return out
+
+    def top(self, n: int = 25) -> list[tuple[str, float, float]]:
+        """The ``n`` kernels of most device time: (name, ms per step, launches per step)."""
+        ranked = sorted(self.by_name.items(), key=lambda kv: -kv[1][0])[:n]
+        steps = max(self.steps, 1)
+        return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
 
     def per_step(self, field_name: str) -> float | None:
         """``field_name``'s total over the window / its steps (None without steps)."""

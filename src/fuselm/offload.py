@@ -35,6 +35,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "offloaded_checkpoint",
+    "recompute_checkpoint",
+    "output_may_go_unread",
+    "note_unread_output",
     "checkpoint_fn",
     "host_memory_stats",
     "reset_peak_host_memory_stats",
@@ -251,10 +254,11 @@ class _Stash:
 
     _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], offload: bool = True) -> None:
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         weakref.finalize(self, _POOL.release, self.held)
-        self.saved: list | None = [self._offload(t) for t in tensors]  # (device, host copy or kept tensor)
+        # (device, host copy or the tensor itself, whether it stays where it is)
+        self.saved: list | None = [self._offload(t) if offload else (t.device, t, True) for t in tensors]
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
         with _POOL.lock:
             self.previous, _Stash._last = _Stash._last, weakref.ref(self)
@@ -264,7 +268,7 @@ class _Stash:
         if kind not in ("cuda", "cpu"):
             message = f"inputs on {kind} tensors stay on the device (only CUDA and CPU tensors are copied)"
             _warn_once(f"device:{kind}", f"fuselm.offload: checkpointed {message}")
-            return t.device, t
+            return t.device, t, True
         nbytes = t.numel() * t.element_size()
         self.held.append(_POOL.acquire(nbytes, t.device))
         host = self.held[-1][0][:nbytes].view(t.dtype).view(t.shape)
@@ -272,7 +276,7 @@ class _Stash:
             _side_copy(host, t, t.device)
         else:
             host.copy_(t)
-        return t.device, host
+        return t.device, host, False
 
     def fetch(self, prefetch: bool = False) -> None:
         """Start the copies back to the device (on the side stream); the host buffers go back to the
@@ -280,12 +284,14 @@ class _Stash:
         if self.saved is None:
             return
         fetched = []
-        for device, t in self.saved:
-            if device.type == "cuda":
+        for device, t, kept in self.saved:
+            if kept:
+                fetched.append((t, None))
+            elif device.type == "cuda":
                 out = torch.empty(t.shape, dtype=t.dtype, device=device)  # on the compute stream
                 fetched.append((out, _side_copy(out, t, device)))
-            else:  # a host copy of a CPU tensor, or a tensor kept on its device
-                fetched.append((t.clone() if device.type == "cpu" else t, None))
+            else:  # a host copy of a CPU tensor
+                fetched.append((t.clone(), None))
         _POOL.release(self.held, fetched=True, prefetched=prefetch)
         self.saved, self.fetched = None, fetched
 
@@ -370,11 +376,90 @@ def _device_type(tensors: list[torch.Tensor]) -> str:
     return kinds[0] if kinds else torch_checkpoint.DefaultDeviceType.get_device_type()
 
 
+# ---- outputs a recompute does not read ----
+# A recompute runs the function again for the tensors it saves for backward; the values of its outputs are
+# never read (the backward needs the graph, not them). A call whose output only feeds the function's
+# outputs (a decoder layer's MLP before the residual add) may skip computing it: it asks
+# output_may_go_unread(), returns a tensor without values, and says so with note_unread_output(). If the
+# recompute then saves any tensor for backward (something downstream might read the unread values), the
+# function is recomputed once more with no output unread, and never again for that function's kind.
+
+
+class _Recompute(threading.local):
+    def __init__(self) -> None:
+        self.hooks: tuple | None = None  # (pack, unpack) of the recompute in progress, on this thread
+        self.unread = False  # a call in it returned an output without values
+        self.saved_after = False  # and a tensor was saved for backward after that
+
+
+_RECOMPUTE = _Recompute()
+_OUTPUTS_READ: set[Any] = set()  # kinds of functions whose recompute saved a tensor after an unread output
+
+
+def output_may_go_unread() -> bool:
+    """Whether the call running now may return an output without values: True only inside a recompute
+    of :func:`offloaded_checkpoint` / :func:`recompute_checkpoint`, with grad mode on and no other
+    saved-tensor hooks pushed since it began. The caller that returns such an output must call
+    :func:`note_unread_output` right after making it (before anything else saves a tensor)."""
+    state = _RECOMPUTE
+    return (
+        state.hooks is not None
+        and torch.is_grad_enabled()
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) == state.hooks
+    )
+
+
+def note_unread_output() -> None:
+    """Say that the call that just ran returned an output without values (see
+    :func:`output_may_go_unread`); from now on, a tensor saved for backward in this recompute makes it
+    run again with every output computed."""
+    if _RECOMPUTE.hooks is None:
+        raise RuntimeError("fuselm.offload.note_unread_output: called outside a recompute")
+    _RECOMPUTE.unread = True
+
+
+@contextlib.contextmanager
+def _recompute_scope(allow_unread: bool):
+    """The recompute of one call: with ``allow_unread``, outputs may go unread (and saves after one are
+    noted); nested recomputes and forwards of checkpointed calls inside it see their own state."""
+    state = _RECOMPUTE
+    outer = (state.hooks, state.unread, state.saved_after)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if state.unread:
+            state.saved_after = True
+        return t
+
+    hooks = (pack, _identity)
+    state.hooks, state.unread, state.saved_after = (hooks if allow_unread else None), False, False
+    try:
+        if allow_unread:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                yield state
+        else:
+            yield state
+    finally:
+        state.hooks, state.unread, state.saved_after = outer
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _kind(function: Callable) -> Any:
+    """What the outputs-read memory is kept by: the class of a bound method's object (a layer's
+    ``__call__``), else the function."""
+    owner = getattr(function, "__self__", None)
+    return type(owner) if owner is not None else function
+
+
 @dataclass
 class _Call:
     run: Callable  # (offloaded, lifted) -> what the function returns
     n_offloaded: int  # the Function's tensors: the offloaded ones, then the lifted ones
     preserve_rng_state: bool
+    offload: bool = True  # the positional tensors wait in host memory (else on their device)
+    kind: Any = None  # see _kind
     join_outputs: Callable | None = None  # set by the forward
 
 
@@ -397,9 +482,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.rng = None
         if call.preserve_rng_state:
             ctx.rng = (torch.get_rng_state(), *torch_checkpoint.get_device_states(*offloaded))
-        ctx.stash = _Stash(offloaded)  # copies queued before the function runs (it reads them only)
+        ctx.stash = _Stash(offloaded, call.offload)  # copies queued before the function runs (it reads them)
         ctx.save_for_backward(*lifted)
-        outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
+        with _recompute_scope(allow_unread=False):  # a forward inside a recompute reads its outputs
+            outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
         return tuple(outputs)
 
@@ -410,25 +496,45 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 "fuselm.offload: offloaded_checkpoint is incompatible with torch.autograd.grad() and with "
                 "backward(inputs=...): the recompute accumulates into .grad (use .backward())"
             )
-        needs, n = ctx.needs_input_grad[2:], ctx.call.n_offloaded
+        call = ctx.call
         tensors = ctx.stash.take() + list(ctx.saved_tensors)
-        cpu_state, devices, device_states = ctx.rng or (None, [], [])
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(
-                torch.random.fork_rng(devices, enabled=ctx.rng is not None, device_type=ctx.device_type)
+        allow = call.kind not in _OUTPUTS_READ
+        inputs, outputs, saved_after = _recompute(ctx, tensors, allow)
+        if allow and saved_after:
+            _OUTPUTS_READ.add(call.kind)
+            _warn_once(
+                f"unread:{call.kind!r}",
+                f"fuselm.offload: the recompute of {getattr(call.kind, '__qualname__', call.kind)} saves a "
+                "tensor after an output it skipped: recomputed in full (from now on every time)",
             )
-            if ctx.rng is not None:
-                torch.set_rng_state(cpu_state)
-                torch_checkpoint.set_device_states(devices, device_states, device_type=ctx.device_type)
-            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs, strict=True)]
-            stack.enter_context(torch.enable_grad())
-            for kind, state in ctx.autocast.items():
-                stack.enter_context(torch.amp.autocast(kind, **state))
-            outputs, _ = _split(ctx.call.run(inputs[:n], inputs[n:]), _is_tensor)
+            inputs, outputs, _ = _recompute(ctx, tensors, False)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        needs = ctx.needs_input_grad[2:]
         return (None, None, *[x.grad if need else None for x, need in zip(inputs, needs, strict=True)])
+
+
+def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tuple[list, list, bool]:
+    """Run the call again on ``tensors`` under the forward's RNG and autocast states: (its inputs, which
+    gather the gradients, its tensor outputs, whether it saved a tensor after an unread output)."""
+    needs, n = ctx.needs_input_grad[2:], ctx.call.n_offloaded
+    cpu_state, devices, device_states = ctx.rng or (None, [], [])
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            torch.random.fork_rng(devices, enabled=ctx.rng is not None, device_type=ctx.device_type)
+        )
+        if ctx.rng is not None:
+            torch.set_rng_state(cpu_state)
+            torch_checkpoint.set_device_states(devices, device_states, device_type=ctx.device_type)
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs, strict=True)]
+        stack.enter_context(torch.enable_grad())
+        for kind, state in ctx.autocast.items():
+            stack.enter_context(torch.amp.autocast(kind, **state))
+        state = stack.enter_context(_recompute_scope(allow_unread))
+        outputs, _ = _split(ctx.call.run(inputs[:n], inputs[n:]), _is_tensor)
+        saved_after = state.saved_after
+    return inputs, outputs, saved_after
 
 
 # An input of every call: outputs require grad (so the function's parameters get gradients) even when no
@@ -495,6 +601,39 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    return _checkpoint(function, args, kwargs, preserve_rng_state, offload=True)
+
+
+@torch.compiler.disable  # see offloaded_checkpoint
+def recompute_checkpoint(
+    function: Callable,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """:func:`offloaded_checkpoint` with the tensor ``args`` kept on their device: plain gradient
+    checkpointing (same arguments, same recompute), where the recompute may leave an output of the
+    function unread (:func:`output_may_go_unread`: a decoder layer's MLP skips its down projection).
+
+    Example:
+        >>> import torch
+        >>> from fuselm.offload import recompute_checkpoint
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> recompute_checkpoint(layer, x).sum().backward()
+        >>> torch.allclose(x.grad, torch.autograd.grad(layer(x).sum(), x)[0])
+        True
+    """
+    _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    return _checkpoint(function, args, kwargs, preserve_rng_state, offload=False)
+
+
+def _checkpoint(function: Callable, args: tuple, kwargs: dict, preserve_rng_state: bool, offload: bool):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     base, bound, keywords = function, (), kwargs
@@ -503,7 +642,7 @@ def offloaded_checkpoint(
     offloaded, join_args = _split(args, _is_tensor)
     # tensors that require grad among a partial's bound arguments and the keywords: inputs of the Function
     lifted, join_keywords = _split((bound, keywords), lambda x: _is_tensor(x) and x.requires_grad)
-    if not offloaded:
+    if offload and not offloaded:
         name = getattr(function, "__qualname__", type(function).__name__)
         _warn_once(
             f"no-positional:{name}",
@@ -515,24 +654,29 @@ def offloaded_checkpoint(
         bound, keywords = join_keywords(lifted)
         return base(*bound, *join_args(offloaded), **keywords)
 
-    call = _Call(run, len(offloaded), preserve_rng_state)
+    call = _Call(run, len(offloaded), preserve_rng_state, offload, _kind(base))
     outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
     return call.join_outputs(outputs)  # (set by the forward)
 
 
-def checkpoint_fn(**options: Any) -> functools.partial:
-    """``functools.partial(offloaded_checkpoint, **options)``, the options checked now (ValueError naming
-    one that is unknown or unsupported): for frameworks that take a checkpointing function and its
-    options apart (HF's ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
+def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
+    """``functools.partial(offloaded_checkpoint, **options)`` (``offload=False``:
+    :func:`recompute_checkpoint`), the options checked now (ValueError naming one that is unknown or
+    unsupported): for frameworks that take a checkpointing function and its options apart (HF's
+    ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
     :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`).
 
     Example:
         >>> from fuselm.offload import checkpoint_fn
         >>> checkpoint_fn(use_reentrant=True).keywords
         {'use_reentrant': True}
+        >>> checkpoint_fn(offload=False).func.__name__
+        'recompute_checkpoint'
     """
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(_OPTIONS)})")
+    if not isinstance(offload, bool):
+        raise ValueError(f"checkpoint_fn: offload must be a bool, got {offload!r}")
     _check_options(**options)
-    return functools.partial(offloaded_checkpoint, **options)
+    return functools.partial(offloaded_checkpoint if offload else recompute_checkpoint, **options)

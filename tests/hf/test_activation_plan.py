@@ -14,6 +14,7 @@ from kit.hf_models import build, clone
 import fuselm.hf
 from fuselm.hf import activation_plan, offload
 from fuselm.hf.activation_plan import GIB, plan_layers
+from fuselm.offload import offloaded_checkpoint, recompute_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
@@ -103,8 +104,8 @@ def test_the_plan_follows_the_budget_from_measured_figures():
         for layer, mode in zip(model.model.layers, want, strict=True):
             assert layer.gradient_checkpointing == (mode != "keep")
             if mode != "keep":
-                func = vars(layer).get("_gradient_checkpointing_func")
-                assert offload._is_offloaded(func) == (mode == "offload")
+                func = vars(layer).get("_gradient_checkpointing_func").func
+                assert func is (offloaded_checkpoint if mode == "offload" else recompute_checkpoint)
 
 
 @pytest.mark.parametrize("plan", ["keep", "mixed", "offload"])
@@ -133,6 +134,54 @@ def test_every_plan_gives_hf_peft_loss_and_gradients(plan):
     assert ("keep" in modes, "offload" in modes) == {"keep": (True, False), "offload": (False, True)}.get(
         plan, (True, True)
     )
+    (ref, ref_g), (eager, eager_g), (got, got_g) = results
+    assert_numerics("loss", got, eager, ref, torch.float32)
+    assert got_g.keys() == eager_g.keys() and got_g
+    for name in got_g:
+        assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_checkpointed_layer_recomputes_without_the_mlp_down_projection(family, monkeypatch):
+    """PEFT LoRA, every layer checkpointed: the recompute skips the MLP's down projection when nothing
+    after it in the layer saves a tensor (Llama: the residual add reads none of its values), so a step
+    reads each down weight twice (forward, the backward's dX), not three times. In Gemma 2 a norm after
+    the MLP saves its output: the recompute runs in full (said once). HF + PEFT's loss and gradients
+    either way."""
+    import fuselm.offload
+    from fuselm.lora import functions
+
+    monkeypatch.setattr(fuselm.offload, "_OUTPUTS_READ", set())  # what earlier tests taught it: forgotten
+    monkeypatch.setattr(fuselm.offload, "_warned", set())
+    base = build(family, layers=2)
+    ids = _batch(16)
+    results = []
+    for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        model = _model(True, dtype, base)
+        if ours:
+            fuselm.hf.patch(model, checkpointing="auto", memory_budget=1e-9)
+            downs = {
+                id(layer.mlp.down_proj.base_layer.weight) for layer in model.base_model.model.model.layers
+            }
+            reads = []
+            dense = functions.dense
+            monkeypatch.setattr(
+                functions, "dense", lambda w, dtype: (reads.append(id(w) in downs), dense(w, dtype))[1]
+            )
+        else:
+            _hf_checkpointing(model)
+        torch.manual_seed(1)
+        if ours and family == "gemma2":
+            with pytest.warns(
+                UserWarning, match="Gemma2DecoderLayer saves a tensor after an output it skipped"
+            ):
+                loss = _step(model, ids)
+        else:
+            loss = _step(model, ids)
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert activation_plan.current(model).modes == ("offload",) * 2
+    # per layer: forward + dX (llama), + the full recompute's read (gemma2); + the plan's probe of layer 0
+    assert reads.count(True) == {"llama": 2 * 2, "gemma2": 3 * 2}[family] + 1
     (ref, ref_g), (eager, eager_g), (got, got_g) = results
     assert_numerics("loss", got, eager, ref, torch.float32)
     assert got_g.keys() == eager_g.keys() and got_g

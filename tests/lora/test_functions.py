@@ -334,6 +334,41 @@ def test_lora_gated_mlp_chunks_refuse_down_dropout(gen):
         L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=0)
 
 
+def test_lora_gated_mlp_without_output_saves_and_differentiates_the_same(gen):
+    """output=False (a recompute that reads no output): the tensors saved for backward and every gradient
+    are those of output=True, down's base is never read in the forward; chunked, or a non-bool, raises."""
+    layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32)
+    x = randn(gen, (*LEAD, H), torch.float32).requires_grad_()
+    dy = randn(gen, (*LEAD, H), torch.float32)
+    results = []
+    for output in (True, False):
+        ops = mlp_operands(layers)
+        leaves = (x, *(t for op in ops for t in (op[1].A, op[1].B)))
+        reads = []
+        dense = lora_functions.dense
+        lora_functions.dense = lambda w, dtype: (reads.append(w is ops[2][0]), dense(w, dtype))[1]
+        try:
+            torch.manual_seed(3)
+            with recording_saved_tensors() as saved:
+                y = L.lora_gated_mlp(x, *ops, "silu", output=output)
+            forward_reads = reads.count(True)
+            grads = torch.autograd.grad(y, leaves, dy)
+        finally:
+            lora_functions.dense = dense
+        results.append((forward_reads, [t for t in saved if t is not None], grads))
+    (reads_t, saved_t, grads_t), (reads_f, saved_f, grads_f) = results
+    assert (reads_t, reads_f) == (1, 0)
+    assert len(saved_t) == len(saved_f) and all(
+        torch.equal(a, b) for a, b in zip(saved_t, saved_f, strict=True)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(grads_t, grads_f, strict=True))
+    layers["down"] = peft_linear(gen, I, H, 8, 0.0, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="^output=False needs the MLP whole"):
+        L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=4, output=False)
+    with pytest.raises(ValueError, match="^output must be a bool, got 1"):
+        L.lora_gated_mlp(x, *mlp_operands(layers), "silu", output=1)
+
+
 @pytest.mark.parametrize("needs", ["x", "adapters", "down_only", "gate_A_and_x"], ids=lambda s: f"grad_{s}")
 def test_lora_gated_mlp_partial_gradients(needs, gen):
     """Only what autograd asks for is computed (each path of backward), and it is right (float64)."""

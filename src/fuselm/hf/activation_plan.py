@@ -5,8 +5,9 @@ A decoder layer runs in one of three modes (:data:`MODES`):
 
 - ``"keep"``: no checkpointing; its activations stay on the device from forward to backward (no
   recompute: the fastest, ``K`` bytes per token, measured);
-- ``"recompute"``: gradient checkpointing; only its input stays (``I = H x itemsize`` bytes per token), its
-  forward runs again in the backward;
+- ``"recompute"``: gradient checkpointing (:func:`fuselm.offload.recompute_checkpoint`); only its input
+  stays (``I = H x itemsize`` bytes per token), its forward runs again in the backward (without the MLP's
+  down projection, whose output the recompute does not read: see :func:`fuselm.offload.output_may_go_unread`);
 - ``"offload"``: checkpointing with the input in pinned host memory
   (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device.
 
@@ -27,15 +28,13 @@ checkpointing recomputes exactly (the forward's RNG states are restored).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
+from ..offload import offloaded_checkpoint, recompute_checkpoint
 from . import offload
 
 MODES = ("keep", "recompute", "offload")
@@ -216,22 +215,16 @@ class _Planner:
     def apply(self, modes: tuple[str, ...]) -> None:
         for layer, mode in zip(self.layers, modes, strict=True):
             layer.gradient_checkpointing = mode != "keep"
-            offloaded = offload._is_offloaded(layer.__dict__.get("_gradient_checkpointing_func"))
-            if mode == "recompute" and offloaded:
-                layer._gradient_checkpointing_func = _recompute_fn(layer)
-            elif mode == "offload" and not offloaded:
-                layer._gradient_checkpointing_func = offload._offloaded_from(_recompute_fn(layer), layer)
+            want = offloaded_checkpoint if mode == "offload" else recompute_checkpoint
+            current = layer.__dict__.get("_gradient_checkpointing_func")
+            if mode != "keep" and offload._unpartial(current)[0] is not want:
+                hf_func = layer.__dict__.get(offload._HF_FUNC)
+                func = offload._offloaded_from(hf_func, layer, mode == "offload")
+                layer._gradient_checkpointing_func = func
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-def _recompute_fn(layer: torch.nn.Module) -> Callable:
-    """HF's checkpointing function of ``layer`` (kept aside by :mod:`fuselm.hf.offload`), else torch's
-    non-reentrant checkpoint."""
-    hf_func = layer.__dict__.get(offload._HF_FUNC)
-    return hf_func or functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
 
 
 def enable(model: torch.nn.Module, memory_budget: float | None = None) -> torch.nn.Module:

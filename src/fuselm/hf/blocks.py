@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed, is_plain_linear
+from ..offload import note_unread_output, output_may_go_unread
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rotary
 from ._common import hf_class, original_forward, warn_fallback
@@ -93,7 +94,9 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
     Projections that are not plain ``nn.Linear`` (PEFT LoRA layers, bitsandbytes 4/8-bit bases) run
     :func:`fuselm.lora.lora_gated_mlp` (the LoRA updates added in the GEMMs, only x, gate, up and the
     rank-r products saved); what it does not cover runs HF's projections after one warning naming the
-    MLP and the reason.
+    MLP and the reason. In the recompute of a checkpointed layer (:func:`fuselm.offload.recompute_checkpoint`,
+    :func:`fuselm.offload.offloaded_checkpoint`) the fused LoRA MLP skips its down projection when nothing
+    after it saves a tensor (:func:`fuselm.offload.output_may_go_unread`).
 
     ``chunk_tokens`` (``patch(..., mlp_chunk_tokens=)``): the MLP runs over chunks of that many tokens
     (:func:`fuselm.ops.swiglu.swiglu_mlp` / :func:`fuselm.lora.lora_gated_mlp` ``chunk_rows``): no
@@ -114,8 +117,12 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         plain = all(is_plain_linear(p) for p in projections)
         if not plain and gate_attr is None:  # PEFT LoRA / quantized projections: the fused LoRA MLP
-            out = lora_gated_mlp_forward(self, x, act, chunk_rows=chunk_tokens)  # None: warned why not
-            if out is not None:
+            # in a recompute that reads no output of the layer, down's GEMM is skipped
+            unread = output_may_go_unread()
+            out = lora_gated_mlp_forward(self, x, act, chunk_rows=chunk_tokens, output=not unread)
+            if out is not None:  # (None: warned why not)
+                if unread:
+                    note_unread_output()
                 return out
         elif not plain:
             warn_fallback(self, "MLP multipliers with LoRA or quantized projections", "HF's projections")

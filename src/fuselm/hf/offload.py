@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from ..offload import checkpoint_fn, offloaded_checkpoint
+from ..offload import checkpoint_fn, offloaded_checkpoint, recompute_checkpoint
 from ._common import warn_once
 
 __all__ = ["enable", "disable", "is_enabled"]
@@ -41,8 +41,14 @@ def _is_offloaded(func: Any) -> bool:
     return _unpartial(func)[0] is offloaded_checkpoint
 
 
-def _offloaded_from(hf_func: Any, layer: torch.nn.Module) -> functools.partial:
-    """offloaded_checkpoint with the options of HF's function (``partial(checkpoint, **kwargs)``)."""
+def _is_fuselms(func: Any) -> bool:
+    """Whether ``func`` is one of fuselm's checkpointing functions (offloading, or recompute only)."""
+    return _unpartial(func)[0] in (offloaded_checkpoint, recompute_checkpoint)
+
+
+def _offloaded_from(hf_func: Any, layer: torch.nn.Module, offload: bool = True) -> functools.partial:
+    """offloaded_checkpoint (``offload=False``: recompute_checkpoint) with the options of HF's function
+    (``partial(checkpoint, **kwargs)``)."""
     inner, keywords = _unpartial(hf_func)
     if hf_func is not _MISSING and not (
         inner is torch_checkpoint.checkpoint or getattr(inner, "__module__", "").startswith("transformers.")
@@ -53,7 +59,7 @@ def _offloaded_from(hf_func: Any, layer: torch.nn.Module) -> functools.partial:
             f"fuselm.hf.offload: {type(layer).__name__}'s checkpointing function {name} is replaced by "
             "offloaded_checkpoint (disable() restores it)",
         )
-    return checkpoint_fn(**keywords)
+    return checkpoint_fn(offload, **keywords)
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,8 +73,9 @@ def _install(model: torch.nn.Module) -> None:
     for layer in _layers(model):
         current = layer.__dict__.get("_gradient_checkpointing_func", _MISSING)
         if not _is_offloaded(current):
-            setattr(layer, _HF_FUNC, current)
-            layer._gradient_checkpointing_func = _offloaded_from(current, layer)
+            if not _is_fuselms(current):
+                setattr(layer, _HF_FUNC, current)
+            layer._gradient_checkpointing_func = _offloaded_from(layer.__dict__.get(_HF_FUNC, current), layer)
 
 
 class _SetGradientCheckpointing:
@@ -242,7 +249,7 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
             _unwrap(m)
     for layer in _layers(top):
         hf_func = layer.__dict__.pop(_HF_FUNC, _MISSING)
-        if _is_offloaded(layer.__dict__.get("_gradient_checkpointing_func")):
+        if _is_fuselms(layer.__dict__.get("_gradient_checkpointing_func")):
             del layer._gradient_checkpointing_func
             if hf_func is not _MISSING:
                 layer._gradient_checkpointing_func = hf_func

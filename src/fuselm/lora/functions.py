@@ -257,8 +257,11 @@ def _cast_adapter(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.d
     return a.to(dtype), b.to(dtype)
 
 
-def _proj_forward(x, a, b, mask, proj: _Proj):
-    """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype."""
+def _proj_forward(x, a, b, mask, proj: _Proj, output: bool = True):
+    """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype; ``output=False``: low only, y
+    allocated without values (no base GEMM, no dequantization)."""
+    if not output:
+        return x.new_empty(x.shape[0], proj.base.shape[0]), _low(x, a, mask, proj)
     w = dense(proj.base, x.dtype)
     bias = proj.bias
     if bias is not None and bias.dtype != x.dtype:
@@ -267,14 +270,19 @@ def _proj_forward(x, a, b, mask, proj: _Proj):
     del w  # a quantized weight's scratch is free for the next projection
     if a is None:
         return y, None
-    a_c, b_c = _cast_adapter(a, b, x.dtype)
-    if mask is None:
-        low = F.linear(x, a_c)
-    else:
-        # drop(x) A^T = (x * mask) (A / (1 - p))^T: the 1 / (1 - p) folded into the small operand
-        low = F.linear(x * mask, (a * proj.keep_scale).to(x.dtype))
-    y.addmm_(low, b_c.t(), alpha=proj.scaling)
+    low = _low(x, a, mask, proj)
+    y.addmm_(low, (b if b.dtype == x.dtype else b.to(x.dtype)).t(), alpha=proj.scaling)
     return y, low
+
+
+def _low(x, a, mask, proj: _Proj):
+    """drop(x) A^T [N, r] (None without an adapter)."""
+    if a is None:
+        return None
+    if mask is None:
+        return F.linear(x, a if a.dtype == x.dtype else a.to(x.dtype))
+    # drop(x) A^T = (x * mask) (A / (1 - p))^T: the 1 / (1 - p) folded into the small operand
+    return F.linear(x * mask, (a * proj.keep_scale).to(x.dtype))
 
 
 def _grad_input(dy, dyb, a_c, mask, proj: _Proj, acc=None):
@@ -346,14 +354,14 @@ class LoraGatedMLPFunction(torch.autograd.Function):
     product h = act(g) * u is recomputed in backward by the kernel that writes dg and du."""
 
     @staticmethod
-    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype):
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output):
         pg, pu, pd = projs
         g, low_g = _proj_forward(x, ag, bg, mg, pg)  # [N, I]
         u, low_u = _proj_forward(x, au, bu, mu, pu)  # [N, I]
         h = gated_forward(g, u, activation)  # [N, I]
         # PEFT's down_proj draws its mask here, after gate's and up's, on h cast to A's dtype
         md = dropout_mask(h, down_p, down_mask_dtype) if ad is not None else None
-        y, low_d = _proj_forward(h, ad, bd, md, pd)  # [N, H]
+        y, low_d = _proj_forward(h, ad, bd, md, pd, output)  # [N, H]
         ctx.projs, ctx.activation = projs, activation
         ctx.adapters = (ag, bg, au, bu, ad, bd)
         ctx.consumed = False
@@ -410,7 +418,7 @@ class LoraGatedMLPFunction(torch.autograd.Function):
                     dx = _grad_input(du, dub, au_c, mu, pu, acc=dx)
                 if au is not None:
                     dau, dbu = _grad_adapter(du, dub, x, low_u, mu, au, bu, pu, nau, nbu)
-        return dx, dag, dbg, dau, dbu, dad, dbd, None, None, None, None, None, None
+        return dx, dag, dbg, dau, dbu, dad, dbd, None, None, None, None, None, None, None
 
 
 class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
@@ -594,6 +602,7 @@ def lora_gated_mlp(
     activation: str = "silu",
     *,
     chunk_rows: int | None = None,
+    output: bool = True,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))``, each projection a frozen base with an optional LoRA adapter.
 
@@ -615,6 +624,9 @@ def lora_gated_mlp(
             saved; the backward recomputes each chunk's projections (the base GEMMs twice: for the
             longest sequences, where the ``[N, I]`` tensors decide what fits). down's adapter must have
             no dropout then (its mask would be an ``[N, I]`` tensor): ValueError otherwise.
+        output: False: the result's values are not computed (down's base GEMM is skipped; the tensor is
+            allocated only), while everything saved for backward is: for a recompute that never reads
+            the result (:func:`fuselm.offload.output_may_go_unread`). Not with ``chunk_rows`` splitting x.
 
     Returns:
         ``[..., H]`` in the compute dtype.
@@ -634,6 +646,8 @@ def lora_gated_mlp(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_chunk_rows("chunk_rows", chunk_rows)
+    if not isinstance(output, bool):
+        raise ValueError(f"output must be a bool, got {output!r}")
     cdt, autocast = _compute_dtype(x)
     gb, gadapter, gbias = _operands("gate", gate)
     ub, uadapter, ubias = _operands("up", up)
@@ -667,13 +681,15 @@ def lora_gated_mlp(
     x2 = _rows(x if x.dtype == cdt else x.to(cdt))
     projs = (pg, pu, pd)
     if chunk_rows is not None and x2.shape[0] > chunk_rows:
+        if not output:
+            raise ValueError("output=False needs the MLP whole (x has more rows than chunk_rows)")
         fn, args = (
             ChunkedLoraGatedMLPFunction,
             (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows),
         )
     else:
         fn = LoraGatedMLPFunction
-        args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype)
+        args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output)
     if autocast:
         with _no_autocast(x.device.type):
             y = fn.apply(*args)
