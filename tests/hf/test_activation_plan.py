@@ -155,7 +155,7 @@ def test_a_checkpointed_layer_recomputes_without_the_mlp_down_projection(family,
     monkeypatch.setattr(fuselm.offload, "_warned", set())
     base = build(family, layers=2)
     ids = _batch(16)
-    results = []
+    results, reads = [], []
     for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
         model = _model(True, dtype, base)
         if ours:
@@ -164,10 +164,12 @@ def test_a_checkpointed_layer_recomputes_without_the_mlp_down_projection(family,
                 id(layer.mlp.down_proj.base_layer.weight) for layer in model.base_model.model.model.layers
             }
             reads = []
-            dense = functions.dense
-            monkeypatch.setattr(
-                functions, "dense", lambda w, dtype: (reads.append(id(w) in downs), dense(w, dtype))[1]
-            )
+
+            def counted(w, dtype, dense=functions.dense, downs=downs, reads=reads):
+                reads.append(id(w) in downs)
+                return dense(w, dtype)
+
+            monkeypatch.setattr(functions, "dense", counted)
         else:
             _hf_checkpointing(model)
         torch.manual_seed(1)
