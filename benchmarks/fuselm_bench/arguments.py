@@ -49,18 +49,21 @@ def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
     return shapes
 
 
-def parse_list(text: str, known: Sequence[str], what: str) -> list[str]:
-    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped).
+def parse_list(text: str, known: Sequence[str], what: str, variants: bool = False) -> list[str]:
+    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped); with
+    ``variants``, ``a@<setting>`` is checked as ``a`` (the suite checks the setting).
 
     Example:
         >>> parse_list("full,fwd,full", ("fwd", "bwd", "full"), "mode")
         ['full', 'fwd']
+        >>> parse_list("fuselm@24,hf", ("hf", "fuselm"), "provider", variants=True)
+        ['fuselm@24', 'hf']
     """
     items: list[str] = []
     for item in (s.strip() for s in text.split(",")):
         if not item or item in items:
             continue
-        if item not in known:
+        if (item.partition("@")[0] if variants else item) not in known:
             raise UsageError(f"unknown {what} {item!r}; known: {', '.join(known)}")
         items.append(item)
     if not items:

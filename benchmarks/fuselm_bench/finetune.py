@@ -957,6 +957,7 @@ BENCH = fresh_process.Bench(
     precheck=_precheck,
     worker_prefix=worker_prefix,
     worker_env=worker_env,
+    variant_description="@{setting}: patch(checkpointing='auto', memory_budget={setting}) instead",
 )
 
 
@@ -1309,7 +1310,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     budgets = getattr(args, "memory_budgets", None)
     if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
         values = [parse_budget(b) for b in budgets.split(",")]
-        c.providers = [*c.providers, *(f"fuselm@{b:g}" for b in values)]
+        c.providers = [*c.providers, *(f"fuselm@{b:g}" for b in values if f"fuselm@{b:g}" not in c.providers)]
+    for provider in c.providers:  # fuselm@<GiB> named in --providers
+        base, _, budget = provider.partition("@")
+        if budget and (base != "fuselm" or parse_budget(budget) is None):
+            raise UsageError(f"--providers: {provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
     scenario_note = None
     if not cuda and any(s[1] == "qlora" for s in c.shapes):
         reason = bnb_cpu_4bit_works()

@@ -76,6 +76,8 @@ class Bench:
     worker_prefix: Callable[[str], list[str]] | None = None
     """provider -> the command line that starts its worker, before ``--worker`` (default: ``python -m
     <module>``); e.g. one that imports a peer before anything else."""
+    variant_description: str = "variant @{setting}"
+    """how a variant ``<provider>@<setting>`` differs from its base provider (``{setting}`` filled in)"""
     worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
     """(provider, the run's ``extra`` options) -> environment variables set for its worker (on top of the
     parent's)."""
@@ -88,7 +90,7 @@ class Bench:
         """A provider's description (a variant ``<provider>@<setting>``: its base's, and the setting)."""
         base, at, setting = provider.partition("@")
         text = self.provider_descriptions[base]
-        return f"{text}; variant @{setting}" if at else text
+        return f"{text}; {self.variant_description.format(setting=setting)}" if at else text
 
     def check_providers(self, providers: Sequence[str]) -> None:
         """Each provider is one of the bench's, or a variant of one (``<provider>@<setting>``: finetune's
@@ -646,7 +648,9 @@ def start_cli(
     for bad values and without transformers."""
     providers = bench.providers
     default = bench.default_providers or providers
-    chosen = parse_list(args.providers, providers, "provider") if args.providers else list(default)
+    chosen = (
+        parse_list(args.providers, providers, "provider", variants=True) if args.providers else list(default)
+    )
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]

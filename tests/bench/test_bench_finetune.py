@@ -685,3 +685,6 @@ def test_cli_cpu_memory_budgets_run_fuselm_once_per_budget(tmp_path, capsys):
         finetune.parse_budget("-1")
     with pytest.raises(ValueError, match="only fuselm takes a memory budget"):
         finetune.split_provider("hf@8")
+    capsys.readouterr()
+    assert main([*args[:2], "--device", "cpu", "--providers", "hf@8", "--out", str(out)]) == 2
+    assert "--providers: 'hf@8': only fuselm takes a memory budget" in capsys.readouterr().err
