@@ -1283,19 +1283,20 @@ def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, st
     return [(m, s, b, t) for m in models for s in scenarios for b, t in shapes]
 
 
-def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
+def run_cli(args: argparse.Namespace, argv: list[str], group: Any = None) -> int:
     """``fuselm bench finetune``: ``--models``, ``--scenarios``, ``--shapes`` (BxT), ``--providers``,
     ``--rank``, ``--lora-alpha``, ``--lora-dropout``, ``--offload/--no-offload``, ``--unsloth-compile``,
     ``--model-dir``, ``--repeats`` (default 1), ``--steps``, ``--warmup``, ``--profile-steps``, ``--quick``,
     ``--dtype`` (CUDA; the CPU plan runs fp32), ``--device``, ``--out``, ``--merge``. Raises
-    ``UsageError``."""
+    ``UsageError``. ``group``: the data-parallel run of ``--world-size`` (``finetune_sharded.GROUP``, which
+    the registry's entry point passes: this module does not import that one)."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid)
     cuda = c.device.type == "cuda"
     world_size = getattr(args, "world_size", None) or 1
     if world_size > 1:
-        from . import finetune_sharded  # imports this module
-
-        finetune_sharded.check_data_parallel(c, args, world_size)
+        if group is None:
+            raise UsageError("--world-size runs through fuselm_bench.finetune_sharded.run_cli")
+        group.check(c, args, world_size)
     rank = getattr(args, "rank", None) or RANK
     alpha = float(getattr(args, "lora_alpha", None) or rank)
     dropout = getattr(args, "lora_dropout", None) or 0.0
@@ -1366,7 +1367,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             "host_pinned_source": None,
         }
         if world_size > 1:
-            env_ranks = finetune_sharded.group_env(c.device.type)
+            env_ranks = group.env(c.device.type)
             c.metadata["finetune"]["group_env"] = " ".join(f"{k}={v}" for k, v in env_ranks.items())
         if not cuda:
             print(
@@ -1379,7 +1380,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             return write_report(report, out)
 
         if world_size > 1:
-            report = finetune_sharded.run_data_parallel(c, world_size, progress=not args.no_progress)
+            report = group.run(c, world_size, progress=not args.no_progress)
         else:
             report = fresh_process.run_cli(
                 BENCH, c, markdown=markdown, write=write, progress=not args.no_progress, write_each_row=True

@@ -11,13 +11,14 @@ import argparse
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from . import e2e, fresh_process, rank_group
+from . import e2e, finetune, fresh_process, rank_group
 from .arguments import UsageError
 from .cases import GIB, Case, Row, run_cases
 from .finetune import (
@@ -505,3 +506,13 @@ def run_data_parallel(c: fresh_process.CliRun, world_size: int, progress: bool) 
         report = fresh_process.merge_previous(bench, fresh_process._copy(report), previous)
     print_written(data_parallel_markdown(report, world_size), written)
     return report
+
+
+# what finetune.run_cli calls for --world-size > 1
+GROUP = types.SimpleNamespace(check=check_data_parallel, env=group_env, run=run_data_parallel)
+
+
+def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    """``fuselm bench finetune`` (one GPU, or ``--world-size`` GPUs): :func:`finetune.run_cli` with
+    this module's data-parallel run."""
+    return finetune.run_cli(args, argv, group=GROUP)

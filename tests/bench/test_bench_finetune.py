@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuselm_bench import cli as bench_cli
 from fuselm_bench import finetune, finetune_sharded, fresh_process, registry
 from fuselm_bench.arguments import UsageError
 
@@ -39,7 +40,9 @@ def reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_registry_lists_finetune_outside_all(capsys):
     assert "finetune" in registry.TRAINING_SUITES and "finetune" not in registry.suite_names()
-    assert registry.get_training_runner("finetune") is finetune.run_cli
+    assert registry.get_training_runner("finetune") is finetune_sharded.run_cli  # finetune's, with the group
+    with pytest.raises(UsageError, match="--world-size runs through fuselm_bench.finetune_sharded.run_cli"):
+        finetune.run_cli(bench_cli.build_parser().parse_args(["finetune", "--world-size", "2"]), [])
     assert main(["bench"]) == 0
     assert "finetune" in capsys.readouterr().out
 
