@@ -374,7 +374,8 @@ def _stand_in_repo(root, name: str, layer: str, args: str, call: str) -> str:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: transformers maps hub kernels on GPUs")
 def test_on_the_gpu_fuselm_runs_under_transformers_default_hub_kernels(tmp_path, monkeypatch, fuselm_norms):
     """from_pretrained on a GPU with kernels on (transformers' default mapping: Liger's RMSNorm, the rotary
-    kernel; their repositories stood in for by counting local ones through LOCAL_KERNELS): unpatched, the
+    kernel, the SiLU of eval; their repositories stood in for by counting local ones through LOCAL_KERNELS,
+    as offline nothing else loads): unpatched, the
     hub layers run; patched (instance, or class before loading), fuselm's run in every norm and the
     rotary function, in eval, after train() + backward, and after kernelize by hand; and the
     kernel_config() route runs fuselm's layers, offline."""
@@ -388,7 +389,9 @@ def test_on_the_gpu_fuselm_runs_under_transformers_default_hub_kernels(tmp_path,
         "q, k, cos, sin, unsqueeze_dim=1",
         "q, k, cos, sin, unsqueeze_dim",
     )
+    silu = _stand_in_repo(tmp_path, "activation", "Silu", "input", "input")  # eval: the MLP's activation
     local = f"kernels-community/liger-kernels={liger}:kernels-community/rotary={rope}"
+    local += f":kernels-community/activation={silu}"
     monkeypatch.setenv("LOCAL_KERNELS", local)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = _saved(tmp_path)
@@ -399,13 +402,13 @@ def test_on_the_gpu_fuselm_runs_under_transformers_default_hub_kernels(tmp_path,
     def hub_runs() -> int:
         return sum(
             len(sys.modules[f"standin_{n}"].RUNS)
-            for n in ("liger", "rotary")
+            for n in ("liger", "rotary", "activation")
             if f"standin_{n}" in sys.modules
         )
 
     def clear() -> None:
         fuselm_norms.clear()
-        for n in ("liger", "rotary"):
+        for n in ("liger", "rotary", "activation"):
             if f"standin_{n}" in sys.modules:
                 sys.modules[f"standin_{n}"].RUNS.clear()
 
