@@ -12,8 +12,10 @@ same dropout masks) and autocast state. Host buffers come from a pool, reused ac
 sequences; large ones are sized to within 1/8 of the request and page-locked by ``cudaHostRegister``
 (PyTorch's pinned allocator would round each up to a power of two: up to twice the host memory);
 :func:`host_memory_stats` reports them. CPU tensors take the same path with plain host copies, so the
-semantics are tested without a GPU. This module imports torch only (:mod:`fuselm.hf.offload` installs
-it in Hugging Face models).
+semantics are tested without a GPU. :func:`recompute_checkpoint` is the same checkpoint with the inputs
+left on their device. In either recompute, a call whose output nothing saved reads may skip computing it
+(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer). This
+module imports torch only (:mod:`fuselm.hf.offload` installs it in Hugging Face models).
 """
 
 from __future__ import annotations
