@@ -403,6 +403,8 @@ def output_may_go_unread() -> bool:
     of :func:`offloaded_checkpoint` / :func:`recompute_checkpoint`, with grad mode on and no other
     saved-tensor hooks pushed since it began. The caller that returns such an output must call
     :func:`note_unread_output` right after making it (before anything else saves a tensor)."""
+    if torch.compiler.is_compiling():  # a traced forward is no recompute of these (they run eagerly)
+        return False
     state = _RECOMPUTE
     return (
         state.hooks is not None
