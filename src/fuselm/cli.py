@@ -7,8 +7,9 @@ Usage::
 
 ``fuselm demo`` writes ``fuselm_demo.png`` and ``fuselm_demo.json`` to ``--out`` (default: the current
 folder). ``fuselm bench`` runs the benchmark lab, which is not part of the installed package: it lives in
-the repository's ``benchmarks/fuselm_bench`` and runs from a clone (``pip install -e .`` there), where this
-command finds it next to ``src/``; ``fuselm bench --help`` lists its options.
+the repository's ``benchmarks/fuselm_bench`` and runs from a clone with ``benchmarks`` on the import path
+(``PYTHONPATH=benchmarks fuselm bench ...``, or ``python -m fuselm_bench ...`` from ``benchmarks/``);
+``fuselm bench --help`` lists its options.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -79,22 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_lab():
-    """The benchmark lab's command line module (``fuselm_bench.cli``): importable as it is, or found in the
-    repository this fuselm was imported from (``<repo>/benchmarks`` next to ``<repo>/src/fuselm``, then
-    put on ``sys.path``); UsageError when neither (an installed wheel has no benchmarks)."""
+    """The benchmark lab's command line module (``fuselm_bench.cli``) when it is importable; UsageError
+    otherwise (an installed wheel has no benchmarks: they run from a clone, ``benchmarks`` on the path)."""
     try:
         return importlib.import_module(f"{LAB}.cli")
     except ModuleNotFoundError as e:
         if e.name != LAB:
             raise
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    if not (folder / LAB / "__init__.py").is_file():
-        raise UsageError(
-            "the benchmarks are not part of the installed fuselm package: run `fuselm bench` from a clone of "
-            "the repository (git clone, then pip install -e . in it)"
-        )
-    sys.path.insert(0, str(folder))
-    return importlib.import_module(f"{LAB}.cli")
+    raise UsageError(
+        "the benchmarks are not part of the installed fuselm package: run them from a clone of the "
+        "repository with benchmarks/ on the import path (PYTHONPATH=benchmarks fuselm bench ..., or "
+        "python -m fuselm_bench ... in benchmarks/)"
+    )
 
 
 def _add_demo_parser(sub) -> None:
