@@ -191,6 +191,24 @@ def test_a_checkpointed_layer_recomputes_without_the_mlp_down_projection(family,
         assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
 
 
+def test_a_chunked_mlp_is_recomputed_chunked(monkeypatch):
+    """mlp_chunk_tokens (long sequences): the recompute keeps the MLP chunked, down projection and all
+    (skipping it would run the MLP whole, holding the [tokens, I] tensors the chunks avoid)."""
+    from fuselm.hf import lora
+
+    calls = []
+
+    def spy(*args, _fn=lora.lora_gated_mlp, **kwargs):
+        calls.append((kwargs.get("chunk_rows"), kwargs.get("output", True)))
+        return _fn(*args, **kwargs)
+
+    monkeypatch.setattr(lora, "lora_gated_mlp", spy)
+    model = _peft(build("llama", layers=LAYERS), dropout=0.0)  # (down_proj dropout would refuse chunks)
+    fuselm.hf.patch(model, checkpointing="offload", mlp_chunk_tokens=8)
+    _step(model, _batch(16))
+    assert len(calls) == 2 * LAYERS and set(calls) == {(8, True)}  # forward and recompute, chunked
+
+
 def test_full_fine_tuning_counts_the_gradients_to_come():
     """No PEFT: the parameters' gradients are not allocated at the first forward; the plan's base counts
     them (what the backward will hold) besides the model's tensors."""

@@ -74,7 +74,7 @@ def lora_gated_mlp_forward(
     the fused MLP cannot run: the caller then runs HF's MLP forward (whose PEFT layers may still run
     :func:`lora_linear_forward`). ``chunk_rows``: over chunks of that many tokens (refused, once, with
     LoRA dropout on down_proj: the MLP then runs whole). ``output=False``: the result's values are not
-    computed (see :func:`fuselm.lora.lora_gated_mlp`; the MLP then runs whole).
+    computed (see :func:`fuselm.lora.lora_gated_mlp`; not with ``chunk_rows``).
 
     Example:
         >>> class MLP(nn.Module):
@@ -100,7 +100,7 @@ def lora_gated_mlp_forward(
             mlp, "mlp_chunk_tokens with LoRA dropout on down_proj (its mask is [tokens, I])", "the whole MLP"
         )
         chunk_rows = None
-    y = lora_gated_mlp(x, *ops, activation, chunk_rows=chunk_rows if output else None, output=output)
+    y = lora_gated_mlp(x, *ops, activation, chunk_rows=chunk_rows, output=output)
     if any(isinstance(op[0], Bnb4bitWeight) for op in ops) and y.dtype != x.dtype:
         y = y.to(x.dtype)  # bitsandbytes' Linear4bit returns its input's dtype
     return y
