@@ -219,7 +219,7 @@ class _Planner:
             current = layer.__dict__.get("_gradient_checkpointing_func")
             if mode != "keep" and offload._unpartial(current)[0] is not want:
                 hf_func = layer.__dict__.get(offload._HF_FUNC)
-                func = offload._offloaded_from(hf_func, layer, mode == "offload")
+                func = offload._fuselm_checkpointing(hf_func, layer, mode == "offload")
                 layer._gradient_checkpointing_func = func
 
     def remove(self) -> None:

@@ -46,7 +46,7 @@ def _is_fuselms(func: Any) -> bool:
     return _unpartial(func)[0] in (offloaded_checkpoint, recompute_checkpoint)
 
 
-def _offloaded_from(hf_func: Any, layer: torch.nn.Module, offload: bool = True) -> functools.partial:
+def _fuselm_checkpointing(hf_func: Any, layer: torch.nn.Module, offload: bool = True) -> functools.partial:
     """offloaded_checkpoint (``offload=False``: recompute_checkpoint) with the options of HF's function
     (``partial(checkpoint, **kwargs)``)."""
     inner, keywords = _unpartial(hf_func)
@@ -75,7 +75,8 @@ def _install(model: torch.nn.Module) -> None:
         if not _is_offloaded(current):
             if not _is_fuselms(current):
                 setattr(layer, _HF_FUNC, current)
-            layer._gradient_checkpointing_func = _offloaded_from(layer.__dict__.get(_HF_FUNC, current), layer)
+            hf_func = layer.__dict__.get(_HF_FUNC, current)
+            layer._gradient_checkpointing_func = _fuselm_checkpointing(hf_func, layer)
 
 
 class _SetGradientCheckpointing:
