@@ -908,6 +908,42 @@ def test_lora_gated_mlp_bf16_cuda_real_shape(act, gen):
         H, I = old
 
 
+class _AdapterCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts of tensors shaped like an adapter (``[r, *]`` or ``[*, r]``) to the model dtype."""
+
+    def __init__(self, shapes, dtype):
+        super().__init__()
+        self.shapes, self.dtype, self.count = shapes, dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            self.count += out.dtype == self.dtype
+        return out
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
+def test_fp32_adapters_are_cast_in_forward_only(p, gen):
+    """fp32 adapters on a bf16 model: forward casts each A and B to bf16 once, backward reuses the casts."""
+    dtype = torch.bfloat16
+    layer = peft_linear(gen, IN, OUT, 8, p, dtype, torch.float32)
+    W, ad, _ = operands(layer)
+    layers = mlp_layers(gen, 8, 0.0, dtype, torch.float32)
+    ops = mlp_operands(layers)
+    for run, width in ((lambda x: L.lora_linear(x, W, ad), IN), (lambda x: L.lora_gated_mlp(x, *ops), H)):
+        x = randn(gen, (*LEAD, width), dtype).requires_grad_()
+        adapters = [ad] if width == IN else [o[1] for o in ops]
+        shapes = {tuple(t.shape) for a in adapters for t in (a.A, a.B)}
+        with _AdapterCasts(shapes, dtype) as fwd:
+            y = run(x)
+        with _AdapterCasts(shapes, dtype) as bwd:
+            y.backward(torch.ones_like(y))
+        # A and B each, and with dropout A / (1 - p) for the masked input's product
+        assert fwd.count == 2 * len(adapters) + (p > 0 and width == IN), fwd.count
+        assert bwd.count == 0, f"backward cast the adapters {bwd.count} times"
+        assert all(a.A.grad.dtype == torch.float32 for a in adapters)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_no_grad_and_inference_mode_give_the_training_output(mode, gen):
     layers = mlp_layers(gen, 8, 0.0, torch.float32, torch.float32)

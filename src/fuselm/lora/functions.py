@@ -2,9 +2,9 @@
 
 Forward of one projection (README.md has the derivation, the FLOPs and the saved tensors):
 
-    y   = x W^T + b                     one GEMM (torch.addmm with the bias in its epilogue)
     low = drop(x) A^T                   [N, r]
-    y  += s * low B^T                   y.addmm_(low, B^T, alpha=s): one epilogue pass, no temporary
+    y   = s * low B^T + b               one rank-r GEMM, y written once (the bias in its epilogue)
+    y  += x W^T                         y.addmm_(x, W^T): the base GEMM reads y in its epilogue
 
 The LoRA GEMMs run in the compute dtype (x's, or the autocast dtype), the adapters cast once per
 call; gradients of A and B are returned in their own dtype. Saved for backward: x, low (and the
@@ -257,46 +257,65 @@ def _cast_adapter(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.d
     return a.to(dtype), b.to(dtype)
 
 
-def _proj_forward(x, a, b, mask, proj: _Proj, output: bool = True):
-    """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype; ``output=False``: low only, y
-    allocated without values (no base GEMM, no dequantization)."""
+def _backward_cast(cast: tuple, a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype):
+    """The adapters in ``dtype`` for backward: the casts forward made (kept on the context: two launches
+    fewer per projection; the version check guards A and B), or new ones for another dtype."""
+    if a is None or cast[0].dtype == dtype:
+        return cast
+    return _cast_adapter(a, b, dtype)
+
+
+def _proj_forward(x, a, cast, mask, proj: _Proj, output: bool = True):
+    """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype, ``cast`` = (A, B) in that
+    dtype (:func:`_cast_adapter`); ``output=False``: low only, y allocated without values (no base GEMM,
+    no dequantization)."""
+    a_c, b_c = cast
     if not output:
-        return x.new_empty(x.shape[0], proj.base.shape[0]), _low(x, a, mask, proj)
-    w = dense(proj.base, x.dtype)
+        return x.new_empty(x.shape[0], proj.base.shape[0]), _low(x, a, a_c, mask, proj)
     bias = proj.bias
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    y = F.linear(x, w, bias)  # addmm: the bias in the GEMM epilogue
-    del w  # a quantized weight's scratch is free for the next projection
     if a is None:
-        return y, None
-    low = _low(x, a, mask, proj)
-    y.addmm_(low, (b if b.dtype == x.dtype else b.to(x.dtype)).t(), alpha=proj.scaling)
+        return F.linear(x, dense(proj.base, x.dtype), bias), None  # addmm: the bias in the GEMM epilogue
+    low = _low(x, a, a_c, mask, proj)
+    bt = b_c.t()
+    # the rank-r product first, written once (with the bias), then the base GEMM adds itself to it: the
+    # read of y hides in the epilogue of a compute-bound GEMM, where adding the update after the base
+    # GEMM would read and write y once more
+    if bias is None:
+        y = torch.addmm(_zero(x.dtype, x.device), low, bt, beta=0, alpha=proj.scaling)
+    else:
+        y = torch.addmm(bias, low, bt, alpha=proj.scaling)
+    y.addmm_(x, dense(proj.base, x.dtype).t())  # a quantized weight's scratch is free when this returns
     return y, low
 
 
-def _low(x, a, mask, proj: _Proj):
-    """drop(x) A^T [N, r] (None without an adapter)."""
+def _low(x, a, a_c, mask, proj: _Proj):
+    """drop(x) A^T [N, r] (None without an adapter); a_c is A in x's dtype."""
     if a is None:
         return None
     if mask is None:
-        return F.linear(x, a if a.dtype == x.dtype else a.to(x.dtype))
+        return F.linear(x, a_c)
     # drop(x) A^T = (x * mask) (A / (1 - p))^T: the 1 / (1 - p) folded into the small operand
     return F.linear(x * mask, (a * proj.keep_scale).to(x.dtype))
 
 
 def _grad_input(dy, dyb, a_c, mask, proj: _Proj, acc=None):
-    """dX = dY W (+ s * ((dY B) A) masked), into ``acc`` when given (dX += ...)."""
-    w = dense(proj.base, dy.dtype)
-    dx = torch.mm(dy, w) if acc is None else acc.addmm_(dy, w)
-    del w
+    """dX = dY W (+ s * ((dY B) A) masked), into ``acc`` when given (dX += ...). The rank-r part first, so
+    the base GEMM adds itself to it in its epilogue (as in forward)."""
+    dx = acc
     if a_c is not None:
         if mask is None:
-            dx.addmm_(dyb, a_c, alpha=proj.scaling)
+            if dx is None:
+                dx = torch.addmm(_zero(dy.dtype, dy.device), dyb, a_c, beta=0, alpha=proj.scaling)
+            else:
+                dx.addmm_(dyb, a_c, alpha=proj.scaling)
         else:
             t = torch.mm(dyb, a_c).mul_(mask)
-            dx.add_(t, alpha=proj.scaling * proj.keep_scale)
-    return dx
+            scale = proj.scaling * proj.keep_scale
+            dx = t.mul_(scale) if dx is None else dx.add_(t, alpha=scale)
+    w = dense(proj.base, dy.dtype)
+    return torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
 
 
 def _grad_adapter(dy, dyb, inp, low, mask, a, b, proj: _Proj, need_a: bool, need_b: bool):
@@ -317,6 +336,13 @@ def _no_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
+def _mlp_backward_casts(ctx, dtype: torch.dtype) -> list[tuple]:
+    """:func:`_backward_cast` of the gated MLP's three adapters (gate, up, down)."""
+    ag, bg, au, bu, ad, bd = ctx.adapters
+    pairs = ((ag, bg), (au, bu), (ad, bd))
+    return [_backward_cast(c, a, b, dtype) for c, (a, b) in zip(ctx.casts, pairs, strict=True)]
+
+
 # ---- autograd ----
 
 
@@ -327,8 +353,9 @@ class LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, b, mask, proj):
-        y, low = _proj_forward(x, a, b, mask, proj)
-        ctx.proj, ctx.a, ctx.b = proj, a, b  # frozen / parameter references: no activation memory
+        cast = _cast_adapter(a, b, x.dtype)
+        y, low = _proj_forward(x, a, cast, mask, proj)
+        ctx.proj, ctx.a, ctx.b, ctx.cast = proj, a, b, cast  # references and [r, *] casts: no activations
         ctx.save_for_backward(x if a is not None else None, low, mask)  # no adapter: dX = dY W only
         return y
 
@@ -339,7 +366,7 @@ class LoraLinearFunction(torch.autograd.Function):
         proj.check_versions()
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
         with _no_autocast(dy.device.type):
-            a_c, b_c = _cast_adapter(a, b, dy.dtype)
+            a_c, b_c = _backward_cast(ctx.cast, a, b, dy.dtype)
             dyb = torch.mm(dy, b_c) if a is not None and (need_x or need_a) else None  # [N, r]
             dx = _grad_input(dy, dyb, a_c, mask, proj) if need_x else None
             da, db = (None, None)
@@ -356,13 +383,14 @@ class LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output):
         pg, pu, pd = projs
-        g, low_g = _proj_forward(x, ag, bg, mg, pg)  # [N, I]
-        u, low_u = _proj_forward(x, au, bu, mu, pu)  # [N, I]
+        casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
+        g, low_g = _proj_forward(x, ag, casts[0], mg, pg)  # [N, I]
+        u, low_u = _proj_forward(x, au, casts[1], mu, pu)  # [N, I]
         h = gated_forward(g, u, activation)  # [N, I]
         # PEFT's down_proj draws its mask here, after gate's and up's, on h cast to A's dtype
         md = dropout_mask(h, down_p, down_mask_dtype) if ad is not None else None
-        y, low_d = _proj_forward(h, ad, bd, md, pd, output)  # [N, H]
-        ctx.projs, ctx.activation = projs, activation
+        y, low_d = _proj_forward(h, ad, casts[2], md, pd, output)  # [N, H]
+        ctx.projs, ctx.activation, ctx.casts = projs, activation, casts
         ctx.adapters = (ag, bg, au, bu, ad, bd)
         ctx.consumed = False
         x_saved = x if ag is not None or au is not None else None  # only dA of gate / up reads x
@@ -382,7 +410,7 @@ class LoraGatedMLPFunction(torch.autograd.Function):
         dx = dag = dbg = dau = dbu = dad = dbd = None
         with _no_autocast(dy.device.type):
             # down: dh = dY Wd (+ LoRA), then one kernel: dg (into dh's storage), du and h
-            ad_c, bd_c = _cast_adapter(ad, bd, cdt)
+            (ag_c, bg_c), (au_c, bu_c), (ad_c, bd_c) = _mlp_backward_casts(ctx, cdt)
             dyb = torch.mm(dy, bd_c) if ad is not None and (need_gu or nad) else None
             if need_gu:
                 if ctx.consumed:
@@ -405,14 +433,12 @@ class LoraGatedMLPFunction(torch.autograd.Function):
             del h, dyb
             if need_gu:
                 # gate, then up, dX accumulated in one buffer
-                ag_c, bg_c = _cast_adapter(ag, bg, cdt)
                 dgb = torch.mm(dg, bg_c) if ag is not None and (nx or nag) else None
                 if nx:
                     dx = _grad_input(dg, dgb, ag_c, mg, pg)
                 if ag is not None:
                     dag, dbg = _grad_adapter(dg, dgb, x, low_g, mg, ag, bg, pg, nag, nbg)
                 del dg, dgb
-                au_c, bu_c = _cast_adapter(au, bu, cdt)
                 dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
                 if nx:
                     dx = _grad_input(du, dub, au_c, mu, pu, acc=dx)
@@ -431,18 +457,19 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows):
         pg, pu, pd = projs
+        cg, cu, cd = casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
         y = None
         for s, e in _row_chunks(x.shape[0], chunk_rows):
             xc = x[s:e]
-            g, _ = _proj_forward(xc, ag, bg, _rows_of(mg, s, e), pg)
-            u, _ = _proj_forward(xc, au, bu, _rows_of(mu, s, e), pu)
+            g, _ = _proj_forward(xc, ag, cg, _rows_of(mg, s, e), pg)
+            u, _ = _proj_forward(xc, au, cu, _rows_of(mu, s, e), pu)
             h = gated_forward(g, u, activation)
             del g, u
-            yc, _ = _proj_forward(h, ad, bd, None, pd)
+            yc, _ = _proj_forward(h, ad, cd, None, pd)
             if y is None:
                 y = yc.new_empty(x.shape[0], yc.shape[1])
             y[s:e] = yc
-        ctx.projs, ctx.activation, ctx.chunk_rows = projs, activation, chunk_rows
+        ctx.projs, ctx.activation, ctx.chunk_rows, ctx.casts = projs, activation, chunk_rows, casts
         ctx.adapters = (ag, bg, au, bu, ad, bd)
         ctx.save_for_backward(x, mg, mu)
         return y
@@ -467,14 +494,12 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
                 sums[name] = t if name not in sums else sums[name].add_(t)
 
         with _no_autocast(dy.device.type):
-            ag_c, bg_c = _cast_adapter(ag, bg, cdt)
-            au_c, bu_c = _cast_adapter(au, bu, cdt)
-            ad_c, bd_c = _cast_adapter(ad, bd, cdt)
+            (ag_c, bg_c), (au_c, bu_c), (ad_c, bd_c) = _mlp_backward_casts(ctx, cdt)
             for s, e in _row_chunks(x.shape[0], ctx.chunk_rows):
                 xc, dyc = x[s:e], dy[s:e]
                 mgc, muc = _rows_of(mg, s, e), _rows_of(mu, s, e)
-                g, low_g = _proj_forward(xc, ag, bg, mgc, pg)
-                u, low_u = _proj_forward(xc, au, bu, muc, pu)
+                g, low_g = _proj_forward(xc, ag, (ag_c, bg_c), mgc, pg)
+                u, low_u = _proj_forward(xc, au, (au_c, bu_c), muc, pu)
                 dyb = torch.mm(dyc, bd_c) if ad is not None else None
                 dh = _grad_input(dyc, dyb, ad_c, None, pd)  # [chunk, I], fresh
                 res = gated_backward(dh, g, u, ctx.activation, want_out=need_h, overwrite_inputs=True)
@@ -545,8 +570,9 @@ def lora_linear(
 ) -> torch.Tensor:
     """``x W^T + b + s * (drop(x) A^T) B^T`` with a frozen base weight ``W`` and one LoRA adapter.
 
-    The base GEMM writes ``y`` (the bias in its epilogue), then ``y.addmm_(low, B^T, alpha=s)`` adds the
-    LoRA update in place with ``low = drop(x) A^T`` ``[N, r]``: no ``[N, out]`` temporary. The LoRA
+    The rank-r GEMM writes ``y = s * low B^T + b`` with ``low = drop(x) A^T`` ``[N, r]``, then the base
+    GEMM adds ``x W^T`` to it in place (``y.addmm_``, beta = 1): y is written once and read once, inside
+    the base GEMM's epilogue; no ``[N, out]`` temporary. The LoRA
     GEMMs run in the compute dtype (x's dtype, or the autocast dtype in an autocast region), the
     adapters cast once per call; A's and B's gradients come back in their own dtype (fp32 adapters on
     a bf16 model get fp32 gradients, accumulated in fp32 on CUDA). Saved for backward: x, low, and the
