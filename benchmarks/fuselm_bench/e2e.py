@@ -384,6 +384,8 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
         "memcpys": per_step("memcpys", 1.0),
         "profile_steps": 0 if run.profile is None else run.profile.steps,
         "top_kernels": None if prof is None else prof.top(),
+        "idle_ms": per_step("idle_s", 1e3),
+        "top_idle": None if prof is None else prof.top_idle(),
         "warmup_s": run.warmup_s,
     }
 

@@ -861,6 +861,8 @@ class FinetuneRow(Row):
     memcpys: float | None = None
     profile_steps: int | None = None
     top_kernels: list | None = None  # (name, ms/step, launches/step) of the profiled steps, most time first
+    idle_ms: float | None = None  # the GPU idle between its kernels and copies, per profiled step
+    top_idle: list | None = None  # (next event's name, idle ms/step, gaps/step), most idle first
     peak_bytes: int | None = None
     reserved_bytes: int | None = None
     weights_bytes: int | None = None

@@ -77,6 +77,8 @@ class KernelProfile:
     memsets: int = 0
     memset_s: float = 0.0
     by_name: dict[str, list[float]] = field(default_factory=dict)  # kernel name: [seconds, launches]
+    idle_s: float = 0.0  # the device running nothing between its first event's start and its last's end
+    idle_before: dict[str, list[float]] = field(default_factory=dict)  # next event's name: [idle s, gaps]
 
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
@@ -97,10 +99,14 @@ class KernelProfile:
         from torch.autograd import DeviceType
 
         out = cls(steps=steps)
+        spans = []
         for event in events:
             if event.device_type != DeviceType.CUDA:
                 continue
             seconds = event.time_range.elapsed_us() * 1e-6
+            start = getattr(event.time_range, "start", None)
+            if start is not None:
+                spans.append((start, start + event.time_range.elapsed_us(), event.name))
             if event.name.startswith("Memcpy"):
                 out.memcpys += 1
                 out.memcpy_s += seconds
@@ -113,11 +119,31 @@ class KernelProfile:
                 entry = out.by_name.setdefault(event.name, [0.0, 0])
                 entry[0] += seconds
                 entry[1] += 1
+        out._add_idle(spans)
         return out
+
+    def _add_idle(self, spans: list[tuple[float, float, str]]) -> None:
+        """Idle time between the device's events (start and end in us, any stream), each gap charged to
+        the event that ends it: what the device waited for (the host launching it, a synchronization)."""
+        busy_until = None
+        for start, end, name in sorted(spans):
+            if busy_until is not None and start > busy_until:
+                gap = (start - busy_until) * 1e-6
+                self.idle_s += gap
+                entry = self.idle_before.setdefault(name, [0.0, 0])
+                entry[0] += gap
+                entry[1] += 1
+            busy_until = end if busy_until is None else max(busy_until, end)
 
     def top(self, n: int = 25) -> list[tuple[str, float, float]]:
         """The ``n`` kernels of most device time: (name, ms per step, launches per step)."""
         ranked = sorted(self.by_name.items(), key=lambda kv: -kv[1][0])[:n]
+        steps = max(self.steps, 1)
+        return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
+
+    def top_idle(self, n: int = 10) -> list[tuple[str, float, float]]:
+        """The ``n`` events the device waited longest before: (name, idle ms per step, gaps per step)."""
+        ranked = sorted(self.idle_before.items(), key=lambda kv: -kv[1][0])[:n]
         steps = max(self.steps, 1)
         return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
 

@@ -592,3 +592,25 @@ def test_bound_by_reads_the_gpu_side():
     assert e2e.bound_by(44.6, 48.2) == "GPU"
     assert e2e.bound_by(24.6, 59.7) == "host"
     assert e2e.bound_by(None, 59.7) is None and e2e.bound_by(5.0, 5.0, cuda=False) is None
+
+
+def test_kernel_profile_charges_device_idle_to_the_event_that_ends_it():
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, us, dev=DeviceType.CUDA):
+        return E(name=name, device_type=dev, time_range=E(start=start, elapsed_us=lambda: us))
+
+    events = [
+        ev("gemm", 0, 30),
+        ev("Memcpy HtoD", 10, 40),  # overlaps gemm: busy until 50
+        ev("rms", 70, 10),  # 20 us idle before it
+        ev("aten::mm", 80, 500, DeviceType.CPU),  # host events never count
+        ev("rms", 100, 5),  # 20 us more
+        ev("gemm", 104, 6),  # overlaps: no gap
+    ]
+    p = step_timing.KernelProfile.from_events(events, steps=2)
+    assert round(p.idle_s * 1e6) == 40
+    ((name, ms, gaps),) = p.top_idle()
+    assert (name, round(ms * 1e3), gaps) == ("rms", 20, 1.0)
