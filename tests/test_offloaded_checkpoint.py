@@ -14,6 +14,7 @@ import gc
 import inspect
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -522,3 +523,82 @@ def test_gpu_recompute_draws_the_forwards_dropout_masks():
     keep = (~masks[0]).float() * 2.0  # d(sum(dropout(W x + b)))/dx = (mask * 2) @ W
     reference = keep.double() @ lin.weight.double()
     assert_numerics("grad x", x.grad, keep @ lin.weight, reference, torch.float32)
+
+
+# ---- selective_checkpoint: only the outputs marked remakeable are made again ----
+
+
+def _selective_block(made: list):
+    """tanh(x) marked remakeable and read by three products (each saves it), a weight per product."""
+    ws = [torch.randn(6, 5, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+    def block(x):
+        def remake():
+            made.append(torch.is_grad_enabled())
+            return torch.tanh(x)
+
+        n = offload.remakeable(torch.tanh(x), remake)
+        rows = n.view(-1, 6)  # a view of it is saved as well
+        return sum((rows @ w).sin().sum() for w in ws)
+
+    return block, ws
+
+
+def test_selective_checkpoint_makes_marked_outputs_again_once_with_the_same_gradients():
+    made: list = []
+    block, ws = _selective_block(made)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(block(x), (x, *ws))
+    assert made == []  # outside selective_checkpoint: marked for nothing
+    out = offload.selective_checkpoint(block, x)
+    assert made == []
+    got = torch.autograd.grad(out, (x, *ws))
+    assert made == [False]  # once, under no_grad, for three saves of it and tanh's own
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_selective_checkpoint_frees_the_marked_output_after_forward():
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    refs = []
+
+    def block(x):
+        n = offload.remakeable(x * 2, lambda: x * 2)
+        refs.append(weakref.ref(n))
+        return (n @ w).sum()
+
+    kept = block(x)
+    assert refs[-1]() is not None  # saved by the matmul: held until backward
+    out = offload.selective_checkpoint(block, x)
+    gc.collect()
+    assert refs[-1]() is None  # only its recipe is held
+    out.backward()
+    kept.backward()
+    assert torch.equal(w.grad, 2 * (2 * x).T @ torch.ones(4, 6, dtype=torch.float64))
+
+
+def test_selective_checkpoint_raises_for_a_saved_tensor_changed_in_place():
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    out = offload.selective_checkpoint(lambda x: (x.exp() @ w).sum(), x)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        out.backward()
+
+
+def test_selective_checkpoint_is_the_plain_call_inside_other_hooks_and_without_grad():
+    made: list = []
+    block, ws = _selective_block(made)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    out = torch_checkpoint.checkpoint(
+        lambda x: offload.selective_checkpoint(block, x), x, use_reentrant=False
+    )  # the checkpoint's hooks are on: nothing marked (its recompute must see every save)
+    torch.autograd.grad(out, (x, *ws))
+    assert made == []
+    with torch.no_grad():
+        offload.selective_checkpoint(block, x)
+    assert made == []
+    with pytest.raises(ValueError, match="use_reentrant"):
+        offload.selective_checkpoint(block, x, use_reentrant="yes")

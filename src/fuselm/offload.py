@@ -14,8 +14,10 @@ sequences; large ones are sized to within 1/8 of the request and page-locked by 
 :func:`host_memory_stats` reports them. CPU tensors take the same path with plain host copies, so the
 semantics are tested without a GPU. :func:`recompute_checkpoint` is the same checkpoint with the inputs
 left on their device. In either recompute, a call whose output nothing saved reads may skip computing it
-(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer). This
-module imports torch only (:mod:`fuselm.hf.offload` installs it in Hugging Face models).
+(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer).
+:func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
+cheap to make again from a tensor the backward holds anyway). This module imports torch only
+(:mod:`fuselm.hf.offload` installs it in Hugging Face models).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "offloaded_checkpoint",
     "recompute_checkpoint",
+    "selective_checkpoint",
+    "remakeable",
     "output_may_go_unread",
     "note_unread_output",
     "checkpoint_fn",
@@ -661,6 +665,156 @@ def _checkpoint(function: Callable, args: tuple, kwargs: dict, preserve_rng_stat
     call = _Call(run, len(offloaded), preserve_rng_state, offload, _kind(base))
     outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
     return call.join_outputs(outputs)  # (set by the forward)
+
+
+# ---- selective: only the outputs marked remakeable are recomputed ----
+
+
+class _Selective(threading.local):
+    def __init__(self) -> None:
+        self.hooks: tuple | None = None  # (pack, unpack) of the selective call running on this thread
+        self.marked: dict[int, tuple[torch.Tensor, _Recipe]] = {}  # storage address: (output, recipe)
+
+
+_SELECTIVE = _Selective()
+
+
+class _Recipe:
+    """How to make a marked output again; the value made is shared by the saves of it (q, k and v
+    projections save one norm output) until each was unpacked once."""
+
+    __slots__ = ("remake", "shape", "nbytes", "saves", "unpacks", "value")
+
+    def __init__(self, remake: Callable[[], torch.Tensor], output: torch.Tensor) -> None:
+        self.remake, self.shape, self.nbytes = remake, output.shape, output.numel() * output.element_size()
+        self.saves = self.unpacks = 0
+        self.value: torch.Tensor | None = None
+
+    def made(self) -> torch.Tensor:
+        value = self.value
+        if value is None:
+            with torch.no_grad():
+                value = self.remake()
+            if value.shape != self.shape or not value.is_contiguous():
+                raise RuntimeError("fuselm.offload: a remakeable output was made again with another layout")
+        self.unpacks += 1
+        self.value = None if self.unpacks % self.saves == 0 else value
+        return value
+
+
+@dataclass(frozen=True)
+class _Remade:
+    """A saved tensor left as its recipe: a view (size, stride, offset) of the marked output."""
+
+    recipe: _Recipe
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def remakeable(output: torch.Tensor, remake: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Mark ``output`` as made again, bit for bit, by ``remake()`` (run under ``no_grad`` in the backward):
+    inside :func:`selective_checkpoint`, a tensor saved for backward that is ``output`` or a view of it is
+    saved as the recipe. ``remake`` should only read what the backward keeps anyway (a norm's input,
+    which the norm saves). Elsewhere, or for an output that is not a contiguous tensor of its own, a
+    no-op. Returns ``output``.
+
+    Example:
+        >>> import torch
+        >>> from fuselm.offload import remakeable
+        >>> x = torch.randn(3)
+        >>> remakeable(x * 2, lambda: x * 2).shape        # outside selective_checkpoint: as it was
+        torch.Size([3])
+    """
+    state = _SELECTIVE
+    if (
+        state.hooks is not None
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) == state.hooks
+        and output.is_contiguous()
+        and output.storage_offset() == 0
+        and output.untyped_storage().nbytes() == output.numel() * output.element_size()
+    ):
+        state.marked[output.untyped_storage().data_ptr()] = (output, _Recipe(remake, output))
+    return output
+
+
+def _selective_pack(t: torch.Tensor) -> tuple[torch.Tensor, int] | _Remade:
+    entry = _SELECTIVE.marked.get(t.untyped_storage().data_ptr())
+    if entry is None or entry[0].dtype != t.dtype or entry[0].device != t.device:
+        # with hooks autograd checks no version counter: the unpack does (an in-place change raises)
+        return t, (t._version if not t.is_inference() else -1)
+    recipe = entry[1]
+    recipe.saves += 1
+    return _Remade(recipe, t.size(), t.stride(), t.storage_offset())
+
+
+def _selective_unpack(packed: tuple[torch.Tensor, int] | _Remade) -> torch.Tensor:
+    if isinstance(packed, _Remade):
+        return packed.recipe.made().as_strided(packed.size, packed.stride, packed.offset)
+    t, version = packed
+    if version >= 0 and t._version != version:
+        raise RuntimeError(
+            "fuselm.offload.selective_checkpoint: a tensor saved for backward was modified by an in-place "
+            f"operation (shape {tuple(t.shape)}, version {t._version}, saved at version {version})"
+        )
+    return t
+
+
+@contextlib.contextmanager
+def _selective_scope(then: Callable[[Any], Any] | None = None):
+    """Saved tensors that are marked outputs (or views of them) become recipes inside; ``then`` sees what
+    each save packed to (a tensor or a recipe: the activation planner counts the bytes)."""
+    state = _SELECTIVE
+    outer = (state.hooks, state.marked)
+
+    def pack(t: torch.Tensor) -> Any:
+        packed = _selective_pack(t)
+        return packed if then is None else then(packed)
+
+    hooks = (pack, _selective_unpack)
+    state.hooks, state.marked = hooks, {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            yield
+    finally:
+        state.hooks, state.marked = outer  # the marked outputs are no longer held: their memory is free
+
+
+@torch.compiler.disable  # saved-tensor hooks with Python state: eager, as the other checkpoints
+def selective_checkpoint(
+    function: Callable,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` keeping what it saves for backward on the device, except the outputs
+    marked :func:`remakeable` inside it, which the backward makes again (bit for bit): a decoder layer's
+    norm outputs (2 of its ~14 hidden-sized tensors) cost an elementwise pass instead of their memory.
+    Options as :func:`offloaded_checkpoint` (checked, otherwise unused: nothing else is recomputed).
+    Under grad mode off, or inside other saved-tensor hooks (a checkpoint around it), it is the plain call.
+
+    Example:
+        >>> import torch
+        >>> from fuselm.offload import remakeable, selective_checkpoint
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> def f(x):
+        ...     n = remakeable(torch.tanh(x), lambda: torch.tanh(x))   # saved by the matmul: remade
+        ...     return n @ w
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> selective_checkpoint(f, x).sum().backward()
+        >>> torch.allclose(w.grad, torch.tanh(x).T @ torch.ones(2, 4))
+        True
+    """
+    _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return function(*args, **kwargs)
+    with _selective_scope():
+        return function(*args, **kwargs)
 
 
 def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:

@@ -12,15 +12,16 @@ import torch
 from kit.hf_models import build, clone
 
 import fuselm.hf
-from fuselm.hf import activation_plan, offload
+from fuselm.hf import activation_plan, blocks, offload
 from fuselm.hf.activation_plan import GIB, plan_layers
-from fuselm.offload import offloaded_checkpoint, recompute_checkpoint
+from fuselm.offload import offloaded_checkpoint, recompute_checkpoint, selective_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 LAYERS = 4
+FUNCTIONS = {"keep": selective_checkpoint, "recompute": recompute_checkpoint, "offload": offloaded_checkpoint}
 
 
 def _batch(t: int, b: int = 2, seed: int = 0) -> torch.Tensor:
@@ -90,22 +91,46 @@ def test_the_plan_follows_the_budget_from_measured_figures():
     within them, and each layer checkpoints as its mode says (offloaded or not)."""
     f = _figures()
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    transient = kept + f.remade_bytes_per_token * f.tokens  # a checkpointed layer's backward
     assert 4 * inp < kept
     for budget, want in [
         (f.base + 4 * kept, ("keep",) * 4),
-        (f.base + 3 * kept + inp, ("offload", "recompute", "keep", "keep")),
-        (f.base + kept + 4 * inp, ("recompute",) * 4),
-        (f.base + kept, ("offload",) * 4),
+        (f.base + 2 * kept + transient + inp, ("offload", "recompute", "keep", "keep")),
+        (f.base + transient + 4 * inp, ("recompute",) * 4),
+        (f.base + transient, ("offload",) * 4),
     ]:
         model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
         _step(model, _batch(16))
         plan = activation_plan.current(model)
         assert plan.modes == want and plan.estimated_peak <= budget
         for layer, mode in zip(model.model.layers, want, strict=True):
-            assert layer.gradient_checkpointing == (mode != "keep")
-            if mode != "keep":
-                func = vars(layer).get("_gradient_checkpointing_func").func
-                assert func is (offloaded_checkpoint if mode == "offload" else recompute_checkpoint)
+            assert layer.gradient_checkpointing
+            assert vars(layer).get("_gradient_checkpointing_func").func is FUNCTIONS[mode]
+
+
+def test_a_kept_layer_makes_its_norm_outputs_again(monkeypatch):
+    """A kept layer saves neither norm's output (2 x H per token fewer bytes): its backward makes each
+    again from the norm's input, once however many projections saved it (q, k and v save one)."""
+    f = _figures(lora=True)
+    hidden = build("llama", layers=1).config.hidden_size
+    assert f.remade_bytes_per_token == 2 * hidden * 4  # fp32: input_layernorm's, post_attention_layernorm's
+    model = fuselm.hf.patch(_model(True), checkpointing="auto", memory_budget=1e6)
+    _step(model, _batch(16))
+    assert activation_plan.current(model).modes == ("keep",) * LAYERS
+    calls = []
+    real = blocks.rms_norm
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "rms_norm", counting)
+    model.train()
+    ids = _batch(16)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert calls == [True] * (2 * LAYERS + 1)  # every layer's two norms and the final one
+    loss.backward()
+    assert calls[2 * LAYERS + 1 :] == [False] * (2 * LAYERS)  # made again, without grad, once each
 
 
 @pytest.mark.parametrize("plan", ["keep", "mixed", "offload"])
@@ -116,7 +141,8 @@ def test_every_plan_gives_hf_peft_loss_and_gradients(plan):
     same: checkpointing replays the forward's RNG, the plan's probe runs under a forked RNG)."""
     f = _figures(lora=True)
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
-    budget = {"keep": 1e6 * GIB, "mixed": f.base + 2 * kept + inp, "offload": 1}[plan]
+    transient = kept + f.remade_bytes_per_token * f.tokens
+    budget = {"keep": 1e6 * GIB, "mixed": f.base + kept + transient + inp, "offload": 1}[plan]
     base = build("llama", layers=LAYERS)
     ids = _batch(16)
     results = []
@@ -233,15 +259,22 @@ def test_hf_checkpointing_switches_keep_the_plan():
     """Trainer switches HF's checkpointing on at train(): every layer alike; the plan is applied again at
     the next training forward."""
     f = _figures()
-    budget = f.base + 2 * f.keep_bytes_per_token * f.tokens + f.input_bytes_per_token * f.tokens
+    transient = (2 * f.keep_bytes_per_token + f.remade_bytes_per_token) * f.tokens
+    budget = f.base + transient + f.input_bytes_per_token * f.tokens
     model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
     _step(model, _batch(16))
     modes = activation_plan.current(model).modes
     assert "keep" in modes and "offload" in modes
+
+    def functions():
+        return [vars(layer).get("_gradient_checkpointing_func").func for layer in model.model.layers]
+
+    assert functions() == [FUNCTIONS[m] for m in modes]
     _hf_checkpointing(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert functions() == [offloaded_checkpoint] * LAYERS  # what offloading installs over HF's
     _step(model, _batch(16))
-    assert [layer.gradient_checkpointing for layer in model.model.layers] == [m != "keep" for m in modes]
+    assert functions() == [FUNCTIONS[m] for m in modes]
 
 
 def test_the_plan_is_reported_and_follows_the_patch():

@@ -3,21 +3,23 @@ the step's peak stays under a memory budget and it recomputes as little as the b
 
 A decoder layer runs in one of three modes (:data:`MODES`):
 
-- ``"keep"``: no checkpointing; its activations stay on the device from forward to backward (no
-  recompute: the fastest, ``K`` bytes per token, measured);
+- ``"keep"``: its activations stay on the device from forward to backward, but for its norms' outputs,
+  which the backward makes again from the norms' inputs (:func:`fuselm.offload.selective_checkpoint`: an
+  elementwise pass instead of 2 of a Llama layer's ~14 hidden-sized tensors); no GEMM is recomputed: the
+  fastest, ``K`` bytes per token, measured;
 - ``"recompute"``: gradient checkpointing (:func:`fuselm.offload.recompute_checkpoint`); only its input
   stays (``I = H x itemsize`` bytes per token), its forward runs again in the backward (without the MLP's
   down projection, whose output the recompute does not read: see :func:`fuselm.offload.output_may_go_unread`);
 - ``"offload"``: checkpointing with the input in pinned host memory
   (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device.
 
-The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute),
-then on recomputed ones (each saves a host round trip), and offloads the rest:
-``peak ~ base + n_keep K T + n_recompute I T + K T`` (the last term: one layer's activations while a
-checkpointed layer's backward runs, none when every layer is kept), where ``base`` is what the device
-holds when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of
-the trainable parameters not allocated yet. The offloaded layers are the first ones (their inputs come
-back last in the backward: the most time for the copies), the kept ones the last.
+The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute), then on
+recomputed ones (each saves a host round trip), and offloads the rest: ``peak ~ base + n_keep K T +
+n_recompute I T + (K + R) T`` (the last term: one layer's activations, its norm outputs ``R`` included, while
+a checkpointed layer's backward runs; none when every layer is kept), where ``base`` is what the device holds
+when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
+trainable parameters not allocated yet. The offloaded layers are the first ones (their inputs come back last
+in the backward: the most time for the copies), the kept ones the last.
 
 ``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
 batch has more tokens than the plan was made for) the first decoder layer's forward runs once more on its
@@ -34,10 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..offload import offloaded_checkpoint, recompute_checkpoint
+from .. import offload as checkpoints
 from . import offload
 
 MODES = ("keep", "recompute", "offload")
+_FUNCTIONS = {
+    "keep": checkpoints.selective_checkpoint,
+    "recompute": checkpoints.recompute_checkpoint,
+    "offload": checkpoints.offloaded_checkpoint,
+}
 GIB = 1 << 30
 DEFAULT_DEVICE_FRACTION = 0.9  # checkpointing="auto" without memory_budget: this much of the GPU's memory
 _PLANNER = "_fuselm_activation_planner"  # on the top PreTrainedModel: its _Planner
@@ -55,11 +62,17 @@ class ActivationPlan:
     base: int
     keep_bytes_per_token: int
     input_bytes_per_token: int
+    remade_bytes_per_token: int = 0  # the norm outputs a kept layer makes again in its backward
 
     @property
     def estimated_peak(self) -> int:
         return _peak(
-            self.modes, self.tokens, self.base, self.keep_bytes_per_token, self.input_bytes_per_token
+            self.modes,
+            self.tokens,
+            self.base,
+            self.keep_bytes_per_token,
+            self.input_bytes_per_token,
+            self.remade_bytes_per_token,
         )
 
     def __str__(self) -> str:
@@ -75,16 +88,20 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
-def _peak(modes: tuple[str, ...], tokens: int, base: int, keep: int, inp: int) -> int:
+def _peak(modes: tuple[str, ...], tokens: int, base: int, keep: int, inp: int, remade: int = 0) -> int:
     held = sum(keep if m == "keep" else inp if m == "recompute" else 0 for m in modes) * tokens
-    transient = 0 if all(m == "keep" for m in modes) else keep * tokens  # a recompute's activations
+    transient = 0 if all(m == "keep" for m in modes) else (keep + remade) * tokens  # a recompute's
     return base + held + transient
 
 
-def plan_layers(n_layers: int, tokens: int, budget: int, base: int, keep: int, inp: int) -> tuple[str, ...]:
+def plan_layers(
+    n_layers: int, tokens: int, budget: int, base: int, keep: int, inp: int, remade: int = 0
+) -> tuple[str, ...]:
     """The modes of ``n_layers`` decoder layers for ``tokens`` tokens under ``budget`` bytes, from ``base``
-    bytes held anyway, ``keep`` bytes per token of a kept layer and ``inp`` of a layer's input: as many
-    kept layers as fit, then recomputed ones, the rest offloaded (all offloaded when even that is over).
+    bytes held anyway, ``keep`` bytes per token of a kept layer, ``inp`` of a layer's input and ``remade``
+    of the outputs a kept layer makes again (a recomputed layer holds them too while its backward runs):
+    as many kept layers as fit, then recomputed ones, the rest offloaded (all offloaded when even that
+    is over).
 
     Example (a kept layer holds 200 bytes here, an input 20):
         >>> plan_layers(4, 10, budget=1000, base=200, keep=20, inp=2)
@@ -94,9 +111,9 @@ def plan_layers(n_layers: int, tokens: int, budget: int, base: int, keep: int, i
         >>> plan_layers(4, 10, budget=450, base=200, keep=20, inp=2)
         ('offload', 'offload', 'recompute', 'recompute')
     """
-    if _peak(("keep",) * n_layers, tokens, base, keep, inp) <= budget:
+    if _peak(("keep",) * n_layers, tokens, base, keep, inp, remade) <= budget:
         return ("keep",) * n_layers
-    room = budget - base - keep * tokens  # one checkpointed layer's backward at a time
+    room = budget - base - (keep + remade) * tokens  # one checkpointed layer's backward at a time
     n_keep = max(0, min(n_layers - 1, room // max(keep * tokens, 1)))
     room -= n_keep * keep * tokens
     n_recompute = max(0, min(n_layers - n_keep, room // max(inp * tokens, 1)))
@@ -116,17 +133,23 @@ def check_budget(memory_budget: object) -> float:
 # ---- measuring ----
 
 
-def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes ``layer``'s forward saves for backward on these inputs (its parameters and buffers excluded;
-    each storage counted once), the hidden states taken as a tensor that needs grad (a middle layer's)."""
+def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bytes ``layer``'s forward keeps for backward when it is kept, bytes of the outputs it makes again
+    then) on these inputs: its parameters and buffers excluded, each storage counted once, the hidden
+    states taken as a tensor that needs grad (a middle layer's), under :func:`selective_checkpoint`'s
+    saving."""
     own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
     seen: dict[int, int] = {}
+    remade: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def count(packed):
+        if isinstance(packed, tuple):
+            storage = packed[0].untyped_storage()
+            if storage.data_ptr() not in own:
+                seen[storage.data_ptr()] = storage.nbytes()
+        else:  # a recipe: made again in the backward
+            remade[id(packed.recipe)] = packed.recipe.nbytes
+        return packed
 
     hidden = args[0].detach().requires_grad_(True)
     checkpointing = layer.gradient_checkpointing
@@ -134,12 +157,12 @@ def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     try:
         layer.gradient_checkpointing = False
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with checkpoints._selective_scope(then=count):
                 out = layer.forward(hidden, *args[1:], **kwargs)
         del out
     finally:
         layer.gradient_checkpointing = checkpointing
-    return sum(seen.values())
+    return sum(seen.values()), sum(remade.values())
 
 
 def _allocated(model: torch.nn.Module) -> int:
@@ -201,11 +224,11 @@ class _Planner:
                 if device.type == "cuda"
                 else 1 << 62  # no device memory to spend on the CPU: every layer is kept
             )
-        keep = math.ceil(_saved_bytes(layer, args, kwargs) / tokens)
+        kept, remade = (math.ceil(n / tokens) for n in _saved_bytes(layer, args, kwargs))
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
-        modes = plan_layers(len(self.layers), tokens, budget, base, keep, inp)
-        self.plan = ActivationPlan(tokens, modes, budget, base, keep, inp)
+        modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade)
+        self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
         if self.plan.estimated_peak > budget:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
@@ -214,13 +237,12 @@ class _Planner:
 
     def apply(self, modes: tuple[str, ...]) -> None:
         for layer, mode in zip(self.layers, modes, strict=True):
-            layer.gradient_checkpointing = mode != "keep"
-            want = offloaded_checkpoint if mode == "offload" else recompute_checkpoint
+            layer.gradient_checkpointing = True  # a kept layer's function: the selective one
+            want = _FUNCTIONS[mode]
             current = layer.__dict__.get("_gradient_checkpointing_func")
-            if mode != "keep" and offload._unpartial(current)[0] is not want:
+            if offload._unpartial(current)[0] is not want:
                 hf_func = layer.__dict__.get(offload._HF_FUNC)
-                func = offload._fuselm_checkpointing(hf_func, layer, mode == "offload")
-                layer._gradient_checkpointing_func = func
+                layer._gradient_checkpointing_func = offload._fuselm_checkpointing(hf_func, layer, want)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..nn.mlp import ACTIVATIONS, gated_mlp, gated_packed, is_plain_linear
-from ..offload import note_unread_output, output_may_go_unread
+from ..offload import note_unread_output, output_may_go_unread, remakeable
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import apply_rotary
 from ._common import hf_class, original_forward, warn_fallback
@@ -49,7 +49,10 @@ def rms_norm_forward(spec: FamilySpec) -> Callable:
         except AttributeError as e:
             warn_fallback(self, str(e), "Hugging Face's forward")
             return original_forward(hf_class(self))(self, hidden_states)
-        return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
+        out = rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
+        # in a kept decoder layer the backward makes it again from its input (which the norm saves)
+        remake = functools.partial(rms_norm, hidden_states, weight, eps, offset=offset, casting=casting)
+        return remakeable(out, remake)
 
     forward.__qualname__ = f"fuselm_{spec.rms_norm}.forward"
     return forward

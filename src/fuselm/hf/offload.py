@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from ..offload import checkpoint_fn, offloaded_checkpoint, recompute_checkpoint
+from ..offload import checkpoint_fn, offloaded_checkpoint, recompute_checkpoint, selective_checkpoint
 from ._common import warn_once
 
 __all__ = ["enable", "disable", "is_enabled"]
@@ -42,13 +42,15 @@ def _is_offloaded(func: Any) -> bool:
 
 
 def _is_fuselms(func: Any) -> bool:
-    """Whether ``func`` is one of fuselm's checkpointing functions (offloading, or recompute only)."""
-    return _unpartial(func)[0] in (offloaded_checkpoint, recompute_checkpoint)
+    """Whether ``func`` is one of fuselm's checkpointing functions (offloading, recompute, selective)."""
+    return _unpartial(func)[0] in (offloaded_checkpoint, recompute_checkpoint, selective_checkpoint)
 
 
-def _fuselm_checkpointing(hf_func: Any, layer: torch.nn.Module, offload: bool = True) -> functools.partial:
-    """offloaded_checkpoint (``offload=False``: recompute_checkpoint) with the options of HF's function
-    (``partial(checkpoint, **kwargs)``)."""
+def _fuselm_checkpointing(
+    hf_func: Any, layer: torch.nn.Module, function: Any = offloaded_checkpoint
+) -> functools.partial:
+    """``function`` (one of fuselm's checkpoints) with the options of HF's function
+    (``partial(checkpoint, **kwargs)``), checked."""
     inner, keywords = _unpartial(hf_func)
     if hf_func is not _MISSING and not (
         inner is torch_checkpoint.checkpoint or getattr(inner, "__module__", "").startswith("transformers.")
@@ -59,7 +61,7 @@ def _fuselm_checkpointing(hf_func: Any, layer: torch.nn.Module, offload: bool = 
             f"fuselm.hf.offload: {type(layer).__name__}'s checkpointing function {name} is replaced by "
             "offloaded_checkpoint (disable() restores it)",
         )
-    return checkpoint_fn(offload, **keywords)
+    return functools.partial(function, **checkpoint_fn(**keywords).keywords)
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
