@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -127,6 +128,7 @@ class ModelShape:
     family: str
     config: dict[str, Any]
     tiny: dict[str, Any] = field(default_factory=lambda: dict(TINY))
+    nf4_only: bool = False  # saved as a 4-bit checkpoint (its bf16 weights fit no one machine): QLoRA only
 
     def settings(self, tiny: bool = False) -> dict[str, Any]:
         """The config's keyword arguments (tiny: with the CPU overrides)."""
@@ -212,6 +214,22 @@ MODELS: dict[str, ModelShape] = {
         ),
     )
 }
+# Llama-3.3-70B's shape: QLoRA only (141 GB of bf16 weights; fuselm_bench.nf4_checkpoint saves it 4-bit)
+MODELS["llama3-70b"] = ModelShape(
+    "llama3-70b",
+    "llama",
+    {
+        **MODELS["llama3-8b"].config,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {**LLAMA3_ROPE_SCALING, "factor": 8.0},
+    },
+    nf4_only=True,
+)
+TRAINED_IN_FULL = [m for m in MODELS if not MODELS[m].nf4_only]  # what this suite (full training) runs
 DEFAULT_MODEL = "llama3.2-1b"
 
 Config = tuple[str, int, int]  # (model, batch, sequence length)
@@ -696,7 +714,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 # ---- command line ----
 
 
-def grid(args: argparse.Namespace, preset: Preset, known: dict[str, Any] = MODELS) -> list[Config]:
+def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
     """The configurations of a run: ``--models`` (default: the preset's grid's) at ``--shapes`` BxT, or
     without ``--shapes`` the preset's grid limited to ``--models``. Raises ``UsageError``.
 

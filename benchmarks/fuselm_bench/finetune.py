@@ -199,9 +199,14 @@ def model_settings(model: str, tiny: bool) -> dict[str, Any]:
     return settings
 
 
+def saved_dtype(model: str, dtype: torch.dtype) -> str:
+    """The name of what ``model``'s checkpoint holds: ``dtype``'s, or ``nf4`` for a 4-bit-only shape."""
+    return "nf4" if e2e.MODELS[model].nf4_only else DTYPE_NAMES.get(dtype, str(dtype))
+
+
 def model_folder(model_dir: str | Path, model: str, tiny: bool, dtype: torch.dtype) -> Path:
-    """Where ``model`` is saved under ``model_dir``: ``<model>[-tiny]-<dtype>``."""
-    return Path(model_dir) / f"{model}{'-tiny' if tiny else ''}-{DTYPE_NAMES.get(dtype, str(dtype))}"
+    """Where ``model`` is saved under ``model_dir``: ``<model>[-tiny]-<dtype or nf4>``."""
+    return Path(model_dir) / f"{model}{'-tiny' if tiny else ''}-{saved_dtype(model, dtype)}"
 
 
 def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int):
@@ -238,17 +243,23 @@ def save_model(
 ) -> dict:
     """Build ``model`` (seeded random init, on ``device`` in ``dtype``), save it as safetensors with its
     tokenizer into ``folder`` and write the marker that :func:`saved_model_ok` checks; returns what was
-    written (the marker's content)."""
+    written (the marker's content). A 4-bit-only shape is drawn and quantized tensor by tensor
+    (:mod:`fuselm_bench.nf4_checkpoint`): its bf16 weights are never held."""
     t0 = time.perf_counter()
     settings = model_settings(model, tiny)
     shape = e2e.MODELS[model]
     config = training.causal_lm_config(shape.family, settings, "sdpa")
-    torch.manual_seed(seed)
-    built = training.build_causal_lm(config, device, dtype)
-    folder.mkdir(parents=True, exist_ok=True)
-    built.config.use_cache = True  # what a saved checkpoint says; the workers turn it off
-    built.save_pretrained(folder, safe_serialization=True)
-    del built
+    config.use_cache = True  # what a saved checkpoint says; the workers turn it off
+    if shape.nf4_only:
+        from .nf4_checkpoint import save_nf4_checkpoint
+
+        save_nf4_checkpoint(config, folder, device, seed=seed)
+    else:
+        torch.manual_seed(seed)
+        built = training.build_causal_lm(config, device, dtype)
+        folder.mkdir(parents=True, exist_ok=True)
+        built.save_pretrained(folder, safe_serialization=True)
+        del built
     tokenizer = make_tokenizer(
         settings["vocab_size"],
         settings.get("bos_token_id"),
@@ -259,7 +270,7 @@ def save_model(
     marker = {
         "model": model,
         "tiny": tiny,
-        "dtype": DTYPE_NAMES.get(dtype, str(dtype)),
+        "dtype": saved_dtype(model, dtype),
         "seed": seed,
         "settings": settings,
         "bytes": sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),
@@ -275,7 +286,7 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    want = {"model": model, "tiny": tiny, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "seed": seed}
+    want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
     settings = json.loads(json.dumps(model_settings(model, tiny)))  # tuples -> lists, as in the marker
     return all(marker.get(k) == v for k, v in want.items()) and marker.get("settings") == settings
 
@@ -462,6 +473,10 @@ def load_peft_model(
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
+    marker = json.loads((folder / MARKER).read_text())
+    prequantized = marker["dtype"] == "nf4"  # the checkpoint's own 4-bit layers and quantization_config
+    if prequantized and scenario != "qlora":
+        raise SkipProvider(f"{marker['model']} is saved 4-bit only (QLoRA)")
     alpha = int(alpha) if float(alpha).is_integer() else alpha  # LoraConfig's type: an int, as users pass it
     if provider == "unsloth":
         from unsloth import FastLanguageModel
@@ -485,13 +500,13 @@ def load_peft_model(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    family = e2e.MODELS[json.loads((folder / MARKER).read_text())["model"]].family
+    family = e2e.MODELS[marker["model"]].family
     if provider == "liger":
         apply = import_peer(device, "liger_kernel.transformers", f"apply_liger_kernel_to_{family}")
         apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     kwargs["device_map"] = {"": device.index or 0} if cuda else {"": "cpu"}
-    quantization = _quantization(scenario)
+    quantization = None if prequantized else _quantization(scenario)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
@@ -1282,7 +1297,16 @@ def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, st
         else plan.scenarios
     )
     shapes = parse_shapes(args.shapes, 2) if args.shapes else plan.shapes
-    return [(m, s, b, t) for m in models for s in scenarios for b, t in shapes]
+    for m in models:
+        if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:
+            raise UsageError(f"{m} is saved 4-bit only: it runs --scenarios qlora")
+    return [
+        (m, s, b, t)
+        for m in models
+        for s in scenarios
+        if s == "qlora" or not e2e.MODELS[m].nf4_only
+        for b, t in shapes
+    ]
 
 
 def run_cli(args: argparse.Namespace, argv: list[str], group: Any = None) -> int:

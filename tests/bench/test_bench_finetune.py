@@ -57,6 +57,7 @@ def test_registry_lists_finetune_outside_all(capsys):
         (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
         (["--shapes", "4x2048x2"], "takes 2 sizes"),
         (["--rank", "0"], "expected a positive integer"),
+        (["--models", "llama3-70b", "--scenarios", "lora"], "llama3-70b is saved 4-bit only"),
     ],
 )
 def test_usage_errors(args, message, tmp_path, capsys):
@@ -77,9 +78,55 @@ def test_grid():
         ("llama3.2-1b", "lora", 1, 2048),
         ("qwen3-0.6b", "lora", 1, 2048),
     ]
+    ns = argparse.Namespace(models="llama3-70b,llama3-8b", scenarios="lora,qlora", shapes="1x2048")
+    assert finetune.grid(ns, finetune.GPU_PLAN) == [  # the 4-bit-only shape: QLoRA alone
+        ("llama3-70b", "qlora", 1, 2048),
+        ("llama3-8b", "lora", 1, 2048),
+        ("llama3-8b", "qlora", 1, 2048),
+    ]
 
 
 # ---- the saved model ----
+
+
+def test_a_4bit_only_shape_is_saved_quantized_tensor_by_tensor_and_trains(tmp_path, monkeypatch):
+    """llama3-70b (tiny here) is drawn and quantized one tensor at a time into NF4 shards that
+    from_pretrained loads as 4-bit layers without being asked to quantize; its QLoRA model trains."""
+    from fuselm_bench import nf4_checkpoint
+
+    monkeypatch.setattr(nf4_checkpoint, "SHARD_BYTES", 1 << 14)  # several shards, as the 70B's 4 GiB ones
+    folder = finetune.model_folder(tmp_path, "llama3-70b", True, torch.float32)
+    assert folder.name == "llama3-70b-tiny-nf4"
+    marker = finetune.save_model("llama3-70b", True, folder, CPU, torch.float32, seed=0)
+    assert marker["dtype"] == "nf4" and finetune.saved_model_ok(folder, "llama3-70b", True, torch.float32, 0)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    assert (
+        json.loads((folder / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"]
+        == "nf4"
+    )
+    model, _ = finetune.load_peft_model(
+        "fuselm", folder, "qlora", 16, dtype=torch.float32, device=CPU, rank=4, alpha=8, dropout=0.0,
+        seed=0, offload=False,
+    )  # fmt: skip
+    layer = model.base_model.model.model.layers[0]
+    assert type(layer.mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    weight = layer.mlp.down_proj.base_layer.weight
+    import bitsandbytes.functional as bnb_functional
+
+    dense = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
+    assert abs(dense.float().std().item() - 0.02) < 0.004  # HF's init, normal(0, initializer_range)
+    ids = torch.randint(4, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert math.isfinite(loss.item()) and abs(loss.item() - math.log(512)) < 1.0
+    assert layer.mlp.down_proj.lora_B.default.weight.grad is not None
+    with pytest.raises(finetune.SkipProvider, match="saved 4-bit only"):
+        finetune.load_peft_model(
+            "fuselm", folder, "lora", 16, dtype=torch.float32, device=CPU, rank=4, alpha=8, dropout=0.0,
+            seed=0, offload=False,
+        )  # fmt: skip
 
 
 def test_saved_model_loads_back_with_its_tokenizer(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuselm_bench import arguments, cases, fresh_process, harness, report
+from fuselm_bench import arguments, cases, fresh_process, harness, nf4_checkpoint, report
 
 import fuselm
 from fuselm.demo import training
@@ -18,7 +18,9 @@ SRC = Path(fuselm.__file__).resolve().parent
 
 
 @pytest.mark.parametrize(
-    "module", [training, arguments, report, fresh_process, harness, cases], ids=lambda m: m.__name__
+    "module",
+    [training, arguments, report, fresh_process, harness, cases, nf4_checkpoint],
+    ids=lambda m: m.__name__,
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
