@@ -36,6 +36,36 @@ def triton_available() -> bool:
     return _TRITON
 
 
+def kernels_run(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The one choice between an op's Triton kernels and its PyTorch reference: the kernels run when ``t``
+    takes the Triton path (:func:`use_triton`) and neither it nor any of ``others`` is float64 (the
+    reference computes in float64; None entries are skipped)."""
+    if t.dtype == torch.float64 or not use_triton(t):
+        return False
+    for o in others:
+        if o is not None and o.dtype == torch.float64:
+            return False
+    return True
+
+
+def compiled_or_launcher(op, launcher):
+    """The one choice between a kernel's registered custom op and its launcher: a function that calls
+    ``op`` while torch.compile traces (the graph has no break) and ``launcher`` in eager mode (a custom op
+    costs tens of microseconds of host time per call), with the same arguments.
+
+    Example:
+        >>> run = compiled_or_launcher(lambda x: ("op", x), lambda x: ("launcher", x))
+        >>> run(1)
+        ('launcher', 1)
+    """
+
+    def run(*args):
+        return op(*args) if torch.compiler.is_compiling() else launcher(*args)
+
+    run.__qualname__ = f"compiled_or_launcher({getattr(launcher, '__name__', launcher)})"
+    return run
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """Run the Triton kernels for this tensor? CUDA tensors: yes. CPU tensors: only when interpreting."""
     if not triton_available():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import kernels_run
 from .._common.guard import FLOAT_DTYPES, check_tensor, refuse_double_backward, resolve_loss_dtype, rows_view
 from .._common.loss.backend import RowBackend
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
@@ -192,7 +192,7 @@ def cross_entropy(
     )
     opts = opts.checked(input, target, n_cols)
     extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
-    if input.dtype == torch.float64 or not use_triton(input):
+    if not kernels_run(input):
         return cross_entropy_reference_of(input, target, opts, extras, loss_dtype)
     return apply_cross_entropy(input, target, opts, inplace_backward, LocalRows(n_cols), extras, loss_dtype)
 

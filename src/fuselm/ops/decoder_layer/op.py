@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import kernels_run
 from .._common.guard import check_choice, check_tensor, rows_view
 from ..rms_norm import CASTINGS, rms_norm, rms_norm_bwd, rms_norm_fwd
 from ..rope import broadcast_tables, qkv_rotary, qkv_rotary_bwd, qkv_rotary_fwd
@@ -26,7 +26,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _nodes_run(x: torch.Tensor, tensors, cos=None, sin=None) -> bool:
     """Do the fused nodes run for these operands (else the separate ops do)?"""
-    if x.dtype == torch.float64 or not use_triton(x) or torch.compiler.is_compiling():
+    if not kernels_run(x) or torch.compiler.is_compiling():
         return False
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import compiled_or_launcher, kernels_run
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import launch_rows, row_stride, rows_shape
 from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
@@ -210,16 +210,8 @@ def _(x, dy, dsum, weight, bias, mean, rstd, compute_dw, compute_db):
     return x.new_empty(x.shape), dw, db
 
 
-def _run_fwd(*args):
-    if torch.compiler.is_compiling():
-        return _layer_norm_fwd_op(*args)
-    return layer_norm_fwd(*args)
-
-
-def _run_bwd(*args):
-    if torch.compiler.is_compiling():
-        return _layer_norm_bwd_op(*args)
-    return layer_norm_bwd(*args)
+_run_fwd = compiled_or_launcher(_layer_norm_fwd_op, layer_norm_fwd)
+_run_bwd = compiled_or_launcher(_layer_norm_bwd_op, layer_norm_bwd)
 
 
 # ---- autograd ----
@@ -323,11 +315,7 @@ def layer_norm(
         )
     check_norm_args(x, {"weight": weight, "bias": bias}, residual, eps)
     eps = float(eps)
-    if (
-        x.dtype == torch.float64
-        or any(t is not None and t.dtype == torch.float64 for t in (weight, bias))
-        or not use_triton(x)
-    ):
+    if not kernels_run(x, weight, bias):
         return layer_norm_reference(x, weight, bias, eps, residual=residual)
     return LayerNormFunction.apply(
         x,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common.dispatch import compaction_allowed, use_triton
+from .._common.dispatch import compaction_allowed, kernels_run
 from .._common.guard import (
     FLOAT_DTYPES,
     linear_operands,
@@ -266,7 +266,7 @@ def linear_cross_entropy(
     fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)
     extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
 
-    if input.dtype == torch.float64 or not use_triton(input):
+    if not kernels_run(input):
         if not return_lse and compaction_allowed(input.device):  # eager: the range check, as on Triton
             kept_rows(target.reshape(-1), v, ignore_index)
         compute_itemsize = 8 if input.dtype == torch.float64 else 4

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._common.dispatch import compaction_allowed, interpret_mode, use_triton
+from .._common.dispatch import compaction_allowed, interpret_mode, kernels_run
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import (
     FLOAT_DTYPES,
@@ -573,7 +573,7 @@ def linear_log_probs(
     t1 = target.reshape(-1)
     rows = kept_rows(t1, v, ignore_index) if compaction_allowed(device) else None
     budget = memory_budget(memory, device)
-    if input.dtype == torch.float64 or not use_triton(input):
+    if not kernels_run(input):
         stats = linear_log_probs_reference(
             input,
             linear_weight,

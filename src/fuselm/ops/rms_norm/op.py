@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import compiled_or_launcher, kernels_run
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import check_choice, launch_rows, row_stride, rows_shape
 from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
@@ -230,16 +230,8 @@ def _(x, dy, dsum, weight, rstd, eps, offset, compute_dw):
 # ops above stand in, so the graph has no break.
 
 
-def _run_fwd(*args):
-    if torch.compiler.is_compiling():
-        return _rms_norm_fwd_op(*args)
-    return rms_norm_fwd(*args)
-
-
-def _run_bwd(*args):
-    if torch.compiler.is_compiling():
-        return _rms_norm_bwd_op(*args)
-    return rms_norm_bwd(*args)
+_run_fwd = compiled_or_launcher(_rms_norm_fwd_op, rms_norm_fwd)
+_run_bwd = compiled_or_launcher(_rms_norm_bwd_op, rms_norm_bwd)
 
 
 # ---- in_place: may the backward write dx over dy? ----
@@ -445,11 +437,7 @@ def rms_norm(
         )
     _check_args(x, weight, eps, offset, residual, casting, in_place)
     eps, offset = float(eps), float(offset)
-    if (
-        x.dtype == torch.float64
-        or (weight is not None and weight.dtype == torch.float64)
-        or not use_triton(x)
-    ):
+    if not kernels_run(x, weight):
         return rms_norm_reference(x, weight, eps, offset=offset, residual=residual, casting=casting)
     in_place = in_place and not torch.compiler.is_compiling()  # see the docstring
     return RMSNormFunction.apply(

@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .._common.dispatch import say_once, use_triton
+from .._common.dispatch import compiled_or_launcher, kernels_run, say_once
 from .._common.dtensor import has_dtensor, run_local
 from .._common.guard import cast_for_autocast, check_choice, check_tensor
 from .._common.launch import cdiv, launcher, next_pow2
@@ -20,7 +20,7 @@ def _kernels_run(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op: str)
     """Do the Triton kernels run for input ``t``? Not for float64 or off the Triton path (the reference
     runs), nor when cos / sin require grad (the kernels give q and k their gradients only): then the
     differentiable reference runs and says so once."""
-    if t.dtype == torch.float64 or not use_triton(t):
+    if not kernels_run(t):
         return False
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         say_once(
@@ -266,16 +266,8 @@ def _(dq_embed, dk_embed, cos, sin, position_ids):
 # under torch.compile the custom ops above stand in, so the graph has no break.
 
 
-def _run_fwd(q, k, cos, sin, position_ids):
-    if torch.compiler.is_compiling():
-        return _rope_fwd_op(q, k, cos, sin, position_ids)
-    return rope_fwd(q, k, cos, sin, position_ids)
-
-
-def _run_bwd(dq_embed, dk_embed, cos, sin, position_ids):
-    if torch.compiler.is_compiling():
-        return _rope_bwd_op(dq_embed, dk_embed, cos, sin, position_ids)
-    return rope_bwd(dq_embed, dk_embed, cos, sin, position_ids)
+_run_fwd = compiled_or_launcher(_rope_fwd_op, rope_fwd)
+_run_bwd = compiled_or_launcher(_rope_bwd_op, rope_bwd)
 
 
 # ---- autograd ----

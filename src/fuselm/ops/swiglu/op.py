@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .._common.dispatch import use_triton
+from .._common.dispatch import compiled_or_launcher, kernels_run
 from .._common.dtensor import has_dtensor, leading_dims_only, run_local
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import (
@@ -248,21 +248,18 @@ def _(dout, gate_up, activation):
 # (CPU without TRITON_INTERPRET=1, float64) run the closed forms of reference.py.
 
 
-def _kernels(t: torch.Tensor) -> bool:
-    return t.dtype != torch.float64 and use_triton(t)
+_fwd = compiled_or_launcher(_swiglu_fwd_op, swiglu_fwd)
 
 
 def _run_fwd(gate, up, activation):
-    if not _kernels(gate):
+    if not kernels_run(gate):
         return gated_fwd_reference(gate, up, activation)
-    if torch.compiler.is_compiling():
-        return _swiglu_fwd_op(gate, up, activation)
-    return swiglu_fwd(gate, up, activation)
+    return _fwd(gate, up, activation)
 
 
 def _run_bwd(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
     dout = rows_view(dout)
-    if not _kernels(gate):
+    if not kernels_run(gate):
         return gated_bwd_reference(dout, gate, up, activation, want_out)
     if torch.compiler.is_compiling():
         dgate, dup, out = _swiglu_bwd_op(dout, gate, up, activation, want_out)
@@ -272,7 +269,7 @@ def _run_bwd(dout, gate, up, activation, want_out=False, dgate_into_dout=False):
 
 def _run_fwd_any(gate, up, activation):
     """act(gate) * up for gate and up of one shape, any strides (the autograd Function's forward)."""
-    if not _kernels(gate):
+    if not kernels_run(gate):
         return gated_fwd_reference(gate, up, activation)
     if torch.compiler.is_compiling():
         return _swiglu_fwd_op(gate, up, activation)
@@ -283,7 +280,7 @@ def _run_fwd_any(gate, up, activation):
 
 def _run_bwd_any(dout, gate, up, activation):
     """(dgate, dup) in gate's shape for dout, gate, up of one shape, any strides (the Function's backward)."""
-    if not _kernels(gate):
+    if not kernels_run(gate):
         return gated_bwd_reference(dout, gate, up, activation, False)
     if torch.compiler.is_compiling():
         dgate, dup, _ = _swiglu_bwd_op(dout, gate, up, activation, False)
@@ -291,21 +288,21 @@ def _run_bwd_any(dout, gate, up, activation):
     return _bwd_any_shape(dout, gate, up, activation)
 
 
+_packed_fwd = compiled_or_launcher(_swiglu_packed_fwd_op, swiglu_packed_fwd)
+_packed_bwd = compiled_or_launcher(_swiglu_packed_bwd_op, swiglu_packed_bwd)
+
+
 def _run_packed_fwd(gate_up, activation):
-    if not _kernels(gate_up):
+    if not kernels_run(gate_up):
         return gated_fwd_reference(*split_packed(gate_up), activation)
-    if torch.compiler.is_compiling():
-        return _swiglu_packed_fwd_op(gate_up, activation)
-    return swiglu_packed_fwd(gate_up, activation)
+    return _packed_fwd(gate_up, activation)
 
 
 def _run_packed_bwd(dout, gate_up, activation):
     dout = rows_view(dout)
-    if not _kernels(gate_up):
+    if not kernels_run(gate_up):
         return torch.cat(gated_bwd_reference(dout, *split_packed(gate_up), activation), dim=-1)
-    if torch.compiler.is_compiling():
-        return _swiglu_packed_bwd_op(dout, gate_up, activation)
-    return swiglu_packed_bwd(dout, gate_up, activation)
+    return _packed_bwd(dout, gate_up, activation)
 
 
 def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -345,7 +342,7 @@ def gated_backward(
         >>> torch.allclose(du, d * F.silu(g), atol=1e-6)
         True
     """
-    if overwrite_inputs and _kernels(gate) and not torch.compiler.is_compiling():
+    if overwrite_inputs and kernels_run(gate) and not torch.compiler.is_compiling():
         for name, t in (("dout", dout), ("gate", gate), ("up", up)):
             if t.dim() != 2 or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous [R, I] tensor to be overwritten")
