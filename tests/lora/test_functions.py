@@ -957,3 +957,33 @@ def test_no_grad_and_inference_mode_give_the_training_output(mode, gen):
         y = L.lora_gated_mlp(x_in, *ops, "silu")
         y_lin = L.lora_linear(x_in, *ops[0])
     assert not y.requires_grad and torch.equal(y, expected) and torch.equal(y_lin, expected_lin)
+
+
+def test_flat_block_scales_dequantize_in_one_launch_bit_equal(monkeypatch):
+    """A double-quantized 4-bit weight with its block scales kept flat dequantizes without bitsandbytes'
+    nested step, to the same bits; a new quant_state or dropping them goes back to the nested path."""
+    bnb = bnb_or_skip()
+    layer = bnb.nn.Linear4bit(256, 128, bias=False, quant_type="nf4", compress_statistics=True).to("cpu")
+    before = L.Bnb4bitWeight(layer.weight).dense().clone()
+    size = 256 * 128 // 64 * 4
+    assert lora_frozen.flat_absmax_bytes(layer.weight) == size
+    assert lora_frozen.keep_flat_absmax(layer.weight) == size
+    assert (
+        lora_frozen.flat_absmax_bytes(layer.weight) == 0 and lora_frozen.keep_flat_absmax(layer.weight) == 0
+    )
+    nested = []
+    real = bnb.functional.dequantize_blockwise
+
+    def counting(*args, **kwargs):
+        nested.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bnb.functional, "dequantize_blockwise", counting)
+    assert torch.equal(L.Bnb4bitWeight(layer.weight).dense(), before) and nested == []
+    layer.weight.quant_state = bnb.functional.QuantState.from_dict(
+        layer.weight.quant_state.as_dict(packed=True), device="cpu"
+    )  # as after a requantization: another QuantState
+    assert torch.equal(L.Bnb4bitWeight(layer.weight).dense(), before) and nested == [1]
+    assert lora_frozen.drop_flat_absmax(layer.weight) == size
+    plain = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4", compress_statistics=False).to("cpu")
+    assert lora_frozen.keep_flat_absmax(plain.weight) == 0  # one launch already

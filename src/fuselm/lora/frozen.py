@@ -15,6 +15,13 @@ until the next dequantization on the same (device, dtype): use it at once, never
 backward (backward dequantizes again). On CUDA the reuse is safe without synchronization because
 every dequantization and every GEMM reading its result run in order on the current stream.
 
+A double-quantized 4-bit weight (``bnb_4bit_use_double_quant=True``) takes three launches per
+dequantization (its uint8 block scales dequantized, the offset added, then the weight). Where memory allows,
+:func:`keep_flat_absmax` does the first two once and keeps the fp32 block scales on the parameter (4 bytes
+per block of 64 weights: 1/16 byte per weight); the weight then dequantizes in one launch, bit-equal (the
+same bitsandbytes kernels make the same fp32 scales). ``checkpointing="auto"`` turns it on when its budget
+has the room (:mod:`fuselm.hf.activation_plan`).
+
 bitsandbytes is imported lazily, in this module only, when a quantized weight is dequantized.
 """
 
@@ -28,6 +35,7 @@ INT8_INV_SCALE = 7.874015718698502e-3
 INT8_CHUNK_ELEMENTS = 1 << 23
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_FLAT = "_fuselm_flat_absmax"  # on a Params4bit: (its QuantState, absmax version, the flat QuantState)
 # Device types whose bitsandbytes backend has no ``dequantize_4bit.out`` kernel (CPU in 0.50): there
 # ``dequantize_4bit`` returns a fresh tensor per call instead (still no persistent copy).
 _NO_OUT_KERNEL: set[str] = set()
@@ -144,6 +152,9 @@ class Bnb4bitWeight(FrozenWeight):
         import bitsandbytes.functional as bnbf
 
         qs = self.quant_state
+        flat = self.param.__dict__.get(_FLAT)
+        if flat is not None and flat[0] is qs and qs.absmax._version == flat[1]:
+            qs = flat[2]  # the block scales made once: one launch
         data = self.param.data
         w = None
         if data.device.type not in _NO_OUT_KERNEL:
@@ -157,6 +168,61 @@ class Bnb4bitWeight(FrozenWeight):
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)
         return w
+
+
+def flat_absmax_bytes(param: torch.Tensor) -> int:
+    """Bytes :func:`keep_flat_absmax` would keep for ``param``: 4 per block for a double-quantized
+    bitsandbytes ``Params4bit``, 0 for anything else (or one already kept)."""
+    qs = getattr(param, "quant_state", None)
+    if type(param).__name__ != "Params4bit" or qs is None or not getattr(qs, "nested", False):
+        return 0
+    if param.__dict__.get(_FLAT) is not None:
+        return 0
+    return qs.absmax.numel() * 4
+
+
+def keep_flat_absmax(param: torch.Tensor) -> int:
+    """Dequantize the block scales of a double-quantized ``Params4bit`` once, as bitsandbytes'
+    ``dequantize_4bit`` does at every call (``dequantize_blockwise`` of the uint8 scales, plus the
+    offset, in fp32), and keep them on ``param``: its :class:`Bnb4bitWeight` then dequantizes in one launch
+    with the same result. Returns the bytes kept (0: not double-quantized, or kept already). Undone by
+    :func:`drop_flat_absmax`; a new ``quant_state`` (requantization) or an in-place change of the scales
+    makes the kept ones unused.
+
+    Example:
+        >>> import bitsandbytes as bnb
+        >>> layer = bnb.nn.Linear4bit(128, 64, bias=False, quant_type="nf4", compress_statistics=True)
+        >>> layer = layer.to("cpu")
+        >>> before = Bnb4bitWeight(layer.weight).dense().clone()
+        >>> keep_flat_absmax(layer.weight), torch.equal(Bnb4bitWeight(layer.weight).dense(), before)
+        (512, True)
+        >>> drop_flat_absmax(layer.weight)
+        512
+    """
+    size = flat_absmax_bytes(param)
+    if not size:
+        return 0
+    import bitsandbytes.functional as bnbf
+
+    qs = param.quant_state
+    absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2)
+    absmax += qs.offset
+    flat = bnbf.QuantState(
+        absmax=absmax.float(),
+        shape=qs.shape,
+        code=qs.code,
+        blocksize=qs.blocksize,
+        quant_type=qs.quant_type,
+        dtype=qs.dtype,
+    )
+    param.__dict__[_FLAT] = (qs, qs.absmax._version, flat)
+    return size
+
+
+def drop_flat_absmax(param: torch.Tensor) -> int:
+    """Forget what :func:`keep_flat_absmax` kept on ``param``; returns the bytes freed."""
+    kept = param.__dict__.pop(_FLAT, None) if hasattr(param, "__dict__") else None
+    return 0 if kept is None else kept[2].absmax.numel() * 4
 
 
 class Bnb8bitWeight(FrozenWeight):
