@@ -1,7 +1,8 @@
 """LoRA / QLoRA fine-tuning benchmark: ``fuselm bench finetune``.
 
-The table of issue 23, reproducible: a random-init model of a named shape (``--models``: ``llama3-8b``
-(default), ``llama3.2-1b``, ``qwen3-0.6b``; the shapes of :data:`fuselm_bench.e2e.MODELS`) is saved once
+Provider against provider, reproducible: a random-init model of a named shape (``--models``: ``llama3-8b``
+(default), ``llama3.2-1b``, ``qwen3-0.6b``, ``llama3-70b``: QLoRA only, saved 4-bit by
+:mod:`fuselm_bench.nf4_checkpoint`; the shapes of :data:`fuselm_bench.e2e.MODELS`) is saved once
 per run with a tokenizer to a local folder (``--model-dir``, else a temporary folder removed at the end;
 nothing comes from the hub), then every (scenario, B x T, provider) loads it and trains LoRA adapters in
 a fresh process:
@@ -1018,8 +1019,8 @@ def _gib(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f} GiB"
 
 
-def issue_table(report: fresh_process.CaseReport, model: str, batch: int, seq: int) -> str:
-    """Issue 23's layout for one (model, B x T): scenario rows x provider columns, ``ms, GiB`` (medians
+def headline_table(report: fresh_process.CaseReport, model: str, batch: int, seq: int) -> str:
+    """The headline table of one (model, B x T): scenario rows x provider columns, ``ms, GiB`` (medians
     over the repeats; GiB = peak allocated), then fuselm / Unsloth and fuselm / HF (time, memory)."""
     providers = [p for p in report.providers if p not in report.skipped]
     head = ["scenario", *(provider_title(p) for p in providers)]
@@ -1162,7 +1163,8 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def markdown(report: fresh_process.CaseReport) -> str:
-    """The whole report: header, issue 23's table per (model, B x T), details, fused paths, ratios, notes."""
+    """The whole report: header, the headline table per (model, B x T), details, fused paths, ratios,
+    notes."""
     extra = report.metadata.get("finetune", {})
     models = list(dict.fromkeys(s[0] for s in report.shapes))
     facts = [f"model {e2e.MODELS[m].describe(report.plan.tiny)}" for m in models if m in e2e.MODELS]
@@ -1180,7 +1182,8 @@ def markdown(report: fresh_process.CaseReport) -> str:
     configs = list(dict.fromkeys((s[0], s[2], s[3]) for s in report.shapes))
     for model, b, t in configs:
         sections.append(
-            f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n" + issue_table(report, model, b, t)
+            f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n"
+            + headline_table(report, model, b, t)
         )
     sections.append("## Details\n\n" + detail_table(report))
     fused = fused_paths_section(report)

@@ -1,5 +1,5 @@
 """``fuselm bench max-context``: the longest sequence (batch 1) for which one full LoRA / QLoRA training
-step (forward, backward, optimizer) runs under a GPU memory cap, per provider (issue 29).
+step (forward, backward, optimizer) runs under a GPU memory cap, per provider.
 
 Each probe is ``fuselm bench finetune``'s worker in a fresh process (the same saved random-init model,
 LoRA on all seven projections, gradient checkpointing; fuselm with activation offloading and, with
