@@ -602,3 +602,18 @@ def test_selective_checkpoint_is_the_plain_call_inside_other_hooks_and_without_g
     assert made == []
     with pytest.raises(ValueError, match="use_reentrant"):
         offload.selective_checkpoint(block, x, use_reentrant="yes")
+
+
+def test_selective_checkpoint_saves_a_marked_output_changed_in_place_as_it_is():
+    made: list = []
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+    def block(x):
+        n = offload.remakeable(torch.tanh(x), lambda: made.append(1) or torch.tanh(x))
+        with torch.no_grad():
+            n.mul_(3.0)  # no longer what the recipe makes
+        return (n @ w).sum()
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    offload.selective_checkpoint(block, x).backward()
+    assert made == [] and torch.allclose(w.grad, 3 * torch.tanh(x).T @ torch.ones(4, 6, dtype=torch.float64))

@@ -673,7 +673,8 @@ def _checkpoint(function: Callable, args: tuple, kwargs: dict, preserve_rng_stat
 class _Selective(threading.local):
     def __init__(self) -> None:
         self.hooks: tuple | None = None  # (pack, unpack) of the selective call running on this thread
-        self.marked: dict[int, tuple[torch.Tensor, _Recipe]] = {}  # storage address: (output, recipe)
+        # storage address: (output, its version when marked, recipe)
+        self.marked: dict[int, tuple[torch.Tensor, int, _Recipe]] = {}
 
 
 _SELECTIVE = _Selective()
@@ -734,16 +735,22 @@ def remakeable(output: torch.Tensor, remake: Callable[[], torch.Tensor]) -> torc
         and output.storage_offset() == 0
         and output.untyped_storage().nbytes() == output.numel() * output.element_size()
     ):
-        state.marked[output.untyped_storage().data_ptr()] = (output, _Recipe(remake, output))
+        state.marked[output.untyped_storage().data_ptr()] = (output, output._version, _Recipe(remake, output))
     return output
 
 
 def _selective_pack(t: torch.Tensor) -> tuple[torch.Tensor, int] | _Remade:
     entry = _SELECTIVE.marked.get(t.untyped_storage().data_ptr())
-    if entry is None or entry[0].dtype != t.dtype or entry[0].device != t.device:
+    if (
+        entry is None
+        or entry[0].dtype != t.dtype
+        or entry[0].device != t.device
+        or entry[0]._version != entry[1]
+    ):
+        # (a marked output changed in place since is no longer what its recipe makes: saved as it is)
         # with hooks autograd checks no version counter: the unpack does (an in-place change raises)
         return t, (t._version if not t.is_inference() else -1)
-    recipe = entry[1]
+    recipe = entry[2]
     recipe.saves += 1
     return _Remade(recipe, t.size(), t.stride(), t.storage_offset())
 
