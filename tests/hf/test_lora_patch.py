@@ -343,3 +343,54 @@ def test_checkpointing_bad_value_names_the_argument():
     with pytest.raises(ValueError, match="checkpointing"):
         fuselm.hf.patch("llama", checkpointing="offload")
     assert not fuselm.hf.is_patched(model)
+
+
+def test_q_k_and_v_are_projected_in_one_node(monkeypatch):
+    """A patched LoRA model's attention runs q_proj, k_proj and v_proj through one lora_projections call
+    per layer; unpatching takes the grouping out."""
+    from fuselm.hf import lora as hf_lora
+
+    model = lora_model("llama", torch.float32, 4, 0.0, "all")
+    fuselm.hf.patch(model)
+    calls = []
+    real = hf_lora.lora_projections
+    monkeypatch.setattr(hf_lora, "lora_projections", lambda x, ops: calls.append(len(ops)) or real(x, ops))
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback said
+        step(model, ids)
+    assert calls == [3] * model.config.num_hidden_layers
+    fuselm.hf.unpatch(model)
+    assert not any(hf_lora._QKV in vars(m) or hf_lora._LEFT in vars(m) for m in model.modules())
+
+
+def test_an_attention_that_projects_k_from_another_input_runs_them_one_by_one():
+    """k_proj called on another tensor than q_proj's: said once, then q, k and v one by one; the outputs
+    are PEFT's all along."""
+    import types
+
+    from fuselm.hf.lora import group_qkv, lora_linear_forward
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, 16, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q_proj(x) + self.k_proj(2 * x) + self.v_proj(x)
+
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    eager = peft.get_peft_model(Attention(), cfg)
+    ours = copy.deepcopy(eager)
+    attention = ours.base_model.model
+    for m in (attention.q_proj, attention.k_proj, attention.v_proj):
+        m.forward = types.MethodType(lora_linear_forward, m)
+    group_qkv(attention)
+    x = torch.randn(3, 16)
+    with pytest.warns(UserWarning, match="q_proj, k_proj and v_proj one by one"):
+        first = ours(x)
+    assert torch.allclose(first, eager(x), atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.allclose(ours(x), eager(x), atol=1e-5)

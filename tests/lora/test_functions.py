@@ -987,3 +987,101 @@ def test_flat_block_scales_dequantize_in_one_launch_bit_equal(monkeypatch):
     assert lora_frozen.drop_flat_absmax(layer.weight) == size
     plain = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4", compress_statistics=False).to("cpu")
     assert lora_frozen.keep_flat_absmax(plain.weight) == 0  # one launch already
+
+
+# ---- lora_projections: q, k and v in one node ----
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
+@pytest.mark.parametrize(
+    "dtype,adapter_dtype", DTYPE_PAIRS, ids=lambda d: DTYPE_IDS[d] if isinstance(d, torch.dtype) else None
+)
+def test_lora_projections_are_the_layers_called_in_turn(dtype, adapter_dtype, p, gen):
+    """Three projections of one x (one with a bias) in one node: PEFT's outputs and gradients (its layers
+    called one after another, drawing their dropout masks in that order) under the numerics rule."""
+    outs = (OUT, 32, 32)
+    layers = [peft_linear(gen, IN, o, 8, p, dtype, adapter_dtype, bias=i == 1) for i, o in enumerate(outs)]
+    ops = [operands(layer) for layer in layers]
+    x = randn(gen, (*LEAD, IN), dtype).requires_grad_()
+    dys = [randn(gen, (*LEAD, o), dtype) for o in outs]
+    wrt = (x, *[t for _, ad, _ in ops for t in (ad.A, ad.B)])
+
+    torch.manual_seed(SEED)
+    masks = [L.dropout_mask(x, p, adapter_dtype) for _ in outs]
+    torch.manual_seed(SEED)
+    ys = L.lora_projections(x, ops)
+    g = torch.autograd.grad(ys, wrt, dys)
+    torch.manual_seed(SEED)
+    ys_e = [layer(x) for layer in layers]
+    g_e = torch.autograd.grad(ys_e, wrt, dys)
+    x64 = leaf64(x)
+    leaves64 = [leaf64(t) for t in wrt[1:]]
+    ys_r = [
+        L.lora_linear_reference(
+            x64, W.double(), adapter64(ad, *leaves64[2 * i : 2 * i + 2]), None if b is None else b.double(), m
+        )
+        for i, ((W, ad, b), m) in enumerate(zip(ops, masks, strict=True))
+    ]
+    g_r = torch.autograd.grad(ys_r, (x64, *leaves64), [d.double() for d in dys])
+    for y, y_e, y_r in zip(ys, ys_e, ys_r, strict=True):
+        check("y", y, y_e, y_r, dtype)
+    for i, (t, e, ref) in enumerate(zip(g, g_e, g_r, strict=True)):
+        assert t.dtype == e.dtype, i
+        assert_numerics(f"grad {i}", t, e, ref, dtype)
+
+
+def test_lora_projections_with_an_unused_output_or_no_adapter(gen):
+    """An output the loss never reads gets no gradient contribution; a projection without an adapter is
+    the frozen linear layer (the others keep theirs)."""
+    layers = [peft_linear(gen, IN, o, 8, 0.0, torch.float64, torch.float64) for o in (OUT, 32)]
+    (Wq, aq, _), (Wk, ak, _) = (operands(layer) for layer in layers)
+    x = randn(gen, (*LEAD, IN), torch.float64).requires_grad_()
+    q, k = L.lora_projections(x, [(Wq, aq), (Wk, None)])
+    (dx,) = torch.autograd.grad(k.sum(), x)
+    assert torch.allclose(dx, torch.ones_like(k) @ Wk, rtol=1e-12, atol=1e-12)
+    q, k = L.lora_projections(x, [(Wq, aq), (Wk, ak)])
+    got = torch.autograd.grad(q.sum(), (x, aq.A, ak.A), allow_unused=True)
+    want = torch.autograd.grad(L.lora_linear(x, Wq, aq).sum(), (x, aq.A))
+    assert torch.allclose(got[0], want[0], rtol=1e-10) and torch.allclose(got[1], want[1], rtol=1e-10)
+    assert got[2] is None or torch.count_nonzero(got[2]) == 0
+    with pytest.raises(ValueError, match=r"projections must be a non-empty list"):
+        L.lora_projections(x, [])
+    with pytest.raises(ValueError, match=r"projections\[1\]"):
+        L.lora_projections(x, [(Wq, aq), Wk])
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run, with the shapes of their first two tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)][:3]
+        self.seen.append((func.overloadpacket.__name__, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_lora_projections_read_x_once_for_the_lows_and_sum_no_dx(gen):
+    """No dropout, adapters of one dtype: forward runs one x A^T GEMM for the three (not three), and
+    backward makes dX in one buffer (no add of [N, in] tensors, as autograd's sum of three dX would)."""
+    outs = (OUT, 32, 32)
+    layers = [peft_linear(gen, IN, o, 8, 0.0, torch.float32, torch.float32) for o in outs]
+    ops = [operands(layer) for layer in layers]
+    x = randn(gen, (40, IN), torch.float32).requires_grad_()
+    with _Ops() as fwd:
+        ys = L.lora_projections(x, ops)
+    x_products = [op for op in fwd.seen if op[0] in ("mm", "addmm", "linear", "addmm_") and (40, IN) in op[1]]
+    assert len(x_products) == 1 + len(outs)  # the stacked low GEMM and the three base GEMMs
+    with _Ops() as bwd:
+        torch.autograd.grad(
+            ys, (x, *[t for _, ad, _ in ops for t in (ad.A, ad.B)]), [torch.ones_like(y) for y in ys]
+        )
+    assert not [op for op in bwd.seen if op[0] in ("add", "add_") and op[1][0] == (40, IN)]
+    with _Ops() as bwd_separate:
+        y_sep = [L.lora_linear(x, *op) for op in ops]
+        torch.autograd.grad(y_sep, x, [torch.ones_like(y) for y in y_sep])
+    assert [
+        op for op in bwd_separate.seen if op[0] in ("add", "add_") and op[1][0] == (40, IN)
+    ]  # what it saves

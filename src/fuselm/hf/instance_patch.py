@@ -31,7 +31,7 @@ from ._common import (
 from .blocks import unreadable
 from .hub_kernels import give_back, kernelized, take_over
 from .installs import add_user, has_rope, remove_user
-from .lora import lora_linear_forward
+from .lora import group_qkv, lora_linear_forward, ungroup_qkv
 from .peft_operands import is_lora_linear, keep_quant_states
 from .plan import PatchPlan, forward_for
 from .registry import FamilySpec, family_of_module, generic_spec, is_lm_class_name, supported_model_types
@@ -106,6 +106,7 @@ class _InstancePatch:
             for sub in root.modules():
                 if "forward" not in vars(sub) and is_lora_linear(sub):
                     _give_forward(sub, _lora_instance_forward(sub))
+            group_qkv(root)
 
     @property
     def root(self) -> nn.Module | None:
@@ -239,6 +240,7 @@ def patch_instance(model: nn.Module, plan: PatchPlan) -> None:
         _give_forward(sub, forward)
     if "lora" in plan.blocks:
         keep_quant_states(model)  # found there once fully_shard has replaced the 4-bit weights
+        group_qkv(model)
     for patch in patches:
         vars(patch.root)[INSTANCE_MARK] = patch
         add_user(patch.spec, patch.root, rope=patch.uses_rope())
@@ -273,6 +275,7 @@ def _warn_generic(patches: list[_InstancePatch], patched: set[nn.Module]) -> Non
 
 def unpatch_instance(model: nn.Module) -> None:
     """Take out every instance forward and patch record fuselm put in ``model`` or its submodules."""
+    ungroup_qkv(model)
     for sub in model.modules():
         if isinstance(vars(sub).get("forward"), InstanceForward):
             del vars(sub)["forward"]

@@ -16,7 +16,7 @@ from .frozen import (
     scratch,
     scratch_bytes,
 )
-from .functions import ACTIVATIONS, LoraAdapter, dropout_mask, lora_gated_mlp, lora_linear
+from .functions import ACTIVATIONS, LoraAdapter, dropout_mask, lora_gated_mlp, lora_linear, lora_projections
 from .reference import dropout_reference, lora_gated_mlp_reference, lora_linear_reference
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "lora_gated_mlp_reference",
     "lora_linear",
     "lora_linear_reference",
+    "lora_projections",
     "release_scratch",
     "scratch",
     "scratch_bytes",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -265,10 +266,10 @@ def _backward_cast(cast: tuple, a: torch.Tensor | None, b: torch.Tensor | None, 
     return _cast_adapter(a, b, dtype)
 
 
-def _proj_forward(x, a, cast, mask, proj: _Proj, output: bool = True):
+def _proj_forward(x, a, cast, mask, proj: _Proj, output: bool = True, low=None):
     """(y [N, out], low [N, r] or None) for x [N, in] in the compute dtype, ``cast`` = (A, B) in that
-    dtype (:func:`_cast_adapter`); ``output=False``: low only, y allocated without values (no base GEMM,
-    no dequantization)."""
+    dtype (:func:`_cast_adapter`); ``low`` when made already; ``output=False``: low only, y allocated
+    without values (no base GEMM, no dequantization)."""
     a_c, b_c = cast
     if not output:
         return x.new_empty(x.shape[0], proj.base.shape[0]), _low(x, a, a_c, mask, proj)
@@ -277,7 +278,8 @@ def _proj_forward(x, a, cast, mask, proj: _Proj, output: bool = True):
         bias = bias.to(x.dtype)
     if a is None:
         return F.linear(x, dense(proj.base, x.dtype), bias), None  # addmm: the bias in the GEMM epilogue
-    low = _low(x, a, a_c, mask, proj)
+    if low is None:
+        low = _low(x, a, a_c, mask, proj)
     bt = b_c.t()
     # the rank-r product first, written once (with the bias), then the base GEMM adds itself to it: the
     # read of y hides in the epilogue of a compute-bound GEMM, where adding the update after the base
@@ -373,6 +375,95 @@ class LoraLinearFunction(torch.autograd.Function):
             if a is not None:
                 da, db = _grad_adapter(dy, dyb, x, low, mask, a, b, proj, need_a, need_b)
         return dx, da, db, None, None
+
+
+class LoraProjectionsFunction(torch.autograd.Function):
+    """``lora_linear`` of several projections of one input x [N, in] (attention's q, k and v), one node:
+    with every adapter present and no dropout, x A^T is one GEMM against the adapters' A stacked
+    ``[sum r, in]``, dX one buffer (the rank-r parts in one GEMM, then each base GEMM adding itself in its
+    epilogue: no sum of separate dX tensors) and dA one GEMM. Saves x, the lows and the masks."""
+
+    @staticmethod
+    def forward(ctx, x, projs, masks, *adapters):
+        pairs = list(zip(adapters[0::2], adapters[1::2], strict=True))
+        each = masks or (None,) * len(pairs)  # () when no projection has dropout
+        casts = [_cast_adapter(a, b, x.dtype) for a, b in pairs]
+        stacked = _stacked(pairs, masks, projs)
+        a_cat = torch.cat([c[0] for c in casts]) if stacked else None
+        if stacked:
+            low_cat = F.linear(x, a_cat)
+            lows = list(low_cat.split([a.shape[0] for a, _ in pairs], dim=1))
+        else:
+            lows = [_low(x, a, c[0], m, p) for (a, _), c, m, p in zip(pairs, casts, each, projs, strict=True)]
+        ys = [
+            _proj_forward(x, a, c, m, p, low=low)[0]
+            for (a, _), c, m, p, low in zip(pairs, casts, each, projs, lows, strict=True)
+        ]
+        ctx.projs, ctx.pairs, ctx.casts, ctx.a_cat, ctx.n_masks = projs, pairs, casts, a_cat, len(masks)
+        ctx.save_for_backward(x, *lows, *masks)
+        ctx.set_materialize_grads(False)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *rest = ctx.saved_tensors
+        n = len(ctx.pairs)
+        lows, masks = rest[:n], rest[n:]
+        projs, pairs = ctx.projs, ctx.pairs
+        for p in projs:
+            p.check_versions()
+        need_x = ctx.needs_input_grad[0]
+        needs = ctx.needs_input_grad[3:]
+        grads: list = [None] * (2 * n)
+        with _no_autocast(x.device.type):
+            casts = [_backward_cast(c, a, b, x.dtype) for c, (a, b) in zip(ctx.casts, pairs, strict=True)]
+            dybs = [
+                torch.mm(dy, c[1]) if dy is not None and a is not None and (need_x or needs[2 * i]) else None
+                for i, (dy, (a, _), c) in enumerate(zip(dys, pairs, casts, strict=True))
+            ]
+            live = [i for i in range(n) if dys[i] is not None]
+            stacked = ctx.a_cat is not None and len(live) == n and len({p.scaling for p in projs}) == 1
+            dx = None
+            if need_x:
+                if stacked:  # s (dYB_cat) A_cat: one GEMM writes dX
+                    dx = torch.addmm(
+                        _zero(x.dtype, x.device),
+                        torch.cat(dybs, 1),
+                        ctx.a_cat,
+                        beta=0,
+                        alpha=projs[0].scaling,
+                    )
+                    for i in live:
+                        dx.addmm_(dys[i], dense(projs[i].base, x.dtype))
+                else:
+                    for i in live:
+                        dx = _grad_input(
+                            dys[i], dybs[i], casts[i][0], masks[i] if masks else None, projs[i], dx
+                        )
+                if dx is None:
+                    dx = torch.zeros_like(x)
+            if stacked and all(needs[0::2]):  # dA of every adapter: one GEMM over x
+                a = pairs[0][0]
+                da_cat = _mm_to(torch.cat(dybs, 1).t(), x, a.dtype, projs[0].scaling)
+                grads[0::2] = da_cat.split([a.shape[0] for a, _ in pairs])
+            for i in live:
+                a, b = pairs[i]
+                if a is None:
+                    continue
+                need_a = needs[2 * i] and grads[2 * i] is None
+                mask = masks[i] if masks else None
+                da, db = _grad_adapter(
+                    dys[i], dybs[i], x, lows[i], mask, a, b, projs[i], need_a, needs[2 * i + 1]
+                )
+                if need_a:
+                    grads[2 * i] = da
+                grads[2 * i + 1] = db
+        return (dx, None, None, *grads)
+
+
+def _stacked(pairs: list, masks: tuple, projs: tuple) -> bool:
+    """Can the projections' x A^T be one GEMM? Every adapter present, of one dtype, no dropout."""
+    return not masks and all(a is not None for a, _ in pairs) and len({a.dtype for a, _ in pairs}) == 1
 
 
 class LoraGatedMLPFunction(torch.autograd.Function):
@@ -618,6 +709,53 @@ def lora_linear(
     else:
         y = LoraLinearFunction.apply(x2, a, b, mask, proj)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], base.shape[0])
+
+
+def lora_projections(x: torch.Tensor, projections: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
+    """:func:`lora_linear` of several projections of one input, in one autograd node: attention's q, k and
+    v. Each of ``projections`` is ``(base, adapter)`` or ``(base, adapter, bias)`` as the arguments of
+    :func:`lora_linear`; the outputs are theirs, and so are the gradients under the numerics rule (dropout
+    masks drawn in the order given, as PEFT draws them calling the layers one after another). With every
+    adapter present and no dropout, ``x A^T`` is one GEMM against the stacked ``A``s, dX is made in one
+    buffer (no sum of separate dX tensors) and the ``A`` gradients come from one GEMM.
+
+    Args:
+        x: ``[..., in]`` float16 / bfloat16 / float32 / float64.
+        projections: at least one ``(base, adapter[, bias])`` with ``base`` ``[out_i, in]``.
+
+    Returns:
+        one ``[..., out_i]`` tensor per projection, in the compute dtype.
+
+    Example:
+        >>> x = torch.randn(5, 16, requires_grad=True)
+        >>> Wq, Wk = torch.randn(16, 16), torch.randn(4, 16)
+        >>> aq = LoraAdapter(torch.randn(2, 16), torch.randn(16, 2), scaling=2.0)
+        >>> ak = LoraAdapter(torch.randn(2, 16), torch.randn(4, 2), scaling=2.0)
+        >>> q, k = lora_projections(x, [(Wq, aq), (Wk, ak)])
+        >>> torch.allclose(k, lora_linear(x, Wk, ak), atol=1e-5), q.shape
+        (True, torch.Size([5, 16]))
+    """
+    _check_x("x", x)
+    if not isinstance(projections, (list, tuple)) or not projections:
+        raise ValueError(
+            f"projections must be a non-empty list of (base, adapter[, bias]), got {projections!r:.80}"
+        )
+    cdt, autocast = _compute_dtype(x)
+    adapters, projs, masks = [], [], []
+    for i, op in enumerate(projections):
+        base, adapter, bias = _operands(f"projections[{i}]", op)
+        a, b, proj = _prepare(f"projections[{i}] ", x, base, adapter, bias, cdt, autocast)
+        adapters += [a, b]
+        projs.append(proj)
+        p = adapter.dropout if adapter is not None else 0.0
+        masks.append(_rows(dropout_mask(x, p, adapter.mask_dtype or adapter.A.dtype)) if p else None)
+    masks = tuple(masks) if any(m is not None for m in masks) else ()
+    x2 = _rows(x if x.dtype == cdt else x.to(cdt))
+    with _no_autocast(x.device.type) if autocast else contextlib.nullcontext():
+        ys = LoraProjectionsFunction.apply(x2, tuple(projs), masks, *adapters)
+    if x.dim() == 2:
+        return tuple(ys)
+    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
 def lora_gated_mlp(
