@@ -384,3 +384,19 @@ def test_4bit_block_scales_are_kept_flat_when_the_budget_has_room(tmp_path):
     assert frozen.flat_absmax_bytes(params[0]) == 0  # kept
     fuselm.hf.unpatch(model)
     assert frozen.flat_absmax_bytes(params[0]) > 0  # dropped with the planner
+
+
+def test_a_plan_offloading_more_than_the_host_has_says_so(monkeypatch):
+    """Offloaded inputs take pinned host memory: a plan that needs more than the host has available
+    warns with both figures (and the plan reports what it offloads)."""
+    f = _figures()
+    transient = (f.keep_bytes_per_token + f.remade_bytes_per_token) * f.tokens
+    model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(f.base + transient))
+    monkeypatch.setattr(activation_plan, "host_available", lambda: 1000)
+    with pytest.warns(
+        UserWarning, match=r"offloads 4 layer inputs, .* of pinned host memory, and the host has"
+    ):
+        _step(model, _batch(16))
+    plan = activation_plan.current(model)
+    assert plan.host_bytes == 4 * f.input_bytes_per_token * f.tokens and "of host memory" in str(plan)
+    assert activation_plan.host_available() is None or activation_plan.host_available() > 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +79,19 @@ class ActivationPlan:
             self.remade_bytes_per_token,
         )
 
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory the offloaded layers' inputs take."""
+        return self.modes.count("offload") * self.input_bytes_per_token * self.tokens
+
     def __str__(self) -> str:
         counts = ", ".join(f"{self.modes.count(m)} {m}" for m in MODES if m in self.modes)
         scales = f"; 4-bit scales kept flat: {_size(self.scales_bytes)}" if self.scales_bytes else ""
+        host = f"; {_size(self.host_bytes)} of host memory" if self.host_bytes else ""
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
-            f"{_size(self.keep_bytes_per_token * self.tokens)}{scales})"
+            f"{_size(self.keep_bytes_per_token * self.tokens)}{scales}{host})"
         )
 
 
@@ -169,6 +176,19 @@ def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int
     return sum(seen.values()), sum(remade.values())
 
 
+def host_available() -> int | None:
+    """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), or None
+    where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _allocated(model: torch.nn.Module) -> int:
     """The bytes of the model's own tensors (each storage once): what the CPU holds for it."""
     tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
@@ -238,6 +258,15 @@ class _Planner:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
             _log.info("fuselm.hf: activation plan: %s", self.plan)
+        available = host_available()
+        if available is not None and self.plan.host_bytes > available:
+            warnings.warn(
+                f"fuselm.hf: the activation plan offloads {self.plan.modes.count('offload')} layer inputs, "
+                f"{_size(self.plan.host_bytes)} of pinned host memory, and the host has {_size(available)} "
+                "available: a larger memory_budget keeps more inputs on the device, a shorter sequence "
+                "needs less",
+                stacklevel=2,
+            )
         self.apply(modes)
 
     def flat_scales(self, room: int) -> int:
