@@ -713,8 +713,11 @@ class _Remade:
     offset: int
 
 
-def remakeable(output: torch.Tensor, remake: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Mark ``output`` as made again, bit for bit, by ``remake()`` (run under ``no_grad`` in the backward):
+def remakeable(
+    output: torch.Tensor, remake: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """Mark ``output`` as made again, bit for bit, by ``remake(*args, **kwargs)`` (run under ``no_grad`` in
+    the backward; the call is bound only when the mark is taken, so a call outside costs no allocation):
     inside :func:`selective_checkpoint`, a tensor saved for backward that is ``output`` or a view of it is
     saved as the recipe. ``remake`` should only read what the backward keeps anyway (a norm's input,
     which the norm saves). Elsewhere, or for an output that is not a contiguous tensor of its own, a
@@ -735,6 +738,8 @@ def remakeable(output: torch.Tensor, remake: Callable[[], torch.Tensor]) -> torc
         and output.storage_offset() == 0
         and output.untyped_storage().nbytes() == output.numel() * output.element_size()
     ):
+        if args or kwargs:
+            remake = functools.partial(remake, *args, **kwargs)
         state.marked[output.untyped_storage().data_ptr()] = (output, output._version, _Recipe(remake, output))
     return output
 
@@ -770,7 +775,8 @@ def _selective_unpack(packed: tuple[torch.Tensor, int] | _Remade) -> torch.Tenso
 @contextlib.contextmanager
 def _selective_scope(then: Callable[[Any], Any] | None = None):
     """Saved tensors that are marked outputs (or views of them) become recipes inside; ``then`` sees what
-    each save packed to (a tensor or a recipe: the activation planner counts the bytes)."""
+    each save packed to and returns it: ``(tensor, version)``, or a :class:`_Remade` (the activation
+    planner counts the bytes of each)."""
     state = _SELECTIVE
     outer = (state.hooks, state.marked)
 

@@ -342,19 +342,13 @@ def test_4bit_block_scales_are_kept_flat_when_the_budget_has_room(tmp_path):
     import copy
 
     pytest.importorskip("bitsandbytes")
-    from kit.hf_models import model_class, tiny_config
-    from transformers import BitsAndBytesConfig
+    from kit.hf_models import model_class, nf4_config, tiny_config
 
     from fuselm.lora import frozen
 
     torch.manual_seed(0)
     model_class("llama")(tiny_config("llama")).save_pretrained(tmp_path)
-    q = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
+    q = nf4_config(torch.float32)
     try:
         quant = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path, quantization_config=q, dtype=torch.float32

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import kernel_device
-from kit.hf_models import build
+from kit.hf_models import build, nf4_config
 
 import fuselm.hf.lora as hf_lora
 import fuselm.hf.peft_operands as peft_operands
@@ -322,12 +322,7 @@ def quantized_model(model_type, bits, gen, tmp_path):
 
     build(model_type, dtype=torch.float32).save_pretrained(tmp_path)
     if bits == 4:
-        q = transformers.BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
+        q = nf4_config(torch.float32)
     else:
         q = transformers.BitsAndBytesConfig(load_in_8bit=True)
     return transformers.AutoModelForCausalLM.from_pretrained(
@@ -526,12 +521,7 @@ def test_qlora_bf16_on_cuda(p, gen, tmp_path):
     import transformers
 
     build("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
-    q = transformers.BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
+    q = nf4_config(torch.bfloat16)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=q, device_map="cuda", dtype=torch.bfloat16
     )

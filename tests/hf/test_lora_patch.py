@@ -232,18 +232,10 @@ def test_merge_and_unload_after_patch():
 
 def _bnb_model(bits):
     bnb = pytest.importorskip("bitsandbytes")  # noqa: F841
-    from kit.hf_models import model_class, tiny_config
+    from kit.hf_models import model_class, nf4_config, tiny_config
     from transformers import BitsAndBytesConfig
 
-    if bits == 4:
-        q = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    else:
-        q = BitsAndBytesConfig(load_in_8bit=True)
+    q = nf4_config(torch.float32) if bits == 4 else BitsAndBytesConfig(load_in_8bit=True)
     torch.manual_seed(0)
     src = model_class("llama")(tiny_config("llama"))
     return src, q

@@ -289,3 +289,13 @@ def clone(model, dtype: torch.dtype | None = None, device: str | None = None):
     return twin.to(
         device=device or next(model.parameters()).device, dtype=dtype or next(model.parameters()).dtype
     )
+
+
+def nf4_config(compute_dtype: torch.dtype = torch.float32):
+    """bitsandbytes' QLoRA quantization (NF4, double quantization) computing in ``compute_dtype``."""
+    return transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )

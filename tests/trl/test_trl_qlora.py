@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kit import trl_models as tm
+from kit.hf_models import nf4_config
 
 from fuselm.ops._common.testing import assert_numerics
 
@@ -23,14 +24,9 @@ STEPS = 4
 
 
 def quantized_lora(path, compute_dtype):
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    q = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-    )
+    q = nf4_config(compute_dtype)
     model = LlamaForCausalLM.from_pretrained(
         path, quantization_config=q, dtype=compute_dtype, device_map={"": 0}
     )

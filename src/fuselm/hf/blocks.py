@@ -51,8 +51,7 @@ def rms_norm_forward(spec: FamilySpec) -> Callable:
             return original_forward(hf_class(self))(self, hidden_states)
         out = rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
         # in a kept decoder layer the backward makes it again from its input (which the norm saves)
-        remake = functools.partial(rms_norm, hidden_states, weight, eps, offset=offset, casting=casting)
-        return remakeable(out, remake)
+        return remakeable(out, rms_norm, hidden_states, weight, eps, offset=offset, casting=casting)
 
     forward.__qualname__ = f"fuselm_{spec.rms_norm}.forward"
     return forward

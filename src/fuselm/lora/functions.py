@@ -388,7 +388,7 @@ class LoraProjectionsFunction(torch.autograd.Function):
         pairs = list(zip(adapters[0::2], adapters[1::2], strict=True))
         each = masks or (None,) * len(pairs)  # () when no projection has dropout
         casts = [_cast_adapter(a, b, x.dtype) for a, b in pairs]
-        stacked = _stacked(pairs, masks, projs)
+        stacked = _stacked(pairs, masks)
         a_cat = torch.cat([c[0] for c in casts]) if stacked else None
         if stacked:
             low_cat = F.linear(x, a_cat)
@@ -399,7 +399,7 @@ class LoraProjectionsFunction(torch.autograd.Function):
             _proj_forward(x, a, c, m, p, low=low)[0]
             for (a, _), c, m, p, low in zip(pairs, casts, each, projs, lows, strict=True)
         ]
-        ctx.projs, ctx.pairs, ctx.casts, ctx.a_cat, ctx.n_masks = projs, pairs, casts, a_cat, len(masks)
+        ctx.projs, ctx.pairs, ctx.casts, ctx.a_cat = projs, pairs, casts, a_cat
         ctx.save_for_backward(x, *lows, *masks)
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -423,12 +423,13 @@ class LoraProjectionsFunction(torch.autograd.Function):
             ]
             live = [i for i in range(n) if dys[i] is not None]
             stacked = ctx.a_cat is not None and len(live) == n and len({p.scaling for p in projs}) == 1
+            dyb_cat = torch.cat(dybs, 1) if stacked and (need_x or all(needs[0::2])) else None
             dx = None
             if need_x:
                 if stacked:  # s (dYB_cat) A_cat: one GEMM writes dX
                     dx = torch.addmm(
                         _zero(x.dtype, x.device),
-                        torch.cat(dybs, 1),
+                        dyb_cat,
                         ctx.a_cat,
                         beta=0,
                         alpha=projs[0].scaling,
@@ -444,7 +445,7 @@ class LoraProjectionsFunction(torch.autograd.Function):
                     dx = torch.zeros_like(x)
             if stacked and all(needs[0::2]):  # dA of every adapter: one GEMM over x
                 a = pairs[0][0]
-                da_cat = _mm_to(torch.cat(dybs, 1).t(), x, a.dtype, projs[0].scaling)
+                da_cat = _mm_to(dyb_cat.t(), x, a.dtype, projs[0].scaling)
                 grads[0::2] = da_cat.split([a.shape[0] for a, _ in pairs])
             for i in live:
                 a, b = pairs[i]
@@ -461,7 +462,7 @@ class LoraProjectionsFunction(torch.autograd.Function):
         return (dx, None, None, *grads)
 
 
-def _stacked(pairs: list, masks: tuple, projs: tuple) -> bool:
+def _stacked(pairs: list, masks: tuple) -> bool:
     """Can the projections' x A^T be one GEMM? Every adapter present, of one dtype, no dropout."""
     return not masks and all(a is not None for a, _ in pairs) and len({a.dtype for a, _ in pairs}) == 1
 
