@@ -335,51 +335,6 @@ def test_a_copy_keeps_its_own_planner(how):
     assert activation_plan.current(other).tokens == 64 and activation_plan.current(model).tokens == 32
 
 
-def test_4bit_block_scales_are_kept_flat_when_the_budget_has_room(tmp_path):
-    """QLoRA (double-quantized NF4, bitsandbytes' CPU backend): with room in the budget the plan keeps the
-    block scales flat (one launch per dequantization) and counts them; without, it keeps none; the loss
-    and gradients are the same bits either way; unpatching drops them."""
-    import copy
-
-    pytest.importorskip("bitsandbytes")
-    from kit.hf_models import model_class, nf4_config, tiny_config
-
-    from fuselm.lora import frozen
-
-    torch.manual_seed(0)
-    model_class("llama")(tiny_config("llama")).save_pretrained(tmp_path)
-    q = nf4_config(torch.float32)
-    try:
-        quant = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path, quantization_config=q, dtype=torch.float32
-        )
-    except Exception as e:  # no CPU backend for 4-bit in this bitsandbytes
-        pytest.skip(f"bitsandbytes 4-bit on CPU: {e}")
-    torch.manual_seed(1)
-    model = _peft(quant, dropout=0.0)
-    spare = copy.deepcopy(model)
-    ids = _batch(16)
-    fuselm.hf.patch(model, checkpointing="auto", memory_budget=1e6)
-    loss = _step(model, ids)
-    plan = activation_plan.current(model)
-    params = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
-    assert params and plan.scales_bytes == sum(p.quant_state.absmax.numel() * 4 for p in params)
-    assert "4-bit scales kept flat" in str(plan)
-    tight = (plan.estimated_peak - plan.scales_bytes + 64) / GIB  # the same plan, no room for the scales
-    fuselm.hf.patch(spare, checkpointing="auto", memory_budget=tight)
-    spare_loss = _step(spare, ids)
-    assert activation_plan.current(spare).scales_bytes == 0
-    assert activation_plan.current(spare).modes == plan.modes
-    assert torch.equal(loss, spare_loss)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for n, p in spare.named_parameters():
-        if p.grad is not None:
-            assert torch.equal(p.grad, grads[n]), n
-    assert frozen.flat_absmax_bytes(params[0]) == 0  # kept
-    fuselm.hf.unpatch(model)
-    assert frozen.flat_absmax_bytes(params[0]) > 0  # dropped with the planner
-
-
 def test_a_plan_offloading_more_than_the_host_has_says_so(monkeypatch):
     """Offloaded inputs take pinned host memory: a plan that needs more than the host has available
     warns with both figures (and the plan reports what it offloads)."""

@@ -20,12 +20,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import kernel_device
+from kit.spies import LaunchSpy
 
 import fuselm.lora as L
 from fuselm.lora import frozen as lora_frozen
 from fuselm.lora import functions as lora_functions
 from fuselm.lora import reference as lora_reference
 from fuselm.ops._common.testing import assert_numerics
+from fuselm.ops.dequantize_4bit import op as dequantize_4bit_op
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig  # noqa: E402
@@ -959,34 +961,25 @@ def test_no_grad_and_inference_mode_give_the_training_output(mode, gen):
     assert not y.requires_grad and torch.equal(y, expected) and torch.equal(y_lin, expected_lin)
 
 
-def test_flat_block_scales_dequantize_in_one_launch_bit_equal(monkeypatch):
-    """A double-quantized 4-bit weight with its block scales kept flat dequantizes without bitsandbytes'
-    nested step, to the same bits; a new quant_state or dropping them goes back to the nested path."""
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
+def test_4bit_weight_dequantizes_in_one_launch_bit_equal(quant_type, nested, monkeypatch):
+    """On CUDA a 4-bit weight (single or double quantization) dequantizes in one launch of fuselm's kernel,
+    not through bitsandbytes; on the CPU through bitsandbytes; the same bits either way."""
     bnb = bnb_or_skip()
-    layer = bnb.nn.Linear4bit(256, 128, bias=False, quant_type="nf4", compress_statistics=True).to("cpu")
-    before = L.Bnb4bitWeight(layer.weight).dense().clone()
-    size = 256 * 128 // 64 * 4
-    assert lora_frozen.flat_absmax_bytes(layer.weight) == size
-    assert lora_frozen.keep_flat_absmax(layer.weight) == size
-    assert (
-        lora_frozen.flat_absmax_bytes(layer.weight) == 0 and lora_frozen.keep_flat_absmax(layer.weight) == 0
+    layer = bnb.nn.Linear4bit(256, 128, bias=False, quant_type=quant_type, compress_statistics=nested)
+    layer = layer.to(DEVICE)
+    expected = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    real = bnb.functional.dequantize_4bit
+    through_bnb = []
+    monkeypatch.setattr(
+        bnb.functional, "dequantize_4bit", lambda *a, **k: through_bnb.append(1) or real(*a, **k)
     )
-    nested = []
-    real = bnb.functional.dequantize_blockwise
-
-    def counting(*args, **kwargs):
-        nested.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bnb.functional, "dequantize_blockwise", counting)
-    assert torch.equal(L.Bnb4bitWeight(layer.weight).dense(), before) and nested == []
-    layer.weight.quant_state = bnb.functional.QuantState.from_dict(
-        layer.weight.quant_state.as_dict(packed=True), device="cpu"
-    )  # as after a requantization: another QuantState
-    assert torch.equal(L.Bnb4bitWeight(layer.weight).dense(), before) and nested == [1]
-    assert lora_frozen.drop_flat_absmax(layer.weight) == size
-    plain = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4", compress_statistics=False).to("cpu")
-    assert lora_frozen.keep_flat_absmax(plain.weight) == 0  # one launch already
+    spy = LaunchSpy(dequantize_4bit_op.dequantize_4bit_launch)
+    monkeypatch.setattr(dequantize_4bit_op, "dequantize_4bit_launch", spy)
+    got = L.Bnb4bitWeight(layer.weight).dense()
+    assert torch.equal(got, expected)
+    assert (len(spy.calls), len(through_bnb)) == ((1, 0) if DEVICE == "cuda" else (0, 1))
 
 
 # ---- lora_projections: q, k and v in one node ----

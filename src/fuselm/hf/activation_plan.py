@@ -30,7 +30,6 @@ checkpointing recomputes exactly (the forward's RNG states are restored).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import warnings
@@ -39,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import offload as checkpoints
-from ..lora.frozen import drop_flat_absmax, flat_absmax_bytes, keep_flat_absmax
 from . import offload
 
 MODES = ("keep", "recompute", "offload")
@@ -66,11 +64,10 @@ class ActivationPlan:
     keep_bytes_per_token: int
     input_bytes_per_token: int
     remade_bytes_per_token: int = 0  # the norm outputs a kept layer makes again in its backward
-    scales_bytes: int = 0  # 4-bit block scales kept flat (one-launch dequantization), not in base
 
     @property
     def estimated_peak(self) -> int:
-        return self.scales_bytes + _peak(
+        return _peak(
             self.modes,
             self.tokens,
             self.base,
@@ -86,12 +83,11 @@ class ActivationPlan:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{self.modes.count(m)} {m}" for m in MODES if m in self.modes)
-        scales = f"; 4-bit scales kept flat: {_size(self.scales_bytes)}" if self.scales_bytes else ""
         host = f"; {_size(self.host_bytes)} of host memory" if self.host_bytes else ""
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
-            f"{_size(self.keep_bytes_per_token * self.tokens)}{scales}{host})"
+            f"{_size(self.keep_bytes_per_token * self.tokens)}{host})"
         )
 
 
@@ -252,8 +248,7 @@ class _Planner:
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
         modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade)
-        plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
-        self.plan = dataclasses.replace(plan, scales_bytes=self.flat_scales(budget - plan.estimated_peak))
+        self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
         if self.plan.estimated_peak > budget:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
@@ -269,17 +264,6 @@ class _Planner:
             )
         self.apply(modes)
 
-    def flat_scales(self, room: int) -> int:
-        """Keep the 4-bit weights' block scales flat (:func:`fuselm.lora.frozen.keep_flat_absmax`: one launch
-        per dequantization instead of three) when ``room`` bytes hold them all, else drop any kept; returns
-        the bytes kept now (those kept by an earlier plan are in the measured base already)."""
-        params = list(self.top.parameters())
-        if sum(flat_absmax_bytes(p) for p in params) > room:
-            for p in params:
-                drop_flat_absmax(p)
-            return 0
-        return sum(keep_flat_absmax(p) for p in params)
-
     def apply(self, modes: tuple[str, ...]) -> None:
         for layer, mode in zip(self.layers, modes, strict=True):
             layer.gradient_checkpointing = True  # a kept layer's function: the selective one
@@ -292,8 +276,6 @@ class _Planner:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for p in self.top.parameters():
-            drop_flat_absmax(p)
 
 
 def enable(model: torch.nn.Module, memory_budget: float | None = None) -> torch.nn.Module:

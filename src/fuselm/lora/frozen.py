@@ -15,19 +15,19 @@ until the next dequantization on the same (device, dtype): use it at once, never
 backward (backward dequantizes again). On CUDA the reuse is safe without synchronization because
 every dequantization and every GEMM reading its result run in order on the current stream.
 
-A double-quantized 4-bit weight (``bnb_4bit_use_double_quant=True``) takes three launches per
-dequantization (its uint8 block scales dequantized, the offset added, then the weight). Where memory allows,
-:func:`keep_flat_absmax` does the first two once and keeps the fp32 block scales on the parameter (4 bytes
-per block of 64 weights: 1/16 byte per weight); the weight then dequantizes in one launch, bit-equal (the
-same bitsandbytes kernels make the same fp32 scales). ``checkpointing="auto"`` turns it on when its budget
-has the room (:mod:`fuselm.hf.activation_plan`).
+A 4-bit weight dequantizes in one launch of :func:`fuselm.ops.dequantize_4bit.dequantize_4bit` (bit-equal
+to bitsandbytes' ``dequantize_4bit``; a double-quantized weight's block scales are made inside that launch,
+where bitsandbytes takes three) on CUDA, else through bitsandbytes.
 
-bitsandbytes is imported lazily, in this module only, when a quantized weight is dequantized.
+bitsandbytes is imported lazily, in this module only, when a quantized weight is dequantized by it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..ops._common.dispatch import kernels_run
+from ..ops.dequantize_4bit import dequantize_4bit
 
 # bitsandbytes' int8 dequantization constant (1/127 rounded as it writes it): CB * SCB * this.
 INT8_INV_SCALE = 7.874015718698502e-3
@@ -35,10 +35,37 @@ INT8_INV_SCALE = 7.874015718698502e-3
 INT8_CHUNK_ELEMENTS = 1 << 23
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_FLAT = "_fuselm_flat_absmax"  # on a Params4bit: (its QuantState, absmax version, the flat QuantState)
 # Device types whose bitsandbytes backend has no ``dequantize_4bit.out`` kernel (CPU in 0.50): there
 # ``dequantize_4bit`` returns a fresh tensor per call instead (still no persistent copy).
 _NO_OUT_KERNEL: set[str] = set()
+_OWN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what fuselm's 4-bit kernel writes
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}  # the 16 values of each 4-bit code, per device
+_OFFSET = "_fuselm_offset"  # on a QuantState: its offset as the fp32 device tensor the kernel reads
+
+
+def _operands(qs, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(the code values [16] fp32, the double quantization's keyword operands) of a 4-bit ``QuantState``."""
+    table = _TABLES.get((qs.quant_type, device))
+    if table is None:
+        import bitsandbytes.functional as bnbf
+
+        table = bnbf.get_4bit_type(qs.quant_type, device=device).float().contiguous()
+        _TABLES[(qs.quant_type, device)] = table
+    if not qs.nested:
+        return table, {}
+    offset = qs.__dict__.get(_OFFSET)
+    if (
+        offset is None or offset[0] is not qs.offset
+    ):  # made once per offset tensor (a load may give a CPU one)
+        offset = (qs.offset, torch.as_tensor(qs.offset, dtype=torch.float32).reshape(1).to(device))
+        qs.__dict__[_OFFSET] = offset
+    state2 = qs.state2
+    return table, {
+        "absmax_code": state2.code,
+        "absmax_scale": state2.absmax,
+        "absmax_blocksize": state2.blocksize,
+        "absmax_offset": offset[1],
+    }
 
 
 def scratch(numel: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
@@ -109,13 +136,16 @@ class FrozenWeight:
 
 class Bnb4bitWeight(FrozenWeight):
     """A bitsandbytes 4-bit weight (``bitsandbytes.nn.Params4bit``: NF4 or FP4, double quantization on
-    or off), dequantized on demand by ``bitsandbytes.functional.dequantize_4bit(param.data,
-    quant_state, out=...)`` into the shared scratch buffer of ``(device, quant_state.dtype)``.
+    or off), dequantized on demand into the shared scratch buffer of ``(device, quant_state.dtype)``:
+    by :func:`fuselm.ops.dequantize_4bit.dequantize_4bit` (one launch) on CUDA, else by
+    ``bitsandbytes.functional.dequantize_4bit(param.data, quant_state, out=...)``; the two are bit-equal
+    (bitsandbytes' CPU kernel reads a row that is not a whole number of blocks as if blocks restarted at
+    each row, unlike its quantization: on the CPU fuselm keeps bitsandbytes' result).
 
     ``quant_state`` defaults to ``param.quant_state`` read at each :meth:`dense` call. The dense
     weight has bitsandbytes' dtype ``quant_state.dtype`` (what the layer was quantized from); asking
     :meth:`dense` for another dtype casts that result (one temporary ``[out, in]`` tensor).
-    On a backend without an ``out=`` kernel (bitsandbytes' CPU backend), bitsandbytes allocates the
+    On a bitsandbytes backend without an ``out=`` kernel (its CPU backend), bitsandbytes allocates the
     result itself: a fresh tensor per call, freed after use.
 
     Args:
@@ -149,80 +179,27 @@ class Bnb4bitWeight(FrozenWeight):
         return self._quant_state if self._quant_state is not None else self.param.quant_state
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        import bitsandbytes.functional as bnbf
-
         qs = self.quant_state
-        flat = self.param.__dict__.get(_FLAT)
-        if flat is not None and flat[0] is qs and qs.absmax._version == flat[1]:
-            qs = flat[2]  # the block scales made once: one launch
         data = self.param.data
         w = None
-        if data.device.type not in _NO_OUT_KERNEL:
+        if data.is_cuda and kernels_run(data) and qs.dtype in _OWN_DTYPES and qs.quant_type in ("nf4", "fp4"):
             buf = scratch(self.shape.numel(), data.device, qs.dtype).view(self.shape)
-            try:
-                w = bnbf.dequantize_4bit(data, qs, out=buf)
-            except NotImplementedError:  # no out= kernel on this backend: remember, and allocate
-                _NO_OUT_KERNEL.add(data.device.type)
-        if w is None:
-            w = bnbf.dequantize_4bit(data, qs)
+            table, nested = _operands(qs, data.device)
+            w = dequantize_4bit(data, qs.absmax, table, qs.blocksize, self.shape, qs.dtype, **nested, out=buf)
+        else:
+            import bitsandbytes.functional as bnbf
+
+            if data.device.type not in _NO_OUT_KERNEL:
+                buf = scratch(self.shape.numel(), data.device, qs.dtype).view(self.shape)
+                try:
+                    w = bnbf.dequantize_4bit(data, qs, out=buf)
+                except NotImplementedError:  # no out= kernel on this backend: remember, and allocate
+                    _NO_OUT_KERNEL.add(data.device.type)
+            if w is None:
+                w = bnbf.dequantize_4bit(data, qs)
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)
         return w
-
-
-def flat_absmax_bytes(param: torch.Tensor) -> int:
-    """Bytes :func:`keep_flat_absmax` would keep for ``param``: 4 per block for a double-quantized
-    bitsandbytes ``Params4bit``, 0 for anything else (or one already kept)."""
-    qs = getattr(param, "quant_state", None)
-    if type(param).__name__ != "Params4bit" or qs is None or not getattr(qs, "nested", False):
-        return 0
-    if param.__dict__.get(_FLAT) is not None:
-        return 0
-    return qs.absmax.numel() * 4
-
-
-def keep_flat_absmax(param: torch.Tensor) -> int:
-    """Dequantize the block scales of a double-quantized ``Params4bit`` once, as bitsandbytes'
-    ``dequantize_4bit`` does at every call (``dequantize_blockwise`` of the uint8 scales, plus the
-    offset, in fp32), and keep them on ``param``: its :class:`Bnb4bitWeight` then dequantizes in one launch
-    with the same result. Returns the bytes kept (0: not double-quantized, or kept already). Undone by
-    :func:`drop_flat_absmax`; a new ``quant_state`` (requantization) or an in-place change of the scales
-    makes the kept ones unused.
-
-    Example:
-        >>> import bitsandbytes as bnb
-        >>> layer = bnb.nn.Linear4bit(128, 64, bias=False, quant_type="nf4", compress_statistics=True)
-        >>> layer = layer.to("cpu")
-        >>> before = Bnb4bitWeight(layer.weight).dense().clone()
-        >>> keep_flat_absmax(layer.weight), torch.equal(Bnb4bitWeight(layer.weight).dense(), before)
-        (512, True)
-        >>> drop_flat_absmax(layer.weight)
-        512
-    """
-    size = flat_absmax_bytes(param)
-    if not size:
-        return 0
-    import bitsandbytes.functional as bnbf
-
-    qs = param.quant_state
-    absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2)
-    absmax += qs.offset
-    flat = bnbf.QuantState(
-        absmax=absmax.float(),
-        shape=qs.shape,
-        code=qs.code,
-        blocksize=qs.blocksize,
-        quant_type=qs.quant_type,
-        dtype=qs.dtype,
-    )
-    param.__dict__[_FLAT] = (qs, qs.absmax._version, flat)
-    return size
-
-
-def drop_flat_absmax(param: torch.Tensor) -> int:
-    """Forget what :func:`keep_flat_absmax` kept on ``param``; returns the bytes freed."""
-    kept = param.__dict__.pop(_FLAT, None) if hasattr(param, "__dict__") else None
-    return 0 if kept is None else kept[2].absmax.numel() * 4
 
 
 class Bnb8bitWeight(FrozenWeight):
