@@ -617,3 +617,34 @@ def test_selective_checkpoint_saves_a_marked_output_changed_in_place_as_it_is():
     x = torch.randn(4, 6, dtype=torch.float64)
     offload.selective_checkpoint(block, x).backward()
     assert made == [] and torch.allclose(w.grad, 3 * torch.tanh(x).T @ torch.ones(4, 6, dtype=torch.float64))
+
+
+class _Token:
+    """A value a call keeps in its memo (weakly referenceable: the test sees when the memo lets it go)."""
+
+
+@pytest.mark.parametrize("checkpoint", [offload.offloaded_checkpoint, offload.recompute_checkpoint])
+def test_a_call_memo_is_shared_by_its_forward_and_recompute_then_freed(checkpoint):
+    memos, made = [], []
+
+    def f(x):
+        memo = offload.call_memo()
+        memos.append(memo)
+        if "token" not in memo:
+            memo["token"] = _Token()
+            made.append(weakref.ref(memo["token"]))
+        return x * 2
+
+    assert offload.call_memo() is None
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(f, x)
+    assert offload.call_memo() is None  # only inside the call
+    y.sum().backward()
+    assert len(memos) == 2 and memos[0] is memos[1] and len(made) == 1  # the recompute found it
+    memos.clear()
+    del y
+    gc.collect()
+    assert made[0]() is None  # freed with the backward
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    checkpoint(f, torch.randn(3, requires_grad=True))  # another call: a memo of its own
+    assert len(made) == 2

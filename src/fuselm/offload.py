@@ -44,6 +44,7 @@ __all__ = [
     "remakeable",
     "output_may_go_unread",
     "note_unread_output",
+    "call_memo",
     "checkpoint_fn",
     "host_memory_stats",
     "reset_peak_host_memory_stats",
@@ -402,6 +403,38 @@ _RECOMPUTE = _Recompute()
 _OUTPUTS_READ: set[Any] = set()  # kinds of functions whose recompute saved a tensor after an unread output
 
 
+class _Memo(threading.local):
+    def __init__(self) -> None:
+        self.current: dict | None = None  # the memo of the checkpointed call running on this thread
+
+
+_MEMO = _Memo()
+
+
+def call_memo() -> dict | None:
+    """A dict private to the checkpointed call running now (:func:`offloaded_checkpoint`,
+    :func:`recompute_checkpoint`), shared by its forward and its recompute; None outside one. What the
+    forward stores there the recompute finds again: for values that depend on parameters only, never on
+    the call's inputs (a LoRA adapter cast to the compute dtype: made once, not again in the backward). It
+    is freed with the call's backward.
+
+    Example:
+        >>> call_memo() is None
+        True
+    """
+    return _MEMO.current
+
+
+@contextlib.contextmanager
+def _memo_scope(memo: dict | None):
+    state = _MEMO
+    outer, state.current = state.current, memo
+    try:
+        yield
+    finally:
+        state.current = outer
+
+
 def output_may_go_unread() -> bool:
     """Whether the call running now may return an output without values: True only inside a recompute
     of :func:`offloaded_checkpoint` / :func:`recompute_checkpoint`, with grad mode on and no other
@@ -492,8 +525,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             ctx.rng = (torch.get_rng_state(), *torch_checkpoint.get_device_states(*offloaded))
         ctx.stash = _Stash(offloaded, call.offload)  # copies queued before the function runs (it reads them)
         ctx.save_for_backward(*lifted)
-        with _recompute_scope(allow_unread=False):  # a forward inside a recompute reads its outputs
-            outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
+        ctx.memo = {}
+        with _recompute_scope(allow_unread=False), _memo_scope(ctx.memo):  # (a forward in a recompute reads
+            outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)  # its outputs)
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
         return tuple(outputs)
 
@@ -517,6 +551,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             )
             inputs, outputs, _ = _recompute(ctx, tensors, False)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        ctx.memo = None  # the recompute is done
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         needs = ctx.needs_input_grad[2:]
@@ -540,6 +575,7 @@ def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tup
         for kind, state in ctx.autocast.items():
             stack.enter_context(torch.amp.autocast(kind, **state))
         state = stack.enter_context(_recompute_scope(allow_unread))
+        stack.enter_context(_memo_scope(ctx.memo))
         outputs, _ = _split(ctx.call.run(inputs[:n], inputs[n:]), _is_tensor)
         saved_after = state.saved_after
     return inputs, outputs, saved_after

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import functools
 import re
 from pathlib import Path
 
@@ -1078,3 +1079,35 @@ def test_lora_projections_read_x_once_for_the_lows_and_sum_no_dx(gen):
     assert [
         op for op in bwd_separate.seen if op[0] in ("add", "add_") and op[1][0] == (40, IN)
     ]  # what it saves
+
+
+@pytest.mark.parametrize("checkpoint", ["offloaded", "recompute"])
+def test_adapter_casts_are_made_once_per_checkpointed_call(checkpoint, gen, monkeypatch):
+    """fp32 adapters under a 16-bit input are cast once for a checkpointed call's forward and reused by its
+    recompute; the gradients are those of the call without checkpointing, bit for bit."""
+    from fuselm import offload
+
+    run = {"offloaded": offload.offloaded_checkpoint, "recompute": offload.recompute_checkpoint}[checkpoint]
+    w = randn(gen, (OUT, IN), torch.bfloat16)
+    a = randn(gen, (8, IN), torch.float32).requires_grad_()
+    b = randn(gen, (OUT, 8), torch.float32).requires_grad_()
+    x = randn(gen, (*LEAD, IN), torch.bfloat16).requires_grad_()
+    f = functools.partial(L.lora_linear, base=w, adapter=L.LoraAdapter(a, b, scaling=2.0))
+    f(x).float().sum().backward()
+    want = [t.grad.clone() for t in (x, a, b)]
+    for t in (x, a, b):
+        t.grad = None
+    casts = []
+    real = torch.Tensor.to
+
+    def counting(self, *args, **kwargs):
+        if self is a:
+            casts.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting)
+    run(f, x).float().sum().backward()
+    monkeypatch.undo()
+    assert len(casts) == 1
+    for t, g in zip((x, a, b), want, strict=True):
+        assert torch.equal(t.grad, g)

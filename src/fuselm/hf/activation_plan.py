@@ -18,7 +18,8 @@ recomputed ones (each saves a host round trip), and offloads the rest: ``peak ~ 
 n_recompute I T + (K + R) T`` (the last term: one layer's activations, its norm outputs ``R`` included, while
 a checkpointed layer's backward runs; none when every layer is kept), where ``base`` is what the device holds
 when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
-trainable parameters not allocated yet. The offloaded layers are the first ones (their inputs come back last
+trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
+its backward. The offloaded layers are the first ones (their inputs come back last
 in the backward: the most time for the copies), the kept ones the last.
 
 ``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
@@ -172,6 +173,18 @@ def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int
     return sum(seen.values()), sum(remade.values())
 
 
+def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes a layer holds from its forward to its backward in any mode besides activations: its trainable
+    parameters of another dtype cast to the compute dtype (fp32 LoRA adapters in bf16: kept for the
+    backward, and, checkpointed, for the recompute too: :func:`fuselm.offload.call_memo`)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        p.numel() * size
+        for p in layer.parameters()
+        if p.requires_grad and p.is_floating_point() and p.dtype != dtype
+    )
+
+
 def host_available() -> int | None:
     """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), or None
     where there is no such file."""
@@ -247,6 +260,7 @@ class _Planner:
         kept, remade = (math.ceil(n / tokens) for n in _saved_bytes(layer, args, kwargs))
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
+        base += len(self.layers) * _cast_bytes(layer, hidden.dtype)
         modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
         if self.plan.estimated_peak > budget:

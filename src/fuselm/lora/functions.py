@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..offload import call_memo
 from ..ops.swiglu import check_chunk_rows, gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
@@ -251,11 +252,20 @@ def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float) -
 
 
 def _cast_adapter(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype):
+    """(A, B) in ``dtype``; inside a checkpointed call, made once for its forward and its recompute
+    (:func:`fuselm.offload.call_memo`: two launches fewer per projection in the backward)."""
     if a is None:
         return None, None
     if a.dtype == dtype:  # (a no-op .to still costs host time)
         return a, b
-    return a.to(dtype), b.to(dtype)
+    memo = call_memo()
+    if memo is None:
+        return a.to(dtype), b.to(dtype)
+    key = ("lora_cast", id(a), id(b), dtype)
+    kept = memo.get(key)
+    if kept is None or kept[0] is not a or kept[1] is not b:
+        kept = memo[key] = (a, b, (a.to(dtype), b.to(dtype)))
+    return kept[2]
 
 
 def _backward_cast(cast: tuple, a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype):
