@@ -4,9 +4,10 @@ tables and figures of both (one text: each table in one of them) equal the commi
 - Every ```python block of README.md whose first line is ``# runnable on CPU`` runs as written, each in
   a fresh Python process (a fresh namespace, and no process-wide state such as ``fuselm.hf.patch("qwen3")``
   leaking into other tests), on the CPU (``CUDA_VISIBLE_DEVICES=""``), in a temporary working directory.
-- The fine-tuning tables (marked ``<!-- finetune.json: ... -->`` / ``<!-- finetune_1b.json: ... -->``)
+- The fine-tuning tables (marked ``<!-- h100/finetune.json: ... -->``, ``<!-- h200/finetune.json: ... -->``,
+  ``<!-- finetune_1b.json: ... -->``)
   show, cell by cell, ``f"{ms:.0f} ms, {GiB:.2f} GiB"`` of the medians of the committed rows
-  (``benchmarks/results/h200/finetune*.json``), the format ``fuselm bench finetune`` writes.
+  (``benchmarks/results/<gpu>/finetune*.json``), the format ``fuselm bench finetune`` writes.
 - The other tables of "## Benchmarks" equal the committed JSON of the suite and GPU each one names: end to
   end (h200/e2e.json), cross-entropy (h200/ and h100/cross_entropy.json), fused linear cross-entropy
   (h200/linear_cross_entropy.json), per-token log-probs and their error row (h100/linear_log_probs.json),
@@ -122,11 +123,12 @@ def provider_of(title: str) -> str:
     return f"fuselm@{budget.group(1)}" if budget else PROVIDERS[title]
 
 
-def test_finetune_8b_table_equals_json():
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_finetune_8b_table_equals_json(gpu):
     """Every cell is the committed rows' medians ("—": a provider not run for that scenario), and every
-    ok row of the report is in the table."""
-    data = json.loads((RESULTS / "finetune.json").read_text())
-    table = table_after("<!-- finetune.json: llama3-8b 4x2048 -->")
+    ok row of the report is in the table (the README's H100 table, docs/benchmarks.md's H200 one)."""
+    data = json.loads((ALL / gpu / "finetune.json").read_text())
+    table = table_after(f"<!-- {gpu}/finetune.json: llama3-8b 4x2048 -->")
     head, body = table[0], table[2:]
     providers = [provider_of(h) for h in head[1:]]
     assert {row[0].split(" (")[0] for row in body} == set(SCENARIOS)
