@@ -335,17 +335,36 @@ def test_a_copy_keeps_its_own_planner(how):
     assert activation_plan.current(other).tokens == 64 and activation_plan.current(model).tokens == 32
 
 
-def test_a_plan_offloading_more_than_the_host_has_says_so(monkeypatch):
-    """Offloaded inputs take pinned host memory: a plan that needs more than the host has available
-    warns with both figures (and the plan reports what it offloads)."""
+def test_a_plan_offloads_no_more_than_the_host_holds(monkeypatch):
+    """Offloaded inputs take pinned host memory: with room for one input on the host, the plan offloads
+    one and keeps the others on the device (recomputed, over the budget), and says so; where the host
+    does not say what it has, nothing limits the offloads."""
     f = _figures()
+    one = f.input_bytes_per_token * f.tokens
     transient = (f.keep_bytes_per_token + f.remade_bytes_per_token) * f.tokens
-    model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(f.base + transient))
-    monkeypatch.setattr(activation_plan, "host_available", lambda: 1000)
+    budget = _gib(f.base + transient)  # every input offloaded
+    model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=budget)
+    monkeypatch.setattr(activation_plan, "host_room", lambda: one + one // 2)
     with pytest.warns(
-        UserWarning, match=r"offloads 4 layer inputs, .* of pinned host memory, and the host has"
+        UserWarning, match=r"room for 1 offloaded layer input\(s\) .* so 3 more stay on the device"
     ):
         _step(model, _batch(16))
     plan = activation_plan.current(model)
-    assert plan.host_bytes == 4 * f.input_bytes_per_token * f.tokens and "of host memory" in str(plan)
+    assert plan.modes == ("offload",) + ("recompute",) * 3
+    assert plan.host_bytes == one and "of host memory" in str(plan)
+    monkeypatch.undo()
+    monkeypatch.setattr(activation_plan, "host_available", lambda: None)
+    other = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=budget)
+    _step(other, _batch(16))
+    assert activation_plan.current(other).modes == ("offload",) * 4
+
+
+def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
+    monkeypatch.setattr(activation_plan, "host_available", lambda: 1000)
+    pool = {"pinned_bytes": 64, "pageable_bytes": 8}
+    monkeypatch.setattr(activation_plan.checkpoints, "host_memory_stats", lambda: pool)
+    assert activation_plan.host_room() == int(activation_plan.HOST_FRACTION * 1000) + 72
+    monkeypatch.setattr(activation_plan, "host_available", lambda: None)
+    assert activation_plan.host_room() is None
+    monkeypatch.undo()
     assert activation_plan.host_available() is None or activation_plan.host_available() > 0

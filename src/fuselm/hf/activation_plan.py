@@ -19,7 +19,9 @@ n_recompute I T + (K + R) T`` (the last term: one layer's activations, its norm 
 a checkpointed layer's backward runs; none when every layer is kept), where ``base`` is what the device holds
 when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
 trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
-its backward. The offloaded layers are the first ones (their inputs come back last
+its backward. Offloaded inputs take pinned host memory: the plan offloads no more of them
+than :func:`host_room` holds (the rest stay on the device, recomputed, over the budget if they must, said
+in a warning). The offloaded layers are the first ones (their inputs come back last
 in the backward: the most time for the copies), the kept ones the last.
 
 ``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
@@ -103,13 +105,21 @@ def _peak(modes: tuple[str, ...], tokens: int, base: int, keep: int, inp: int, r
 
 
 def plan_layers(
-    n_layers: int, tokens: int, budget: int, base: int, keep: int, inp: int, remade: int = 0
+    n_layers: int,
+    tokens: int,
+    budget: int,
+    base: int,
+    keep: int,
+    inp: int,
+    remade: int = 0,
+    host: int | None = None,
 ) -> tuple[str, ...]:
     """The modes of ``n_layers`` decoder layers for ``tokens`` tokens under ``budget`` bytes, from ``base``
     bytes held anyway, ``keep`` bytes per token of a kept layer, ``inp`` of a layer's input and ``remade``
     of the outputs a kept layer makes again (a recomputed layer holds them too while its backward runs):
     as many kept layers as fit, then recomputed ones, the rest offloaded (all offloaded when even that
-    is over).
+    is over). ``host``: the bytes of host memory the offloaded inputs may take (None: no limit); the
+    inputs that do not fit there stay on the device (recomputed), over the budget if they must.
 
     Example (a kept layer holds 200 bytes here, an input 20):
         >>> plan_layers(4, 10, budget=1000, base=200, keep=20, inp=2)
@@ -118,6 +128,8 @@ def plan_layers(
         ('recompute', 'recompute', 'recompute', 'keep')
         >>> plan_layers(4, 10, budget=450, base=200, keep=20, inp=2)
         ('offload', 'offload', 'recompute', 'recompute')
+        >>> plan_layers(4, 10, budget=450, base=200, keep=20, inp=2, host=25)  # one input fits the host
+        ('offload', 'recompute', 'recompute', 'recompute')
     """
     if _peak(("keep",) * n_layers, tokens, base, keep, inp, remade) <= budget:
         return ("keep",) * n_layers
@@ -126,6 +138,9 @@ def plan_layers(
     room -= n_keep * keep * tokens
     n_recompute = max(0, min(n_layers - n_keep, room // max(inp * tokens, 1)))
     n_offload = n_layers - n_keep - n_recompute
+    if host is not None:
+        n_offload = min(n_offload, max(0, host) // max(inp * tokens, 1))
+        n_recompute = n_layers - n_keep - n_offload
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
 
 
@@ -183,6 +198,20 @@ def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
         for p in layer.parameters()
         if p.requires_grad and p.is_floating_point() and p.dtype != dtype
     )
+
+
+HOST_FRACTION = 0.9  # of the host's available memory, what offloaded layer inputs may take
+
+
+def host_room() -> int | None:
+    """The host memory a plan may give offloaded layer inputs: :data:`HOST_FRACTION` of what the host has
+    available (:func:`host_available`) plus the buffers fuselm's pool holds already (reused); None where
+    the host does not say."""
+    available = host_available()
+    if available is None:
+        return None
+    pool = checkpoints.host_memory_stats()
+    return int(HOST_FRACTION * available) + pool["pinned_bytes"] + pool["pageable_bytes"]
 
 
 def host_available() -> int | None:
@@ -261,21 +290,23 @@ class _Planner:
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
         base += len(self.layers) * _cast_bytes(layer, hidden.dtype)
-        modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade)
+        host = host_room()
+        modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade, host)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
-        if self.plan.estimated_peak > budget:
+        held = modes.count("offload") - plan_layers(
+            len(modes), tokens, budget, base, kept, inp, remade
+        ).count("offload")  # < 0: inputs the host has no room for, recomputed on the device instead
+        if held < 0:
+            warnings.warn(
+                f"fuselm.hf: the host has room for {modes.count('offload')} offloaded layer input(s) "
+                f"({_size(host)} of its available memory), so {-held} more stay on the device: {self.plan}; "
+                "a shorter sequence or a model on more GPUs needs less",
+                stacklevel=2,
+            )
+        elif self.plan.estimated_peak > budget:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
             _log.info("fuselm.hf: activation plan: %s", self.plan)
-        available = host_available()
-        if available is not None and self.plan.host_bytes > available:
-            warnings.warn(
-                f"fuselm.hf: the activation plan offloads {self.plan.modes.count('offload')} layer inputs, "
-                f"{_size(self.plan.host_bytes)} of pinned host memory, and the host has {_size(available)} "
-                "available: a larger memory_budget keeps more inputs on the device, a shorter sequence "
-                "needs less",
-                stacklevel=2,
-            )
         self.apply(modes)
 
     def apply(self, modes: tuple[str, ...]) -> None:
