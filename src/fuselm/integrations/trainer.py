@@ -182,8 +182,12 @@ def check_trainer(trainer) -> None:
     for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
         if getattr(trainer, flag, False):
             _refuse(f"the trainer runs {what}; captured steps are for one process on one GPU")
-    if getattr(args, "gradient_checkpointing", False):
-        _refuse(_CHECKPOINTING)
+    for flag in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5.25, 5.17
+        on = getattr(args, flag, None)
+        if on is not None:
+            if on:
+                _refuse(_CHECKPOINTING)
+            break
     if getattr(args, "torch_compile", False):
         _refuse("torch_compile=True: a compiled model and a captured step do not combine (pick one)")
     if getattr(args, "activation_offloading", False):
@@ -192,7 +196,8 @@ def check_trainer(trainer) -> None:
 
 _CHECKPOINTING = (
     "gradient checkpointing is on: its recomputation saves and restores the RNG state on the host, which a "
-    "CUDA graph capture refuses (train without it: captured steps are for small batches)"
+    "CUDA graph capture refuses; train without it (gradient_checkpointing=False: TRL's configs turn it on "
+    "by default), captured steps are for small batches"
 )
 
 
