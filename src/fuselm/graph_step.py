@@ -254,7 +254,7 @@ class GraphCache:
         for i, p in enumerate(params):
             if p.device.type not in CAPTURE_DEVICES:
                 raise ValueError(
-                    f"{self.owner}: trainable parameter {i} is on {p.device}: a CUDA graph holds GPU work only"
+                    f"{self.owner}: trainable parameter {i} is on {p.device}: a graph holds GPU work only"
                 )
         device = tensors[0].device if tensors else params[0].device
         inputs = [t.detach().clone() for t in tensors]
@@ -317,20 +317,22 @@ class GraphCache:
 
     @contextlib.contextmanager
     def _capturing(self, graph, key):
-        """Capture into ``graph`` (the cache's pool; other threads' CUDA calls allowed: a data loader's pinning
-        thread); a failure raises RuntimeError naming the signature and the cause."""
+        """Capture into ``graph`` (the cache's pool; other threads' CUDA calls allowed: a data loader's
+        pinning thread); a failure raises RuntimeError naming the signature and the cause."""
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 yield
         except Exception as e:
             raise RuntimeError(
-                f"{self.owner}: the step of a batch of {_describe_key(key)} cannot be captured in a CUDA graph: "
-                f"{type(e).__name__}: {e}. A capture fails on a host synchronization (.item(), a tensor's value "
-                "read by Python, a data-dependent shape such as indexing by a boolean mask) or a tensor off the "
-                "GPU; run these steps without capture"
+                f"{self.owner}: the step of a batch of {_describe_key(key)} cannot be captured in a CUDA "
+                f"graph: {type(e).__name__}: {e}. A capture fails on a host synchronization (.item(), a "
+                "tensor's value read by Python, a data-dependent shape such as indexing by a boolean mask) "
+                "or a tensor off the GPU; run these steps without capture"
             ) from e
 
-    def _replay_backward(self, graphs: _Graphs, ticket: _Ticket, grads: Sequence[torch.Tensor | None]) -> None:
+    def _replay_backward(
+        self, graphs: _Graphs, ticket: _Ticket, grads: Sequence[torch.Tensor | None]
+    ) -> None:
         if self._last() is not ticket:
             raise RuntimeError(
                 f"{self.owner}: a backward through a captured forward after a later captured call overwrote "
@@ -396,9 +398,7 @@ def _signature(args: tuple, kwargs: dict):
 def _describe_key(key: tuple) -> str:
     """The tensor arguments' shapes of a signature: ``input_ids [1, 2048], labels [1, 2048]``."""
     names = {True: "args[{}]", False: "{}"}
-    shapes = [
-        f"{names[isinstance(e[1], int)].format(e[1])} {list(e[2])}" for e in key if e[0] == "tensor"
-    ]
+    shapes = [f"{names[isinstance(e[1], int)].format(e[1])} {list(e[2])}" for e in key if e[0] == "tensor"]
     return ", ".join(shapes) or "no tensor arguments"
 
 

@@ -54,7 +54,9 @@ def pad(rows):
     length = max(len(r["input_ids"]) for r in rows)
 
     def padded(key, value):
-        return torch.stack([torch.nn.functional.pad(r[key], (0, length - len(r[key])), value=value) for r in rows])
+        return torch.stack(
+            [torch.nn.functional.pad(r[key], (0, length - len(r[key])), value=value) for r in rows]
+        )
 
     mask = torch.stack([(torch.arange(length) < len(r["input_ids"])).long() for r in rows])
     return {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100), "attention_mask": mask}
@@ -313,7 +315,10 @@ def test_sft_trainer(tmp_path, device):
         try:
             with tm.lm_head(kind):
                 trainer = SFTTrainer(
-                    model=str(path), args=args, train_dataset=tm.prompt_completion(16), processing_class=tm.tokenizer()
+                    model=str(path),
+                    args=args,
+                    train_dataset=tm.prompt_completion(16),
+                    processing_class=tm.tokenizer(),
                 )
                 if graphs:
                     capture_training_steps(trainer, max_graphs=4, warmup=2)

@@ -143,12 +143,13 @@ def capture_training_steps(trainer, *, max_graphs: int = 4, warmup: int = 3):
         >>> trainer = Trainer(model=model, args=args)
         >>> capture_training_steps(trainer, max_graphs=2)
         Traceback (most recent call last):
-        ValueError: capture_training_steps: the trainer runs on cpu; CUDA graphs hold GPU work only (train without capture_training_steps there)
+        ValueError: capture_training_steps: the trainer runs on cpu; CUDA graphs hold GPU work only
 
-    On a GPU, with the model patched by fuselm:
-        >>> model = fuselm.hf.patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))  # doctest: +SKIP
-        >>> trainer = SFTTrainer(model=model, args=SFTConfig(..., pad_to_multiple_of=256), ...)  # doctest: +SKIP
-        >>> capture_training_steps(trainer).train()                                          # doctest: +SKIP
+    On a GPU, with the model patched by fuselm (SDPA attention: what ``from_pretrained`` gives):
+        >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)       # doctest: +SKIP
+        >>> model = fuselm.hf.patch(model)                                                  # doctest: +SKIP
+        >>> args = SFTConfig(..., pad_to_multiple_of=256, gradient_checkpointing=False)     # doctest: +SKIP
+        >>> capture_training_steps(SFTTrainer(model=model, args=args, ...)).train()        # doctest: +SKIP
     """
     if not (callable(getattr(trainer, "training_step", None)) and hasattr(trainer, "args")):
         raise ValueError(
@@ -170,10 +171,7 @@ def check_trainer(trainer) -> None:
     args = trainer.args
     device = args.device
     if device.type not in graph_step.CAPTURE_DEVICES:
-        _refuse(
-            f"the trainer runs on {device.type}; CUDA graphs hold GPU work only (train without "
-            "capture_training_steps there)"
-        )
+        _refuse(f"the trainer runs on {device.type}; CUDA graphs hold GPU work only")
     if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
         _refuse(
             "the trainer runs on several GPUs or processes; captured steps are for one process on one GPU "
@@ -213,9 +211,7 @@ def check_model(model) -> None:
         attention = getattr(c, "_attn_implementation", None)
         if attention not in (None, "sdpa"):
             why = _ATTENTION.get(attention, "only SDPA attention is known to capture")
-            _refuse(
-                f"the model's attention is {attention!r}: {why}; load it with attn_implementation='sdpa'"
-            )
+            _refuse(f"the model's attention is {attention!r}: {why}; load it with attn_implementation='sdpa'")
     for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5.25, 5.17
         on = getattr(model, flag, None)
         if on is not None:
@@ -229,5 +225,3 @@ def check_model(model) -> None:
 
 def _refuse(why: str):
     raise ValueError(f"capture_training_steps: {why}")
-
-
