@@ -154,6 +154,25 @@ def test_gradients_add_into_grad_as_backward_adds_them(device):
         torch.testing.assert_close(p.grad, g)
 
 
+def test_a_grad_made_between_forward_and_backward_is_added(device):
+    """An eager backward between a replayed forward and its backward (another loss term): its .grad is
+    added to the replay's, after the pass that writes the buffers (no .grad at the forward: after
+    zero_grad() to None) and the pass that adds into them (zeroed buffers: zero_grad(set_to_none=False))."""
+    graphed, eager = _model(device), _model(device)
+    params = _trained(graphed)
+    cache = GraphCache(max_graphs=1, warmup=1, owner="test")
+    a, b = _batch(1, device), _batch(2, device)
+    want = _eager_grads(eager, [a, b])
+    for set_to_none in (True, False, True):
+        graphed.zero_grad(set_to_none=set_to_none)
+        out = cache(_loss(graphed), lambda: params, tuple(a), {})
+        _loss(graphed)(*b).backward()
+        out.backward()
+        for p, g in zip(params, want, strict=True):
+            torch.testing.assert_close(p.grad, g)
+    assert cache.replays == 3 and cache.eager == 0
+
+
 def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(device):
     graphed, eager = _model(device), _model(device)
     step = CapturedStep(_loss(graphed), _trained(graphed), _batch(0, device, rows=4), max_graphs=2)

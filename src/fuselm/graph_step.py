@@ -49,12 +49,22 @@ class _Ticket:
 
 
 class _GradientBuffers:
-    """One gradient tensor per parameter, kept across steps: the backward graphs add into it, and it is the
-    parameter's ``.grad`` after each replay (Trainer's ``zero_grad()`` sets ``.grad`` to None: the next
-    replay zeroes the buffer first; a ``.grad`` an eager backward made is copied in first)."""
+    """One gradient tensor per parameter, kept across steps and shapes: it is the parameter's ``.grad``
+    after each replay. The first signature is captured twice, forward and backward: once with no ``.grad``
+    (the gradients its backward writes become the buffers: a step after ``zero_grad()`` replays it, nothing
+    to zero or add), once adding into the buffers; later signatures add into them (zeroed first where
+    ``.grad`` is None; a ``.grad`` an eager backward made is copied in first)."""
 
     def __init__(self) -> None:
         self._of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def has_any(self, params: Sequence[torch.Tensor]) -> bool:
+        return any(id(p) in self._of for p in params)
+
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        """Make each parameter's current ``.grad`` its buffer (zeros where it has none)."""
+        for p in params:
+            self._of[id(p)] = (p, p.grad if p.grad is not None else torch.zeros_like(p))
 
     def pairs(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its buffer) for each of ``params``, buffers made (zeros) on first need."""
@@ -68,7 +78,7 @@ class _GradientBuffers:
 
     @staticmethod
     def prepare(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Make each buffer hold its parameter's ``.grad`` (zero for None) before a replay adds to it."""
+        """Make each buffer hold its parameter's ``.grad`` (zero for None) before a backward adds to it."""
         zero = []
         for p, buffer in pairs:
             grad = p.grad
@@ -84,40 +94,57 @@ class _GradientBuffers:
     @staticmethod
     def publish(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for p, buffer in pairs:
-            p.grad = buffer
+            if p.grad is not buffer:
+                p.grad = buffer
 
 
-class _Graphs:
-    """The forward and backward graphs of one signature and the tensors they read and write."""
+class _Pass:
+    """A captured forward and the backward that reads its activations, with the tensors they write."""
 
-    __slots__ = ("inputs", "forward", "backward", "outputs", "spec", "diff", "grad_outputs", "pairs")
+    __slots__ = ("forward", "backward", "outputs", "spec", "diff", "grad_outputs")
 
-    def __init__(self, inputs, forward, backward, outputs, spec, diff, grad_outputs, pairs):
-        self.inputs = inputs  # the static input tensors (each call copies into them)
+    def __init__(self, forward, backward, outputs, spec, diff, grad_outputs):
         self.forward, self.backward = forward, backward
         self.outputs = outputs  # the output leaves: static tensors (detached) and constants
         self.spec = spec  # their structure (torch.utils._pytree)
         self.diff = diff  # the indices of the leaves that require grad
         self.grad_outputs = grad_outputs  # their gradients, read by the backward graph
+
+
+class _Graphs:
+    """The captured passes of one signature: one whose backward adds into the gradient buffers, and for the
+    first signature one whose backward writes them (a step after ``zero_grad()``)."""
+
+    __slots__ = ("inputs", "add", "write", "pairs")
+
+    def __init__(self, inputs, add: _Pass, write: _Pass | None, pairs):
+        self.inputs = inputs  # the static input tensors (each call copies into them)
+        self.add, self.write = add, write
         self.pairs = pairs  # (parameter, gradient buffer) of the parameters the backward reaches
+
+    def pass_for_grads(self) -> _Pass:
+        """The write pass when there is one and no parameter has a ``.grad``, else the add pass."""
+        if self.write is not None and all(p.grad is None for p, _ in self.pairs):
+            return self.write
+        return self.add
 
 
 class _Replay(torch.autograd.Function):
-    """The forward graph's replay as one autograd node; its backward replays the backward graph."""
+    """A forward graph's replay as one autograd node; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, cache, graphs, ticket, anchor):
+    def forward(ctx, cache, graphs, captured, ticket, anchor):
         ctx.set_materialize_grads(False)
-        ctx.cache, ctx.graphs, ctx.ticket = cache, graphs, ticket
-        graphs.forward.replay()
+        ctx.cache, ctx.graphs, ctx.captured, ctx.ticket = cache, graphs, captured, ticket
+        captured.forward.replay()
         # scalars (the loss) are copied: callers keep them; the rest alias the graph's outputs without being
         # autograd views (which may not be changed in place: Trainer scales its loss with *=)
-        return tuple(_copy_or_alias(graphs.outputs[i]) for i in graphs.diff)
+        return tuple(_copy_or_alias(captured.outputs[i]) for i in captured.diff)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.cache._replay_backward(ctx.graphs, ctx.ticket, grads)
-        return None, None, None, None
+        ctx.cache._replay_backward(ctx.graphs, ctx.captured, ctx.ticket, grads)
+        return None, None, None, None, None
 
 
 def _copy_or_alias(t: torch.Tensor) -> torch.Tensor:
@@ -213,11 +240,12 @@ class GraphCache:
         ticket = _Ticket()
         self._last = weakref.ref(ticket)
         self.replays += 1
-        outputs = list(graphs.outputs)
-        replayed = _Replay.apply(self, graphs, ticket, self._anchor(graphs))
-        for i, t in zip(graphs.diff, replayed, strict=True):
+        captured = graphs.pass_for_grads()
+        outputs = list(captured.outputs)
+        replayed = _Replay.apply(self, graphs, captured, ticket, self._anchor(graphs))
+        for i, t in zip(captured.diff, replayed, strict=True):
             outputs[i] = t
-        return pytree.tree_unflatten(outputs, graphs.spec)
+        return pytree.tree_unflatten(outputs, captured.spec)
 
     def capture(self, fn: Callable, params: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> None:
         """Capture the signature of ``fn(*args, **kwargs)`` now (warm-up and capture, nothing replayed), as
@@ -267,23 +295,34 @@ class GraphCache:
         reached = self._warm_up(call, params, device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        pairs = self._buffers.pairs(reached)
         stash = [p.grad for p in reached]
+        write = None
         try:
-            with self._capturing(forward, key):
-                leaves, spec = pytree.tree_flatten(call())
-            diff = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
-            grad_outputs = [torch.empty_like(leaves[i]) for i in diff]
+            if not self._buffers.has_any(reached):
+                for p in reached:  # AccumulateGrad takes a gradient as .grad where there is none: the buffers
+                    p.grad = None
+                write = self._capture_pass(call, key, reached)
+                self._buffers.adopt(reached)
+            pairs = self._buffers.pairs(reached)
             for p, buffer in pairs:  # AccumulateGrad adds into an existing .grad in place: into the buffer
                 p.grad = buffer
-            with self._capturing(backward, key):
-                torch.autograd.backward([leaves[i] for i in diff], grad_outputs, inputs=reached)
+            add = self._capture_pass(call, key, reached)
         finally:
             for p, grad in zip(reached, stash, strict=True):
                 p.grad = grad
+        return _Graphs(inputs, add, write, pairs)
+
+    def _capture_pass(self, call, key, reached) -> _Pass:
+        """Capture a forward and its backward (into the parameters' ``.grad`` as they are now)."""
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with self._capturing(forward, key):
+            leaves, spec = pytree.tree_flatten(call())
+        diff = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
+        grad_outputs = [torch.empty_like(leaves[i]) for i in diff]
+        with self._capturing(backward, key):
+            torch.autograd.backward([leaves[i] for i in diff], grad_outputs, inputs=reached)
         outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in leaves]
-        return _Graphs(inputs, forward, backward, outputs, spec, diff, grad_outputs, pairs)
+        return _Pass(forward, backward, outputs, spec, diff, grad_outputs)
 
     def _warm_up(self, call, params, device) -> list[torch.Tensor]:
         """``warmup`` eager forward + backward passes on a side stream (the parameters' ``.grad`` as they
@@ -330,21 +369,27 @@ class GraphCache:
                 "or a tensor off the GPU; run these steps without capture"
             ) from e
 
-    def _replay_backward(
-        self, graphs: _Graphs, ticket: _Ticket, grads: Sequence[torch.Tensor | None]
-    ) -> None:
+    def _replay_backward(self, graphs: _Graphs, captured: _Pass, ticket: _Ticket, grads) -> None:
         if self._last() is not ticket:
             raise RuntimeError(
                 f"{self.owner}: a backward through a captured forward after a later captured call overwrote "
                 "its activations (call backward before the next forward)"
             )
-        for static, grad in zip(graphs.grad_outputs, grads, strict=True):
+        for static, grad in zip(captured.grad_outputs, grads, strict=True):
             if grad is None:
                 static.zero_()
             else:
                 static.copy_(grad)
-        self._buffers.prepare(graphs.pairs)
-        graphs.backward.replay()
+        if captured is graphs.write:  # writes the buffers: a .grad set since the forward is added after
+            kept = [
+                (b, p.grad.clone() if p.grad is b else p.grad) for p, b in graphs.pairs if p.grad is not None
+            ]
+            captured.backward.replay()
+            for buffer, grad in kept:
+                buffer.add_(grad)
+        else:
+            self._buffers.prepare(graphs.pairs)
+            captured.backward.replay()
         self._buffers.publish(graphs.pairs)
         ticket.done = True
 
