@@ -10,8 +10,8 @@ arguments, the values of the others), the forward of a callable and its backward
 - when autograd reaches that node, the gradients it is given (of the loss, of per-token log-probs: whatever
   the caller computed from the outputs, scaled however it likes, eagerly) are copied into the backward
   graph, which replays and adds every parameter's gradient into its ``.grad`` as ``backward()`` adds it
-  (zeroed first where ``.grad`` is None). The optimizer, gradient clipping and the loss arithmetic around
-  the call stay outside the graphs.
+  (into gradient buffers kept across steps, which become the ``.grad`` tensors). The optimizer, gradient
+  clipping and the loss arithmetic around the call stay outside the graphs.
 
 Signatures beyond ``max_graphs``, arguments that cannot be captured and a call made before the backward of
 the previous one run eagerly, each said once (``warnings.warn``). :class:`CapturedStep` (a loss function's
@@ -154,15 +154,17 @@ def _copy_or_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 class GraphCache:
-    """Forward and backward graphs of a callable, one pair per input signature, replayed by autograd.
+    """Forward and backward graphs of a callable per input signature, replayed by autograd.
 
     ``cache(fn, params, args, kwargs)`` returns what ``fn(*args, **kwargs)`` returns, computed by the forward
     graph of that signature (captured on its first call: ``warmup`` eager forward + backward passes on a side
     stream, which compile every Triton kernel and settle the allocator, then the capture); autograd runs the
-    backward graph, which adds the gradients of ``params()`` into their ``.grad``. The graphs of all
-    signatures share one memory pool (about one step's activations at the largest shape), so a call's outputs
-    hold their values until the next captured call, and a call made while the backward of the previous one is
-    still to come runs eagerly (its activations would be overwritten).
+    backward graph, which adds the gradients of ``params()`` into their ``.grad`` (the first signature has a
+    second forward and backward for a step where no ``.grad`` exists, whose backward writes them instead:
+    :class:`_GradientBuffers`). The graphs of all signatures share one memory pool (about one step's
+    activations at the largest shape), so a call's outputs hold their values until the next captured call,
+    and a call made while the backward of the previous one is still to come runs eagerly (its activations
+    would be overwritten).
 
     Runs ``fn`` eagerly (the same results, autograd as usual) and warns once per cause: grad mode off
     (silently: nothing to capture), an argument that is no tensor of a captured device and no None / bool /
