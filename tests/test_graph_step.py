@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from kit.fake_graphs import emulate
 
 import fuselm
 from fuselm import CapturedStep
@@ -61,15 +60,6 @@ def test_bad_arguments_are_named(kwargs, message):
 # ---- replays: CUDA graphs on a GPU, emulated graphs on the CPU ----
 
 
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    """Where the graphs run: "cuda" (real CUDA graphs) or "cpu" (emulated: kit.fake_graphs)."""
-    if request.param == "emulated":
-        emulate(monkeypatch)
-        return "cpu"
-    return "cuda"
-
-
 def _model(device, seed=0):
     torch.manual_seed(seed)
     layers = dict(up=torch.nn.Linear(16, 64), down=torch.nn.Linear(32, 16), unused=torch.nn.Linear(2, 2))
@@ -104,11 +94,11 @@ def _eager_grads(model, batches):
     return [p.grad.clone() for p in _trained(model)]
 
 
-def test_replays_give_the_eager_steps_loss_and_gradients(device):
-    graphed, eager, ref = _model(device), _model(device), _model(device).double()
-    step = CapturedStep(_loss(graphed), list(graphed.parameters()), _batch(0, device))
+def test_replays_give_the_eager_steps_loss_and_gradients(graph_device):
+    graphed, eager, ref = _model(graph_device), _model(graph_device), _model(graph_device).double()
+    step = CapturedStep(_loss(graphed), list(graphed.parameters()), _batch(0, graph_device))
     for seed in (1, 2, 3):
-        x, t = _batch(seed, device)
+        x, t = _batch(seed, graph_device)
         for m in (graphed, eager, ref):
             m.zero_grad(set_to_none=True)
         loss = step(x, t)
@@ -130,12 +120,12 @@ def test_replays_give_the_eager_steps_loss_and_gradients(device):
     assert step.graphs.replays == 3 and step.graphs.eager == 0
 
 
-def test_gradients_add_into_grad_as_backward_adds_them(device):
+def test_gradients_add_into_grad_as_backward_adds_them(graph_device):
     """Micro-batches accumulate; a .grad set to None (zero_grad) starts again from zero; a .grad an eager
     backward made is added to; the gradient buffers become .grad."""
-    graphed, eager = _model(device), _model(device)
-    step = CapturedStep(_loss(graphed), _trained(graphed), _batch(0, device))
-    batches = [_batch(seed, device) for seed in (1, 2, 3)]
+    graphed, eager = _model(graph_device), _model(graph_device)
+    step = CapturedStep(_loss(graphed), _trained(graphed), _batch(0, graph_device))
+    batches = [_batch(seed, graph_device) for seed in (1, 2, 3)]
     for x, t in batches[:2]:
         step(x, t)
     want = _eager_grads(eager, batches[:2])
@@ -154,14 +144,14 @@ def test_gradients_add_into_grad_as_backward_adds_them(device):
         torch.testing.assert_close(p.grad, g)
 
 
-def test_a_grad_made_between_forward_and_backward_is_added(device):
+def test_a_grad_made_between_forward_and_backward_is_added(graph_device):
     """An eager backward between a replayed forward and its backward (another loss term): its .grad is
     added to the replay's, after the pass that writes the buffers (no .grad at the forward: after
     zero_grad() to None) and the pass that adds into them (zeroed buffers: zero_grad(set_to_none=False))."""
-    graphed, eager = _model(device), _model(device)
+    graphed, eager = _model(graph_device), _model(graph_device)
     params = _trained(graphed)
     cache = GraphCache(max_graphs=1, warmup=1, owner="test")
-    a, b = _batch(1, device), _batch(2, device)
+    a, b = _batch(1, graph_device), _batch(2, graph_device)
     want = _eager_grads(eager, [a, b])
     for set_to_none in (True, False, True):
         graphed.zero_grad(set_to_none=set_to_none)
@@ -173,14 +163,14 @@ def test_a_grad_made_between_forward_and_backward_is_added(device):
     assert cache.replays == 3 and cache.eager == 0
 
 
-def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(device):
-    graphed, eager = _model(device), _model(device)
-    step = CapturedStep(_loss(graphed), _trained(graphed), _batch(0, device, rows=4), max_graphs=2)
+def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(graph_device):
+    graphed, eager = _model(graph_device), _model(graph_device)
+    step = CapturedStep(_loss(graphed), _trained(graphed), _batch(0, graph_device, rows=4), max_graphs=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for rows in (4, 6, 4, 3, 6, 3):
             graphed.zero_grad(set_to_none=True)
-            batch = _batch(rows, device, rows=rows)
+            batch = _batch(rows, graph_device, rows=rows)
             loss = step(*batch)
             torch.testing.assert_close(loss, _loss(eager)(*batch).detach())
             for p, g in zip(_trained(graphed), _eager_grads(eager, [batch]), strict=True):
@@ -193,14 +183,14 @@ def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(device):
     assert len(step.graphs.signatures) == 2 and step.graphs.replays == 4 and step.graphs.eager == 2
 
 
-def test_a_call_before_the_previous_backward_runs_eagerly(device):
+def test_a_call_before_the_previous_backward_runs_eagerly(graph_device):
     """Two forwards, then their backwards: the second runs eagerly (a replay would overwrite the first's
     activations); a backward after a later replay raises instead of reading overwritten activations."""
-    graphed, eager = _model(device), _model(device)
+    graphed, eager = _model(graph_device), _model(graph_device)
     params = _trained(graphed)
     cache = GraphCache(max_graphs=1, warmup=1, owner="test")
     fn = _loss(graphed)
-    a, b = _batch(1, device), _batch(2, device)
+    a, b = _batch(1, graph_device), _batch(2, graph_device)
     with pytest.warns(UserWarning, match="test: a call before the backward of the previous call"):
         la, lb = cache(fn, lambda: params, tuple(a), {}), cache(fn, lambda: params, tuple(b), {})
     (la + 2 * lb).backward(retain_graph=True)
@@ -214,10 +204,10 @@ def test_a_call_before_the_previous_backward_runs_eagerly(device):
         la.backward()
 
 
-def test_arguments_a_graph_cannot_hold_run_eagerly(device):
-    graphed = _model(device)
+def test_arguments_a_graph_cannot_hold_run_eagerly(graph_device):
+    graphed = _model(graph_device)
     cache = GraphCache(max_graphs=2, warmup=1, owner="test")
-    x, t = _batch(1, device)
+    x, t = _batch(1, graph_device)
 
     def fn(x, t, scale):
         return _loss(graphed)(x, t) * scale[0]
@@ -233,20 +223,20 @@ def test_arguments_a_graph_cannot_hold_run_eagerly(device):
     assert cache.eager == 2 and not cache.signatures
 
 
-def test_loss_fn_must_return_a_scalar(device):
-    model = _model(device)
+def test_loss_fn_must_return_a_scalar(graph_device):
+    model = _model(graph_device)
     with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
-        CapturedStep(lambda x, t: model["up"](x), list(model["up"].parameters()), _batch(0, device))
+        CapturedStep(lambda x, t: model["up"](x), list(model["up"].parameters()), _batch(0, graph_device))
     with pytest.raises(ValueError, match=r"inputs\[1\] must be a CUDA tensor, got int"):
-        CapturedStep(_loss(model), _trained(model), _batch(0, device))(_batch(1, device)[0], 3)
+        CapturedStep(_loss(model), _trained(model), _batch(0, graph_device))(_batch(1, graph_device)[0], 3)
 
 
-def test_dropout_draws_new_masks_each_replay(device):
-    w = torch.nn.Parameter(torch.ones(1024, device=device))
+def test_dropout_draws_new_masks_each_replay(graph_device):
+    w = torch.nn.Parameter(torch.ones(1024, device=graph_device))
     step = CapturedStep(
-        lambda x: torch.nn.functional.dropout(w * x, 0.5).sum(), [w], [torch.ones(1024, device=device)]
+        lambda x: torch.nn.functional.dropout(w * x, 0.5).sum(), [w], [torch.ones(1024, device=graph_device)]
     )
-    x = torch.ones(1024, device=device)
+    x = torch.ones(1024, device=graph_device)
     step(x)
     first, w.grad = w.grad.clone(), None
     step(x)

@@ -147,15 +147,6 @@ def test_docstring_example_runs():
 # ---- training: CUDA graphs on a GPU, emulated graphs on the CPU ----
 
 
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    """Where the graphs run: "cuda" (real CUDA graphs) or "cpu" (emulated: kit.fake_graphs)."""
-    if request.param == "emulated":
-        emulate(monkeypatch)
-        return "cpu"
-    return "cuda"
-
-
 COMMON = dict(optim="sgd", learning_rate=0.5, logging_steps=1, seed=0, dataloader_num_workers=0)
 
 
@@ -201,11 +192,11 @@ def _three_runs(make, tmp_path, device, **train):
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("patched", [False, True], ids=["hf", "fuselm"])
-def test_trainer_steps_from_graphs_match_eager(tmp_path, device, accumulation, patched):
+def test_trainer_steps_from_graphs_match_eager(tmp_path, graph_device, accumulation, patched):
     """Losses, gradient norms and trained parameters of the captured Trainer against the eager one; with
     gradient accumulation 2 the second micro-batch's gradients add to the first's (num_items_in_batch
     scales both: a tensor input of the graph)."""
-    base = _model(device)
+    base = _model(graph_device)
 
     def make(dtype):
         model = copy.deepcopy(base).to(dtype)
@@ -214,7 +205,7 @@ def test_trainer_steps_from_graphs_match_eager(tmp_path, device, accumulation, p
     runs = _three_runs(
         make,
         tmp_path,
-        device,
+        graph_device,
         dataset=Rows(16),
         max_steps=4,
         per_device_train_batch_size=2,
@@ -226,10 +217,10 @@ def test_trainer_steps_from_graphs_match_eager(tmp_path, device, accumulation, p
     assert steps.graphs.replays == 4 * accumulation and steps.graphs.eager == 0
     (signature,) = steps.graphs.signatures
     items = [e for e in signature if e[:3] == ("tensor", "num_items_in_batch", ())]  # int64 in 5.17
-    assert len(items) == 1 and items[0][4] == torch.device(device), signature
+    assert len(items) == 1 and items[0][4] == torch.device(graph_device), signature
 
 
-def test_peft_lora(tmp_path, device):
+def test_peft_lora(tmp_path, graph_device):
     """A PEFT LoRA model (patched: fuselm.lora's nodes inside the graphs), gradient accumulation 2: only the
     adapters train, as in the eager run."""
     peft = pytest.importorskip("peft")
@@ -238,7 +229,7 @@ def test_peft_lora(tmp_path, device):
         init_lora_weights=False,
     )  # fmt: skip
     torch.manual_seed(1)
-    base = peft.get_peft_model(_model(device), config)
+    base = peft.get_peft_model(_model(graph_device), config)
 
     def make(dtype):
         model = copy.deepcopy(base).to(dtype)
@@ -247,7 +238,7 @@ def test_peft_lora(tmp_path, device):
     runs = _three_runs(
         make,
         tmp_path,
-        device,
+        graph_device,
         dataset=Rows(16),
         max_steps=3,
         per_device_train_batch_size=2,
@@ -258,11 +249,11 @@ def test_peft_lora(tmp_path, device):
     assert runs[2][2].graphs.replays == 6
 
 
-def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(tmp_path, device):
+def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(tmp_path, graph_device):
     """Batches of 8, 12 and 16 tokens (in turn) with max_graphs=2: the first two shapes are captured, the
     third runs eagerly, said once; the run still matches the eager one (eager and replayed micro-batches
     accumulate together)."""
-    base = _model(device)
+    base = _model(graph_device)
     train = dict(
         dataset=Rows(24, lengths=(8, 8, 12, 10, 16, 16)),  # batches of 8, 12 (one row padded), 16 tokens
         collator=pad,
@@ -274,7 +265,7 @@ def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(tmp_path, dev
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runs = _three_runs(lambda dtype: copy.deepcopy(base).to(dtype), tmp_path, device, **train)
+        runs = _three_runs(lambda dtype: copy.deepcopy(base).to(dtype), tmp_path, graph_device, **train)
     _check(runs)
     ours = [str(w.message) for w in caught if "capture_training_steps" in str(w.message)]
     assert len(ours) == 1 and "beyond max_graphs=2 captured ones: it runs eagerly" in ours[0], ours
@@ -283,7 +274,7 @@ def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(tmp_path, dev
     assert graphs.replays == 8 and graphs.eager == 4
 
 
-def test_sft_trainer(tmp_path, device):
+def test_sft_trainer(tmp_path, graph_device):
     """TRL's SFTTrainer on prompt/completion pairs (loss on the completions), fuselm.trl's head and
     fuselm.hf's block kernels: the captured run against the eager one; TRL's head scores every position
     inside the graphs (no boolean-mask compaction)."""
@@ -308,7 +299,7 @@ def test_sft_trainer(tmp_path, device):
             save_strategy="no",
             disable_tqdm=True,
             bf16=False,
-            use_cpu=device == "cpu",
+            use_cpu=graph_device == "cpu",
             **{k: v for k, v in COMMON.items() if k != "learning_rate"},
         )
         fuselm.hf.patch("llama") if kind == "fuselm" else None

@@ -180,23 +180,26 @@ def check_trainer(trainer) -> None:
     for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
         if getattr(trainer, flag, False):
             _refuse(f"the trainer runs {what}; captured steps are for one process on one GPU")
-    for flag in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5.25, 5.17
-        on = getattr(args, flag, None)
-        if on is not None:
-            if on:
-                _refuse(_CHECKPOINTING)
-            break
+    _refuse_checkpointing(args, ("activation_checkpointing", "gradient_checkpointing"))
     if getattr(args, "torch_compile", False):
         _refuse("torch_compile=True: a compiled model and a captured step do not combine (pick one)")
     if getattr(args, "activation_offloading", False):
         _refuse("activation_offloading=True copies activations to the host inside the step: turn it off")
 
 
-_CHECKPOINTING = (
-    "gradient checkpointing is on: its recomputation saves and restores the RNG state on the host, which a "
-    "CUDA graph capture refuses; train without it (gradient_checkpointing=False: TRL's configs turn it on "
-    "by default), captured steps are for small batches"
-)
+def _refuse_checkpointing(owner, flags: tuple[str, str]) -> None:
+    """ValueError when gradient checkpointing is on: ``flags`` are its names in transformers 5.25 and 5.17
+    (the first one ``owner`` has is read: the old name warns in 5.25)."""
+    for flag in flags:
+        on = getattr(owner, flag, None)
+        if on is not None:
+            if on:
+                _refuse(
+                    "gradient checkpointing is on: its recomputation saves and restores the RNG state on the "
+                    "host, which a CUDA graph capture refuses; train without it (gradient_checkpointing="
+                    "False: TRL's configs turn it on by default), captured steps are for small batches"
+                )
+            return
 
 
 def check_model(model) -> None:
@@ -212,12 +215,7 @@ def check_model(model) -> None:
         if attention not in (None, "sdpa"):
             why = _ATTENTION.get(attention, "only SDPA attention is known to capture")
             _refuse(f"the model's attention is {attention!r}: {why}; load it with attn_implementation='sdpa'")
-    for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5.25, 5.17
-        on = getattr(model, flag, None)
-        if on is not None:
-            if on:
-                _refuse(_CHECKPOINTING)
-            break
+    _refuse_checkpointing(model, ("is_activation_checkpointing", "is_gradient_checkpointing"))
     for name, p in model.named_parameters():
         if p.requires_grad and p.device.type not in graph_step.CAPTURE_DEVICES:
             _refuse(f"trainable parameter {name} is on {p.device}; CUDA graphs hold GPU work only")
