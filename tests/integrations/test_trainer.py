@@ -7,7 +7,8 @@ Three runs of the same steps from the same weights and data: a float64 reference
 and the Trainer with the switch, in fp32; every logged loss and gradient norm and every trained parameter
 follow the numerics rule (docs/design.md section 5; the optimizer is SGD, as tests/trl/test_trl.py says
 why): plain and fuselm-patched Llama, gradient accumulation 2 (with num_items_in_batch), PEFT LoRA, batches
-of three shapes with max_graphs=2 (the third runs eagerly, said once), TRL's SFTTrainer."""
+of three shapes with max_graphs=2 (the third runs eagerly, said once), TRL's SFTTrainer. On the GPU only:
+QLoRA (NF4) under bf16 autocast, its losses against the eager run's and an fp32-compute reference's."""
 
 from __future__ import annotations
 
@@ -247,6 +248,47 @@ def test_peft_lora(tmp_path, graph_device):
     _check(runs)
     assert all("lora_" in name for name in runs[2][1])
     assert runs[2][2].graphs.replays == 6
+
+
+@pytest.mark.gpu
+def test_qlora(tmp_path):
+    """A QLoRA model (NF4 with double quantization, PEFT LoRA on every linear, patched: fuselm.lora's
+    dequantizing nodes inside the graphs) under Trainer's bf16 autocast, gradient accumulation 2: the
+    captured run's losses against the eager run's and an fp32-compute reference's, on the same weights."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from kit import trl_models as tm
+    from kit.hf_models import nf4_config
+
+    path = tmp_path / "tiny"
+    tm.model(hidden_size=64, intermediate_size=128, vocab_size=VOCAB).save_pretrained(path)
+
+    def run(compute_dtype, graphs):
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map={"": 0},
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+        model = fuselm.hf.patch(peft.get_peft_model(model, config))
+        args = _args(
+            tmp_path / f"{compute_dtype}{graphs}", use_cpu=False, **{**COMMON, "learning_rate": 0.1},
+            max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            bf16=compute_dtype == torch.bfloat16,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(16, seed=2))
+        if graphs:
+            capture_training_steps(trainer, max_graphs=1, warmup=2)
+        trainer.train()
+        if graphs:
+            assert trainer.training_step.graphs.replays == 8 and trainer.training_step.graphs.eager == 0
+        return torch.tensor(
+            [e["loss"] for e in trainer.state.log_history if "loss" in e], dtype=torch.float64
+        )
+
+    reference, eager, ours = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    assert len(ours) == 4
+    assert_numerics("losses", ours, eager, reference, torch.bfloat16)
 
 
 def test_new_shapes_are_captured_up_to_max_graphs_then_run_eagerly(tmp_path, graph_device):

@@ -14,6 +14,7 @@ graphs. Imports neither transformers nor TRL.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -45,12 +46,12 @@ class CapturedTrainingSteps:
             owner="fuselm capture_training_steps",
             capture_context=every_position,  # TRL's fused LM head without its host sync; else a no-op
         )
-        self._checked: set[int] = set()
+        self._checked = weakref.WeakSet()  # the models checked at their first step
 
     def __call__(self, model, inputs, *args, **kwargs):
-        if id(model) not in self._checked:
+        if model not in self._checked:
             check_model(model)
-            self._checked.add(id(model))
+            self._checked.add(model)
         with self._routed(model):
             return self.original(model, inputs, *args, **kwargs)
 
