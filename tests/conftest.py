@@ -100,6 +100,18 @@ def device() -> str:
     return kernel_device()
 
 
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
+def graph_device(request, monkeypatch) -> str:
+    """Where CUDA graphs of a test run (fuselm.graph_step): "cuda" (real graphs, GPU only) or "cpu" (graphs
+    emulated on the CPU: kit.fake_graphs)."""
+    if request.param == "emulated":
+        from kit.fake_graphs import emulate
+
+        emulate(monkeypatch)
+        return "cpu"
+    return "cuda"
+
+
 @pytest.fixture
 def triton_kernels() -> bool:
     """Whether tensors on `device` run fuselm's Triton kernels."""

@@ -96,7 +96,6 @@ OP_PRIVATE_MODULES = tuple(
     for m in sorted((SRC / "ops" / op).glob("*.py"))
     if m.stem != "__init__"
 )
-COMPOSITE_OP = "decoder_layer"
 RULES = {
     "ops": ("ops", (*ABOVE_OPS, "fuselm.cli", "fuselm.demo", "transformers", "trl")),
     "ops/_common": ("ops/_common", tuple(f"fuselm.ops.{op}" for op in OP_FOLDERS if op != "_common")),
@@ -159,14 +158,8 @@ RULES = {
             tuple(f"fuselm.ops.{other}" for other in OP_FOLDERS if other not in (op, "_common")),
         )
         for op in OP_FOLDERS
-        if op not in ("_common", COMPOSITE_OP)
+        if op != "_common"
     },
-    # the one composite op: the decoder layer's two nodes, over the packages of the ops it composes
-    # (their exported launchers), never their private modules
-    f"ops/{COMPOSITE_OP}": (
-        f"ops/{COMPOSITE_OP}",
-        tuple(m for m in OP_PRIVATE_MODULES if not m.startswith(f"fuselm.ops.{COMPOSITE_OP}.")),
-    ),
 }
 
 

@@ -17,8 +17,7 @@ tables and figures of both (one text: each table in one of them) equal the commi
   with the README's number of decimals; the commit a table names must be the JSON's.
 - The prose figures with a JSON source are checked the same way: the batch 1 x 2048 end-to-end sentence
   (medians of h200/e2e_small_batch.json) and the "End to end on an H100" paragraph (h100/e2e.json).
-- Not checked, no committed JSON: the earlier a11dbd0 H100 e2e range (62.1-62.3k tok/s) and the
-  fused-residual A/B (h100/tuning/e2e_fused_residual_ab.md, a Markdown report only).
+- Not checked, no committed JSON: the earlier a11dbd0 H100 e2e range (62.1-62.3k tok/s).
 """
 
 from __future__ import annotations

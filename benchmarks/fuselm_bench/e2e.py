@@ -9,9 +9,11 @@ initialised causal LMs for three providers:
   an importable ``liger_kernel``; skipped with the reason otherwise.
 - ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
   the CausalLM loss through fused linear cross-entropy).
-- ``fuselm-layer`` (opt-in: not in the default providers): ``fuselm.hf.patch(model, fused_layer=True)``,
-  each decoder layer as two autograd nodes around HF's attention, made from transformers' source (Llama's
-  layers; Qwen 3's: its attention's q, k, v projections as one node): less host time per step.
+- ``hf-trainer`` and ``fuselm-trainer`` (opt-in): the same steps run by ``transformers.Trainer.train()``
+  (its data loader, gradient clipping at 1.0 and logging of every step around them,
+  :func:`fuselm_bench.step_timing.run_trainer`), on the plain model and on fuselm's with
+  ``fuselm.integrations.trainer.capture_training_steps`` (forward and backward replayed from CUDA graphs;
+  needs CUDA).
 - ``fuselm-graph`` (opt-in: not in the default providers): the same model, its forward and backward
   captured once in a CUDA graph and replayed every step, AdamW outside the graph (``fuselm.CapturedStep``,
   :func:`fuselm_bench.step_timing.graphed_optimizer_step`): what the host costs once Python and the launches
@@ -72,25 +74,24 @@ from . import fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import Row
 from .harness import SkipProvider, import_peer
-from .report import fmt_num, md_table
+from .report import fmt_num, md_table, ratio
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
-PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "fuselm-layer", "fuselm-graph")
+PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "fuselm-graph", "hf-trainer", "fuselm-trainer")
 DEFAULT_PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm")
 PROVIDER_DESCRIPTIONS = {
     "hf": "transformers, eager modules, SDPA attention",
     "liger": "transformers + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE)",
     "fuselm": "transformers + fuselm.hf.patch(model) (rms_norm, rope, swiglu, linear cross-entropy)",
-    "fuselm-layer": (
-        "transformers + fuselm.hf.patch(model, fused_layer=True): two autograd nodes per decoder layer "
-        "(opt-in: --providers ...,fuselm-layer)"
-    ),
     "fuselm-graph": (
         "fuselm's model with forward + backward captured in one CUDA graph and replayed each step "
         "(fuselm.CapturedStep), AdamW outside it (opt-in: --providers ...,fuselm-graph)"
     ),
+    "hf-trainer": "transformers.Trainer.train() of the hf model (opt-in)",
+    "fuselm-trainer": "Trainer.train() of fuselm's model under capture_training_steps (opt-in; CUDA)",
 }
+TRAINER_PROVIDERS = ("hf-trainer", "fuselm-trainer")
 SEED = 0
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
@@ -326,10 +327,10 @@ def build_model(
     config = training.causal_lm_config(shape.family, shape.settings(preset.tiny), "sdpa")
     torch.manual_seed(seed)
     built = training.build_causal_lm(config, device, dtype)
-    if provider in ("fuselm", "fuselm-layer", "fuselm-graph"):
+    if provider in ("fuselm", "fuselm-graph", "fuselm-trainer"):
         import fuselm.hf
 
-        fuselm.hf.patch(built, fused_layer=provider == "fuselm-layer")
+        fuselm.hf.patch(built)
     return built
 
 
@@ -351,7 +352,8 @@ def train(
     steps (:func:`fuselm_bench.step_timing.run_steps`), return the measurements.
 
     One step: ``model(input_ids=ids, labels=ids).loss.backward()``, ``optimizer.step()``,
-    ``optimizer.zero_grad(set_to_none=True)``. Raises ``torch.cuda.OutOfMemoryError`` and anything else
+    ``optimizer.zero_grad(set_to_none=True)``; the trainer providers: one step of ``Trainer.train()``
+    (:func:`fuselm_bench.step_timing.run_trainer`). Raises ``torch.cuda.OutOfMemoryError`` and anything else
     unchanged.
     """
     built, figures = fresh_process.build_measured(
@@ -359,17 +361,18 @@ def train(
     )
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
-    graphed = provider == "fuselm-graph"
-    make_step = step_timing.graphed_optimizer_step if graphed else step_timing.optimizer_step
-    step = make_step(
-        training.causal_lm_loss(built),
-        list(built.parameters()),
-        [ids],
-        lr=LR,
-        fused=preset.fused_adamw and device.type == "cuda",
-    )
+    fused = preset.fused_adamw and device.type == "cuda"
     profiled = preset.profile_steps if profile_steps is None else profile_steps
-    run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
+    if provider in TRAINER_PROVIDERS:
+        run = step_timing.run_trainer(
+            built, ids, graphs=provider == "fuselm-trainer", lr=LR, fused=fused, warmup=warmup, steps=steps,
+            profiled=profiled, device=device, seed=seed,
+        )  # fmt: skip
+    else:
+        graphed = provider == "fuselm-graph"
+        make_step = step_timing.graphed_optimizer_step if graphed else step_timing.optimizer_step
+        step = make_step(training.causal_lm_loss(built), list(built.parameters()), [ids], lr=LR, fused=fused)
+        run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
     return {
         "status": "ok",
         **step_figures(run, batch * seq, device),
@@ -476,7 +479,7 @@ class E2ERow(Row):
 
 def _precheck(provider: str, device: torch.device) -> str | None:
     """A reason to skip ``provider`` without starting a process (None: try it)."""
-    if provider == "fuselm-graph" and device.type != "cuda":
+    if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
         return "needs CUDA (CUDA graphs)"
     if provider == "liger":
         if device.type != "cuda":
@@ -628,7 +631,34 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         )
     else:
         out.append("No CUDA: no GPU or memory figures (n/a); each worker runs one CPU thread.")
+    if any(p in TRAINER_PROVIDERS for p in report.providers):
+        out.append(
+            "hf-trainer, fuselm-trainer: steps of transformers.Trainer.train() (the same batch through its "
+            "data loader, gradient clipping at 1.0, the loss logged every step), timed from the end of one "
+            "optimizer step to the end of the next; fuselm-trainer under capture_training_steps."
+            + "".join(f" {line}" for line in trainer_ratios(report))
+        )
     out.append("first loss: the loss of the first step (same seed, weights and batch for every provider).")
+    return out
+
+
+def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
+    """Per configuration with both trainer providers: fuselm-trainer's tokens/s over hf-trainer's (medians
+    over the repeats), with the range of the per-repeat ratios: ``llama3.2-1b 1x2048: fuselm-trainer /
+    hf-trainer tokens/s 1.42x (1.40-1.45).``"""
+    out = []
+    for shape in report.shapes:
+        ours, base = (report.rows_of(p, shape) for p in ("fuselm-trainer", "hf-trainer"))
+        value = ratio(*(fresh_process.median_of(rows, "tokens_per_s") for rows in (ours, base)))
+        if value is None:
+            continue
+        each = []
+        for i in range(report.repeats):
+            pair = [[r for r in rows if r.repeat == i] for rows in (ours, base)]
+            each.append(ratio(*(fresh_process.median_of(rows, "tokens_per_s") for rows in pair)))
+        each = [x for x in each if x is not None]
+        spread = f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
+        out.append(f"{E2ERow.label(shape)}: fuselm-trainer / hf-trainer tokens/s {value:.2f}x{spread}.")
     return out
 
 

@@ -1,7 +1,7 @@
 """The training benchmarks' step loop (``fuselm bench e2e``, ``finetune``): per step, wall time, the
 process's CPU time, and from a short ``torch.profiler`` window after the timed steps the device time of the
-CUDA kernels and their count (:class:`KernelProfile`). The model, the forward and the demo's loop are
-:mod:`fuselm.demo.training`'s."""
+CUDA kernels and their count (:class:`KernelProfile`); the same figures of Hugging Face's ``Trainer.train()``
+(:func:`run_trainer`). The model, the forward and the demo's loop are :mod:`fuselm.demo.training`'s."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def graphed_optimizer_step(
     def step(i: int) -> torch.Tensor:
         loss = captured(batches[i % len(batches)])
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the replay adds into .grad
         return loss
 
     return step
@@ -237,3 +238,105 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
         cpu_s=cpu_s,
         profile=profile,
     )
+
+
+def run_trainer(
+    model,
+    ids: torch.Tensor,
+    *,
+    graphs: bool,
+    lr: float,
+    fused: bool,
+    warmup: int,
+    steps: int,
+    profiled: int,
+    device: torch.device,
+    seed: int,
+) -> StepRun:
+    """``transformers.Trainer.train()`` of ``model`` on ``ids`` (``[B, T]``, labels = ids, the same batch
+    every step), measured as :func:`run_steps` measures its steps: ``warmup`` steps, ``steps`` timed ones
+    (each from the end of the previous optimizer step, synchronized, to the end of its own: the data loader,
+    forward, backward, clipping, AdamW (``lr`` constant) and Trainer's logging of every step), then
+    ``profiled`` steps under ``torch.profiler``. ``graphs``: with
+    :func:`fuselm.integrations.trainer.capture_training_steps`. Trainer's defaults otherwise (gradient
+    clipping at 1.0, no weight decay); its step loss is logged every step."""
+    import tempfile
+
+    import transformers
+    from transformers import trainer_callback
+
+    rows = [{"input_ids": r, "labels": r} for r in ids.cpu()]
+    total = warmup + steps + profiled
+    clock = _TrainerClock(warmup, steps, profiled, device)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            out,
+            per_device_train_batch_size=ids.shape[0],
+            max_steps=total,
+            learning_rate=lr,
+            lr_scheduler_type="constant",
+            optim="adamw_torch_fused" if fused else "adamw_torch",
+            logging_steps=1,
+            train_sampling_strategy="sequential",
+            dataloader_num_workers=0,
+            use_cpu=device.type != "cuda",
+            report_to="none",
+            save_strategy="no",
+            seed=seed,
+        )
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=rows * total, callbacks=[clock.callback(trainer_callback)]
+        )
+        for quiet in (trainer_callback.PrinterCallback, trainer_callback.ProgressCallback):
+            trainer.remove_callback(quiet)
+        if graphs:
+            from fuselm.integrations.trainer import capture_training_steps
+
+            capture_training_steps(trainer)
+        trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return StepRun(losses, clock.warmup_s, clock.step_s, clock.cpu_s, clock.profile)
+
+
+class _TrainerClock:
+    """The figures of :func:`run_steps`, read in a ``TrainerCallback`` at the end of every optimizer step."""
+
+    def __init__(self, warmup: int, steps: int, profiled: int, device: torch.device) -> None:
+        self.warmup, self.steps, self.profiled, self.device = warmup, steps, profiled, device
+        self.warmup_s, self.step_s, self.cpu_s = 0.0, [], 0.0
+        self.profile: KernelProfile | None = None
+        self._profiler = None
+        self._wall = self._cpu = 0.0
+
+    def callback(self, trainer_callback):
+        clock = self
+
+        class Clock(trainer_callback.TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                sync(clock.device)
+                clock._wall, clock._cpu = time.perf_counter(), time.process_time()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.step_ended(state.global_step)
+
+        return Clock()
+
+    def step_ended(self, step: int) -> None:
+        cpu = time.process_time() - self._cpu  # before the synchronization: host work only
+        sync(self.device)
+        wall = time.perf_counter() - self._wall
+        if step <= self.warmup:
+            self.warmup_s += wall
+        elif step <= self.warmup + self.steps:
+            self.step_s.append(wall)
+            self.cpu_s += cpu
+        if step == self.warmup + self.steps and self.profiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._profiler.start()
+        if step == self.warmup + self.steps + self.profiled and self._profiler is not None:
+            self._profiler.stop()
+            self.profile = KernelProfile.from_events(self._profiler.events(), self.profiled)
+        self._wall, self._cpu = time.perf_counter(), time.process_time()

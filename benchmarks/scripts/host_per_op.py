@@ -126,38 +126,6 @@ def make_cases(rows: int, dtype: torch.dtype, sizes=(2048, 8192, 32000)):
         (xa, wq, wk, wv),
     )
 
-    # the two nodes of a decoder layer (patch(..., fused_layer=True)) against HF's modules' torch ops:
-    # input norm + q, k, v + RoPE; o_proj + residual add + post-attention norm + gated MLP + last add
-    from fuselm.ops.decoder_layer import attention_output_mlp, norm_qkv_rotary
-
-    wn = _leaf((hidden,), dtype)
-
-    def norm_qkv_torch():
-        h = _rms_torch(xa, wn, 1e-6)[0]
-        q, k, v = (F.linear(h, w).view(1, rows, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))
-        return (*_rope_torch(q, k, cos, sin), v)
-
-    cases["norm_qkv_rotary"] = (
-        lambda: norm_qkv_rotary(xa, wn, wq, wk, wv, cos, sin, head_dim=head_dim, eps=1e-6),
-        norm_qkv_torch,
-        (xa, wn, wq, wk, wv),
-    )
-    attn = _leaf((1, rows, 32, head_dim), dtype)
-    wo = _leaf((hidden, 32 * head_dim), dtype, hidden**-0.5)
-    wg2, wu2 = _leaf((inter, hidden), dtype, hidden**-0.5), _leaf((inter, hidden), dtype, hidden**-0.5)
-    wd2 = _leaf((hidden, inter), dtype, inter**-0.5)
-
-    def output_mlp_torch():
-        summed = xa + F.linear(attn.reshape(1, rows, -1), wo)
-        h = _rms_torch(summed, wn, 1e-6)[0]
-        return (summed + F.linear(F.silu(F.linear(h, wg2)) * F.linear(h, wu2), wd2),)
-
-    cases["attention_output_mlp"] = (
-        lambda: (attention_output_mlp(attn, xa, wo, wn, wg2, wu2, wd2, eps=1e-6),),
-        output_mlp_torch,
-        (attn, xa, wo, wn, wg2, wu2, wd2),
-    )
-
     g, u = _leaf((1, rows, inter), dtype), _leaf((1, rows, inter), dtype)
     cases["swiglu"] = (lambda: (fuselm.swiglu(g, u),), lambda: (F.silu(g) * u,), (g, u))
     cases["geglu"] = (

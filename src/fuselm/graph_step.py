@@ -1,45 +1,482 @@
-"""A fixed-shape training step's forward and backward captured once in a CUDA graph, then replayed.
+"""A training step's forward and backward captured in CUDA graphs once per input shape, then replayed.
 
-At small batches a patched model's step is bound by the host (Python, the autograd engine and ~15-25 us of
-launch cost per kernel, see the README's "Small batches"); replaying one CUDA graph launches the whole
-forward and backward with one call. torch and the standard library only: any model whose step captures
-(no host sync, no data-dependent shapes, CUDA tensors) works, fuselm-patched or not.
+At small batches a step is bound by the host (Python, the autograd engine and ~15-25 us of launch cost per
+kernel, see the README's "Small batches"); replaying a CUDA graph launches a whole forward or backward with
+one call. :class:`GraphCache` keeps, per input signature (the shapes, dtypes and devices of the tensor
+arguments, the values of the others), the forward of a callable and its backward as two CUDA graphs:
+
+- a call copies its tensors into the captured ones and replays the forward graph; its outputs come back in
+  their structure (a ``ModelOutput``, a tuple, a tensor), the differentiable ones through one autograd node;
+- when autograd reaches that node, the gradients it is given (of the loss, of per-token log-probs: whatever
+  the caller computed from the outputs, scaled however it likes, eagerly) are copied into the backward
+  graph, which replays and adds every parameter's gradient into its ``.grad`` as ``backward()`` adds it
+  (into gradient buffers kept across steps, which become the ``.grad`` tensors). The optimizer, gradient
+  clipping and the loss arithmetic around the call stay outside the graphs.
+
+Signatures beyond ``max_graphs``, arguments that cannot be captured and a call made before the backward of
+the previous one run eagerly, each said once (``warnings.warn``). :class:`CapturedStep` (a loss function's
+step) and :mod:`fuselm.integrations.trainer` (Hugging Face's Trainer) are built on it. torch and the
+standard library only: any model whose forward and backward capture (no host sync, no data-dependent
+shapes, CUDA tensors) works, fuselm-patched or not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-__all__ = ["CapturedStep"]
+__all__ = ["CapturedStep", "GraphCache"]
+
+# the device types a graph holds work of (tests emulate graphs on the CPU by adding "cpu")
+CAPTURE_DEVICES = ("cuda",)
+# argument values other than tensors that a signature holds (captured as constants)
+CONSTANTS = (type(None), bool, int, float, str)
+
+
+class _Ticket:
+    """One replayed forward, until its backward has run (the cache keeps a weak reference to the last)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class _GradientBuffers:
+    """One gradient tensor per parameter, kept across steps and shapes: it is the parameter's ``.grad``
+    after each replay. The first signature is captured twice, forward and backward: once with no ``.grad``
+    (the gradients its backward writes become the buffers: a step after ``zero_grad()`` replays it, nothing
+    to zero or add), once adding into the buffers; later signatures add into them (zeroed first where
+    ``.grad`` is None; a ``.grad`` an eager backward made is copied in first)."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def has_any(self, params: Sequence[torch.Tensor]) -> bool:
+        return any(id(p) in self._of for p in params)
+
+    def adopt(self, params: Sequence[torch.Tensor]) -> None:
+        """Make each parameter's current ``.grad`` its buffer (zeros where it has none)."""
+        for p in params:
+            self._of[id(p)] = (p, p.grad if p.grad is not None else torch.zeros_like(p))
+
+    def pairs(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its buffer) for each of ``params``, buffers made (zeros) on first need."""
+        out = []
+        for p in params:
+            entry = self._of.get(id(p))
+            if entry is None or entry[0] is not p:
+                entry = self._of[id(p)] = (p, torch.zeros_like(p))
+            out.append(entry)
+        return out
+
+    @staticmethod
+    def prepare(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make each buffer hold its parameter's ``.grad`` (zero for None) before a backward adds to it."""
+        zero = []
+        for p, buffer in pairs:
+            grad = p.grad
+            if grad is buffer:
+                continue
+            if grad is None:
+                zero.append(buffer)
+            else:
+                buffer.copy_(grad)
+        if zero:
+            torch._foreach_zero_(zero)
+
+    @staticmethod
+    def publish(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for p, buffer in pairs:
+            if p.grad is not buffer:
+                p.grad = buffer
+
+
+class _Pass:
+    """A captured forward and the backward that reads its activations, with the tensors they write."""
+
+    __slots__ = ("forward", "backward", "outputs", "spec", "diff", "grad_outputs")
+
+    def __init__(self, forward, backward, outputs, spec, diff, grad_outputs):
+        self.forward, self.backward = forward, backward
+        self.outputs = outputs  # the output leaves: static tensors (detached) and constants
+        self.spec = spec  # their structure (torch.utils._pytree)
+        self.diff = diff  # the indices of the leaves that require grad
+        self.grad_outputs = grad_outputs  # their gradients, read by the backward graph
+
+
+class _Graphs:
+    """The captured passes of one signature: one whose backward adds into the gradient buffers, and for the
+    first signature one whose backward writes them (a step after ``zero_grad()``)."""
+
+    __slots__ = ("inputs", "add", "write", "pairs")
+
+    def __init__(self, inputs, add: _Pass, write: _Pass | None, pairs):
+        self.inputs = inputs  # the static input tensors (each call copies into them)
+        self.add, self.write = add, write
+        self.pairs = pairs  # (parameter, gradient buffer) of the parameters the backward reaches
+
+    def pass_for_grads(self) -> _Pass:
+        """The write pass when there is one and no parameter has a ``.grad``, else the add pass."""
+        if self.write is not None and all(p.grad is None for p, _ in self.pairs):
+            return self.write
+        return self.add
+
+
+class _Replay(torch.autograd.Function):
+    """A forward graph's replay as one autograd node; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, cache, graphs, captured, ticket, anchor):
+        ctx.set_materialize_grads(False)
+        ctx.cache, ctx.graphs, ctx.captured, ctx.ticket = cache, graphs, captured, ticket
+        captured.forward.replay()
+        # scalars (the loss) are copied: callers keep them; the rest alias the graph's outputs without being
+        # autograd views (which may not be changed in place: Trainer scales its loss with *=)
+        return tuple(_copy_or_alias(captured.outputs[i]) for i in captured.diff)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.cache._replay_backward(ctx.graphs, ctx.captured, ctx.ticket, grads)
+        return None, None, None, None, None
+
+
+def _copy_or_alias(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 1:
+        return t.clone()
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+class GraphCache:
+    """Forward and backward graphs of a callable per input signature, replayed by autograd.
+
+    ``cache(fn, params, args, kwargs)`` returns what ``fn(*args, **kwargs)`` returns, computed by the forward
+    graph of that signature (captured on its first call: ``warmup`` eager forward + backward passes on a side
+    stream, which compile every Triton kernel and settle the allocator, then the capture); autograd runs the
+    backward graph, which adds the gradients of ``params()`` into their ``.grad`` (the first signature has a
+    second forward and backward for a step where no ``.grad`` exists, whose backward writes them instead:
+    :class:`_GradientBuffers`). The graphs of all signatures share one memory pool (about one step's
+    activations at the largest shape), so a call's outputs hold their values until the next captured call,
+    and a call made while the backward of the previous one is still to come runs eagerly (its activations
+    would be overwritten).
+
+    Runs ``fn`` eagerly (the same results, autograd as usual) and warns once per cause: grad mode off
+    (silently: nothing to capture), an argument that is no tensor of a captured device and no None / bool /
+    int / float / str, a tensor argument that requires grad, a new signature beyond ``max_graphs``, a call
+    before the previous call's backward. A capture that fails (a host synchronization, a data-dependent
+    shape) raises RuntimeError naming the cause.
+
+    Args:
+        max_graphs: signatures captured at most (>= 1); the graphs of each are kept.
+        warmup: eager forward + backward passes before each capture (>= 1).
+        owner: the name warnings and errors give.
+        capture_context: a context manager factory entered around the forward calls of the warm-up and the
+            capture (e.g. a library's switch to a path without host synchronizations).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_graphs: int,
+        warmup: int,
+        owner: str,
+        capture_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.max_graphs = check_count("max_graphs", max_graphs)
+        self.warmup = check_count("warmup", warmup)
+        self.owner = owner
+        self._context = capture_context
+        self._graphs: dict[tuple, _Graphs] = {}
+        self._buffers = _GradientBuffers()
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+        self._pool = None
+        self._last: Callable[[], _Ticket | None] = lambda: None
+        self._warned: set[str] = set()
+        self.replays = 0  # calls replayed from a graph
+        self.eager = 0  # calls run eagerly (not counting those without grad mode)
+
+    @property
+    def signatures(self) -> list[tuple]:
+        """The captured signatures, in capture order."""
+        return list(self._graphs)
+
+    def __call__(self, fn: Callable, params: Callable[[], Sequence[torch.Tensor]], args: tuple, kwargs: dict):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        signature = _signature(args, kwargs)
+        if isinstance(signature, str):
+            return self._eager(fn, args, kwargs, signature, signature)
+        key, tensors, rebuild = signature
+        last = self._last()
+        if last is not None and not last.done:
+            return self._eager(
+                fn,
+                args,
+                kwargs,
+                "pending",
+                "a call before the backward of the previous call (which would overwrite its activations): "
+                "it runs eagerly",
+            )
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            if len(self._graphs) >= self.max_graphs:
+                return self._eager(
+                    fn,
+                    args,
+                    kwargs,
+                    "max_graphs",
+                    f"a batch of a new shape ({_describe_key(key)}) beyond max_graphs={self.max_graphs} "
+                    "captured ones: it runs eagerly, as every further new shape does (pad batches to fewer "
+                    "shapes, or raise max_graphs)",
+                )
+            graphs = self._graphs[key] = self._capture(fn, list(params()), key, tensors, rebuild)
+        for static, t in zip(graphs.inputs, tensors, strict=True):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+        ticket = _Ticket()
+        self._last = weakref.ref(ticket)
+        self.replays += 1
+        captured = graphs.pass_for_grads()
+        outputs = list(captured.outputs)
+        replayed = _Replay.apply(self, graphs, captured, ticket, self._anchor(graphs))
+        for i, t in zip(captured.diff, replayed, strict=True):
+            outputs[i] = t
+        return pytree.tree_unflatten(outputs, captured.spec)
+
+    def capture(self, fn: Callable, params: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> None:
+        """Capture the signature of ``fn(*args, **kwargs)`` now (warm-up and capture, nothing replayed), as
+        its first call would; ValueError when it cannot be captured."""
+        signature = _signature(args, kwargs)
+        if isinstance(signature, str):
+            raise ValueError(f"{self.owner}: {signature}")
+        key, tensors, rebuild = signature
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(fn, list(params), key, tensors, rebuild)
+
+    def backward_inputs(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs=`` for ``torch.autograd.backward`` of a loss computed through this cache that is to reach
+        only ``params`` (eager calls) and the replayed nodes (captured calls)."""
+        return [*self._anchors.values(), *params]
+
+    def _eager(self, fn, args, kwargs, cause: str, message: str):
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(f"{self.owner}: {message}", stacklevel=3)
+        self.eager += 1
+        return fn(*args, **kwargs)
+
+    def _anchor(self, graphs: _Graphs) -> torch.Tensor:
+        """A leaf that requires grad on the graphs' device: the replayed node's input, so that its outputs
+        require grad (its gradient stays None)."""
+        device = graphs.pairs[0][0].device
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        return anchor
+
+    def _capture(self, fn, params, key, tensors, rebuild) -> _Graphs:
+        for i, p in enumerate(params):
+            if p.device.type not in CAPTURE_DEVICES:
+                raise ValueError(
+                    f"{self.owner}: trainable parameter {i} is on {p.device}: a graph holds GPU work only"
+                )
+        device = tensors[0].device if tensors else params[0].device
+        inputs = [t.detach().clone() for t in tensors]
+        args, kwargs = rebuild(inputs)
+
+        def call():
+            with self._context():
+                return fn(*args, **kwargs)
+
+        reached = self._warm_up(call, params, device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stash = [p.grad for p in reached]
+        write = None
+        try:
+            if not self._buffers.has_any(reached):
+                for p in reached:  # AccumulateGrad takes a gradient as .grad where there is none: the buffers
+                    p.grad = None
+                write = self._capture_pass(call, key, reached)
+                self._buffers.adopt(reached)
+            pairs = self._buffers.pairs(reached)
+            for p, buffer in pairs:  # AccumulateGrad adds into an existing .grad in place: into the buffer
+                p.grad = buffer
+            add = self._capture_pass(call, key, reached)
+        finally:
+            for p, grad in zip(reached, stash, strict=True):
+                p.grad = grad
+        return _Graphs(inputs, add, write, pairs)
+
+    def _capture_pass(self, call, key, reached) -> _Pass:
+        """Capture a forward and its backward (into the parameters' ``.grad`` as they are now)."""
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with self._capturing(forward, key):
+            leaves, spec = pytree.tree_flatten(call())
+        diff = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
+        grad_outputs = [torch.empty_like(leaves[i]) for i in diff]
+        with self._capturing(backward, key):
+            torch.autograd.backward([leaves[i] for i in diff], grad_outputs, inputs=reached)
+        outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in leaves]
+        return _Pass(forward, backward, outputs, spec, diff, grad_outputs)
+
+    def _warm_up(self, call, params, device) -> list[torch.Tensor]:
+        """``warmup`` eager forward + backward passes on a side stream (the parameters' ``.grad`` as they
+        were afterwards); returns the parameters the backward reaches."""
+        stash = [p.grad for p in params]
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        reached: list[torch.Tensor] = []
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    for p in params:
+                        p.grad = None
+                    leaves = pytree.tree_leaves(call())
+                    diff = [o for o in leaves if isinstance(o, torch.Tensor) and o.requires_grad]
+                    reached = []
+                    if diff:
+                        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff], inputs=params)
+                        reached = [p for p in params if p.grad is not None]
+                    if not reached:
+                        raise ValueError(
+                            f"{self.owner}: no output of the captured call reaches a trainable parameter "
+                            "(nothing to train: no output requires grad)"
+                        )
+                    del leaves, diff
+        finally:
+            for p, grad in zip(params, stash, strict=True):
+                p.grad = grad
+        torch.cuda.current_stream(device).wait_stream(side)
+        return reached
+
+    @contextlib.contextmanager
+    def _capturing(self, graph, key):
+        """Capture into ``graph`` (the cache's pool; other threads' CUDA calls allowed: a data loader's
+        pinning thread); a failure raises RuntimeError naming the signature and the cause."""
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                yield
+        except Exception as e:
+            raise RuntimeError(
+                f"{self.owner}: the step of a batch of {_describe_key(key)} cannot be captured in a CUDA "
+                f"graph: {type(e).__name__}: {e}. A capture fails on a host synchronization (.item(), a "
+                "tensor's value read by Python, a data-dependent shape such as indexing by a boolean mask) "
+                "or a tensor off the GPU; run these steps without capture"
+            ) from e
+
+    def _replay_backward(self, graphs: _Graphs, captured: _Pass, ticket: _Ticket, grads) -> None:
+        if self._last() is not ticket:
+            raise RuntimeError(
+                f"{self.owner}: a backward through a captured forward after a later captured call overwrote "
+                "its activations (call backward before the next forward)"
+            )
+        for static, grad in zip(captured.grad_outputs, grads, strict=True):
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+        if captured is graphs.write:  # writes the buffers: a .grad set since the forward is added after
+            kept = [
+                (b, p.grad.clone() if p.grad is b else p.grad) for p, b in graphs.pairs if p.grad is not None
+            ]
+            captured.backward.replay()
+            for buffer, grad in kept:
+                buffer.add_(grad)
+        else:
+            self._buffers.prepare(graphs.pairs)
+            captured.backward.replay()
+        self._buffers.publish(graphs.pairs)
+        ticket.done = True
+
+
+def check_count(name: str, value: Any) -> int:
+    """``value`` as an int >= 1, or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _signature(args: tuple, kwargs: dict):
+    """(key, tensors, rebuild) of a call: the key holds each tensor's shape, dtype and device and each other
+    argument's value; ``rebuild(tensors)`` gives (args, kwargs) with those tensors in place. Or a string:
+    why the call cannot be captured."""
+    named = [*enumerate(args), *sorted(kwargs.items())]
+    key, tensors, slots = [], [], []
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            if value.device.type not in CAPTURE_DEVICES:
+                return f"argument {name!r} is a tensor on {value.device}: calls with it run eagerly"
+            if value.requires_grad:
+                return f"argument {name!r} requires grad: calls with it run eagerly"
+            key.append(("tensor", name, tuple(value.shape), value.dtype, value.device))
+            slots.append(name)
+            tensors.append(value)
+        elif isinstance(value, CONSTANTS):
+            key.append(("value", name, type(value).__name__, value))
+        else:
+            return (
+                f"argument {name!r} is a {type(value).__name__} (a graph takes tensors and None / bool / "
+                "int / float / str values): calls with it run eagerly"
+            )
+    if tensors:  # a graph replays the casts autocast made when it was captured
+        device = tensors[0].device.type
+        key.append(("autocast", torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+    n_args = len(args)
+
+    def rebuild(statics: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        call_args, call_kwargs = list(args), dict(kwargs)
+        for name, t in zip(slots, statics, strict=True):
+            if isinstance(name, int) and name < n_args:
+                call_args[name] = t
+            else:
+                call_kwargs[name] = t
+        return tuple(call_args), call_kwargs
+
+    return tuple(key), tensors, rebuild
+
+
+def _describe_key(key: tuple) -> str:
+    """The tensor arguments' shapes of a signature: ``input_ids [1, 2048], labels [1, 2048]``."""
+    names = {True: "args[{}]", False: "{}"}
+    shapes = [f"{names[isinstance(e[1], int)].format(e[1])} {list(e[2])}" for e in key if e[0] == "tensor"]
+    return ", ".join(shapes) or "no tensor arguments"
 
 
 class CapturedStep:
-    """Forward + backward of ``loss_fn`` captured in one CUDA graph, replayed on each call.
+    """Forward + backward of ``loss_fn`` captured in CUDA graphs, replayed on each call.
 
-    Built from example inputs (CUDA tensors with the shapes and dtypes of every later batch): they are
-    copied into static tensors, ``warmup`` forward + backward passes run on a side stream (compiling every
-    Triton kernel, settling the allocator), then one pass is captured. Each call copies the new inputs into
-    the static ones and replays the graph: the loss and every parameter's gradient are written into static
-    tensors; the parameters' ``.grad`` are those gradient tensors (overwritten by the next call: run
-    ``optimizer.step()`` in between; to accumulate over micro-batches, add ``.grad`` into your own buffers).
-    The optimizer stays outside the graph. Parameters the loss does not reach get ``.grad = None``.
+    Built from example inputs (CUDA tensors): they are copied into static tensors, ``warmup`` forward +
+    backward passes run on a side stream (compiling every Triton kernel, settling the allocator), then the
+    forward and the backward are captured. Each call copies the new inputs into the static ones, replays both
+    and returns the loss; every parameter's gradient is added into its ``.grad`` as ``loss.backward()`` adds
+    it (so gradient accumulation over micro-batches works as in eager code: run ``optimizer.step()`` and
+    ``optimizer.zero_grad()`` between steps). The optimizer stays outside the graphs. Parameters the loss
+    does not reach keep their ``.grad``.
+
+    Inputs of another shape (or dtype) are captured too, up to ``max_graphs`` shapes; beyond that a call runs
+    eagerly (the same loss and gradients), said once by a warning. The graphs share one memory pool.
 
     The step must capture: fuselm's ops make no host sync while a graph is being captured; a model that
     syncs (``.item()``, data-dependent shapes; HF's eager attention builds its mask from a host scalar: use
-    SDPA) fails at construction with CUDA's error. Dropout draws new masks on every replay.
+    SDPA) raises RuntimeError naming the cause. Dropout draws new masks on every replay.
 
     Args:
         loss_fn: ``loss_fn(*inputs) -> loss`` (a scalar tensor), e.g. ``lambda ids, labels:
             model(input_ids=ids, labels=labels).loss``.
         params: the parameters to differentiate (those that require grad).
-        example_inputs: CUDA tensors shaped as every later call's inputs (their values are used by the
-            warm-up passes).
-        warmup: forward + backward passes before capture (>= 1).
+        example_inputs: CUDA tensors shaped as the first calls' inputs (their values are used by the warm-up
+            passes).
+        warmup: forward + backward passes before each capture (>= 1).
+        max_graphs: input shapes captured at most (>= 1).
 
-    Call: ``step(*inputs) -> loss`` (a fresh tensor, detached); ``inputs`` must match the example inputs'
-    shapes, dtypes and device.
+    Call: ``step(*inputs) -> loss`` (a fresh tensor, detached); ``inputs`` are CUDA tensors.
 
     Example (the inputs must be on a GPU):
         >>> import torch
@@ -58,6 +495,7 @@ class CapturedStep:
         >>> for ids in batches:                                           # doctest: +SKIP
         ...     loss = step(ids)
         ...     optimizer.step()
+        ...     optimizer.zero_grad()
     """
 
     def __init__(
@@ -67,9 +505,11 @@ class CapturedStep:
         example_inputs: Sequence[torch.Tensor],
         *,
         warmup: int = 3,
+        max_graphs: int = 1,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self._graphs = GraphCache(max_graphs=max_graphs, warmup=warmup, owner="CapturedStep")
         self.params = list(params)
         if not self.params:
             raise ValueError("params is empty: give the parameters whose gradients the step computes")
@@ -81,52 +521,33 @@ class CapturedStep:
         examples = list(example_inputs)
         if not examples:
             raise ValueError("example_inputs is empty: give the step's input tensors (e.g. [input_ids])")
-        for i, t in enumerate(examples):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-                where = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a tensor on {t.device}"
-                raise ValueError(f"example_inputs[{i}] must be a CUDA tensor, got {where}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
+        _check_inputs("example_inputs", examples)
         self._loss_fn = loss_fn
-        self.static_inputs = [t.detach().clone() for t in examples]
+        self._graphs.capture(self._loss, self.params, tuple(examples), {})
 
-        side = torch.cuda.Stream(device=self.static_inputs[0].device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._forward_backward()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_loss, self.static_grads = self._forward_backward()
-
-    def _forward_backward(self) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-        loss = self._loss_fn(*self.static_inputs)
+    def _loss(self, *inputs: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(*inputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
-        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        return loss.detach(), grads
+        return loss
+
+    @property
+    def graphs(self) -> GraphCache:
+        """The graphs and their counters (``replays``, ``eager``, ``signatures``)."""
+        return self._graphs
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if len(inputs) != len(self.static_inputs):
-            raise ValueError(
-                f"expected {len(self.static_inputs)} inputs (as example_inputs), got {len(inputs)}"
-            )
-        for i, (t, static) in enumerate(zip(inputs, self.static_inputs, strict=True)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"inputs[{i}] must be a tensor, got {type(t).__name__}")
-            if t.shape != static.shape or t.dtype != static.dtype or t.device != static.device:
-                raise ValueError(
-                    f"inputs[{i}] must be {_describe(static)} as captured, got {_describe(t)} "
-                    "(a graph replays fixed shapes: capture one step per shape)"
-                )
-        for t, static in zip(inputs, self.static_inputs, strict=True):
-            if t.data_ptr() != static.data_ptr():
-                static.copy_(t)
-        self.graph.replay()
-        for p, g in zip(self.params, self.static_grads, strict=True):
-            p.grad = g
-        return self.static_loss.clone()
+        _check_inputs("inputs", inputs)
+        loss = self._graphs(self._loss, lambda: self.params, inputs, {})
+        torch.autograd.backward(loss, inputs=self._graphs.backward_inputs(self.params))
+        return loss.detach()
+
+
+def _check_inputs(name: str, inputs: Sequence[Any]) -> None:
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor) or t.device.type not in CAPTURE_DEVICES:
+            where = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a tensor on {t.device}"
+            raise ValueError(f"{name}[{i}] must be a CUDA tensor, got {where}")
 
 
 def _describe(x: object) -> str:

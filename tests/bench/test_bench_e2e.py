@@ -170,22 +170,75 @@ def test_hf_and_fuselm_start_from_the_same_weights(model):
         fuselm.hf.unpatch(fl)
 
 
-def test_layer_provider_is_opt_in_and_patches_with_fused_layer():
-    """fuselm-layer runs only when asked for; its model is fuselm's with fused_layer=True (the decoder
-    layers run fuselm's two-node forward; the plain fuselm provider's stay HF's), from the same weights."""
-    import fuselm.hf
+def test_trainer_providers_are_opt_in_and_train_as_the_step_loop():
+    """hf-trainer runs Trainer.train() (the same losses as the step loop's, its step figures there; no
+    GPU figures on a CPU); fuselm-trainer needs CUDA (the parent skips it with the reason)."""
+    for provider in e2e.TRAINER_PROVIDERS:
+        assert provider in e2e.BENCH.providers and provider not in e2e.DEFAULT_PROVIDERS
+    assert e2e._precheck("fuselm-trainer", CPU) == "needs CUDA (CUDA graphs)"
+    assert e2e._precheck("hf-trainer", CPU) is None
+    runs = {
+        p: e2e.train(
+            e2e.CPU_PRESET, p, "llama3.2-1b", 2, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
+        )
+        for p in ("hf", "hf-trainer")
+    }
+    out = runs["hf-trainer"]
+    assert out["status"] == "ok" and len(out["step_ms_all"]) == 2 and out["cpu_ms"] > 0
+    assert out["profile_steps"] == 1 and out["gpu_ms"] is None
+    assert out["tokens_per_s"] == pytest.approx(32 / (out["step_ms"] / 1e3))
+    assert out["losses"] == pytest.approx(runs["hf"]["losses"], rel=1e-5)
 
-    assert "fuselm-layer" in e2e.BENCH.providers and "fuselm-layer" not in e2e.DEFAULT_PROVIDERS
-    models = [e2e.build_model(e2e.CPU_PRESET, p, torch.float32, CPU) for p in ("fuselm", "fuselm-layer")]
-    try:
-        plain, fused = (m.model.layers[0] for m in models)
-        assert "forward" not in vars(plain)  # its class's, HF's
-        assert fused.forward.__func__.__qualname__ == "fuselm_LlamaDecoderLayer.forward"
-        for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
-            assert torch.equal(a, b), name
-    finally:
-        for m in models:
-            fuselm.hf.unpatch(m)
+
+def test_fuselm_trainer_path_on_emulated_graphs(monkeypatch):
+    """fuselm-trainer's path (run_trainer with capture_training_steps) on the CPU emulation of CUDA graphs
+    (kit.fake_graphs): every step replayed, hf-trainer's losses."""
+    from kit.fake_graphs import emulate
+
+    from fuselm.graph_step import GraphCache
+
+    emulate(monkeypatch)
+    replayed = []
+    backward = GraphCache._replay_backward
+    monkeypatch.setattr(GraphCache, "_replay_backward", lambda *a: replayed.append(1) or backward(*a))
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for provider in e2e.TRAINER_PROVIDERS:
+        model = e2e.build_model(e2e.CPU_PRESET, provider, torch.float32, CPU)
+        runs[provider] = step_timing.run_trainer(
+            model, ids, graphs=provider == "fuselm-trainer", lr=1e-2, fused=False, warmup=1, steps=2,
+            profiled=0, device=CPU, seed=0,
+        )  # fmt: skip
+    assert runs["fuselm-trainer"].logged == pytest.approx(runs["hf-trainer"].logged, rel=1e-5)
+    assert len(runs["fuselm-trainer"].step_s) == 2 and runs["fuselm-trainer"].profile is None
+    assert len(replayed) == 3  # every step's backward replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fuselm_trainer_trains_as_hf_trainer():
+    """fuselm-trainer (fuselm's model, Trainer.train() under capture_training_steps) gives hf-trainer's
+    losses step after step (fp32, the tiny Llama; hf-trainer in float64 as the reference)."""
+    from fuselm.ops._common.testing import assert_numerics
+
+    cuda = torch.device("cuda")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1)).to(cuda)
+    losses = {}
+    for name, provider, dtype in (
+        ("ours", "fuselm-trainer", torch.float32),
+        ("eager", "hf-trainer", torch.float32),
+        ("reference", "hf-trainer", torch.float64),
+    ):
+        # built in fp32 and then cast, so the float64 reference starts from the same weights
+        model = e2e.build_model(e2e.CPU_PRESET, provider, torch.float32, cuda).to(dtype)
+        run = step_timing.run_trainer(
+            model, ids, graphs=provider == "fuselm-trainer", lr=1e-2, fused=False, warmup=2, steps=2,
+            profiled=1, device=cuda, seed=0,
+        )  # fmt: skip
+        assert len(run.step_s) == 2 and run.profile is not None and run.profile.kernels > 0
+        losses[name] = torch.tensor(run.logged, dtype=torch.float64)
+    assert len(losses["ours"]) == 5 and losses["ours"][0] != losses["ours"][-1]  # it trains
+    assert_numerics("losses", losses["ours"], losses["eager"], losses["reference"], torch.float32)
 
 
 def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
@@ -430,6 +483,20 @@ def test_ratios_are_medians_with_the_per_repeat_range():
     assert by[("llama3.2-1b", 8)]["tokens_vs_liger"] == pytest.approx(70.0 / 64.4)
     assert by[("qwen3-0.6b", 16)]["tokens_vs_hf"] is None
     assert by[("qwen3-0.6b", 16)]["tokens_vs_hf_repeats"] == [None, None, None]
+
+
+def test_trainer_ratio_is_in_the_notes():
+    """The acceptance figure of capture_training_steps: fuselm-trainer's tokens/s over hf-trainer's, the
+    median over the repeats and the range of the per-repeat ratios, one line per configuration."""
+    report = _gpu_report()
+    for rep, (ours, base) in enumerate(((45.0e3, 30.0e3), (44.0e3, 31.0e3), (46.0e3, 29.0e3))):
+        for provider, tok in (("fuselm-trainer", ours), ("hf-trainer", base)):
+            report.rows.append(
+                e2e.E2ERow(provider, "llama3.2-1b", 1, 2048, "ok", repeat=rep, tokens_per_s=tok, step_ms=50.0)
+            )
+    (line,) = e2e.trainer_ratios(report)
+    assert line == "llama3.2-1b 1x2048: fuselm-trainer / hf-trainer tokens/s 1.50x (1.42-1.59)."
+    assert any(line in note for note in e2e.notes(report))
 
 
 def test_gpu_report_files(tmp_path):

@@ -14,9 +14,7 @@ import torch
 from kit.hf_models import ALL_TYPES, MULTIMODAL_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import attention, blocks, decoder_layer, loss
-from fuselm.hf.attention import has_attention_core
-from fuselm.hf.decoder_layer import _forward_function
+from fuselm.hf import blocks, loss
 from fuselm.hf.installs import rope_in_module
 from fuselm.hf.registry import ALIASES, FAMILIES, family
 from fuselm.nn.mlp import gated_mlp
@@ -27,10 +25,7 @@ transformers = pytest.importorskip("transformers")
 # The modules of fuselm.hf and the names in them through which each swapped component reaches a fuselm op.
 OPS = {
     "rms_norm": (blocks, ("rms_norm",)),
-    "residual_norm": (decoder_layer, ("residual_rms_norm",)),
-    "layer": (decoder_layer, ("norm_qkv_rotary",)),  # the two-node decoder layer
     "rope": (blocks, ("apply_rotary",)),
-    "attention": (attention, ("qkv_rotary", "linear_projections")),  # the q, k, v projections fused
     "swiglu": (blocks, ("gated_mlp", "gated_packed")),
     "loss": (loss, ("linear_cross_entropy",)),
 }
@@ -94,18 +89,12 @@ def _train_step(model, ids, labels, **inputs):
     return out
 
 
-# every family with the default patch; with fused_layer=True those it changes (an attention fuselm swaps)
-PATCHES = [(t, False) for t in ALL_TYPES] + [(t, True) for t in ALL_TYPES if family(t).attention is not None]
-
-
-@pytest.mark.parametrize(
-    "model_type, fused_layer", PATCHES, ids=[f"{t}{'-fused_layer' if f else ''}" for t, f in PATCHES]
-)
-def test_family_patched_matches_hf(model_type, fused_layer, monkeypatch):
+@pytest.mark.parametrize("model_type", ALL_TYPES)
+def test_family_patched_matches_hf(model_type, monkeypatch):
     """HF's model and its float64 twin run (training step, then eval) before fuselm patches a third copy:
     the RoPE is module-level in HF, and while a patched model of the family lives every model of it runs
-    fuselm's, so the baselines must run first to be HF's own. The default patch leaves the decoder layers
-    and the attention HF's; fused_layer=True swaps them where the family's are Llama's."""
+    fuselm's, so the baselines must run first to be HF's own. The decoder layers and the attention stay
+    HF's."""
     eager = build(model_type)
     ref = clone(eager, torch.float64)
     mine = clone(eager)
@@ -122,44 +111,20 @@ def test_family_patched_matches_hf(model_type, fused_layer, monkeypatch):
     with torch.no_grad():
         base_evals = [m(input_ids=ids, labels=labels) for m in (ref, eager)]
 
-    ours = fuselm.hf.patch(mine, fused_layer=fused_layer)
+    ours = fuselm.hf.patch(mine)
     swapped = {type(m).__name__ for m in ours.modules() if "forward" in vars(m)}
     named = {spec.rms_norm, spec.mlp} - {None}
     assert named <= swapped, f"classes named by the spec but absent from the model: {named - swapped}"
     assert type(ours).__name__ in swapped
-    # the two-node layer (fused_layer=True) where the family has one; the fused residual is opt-in
-    two_node_family = "layer" in spec.components() and has_attention_core(spec)
-    assert (spec.decoder_layer in swapped) == (fused_layer and two_node_family)
-    assert (spec.attention in swapped) == (fused_layer and spec.attention is not None)
-    # it runs in the patched layers whose attention is Llama's from its q, k, v input to its o_proj and
-    # whose MLP is the gated one (not a MoE block); Llava's text model is a Llama
-    layers = [m for m in ours.modules() if type(m).__name__.endswith("DecoderLayer") and "forward" in vars(m)]
-    two_nodes = any(
-        getattr(_forward_function(m.self_attn), "fuselm_core", None) is not None
-        and _forward_function(m.mlp).__qualname__.startswith("fuselm_")
-        for m in layers
-    )
+    assert not any(n.endswith(("DecoderLayer", "Attention")) for n in swapped), swapped
 
     calls = _Calls(monkeypatch)
     out = _train_step(ours, ids, labels)
     assert out.logits is None, "the training forward with labels made logits"
     if model_type == "llava":  # its text model is a Llama: instance patching finds that family's blocks
         assert {"LlamaRMSNorm", "LlamaMLP"} <= swapped
-    layer_calls = calls.n.get("layer", 0)
-    assert (layer_calls > 0) == two_nodes, f"two-node layer: {layer_calls} calls, expected: {two_nodes}"
     for component in ["loss", *spec.components()]:
-        if component == "rope":  # the RoPE function, or inside the fused attention input or layer
-            assert calls.n.get("rope", 0) + calls.n.get("attention", 0) + layer_calls > 0, "rope: no call"
-        elif component == "swiglu":
-            assert calls.n.get("swiglu", 0) + layer_calls > 0, "swiglu: no call into fuselm"
-        elif component not in ("residual_norm", "layer"):
-            assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
-    assert "residual_norm" not in calls.n
-    fused = calls.n.get("attention", 0) + layer_calls
-    if fused_layer:
-        assert fused > 0, f"{spec.attention}: q, k, v not fused"
-    else:
-        assert fused == 0, "the default patch fused the attention's q, k, v"
+        assert calls.n.get(component, 0) > 0, f"{component}: no call into fuselm"
     assert_numerics("loss", out.loss, base[1].loss, base[0].loss, torch.float32)
     grads = _grads(ours)
     assert grads.keys() == base_grads[1].keys()
@@ -177,14 +142,14 @@ def test_family_patched_matches_hf(model_type, fused_layer, monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3", "llava"])
 def test_class_patch_round_trip(model_type):
-    """Class patching swaps every class the spec names (the multimodal wrapper's loss too, the decoder layer
-    with the opt-in fused residual) and unpatching restores the very same objects."""
+    """Class patching swaps every class the spec names (the multimodal wrapper's loss too) and unpatching
+    restores the very same objects."""
     spec = family(model_type)
     module = importlib.import_module(spec.module)
     names = [*spec.causal_lms, *(n for c, n in spec.components().items() if c != "rope")]
     before = {n: vars(getattr(module, n)).get("forward") for n in names}
     rope_before = rope_in_module(spec) if spec.rope else None
-    fuselm.hf.patch(model_type, fused_residual=True)
+    fuselm.hf.patch(model_type)
     assert fuselm.hf.is_patched(model_type)
     for n in names:
         assert getattr(module, n).forward is not before[n], n

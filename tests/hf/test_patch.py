@@ -3,10 +3,12 @@ HF's outputs (loss, logits, gradients) under the numerics rule (CPU fp32; float6
 
 from __future__ import annotations
 
+import ast
 import copy
 import doctest
 import gc
 import importlib
+import inspect
 import pickle
 import types
 import warnings
@@ -16,8 +18,7 @@ import torch
 from kit.hf_models import CLASSIC_TYPES, build, clone, tiny_config
 
 import fuselm.hf
-from fuselm.hf import _common, attention, blocks, decoder_layer, plan
-from fuselm.hf.attention import has_attention_core
+from fuselm.hf import _common, blocks, plan
 from fuselm.hf.installs import rope_in_module
 from fuselm.hf.loss import LossOptions
 from fuselm.hf.registry import FAMILIES, family
@@ -33,7 +34,7 @@ def _modeling(model_type):
 def _snapshot(model_type):
     """Everything patching may touch: the classes' own attribute dicts and the module's globals."""
     spec, module = family(model_type), _modeling(model_type)
-    names = (spec.rms_norm, spec.mlp, spec.decoder_layer, *spec.causal_lms)
+    names = (spec.rms_norm, spec.mlp, *spec.causal_lms)
     classes = {name: dict(vars(getattr(module, name))) for name in names if name is not None}
     return classes, dict(vars(module))
 
@@ -79,12 +80,12 @@ def test_class_patch_round_trip(model_type, by):
     spec, module = family(model_type), _modeling(model_type)
     target = model_type if by == "model_type" else getattr(module, spec.causal_lms[0])
     before = _snapshot(model_type)
-    fuselm.hf.patch(target, fused_residual=True)  # everything, the opt-in decoder layer too
+    fuselm.hf.patch(target)
     assert fuselm.hf.is_patched(target)
     for name in before[0]:
         assert getattr(module, name).forward is not before[0][name]["forward"]
     assert rope_in_module(spec) is not before[1][spec.rope]
-    fuselm.hf.patch(target, fused_residual=True)  # idempotent
+    fuselm.hf.patch(target)  # idempotent
     fuselm.hf.unpatch(target)
     _same(before, _snapshot(model_type))
     assert not fuselm.hf.is_patched(target)
@@ -99,21 +100,16 @@ def test_class_patch_reaches_models_built_before_and_after():
         assert model.forward.__func__.__qualname__ == "fuselm_LlamaForCausalLM.forward"
 
 
-@pytest.mark.parametrize("fused_layer", [False, True], ids=["default", "fused_layer"])
 @pytest.mark.parametrize("model_type", CLASSIC_TYPES)
-def test_instance_patch_touches_only_that_model(model_type, fused_layer):
+def test_instance_patch_touches_only_that_model(model_type):
     spec = family(model_type)
     model, other = build(model_type), build(model_type)
     before = _snapshot(model_type)  # after building: HF caches a few values on its classes then
-    assert fuselm.hf.patch(model, fused_layer=fused_layer) is model
+    assert fuselm.hf.patch(model) is model
     assert fuselm.hf.is_patched(model)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     kinds = {type(m).__name__ for m in patched}
-    # fused_layer: q, k, v fused with the RoPE, and the two-node layer where the family has one
-    attn = {spec.attention} if spec.attention and fused_layer else set()
-    two_nodes = fused_layer and "layer" in spec.components() and has_attention_core(spec)
-    layer = {spec.decoder_layer} if two_nodes else set()
-    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__, *attn, *layer}
+    assert kinds == {spec.rms_norm, spec.mlp, type(model).__name__}
     assert not any("forward" in vars(m) for m in other.modules())
     assert rope_in_module(spec).__qualname__.startswith("fuselm_")  # rope is module-level in HF
     fuselm.hf.unpatch(model)
@@ -123,20 +119,15 @@ def test_instance_patch_touches_only_that_model(model_type, fused_layer):
 
 
 def _rope_calls(monkeypatch) -> list:
-    """Records every call into fuselm's RoPE made through fuselm.hf (the rotary function, the attention
-    input where the q, k, v projections are fused with it, and the two-node decoder layer's first node)."""
+    """Records every call into fuselm's RoPE made through fuselm.hf (its rotary function)."""
     calls = []
-    for module, name in (
-        (blocks, "apply_rotary"),
-        (attention, "qkv_rotary"),
-        (decoder_layer, "norm_qkv_rotary"),
-    ):
+    apply_rotary = blocks.apply_rotary
 
-        def spy(*args, _fn=getattr(module, name), **kwargs):
-            calls.append(1)
-            return _fn(*args, **kwargs)
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return apply_rotary(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(blocks, "apply_rotary", spy)
     return calls
 
 
@@ -284,6 +275,51 @@ def test_component_flags():
     kinds = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
     assert kinds == {"LlamaMLP"}
     assert not _common.is_fuselm_forward(rope_in_module(family("llama")))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma", "granite"])
+def test_patching_reads_no_source(model_type, monkeypatch):
+    """Patching an instance or a family's classes never reads transformers' source (no ast.parse, no
+    inspect.getsource / findsource), and the patched model trains through fuselm's forwards (a first
+    patched step outside the guard: torch reads the source of custom ops it registers lazily)."""
+    first = fuselm.hf.patch(build(model_type))
+    ids, labels = _batch(first.config.vocab_size)
+    _run(first, ids, labels)
+    fuselm.hf.unpatch(first)
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"{name} called on the patch path")
+
+        return refused
+
+    with monkeypatch.context() as guard:
+        guard.setattr(ast, "parse", refuse("ast.parse"))
+        guard.setattr(inspect, "getsource", refuse("inspect.getsource"))
+        guard.setattr(inspect, "findsource", refuse("inspect.findsource"))
+        model = fuselm.hf.patch(build(model_type))
+        fuselm.hf.patch(model_type)
+        out = _run(model, ids, labels)
+        fuselm.hf.unpatch(model_type)
+    assert out.logits is None and torch.isfinite(out.loss)
+    assert model.forward.__func__.__qualname__.startswith("fuselm_")
+
+
+@pytest.mark.parametrize("option", ["fused_layer", "fused_residual"])
+def test_removed_options_say_what_replaces_them(option):
+    """fused_layer and fused_residual were removed: True raises a ValueError naming the option and
+    capture_training_steps (nothing patched), False is accepted; an unknown option is a TypeError."""
+    model = build("llama")
+    with pytest.raises(
+        ValueError, match=rf"^{option}=True was removed from fuselm.hf.patch .*capture_training_steps"
+    ):
+        fuselm.hf.patch(model, **{option: True})
+    assert not fuselm.hf.is_patched(model)
+    with pytest.raises(ValueError, match=f"{option}=True was removed"):
+        fuselm.hf.patch("llama", **{option: True})
+    assert fuselm.hf.patch(model, **{option: False}) is model and fuselm.hf.is_patched(model)
+    with pytest.raises(TypeError, match="patch\\(\\) got an unexpected keyword argument 'fused_layers'"):
+        fuselm.hf.patch(model, fused_layers=True)
 
 
 def test_bad_targets_and_flags():
@@ -551,7 +587,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     loss and gradients are the original's bit for bit; is_patched, re-patching and unpatch act on the copy
     alone."""
     rope_before = rope_in_module(family("llama"))
-    model = fuselm.hf.patch(build("llama"), label_smoothing=0.1, fused_layer=True)
+    model = fuselm.hf.patch(build("llama"), label_smoothing=0.1)
     ids, labels = _batch()
     want = _run(model, ids, labels)
     want_grads = _grads(model)
@@ -563,7 +599,7 @@ def test_a_copy_of_a_patched_model_is_patched(how, tmp_path, monkeypatch):
     loaded = load()
     assert fuselm.hf.is_patched(loaded)
     patched = [m for m in loaded.modules() if "forward" in vars(m)]
-    swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM"}
+    swapped = {"LlamaRMSNorm", "LlamaMLP", "LlamaForCausalLM"}
     assert {type(m).__name__ for m in patched} == swapped
     assert all(vars(m)["forward"].__self__ is m for m in patched)
     assert rope_in_module(family("llama")) is not rope_before

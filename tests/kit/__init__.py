@@ -5,6 +5,8 @@ imports another one, and nothing here is a test.
 - ``kit.oracles``: eager and float64 implementations several suites compare against.
 - ``kit.workers``: running a function on the ranks of a torch.distributed group (spawned processes).
 - ``kit.hf_models``: tiny Hugging Face models of every model type fuselm.hf knows, built from code.
+- ``kit.fake_graphs``: CUDA graphs emulated on the CPU (``emulate(monkeypatch)``), for fuselm.graph_step's
+  bookkeeping in CI (the ``graph_device`` fixture of tests/conftest.py runs a test on both).
 
 The ``gen`` fixture (a CPU generator seeded by the test's id) lives in tests/conftest.py.
 """

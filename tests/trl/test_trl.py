@@ -500,27 +500,19 @@ def test_rloo(calls, checkpoint, tmp_path):
     assert max(abs(x) for x in logs["loss"]) < 1e-6 and logs["kl"][-1] != 0
 
 
-@pytest.mark.parametrize("fused_layer", [False, True], ids=["default", "fused_layer"])
-def test_sft_with_hf_patch(fused_layer, calls, checkpoint, tmp_path, monkeypatch):
+def test_sft_with_hf_patch(calls, checkpoint, tmp_path, monkeypatch):
     """fuselm.hf.patch("llama") (block kernels) and fuselm.trl.patch() (head) together on SFTTrainer: the
-    model's norms, RoPE and MLP run fuselm's (with fused_layer=True its decoder layers run fuselm.hf's
-    two-node layer, with the norms, RoPE and MLP inside, and the final norm fuselm's RMSNorm), the head
-    fuselm.linear_log_probs, and fuselm.hf's CausalLM loss (linear_cross_entropy) never runs (TRL calls
-    the backbone directly)."""
+    model's norms, RoPE and MLP run fuselm's, the head fuselm.linear_log_probs, and fuselm.hf's CausalLM
+    loss (linear_cross_entropy) never runs (TRL calls the backbone directly)."""
     from trl import SFTConfig, SFTTrainer
 
     import fuselm.hf
-    from fuselm.hf import blocks, decoder_layer, loss
+    from fuselm.hf import blocks, loss
 
-    names = ("rms_norm", "apply_rotary", "gated_mlp", "norm_qkv_rotary", "attention_output_mlp")
+    names = ("rms_norm", "apply_rotary", "gated_mlp")
     hf_calls = dict.fromkeys((*names, "linear_cross_entropy"), 0)
-    modules = {
-        "linear_cross_entropy": loss,
-        "norm_qkv_rotary": decoder_layer,
-        "attention_output_mlp": decoder_layer,
-    }
     for name in hf_calls:
-        module = modules.get(name, blocks)
+        module = loss if name == "linear_cross_entropy" else blocks
         original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
@@ -532,7 +524,7 @@ def test_sft_with_hf_patch(fused_layer, calls, checkpoint, tmp_path, monkeypatch
 
     def run(kind, dtype):
         if kind == "fuselm":
-            fuselm.hf.patch("llama", fused_layer=fused_layer)
+            fuselm.hf.patch("llama")
         try:
             kwargs = dict(train_dataset=tm.prompt_completion(16))
             return _train(SFTConfig, SFTTrainer, kind, dtype, checkpoint, tmp_path, config, **kwargs)
@@ -540,9 +532,5 @@ def test_sft_with_hf_patch(fused_layer, calls, checkpoint, tmp_path, monkeypatch
             fuselm.hf.unpatch("llama")
 
     _check_runs(calls, run)
-    ran = {name for name in names if hf_calls[name] > 0}
-    if fused_layer:  # every layer as two nodes; the final norm alone runs fuselm's RMSNorm module
-        assert ran == {"rms_norm", "norm_qkv_rotary", "attention_output_mlp"}
-    else:
-        assert ran == {"rms_norm", "apply_rotary", "gated_mlp"}
+    assert {name for name in names if hf_calls[name] > 0} == set(names)
     assert hf_calls["linear_cross_entropy"] == 0

@@ -12,7 +12,6 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 # the attribute of a family's root module in an instance-patched model: its patch record (fuselm.hf.patching)
@@ -113,11 +112,6 @@ def modeling_module(spec) -> types.ModuleType:
             f"fuselm.hf needs transformers with the {spec.model_type!r} family ({spec.module}); "
             f'pip install "fuselm[hf]" (or a newer transformers)'
         ) from e
-
-
-def is_plain_tensor(t) -> bool:
-    """A plain tensor or parameter (not a DTensor or another subclass): what fuselm's fused paths take."""
-    return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
 def hf_class(module: nn.Module) -> type:

@@ -78,9 +78,6 @@ def patch_family(spec: FamilySpec, plan: PatchPlan) -> None:
     unpatch_family(spec)  # other options: they replace the previous class patch
     module = modeling_module(spec)
     names = [spec.components()[c] for c in plan.blocks if c in spec.components() and c != "rope"]
-    names = list(dict.fromkeys(names))  # the decoder layer once, for both of its components
-    if "layer" in plan.blocks and spec.attention is not None:  # the q, k, v projections fused with RoPE
-        names.append(spec.attention)
     names += list(spec.causal_lms) if plan.loss is not None else []
     saved, missing = [], []
     for name in names:
@@ -89,8 +86,6 @@ def patch_family(spec: FamilySpec, plan: PatchPlan) -> None:
             missing.append(name)
             continue
         new = forward_for(spec, cls, original_forward(cls), plan)
-        if new is None:  # a decoder layer that is not Llama's layout here (warned): it stays HF's
-            continue
         saved.append((cls, "forward", cls.__dict__.get("forward", MISSING)))
         ORIGINAL_FORWARDS[cls] = cls.forward
         cls.forward = new

@@ -91,7 +91,7 @@ def _install_rope(spec: FamilySpec) -> Callable[[], None]:
 
 def _kernelizable_classes(spec: FamilySpec) -> list[type]:
     module = modeling_module(spec)
-    names = (spec.rms_norm, spec.mlp, spec.decoder_layer, spec.attention, *spec.causal_lms)
+    names = (spec.rms_norm, spec.mlp, *spec.causal_lms)
     classes = [getattr(module, n, None) for n in dict.fromkeys(n for n in names if n is not None)]
     return [c for c in classes if c is not None and hasattr(c, "kernel_layer_name")]
 

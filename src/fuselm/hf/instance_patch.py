@@ -69,8 +69,8 @@ class InstanceForward(functools.partial):
 
 def _rebuilt_forward(module: nn.Module, make: Callable, how: tuple) -> InstanceForward:
     """The forward of a copied or unpickled module (its state may not be restored yet: only its class is
-    read). In a process whose transformers gives no fuselm forward for it (a decoder layer of another
-    layout: warned), the copy runs HF's forward, through an InstanceForward that ``unpatch`` takes out."""
+    read). In a process whose transformers gives no fuselm forward for it, the copy runs HF's forward,
+    through an InstanceForward that ``unpatch`` takes out."""
     forward = make(*how)
     if forward is None:
         forward = original_forward(hf_class(module))

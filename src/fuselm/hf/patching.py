@@ -2,10 +2,9 @@
 
 Three targets:
 - a model_type string (``"llama"``) or a model class: class patching (:mod:`fuselm.hf.class_patch`). The
-  family's RMSNorm, MLP and CausalLM (and multimodal ConditionalGeneration) classes (with
-  ``fused_residual=True`` also the decoder layer of Llama's layout: the residual add fused into the
-  post-attention RMSNorm) get fuselm's ``forward`` as a class attribute and the modeling module's rotary
-  function is replaced: every model of the family, built before or after, uses them.
+  family's RMSNorm, MLP and CausalLM (and multimodal ConditionalGeneration) classes get fuselm's ``forward``
+  as a class attribute and the modeling module's rotary function is replaced: every model of the family,
+  built before or after, uses them.
 - a built model (any ``nn.Module``: a PEFT wrapper, a bare decoder, a CausalLM, a multimodal wrapper):
   instance patching (:mod:`fuselm.hf.instance_patch`). Every submodule of a known family class gets
   fuselm's forward as an instance attribute; other models of the same class are untouched. The patch
@@ -45,8 +44,6 @@ def patch(
     target,
     *,
     rms_norm: bool = True,
-    fused_residual: bool = False,
-    fused_layer: bool = False,
     rope: bool = True,
     swiglu: bool = True,
     lora: bool = True,
@@ -58,6 +55,7 @@ def patch(
     checkpointing: str | None = None,
     memory_budget: float | None = None,
     mlp_chunk_tokens: int | None = None,
+    **removed,
 ):
     """Run a Hugging Face model (or a whole model family) on fuselm's kernels.
 
@@ -71,30 +69,6 @@ def patch(
             spec gets the fused loss only, with one warning naming what stays Hugging Face's.
         rms_norm: every RMSNorm of the family (including q/k norms) runs :func:`fuselm.rms_norm` with
             the family's casting (Llama's, Gemma's ``1 + weight``, OLMo 2's), HF's formula exactly.
-        fused_residual: opt-in, with ``rms_norm``: in the families whose decoder layer is Llama's pre-norm
-            layout (``FamilySpec.decoder_layer``), the layer's add after the attention runs inside the
-            post-attention RMSNorm: ``hidden, residual = fuselm.rms_norm(attn_out, w, eps,
-            residual=residual)``, one kernel instead of an add and a norm (and one in backward instead of
-            the norm's backward and a gradient add). The sum is rounded to the activations' dtype as HF's
-            add rounds it. For the layers that run their modules (the two-node layer of
-            ``fused_layer`` does it always): off by default, for -0.27% of a training step on an H100
-            (``benchmarks/results/h100/tuning/e2e_fused_residual_ab.md``). Checks the layer's layout on the
-            installed transformers' source, as ``fused_layer`` does.
-        fused_layer: opt-in, with ``rms_norm``, ``rope`` and ``swiglu`` (and no ``mlp_chunk_tokens``), for
-            the host time of a small-batch step: in the families whose decoder layer is Llama's pre-norm
-            layout and whose attention is Llama's (``FamilySpec.decoder_layer`` and ``.attention``), each
-            layer runs as two autograd nodes around HF's attention: the input norm, q / k / v and RoPE
-            (:func:`fuselm.ops.decoder_layer.norm_qkv_rotary`), then ``o_proj``, the residual add, the
-            post-attention norm, the MLP and the last add
-            (:func:`fuselm.ops.decoder_layer.attention_output_mlp`), where HF's modules build about
-            fifteen nodes and six module calls. The same math and the same saved tensors as the separate
-            fuselm ops. Where the layer runs its modules (its projections are PEFT / bitsandbytes layers or
-            DTensors, hooks on its modules, autocast to another dtype than the activations' (said once),
-            torch.compile) and in the families whose attention alone is Llama's, the attention's q, k, v
-            projections and RoPE run as one node (:mod:`fuselm.hf.attention`). Both are made from the
-            installed transformers' source: HF's layer and attention forwards are checked statement for
-            statement against Llama's and cut there (HF's attention code runs between the nodes); a
-            mismatch leaves them HF's, warned once. Off by default: the default patch reads no source.
         rope: the attention's ``apply_rotary_pos_emb`` runs :func:`fuselm.apply_rotary` (GQA, partial
             rotary). Module-level in HF: from the patch on, every model of that family runs it (the same
             math as HF's), until a later ``patch`` / ``unpatch`` call finds no patch of the family left.
@@ -141,6 +115,11 @@ def patch(
             projections are recomputed in backward (for the longest sequences, where those tensors
             decide what fits). Dense and LoRA / QLoRA MLPs; one with LoRA dropout on ``down_proj``,
             multipliers or hooked projections says so once and runs whole.
+        removed: ``fused_layer`` and ``fused_residual`` were options (the decoder layer as two autograd
+            nodes, the residual add inside the RMSNorm, made from transformers' source); ``True`` raises
+            ValueError pointing to what replaces them for small-batch host time,
+            :func:`fuselm.integrations.trainer.capture_training_steps`; ``False`` does nothing. Any other
+            name raises TypeError.
 
     Patching a target that is already patched with other options replaces its patch (the same as
     :func:`unpatch` then :func:`patch`); with the same options it does nothing. An instance patch
@@ -156,9 +135,8 @@ def patch(
         ValueError: an unknown model type, a class of an unknown family that is no ``*ForCausalLM``, a
             model in which nothing can be patched with these flags (fuselm never patches silently
             nothing), both loss flags, a bad ``label_smoothing``, ``memory`` or ``accum_dtype`` (the
-            message names the argument and its allowed values), ``fused_residual`` without
-            ``rms_norm``, ``fused_layer`` without ``rms_norm``, ``rope`` or ``swiglu`` or with
-            ``mlp_chunk_tokens``.
+            message names the argument and its allowed values), ``fused_layer=True`` or
+            ``fused_residual=True`` (removed options).
         ImportError: transformers is missing, or too old for the family's modeling module.
 
     Example:
@@ -180,8 +158,6 @@ def patch(
     """
     plan = make_plan(
         rms_norm=rms_norm,
-        fused_residual=fused_residual,
-        fused_layer=fused_layer,
         rope=rope,
         swiglu=swiglu,
         lora=lora,
@@ -193,6 +169,7 @@ def patch(
         mlp_chunk_tokens=mlp_chunk_tokens,
         checkpointing=checkpointing,
         memory_budget=memory_budget,
+        removed=removed,
     )
     if isinstance(target, nn.Module):
         before = instance_plan(target)

@@ -11,20 +11,27 @@ import torch
 
 from ..ops.swiglu import check_chunk_rows
 from .activation_plan import check_budget
-from .attention import attention_forward, has_attention_core
 from .blocks import mlp_forward, rms_norm_forward
 from .causal_lm import causal_lm_forward
-from .decoder_layer import decoder_layer_forward
 from .loss import LossOptions
 from .registry import FamilySpec
 
-# the block components; the loss is the last one. residual_norm: the decoder layer's add after the
-# attention runs inside the post-attention RMSNorm (opt-in: fused_residual=True, with rms_norm). layer: the
-# decoder layer as two autograd nodes around the attention and the attention's q, k, v + RoPE as one node,
-# made from the installed transformers' source (opt-in: fused_layer=True, with rms_norm, rope and swiglu and
-# no mlp_chunk_tokens). lora: PEFT's LoRA Linear layers run fuselm.lora (instance patching; the gated MLP's
-# LoRA path comes with swiglu)
-BLOCKS = ("rms_norm", "residual_norm", "layer", "rope", "swiglu", "lora")
+# the block components; the loss is the last one. lora: PEFT's LoRA Linear layers run fuselm.lora (instance
+# patching; the gated MLP's LoRA path comes with swiglu)
+BLOCKS = ("rms_norm", "rope", "swiglu", "lora")
+
+# options patch() no longer has -> what replaces them (True raises ValueError saying so; False does nothing)
+REMOVED = {
+    "fused_layer": (
+        "the decoder layer as two nodes made from transformers' source; for the host time of small-batch "
+        "steps capture them in CUDA graphs instead: fuselm.integrations.trainer.capture_training_steps("
+        "trainer) (Hugging Face's Trainer, TRL's trainers) or fuselm.CapturedStep"
+    ),
+    "fused_residual": (
+        "the residual add inside the post-attention RMSNorm (0.27% of a step); small-batch steps: "
+        "fuselm.integrations.trainer.capture_training_steps(trainer)"
+    ),
+}
 
 
 # None: HF's gradient checkpointing as the model has it; "offload": every layer's input on the host;
@@ -48,7 +55,6 @@ class PatchPlan:
 def make_plan(
     *,
     rms_norm: bool,
-    fused_residual: bool,
     rope: bool,
     swiglu: bool,
     lora: bool,
@@ -58,12 +64,19 @@ def make_plan(
     memory: str | int,
     accum_dtype: torch.dtype | None,
     mlp_chunk_tokens: int | None = None,
-    fused_layer: bool = False,
     checkpointing: str | None = None,
     memory_budget: float | None = None,
+    removed: dict | None = None,
 ) -> PatchPlan:
     """The :class:`PatchPlan` of ``fuselm.hf.patch``'s keyword arguments; ValueError naming a bad one (the
-    loss options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on)."""
+    loss options are checked by :class:`~fuselm.hf.loss.LossOptions`, also when no loss flag is on).
+    ``removed``: the other keyword arguments patch() got: an option of :data:`REMOVED` set (True) raises
+    ValueError saying what replaces it, False is accepted; any other name raises TypeError."""
+    for name, value in (removed or {}).items():
+        if name not in REMOVED:
+            raise TypeError(f"patch() got an unexpected keyword argument {name!r}")
+        if value:
+            raise ValueError(f"{name}=True was removed from fuselm.hf.patch ({REMOVED[name]})")
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     if memory_budget is not None:
@@ -78,27 +91,10 @@ def make_plan(
     check_chunk_rows("mlp_chunk_tokens", mlp_chunk_tokens)
     if mlp_chunk_tokens is not None and not swiglu:
         raise ValueError("mlp_chunk_tokens chunks fuselm's gated MLP: it needs swiglu=True")
-    if fused_residual and not rms_norm:
-        raise ValueError(
-            "fused_residual=True fuses the residual add into fuselm's RMSNorm: it needs rms_norm=True"
-        )
-    if fused_layer:
-        parts = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
-        missing = [name for name, on in parts.items() if not on]
-        if missing:
-            raise ValueError(
-                f"fused_layer=True fuses fuselm's RMSNorm, RoPE and gated MLP into two nodes per layer: it "
-                f"needs {' and '.join(f'{name}=True' for name in missing)}"
-            )
-        if mlp_chunk_tokens is not None:
-            raise ValueError(
-                "fused_layer=True runs each layer's MLP whole, in one node: it cannot take mlp_chunk_tokens "
-                "(pick one)"
-            )
     loss = LossOptions(bool(cross_entropy), label_smoothing, memory, accum_dtype)  # checked, also if unused
     if not (linear_cross_entropy or cross_entropy):
         loss = None
-    flags = (rms_norm, fused_residual, fused_layer, rope, swiglu, lora)
+    flags = (rms_norm, rope, swiglu, lora)
     blocks = tuple(c for c, on in zip(BLOCKS, flags, strict=True) if on)
     if not blocks and loss is None:
         raise ValueError("nothing to patch: every component flag is False")
@@ -107,18 +103,10 @@ def make_plan(
 
 def forward_for(spec: FamilySpec, cls: type, original: Callable, plan: PatchPlan) -> Callable | None:
     """fuselm's forward for ``cls``, a class of ``spec``'s modeling module whose own (HF's) forward is
-    ``original``, under ``plan``; None: the class keeps HF's (not a class the family swaps, not asked for,
-    or a decoder layer that is not Llama's layout in this transformers, warned once)."""
+    ``original``, under ``plan``; None: the class keeps HF's (not a class the family swaps, not asked for)."""
     name = cls.__name__
     if name == spec.rms_norm and "rms_norm" in plan.blocks:
         return rms_norm_forward(spec)
-    if name == spec.decoder_layer:
-        two_nodes = "layer" in plan.blocks and "layer" in spec.components() and has_attention_core(spec)
-        if two_nodes or "residual_norm" in plan.blocks:
-            return decoder_layer_forward(spec, original, two_nodes, "residual_norm" in plan.blocks)
-        return None
-    if name == spec.attention and "layer" in plan.blocks:
-        return attention_forward(spec, original)
     if name == spec.mlp and "swiglu" in plan.blocks:
         return mlp_forward(spec, original, plan.mlp_chunk)
     if name in spec.causal_lms and plan.loss is not None:

@@ -52,17 +52,6 @@ class FamilySpec:
         rope_one_tensor: that function rotates one tensor, ``apply_rotary_pos_emb(x, cos, sin,
             unsqueeze_dim=1)`` (Gemma 4: called once for q, once for k), instead of
             ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
-        decoder_layer: the decoder layer class whose forward is Llama's pre-norm layout exactly
-            (``input_layernorm -> self_attn -> add -> post_attention_layernorm -> mlp -> add``, nothing
-            else), so that the add after the attention can run inside the post-attention RMSNorm (the
-            ``residual_norm`` component, opt-in: ``patch(..., fused_residual=True)``), or None (the layer
-            stays HF's). Set only where the installed transformers' source was read; the patched forward
-            also checks the layout when it is built (:func:`fuselm.hf.layer_layout.llama_layer_layout`)
-            and leaves a layer that differs HF's.
-        attention: the attention class whose q, k, v projections of ``hidden_states`` fuselm runs as one
-            node under ``fused_layer=True``, with the rotation too where the forward begins with Llama's five
-            input statements (:mod:`fuselm.hf.attention`; read from the installed source when patching),
-            or None.
         keeps: what stays Hugging Face's and why (shown in the supported-models table).
     """
 
@@ -77,61 +66,26 @@ class FamilySpec:
     mlp_multipliers: tuple[str, str] | None = None
     rope: str | None = "apply_rotary_pos_emb"
     rope_one_tensor: bool = False
-    decoder_layer: str | None = None
-    attention: str | None = None
     keeps: str = field(default="", compare=False)
 
     def __post_init__(self):
         if self.mlp_multipliers is not None and self.packed_mlp:
             raise ValueError(f"{self.model_type}: MLP multipliers need split gate_proj / up_proj projections")
-        if self.decoder_layer is not None and self.rms_norm is None:
-            raise ValueError(f"{self.model_type}: the fused residual add needs the family's RMSNorm")
-        if self.attention is not None and (self.rope is None or self.rope_one_tensor):
-            raise ValueError(
-                f"{self.model_type}: the fused attention input replaces the two-tensor "
-                "apply_rotary_pos_emb(q, k, cos, sin) call: it needs that rope function"
-            )
-
-    def _two_node_layer(self) -> bool:
-        """Can the decoder layer run as fuselm's two nodes: Llama's layout, an attention fuselm patches, a
-        gated MLP of split projections without multipliers (the attention's source is checked when
-        patching: :func:`fuselm.hf.attention.has_attention_core`)?"""
-        plain_mlp = self.mlp is not None and not self.packed_mlp and self.mlp_multipliers is None
-        return self.decoder_layer is not None and self.attention is not None and plain_mlp
 
     def components(self) -> dict[str, str]:
         """The block components the family swaps -> the class or function name each replaces."""
-        names = {
-            "rms_norm": self.rms_norm,
-            "residual_norm": self.decoder_layer,
-            "layer": self.decoder_layer if self._two_node_layer() else None,
-            "rope": self.rope,
-            "swiglu": self.mlp,
-        }
+        names = {"rms_norm": self.rms_norm, "rope": self.rope, "swiglu": self.mlp}
         return {c: n for c, n in names.items() if n is not None}
 
 
-def _spec(
-    model_type: str,
-    prefix: str,
-    *,
-    module: str | None = None,
-    llama_layer: bool = False,
-    llama_attention: bool = False,
-    **kw,
-) -> FamilySpec:
+def _spec(model_type: str, prefix: str, *, module: str | None = None, **kw) -> FamilySpec:
     """A spec with the usual names: ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>ForCausalLM`` in
-    ``transformers.models.<module or model_type>.modeling_<...>``, and with ``llama_layer=True`` (the
-    decoder layer's forward was read and is Llama's layout) ``<prefix>DecoderLayer``, with
-    ``llama_attention=True`` (its q, k, v projections were read and can be fused)
-    ``<prefix>Attention``; keyword arguments override."""
+    ``transformers.models.<module or model_type>.modeling_<...>``; keyword arguments override."""
     name = module or model_type
     kw = {
         "causal_lms": (f"{prefix}ForCausalLM",),
         "rms_norm": f"{prefix}RMSNorm",
         "mlp": f"{prefix}MLP",
-        "decoder_layer": f"{prefix}DecoderLayer" if llama_layer else None,
-        "attention": f"{prefix}Attention" if llama_attention else None,
         **kw,
     }
     return FamilySpec(model_type=model_type, module=f"transformers.models.{name}.modeling_{name}", **kw)
@@ -146,18 +100,17 @@ FAMILIES: dict[str, FamilySpec] = {
     s.model_type: s
     for s in (
         # dense
-        _spec("llama", "Llama", llama_layer=True, llama_attention=True),
-        _spec("mistral", "Mistral", llama_layer=True, llama_attention=True),
-        _spec("ministral", "Ministral", llama_layer=True, llama_attention=True),
-        _spec("qwen2", "Qwen2", llama_layer=True, llama_attention=True),
-        _spec("qwen3", "Qwen3", llama_layer=True, llama_attention=True),
+        _spec("llama", "Llama"),
+        _spec("mistral", "Mistral"),
+        _spec("ministral", "Ministral"),
+        _spec("qwen2", "Qwen2"),
+        _spec("qwen3", "Qwen3"),
         _spec("phi3", "Phi3", packed_mlp=True),
-        _spec("gemma", "Gemma", llama_layer=True, llama_attention=True, norm_style="gemma"),
-        _spec("gemma2", "Gemma2", llama_attention=True, **GEMMA2_LIKE),
+        _spec("gemma", "Gemma", norm_style="gemma"),
+        _spec("gemma2", "Gemma2", **GEMMA2_LIKE),
         _spec(
             "gemma3",
             "Gemma3",
-            llama_attention=True,
             **GEMMA2_LIKE,
             causal_lms=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ),
@@ -173,57 +126,51 @@ FAMILIES: dict[str, FamilySpec] = {
             causal_lms=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
             keeps=f"{EXPERTS}, per-layer-input gate, vision MLP (clippable linears), audio feed-forward",
         ),
-        _spec("olmo2", "Olmo2", llama_attention=True, norm_style="olmo2"),
-        _spec("olmo3", "Olmo3", llama_attention=True, norm_style="olmo2"),
-        _spec("granite", "Granite", llama_attention=True),
-        _spec("smollm3", "SmolLM3", llama_layer=True, llama_attention=True),
+        _spec("olmo2", "Olmo2", norm_style="olmo2"),
+        _spec("olmo3", "Olmo3", norm_style="olmo2"),
+        _spec("granite", "Granite"),
+        _spec("smollm3", "SmolLM3"),
         _spec("glm4", "Glm4", packed_mlp=True, rope=None, keeps=INTERLEAVED),
         _spec("cohere", "Cohere", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
         _spec("cohere2", "Cohere2", rms_norm=None, rope=None, keeps=f"LayerNorm (centered), {INTERLEAVED}"),
         _spec(
             "starcoder2",
             "Starcoder2",
-            llama_attention=True,
             rms_norm=None,
             mlp=None,
             keeps="nn.LayerNorm, MLP (not gated)",
         ),
-        _spec("exaone4", "Exaone4", llama_attention=True),
+        _spec("exaone4", "Exaone4"),
         _spec(
             "seed_oss",
             "SeedOss",
-            llama_layer=True,
-            llama_attention=True,
             mlp=None,
             keeps="MLP (a residual dropout after it)",
         ),
-        _spec("ernie4_5", "Ernie4_5", llama_layer=True, rope=None, keeps=INTERLEAVED),
-        _spec("apertus", "Apertus", llama_attention=True, mlp=None, keeps="MLP (not gated, xIELU)"),
+        _spec("ernie4_5", "Ernie4_5", rope=None, keeps=INTERLEAVED),
+        _spec("apertus", "Apertus", mlp=None, keeps="MLP (not gated, xIELU)"),
         _spec(
             "arcee",
             "Arcee",
-            llama_layer=True,
-            llama_attention=True,
             mlp=None,
             keeps="MLP (not gated, ReLU^2)",
         ),
-        _spec("hunyuan_v1_dense", "HunYuanDenseV1", llama_layer=True, llama_attention=True),
+        _spec("hunyuan_v1_dense", "HunYuanDenseV1"),
         # hybrid: attention and a Mamba-2 mixer side by side in every layer; the MLP scales its gate
         # projection and its output (config.mlp_multipliers), which the patched forward does too
         _spec(
             "falcon_h1",
             "FalconH1",
-            llama_attention=True,
             mlp_multipliers=("gate_multiplier", "down_multiplier"),
             keeps="Mamba mixer (and its gated RMSNorm)",
         ),
         # mixture of experts: the dense MLPs (shared experts, dense layers) are swapped, the experts not
-        _spec("qwen3_moe", "Qwen3Moe", llama_layer=True, llama_attention=True, keeps=EXPERTS),
-        _spec("qwen2_moe", "Qwen2Moe", llama_layer=True, llama_attention=True, keeps=EXPERTS),
+        _spec("qwen3_moe", "Qwen3Moe", keeps=EXPERTS),
+        _spec("qwen2_moe", "Qwen2Moe", keeps=EXPERTS),
         _spec("qwen3_next", "Qwen3Next", norm_style="gemma", keeps=f"{EXPERTS}, gated DeltaNet"),
-        _spec("mixtral", "Mixtral", llama_layer=True, llama_attention=True, mlp=None, keeps=EXPERTS),
-        _spec("olmoe", "Olmoe", llama_layer=True, llama_attention=True, mlp=None, keeps=EXPERTS),
-        _spec("granitemoe", "GraniteMoe", llama_attention=True, mlp=None, keeps=EXPERTS),
+        _spec("mixtral", "Mixtral", mlp=None, keeps=EXPERTS),
+        _spec("olmoe", "Olmoe", mlp=None, keeps=EXPERTS),
+        _spec("granitemoe", "GraniteMoe", mlp=None, keeps=EXPERTS),
         _spec(
             "gpt_oss",
             "GptOss",
@@ -232,9 +179,7 @@ FAMILIES: dict[str, FamilySpec] = {
             rope=None,
             keeps=f"{EXPERTS}, RoPE (half-width cos/sin layout)",
         ),
-        _spec(
-            "deepseek_v3", "DeepseekV3", llama_layer=True, keeps=f"{EXPERTS}, RoPE with rope_interleave=True"
-        ),
+        _spec("deepseek_v3", "DeepseekV3", keeps=f"{EXPERTS}, RoPE with rope_interleave=True"),
         _spec(
             "llama4_text",
             "Llama4Text",
@@ -247,7 +192,6 @@ FAMILIES: dict[str, FamilySpec] = {
         _spec(
             "qwen2_vl",
             "Qwen2VL",
-            llama_layer=True,
             causal_lms=("Qwen2VLForConditionalGeneration",),
             mlp="Qwen2MLP",
             keeps="vision tower",
@@ -262,26 +206,6 @@ FAMILIES: dict[str, FamilySpec] = {
             keeps="vision tower; the text model's blocks are its own family's",
         ),
     )
-}
-# Why a family whose RMSNorm fuselm swaps keeps HF's decoder layer (no fused residual add): its layer's
-# forward in transformers 5.23 is not Llama's pre-norm layout (read from modeling_<family>.py; a family
-# with ``decoder_layer`` set is the layout exactly, its self_attn call included).
-LAYER_NOT_FUSED = {
-    "phi3": "dropout modules between the attention / MLP and the residual adds",
-    "gemma2": "extra norms after the attention and around the MLP (sandwich norms)",
-    "gemma3": "extra norms after the attention and around the MLP (sandwich norms)",
-    "gemma4": "sandwich norms, MoE block beside the MLP, per-layer-input gate, layer scalar",
-    "olmo2": "post-norm (the norms after the attention and the MLP, before the adds)",
-    "olmo3": "post-norm (the norms after the attention and the MLP, before the adds)",
-    "exaone4": "post-norm (the norms after the attention and the MLP, before the adds)",
-    "glm4": "extra norms after the attention and after the MLP",
-    "granite": "residual_multiplier scales the attention and MLP outputs before the adds",
-    "granitemoe": "residual_multiplier scales the attention and MLP outputs before the adds",
-    "apertus": "the norms are named attention_layernorm / feedforward_layernorm",
-    "falcon_h1": "a Mamba mixer beside the attention, multipliers, no post_attention_layernorm",
-    "qwen3_next": "linear-attention (DeltaNet) layers, the MoE output unpacked from a tuple",
-    "gpt_oss": "the MoE MLP returns (output, router scores)",
-    "llama4_text": "feed_forward instead of mlp (a tuple in MoE layers), position_ids not passed on",
 }
 # model_type values of configs that map to a family above (Gemma 3's and Gemma 4's text-only configs).
 ALIASES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
@@ -341,9 +265,8 @@ _COMPONENT_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "gated MLP
 
 def markdown_table() -> str:
     """The supported model types as a Markdown table: model type, loss classes, what fuselm swaps (``RMSNorm
-    (<style>) + residual add (opt-in)``: with ``patch(..., fused_residual=True)`` the decoder layer's add
-    after the attention runs inside the norm), what stays Hugging Face's. ``src/fuselm/hf/README.md`` and
-    the top-level README hold this table (tests keep them equal).
+    (<style>)``, ``gated MLP (packed)``, ...), what stays Hugging Face's. ``src/fuselm/hf/README.md`` holds
+    this table (tests keep it equal).
 
     Example:
         >>> import fuselm.hf
@@ -365,8 +288,6 @@ def markdown_table() -> str:
                 detail = ""
                 if component == "rms_norm":
                     detail = f" ({spec.norm_style})"
-                    if "residual_norm" in spec.components():  # fused_residual=True: the layer's add in it
-                        detail += " + residual add (opt-in)"
                 elif component == "swiglu" and spec.packed_mlp:
                     detail = " (packed)"
                 elif component == "swiglu" and spec.mlp_multipliers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -197,3 +197,30 @@ def is_patched() -> bool:
     """Whether TRL's fused LM head currently runs on fuselm (never imports trl)."""
     utils = sys.modules.get(TRL_MODULE)
     return utils is not None and getattr(utils, TRL_GLOBAL, None) is FusedLogProbs
+
+
+# the global add_fused_lm_head's forward asks whether to score only the rows with a label (trl 1.16)
+TRL_COMPACT = "_use_triton"
+
+
+@contextmanager
+def every_position():
+    """While inside: TRL's fused LM head scores every position (its own path for devices without Triton)
+    instead of only those with a label, which it finds with a boolean mask: a host synchronization and a
+    data-dependent shape, which a CUDA graph capture refuses. The same log-probs (zero where the label is
+    -100). :func:`fuselm.integrations.trainer.capture_training_steps` captures TRL's steps inside it. A
+    no-op when trl is not imported or has no such switch; never imports trl."""
+    utils = sys.modules.get(TRL_MODULE)
+    original = getattr(utils, TRL_COMPACT, None) if utils is not None else None
+    if original is None:
+        yield
+        return
+    setattr(utils, TRL_COMPACT, _never_compact)
+    try:
+        yield
+    finally:
+        setattr(utils, TRL_COMPACT, original)
+
+
+def _never_compact(device) -> bool:
+    return False

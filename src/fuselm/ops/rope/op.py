@@ -415,8 +415,7 @@ def apply_rotary(
 def qkv_rotary_fwd(x, weights, biases, cos, sin, batch, seq_len, head_dim):
     """The q, k, v projections of x [N, H] (``weights`` / ``biases``: q's, k's, v's) and the rotation of q
     and k by cos / sin [B, T, R]: ``(q, k, v)`` as [B, heads, T, D] views of [B, T, heads, D] tensors.
-    No autograd: the forward of the nodes that fuse the projections with the rotation (:func:`qkv_rotary`,
-    ``fuselm.ops.decoder_layer``)."""
+    No autograd: the forward of :func:`qkv_rotary`'s node."""
     q, k, v = (
         F.linear(x, w, b).view(batch, seq_len, -1, head_dim) for w, b in zip(weights, biases, strict=True)
     )
