@@ -108,24 +108,6 @@ def make_cases(rows: int, dtype: torch.dtype, sizes=(2048, 8192, 32000)):
         (q, k),
     )
 
-    # the attention input: fuselm's one node (qkv_rotary) against HF's three linears, views, transposes
-    # and rotate-half RoPE
-    from fuselm.ops.rope import qkv_rotary
-
-    xa = _leaf((1, rows, hidden), dtype)
-    wq = _leaf((32 * head_dim, hidden), dtype, hidden**-0.5)
-    wk, wv = (_leaf((8 * head_dim, hidden), dtype, hidden**-0.5) for _ in range(2))
-
-    def qkv_torch():
-        q, k, v = (F.linear(xa, w).view(1, rows, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))
-        return (*_rope_torch(q, k, cos, sin), v)
-
-    cases["qkv_rotary"] = (
-        lambda: qkv_rotary(xa, wq, wk, wv, cos, sin, head_dim=head_dim),
-        qkv_torch,
-        (xa, wq, wk, wv),
-    )
-
     g, u = _leaf((1, rows, inter), dtype), _leaf((1, rows, inter), dtype)
     cases["swiglu"] = (lambda: (fuselm.swiglu(g, u),), lambda: (F.silu(g) * u,), (g, u))
     cases["geglu"] = (

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._common.dispatch import kernels_run
 from ..ops.dequantize_4bit import dequantize_4bit
 
 # bitsandbytes' int8 dequantization constant (1/127 rounded as it writes it): CB * SCB * this.
@@ -182,7 +181,7 @@ class Bnb4bitWeight(FrozenWeight):
         qs = self.quant_state
         data = self.param.data
         w = None
-        if data.is_cuda and kernels_run(data) and qs.dtype in _OWN_DTYPES and qs.quant_type in ("nf4", "fp4"):
+        if data.is_cuda and qs.dtype in _OWN_DTYPES and qs.quant_type in ("nf4", "fp4"):
             buf = scratch(self.shape.numel(), data.device, qs.dtype).view(self.shape)
             table, nested = _operands(qs, data.device)
             w = dequantize_4bit(data, qs.absmax, table, qs.blocksize, self.shape, qs.dtype, **nested, out=buf)

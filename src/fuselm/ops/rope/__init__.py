@@ -1,4 +1,4 @@
-from .op import apply_rotary, qkv_rotary
+from .op import apply_rotary
 from .reference import apply_rotary_reference
 
-__all__ = ["apply_rotary", "apply_rotary_reference", "qkv_rotary"]
+__all__ = ["apply_rotary", "apply_rotary_reference"]
