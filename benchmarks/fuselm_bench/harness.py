@@ -75,6 +75,7 @@ import contextlib
 import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -315,19 +316,45 @@ def blocking_sync(ordinal: int = 0) -> str:
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 
+def _budget(quick: bool) -> tuple[int, int]:
+    """do_bench's warmup and repetition budgets in ms."""
+    return (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+
+
+def call_times_ms(
+    call: Callable[[Any], Any], n: int, device: torch.device, prepare: Callable[[], Any] = lambda: None
+) -> list[float]:
+    """Milliseconds of each of ``n`` calls ``call(prepare())``, ``prepare()`` untimed: on CUDA between two
+    events recorded around the call once ``prepare`` is enqueued (no host sync in between, one at the end),
+    on a CPU ``time.perf_counter``."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(n):
+            arg = prepare()
+            t0 = time.perf_counter()
+            call(arg)
+            times.append((time.perf_counter() - t0) * 1e3)
+            del arg
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        arg = prepare()
+        start.record()
+        call(arg)
+        end.record()
+        del arg
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False) -> float:
     """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA, perf_counter on CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        warmup, rep = _budget(quick)
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    times = []
-    for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
@@ -381,35 +408,22 @@ def time_backward_ms(
         True
     """
     if device.type != "cuda":
-        times = []
-        for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
-            outs = forward()
-            t0 = time.perf_counter()
-            backward(outs)
-            times.append(time.perf_counter() - t0)
-            del outs
-        return statistics.median(times) * 1e3
-    warmup_ms, rep_ms = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        return statistics.median(
+            call_times_ms(backward, CPU_REPS_QUICK if quick else CPU_REPS, device, forward)
+        )
+    warmup_ms, rep_ms = _budget(quick)
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
-    def timed(n: int) -> list[float]:
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
-        ]
-        for start, end in events:
-            outs = forward()
-            flush.zero_()
-            start.record()
-            backward(outs)
-            end.record()
-            del outs
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) for start, end in events]
+    def prepare() -> Any:
+        outs = forward()
+        flush.zero_()
+        return outs
 
-    estimate = statistics.median(timed(5))
+    estimate = statistics.median(call_times_ms(backward, 5, device, prepare))
     for _ in range(max(1, int(warmup_ms / max(estimate, 1e-3)))):
         backward(forward())
-    return float(statistics.median(timed(max(1, int(rep_ms / max(estimate, 1e-3))))))
+    reps = max(1, int(rep_ms / max(estimate, 1e-3)))
+    return float(statistics.median(call_times_ms(backward, reps, device, prepare)))
 
 
 def capture_backward_graph(
@@ -439,7 +453,7 @@ def capture_backward_graph(
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     """One line saying how times were taken."""
     if device.type == "cuda":
-        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        warmup, rep = _budget(quick)
         how = (
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
             "after an untimed forward, between CUDA events, L2 flushed, median"
@@ -646,6 +660,22 @@ def error_text(e: BaseException, limit: int = 120) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def run_measured(measure: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """``measure()``, or its failure as a result: status ``skipped`` (:class:`SkipProvider`, its message the
+    reason), ``oom`` (``torch.cuda.OutOfMemoryError``, with the peak allocated so far) or ``error`` (the
+    exception and the tail of its traceback)."""
+    try:
+        return measure()
+    except SkipProvider as e:
+        return {"status": "skipped", "error": str(e)}
+    except torch.cuda.OutOfMemoryError as e:
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"status": "oom", "error": error_text(e, 200), "peak_bytes": peak}
+    except Exception as e:  # noqa: BLE001 - reported in the row; the run goes on
+        tb = traceback.format_exc().strip().splitlines()  # its first line and its last 14
+        return {"status": "error", "error": error_text(e, 200), "traceback": "\n".join(tb[:1] + tb[1:][-14:])}
 
 
 def run_suite(

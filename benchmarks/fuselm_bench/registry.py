@@ -31,7 +31,7 @@ TRAINING_SUITES: dict[str, tuple[str, str]] = {
         "Llama-3.2-1B / Qwen3-0.6B training steps: HF vs HF+Liger vs HF+fuselm, host vs GPU time (minutes)",
     ),
     "finetune": (
-        "fuselm_bench.finetune_sharded",  # one GPU or --world-size: finetune.run_cli with the group run
+        "fuselm_bench.finetune",
         "LoRA / QLoRA steps of a saved random-init model: HF+PEFT vs +Liger vs +fuselm vs Unsloth (minutes)",
     ),
     "linear_log_probs": (
