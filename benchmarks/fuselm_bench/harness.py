@@ -119,6 +119,17 @@ def import_peer(
         raise SkipProvider(f"{package} not importable ({type(e).__name__}: {e})") from None
 
 
+def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup:
+    """The setup of a peer's autograd Function (CUDA only, :func:`import_peer`), called as
+    ``Function.apply(*args(inputs))``."""
+
+    def setup(device: torch.device) -> Callable[[Inputs], Any]:
+        function = import_peer(device, module, name)
+        return lambda x: function.apply(*args(x))
+
+    return setup
+
+
 @dataclass(frozen=True)
 class Cost:
     """Work one call of a mode must at least do: bytes moved and FLOPs (``None``: not counted)."""
