@@ -30,9 +30,18 @@ import fuselm
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
 from .cases import Case, Row, run_cases
 from .harness import blocking_sync, run_measured
-from .report import DTYPE_NAMES, bar_groups, collect_metadata, document, dtype_name, md_table, pyplot, ratio
+from .report import (
+    DTYPE_NAMES,
+    bar_groups,
+    collect_metadata,
+    document,
+    dtype_name,
+    md_table,
+    print_written,
+    pyplot,
+    ratio,
+)
 from .report import write_files as write_report  # noqa: F401 - the benches' writer: (name, out_dir, md, data, png)
-from .runner import print_written
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
 

@@ -432,6 +432,13 @@ def write_files(
     return paths
 
 
+def print_written(text: str, paths: dict[str, Path]) -> None:
+    """The report printed at the end of a run, and the files written."""
+    print()
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
 def write_report(
     report: Report,
     out_dir: str | Path,

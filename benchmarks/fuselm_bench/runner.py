@@ -19,7 +19,7 @@ import torch
 
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
-from .report import collect_metadata, markdown, markdown_table, write_report
+from .report import collect_metadata, markdown, markdown_table, print_written, write_report
 
 
 @dataclass
@@ -95,13 +95,6 @@ def start(
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
     options = {"dtype": dtype, "modes": modes, "device": device, "quick": args.quick, "ceilings": ceilings}
     return Session(out_dir, {**options, "metadata": meta, "progress": not args.no_progress}), plans
-
-
-def print_written(text: str, paths: dict[str, Path]) -> None:
-    """The report printed at the end of a run, and the files written."""
-    print()
-    print(text)
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
 def finish(
