@@ -14,7 +14,6 @@ without a case finishing; ``grace_s`` once a rank has reported a failure).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -138,21 +138,6 @@ def failed_case(
     return {"status": agreed, "error": error, "traceback": first.get("traceback")}
 
 
-@contextlib.contextmanager
-def environment(extra: dict[str, str] | None):
-    """``os.environ`` with ``extra`` set (what spawned processes inherit), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in extra or {}}
-    os.environ.update(extra or {})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class RankGroup:
     """``world_size`` spawned processes ``entry(rank, *args, init_file, out_dir)`` (with ``env`` in their
     environment) running their cases in order, and the parent waiting for those cases one at a time
@@ -176,7 +161,7 @@ class RankGroup:
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
         self.folder = Path(self._tmp.name)
-        with environment(env):
+        with mock.patch.dict(os.environ, env or {}):  # what the spawned processes inherit
             self._ctx = mp.start_processes(
                 entry,
                 args=(*args, str(self.folder / "init"), self._tmp.name),
