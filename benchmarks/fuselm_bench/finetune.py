@@ -1543,11 +1543,8 @@ def parse_budget(text: str) -> float:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench finetune``: ``--models``, ``--scenarios``, ``--shapes`` (BxT), ``--providers``,
-    ``--memory-budgets``, ``--rank``, ``--lora-alpha``, ``--lora-dropout``, ``--offload/--no-offload``,
-    ``--unsloth-compile``, ``--model-dir``, ``--repeats`` (default 1), ``--steps``, ``--warmup``,
-    ``--profile-steps``, ``--quick``, ``--dtype`` (CUDA; the CPU plan runs fp32), ``--device``, ``--out``,
-    ``--merge``, ``--world-size``. Raises ``UsageError``."""
+    """``fuselm bench finetune`` (its options: ``fuselm bench --help``); the exit code. Raises
+    ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
     world_size = getattr(args, "world_size", None) or 1

@@ -199,13 +199,9 @@ def _gpus(text: str | None, cuda: bool) -> list[int] | None:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench max-context``: ``--models`` (one model shape of ``fuselm bench finetune``, default
-    llama3-8b), ``--scenarios`` (qlora or lora, default qlora), ``--providers`` (default fuselm, hf,
-    unsloth), ``--caps`` (GiB, default 16,40,80), ``--seq-range LO:HI``, ``--rel-tol``, ``--max-probes``,
-    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--gpus`` (every (provider,
-    cap) search at once, on these GPUs in turn: :func:`side_by_side`), ``--model-dir`` (the saved
-    random-init model is kept there and reused, as in ``fuselm bench finetune``; else a temporary folder),
-    ``--device``, ``--out``. Raises ``UsageError``."""
+    """``fuselm bench max-context``: one model (default llama3-8b) and scenario (default qlora), each
+    provider (default fuselm, hf, unsloth) and cap searched, side by side with ``--gpus``
+    (:func:`side_by_side`), the saved model as ``fuselm bench finetune`` saves it. Raises ``UsageError``."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
