@@ -1,36 +1,11 @@
-"""Benchmarks of fuselm's ops against torch eager, torch.compile and peers (``fuselm bench <suite>``).
+"""The benchmark lab of fuselm's ops and training steps against torch eager, torch.compile and peers
+(``fuselm bench <suite>``, ``python -m fuselm_bench``): not in the wheel, it runs from a clone.
 
-- ``harness``: the suite interface (:class:`Suite`, :class:`Provider`, :class:`Cost`,
-  :class:`SkipProvider`), timing, peak memory, the card's ceilings and ratios; its docstring says
-  how to add a suite.
-- ``cases``: the one row type (:class:`Row`, every suite's rows extend it) and the one case loop
-  (:func:`run_cases`) that runs cases in this process (``harness``), in fresh worker processes
-  (``fresh_process``) or on groups of ranks (``rank_group``).
+- ``cli``: the command line; ``registry``: the suites, imported lazily; ``runner``: an op suite's run.
+- ``harness``: the op suites' interface (:class:`~fuselm_bench.harness.Suite`), timing, peak memory, the
+  card's ceilings and ratios; one module per op suite (``cross_entropy``, ``rms_norm``, ...).
+- ``cases``: the one row type and the one case loop, whatever runs a case: this process (``harness``), a
+  fresh worker process (``fresh_process``: ``e2e``, ``finetune``, ``grpo_step``) or a group of ranks
+  (``rank_group``: ``vocab_parallel``, ``finetune --world-size``).
 - ``report``: run metadata and the markdown / JSON / PNG writers.
-- ``registry``: the known suites, imported lazily.
-- ``cross_entropy``: the cross-entropy suite.
 """
-
-from .cases import Case, Row, run_cases
-from .harness import Ceilings, Cost, OpRow, Provider, Report, SkipProvider, Suite, compute_ratios, run_suite
-from .registry import SUITES, get_suite, suite_names
-from .report import write_report
-
-__all__ = [
-    "SUITES",
-    "Case",
-    "Ceilings",
-    "Cost",
-    "OpRow",
-    "Provider",
-    "Report",
-    "Row",
-    "SkipProvider",
-    "Suite",
-    "compute_ratios",
-    "run_cases",
-    "get_suite",
-    "run_suite",
-    "suite_names",
-    "write_report",
-]

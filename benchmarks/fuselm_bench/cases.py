@@ -1,15 +1,10 @@
 r"""The lab's one row type and one case loop.
 
 Every suite measures *cases*: one provider at one configuration (its "shape": sizes, and names such as a
-model), in one mode or one repeat. Where a case runs is the suite's business: in this process (the op
-suites time a kernel in place, :mod:`~fuselm_bench.harness`), in a fresh worker process (one training run
-per process, :mod:`~fuselm_bench.fresh_process`), or on a group of spawned ranks
+model), in one mode or one repeat, in this process (the op suites, :mod:`~fuselm_bench.harness`), in a fresh
+worker process (:mod:`~fuselm_bench.fresh_process`) or on a group of spawned ranks
 (:mod:`~fuselm_bench.rank_group`). Whatever runs it, a case gives a :class:`Row`, and :func:`run_cases` is
-the loop over the cases of a run: the progress bar, a provider that says it cannot run is not tried again,
-a provider out of memory at batch B is not tried at B or a larger batch, every row is logged and handed to
-``on_row`` as it comes. A process group (:class:`~fuselm_bench.rank_group.RankGroup`) may run one case
-(finetune --world-size) or stay up for the next ones (the vocabulary-parallel op suites, whose millisecond
-cases cost less than starting a group each); ``execute`` waits for its own case either way.
+the loop over the cases of a run.
 """
 
 from __future__ import annotations
@@ -27,14 +22,12 @@ def _named_shape(row: Row) -> tuple[Any, ...]:
 
 
 class Row:
-    """The base of every result row (each suite's row is a dataclass of this with its figures).
-
-    What every row has: ``provider``, ``status`` (one of :data:`STATUSES`), ``error`` (None when ok),
-    ``traceback``, ``peak_bytes``, its configuration ``shape`` and a one-line :meth:`summary`. A row either
-    names its sizes as fields (``SHAPE_FIELDS``; ``TEXT_FIELDS`` of them are names, not ints), and then
-    ``shape`` is those fields' values, or has a ``shape`` field of its own (the op suites' tuples).
-    ``SHAPE_DIMS`` names the sizes in the JSON, ``SHAPE_TITLE`` heads the tables' first column,
-    ``SHAPE_FORMAT`` formats a label, ``BATCH_FIELD`` is the size whose out-of-memory skips larger ones.
+    """The base of every result row (each suite's row is a dataclass of this with its figures): ``provider``,
+    ``status`` (one of :data:`STATUSES`), ``error`` (None when ok), ``traceback``, ``peak_bytes``, the
+    configuration ``shape``: the values of ``SHAPE_FIELDS`` (``TEXT_FIELDS`` of them names, not ints), or a
+    ``shape`` field of its own (the op suites' tuples). ``SHAPE_DIMS`` names the sizes in the JSON,
+    ``SHAPE_TITLE`` heads the tables' first column, ``SHAPE_FORMAT`` formats a label, ``BATCH_FIELD`` is the
+    size whose out-of-memory skips larger ones.
     """
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -103,15 +96,12 @@ def run_cases(
     log: Callable[[str], None] | None = print,
     on_row: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """``execute(case)`` for each case in order; returns the rows. A case is a :class:`Case` or any object
-    with its ``provider``, ``shape`` and ``repeat`` (a runner's own case type, e.g. vocab_parallel's).
-
-    - A provider in ``skipped`` (name -> reason) is not run. With ``skip_provider``, a row of status
-      ``skipped`` adds its provider there (and is dropped); without, it is kept as that case's row.
-    - With ``batch_at`` (the index of the batch size in a shape), a provider out of memory at batch B is
-      not run at B or a larger batch of the same other sizes: ``not_run(case, why)`` is its row instead.
-    - Each row is logged (:meth:`Row.summary`, with its repeat when ``repeats`` > 1, and its traceback) when
-      ``log`` is given, then ``on_row(rows so far)`` is called.
+    """``execute(case)`` for each case (a :class:`Case`, or any object with its ``provider``, ``shape`` and
+    ``repeat``) in order, with a progress bar; returns the rows. A provider in ``skipped`` (name -> reason)
+    is not run; with ``skip_provider``, a ``skipped`` row adds its provider there (and is dropped). With
+    ``batch_at`` (the index of the batch size in a shape), a provider out of memory at batch B is not run at
+    B or a larger batch of the same other sizes: ``not_run(case, why)`` is its row. Each row is logged
+    (:meth:`Row.summary`, its repeat, its traceback) when ``log`` is given, then ``on_row(rows so far)``.
 
     Example:
         >>> from dataclasses import dataclass

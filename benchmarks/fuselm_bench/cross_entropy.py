@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import fuselm
+
 from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
 
 
@@ -43,26 +45,8 @@ def _torch_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), target)
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Eager PyTorch with the fp32 upcast."""
-    return lambda x: _torch_ce(x["logits"], x["target"])
-
-
-setup_torch_compile = compiled_setup(_torch_ce, lambda x: (x["logits"], x["target"]))
-
-
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.cross_entropy."""
-    import fuselm
-
-    return lambda x: fuselm.cross_entropy(x["logits"], x["target"])
-
-
-def setup_fuselm_inplace(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.cross_entropy writing the gradient into the logits buffer."""
-    import fuselm
-
-    return lambda x: fuselm.cross_entropy(x["logits"], x["target"], inplace_backward=True)
+def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return x["logits"], x["target"]
 
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
@@ -70,9 +54,8 @@ def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     liger_cross_entropy = import_peer(device, "liger_kernel.transformers.functional", "liger_cross_entropy")
 
     def run(x: Inputs) -> torch.Tensor:
-        out = liger_cross_entropy(x["logits"], x["target"], ignore_index=-100, reduction="mean")
-        if isinstance(out, (tuple, list)):
-            out = out[0]
+        out = liger_cross_entropy(*_args(x), ignore_index=-100, reduction="mean")
+        out = out[0] if isinstance(out, (tuple, list)) else out
         return getattr(out, "loss", out)
 
     return run
@@ -85,10 +68,18 @@ SUITE = Suite(
     gpu_shapes=((8192, 128256), (16384, 32000), (4096, 256000), (16384, 8192)),
     cpu_shapes=((256, 4096), (512, 1000)),
     providers=(
-        Provider("torch", setup_torch, "F.cross_entropy(logits.float(), target), eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
-        Provider("fuselm", setup_fuselm, "fuselm.cross_entropy"),
-        Provider("fuselm_inplace", setup_fuselm_inplace, "fuselm.cross_entropy(inplace_backward=True)"),
+        Provider(
+            "torch",
+            lambda device: lambda x: _torch_ce(*_args(x)),
+            "F.cross_entropy(logits.float(), target), eager",
+        ),
+        Provider("torch_compile", compiled_setup(_torch_ce, _args), "torch.compile of the eager function"),
+        Provider("fuselm", lambda device: lambda x: fuselm.cross_entropy(*_args(x)), "fuselm.cross_entropy"),
+        Provider(
+            "fuselm_inplace",
+            lambda device: lambda x: fuselm.cross_entropy(*_args(x), inplace_backward=True),
+            "fuselm.cross_entropy(inplace_backward=True)",
+        ),
         Provider("liger", setup_liger, "liger_kernel liger_cross_entropy"),
     ),
     make_inputs=make_inputs,

@@ -8,10 +8,8 @@ nothing comes from the hub), then every (scenario, B x T, provider) loads it and
 a fresh process:
 
 - scenarios (``--scenarios``): ``qlora`` = bitsandbytes NF4 with double quantization, bf16 compute, the LM
-  head not quantized (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16,
-  bnb_4bit_quant_storage=torch.bfloat16)``: the packed bytes stored as bf16, which FSDP2 shards on every
-  torch); ``lora`` = a bf16 base;
+  head not quantized (``bnb_4bit_quant_storage=torch.bfloat16``: the packed bytes stored as bf16, which
+  FSDP2 shards on every torch); ``lora`` = a bf16 base;
 - LoRA (PEFT's ``LoraConfig``): r = ``--rank`` (16), alpha = ``--lora-alpha`` (= r), dropout
   ``--lora-dropout`` (0), on q, k, v, o, gate, up, down projections, no bias; AdamW (fused on CUDA) on the
   trainable (LoRA) parameters, lr 1e-4; batch ``--shapes BxT`` (4 x 2048), ``labels = input_ids`` (random
@@ -19,50 +17,44 @@ a fresh process:
 - providers: ``hf`` (transformers + PEFT, HF gradient checkpointing with ``use_reentrant=False``),
   ``liger`` (the same, Liger-Kernel's ``apply_liger_kernel_to_<family>`` applied before the model is
   loaded; CUDA only), ``fuselm`` (the same, then ``fuselm.hf.patch(peft_model)``, with
-  ``checkpointing="offload"`` when fuselm's ``patch`` takes that option, else its documented equivalent
-  ``fuselm.hf.offload.enable(model)``, when ``--offload`` is on, the default), ``unsloth`` (imported
-  first in its worker; ``FastLanguageModel.from_pretrained(folder, max_seq_length=T,
-  load_in_4bit=scenario == "qlora", dtype=torch.bfloat16)`` and
-  ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``; CUDA only). A provider
-  that cannot be imported, or needs CUDA where there is none, is skipped with the reason.
+  ``checkpointing="offload"`` when ``--offload`` is on, the default; ``fuselm@<GiB>``:
+  ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``), ``unsloth`` (imported first in its
+  worker; ``FastLanguageModel.from_pretrained(folder, max_seq_length=T, load_in_4bit=scenario == "qlora",
+  dtype=torch.bfloat16)`` and ``get_peft_model(..., use_gradient_checkpointing="unsloth")``; CUDA only).
+  A provider that cannot be imported, or needs CUDA where there is none, is skipped with the reason.
 
 Every worker runs with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
-UNSLOTH_DISABLE_STATISTICS=1`` and, as
-Unsloth sets it for itself, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (unless the parent's
-environment sets an allocator configuration); Unsloth's worker also ``UNSLOTH_COMPILE_DISABLE=1`` unless
-``--unsloth-compile`` (its per-block compile takes minutes: the eager figure is what fits in a call).
+UNSLOTH_DISABLE_STATISTICS=1`` and, as Unsloth sets it for itself,
+``PYTORCH_ALLOC_CONF=expandable_segments:True`` (unless the parent's environment sets an allocator
+configuration); Unsloth's worker also
+``UNSLOTH_COMPILE_DISABLE=1`` unless ``--unsloth-compile`` (its per-block compile takes minutes).
 
 Per step, as ``fuselm bench e2e`` measures them (:func:`fuselm_bench.step_timing.run_steps`): wall (median of
 ``--steps`` (10) after ``--warmup`` (3)), the process's CPU time, the GPU kernel time and launches (a
 ``torch.profiler`` window of ``--profile-steps`` (2) after the timed ones), tokens/s; peak allocated and
-reserved over the whole process (weights included); host pinned memory (``torch.cuda.host_memory_stats()``
-peak of the pinned allocator when torch has it, else the growth of the process's resident set: the report
-says which); the first losses; for fuselm which fused paths ran (the modules whose forward is fuselm's, by
-qualified name, the LoRA layers among them, and fuselm's warnings).
+reserved over the whole process (weights included); host pinned memory (:func:`host_memory`); the first
+losses; for fuselm which fused paths ran (:func:`fused_forwards`) and fuselm's warnings.
 
 Without CUDA a tiny config of the model (fp32) runs the path in seconds: ``lora``, and ``qlora`` when
 bitsandbytes' 4-bit layers work on this CPU (probed in the parent; the report says when they do not).
 
-``--world-size W`` (W > 1; ``hf`` and ``fuselm`` only, Liger and Unsloth refused): every case also runs on
-a fresh group of W spawned ranks (:mod:`fuselm_bench.rank_group`: NCCL with one GPU per rank and NVLink
-multicast off, gloo processes on a CPU). Each rank loads the same saved model, applies the provider and
-PEFT as the one-process worker does, then FSDP2 (:func:`shard_fsdp2`: ``fully_shard`` per decoder layer,
-then the root; fuselm patches before sharding, which keeps QLoRA's quantization state) and times the same
-step on its own batch of B x T (rank 0's is the one-process batch; the global batch is W x B x T). A case
-ends with an all-reduce of its status on every rank (a rank's error or OOM becomes the row's; a group stuck
-in a collective after a rank said it failed is killed). The report ``finetune_ws<W>.{md,json,png}``
-(:mod:`fuselm_bench.finetune_sharded`) gives each case's one-GPU row (the one-process path, same run) beside
-its W-GPU row: step time (the slowest rank's median), tokens/s in all and per GPU, peak memory per rank,
-tokens/s per GPU on W GPUs / on one, and the first losses of both.
+``--world-size W`` (W > 1; ``hf`` and ``fuselm`` only): every case also runs on a fresh group of W spawned
+ranks (:mod:`fuselm_bench.rank_group`: NCCL with one GPU per rank and NVLink multicast off, gloo processes
+on a CPU). Each rank loads the same saved model, applies the provider and PEFT as the one-process worker
+does, then FSDP2 (:func:`shard_fsdp2`; fuselm patches before sharding, which keeps QLoRA's quantization
+state) and times the same step on its own batch of B x T (rank 0's is the one-process batch). The report
+``finetune_ws<W>.{md,json,png}`` gives each case's one-GPU row beside its W-GPU row: step time (the slowest
+rank's median), tokens/s in all and per GPU, peak memory per rank, tokens/s per GPU on W GPUs / on one, and
+the first losses of both.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -79,11 +71,12 @@ import torch
 
 from fuselm.demo import training
 
-from . import e2e, fresh_process, step_timing
+from . import e2e, fresh_process, rank_group, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
-from .cases import GIB, Row
-from .harness import SkipProvider, error_text, import_peer
-from .report import DTYPE_NAMES, OFFLINE_ENV, md_table, ratio
+from .cases import GIB, Case, Row, run_cases
+from .fresh_process import CaseReport, median_of
+from .harness import SkipProvider, blocking_sync, error_text, run_measured
+from .report import DTYPE_NAMES, OFFLINE_ENV, dtype_name, md_table, pyplot, ratio
 
 NAME = "finetune"
 DESCRIPTION = "LoRA / QLoRA fine-tuning steps (PEFT): HF vs + Liger vs + fuselm vs Unsloth"
@@ -94,16 +87,24 @@ PROVIDER_DESCRIPTIONS = {
     "hf": "transformers + PEFT LoRA, HF gradient checkpointing (use_reentrant=False)",
     "liger": "the same + Liger-Kernel apply_liger_kernel_to_<family> (rope, rms_norm, swiglu, FLCE) before "
     "loading",
-    "fuselm": "the same as hf, then fuselm.hf.patch(peft_model) (with --offload: checkpointing='offload', or "
-    "fuselm.hf.offload.enable where patch has no such option)",
+    "fuselm": "the same as hf, then fuselm.hf.patch(peft_model) (with --offload: checkpointing='offload')",
     "unsloth": "Unsloth FastLanguageModel.from_pretrained + get_peft_model(use_gradient_checkpointing="
     "'unsloth'), imported first in its worker",
 }
 SCENARIOS: tuple[str, ...] = ("qlora", "lora")
+SCENARIO_TITLES = {"qlora": "QLoRA (NF4 base)", "lora": "bf16 LoRA"}
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SEED = 0
+LR = 1e-4
+RANK = 16
+FIRST_LOSSES = 5
+WORKER_TIMEOUT_S = 900.0  # also a build's, and a group's with no result for this long
+MARKER = "fuselm_bench_model.json"
+HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 
 
 def split_provider(provider: str) -> tuple[str, float | None]:
-    """``(provider, memory budget in GiB or None)`` of a provider name: ``fuselm@24`` is fuselm patched with
+    """``(provider, memory budget in GiB or None)``: ``fuselm@24`` is fuselm patched with
     ``checkpointing="auto", memory_budget=24`` (``--memory-budgets``); ValueError for another variant.
 
     Example:
@@ -124,21 +125,6 @@ def provider_title(provider: str) -> str:
     return PROVIDER_TITLES[base] + ("" if budget is None else f" @ {budget:g} GiB")
 
 
-SCENARIO_TITLES = {"qlora": "QLoRA (NF4 base)", "lora": "bf16 LoRA"}
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SEED = 0
-LR = 1e-4
-RANK = 16
-FIRST_LOSSES = 5
-WORKER_TIMEOUT_S = 900.0
-BUILD_TIMEOUT_S = 900.0
-MARKER = "fuselm_bench_model.json"
-FUSELM_PREFIX = "fuselm"
-
-
-# ---- plans ----
-
-
 @dataclass(frozen=True)
 class FinetuneDefaults:
     """The suite's defaults on a device: full-size models in bf16 on a GPU, or tiny ones in fp32 on a CPU."""
@@ -155,37 +141,9 @@ class FinetuneDefaults:
     profile_steps: int
     fused_adamw: bool
 
-    @property
-    def grid(self) -> tuple[tuple[str, str, int, int], ...]:
-        return tuple((m, s, b, t) for m in self.models for s in self.scenarios for b, t in self.shapes)
 
-
-GPU_PLAN = FinetuneDefaults(
-    name="gpu",
-    tiny=False,
-    models=("llama3-8b",),
-    scenarios=SCENARIOS,
-    shapes=((4, 2048),),
-    warmup=3,
-    steps=10,
-    quick_warmup=2,
-    quick_steps=4,
-    profile_steps=2,
-    fused_adamw=True,
-)
-CPU_PLAN = FinetuneDefaults(
-    name="cpu",
-    tiny=True,
-    models=("llama3-8b",),
-    scenarios=SCENARIOS,
-    shapes=((2, 32),),
-    warmup=2,
-    steps=2,
-    quick_warmup=1,
-    quick_steps=1,
-    profile_steps=1,
-    fused_adamw=False,
-)
+GPU_PLAN = FinetuneDefaults("gpu", False, ("llama3-8b",), SCENARIOS, ((4, 2048),), 3, 10, 2, 4, 2, True)
+CPU_PLAN = FinetuneDefaults("cpu", True, ("llama3-8b",), SCENARIOS, ((2, 32),), 2, 2, 1, 1, 1, False)
 PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 
 
@@ -202,7 +160,7 @@ def model_settings(model: str, tiny: bool) -> dict[str, Any]:
 
 def saved_dtype(model: str, dtype: torch.dtype) -> str:
     """The name of what ``model``'s checkpoint holds: ``dtype``'s, or ``nf4`` for a 4-bit-only shape."""
-    return "nf4" if e2e.MODELS[model].nf4_only else DTYPE_NAMES.get(dtype, str(dtype))
+    return "nf4" if e2e.MODELS[model].nf4_only else dtype_name(dtype)
 
 
 def model_folder(model_dir: str | Path, model: str, tiny: bool, dtype: torch.dtype) -> Path:
@@ -211,9 +169,9 @@ def model_folder(model_dir: str | Path, model: str, tiny: bool, dtype: torch.dty
 
 
 def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int):
-    """A word-level tokenizer with exactly ``vocab_size`` tokens (``t<i>`` for id i; ``<s>``, ``</s>``,
-    ``<pad>`` and ``<unk>`` at their ids), as a ``PreTrainedTokenizerFast``: what ``from_pretrained`` of a
-    local folder (Unsloth's included) needs beside the weights, built without a download.
+    """A word-level ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens (``t<i>`` for id i;
+    ``<s>``, ``</s>``, ``<pad>`` and ``<unk>`` at their ids): what ``from_pretrained`` of a local folder
+    (Unsloth's included) needs beside the weights, built without a download.
 
     Example:
         >>> tok = make_tokenizer(16, 1, 2, 15)
@@ -223,29 +181,24 @@ def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {eos_id: "</s>", pad_id: "<pad>"}
-    if bos_id is not None:
-        specials[bos_id] = "<s>"
-    unk_id = next(i for i in range(vocab_size) if i not in specials)
-    specials[unk_id] = "<unk>"
+    specials = {eos_id: "</s>", pad_id: "<pad>"} | ({bos_id: "<s>"} if bos_id is not None else {})
+    specials[next(i for i in range(vocab_size) if i not in specials)] = "<unk>"
     if len(specials) != (4 if bos_id is not None else 3):
         raise ValueError(f"bos {bos_id}, eos {eos_id} and pad {pad_id} must be distinct ids")
-    vocab = {specials.get(i, f"t{i}"): i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer = Tokenizer(models.WordLevel({specials.get(i, f"t{i}"): i for i in range(vocab_size)}, "<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     names = {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    if bos_id is not None:
-        names["bos_token"] = "<s>"
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, **names, **({"bos_token": "<s>"} if bos_id is not None else {})
+    )
 
 
 def save_model(
     model: str, tiny: bool, folder: Path, device: torch.device, dtype: torch.dtype, seed: int
 ) -> dict:
     """Build ``model`` (seeded random init, on ``device`` in ``dtype``), save it as safetensors with its
-    tokenizer into ``folder`` and write the marker that :func:`saved_model_ok` checks; returns what was
-    written (the marker's content). A 4-bit-only shape is drawn and quantized tensor by tensor
-    (:mod:`fuselm_bench.nf4_checkpoint`): its bf16 weights are never held."""
+    tokenizer into ``folder`` and write the marker :func:`saved_model_ok` checks; returns the marker. A
+    4-bit-only shape is drawn and quantized tensor by tensor (:mod:`fuselm_bench.nf4_checkpoint`)."""
     t0 = time.perf_counter()
     settings = model_settings(model, tiny)
     shape = e2e.MODELS[model]
@@ -261,13 +214,8 @@ def save_model(
         folder.mkdir(parents=True, exist_ok=True)
         built.save_pretrained(folder, safe_serialization=True)
         del built
-    tokenizer = make_tokenizer(
-        settings["vocab_size"],
-        settings.get("bos_token_id"),
-        settings["eos_token_id"],
-        settings["pad_token_id"],
-    )
-    tokenizer.save_pretrained(folder)
+    ids = [settings.get("bos_token_id"), settings["eos_token_id"], settings["pad_token_id"]]
+    make_tokenizer(settings["vocab_size"], *ids).save_pretrained(folder)
     marker = {
         "model": model,
         "tiny": tiny,
@@ -295,10 +243,10 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
 def ensure_saved_model(
     model_dir: Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
 ) -> tuple[Path, dict[str, Any]]:
-    """The folder of ``model`` under ``model_dir``, saved now unless it already holds it. On CUDA the build
-    runs in a worker process (``python -m fuselm_bench.finetune --build``), so this process holds no GPU
-    memory; on a CPU (a tiny model) here. Returns the folder and what happened (``reused``, ``build_s``,
-    ``bytes``). Raises ``RuntimeError`` if the build failed."""
+    """The folder of ``model`` under ``model_dir``, saved now unless it already holds it: on CUDA in a worker
+    process (``python -m fuselm_bench.finetune --build``: this process holds no GPU memory), on a CPU
+    here. Returns the folder and ``reused``, ``build_s``, ``bytes``. Raises ``RuntimeError`` if the build
+    failed."""
     folder = model_folder(model_dir, model, tiny, dtype)
     if saved_model_ok(folder, model, tiny, dtype, seed):
         marker = json.loads((folder / MARKER).read_text())
@@ -309,10 +257,17 @@ def ensure_saved_model(
         marker = save_model(model, tiny, folder, device, dtype, seed)
         return folder, {"reused": False, "bytes": marker["bytes"], "build_s": marker["build_s"]}
     args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
-    args += ["--device=cuda"] + (["--tiny"] if tiny else [])
     data = fresh_process.run_worker(
-        lambda result: [sys.executable, "-m", __name__, "--build", *args, f"--result={result}"],
-        timeout=BUILD_TIMEOUT_S,
+        lambda result: [
+            sys.executable,
+            "-m",
+            __name__,
+            "--build",
+            *args,
+            *["--tiny"] * tiny,
+            f"--result={result}",
+        ],
+        timeout=WORKER_TIMEOUT_S,
         prefix="fuselm-finetune-build-",
         env=base_env(),
     )
@@ -322,29 +277,25 @@ def ensure_saved_model(
 
 
 def build_main(argv: list[str]) -> int:
-    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` in this fresh process; the
+    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` on CUDA in this fresh process; the
     result (or the error) as JSON to ``--result``."""
     p = argparse.ArgumentParser(prog="python -m fuselm_bench.finetune --build")
     p.add_argument("--build", action="store_true", required=True)
     p.add_argument("--model", choices=sorted(e2e.MODELS), required=True)
-    p.add_argument("--folder", required=True)
     p.add_argument("--dtype", choices=sorted(fresh_process.DTYPES), required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--result", required=True)
+    for flag in ("--folder", "--result"):
+        p.add_argument(flag, required=True)
     args = p.parse_args(argv)
     try:
-        device = torch.device(args.device)
-        marker = save_model(
-            args.model, args.tiny, Path(args.folder), device, fresh_process.DTYPES[args.dtype], args.seed
-        )
+        dtype = fresh_process.DTYPES[args.dtype]
+        marker = save_model(args.model, args.tiny, Path(args.folder), torch.device("cuda"), dtype, args.seed)
         result = {"status": "ok", "bytes": marker["bytes"], "build_s": marker["build_s"]}
-        code = 0
     except Exception as e:  # noqa: BLE001 - reported to the parent
-        result, code = {"status": "error", "error": error_text(e, 300)}, 1
+        result = {"status": "error", "error": error_text(e, 300)}
     Path(args.result).write_text(json.dumps(result) + "\n")
-    return code
+    return 0 if result["status"] == "ok" else 1
 
 
 # ---- the environment of the workers ----
@@ -365,9 +316,19 @@ def base_env(unsloth_compile: bool = False) -> dict[str, str]:
 def worker_env(provider: str, extra: dict[str, Any] | None = None) -> dict[str, str]:
     """:func:`base_env` with ``--unsloth-compile`` (``extra["unsloth_compile"]``), on the GPU
     ``extra["gpu"]`` alone (``CUDA_VISIBLE_DEVICES``) when given."""
-    env = base_env(bool((extra or {}).get("unsloth_compile")))
-    if (extra or {}).get("gpu") is not None:
+    extra = extra or {}
+    env = base_env(bool(extra.get("unsloth_compile")))
+    if extra.get("gpu") is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(extra["gpu"])
+    return env
+
+
+def group_env(device_type: str) -> dict[str, str]:
+    """What the ranks of ``--world-size`` run with: :func:`base_env`, and on CUDA NVLink multicast off
+    (:data:`rank_group.NCCL_ENV`) where the parent's environment does not set it."""
+    env = base_env()
+    if device_type == "cuda":
+        env.update({k: v for k, v in rank_group.NCCL_ENV.items() if k not in os.environ})
     return env
 
 
@@ -385,71 +346,33 @@ UNSLOTH_BOOT = (
 
 def worker_prefix(provider: str) -> list[str]:
     """The command that starts a worker: Unsloth's imports ``unsloth`` before anything else."""
-    if provider == "unsloth":
-        return [sys.executable, "-c", UNSLOTH_BOOT]
-    return [sys.executable, "-m", __name__]
+    return [sys.executable, "-c", UNSLOTH_BOOT] if provider == "unsloth" else [sys.executable, "-m", __name__]
 
 
 # ---- one run (what a worker does) ----
 
 
-def _enable_checkpointing(model) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # renamed activation_checkpointing_enable in 5.24
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _quantization(scenario: str):
-    if scenario != "qlora":
-        return None
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=torch.bfloat16,  # shardable by FSDP2 (--world-size) on every torch
-    )
-
-
 def apply_fuselm(
     model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | None = None
 ) -> str:
-    """``fuselm.hf.patch(model)`` for the fuselm provider, with activation offloading when ``offload``:
-    ``patch(model, checkpointing="offload")`` when ``patch`` has that parameter, else the documented
-    equivalent ``fuselm.hf.offload.enable(model)`` when this fuselm has it (on top of HF's non-reentrant
-    checkpointing, already on); with ``memory_budget`` (GiB), ``patch(model, checkpointing="auto",
-    memory_budget=...)`` instead. Returns how the model checkpoints."""
+    """``fuselm.hf.patch(model)`` for the fuselm provider: ``checkpointing="offload"`` when ``offload``,
+    ``checkpointing="auto", memory_budget=`` (GiB) with a budget; ``mlp_chunk_tokens``: the MLP over chunks
+    of tokens. Returns how the model checkpoints."""
     import fuselm.hf
 
-    hf = "HF gradient checkpointing (use_reentrant=False)"
+    how = HF_CHECKPOINTING
     chunks = {}
     if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
-        if "mlp_chunk_tokens" not in inspect.signature(fuselm.hf.patch).parameters:
-            raise SkipProvider("this fuselm has no patch(mlp_chunk_tokens=)")
         chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
-        hf = f"{hf}, MLP in chunks of {mlp_chunk_tokens} tokens"
+        how = f"{how}, MLP in chunks of {mlp_chunk_tokens} tokens"
     if memory_budget is not None:
-        if "memory_budget" not in inspect.signature(fuselm.hf.patch).parameters:
-            raise SkipProvider("this fuselm has no patch(memory_budget=)")
         fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
-        return f"{hf} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
+        return f"{how} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
     if not offload:
         fuselm.hf.patch(model, **chunks)
-        return f"{hf}; --no-offload"
-    if "checkpointing" in inspect.signature(fuselm.hf.patch).parameters:
-        fuselm.hf.patch(model, checkpointing="offload", **chunks)
-        return f"{hf} + fuselm.hf.patch(checkpointing='offload')"
-    fuselm.hf.patch(model)
-    try:
-        from fuselm.hf import offload as hf_offload
-    except ImportError:
-        return (
-            f"{hf}; this fuselm has no activation offloading (no patch(checkpointing=), no fuselm.hf.offload)"
-        )
-    hf_offload.enable(model)
-    return f"{hf} + fuselm.hf.offload.enable(model) (layer inputs in pinned host memory)"
+        return f"{how}; --no-offload"
+    fuselm.hf.patch(model, checkpointing="offload", **chunks)
+    return f"{how} + fuselm.hf.patch(checkpointing='offload')"
 
 
 def load_peft_model(
@@ -469,8 +392,7 @@ def load_peft_model(
     memory_budget: float | None = None,
 ) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints
-    (``mlp_chunk_tokens``: fuselm's MLP over chunks of tokens; ``memory_budget``: fuselm's activation plan
-    under that many GiB; the other providers have no such options)."""
+    (``mlp_chunk_tokens``, ``memory_budget``: fuselm's, :func:`apply_fuselm`)."""
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
@@ -479,6 +401,7 @@ def load_peft_model(
     if prequantized and scenario != "qlora":
         raise SkipProvider(f"{marker['model']} is saved 4-bit only (QLoRA)")
     alpha = int(alpha) if float(alpha).is_integer() else alpha  # LoraConfig's type: an int, as users pass it
+    lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(TARGET_MODULES)}
     if provider == "unsloth":
         from unsloth import FastLanguageModel
 
@@ -486,44 +409,35 @@ def load_peft_model(
             model_name=str(folder), max_seq_length=seq, load_in_4bit=scenario == "qlora", dtype=torch.bfloat16
         )
         model = FastLanguageModel.get_peft_model(
-            model,
-            r=rank,
-            target_modules=list(TARGET_MODULES),
-            lora_alpha=alpha,
-            lora_dropout=dropout,
-            bias="none",
-            use_gradient_checkpointing="unsloth",
-            random_state=seed,
+            model, **lora, bias="none", use_gradient_checkpointing="unsloth", random_state=seed
         )
         # model.train(), as a trainer does right after get_peft_model (for_training would re-resolve the
         # checkpointing mode get_peft_model just set)
         return model.train(), "Unsloth's ('unsloth': activations offloaded to host)"
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    family = e2e.MODELS[marker["model"]].family
     if provider == "liger":
-        apply = import_peer(device, "liger_kernel.transformers", f"apply_liger_kernel_to_{family}")
-        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+        family = e2e.MODELS[marker["model"]].family
+        e2e.apply_provider_before_build("liger", device, family)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     kwargs["device_map"] = {"": device.index or 0} if cuda else {"": "cpu"}
-    quantization = None if prequantized else _quantization(scenario)
-    if quantization is not None:
-        kwargs["quantization_config"] = quantization
+    if scenario == "qlora" and not prequantized:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=torch.bfloat16,  # shardable by FSDP2 (--world-size) on every torch
+        )
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     model.config.use_cache = False
-    _enable_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # renamed activation_checkpointing_enable in 5.24
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(seed)  # the LoRA A matrices: the same init for every PEFT-based provider
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=list(TARGET_MODULES),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, config)
-    checkpointing = "HF gradient checkpointing (use_reentrant=False)"
+    model = get_peft_model(model, LoraConfig(**lora, bias="none", task_type="CAUSAL_LM"))
+    checkpointing = HF_CHECKPOINTING
     if provider == "fuselm":
         checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens, memory_budget)
     return model.train(), checkpointing
@@ -558,17 +472,9 @@ def _forward_name(fn: Any) -> tuple[str, str]:
     return getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or type(fn).__name__
 
 
-def is_fuselm_forward(fn: Any) -> bool:
-    """Is ``fn`` (a module's forward) fuselm's: its qualified name starts with ``fuselm``
-    (``fuselm_LlamaMLP.forward``) or it is defined in a ``fuselm`` module?"""
-    mod, qual = _forward_name(fn)
-    return qual.startswith(FUSELM_PREFIX) or mod == FUSELM_PREFIX or mod.startswith(FUSELM_PREFIX + ".")
-
-
 class CalledModules:
-    """The modules whose ``__call__`` ran while the context was open (a global forward pre-hook: no module's
-    own hook dictionaries change). A LoRA layer that a fused parent computes from its weights is never
-    called; one that runs its own forward (PEFT's, or a fuselm instance forward) is.
+    """The ids of the modules whose ``__call__`` ran while the context was open (a global forward pre-hook).
+    A LoRA layer that a fused parent computes from its weights is never called.
 
     Example:
         >>> inner = torch.nn.Linear(2, 2)
@@ -580,7 +486,6 @@ class CalledModules:
 
     def __init__(self) -> None:
         self.ids: set[int] = set()
-        self._handle = None
 
     def __enter__(self) -> CalledModules:
         from torch.nn.modules.module import register_module_forward_pre_hook
@@ -593,13 +498,12 @@ class CalledModules:
 
 
 def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
-    """Which of ``model``'s modules run a forward of fuselm's (:func:`is_fuselm_forward` of the instance
-    ``forward`` or of its class's): their count, the distinct names with their counts, and the LoRA layers
-    (modules with ``lora_A``). With ``called`` (ids of the modules called during a step,
-    :class:`CalledModules`), also how the LoRA layers ran in that step: ``lora_layers_peft`` called with a
-    forward that is not fuselm's (PEFT's, or a peer's), ``lora_layers_fused`` called with fuselm's,
-    ``lora_layers_inside`` not called at all (computed inside a fused parent, e.g. fuselm's LoRA MLP), and
-    ``fused_modules_ran`` (modules with fuselm's forward that were called).
+    """Which of ``model``'s modules run a forward of fuselm's (instance or class ``forward`` whose qualified
+    name starts with ``fuselm`` or that a ``fuselm`` module defines): their count, the distinct names with
+    their counts, and the LoRA layers (modules with ``lora_A``). With ``called`` (:class:`CalledModules` of a
+    step): ``fused_modules_ran``, and how the LoRA layers ran: ``lora_layers_peft`` (called, a forward not
+    fuselm's), ``lora_layers_fused`` (called, fuselm's), ``lora_layers_inside`` (never called: computed
+    inside a fused parent).
 
     Example:
         >>> class fuselm_Lin(torch.nn.Linear):
@@ -614,11 +518,10 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
     lora_ran = {"peft": 0, "fused": 0, "inside": 0}
     for module in model.modules():
         modules += 1
-        fn = vars(module).get("forward") or type(module).forward
-        fused = is_fuselm_forward(fn)
+        mod, qual = _forward_name(vars(module).get("forward") or type(module).forward)
+        fused = qual.startswith("fuselm") or mod == "fuselm" or mod.startswith("fuselm.")
         if fused:
-            mod, qual = _forward_name(fn)
-            counts[qual if qual.startswith(FUSELM_PREFIX) else f"{mod}.{qual}"] += 1
+            counts[qual if qual.startswith("fuselm") else f"{mod}.{qual}"] += 1
             ran += called is not None and id(module) in called
         if hasattr(module, "lora_A"):
             lora += 1
@@ -637,13 +540,12 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
 
 
 def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
-    """Host memory used by the run. On CUDA ``host_pinned_bytes``: the peak of torch's pinned (host)
-    allocator when ``torch.cuda.host_memory_stats`` exists (``host_pinned_source`` names the key), plus the
-    peak of fuselm's offload pool when the run imported it (it registers its large buffers), else the
-    resident set's growth since ``rss_before`` (psutil), and the source says so; None off CUDA (no pinned
-    memory there). The RSS figures (growth, peak) are kept in any case."""
-    out: dict[str, Any] = {"host_pinned_bytes": None, "host_pinned_source": None}
+    """Host memory used by the run. On CUDA ``host_pinned_bytes``: the peak of torch's pinned allocator
+    (``torch.cuda.host_memory_stats``) plus the peak of fuselm's offload pool when the run imported it (it
+    registers its large buffers), else the resident set's growth since ``rss_before`` (psutil); the source
+    says which. None off CUDA. The RSS figures (growth, peak) are kept in any case."""
     rss = _rss()
+    out: dict[str, Any] = {"host_pinned_bytes": None, "host_pinned_source": None}
     out["rss_delta_bytes"] = None if rss is None or rss_before is None else rss - rss_before
     try:
         import resource
@@ -651,21 +553,21 @@ def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
         out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     except (ImportError, OSError):
         out["max_rss_bytes"] = None
-    stats = None
-    if device.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
-        try:
-            stats = torch.cuda.host_memory_stats()
-        except Exception:  # noqa: BLE001 - an older torch without the binding: RSS below
-            stats = None
-    keys = sorted(k for k in stats or {} if k.startswith("allocated_bytes") and k.endswith("peak"))
+    if device.type != "cuda":
+        return out
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:  # noqa: BLE001 - an older torch without the binding: RSS below
+        stats = {}
+    keys = sorted(k for k in stats if k.startswith("allocated_bytes") and k.endswith("peak"))
     if keys:
         out["host_pinned_bytes"] = int(stats[keys[0]])
         out["host_pinned_source"] = f"torch.cuda.host_memory_stats()['{keys[0]}'] (pinned allocator peak)"
         offload = sys.modules.get("fuselm.offload")  # page-locks its large buffers outside that allocator
-        if device.type == "cuda" and offload is not None:
+        if offload is not None:
             out["host_pinned_bytes"] += offload.host_memory_stats()["peak_pinned_bytes"]
             out["host_pinned_source"] += " + fuselm.offload.host_memory_stats()['peak_pinned_bytes']"
-    elif device.type == "cuda" and out["rss_delta_bytes"] is not None:
+    elif out["rss_delta_bytes"] is not None:
         out["host_pinned_bytes"] = out["rss_delta_bytes"]
         out["host_pinned_source"] = "psutil RSS after the steps - before loading (no pinned-allocator stats)"
     return out
@@ -682,11 +584,10 @@ def _rss() -> int | None:
 
 def cap_memory(device: torch.device, gib: float) -> None:
     """Make the CUDA ``device`` act as a GPU of ``gib`` GiB for this process: allocations past it raise
-    torch.cuda.OutOfMemoryError (``torch.cuda.set_per_process_memory_fraction``, which wants the device's
-    index: ``"cuda"`` means the current device)."""
+    torch.cuda.OutOfMemoryError (``set_per_process_memory_fraction`` wants the device's index)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
 
 
 def train(
@@ -719,11 +620,11 @@ def train(
     ``steps`` + ``profile_steps`` steps, return the measurements (raises ``SkipProvider`` when the provider
     cannot run here).
 
-    ``data_parallel``: this process is one rank of an initialized ``torch.distributed`` group (``fuselm
-    bench finetune --world-size``): the loaded (and patched) model is sharded with FSDP2
-    (:func:`shard_fsdp2`) before the optimizer is built, and the rank trains on its own batch (rank 0's is
-    the single-process batch), so the group's global batch is world size x ``batch`` x ``seq``.
-    ``gpu``: the GPU the parent gave this worker alone (:func:`worker_env`: it is this process's cuda:0)."""
+    ``memory_cap_gib``: this process's GPU acts as one of that many GiB (max-context).
+    ``data_parallel``: this process is one rank of an initialized ``torch.distributed`` group: the patched
+    model is sharded with FSDP2 (:func:`shard_fsdp2`) before the optimizer is built, and the rank trains
+    on its own batch (rank 0's is the single-process batch). ``gpu``: the GPU the parent gave this worker
+    alone (:func:`worker_env`: it is this process's cuda:0)."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
@@ -731,19 +632,16 @@ def train(
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     if provider == "unsloth" and unsloth_failed:
         raise SkipProvider(f"unsloth not importable ({unsloth_failed})")
-    if provider in ("liger", "unsloth") and device.type != "cuda":
+    cuda = device.type == "cuda"
+    if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
     if data_parallel and provider not in DATA_PARALLEL_PROVIDERS:
         raise ValueError(
             f"{provider} does not run under FSDP2 here; only {', '.join(DATA_PARALLEL_PROVIDERS)}"
         )
-    process_rank = torch.distributed.get_rank() if data_parallel else 0
-    folder = model_folder(
-        model_dir, model, plan.tiny, torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
+    folder = model_folder(model_dir, model, plan.tiny, torch.bfloat16 if cuda else torch.float32)
     if not (folder / MARKER).is_file():
         raise FileNotFoundError(f"no saved model in {folder} (the parent saves it before the workers run)")
-    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         if memory_cap_gib is not None:
@@ -753,27 +651,16 @@ def train(
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         peft_model, checkpointing = load_peft_model(
-            provider,
-            folder,
-            scenario,
-            seq,
-            dtype=dtype,
-            device=device,
-            rank=rank,
-            alpha=float(rank if alpha is None else alpha),
-            dropout=dropout,
-            seed=seed,
-            offload=offload,
-            mlp_chunk_tokens=mlp_chunk_tokens,
-            memory_budget=memory_budget,
-        )
+            provider, folder, scenario, seq, dtype=dtype, device=device, rank=rank,
+            alpha=float(rank if alpha is None else alpha), dropout=dropout, seed=seed, offload=offload,
+            mlp_chunk_tokens=mlp_chunk_tokens, memory_budget=memory_budget,
+        )  # fmt: skip
         sharding = shard_fsdp2(peft_model, device) if data_parallel else None
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
         params = [p for p in peft_model.parameters() if p.requires_grad]  # after sharding: FSDP's DTensors
-        gen = torch.Generator().manual_seed(seed + 1 + process_rank)
-        vocab = peft_model.config.vocab_size
-        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+        gen = torch.Generator().manual_seed(seed + 1 + (torch.distributed.get_rank() if data_parallel else 0))
+        ids = torch.randint(0, peft_model.config.vocab_size, (batch, seq), generator=gen).to(device)
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             loss = peft_model(input_ids=x, labels=x).loss
@@ -794,12 +681,11 @@ def train(
         run = step_timing.run_steps(
             first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
         )
-    fuselm_warnings = list(
-        dict.fromkeys(
-            str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename
-        )
-    )
-    out: dict[str, Any] = {
+    messages = (str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename)
+    from fuselm.hf import activation_plan
+
+    plan_of = activation_plan.current(peft_model)
+    return {
         "status": "ok",
         **e2e.step_figures(run, batch * seq, device),
         **fresh_process.memory_figures(device),
@@ -814,21 +700,10 @@ def train(
         "memory_cap_gib": memory_cap_gib,
         "losses": run.logged,
         "first_loss": run.logged[0] if run.logged else None,
-        "fuselm_warnings": fuselm_warnings[:20],
-        "activation_plan": _activation_plan(peft_model),
+        "fuselm_warnings": list(dict.fromkeys(messages))[:20],
+        "activation_plan": None if plan_of is None else str(plan_of),
         **fused_forwards(peft_model, called.ids),
     }
-    return out
-
-
-def _activation_plan(model) -> str | None:
-    """fuselm's activation plan of ``model`` (``checkpointing="auto"``), as it reports it, or None."""
-    try:
-        from fuselm.hf import activation_plan
-    except ImportError:
-        return None
-    plan = activation_plan.current(model)
-    return None if plan is None else str(plan)
 
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
@@ -837,17 +712,11 @@ def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
     (the provider is then skipped with that reason)."""
     bench = BENCH
     if unsloth_failed is not None:
-        bench = _with_train(functools.partial(train, unsloth_failed=unsloth_failed))
+        bench = dataclasses.replace(BENCH, train=functools.partial(train, unsloth_failed=unsloth_failed))
     return fresh_process.worker_main(bench, argv)
 
 
-def _with_train(fn) -> fresh_process.Bench:
-    import dataclasses
-
-    return dataclasses.replace(BENCH, train=fn)
-
-
-# ---- the parent ----
+# ---- rows ----
 
 
 @dataclass
@@ -938,6 +807,17 @@ class FinetuneRow(Row):
         return f"{step}{cpu}, {e2e.fmt_tokens(self.tokens_per_s)} tok/s", f"losses {losses}"
 
 
+@dataclass
+class DataParallelRow(FinetuneRow):
+    """A :class:`FinetuneRow` whose configuration includes its number of GPUs: the rows of
+    ``finetune_ws<W>``, where one GPU and W GPUs of the same (model, scenario, B x T) sit side by side."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq", "world_size")
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "scenario", "B", "T", "GPUs")
+    SHAPE_TITLE: ClassVar[str] = "model scenario B x T (per GPU) GPUs"
+    SHAPE_FORMAT: ClassVar[str] = "{} {} {}x{} x{}gpu"
+
+
 def _precheck(provider: str, device: torch.device) -> str | None:
     """A reason to skip ``provider`` without starting a process (None: try it)."""
     if provider in ("liger", "unsloth"):
@@ -949,6 +829,7 @@ def _precheck(provider: str, device: torch.device) -> str | None:
     return None
 
 
+VERSIONS = ("peft", "bitsandbytes", "unsloth", "unsloth_zoo")
 BENCH = fresh_process.Bench(
     name=NAME,
     description=DESCRIPTION,
@@ -979,6 +860,21 @@ BENCH = fresh_process.Bench(
 )
 
 
+def data_parallel_bench(world_size: int) -> fresh_process.Bench:
+    """:data:`BENCH` as the report of a ``--world-size`` run sees it: named ``finetune_ws<W>`` (its files),
+    the FSDP2 providers, rows keyed by GPUs too, fuselm / HF (its workers are :data:`BENCH`'s and the
+    groups')."""
+    return dataclasses.replace(
+        BENCH,
+        name=f"{NAME}_ws{world_size}",
+        description=f"LoRA / QLoRA fine-tuning steps (PEFT) on {world_size} GPUs with FSDP2 vs one GPU: "
+        "HF vs + fuselm",
+        providers=DATA_PARALLEL_PROVIDERS,
+        row_type=DataParallelRow,
+        peers={"hf": "HF"},
+    )
+
+
 def bnb_cpu_4bit_works() -> str | None:
     """None when a bitsandbytes NF4 (double-quantized) layer runs forward and backward on this CPU, else
     why not."""
@@ -999,14 +895,177 @@ def bnb_cpu_4bit_works() -> str | None:
     return None
 
 
-# ---- report ----
+# ---- --world-size: a case on a group of ranks ----
+
+
+@dataclass(frozen=True)
+class GroupCase:
+    """One (provider, configuration) on a group of ranks, pickled to each spawned rank: :func:`train`'s
+    arguments (``options``: its keyword arguments from the command line, as a worker's ``--extra``)."""
+
+    plan: FinetuneDefaults
+    provider: str
+    shape: tuple[str, str, int, int]
+    world_size: int
+    device_type: str
+    dtype: torch.dtype
+    warmup: int
+    steps: int
+    options: dict[str, Any]
+    seed: int = SEED
+    timeout_s: float = WORKER_TIMEOUT_S
+
+
+def group_rank(rank: int, case: GroupCase, init_file: str, out_dir: str) -> None:
+    """A spawned rank of :func:`run_group_case`: join the group, :func:`train` with ``data_parallel`` (its
+    failure caught as a worker's), agree on the status with every rank, write the record, leave."""
+    path = Path(out_dir) / f"rank{rank}.jsonl"
+    rank_group.capture_output(out_dir, rank)  # HF's progress bars, the profiler's lines: quoted on failure
+    record: dict[str, Any] = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
+    if case.device_type == "cuda":  # before CUDA starts in this process
+        record["gpu_wait"] = blocking_sync(rank)
+    else:
+        torch.set_num_threads(1)  # a tiny model, as the one-process worker runs it
+    device = rank_group.join_group(rank, case.world_size, case.device_type, init_file, case.timeout_s)
+    try:
+
+        def measure() -> dict[str, Any]:
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+            options = {"warmup": case.warmup, "steps": case.steps, "seed": case.seed, **case.options}
+            return train(
+                case.plan,
+                case.provider,
+                *case.shape,
+                dtype=case.dtype,
+                device=device,
+                data_parallel=True,
+                **options,
+            )
+
+        record.update(run_measured(measure, device))
+        rank_group.finish_case(record, path, device)
+    finally:
+        torch.distributed.destroy_process_group()
+    # Leave without interpreter finalization, where gloo's threads can still hold tensors and abort the
+    # process after the record is written (tests/kit/workers.py saw it in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def group_row(case: GroupCase, records: list[dict[str, Any]], failure: str | None, repeat: int = 0):
+    """The :class:`DataParallelRow` of one group's records: every rank ok (step time the slowest rank's,
+    tokens/s the group's, peak memory the largest rank's, the rest rank 0's, each rank's in the lists), or
+    the failure (:func:`rank_group.failed_case`)."""
+    bench = data_parallel_bench(case.world_size)
+    shape = (*case.shape, case.world_size)
+    failed = rank_group.failed_case(records, 0, case.world_size, failure)
+    if failed is not None:
+        return fresh_process.make_row(bench, case.provider, shape, failed, repeat)
+    ranks = sorted(rank_group.case_records(records, 0), key=lambda r: r["rank"])
+    slowest = max(ranks, key=lambda r: r["step_ms"] if r.get("step_ms") is not None else -1.0)
+    data = dict(ranks[0])
+    data.update(step_ms=slowest.get("step_ms"), step_ms_all=slowest.get("step_ms_all", []))
+    tokens = case.world_size * case.shape[2] * case.shape[3]
+    data["tokens_per_s"] = None if not data["step_ms"] else tokens / (data["step_ms"] / 1e3)
+    for key in ("peak_bytes", "reserved_bytes"):
+        values = [r.get(key) for r in ranks]
+        data[key] = None if None in values else max(values)
+    data.update(
+        rank_step_ms=[r.get("step_ms") for r in ranks],
+        rank_peak_bytes=[r.get("peak_bytes") for r in ranks],
+        rank_first_losses=[r.get("first_loss") for r in ranks],
+    )
+    return fresh_process.make_row(bench, case.provider, shape, data, repeat)
+
+
+def run_group_case(case: GroupCase, repeat: int = 0) -> DataParallelRow:
+    """``case`` on a fresh group of ``case.world_size`` spawned ranks: its row (a failure of a rank is the
+    row's error, never an exception)."""
+    t0 = time.perf_counter()
+    env = group_env(case.device_type)
+    prefix = "fuselm-finetune-group-"
+    with rank_group.RankGroup(
+        group_rank, (case,), world_size=case.world_size, timeout_s=case.timeout_s, env=env, prefix=prefix
+    ) as group:
+        group.wait_for(0)
+        records, failure = group.records(), group.failure_with_output()
+    row = group_row(case, records, failure, repeat)
+    row.wall_s = time.perf_counter() - t0
+    return row
+
+
+def run_groups(
+    world_size: int, bench: fresh_process.Bench, c: fresh_process.CliRun, progress: bool, on_row
+) -> CaseReport:
+    """The ``--world-size`` runner of :func:`fresh_process.run_cli` (``c.shapes``: every configuration at 1
+    and ``world_size`` GPUs): the one-GPU rows (:func:`fresh_process.run` of :data:`BENCH`), then the W-GPU
+    rows (:func:`run_group_case`, ``repeats`` each)."""
+    configs = list(dict.fromkeys(s[:4] for s in c.shapes))
+    report = CaseReport(
+        c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), c.warmup, c.steps, c.metadata,
+        repeats=c.repeats,
+    )  # fmt: skip
+
+    def one_gpu(partial: CaseReport, notify: bool = True) -> None:
+        report.rows[:] = [
+            DataParallelRow(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
+            for r in partial.rows
+        ]
+        report.skipped.update(partial.skipped)
+        if notify and on_row is not None:
+            on_row(report)
+
+    c1 = dataclasses.replace(c, shapes=configs)
+    one_gpu(fresh_process.run_all(BENCH, c1, progress, one_gpu), notify=False)
+    one_gpu_rows = list(report.rows)
+
+    def execute(case: Case) -> DataParallelRow:
+        group = GroupCase(
+            c.plan, case.provider, case.shape, world_size, c.device.type, c.dtype, c.warmup, c.steps,
+            dict(c.extra),
+        )  # fmt: skip
+        return run_group_case(group, case.repeat)
+
+    def group_rows(rows: list[Row]) -> None:
+        report.rows[:] = one_gpu_rows + rows
+        if on_row is not None:
+            on_row(report)
+
+    run_cases(
+        [Case(p, s, repeat=r) for s in configs for r in range(c.repeats) for p in c.providers],
+        execute,
+        desc=f"{bench.name} x{world_size}",
+        describe=lambda case: f"{case.provider} {FinetuneRow.label(case.shape)} #{case.repeat + 1}",
+        skipped=report.skipped,
+        repeats=c.repeats,
+        skip_provider=False,  # a provider skipped on one GPU is not run; one that skips on W runs the next
+        progress=progress,
+        log=lambda line: print(line, flush=True),
+        on_row=group_rows,
+    )
+    return report
+
+
+# ---- reports ----
 
 
 def _ok(rows: list[Any]) -> list[Any]:
     return [r for r in rows if r.status == "ok"]
 
 
-def loss_gap(report: fresh_process.CaseReport, provider: str, shape: tuple[Any, ...]) -> float | None:
+def _failed(rows: list[Any]) -> str:
+    """OOM or error of a case without an ok row, — without rows."""
+    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+
+
+def _cell(rows: list[Any], attr: str, digits: int = 0) -> str:
+    """:func:`e2e.summary_cell` with ``digits`` decimals."""
+    return e2e.summary_cell(rows, attr, lambda v: f"{v:.{digits}f}")
+
+
+def loss_gap(report: CaseReport, provider: str, shape: tuple[Any, ...]) -> float | None:
     """max |loss_p - loss_hf| over the first :data:`FIRST_LOSSES` steps, the first ok repeat of each."""
     mine, hf = _ok(report.rows_of(provider, shape)), _ok(report.rows_of("hf", shape))
     if not mine or not hf or not mine[0].losses or not hf[0].losses:
@@ -1015,13 +1074,9 @@ def loss_gap(report: fresh_process.CaseReport, provider: str, shape: tuple[Any, 
     return max(abs(a - b) for a, b in zip(mine[0].losses[:n], hf[0].losses[:n], strict=True))
 
 
-def _gib(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f} GiB"
-
-
-def headline_table(report: fresh_process.CaseReport, model: str, batch: int, seq: int) -> str:
-    """The headline table of one (model, B x T): scenario rows x provider columns, ``ms, GiB`` (medians
-    over the repeats; GiB = peak allocated), then fuselm / Unsloth and fuselm / HF (time, memory)."""
+def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
+    """Scenario rows x provider columns of one (model, B x T), ``ms, GiB`` (medians over the repeats; GiB =
+    peak allocated), then fuselm / Unsloth and fuselm / HF (time, memory)."""
     providers = [p for p in report.providers if p not in report.skipped]
     head = ["scenario", *(provider_title(p) for p in providers)]
     head += ["fuselm / Unsloth (time, memory)", "fuselm / HF (time, memory)"]
@@ -1033,32 +1088,29 @@ def headline_table(report: fresh_process.CaseReport, model: str, batch: int, seq
         cells = [SCENARIO_TITLES[scenario]]
         for p in providers:
             rows = report.rows_of(p, shape)
-            ok = _ok(rows)
-            if not ok:
-                cells.append({"oom": "OOM"}.get(rows[0].status, "error") if rows else "—")
-                continue
-            ms = fresh_process.median_of(ok, "step_ms")
-            peak = fresh_process.median_of(ok, "peak_gib")
-            cells.append(f"{ms:.0f} ms, {_gib(peak)}" if ms is not None else "—")
+            ms, peak = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
+            if not _ok(rows):
+                cells.append(_failed(rows))
+            else:
+                cells.append(
+                    "—" if ms is None else f"{ms:.0f} ms, " + ("n/a" if peak is None else f"{peak:.2f} GiB")
+                )
         for peer in ("unsloth", "hf"):
             mine, other = report.rows_of("fuselm", shape), report.rows_of(peer, shape)
-            t = ratio(fresh_process.median_of(mine, "step_ms"), fresh_process.median_of(other, "step_ms"))
-            m = ratio(
-                fresh_process.median_of(mine, "peak_bytes"), fresh_process.median_of(other, "peak_bytes")
-            )
+            t, m = (ratio(median_of(mine, a), median_of(other, a)) for a in ("step_ms", "peak_bytes"))
             cells.append("—" if t is None else f"{t:.2f}x, " + ("—" if m is None else f"{m:.2f}x"))
         lines.append(cells)
     return md_table(head, lines)
 
 
-def detail_table(report: fresh_process.CaseReport) -> str:
+def detail_table(report: CaseReport) -> str:
     """One line per (configuration, provider): ms/step (range), tokens/s, CPU / GPU ms/step, launches,
     bound by, peak allocated / reserved, host pinned, first losses, max |loss - HF's|, fused modules, note."""
     gpus = any(len(s) > len(FinetuneRow.SHAPE_FIELDS) for s in report.shapes)  # a --world-size report
     head = ["model", "scenario", "B x T", *(["GPUs"] if gpus else []), "provider", "ms/step", "tokens/s"]
     head += ["CPU ms/step", "GPU ms/step", "launches/step", "bound by", "peak alloc GiB", "peak reserved GiB"]
-    head += ["host pinned GiB"]
-    head += [f"first {FIRST_LOSSES} losses", "max abs diff vs HF", "fuselm modules ran (PEFT LoRA)", "note"]
+    head += ["host pinned GiB", f"first {FIRST_LOSSES} losses", "max abs diff vs HF"]
+    head += ["fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
     lines = []
     for shape in report.shapes:
@@ -1068,15 +1120,12 @@ def detail_table(report: fresh_process.CaseReport) -> str:
             if not rows:
                 continue
             ok = _ok(rows)
-            gpu, wall = (fresh_process.median_of(rows, a) for a in ("gpu_ms", "step_ms"))
-            gap = loss_gap(report, p, shape)
             first = ok[0] if ok else None
-            fused = (
-                "—"
-                if first is None or first.fused_modules is None or p != "fuselm"
-                else f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
-            )
-            status = "" if ok else {"oom": "OOM"}.get(rows[0].status, "error")
+            gap = loss_gap(report, p, shape)
+            fused = "—"
+            if first is not None and first.fused_modules is not None and p == "fuselm":
+                fused = f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
+
             lines.append(
                 [
                     model,
@@ -1084,15 +1133,13 @@ def detail_table(report: fresh_process.CaseReport) -> str:
                     f"{b}x{t}",
                     *([str(shape[4])] if gpus else []),
                     p,
-                    status or e2e.summary_cell(rows, "step_ms", lambda v: f"{v:.0f}"),
+                    _cell(rows, "step_ms") if ok else _failed(rows),
                     e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
-                    e2e.summary_cell(rows, "cpu_ms", lambda v: f"{v:.0f}"),
-                    e2e.summary_cell(rows, "gpu_ms", lambda v: f"{v:.0f}"),
-                    e2e.summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
-                    (e2e.bound_by(gpu, wall, cuda) or "n/a") if ok else "—",
-                    e2e.summary_cell(rows, "peak_gib", lambda v: f"{v:.2f}"),
-                    e2e.summary_cell(rows, "reserved_gib", lambda v: f"{v:.2f}"),
-                    e2e.summary_cell(rows, "pinned_gib", lambda v: f"{v:.2f}"),
+                    *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
+                    (e2e.bound_by(median_of(rows, "gpu_ms"), median_of(rows, "step_ms"), cuda) or "n/a")
+                    if ok
+                    else "—",
+                    *(_cell(rows, a, 2) for a in ("peak_gib", "reserved_gib", "pinned_gib")),
                     "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES]),
                     "—" if gap is None else f"{gap:.1e}",
                     fused,
@@ -1102,7 +1149,7 @@ def detail_table(report: fresh_process.CaseReport) -> str:
     return md_table(head, lines)
 
 
-def fused_paths_section(report: fresh_process.CaseReport) -> str:
+def fused_paths_section(report: CaseReport) -> str:
     """For each configuration fuselm ran: which modules ran fuselm's forward (by name, with counts), and
     fuselm's warnings (what fell back, and why)."""
     lines = ["## What fuselm ran", ""]
@@ -1123,7 +1170,7 @@ def fused_paths_section(report: fresh_process.CaseReport) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
-def notes(report: fresh_process.CaseReport) -> list[str]:
+def notes(report: CaseReport) -> list[str]:
     cuda = report.device_type == "cuda"
     extra = report.metadata.get("finetune", {})
     out = [
@@ -1162,43 +1209,53 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
     return out
 
 
-def markdown(report: fresh_process.CaseReport) -> str:
+def _facts(report: CaseReport, options: str, gpus: str | None = None) -> list[str]:
+    """The models, ``gpus``, the steps per run, ``options``, the merged runs."""
+    steps = report.metadata.get("finetune", {}).get("profile_steps")
+    models = dict.fromkeys(s[0] for s in report.shapes)
+    return [
+        *(f"model {e2e.MODELS[m].describe(report.plan.tiny)}" for m in models if m in e2e.MODELS),
+        *([gpus] if gpus else []),
+        f"steps per run: {report.warmup} warmup, {report.steps} timed, {steps} profiled",
+        options,
+        *(
+            f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})"
+            for m in report.merged
+        ),
+    ]
+
+
+def _tables(report: CaseReport, sections: list[str]) -> str:
+    """``sections``, the details and the fused paths."""
+    fused = fused_paths_section(report)
+    return "\n\n".join([*sections, "## Details\n\n" + detail_table(report)]) + (
+        "\n\n" + fused if fused else ""
+    )
+
+
+def markdown(report: CaseReport) -> str:
     """The whole report: header, the headline table per (model, B x T), details, fused paths, ratios,
     notes."""
     extra = report.metadata.get("finetune", {})
-    models = list(dict.fromkeys(s[0] for s in report.shapes))
-    facts = [f"model {e2e.MODELS[m].describe(report.plan.tiny)}" for m in models if m in e2e.MODELS]
-    facts.append(
-        f"steps per run: {report.warmup} warmup, {report.steps} timed, {extra.get('profile_steps')} profiled"
+    compile_ = "on" if extra.get("unsloth_compile") else "off (UNSLOTH_COMPILE_DISABLE=1)"
+    options = (
+        f"fuselm: offload {'on' if extra.get('offload') else 'off'}; Unsloth: per-block compile {compile_}"
     )
-    facts.append(
-        f"fuselm: offload {'on' if extra.get('offload') else 'off'}; Unsloth: per-block compile "
-        f"{'on' if extra.get('unsloth_compile') else 'off (UNSLOTH_COMPILE_DISABLE=1)'}"
-    )
-    facts += [
-        f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})" for m in report.merged
+    sections = [
+        f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n" + headline_table(report, model, b, t)
+        for model, b, t in dict.fromkeys((s[0], s[2], s[3]) for s in report.shapes)
     ]
-    sections = []
-    configs = list(dict.fromkeys((s[0], s[2], s[3]) for s in report.shapes))
-    for model, b, t in configs:
-        sections.append(
-            f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n"
-            + headline_table(report, model, b, t)
-        )
-    sections.append("## Details\n\n" + detail_table(report))
-    fused = fused_paths_section(report)
-    table = "\n\n".join(sections) + ("\n\n" + fused if fused else "")
     return fresh_process.markdown(
         BENCH,
         report,
         cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32; a smoke test of the path.",
-        facts=facts,
-        table=table,
+        facts=_facts(report, options),
+        table=_tables(report, sections),
         notes=notes(report),
     )
 
 
-def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
+def to_json(report: CaseReport) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready (``loss_gaps``: max |loss - HF's| per configuration)."""
     gaps = [
         {
@@ -1214,38 +1271,28 @@ def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
     return fresh_process.report_json(BENCH, report, plan, notes(report))
 
 
-def write_png(report: fresh_process.CaseReport, path: Path) -> None:
+def write_png(report: CaseReport, path: Path) -> None:
     """Bars of step time and peak memory per provider, one group per (model, scenario, B x T); with
-    memory budgets (``fuselm@<GiB>`` providers), step time against peak memory instead."""
-    if any(split_provider(p)[1] is not None for p in report.providers):
-        write_budget_png(report, path)
+    memory budgets (``fuselm@<GiB>`` providers), one panel per configuration of each provider's step time
+    against its peak allocated GiB, fuselm's budgets joined by a line, the peers as marked points."""
+    if not any(split_provider(p)[1] is not None for p in report.providers):
+        fresh_process.write_bars(
+            BENCH,
+            report,
+            path,
+            panels=(("step_ms", "ms/step", 1.0), ("peak_gib", "peak allocated GiB", 1.0)),
+            title=f" ({report.plan.name} plan)",
+            width_per_shape=3.0,
+            mark_failures=True,
+        )
         return
-    fresh_process.write_bars(
-        BENCH,
-        report,
-        path,
-        panels=(("step_ms", "ms/step", 1.0), ("peak_gib", "peak allocated GiB", 1.0)),
-        title=f" ({report.plan.name} plan)",
-        width_per_shape=3.0,
-        mark_failures=True,
-    )
-
-
-def write_budget_png(report: fresh_process.CaseReport, path: Path) -> None:
-    """One panel per (model, scenario, B x T): each provider's step time (median ms) against its peak
-    allocated GiB, fuselm's budgets joined by a line and labelled, the peers as marked points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = list(report.shapes)
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5.0 * len(shapes), 4.2), squeeze=False)
-    for ax, shape in zip(axes[0], shapes, strict=True):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(report.shapes), figsize=(5.0 * len(report.shapes), 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], report.shapes, strict=True):
         budgets = []
         for provider in report.providers:
             rows = _ok(report.rows_of(provider, shape))
-            ms, gib = fresh_process.median_of(rows, "step_ms"), fresh_process.median_of(rows, "peak_gib")
+            ms, gib = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
             if ms is None or gib is None:
                 continue
             base, budget = split_provider(provider)
@@ -1274,10 +1321,177 @@ def write_budget_png(report: fresh_process.CaseReport, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
+def write_report(report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``finetune.md``, ``finetune.json`` and ``finetune.png`` into ``out_dir``; return their paths."""
     return fresh_process.write_report(
-        NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
+        NAME, out_dir, markdown(report), to_json(report), lambda p: write_png(report, p)
+    )
+
+
+# ---- --world-size reports: one GPU against W ----
+
+
+def scaling(report: CaseReport, provider: str, config: tuple[Any, ...], world_size: int) -> dict[str, Any]:
+    """One GPU against ``world_size`` GPUs for (provider, (model, scenario, B, T)): step times, tokens/s
+    (the group's and per GPU), peak bytes, first losses (rank 0's batch is the one GPU's), and ``per_gpu``
+    = tokens/s per GPU on W GPUs / on one (medians over the repeats; None where either failed)."""
+    one = report.rows_of(provider, (*config, 1))
+    many = report.rows_of(provider, (*config, world_size))
+    first_one, first_many = _ok(one)[:1], _ok(many)[:1]
+    loss_one = first_one[0].first_loss if first_one else None
+    loss_many = first_many[0].first_loss if first_many else None
+    return {
+        **dict(zip(FinetuneRow.SHAPE_FIELDS, config, strict=True)),
+        "provider": provider,
+        "world_size": world_size,
+        "one_gpu_step_ms": median_of(one, "step_ms"),
+        "one_gpu_tokens_per_s": median_of(one, "tokens_per_s"),
+        "one_gpu_peak_bytes": median_of(one, "peak_bytes"),
+        "step_ms": median_of(many, "step_ms"),
+        "tokens_per_s": median_of(many, "tokens_per_s"),
+        "tokens_per_s_per_gpu": median_of(many, "tokens_per_s_per_gpu"),
+        "peak_bytes_per_rank": first_many[0].rank_peak_bytes if first_many else [],
+        "per_gpu": ratio(median_of(many, "tokens_per_s_per_gpu"), median_of(one, "tokens_per_s")),
+        "one_gpu_first_loss": loss_one,
+        "first_loss": loss_many,
+        "first_loss_diff": None if loss_one is None or loss_many is None else abs(loss_many - loss_one),
+        "status": None if first_many else (many[0].status if many else "not run"),
+        "one_gpu_status": None if first_one else (one[0].status if one else "not run"),
+    }
+
+
+def _scalings(report: CaseReport, world_size: int) -> list[dict[str, Any]]:
+    """:func:`scaling` of every (configuration, provider) that has rows."""
+    return [
+        scaling(report, p, config, world_size)
+        for config in dict.fromkeys(tuple(s[:4]) for s in report.shapes)
+        for p in report.providers
+        if report.rows_of(p, (*config, 1)) or report.rows_of(p, (*config, world_size))
+    ]
+
+
+def scaling_table(report: CaseReport, world_size: int) -> str:
+    """Per (configuration, provider): one GPU (ms, tokens/s, peak GiB), W GPUs (ms of the slowest rank,
+    tokens/s in all and per GPU, peak GiB of each rank), tokens/s per GPU W / 1, and the first losses."""
+    w = world_size
+    head = ["model", "scenario", "B x T per GPU", "provider", "1 GPU ms/step", "1 GPU tokens/s"]
+    head += ["1 GPU peak GiB", f"{w} GPUs ms/step (slowest rank)", f"{w} GPUs tokens/s", "tokens/s per GPU"]
+    head += ["peak GiB per rank", f"tokens/s per GPU, {w} GPUs / 1 GPU", "first loss 1 GPU / rank 0"]
+    lines = []
+    for s in _scalings(report, w):
+        failed = {k: {"oom": "OOM", "skipped": "skipped", "not run": "—"}.get(s[k], "error") if s[k] else None
+                  for k in ("one_gpu_status", "status")}  # fmt: skip
+        one, many = failed["one_gpu_status"], failed["status"]
+        peak, peaks, losses = (
+            s["one_gpu_peak_bytes"],
+            s["peak_bytes_per_rank"],
+            (s["one_gpu_first_loss"], s["first_loss"]),
+        )
+        lines.append(
+            [
+                s["model"],
+                s["scenario"],
+                f"{s['batch']}x{s['seq']}",
+                s["provider"],
+                one or f"{s['one_gpu_step_ms']:.0f}",
+                one or e2e.fmt_tokens(s["one_gpu_tokens_per_s"]),
+                one or ("n/a" if peak is None else f"{peak / GIB:.2f}"),
+                many or f"{s['step_ms']:.0f}",
+                many or e2e.fmt_tokens(s["tokens_per_s"]),
+                many or e2e.fmt_tokens(s["tokens_per_s_per_gpu"]),
+                many
+                or ("n/a" if not peaks or None in peaks else " / ".join(f"{x / GIB:.2f}" for x in peaks)),
+                "—" if s["per_gpu"] is None else f"{s['per_gpu']:.2f}x",
+                "—"
+                if losses == (None, None)
+                else " / ".join("—" if x is None else f"{x:.4f}" for x in losses),
+            ]
+        )
+    return md_table(head, lines)
+
+
+def per_rank_table(report: CaseReport) -> str:
+    """Every group row's ranks: median ms/step, peak allocated GiB, first loss (each rank's own batch)."""
+    head = ["configuration", "provider", "ms/step per rank", "peak GiB per rank", "first loss per rank"]
+    lines = [
+        [
+            r.label(r.shape),
+            r.provider,
+            " / ".join("—" if x is None else f"{x:.0f}" for x in r.rank_step_ms),
+            " / ".join("n/a" if x is None else f"{x / GIB:.2f}" for x in r.rank_peak_bytes),
+            " / ".join("—" if x is None else f"{x:.4f}" for x in r.rank_first_losses),
+        ]
+        for r in report.rows
+        if r.world_size != 1 and r.status == "ok"
+    ]
+    return md_table(head, lines)
+
+
+def data_parallel_notes(report: CaseReport, world_size: int) -> list[str]:
+    backend = "NCCL, one GPU per rank" if report.device_type == "cuda" else "gloo, CPU processes"
+    sharding = next((r.sharding for r in report.rows if r.sharding), None)
+    return [
+        f"{world_size} GPUs: each (configuration, provider) ran on a fresh group of {world_size} spawned "
+        f"processes ({backend}); every rank loaded the same saved model, applied the provider and PEFT "
+        "LoRA as the one-GPU worker does, then FSDP2: "
+        + (sharding or "fully_shard on each decoder layer, then on the root CausalLM")
+        + "; each rank trains on its own batch of B x T (rank 0's is the one-GPU batch), so the global "
+        f"batch is {world_size} x B x T; FSDP averages the LoRA gradients over the ranks.",
+        f"{world_size} GPUs ms/step: the slowest rank's median step (a step ends when the last rank's "
+        f"does); tokens/s: {world_size} x B x T / that step; per GPU: / {world_size}; tokens/s per GPU, "
+        f"{world_size} GPUs / 1 GPU: 1.00x is perfect scaling. Peak GiB per rank: each rank's "
+        "torch.cuda.max_memory_allocated() (its shard of the weights included); CPU ms, GPU ms, launches, "
+        "host memory and the fused paths of a group row are rank 0's.",
+        "1 GPU rows: the one-process bench (fuselm bench finetune without --world-size) in the same run, "
+        "same saved model, options and per-GPU batch.",
+        "first loss 1 GPU / rank 0: the same batch and weights (the LoRA B matrices start at zero), so "
+        "they agree to the sharded step's rounding; later losses differ (the group's optimizer steps "
+        "average the gradients of every rank's batch).",
+        f"Ranks' environment: {report.metadata.get('finetune', {}).get('group_env')}.",
+        *notes(report),
+    ]
+
+
+def data_parallel_markdown(report: CaseReport, world_size: int) -> str:
+    """The ``--world-size`` report: one GPU vs W GPUs per (configuration, provider), per-rank figures,
+    the details (as the one-GPU report's), fused paths, fuselm / HF, notes."""
+    extra = report.metadata.get("finetune", {})
+    gpus = f"GPUs: 1 and {world_size} ({'NCCL' if report.device_type == 'cuda' else 'gloo processes'}), FSDP2"
+    sections = [
+        f"## tokens/s per GPU, {world_size} GPUs / 1 GPU\n\n" + scaling_table(report, world_size),
+        "## Per rank\n\n" + per_rank_table(report),
+    ]
+    return fresh_process.markdown(
+        data_parallel_bench(world_size),
+        report,
+        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, gloo processes; a smoke test of "
+        "the path.",
+        facts=_facts(report, f"fuselm: offload {'on' if extra.get('offload') else 'off'}", gpus),
+        table=_tables(report, sections),
+        notes=data_parallel_notes(report, world_size),
+    )
+
+
+def write_data_parallel_report(report: CaseReport, world_size: int, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``finetune_ws<W>.md``, ``.json`` and ``.png`` (tokens/s per GPU and peak GiB of the largest
+    rank, one group per (configuration, GPUs)) into ``out_dir``; return their paths."""
+    bench = data_parallel_bench(world_size)
+    plan = {
+        "plan": report.plan.name,
+        "world_size": world_size,
+        "finetune": report.metadata.get("finetune", {}),
+        "scaling": _scalings(report, world_size),
+    }
+    panels = (("tokens_per_s_per_gpu", "tokens/s per GPU", 1.0), ("peak_gib", "peak GiB (max rank)", 1.0))
+    title = f" ({report.plan.name} plan)"
+    return fresh_process.write_report(
+        bench.name,
+        out_dir,
+        data_parallel_markdown(report, world_size),
+        fresh_process.report_json(bench, report, plan, data_parallel_notes(report, world_size)),
+        lambda path: fresh_process.write_bars(
+            bench, report, path, panels=panels, title=title, width_per_shape=3.0, mark_failures=True
+        ),
     )
 
 
@@ -1312,114 +1526,6 @@ def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, st
     ]
 
 
-def run_cli(args: argparse.Namespace, argv: list[str], group: Any = None) -> int:
-    """``fuselm bench finetune``: ``--models``, ``--scenarios``, ``--shapes`` (BxT), ``--providers``,
-    ``--rank``, ``--lora-alpha``, ``--lora-dropout``, ``--offload/--no-offload``, ``--unsloth-compile``,
-    ``--model-dir``, ``--repeats`` (default 1), ``--steps``, ``--warmup``, ``--profile-steps``, ``--quick``,
-    ``--dtype`` (CUDA; the CPU plan runs fp32), ``--device``, ``--out``, ``--merge``. Raises
-    ``UsageError``. ``group``: the data-parallel run of ``--world-size`` (``finetune_sharded.GROUP``, which
-    the registry's entry point passes: this module does not import that one)."""
-    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid)
-    cuda = c.device.type == "cuda"
-    world_size = getattr(args, "world_size", None) or 1
-    if world_size > 1:
-        if group is None:
-            raise UsageError("--world-size runs through fuselm_bench.finetune_sharded.run_cli")
-        group.check(c, args, world_size)
-    rank = getattr(args, "rank", None) or RANK
-    alpha = float(getattr(args, "lora_alpha", None) or rank)
-    dropout = getattr(args, "lora_dropout", None) or 0.0
-    if not 0.0 <= dropout < 1.0:
-        raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
-    offload = True if getattr(args, "offload", None) is None else bool(args.offload)
-    profile = getattr(args, "profile_steps", None)
-    if profile is not None and profile < 0:
-        raise UsageError(f"--profile-steps must be >= 0, got {profile}")
-    profile = c.plan.profile_steps if profile is None else profile
-    unsloth_compile = bool(getattr(args, "unsloth_compile", False))
-    budgets = getattr(args, "memory_budgets", None)
-    if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
-        values = [parse_budget(b) for b in budgets.split(",")]
-        c.providers = [*c.providers, *(f"fuselm@{b:g}" for b in values if f"fuselm@{b:g}" not in c.providers)]
-    for provider in c.providers:  # fuselm@<GiB> named in --providers
-        base, _, budget = provider.partition("@")
-        if budget and (base != "fuselm" or parse_budget(budget) is None):
-            raise UsageError(f"--providers: {provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
-    scenario_note = None
-    if not cuda and any(s[1] == "qlora" for s in c.shapes):
-        reason = bnb_cpu_4bit_works()
-        if reason is not None:
-            c.shapes = [s for s in c.shapes if s[1] != "qlora"]
-            scenario_note = f"qlora not run on this CPU: {reason}; the CPU smoke runs lora only."
-            print(scenario_note)
-            if not c.shapes:
-                raise UsageError(scenario_note)
-    for version in ("peft", "bitsandbytes", "unsloth", "unsloth_zoo"):
-        v = _version(version)
-        if v:
-            c.metadata[version] = v
-    keep = args.model_dir is not None
-    model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-finetune-models-"))
-    save_dtype = torch.bfloat16 if cuda else torch.float32
-    env = base_env(unsloth_compile)
-    try:
-        folders = {}
-        for model in dict.fromkeys(s[0] for s in c.shapes):
-            print(
-                f"saving {model} ({'tiny, ' if c.plan.tiny else ''}{DTYPE_NAMES[save_dtype]}) to "
-                f"{model_dir} ...",
-                flush=True,
-            )
-            folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, c.device)
-            folders[model] = {"folder": str(folder), **info}
-            print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
-        c.extra.update(
-            model_dir=str(model_dir),
-            rank=rank,
-            alpha=alpha,
-            dropout=dropout,
-            offload=offload,
-            profile_steps=profile,
-            unsloth_compile=unsloth_compile,
-        )
-        c.metadata["finetune"] = {
-            "rank": rank,
-            "alpha": alpha,
-            "dropout": dropout,
-            "offload": offload,
-            "unsloth_compile": unsloth_compile,
-            "profile_steps": profile,
-            "env": " ".join(f"{k}={v}" for k, v in env.items()),
-            "model_folders": folders,
-            "model_dir_kept": keep,
-            "scenario_note": scenario_note,
-            "host_pinned_source": None,
-        }
-        if world_size > 1:
-            env_ranks = group.env(c.device.type)
-            c.metadata["finetune"]["group_env"] = " ".join(f"{k}={v}" for k, v in env_ranks.items())
-        if not cuda:
-            print(
-                "No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results."
-            )
-
-        def write(report: fresh_process.CaseReport, out: Path) -> dict[str, Path]:
-            sources = {r.host_pinned_source for r in report.rows if r.host_pinned_source}
-            report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
-            return write_report(report, out)
-
-        if world_size > 1:
-            report = group.run(c, world_size, progress=not args.no_progress)
-        else:
-            report = fresh_process.run_cli(
-                BENCH, c, markdown=markdown, write=write, progress=not args.no_progress, write_each_row=True
-            )
-    finally:
-        if not keep:
-            shutil.rmtree(model_dir, ignore_errors=True)
-    return fresh_process.exit_code(report)
-
-
 def parse_budget(text: str) -> float:
     """One ``--memory-budgets`` value: GiB, a number > 0; UsageError otherwise.
 
@@ -1436,16 +1542,122 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def _version(package: str) -> str | None:
+def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
+    """``fuselm bench finetune`` (its options: ``fuselm bench --help``); the exit code. Raises
+    ``UsageError``."""
+    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid, packages=VERSIONS)
+    cuda = c.device.type == "cuda"
+    world_size = getattr(args, "world_size", None) or 1
+    if world_size > 1:  # before anything runs: only the FSDP2 providers, W devices
+        refused = [p for p in c.providers if p not in DATA_PARALLEL_PROVIDERS] if args.providers else []
+        if refused:
+            raise UsageError(
+                f"--world-size {world_size}: {', '.join(refused)} cannot run sharded (FSDP2 runs the PEFT "
+                f"models of {' and '.join(DATA_PARALLEL_PROVIDERS)} only); leave {', '.join(refused)} out"
+            )
+        c.providers = [p for p in c.providers if p in DATA_PARALLEL_PROVIDERS]
+        if cuda and torch.cuda.device_count() < world_size:
+            raise UsageError(
+                f"--world-size {world_size}: needs {world_size} CUDA devices, "
+                f"{torch.cuda.device_count()} visible"
+            )
+    rank = getattr(args, "rank", None) or RANK
+    alpha = float(getattr(args, "lora_alpha", None) or rank)
+    dropout = getattr(args, "lora_dropout", None) or 0.0
+    if not 0.0 <= dropout < 1.0:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
+    offload = True if getattr(args, "offload", None) is None else bool(args.offload)
+    profile = getattr(args, "profile_steps", None)
+    if profile is not None and profile < 0:
+        raise UsageError(f"--profile-steps must be >= 0, got {profile}")
+    profile = c.plan.profile_steps if profile is None else profile
+    unsloth_compile = bool(getattr(args, "unsloth_compile", False))
+    budgets = getattr(args, "memory_budgets", None)
+    if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
+        named = [f"fuselm@{parse_budget(b):g}" for b in budgets.split(",")]
+        c.providers = [*c.providers, *(p for p in named if p not in c.providers)]
+    for provider in c.providers:  # fuselm@<GiB> named in --providers
+        base, _, budget = provider.partition("@")
+        if budget and (base != "fuselm" or parse_budget(budget) is None):
+            raise UsageError(f"--providers: {provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
+    scenario_note = None
+    if not cuda and any(s[1] == "qlora" for s in c.shapes):
+        reason = bnb_cpu_4bit_works()
+        if reason is not None:
+            c.shapes = [s for s in c.shapes if s[1] != "qlora"]
+            scenario_note = f"qlora not run on this CPU: {reason}; the CPU smoke runs lora only."
+            print(scenario_note)
+            if not c.shapes:
+                raise UsageError(scenario_note)
+    keep = args.model_dir is not None
+    model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-finetune-models-"))
+    save_dtype = torch.bfloat16 if cuda else torch.float32
+    env = base_env(unsloth_compile)
     try:
-        from importlib.metadata import version
+        folders = {}
+        for model in dict.fromkeys(s[0] for s in c.shapes):
+            tiny = "tiny, " if c.plan.tiny else ""
+            print(f"saving {model} ({tiny}{DTYPE_NAMES[save_dtype]}) to {model_dir} ...", flush=True)
+            folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, c.device)
+            folders[model] = {"folder": str(folder), **info}
+            print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
+        options = {"rank": rank, "alpha": alpha, "dropout": dropout, "offload": offload}
+        c.extra.update(
+            model_dir=str(model_dir), **options, profile_steps=profile, unsloth_compile=unsloth_compile
+        )
+        c.metadata["finetune"] = {
+            **options,
+            "unsloth_compile": unsloth_compile,
+            "profile_steps": profile,
+            "env": " ".join(f"{k}={v}" for k, v in env.items()),
+            "model_folders": folders,
+            "model_dir_kept": keep,
+            "scenario_note": scenario_note,
+            "host_pinned_source": None,
+        }
+        if not cuda:
+            print(
+                "No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results."
+            )
+        bench, markdown_of, write_files = BENCH, markdown, write_report
+        more: dict[str, Any] = {}
+        if world_size > 1:
+            backend = "nccl" if cuda else "gloo"
+            group = " ".join(f"{k}={v}" for k, v in group_env(c.device.type).items())
+            c.metadata["finetune"]["group_env"] = group
+            c.metadata.update(world_size=world_size, backend=backend)
+            c.shapes = [(*s, w) for s in c.shapes for w in (1, world_size)]
+            bench = data_parallel_bench(world_size)
+            markdown_of = functools.partial(data_parallel_markdown, world_size=world_size)
 
-        return version(package)
-    except Exception:  # noqa: BLE001
-        return None
+            def write_files(report: CaseReport, out: Path) -> dict[str, Path]:
+                return write_data_parallel_report(report, world_size, out)
+
+            more = {
+                "runner": functools.partial(run_groups, world_size),
+                "how": f"on 1 GPU (a fresh process each) then on {world_size} ({backend}, a fresh group of "
+                f"{world_size} each)",
+            }
+
+        def write(report: CaseReport, out: Path) -> dict[str, Path]:
+            sources = {r.host_pinned_source for r in report.rows if r.host_pinned_source}
+            report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
+            return write_files(report, out)
+
+        report = fresh_process.run_cli(
+            bench,
+            c,
+            markdown=markdown_of,
+            write=write,
+            progress=not args.no_progress,
+            write_each_row=True,
+            **more,
+        )
+    finally:
+        if not keep:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return fresh_process.exit_code(report)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.finetune --worker ... (or --build ...)
-    if "--build" in sys.argv[1:]:
-        sys.exit(build_main(sys.argv[1:]))
-    sys.exit(worker(sys.argv[1:]))
+    sys.exit(build_main(sys.argv[1:]) if "--build" in sys.argv[1:] else worker(sys.argv[1:]))

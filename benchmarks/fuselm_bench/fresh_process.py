@@ -1,18 +1,11 @@
 """What the ``e2e``, ``finetune`` and ``grpo_step`` benchmarks share: one case per fresh worker process.
 
-A benchmark describes itself with a :class:`Bench` (its name, providers, row type, plans, peers, and its
-``train`` function); everything else is here. The worker side (:func:`worker_main`) runs one case and writes
-its result as JSON to the file the parent named; the parent side (:func:`run_case`) starts that process with
-a timeout and reads the result back (a failure of the worker becomes an ``error`` row, never an exception).
-:func:`run` runs every (shape, repeat, provider) of a report that way (``repeats`` fresh processes per
-case); :func:`ratios`, :func:`ratio_table`, :func:`markdown`, :func:`report_json`, :func:`write_bars` and
-:func:`write_report` build the report files (medians over the repeats); :func:`start_cli` and
-:func:`run_cli` are the command line's steps, :func:`merge_previous` joins the rows of an earlier run
-written to the same folder (a grid split over several commands).
-
-A case's "shape" is the row type's ``SHAPE_FIELDS``: sizes (ints) and, in ``TEXT_FIELDS``, names (a model,
-a scenario); the row type is a dataclass of :class:`cases.Row`, and the loop over the cases is
-:func:`cases.run_cases`, as for the other runners.
+A benchmark describes itself with a :class:`Bench`; everything else is here. The worker
+(:func:`worker_main`) runs one case and writes its result as JSON to the file the parent named; the parent
+(:func:`run_case`) starts that process with a timeout and reads the result back (a failure of the worker
+becomes an ``error`` row, never an exception). :func:`run` runs every (shape, repeat, provider) of a report
+that way, through :func:`cases.run_cases`; the report's files are medians over the repeats. A case's "shape"
+is the row type's ``SHAPE_FIELDS``: sizes and, in ``TEXT_FIELDS``, names (a model, a scenario).
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,9 +29,19 @@ import fuselm
 
 from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
 from .cases import Case, Row, run_cases
-from .harness import SkipProvider, blocking_sync, error_text
-from .report import DTYPE_NAMES, collect_metadata, document, md_table, ratio
-from .runner import print_written
+from .harness import blocking_sync, run_measured
+from .report import (
+    DTYPE_NAMES,
+    bar_groups,
+    collect_metadata,
+    document,
+    dtype_name,
+    md_table,
+    print_written,
+    pyplot,
+    ratio,
+)
+from .report import write_files as write_report  # noqa: F401 - the benches' writer: (name, out_dir, md, data, png)
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
 
@@ -54,7 +56,10 @@ class Bench:
     ``plans``: name -> plan (what ``--<plan_flag>`` of a worker names); ``peers``: the providers fuselm's
     figures are divided by, with the names the ratio table gives them; ``metrics``: ratio key -> (row
     attribute, title in the ratio table); ``precheck(provider, device)``: a reason to skip a provider without
-    starting a process (None: try it).
+    starting a process (None: try it); ``default_providers``: what runs without ``--providers`` (None:
+    all); ``worker_prefix(provider)``: the command before ``--worker`` (default ``python -m <module>``);
+    ``variant_description``: how ``<provider>@<setting>`` differs from its base; ``worker_env(provider,
+    extra)``: environment variables of its worker.
     """
 
     name: str
@@ -72,15 +77,9 @@ class Bench:
     metrics: dict[str, tuple[str, str]]
     precheck: Callable[[str, torch.device], str | None] | None = None
     default_providers: tuple[str, ...] | None = None
-    """what runs without ``--providers`` (None: every provider)"""
     worker_prefix: Callable[[str], list[str]] | None = None
-    """provider -> the command line that starts its worker, before ``--worker`` (default: ``python -m
-    <module>``); e.g. one that imports a peer before anything else."""
     variant_description: str = "variant @{setting}"
-    """how a variant ``<provider>@<setting>`` differs from its base provider (``{setting}`` filled in)"""
     worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
-    """(provider, the run's ``extra`` options) -> environment variables set for its worker (on top of the
-    parent's)."""
 
     @property
     def module(self) -> str:
@@ -92,28 +91,16 @@ class Bench:
         text = self.provider_descriptions[base]
         return f"{text}; {self.variant_description.format(setting=setting)}" if at else text
 
-    def check_providers(self, providers: Sequence[str]) -> None:
-        """Each provider is one of the bench's, or a variant of one (``<provider>@<setting>``: finetune's
-        memory budgets)."""
-        for p in providers:
-            if p.partition("@")[0] not in self.providers:
-                raise ValueError(f"unknown provider {p!r}; known: {', '.join(self.providers)}")
-
 
 # ---- the worker (a fresh process) ----
 
 
 def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     """The worker process: one (provider, shape) run of ``bench.train``, its result written as JSON to
-    ``--result`` and printed (without losses and traceback); returns the exit code.
-
-    Status ``ok`` (exit 0), ``oom`` or ``skipped`` (exit 0: a result, not a failure), ``error`` (exit 1,
-    with the exception and the tail of its traceback).
-    """
+    ``--result`` and printed (without losses and traceback). Exit code 0 for a result (``ok``, ``oom``,
+    ``skipped``), 1 for an ``error`` (:func:`harness.run_measured`)."""
     sizes = bench.row_type.SHAPE_FIELDS
-    p = argparse.ArgumentParser(
-        prog=f"python -m {bench.module} --worker", description=f"one {bench.name} run"
-    )
+    p = argparse.ArgumentParser(prog=f"python -m {bench.module} --worker")
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--provider", required=True)
     for size in sizes:
@@ -121,8 +108,8 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     p.add_argument(f"--{bench.plan_flag}", choices=sorted(bench.plans), required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
+    for flag in ("--warmup", "--steps"):
+        p.add_argument(flag, type=int, required=True)
     p.add_argument("--seed", type=int, default=bench.seed)
     p.add_argument("--extra", default="{}", help="JSON object of more keyword arguments of bench.train")
     p.add_argument("--result", required=True, help="file the JSON result is written to")
@@ -132,29 +119,20 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: OpenMP thread wake-ups would cost more than the math
-    code = 0
-    try:
+
+    def measure() -> dict[str, Any]:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
         if device.type == "cuda":  # waits for the GPU sleep: CPU time is host work (harness.blocking_sync)
             result["gpu_wait"] = blocking_sync()
         plan = bench.plans[getattr(args, bench.plan_flag)]
         options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, **json.loads(args.extra)}
-        result.update(
-            bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
-        )
-    except SkipProvider as e:  # the provider cannot run here: the message is the reason
-        result.update(status="skipped", error=str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        result.update(status="oom", error=error_text(e, 200), peak_bytes=peak)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the next run
-        tb = traceback.format_exc().strip().splitlines()
-        result.update(status="error", error=error_text(e, 200), traceback="\n".join(tb[-15:]))
-        code = 1
+        return bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
+
+    result.update(run_measured(measure, device))
     Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "traceback")}))
-    return code
+    return 1 if result["status"] == "error" else 0
 
 
 def build_measured(build: Callable[[], Any], device: torch.device) -> tuple[Any, dict[str, int | None]]:
@@ -184,8 +162,7 @@ def worker_command(
     module: str, provider: str, case: dict[str, Any], *, prefix: list[str] | None = None, **options: Any
 ) -> list[str]:
     """``python -m <module> --worker --provider=<provider>`` (``prefix`` instead of ``python -m <module>``
-    when given) with ``--<key>=<value>`` for each entry of ``case`` then of ``options`` (plan, dtype,
-    device, warmup, steps, extra, result).
+    when given) with ``--<key>=<value>`` for each entry of ``case`` then of ``options``.
 
     Example:
         >>> worker_command("fuselm_bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
@@ -200,25 +177,21 @@ def worker_command(
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment, with the directories this lab and this fuselm were imported from first on
-    PYTHONPATH (so the worker runs the same code, whether fuselm is installed or run from ``src``), and
+    PYTHONPATH (the worker runs the same code, whether fuselm is installed or run from ``src``), and
     ``extra``."""
     env = dict(os.environ)
     lab = str(Path(__file__).resolve().parents[1])
     library = str(Path(fuselm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (lab, library, env.get("PYTHONPATH", "")) if p)
-    env.update(extra or {})
-    return env
+    return {**env, **(extra or {})}
 
 
 def run_worker(
     command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """Run ``command(result file)`` in a fresh process (:func:`worker_env` with ``env``); return the worker's
-    result with ``wall_s`` added.
-
-    Never raises for a failure of the worker: a timeout, or an exit without a readable result, gives
-    ``{"status": "error", "error": <what happened>, "wall_s": ...}``.
-    """
+    result with ``wall_s`` added. A timeout, or an exit without a readable result, gives ``{"status":
+    "error", "error": <what happened>, "wall_s": ...}`` (never an exception)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         result_path = Path(tmp) / "result.json"
@@ -230,14 +203,12 @@ def run_worker(
             return {"status": "error", "error": f"worker timed out after {timeout:.0f} s", "wall_s": timeout}
         wall = time.perf_counter() - t0
         try:
-            data = json.loads(result_path.read_text())
+            return {**json.loads(result_path.read_text()), "wall_s": wall}
         except (OSError, json.JSONDecodeError):
-            data = None
-    if data is None:
-        output = "\n".join(((proc.stdout or "") + "\n" + (proc.stderr or "")).strip().splitlines()[-12:])
-        error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{output}"
-        return {"status": "error", "error": error, "wall_s": wall}
-    return {**data, "wall_s": wall}
+            pass
+    output = "\n".join(((proc.stdout or "") + "\n" + (proc.stderr or "")).strip().splitlines()[-12:])
+    error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{output}"
+    return {"status": "error", "error": error, "wall_s": wall}
 
 
 def run_case(
@@ -254,9 +225,8 @@ def run_case(
     extra: dict[str, Any] | None = None,
     repeat: int = 0,
 ) -> Any:
-    """Run one (provider, shape) in a fresh worker process and return its row (never raises for a failure
-    of the worker: the row's status is ``error`` and ``error`` says what happened). ``extra``: more keyword
-    arguments of ``bench.train`` (JSON values); ``repeat``: the row's repeat index, if its type has one."""
+    """One (provider, shape) in a fresh worker process: its row (a failure of the worker is the row's
+    ``error``). ``extra``: more keyword arguments of ``bench.train`` (JSON values)."""
     case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
     options: dict[str, Any] = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup}
     options["steps"] = steps
@@ -273,14 +243,17 @@ def run_case(
 
 
 def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
-    """``bench.row_type`` of (provider, shape) from a worker's result ``data`` (unknown keys dropped), with
-    ``repeat`` if the row type has that field."""
+    """``bench.row_type`` of (provider, shape) from a worker's result ``data`` (unknown keys dropped)."""
     key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
     known = set(bench.row_type.__dataclass_fields__) - set(key)
     values = {k: v for k, v in data.items() if k in known}
     if "repeat" in known:
         values["repeat"] = repeat
     return bench.row_type(**key, **values)
+
+
+def _ok_values(rows: Sequence[Any], attr: str) -> list[Any]:
+    return [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
 
 
 def median_of(rows: Sequence[Any], attr: str) -> float | None:
@@ -291,19 +264,19 @@ def median_of(rows: Sequence[Any], attr: str) -> float | None:
         >>> median_of([R(status="ok", x=3.0), R(status="oom", x=None), R(status="ok", x=1.0)], "x")
         2.0
     """
-    values = [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
+    values = _ok_values(rows, attr)
     return statistics.median(values) if values else None
 
 
 def spread_of(rows: Sequence[Any], attr: str) -> tuple[float, float] | None:
     """(min, max) of ``attr`` over the ok rows that have it (None if none)."""
-    values = [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
+    values = _ok_values(rows, attr)
     return (min(values), max(values)) if values else None
 
 
 @dataclass
 class CaseReport:
-    """Everything one run of a fresh-process benchmark produced; ``row(provider, shape)`` finds a row."""
+    """Everything one run of a fresh-process benchmark produced."""
 
     plan: Any
     dtype: torch.dtype
@@ -317,13 +290,6 @@ class CaseReport:
     skipped: dict[str, str] = field(default_factory=dict)
     repeats: int = 1
     merged: list[dict[str, Any]] = field(default_factory=list)  # earlier runs whose rows were joined
-
-    def row(self, provider: str, shape: Sequence[Any]) -> Any:
-        """The first row (repeat) of (provider, shape), or None."""
-        for r in self.rows:
-            if r.provider == provider and r.shape == tuple(shape):
-                return r
-        return None
 
     def rows_of(self, provider: str, shape: Sequence[Any]) -> list[Any]:
         """Every row (one per repeat) of (provider, shape)."""
@@ -348,13 +314,13 @@ def run(
     repeats: int = 1,
     extra: dict[str, Any] | None = None,
 ) -> CaseReport:
-    """Every (shape, repeat, provider) (shapes outer, then repeats, so the providers of one repeat run
-    back to back) in its own worker process (:func:`run_case`, with ``extra``); returns the report (nothing
-    written). Each row is logged (its summary and traceback) and then ``on_row(report so far)`` is called.
-    A provider that ``bench.precheck`` or a worker skips is not run again. A provider out of memory at
-    batch B (the row type's ``BATCH_FIELD``) is not run again at B or a larger batch of the same other
-    sizes (its row says so). The loop is :func:`cases.run_cases`'s."""
-    bench.check_providers(providers)
+    """Every (shape, repeat, provider) (the providers of one repeat back to back) in its own worker process
+    (:func:`run_case`, with ``extra``); returns the report (nothing written), ``on_row(report so far)``
+    after each row. A provider that ``bench.precheck`` or a worker skips is not run again; one out of memory
+    at batch B (the row type's ``BATCH_FIELD``) is not run at B or a larger batch of the same other sizes."""
+    for p in providers:
+        if p.partition("@")[0] not in bench.providers:  # <provider>@<setting>: finetune's memory budgets
+            raise ValueError(f"unknown provider {p!r}; known: {', '.join(bench.providers)}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     text = bench.row_type.TEXT_FIELDS
@@ -378,13 +344,6 @@ def run(
             log(f"skipping provider {p}: {reason}")
     options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
     batch = bench.row_type.BATCH_FIELD
-    cases = [Case(p, s, repeat=r) for s in report.shapes for r in range(repeats) for p in providers]
-
-    def execute(c: Case) -> Row:
-        return run_case(bench, c.provider, c.shape, timeout=timeout, extra=extra, repeat=c.repeat, **options)
-
-    def not_run(c: Case, why: str) -> Row:
-        return make_row(bench, c.provider, c.shape, {"status": "oom", "error": why}, c.repeat)
 
     def on_rows(rows: list[Row]) -> None:
         report.rows[:] = rows
@@ -392,14 +351,18 @@ def run(
             on_row(report)
 
     report.rows[:] = run_cases(
-        cases,
-        execute,
+        [Case(p, s, repeat=r) for s in report.shapes for r in range(repeats) for p in providers],
+        lambda c: run_case(
+            bench, c.provider, c.shape, timeout=timeout, extra=extra, repeat=c.repeat, **options
+        ),
         desc=bench.name,
         describe=lambda c: f"{c.provider} {bench.row_type.label(c.shape)} #{c.repeat + 1}",
         skipped=report.skipped,
         repeats=repeats,
         batch_at=fields.index(batch) if batch in fields else None,
-        not_run=not_run,
+        not_run=lambda c, why: make_row(
+            bench, c.provider, c.shape, {"status": "oom", "error": why}, c.repeat
+        ),
         progress=progress,
         log=log,
         on_row=on_rows,
@@ -416,10 +379,9 @@ def exit_code(report: CaseReport) -> int:
 
 
 def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
-    """Per shape of ``report``: its sizes, then for each of ``bench.peers`` and each of ``bench.metrics``
-    ``<key>_vs_<peer>``, fuselm's figure over the peer's, each the median over its ok repeats (None unless
-    both have one); with several repeats also ``<key>_vs_<peer>_repeats``, the ratio within each repeat
-    (the providers of one repeat ran back to back), None where either row failed."""
+    """Per shape: its sizes, then ``<key>_vs_<peer>`` for each of ``bench.peers`` and ``bench.metrics``:
+    fuselm's figure over the peer's, each the median over its ok repeats; with several repeats also
+    ``<key>_vs_<peer>_repeats``, the ratio within each repeat (its providers ran back to back)."""
     out = []
     for shape in report.shapes:
         mine = report.rows_of("fuselm", shape)
@@ -442,8 +404,8 @@ def _repeat(rows: Sequence[Any], i: int) -> list[Any]:
 
 
 def ratio_table(bench: Bench, report: CaseReport) -> str:
-    """:func:`ratios` as a markdown table, each ratio as ``1.23x`` (``—`` if None); with several repeats
-    followed by the range of the per-repeat ratios when it is one, ``1.23x (1.20-1.25)``."""
+    """:func:`ratios` as a markdown table, ``1.23x`` (``—`` if None), with several repeats followed by the
+    range of the per-repeat ratios when it is one, ``1.23x (1.20-1.25)``."""
     head = [bench.row_type.SHAPE_TITLE]
     head += [
         f"{title} fuselm / {name}" for name in bench.peers.values() for _, title in bench.metrics.values()
@@ -484,8 +446,7 @@ def markdown(
     notes: Sequence[str],
 ) -> str:
     """The whole report: title, ``cpu_figures`` (off CUDA), device, the ``bench.versions`` found in the
-    metadata, date, ``facts``, command, the results ``table``, the ratio table, ``notes``, the providers, the
-    skipped ones."""
+    metadata, date, ``facts``, command, ``table``, the ratio table, ``notes``, the providers, the skipped."""
     m = report.metadata
     found = ", ".join(f"{k} {m[k]}" for k in bench.versions if m.get(k) is not None)
     facts = [
@@ -497,7 +458,7 @@ def markdown(
     ]
     return document(
         bench.name,
-        f"{bench.description}, {DTYPE_NAMES.get(report.dtype, str(report.dtype))} weights.",
+        f"{bench.description}, {dtype_name(report.dtype)} weights.",
         cpu_figures if report.device_type != "cuda" else None,
         facts,
         [table, ratio_table(bench, report)],
@@ -508,14 +469,11 @@ def markdown(
 
 def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready; ``plan``: what the JSON says of the plan."""
-    rows = []
-    for r in report.rows:
-        rows.append({**asdict(r), "peak_gib": r.peak_gib})
     return {
         "suite": bench.name,
         "description": bench.description,
         **plan,
-        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
+        "dtype": dtype_name(report.dtype),
         "device_type": report.device_type,
         "shape_dims": list(bench.row_type.SHAPE_DIMS),
         "shape_fields": list(bench.row_type.SHAPE_FIELDS),
@@ -526,29 +484,11 @@ def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: l
         "repeats": report.repeats,
         "metadata": report.metadata,
         "merged": report.merged,
-        "rows": rows,
+        "rows": [{**asdict(r), "peak_gib": r.peak_gib} for r in report.rows],
         "ratios": ratios(bench, report),
         "skipped": report.skipped,
         "notes": notes,
     }
-
-
-def write_report(
-    name: str, out_dir: str | Path, markdown: str, data: dict[str, Any], write_png: Callable[[Path], None]
-) -> dict[str, Path]:
-    """Write ``<name>.md``, ``<name>.json`` and ``<name>.png`` (``write_png(path)``, skipped without
-    matplotlib) into ``out_dir``; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
-    paths["md"].write_text(markdown)
-    paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    try:
-        write_png(paths["png"])
-    except ImportError as e:
-        print(f"no plot written ({e}); pip install matplotlib")
-        del paths["png"]
-    return paths
 
 
 def write_bars(
@@ -561,36 +501,29 @@ def write_bars(
     width_per_shape: float,
     mark_failures: bool = False,
 ) -> None:
-    """Panels of grouped bars, one group per shape of ``report``, one bar per provider that ran: each panel
-    ``(row attribute, title, scale)``, the median over the ok repeats, labelled; the title ``fuselm bench
-    <name><title>, <dtype>, <device>``. ``mark_failures``: OOM or error written where a case has no ok
-    repeat, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
-    import math
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Panels ``(row attribute, title, scale)`` of grouped bars, one group per shape, one bar per provider
+    that ran: the median over the ok repeats, labelled. ``mark_failures``: OOM or error where a case has no
+    ok repeat, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
+    plt = pyplot()
     labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
     providers = [p for p in report.providers if p not in report.skipped]
     width = 0.8 / max(1, len(providers))
     fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + width_per_shape * len(labels)), 4))
     for ax, (attr, panel_title, scale) in zip(axes, panels, strict=True):
-        any_value = False
+        series = []
         for i, prov in enumerate(providers):
-            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(labels))]
-            vals = []
-            for x, shape in zip(xs, report.shapes, strict=True):
+            values = []
+            for j, shape in enumerate(report.shapes):
                 rows = report.rows_of(prov, shape)
                 v = median_of(rows, attr)
-                vals.append(float("nan") if v is None else v * scale)
-                any_value |= v is not None
+                values.append(float("nan") if v is None else v * scale)
                 if mark_failures and rows and not any(r.status == "ok" for r in rows):
                     failure = "OOM" if any(r.status == "oom" for r in rows) else "error"
+                    x = j + (i - (len(providers) - 1) / 2) * width
                     ax.text(x, 0, failure, ha="center", va="bottom", rotation=90, fontsize=8)
-            bars = ax.bar(xs, vals, width=width, label=prov)
-            ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.1f}" for v in vals], fontsize=7)
+            series.append((prov, values))
+        for bars, (_, values) in zip(bar_groups(ax, len(labels), series), series, strict=True):
+            ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in values], fontsize=7)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(panel_title)
@@ -598,11 +531,11 @@ def write_bars(
             continue
         ax.set_xlim(-0.5, len(labels) - 0.5)
         ax.set_xlabel(bench.row_type.SHAPE_TITLE)
-        if not any_value:
+        if all(v != v for _, values in series for v in values):
             ax.set_yticks([])
             text = "n/a (no CUDA)" if report.device_type != "cuda" else "no results"
             ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
+    dtype = dtype_name(report.dtype)
     fig.suptitle(f"fuselm bench {bench.name}{title}, {dtype}, {report.metadata.get('device')}", fontsize=10)
     if providers:  # one legend for every panel, below them (a legend per panel hides bars)
         handles, names = axes[0].get_legend_handles_labels()
@@ -640,17 +573,17 @@ def start_cli(
     *,
     plans: tuple[Any, Any],
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
+    packages: Sequence[str] = (),
 ) -> CliRun:
     """``--providers`` (default: the bench's ``default_providers``, else all), ``--device``, the GPU or the
-    CPU plan of ``plans``, the shapes (``grid(args, plan)`` when given, else ``--shapes`` with as many sizes
-    as the bench's rows have, default the plan's), warmup, steps and dtype, ``--repeats`` (default 1),
-    ``--merge [PATH]``, the metadata with the transformers version, the results folder. Raises ``UsageError``
-    for bad values and without transformers."""
-    providers = bench.providers
-    default = bench.default_providers or providers
-    chosen = (
-        parse_list(args.providers, providers, "provider", variants=True) if args.providers else list(default)
-    )
+    CPU plan of ``plans``, the shapes (``grid(args, plan)``, else ``--shapes``, default the plan's),
+    warmup, steps and dtype, ``--repeats``, ``--merge [PATH]``, the metadata (with transformers' and
+    ``packages``' versions), the results folder. Raises ``UsageError`` for bad values and without
+    transformers."""
+    if args.providers:
+        chosen = parse_list(args.providers, bench.providers, "provider", variants=True)
+    else:
+        chosen = list(bench.default_providers or bench.providers)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]
@@ -660,10 +593,8 @@ def start_cli(
         ndim = len(bench.row_type.SHAPE_FIELDS)
         shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
     repeats = getattr(args, "repeats", None) or 1
-    if repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {repeats}")
     warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
-    meta = collect_metadata(device, argv)
+    meta = collect_metadata(device, argv, packages)
     try:
         import transformers
 
@@ -675,6 +606,20 @@ def start_cli(
     return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, {}, merge)
 
 
+Runner = Callable[[Bench, CliRun, bool, Callable[[CaseReport], None] | None], CaseReport]
+
+
+def run_all(
+    bench: Bench, c: CliRun, progress: bool, on_row: Callable[[CaseReport], None] | None
+) -> CaseReport:
+    """:func:`run` of ``c``'s cases (the default :data:`Runner` of :func:`run_cli`)."""
+    return run(
+        bench, plan=c.plan, shapes=c.shapes, providers=c.providers, dtype=c.dtype, device=c.device,
+        warmup=c.warmup, steps=c.steps, metadata=c.metadata, progress=progress, on_row=on_row,
+        repeats=c.repeats, extra=c.extra,
+    )  # fmt: skip
+
+
 def run_cli(
     bench: Bench,
     c: CliRun,
@@ -683,57 +628,36 @@ def run_cli(
     write: Callable[[CaseReport, Path], dict[str, Path]],
     progress: bool,
     write_each_row: bool = False,
+    runner: Runner = run_all,
+    how: str = "one fresh process each",
 ) -> CaseReport:
-    """Say what runs, :func:`run` it, then print the report and write its files (``write(report, folder)``;
-    after every row too with ``write_each_row``: a run stopped part-way keeps what it measured). With
-    ``c.merge`` the rows of an earlier report (``True``: the one already in the output folder; a path: that
-    JSON file, or ``<folder>/<suite>.json``) are joined first (:func:`merge_previous`)."""
+    """Say what runs (``how``), ``runner`` it (:func:`run_all`: one fresh process per case), then print the
+    report and write its files (``write(report, folder)``; after every row too with ``write_each_row``: a run
+    stopped part-way keeps what it measured). With ``c.merge`` the rows of an earlier report (``True``: the
+    one in the output folder; a path: that JSON file, or ``<folder>/<suite>.json``) are joined
+    (:func:`merge_previous`; one that cannot be joined is refused before anything runs)."""
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
-        f"warmup + {c.steps} timed steps, one fresh process each",
+        f"warmup + {c.steps} timed steps, {how}",
         flush=True,
     )
     previous = _previous_report(bench, c.out_dir if c.merge is True else Path(c.merge)) if c.merge else None
-    if previous is not None:  # a report that cannot be joined is refused before anything runs
-        empty = CaseReport(
-            c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata
-        )
-        merge_previous(bench, empty, previous)
 
     def finish(report: CaseReport) -> CaseReport:
         return merge_previous(bench, report, previous) if previous is not None else report
 
-    report = run(
-        bench,
-        plan=c.plan,
-        shapes=c.shapes,
-        providers=c.providers,
-        dtype=c.dtype,
-        device=c.device,
-        warmup=c.warmup,
-        steps=c.steps,
-        metadata=c.metadata,
-        progress=progress,
-        on_row=(lambda r: write(finish(_copy(r)), c.out_dir)) if write_each_row else None,
-        repeats=c.repeats,
-        extra=c.extra,
+    finish(CaseReport(c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata))
+    report = finish(
+        runner(bench, c, progress, (lambda r: write(finish(r), c.out_dir)) if write_each_row else None)
     )
-    report = finish(report)
     print_written(markdown(report), write(report, c.out_dir))
     return report
 
 
-def _copy(report: CaseReport) -> CaseReport:
-    """A copy of ``report`` whose row list can grow apart from the original's."""
-    import dataclasses
-
-    return dataclasses.replace(report, rows=list(report.rows))
-
-
 def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
-    """The JSON of an earlier report: ``where`` itself if it is a file, else ``where/<suite>.json``; None
-    (said) when there is none yet."""
+    """The JSON of an earlier report: ``where`` if it is a file, else ``where/<suite>.json``; None (said)
+    when there is none yet."""
     path = Path(where)
     if not path.is_file():
         path = path / f"{bench.name}.json"
@@ -744,11 +668,10 @@ def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
 
 
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
-    """``report`` with the rows of ``previous`` (an earlier run's JSON, :func:`report_json`) joined: the
-    rows of its (provider, shape) cases that this run did not run come first, its shapes and providers
-    are added, and ``report.merged`` records its command, date and commit. A different device, dtype or
-    suite raises ``UsageError`` (figures from two machines do not go in one table).
-    """
+    """A new report: ``report`` with the rows of ``previous`` (an earlier run's JSON) whose (provider, shape)
+    this run did not run first, its shapes and providers added, ``merged`` recording its command, date and
+    commit. A different device, dtype or suite raises ``UsageError`` (two machines' figures do not go in one
+    table)."""
     if previous.get("suite") != bench.name:
         raise UsageError(f"--merge: the earlier report is of {previous.get('suite')!r}, not {bench.name!r}")
     meta = previous.get("metadata", {})
@@ -768,18 +691,11 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
     ran = {(r.provider, r.shape) for r in report.rows} | {
         (p, s) for p in report.providers for s in report.shapes
     }
-    kept = []
-    for data in previous.get("rows", []):
-        shape = tuple(data[f] for f in fields)
-        if (data["provider"], shape) in ran:
-            continue
-        known = set(bench.row_type.__dataclass_fields__)
-        kept.append(bench.row_type(**{k: v for k, v in data.items() if k in known}))
-    shapes = list(dict.fromkeys([*(tuple(s) for s in previous.get("shapes", [])), *report.shapes]))
-    providers = list(dict.fromkeys([*previous.get("providers", []), *report.providers]))
-    merged = [
-        *previous.get("merged", []),
-        {k: meta.get(k) for k in ("command", "date", "commit")},
+    known = set(bench.row_type.__dataclass_fields__)
+    kept = [
+        bench.row_type(**{k: v for k, v in data.items() if k in known})
+        for data in previous.get("rows", [])
+        if (data["provider"], tuple(data[f] for f in fields)) not in ran
     ]
     skipped = {**previous.get("skipped", {}), **report.skipped}
     for p in report.providers:  # ran here: its skip (or not) is this run's
@@ -789,13 +705,13 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
         plan=report.plan,
         dtype=report.dtype,
         device_type=report.device_type,
-        shapes=tuple(shapes),
-        providers=tuple(providers),
+        shapes=tuple(dict.fromkeys([*(tuple(s) for s in previous.get("shapes", [])), *report.shapes])),
+        providers=tuple(dict.fromkeys([*previous.get("providers", []), *report.providers])),
         warmup=report.warmup,
         steps=report.steps,
         metadata=report.metadata,
         rows=[*kept, *report.rows],
         skipped=skipped,
         repeats=max(report.repeats, int(previous.get("repeats", 1))),
-        merged=merged,
+        merged=[*previous.get("merged", []), {k: meta.get(k) for k in ("command", "date", "commit")}],
     )

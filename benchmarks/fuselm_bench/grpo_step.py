@@ -43,8 +43,10 @@ import torch
 from fuselm.demo import training
 
 from . import e2e, fresh_process
+from .arguments import UsageError
 from .cases import Row
-from .harness import SkipProvider, import_peer
+from .harness import import_peer
+from .linear_log_probs import peer_versions, trl_log_probs
 from .report import md_table
 
 NAME = "grpo_step"
@@ -57,7 +59,6 @@ PROVIDER_DESCRIPTIONS = {
 }
 IGNORE_INDEX = -100
 CLIP_EPS = 0.2
-TRL_CHUNK_SIZE = 32768
 WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must not eat the whole run
 
 
@@ -123,25 +124,13 @@ def make_head(provider: str, model: Any) -> Head:
         return hf_head
     if provider == "trl":
         trl = "trl.kernels.chunked_logprob"
-        chunked_log_probs = import_peer(weight.device, trl, "ChunkedLogProbFunction", trl, cuda=False)
-
-        def trl_head(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            keep = t != IGNORE_INDEX
-            res = chunked_log_probs.apply(
-                h[keep], weight, None, t[keep], 1.0, TRL_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy")
-            )
-            return tuple(x.new_zeros(t.shape).masked_scatter(keep, x) for x in res[:2])  # type: ignore[return-value]
-
-        return trl_head
+        chunked = import_peer(weight.device, trl, "ChunkedLogProbFunction", trl, cuda=False)
+        return lambda h, t: trl_log_probs(chunked, h, weight, t, ("log_probs", "entropy"))  # type: ignore[return-value]
     if provider == "fuselm":
         import fuselm
 
-        op = getattr(fuselm, "linear_log_probs", None)
-        if op is None:
-            raise SkipProvider("fuselm.linear_log_probs is not in this checkout")
-
         def fuselm_head(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            r = op(h, weight, t, outputs=("log_probs", "entropy"), memory="auto")
+            r = fuselm.linear_log_probs(h, weight, t, outputs=("log_probs", "entropy"), memory="auto")
             return r.log_probs, r.entropy
 
         return fuselm_head
@@ -340,27 +329,18 @@ def markdown(report: fresh_process.CaseReport) -> str:
     )
 
 
-def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
-    """All raw numbers and the metadata, JSON-ready."""
-    return fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
-
-
-def write_png(report: fresh_process.CaseReport, path: Path) -> None:
-    """Two panels of grouped bars per shape and provider: ms/step and peak GiB."""
-    fresh_process.write_bars(
-        BENCH,
-        report,
-        path,
-        panels=(("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0)),
-        title="",
-        width_per_shape=2.4,
-    )
-
-
 def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``grpo_step.md``, ``.json`` and ``.png`` into ``out_dir``; return their paths."""
+    """Write ``grpo_step.md``, ``.json`` and ``.png`` (ms/step and peak GiB per shape and provider)."""
+    data = fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
+    panels = (("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0))
     return fresh_process.write_report(
-        NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
+        NAME,
+        out_dir,
+        markdown(report),
+        data,
+        lambda path: fresh_process.write_bars(
+            BENCH, report, path, panels=panels, title="", width_per_shape=2.4
+        ),
     )
 
 
@@ -371,9 +351,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
     ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
     ``fuselm_bench.arguments.UsageError``."""
-    from .arguments import UsageError
-    from .linear_log_probs import peer_versions
-
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN))
     for b, p, c_ in c.shapes:
         if p < 1:

@@ -44,29 +44,13 @@ already allocated once, as ``.grad`` in a training step is; a gradient written i
 buffer therefore costs 0 too. In ``fwd`` mode the outputs and whatever the forward keeps for the
 backward are counted. ``bwd`` rows have no memory figure.
 
-Adding a suite (a new module ``fuselm_bench/<op>.py`` plus one line in ``registry.SUITES``)::
-
-    SUITE = Suite(
-        name="rms_norm",
-        description="RMSNorm over the last dim of [N, H]",
-        shape_dims=("N", "H"),
-        gpu_shapes=((16384, 4096), (32768, 8192)),
-        cpu_shapes=((256, 512),),
-        providers=(Provider("torch", setup_torch), Provider("fuselm", setup_fuselm)),
-        make_inputs=make_inputs,   # (shape, dtype, device) -> dict[str, Tensor]
-        cost=cost,                 # (shape, mode, dtype) -> Cost(bytes=..., flops=...)
-        columns=("ms", "tbps", "x_copy", "extra_mib"),
-    )
-
-- ``make_inputs`` returns a dict of tensors; those with ``requires_grad`` are differentiated in
-  ``full`` mode. It is called afresh for every (shape, provider, mode), after
-  ``torch.manual_seed(0)``, so a provider may overwrite its inputs.
-- ``Provider.setup(device)`` returns the function to time, ``fn(inputs) -> Tensor | tuple of
-  Tensors``; it raises :class:`SkipProvider` with a reason when it cannot run here (missing
-  package, needs CUDA). It is called once per (shape, mode), so it may build per-shape state.
-- ``cost(shape, mode, dtype)`` gives the bytes and/or FLOPs each mode must at least move/do
-  (``mode`` is ``"fwd"``, ``"bwd"`` or ``"full"``); ``None`` leaves that ratio out.
-- A non-scalar output gets a fixed random ``grad_output`` (made once per case, outside timing).
+Adding a suite: a module ``fuselm_bench/<op>.py`` defining ``SUITE = Suite(...)`` and a line in
+``registry.SUITES``. ``make_inputs(shape, dtype, device)`` returns a dict of tensors (those with
+``requires_grad`` are differentiated), made afresh per (shape, provider, mode) after ``torch.manual_seed(0)``,
+so a provider may overwrite them; ``Provider.setup(device)`` returns ``fn(inputs) -> Tensor | tuple`` or
+raises :class:`SkipProvider` with the reason, once per (shape, mode); ``cost(shape, mode, dtype)`` gives
+the bytes and FLOPs a mode must at least move and do (``None``: that ratio left out). A non-scalar output
+gets a fixed random ``grad_output``, made once per case outside timing.
 """
 
 from __future__ import annotations
@@ -75,6 +59,7 @@ import contextlib
 import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +74,6 @@ Shape = tuple[int, ...]
 Inputs = dict[str, torch.Tensor]
 
 MODES: tuple[str, ...] = ("fwd", "bwd", "full")
-COLUMNS: tuple[str, ...] = ("ms", "ms_eager", "tbps", "x_copy", "tflops", "x_gemm", "x_floor", "extra_mib")
 MIB = 1 << 20
 
 # Timing parameters (triton.testing.do_bench: milliseconds of warmup / repetition; CPU: call counts).
@@ -135,6 +119,17 @@ def import_peer(
         raise SkipProvider(f"{package} not importable ({type(e).__name__}: {e})") from None
 
 
+def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup:
+    """The setup of a peer's autograd Function (CUDA only, :func:`import_peer`), called as
+    ``Function.apply(*args(inputs))``."""
+
+    def setup(device: torch.device) -> Callable[[Inputs], Any]:
+        function = import_peer(device, module, name)
+        return lambda x: function.apply(*args(x))
+
+    return setup
+
+
 @dataclass(frozen=True)
 class Cost:
     """Work one call of a mode must at least do: bytes moved and FLOPs (``None``: not counted)."""
@@ -171,10 +166,10 @@ class Suite:
 
     def provider(self, name: str) -> Provider:
         """The provider called ``name`` (KeyError with the known names otherwise)."""
-        for p in self.providers:
-            if p.name == name:
-                return p
-        raise KeyError(f"suite {self.name!r} has no provider {name!r}; known: {self.provider_names}")
+        found = [p for p in self.providers if p.name == name]
+        if not found:
+            raise KeyError(f"suite {self.name!r} has no provider {name!r}; known: {self.provider_names}")
+        return found[0]
 
     @property
     def provider_names(self) -> list[str]:
@@ -224,7 +219,7 @@ class OpRow(Row):
 
     @classmethod
     def label(cls, shape: Sequence[Any]) -> str:
-        return "x".join(str(s) for s in shape)
+        return "x".join(map(str, shape))
 
     def figures(self) -> tuple[str, str]:
         return f"{self.ms:.4g} ms", self.mode
@@ -250,10 +245,8 @@ class Report:
 
     def row(self, shape: Shape, provider: str, mode: str) -> OpRow | None:
         """The row for (shape, provider, mode), or None."""
-        for r in self.rows:
-            if tuple(r.shape) == tuple(shape) and r.provider == provider and r.mode == mode:
-                return r
-        return None
+        key = (tuple(shape), provider, mode)
+        return next((r for r in self.rows if (tuple(r.shape), r.provider, r.mode) == key), None)
 
 
 # ---- ratios ----
@@ -315,19 +308,45 @@ def blocking_sync(ordinal: int = 0) -> str:
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 
+def _budget(quick: bool) -> tuple[int, int]:
+    """do_bench's warmup and repetition budgets in ms."""
+    return (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+
+
+def call_times_ms(
+    call: Callable[[Any], Any], n: int, device: torch.device, prepare: Callable[[], Any] = lambda: None
+) -> list[float]:
+    """Milliseconds of each of ``n`` calls ``call(prepare())``, ``prepare()`` untimed: on CUDA between two
+    events recorded around the call once ``prepare`` is enqueued (no host sync in between, one at the end),
+    on a CPU ``time.perf_counter``."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(n):
+            arg = prepare()
+            t0 = time.perf_counter()
+            call(arg)
+            times.append((time.perf_counter() - t0) * 1e3)
+            del arg
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        arg = prepare()
+        start.record()
+        call(arg)
+        end.record()
+        del arg
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False) -> float:
     """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA, perf_counter on CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        warmup, rep = _budget(quick)
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    times = []
-    for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
@@ -346,6 +365,30 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUD
         _leave_failed_capture(device)
         raise
     return graph
+
+
+def capture_backward_graph(
+    forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side
+    stream (so autograd runs the backward there too), then ``backward(outs)`` (which must pass
+    ``retain_graph=True``) is captured. Returns the graph and the forward's outputs, which must stay alive
+    while the graph is replayed (their autograd graph holds what the backward reads)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backward(forward())
+        outs = forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            backward(outs)
+    except Exception:
+        _leave_failed_capture(device)
+        raise
+    return graph, outs
 
 
 def _leave_failed_capture(device: torch.device) -> None:
@@ -381,65 +424,28 @@ def time_backward_ms(
         True
     """
     if device.type != "cuda":
-        times = []
-        for _ in range(CPU_REPS_QUICK if quick else CPU_REPS):
-            outs = forward()
-            t0 = time.perf_counter()
-            backward(outs)
-            times.append(time.perf_counter() - t0)
-            del outs
-        return statistics.median(times) * 1e3
-    warmup_ms, rep_ms = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        return statistics.median(
+            call_times_ms(backward, CPU_REPS_QUICK if quick else CPU_REPS, device, forward)
+        )
+    warmup_ms, rep_ms = _budget(quick)
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
-    def timed(n: int) -> list[float]:
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
-        ]
-        for start, end in events:
-            outs = forward()
-            flush.zero_()
-            start.record()
-            backward(outs)
-            end.record()
-            del outs
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) for start, end in events]
+    def prepare() -> Any:
+        outs = forward()
+        flush.zero_()
+        return outs
 
-    estimate = statistics.median(timed(5))
+    estimate = statistics.median(call_times_ms(backward, 5, device, prepare))
     for _ in range(max(1, int(warmup_ms / max(estimate, 1e-3)))):
         backward(forward())
-    return float(statistics.median(timed(max(1, int(rep_ms / max(estimate, 1e-3))))))
-
-
-def capture_backward_graph(
-    forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device
-) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side
-    stream (so autograd runs the backward there too), then ``backward(outs)`` (which must pass
-    ``retain_graph=True``) is captured. Returns the graph and the forward's outputs, which must stay alive
-    while the graph is replayed (their autograd graph holds what the backward reads)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            backward(forward())
-        outs = forward()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=stream):
-            backward(outs)
-    except Exception:
-        _leave_failed_capture(device)
-        raise
-    return graph, outs
+    reps = max(1, int(rep_ms / max(estimate, 1e-3)))
+    return float(statistics.median(call_times_ms(backward, reps, device, prepare)))
 
 
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     """One line saying how times were taken."""
     if device.type == "cuda":
-        warmup, rep = (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        warmup, rep = _budget(quick)
         how = (
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
             "after an untimed forward, between CUDA events, L2 flushed, median"
@@ -490,20 +496,6 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, 
     return torch.cuda.max_memory_allocated(device) - before, before, result
 
 
-def _copy_ms(numel: int, dtype: torch.dtype, device: torch.device, quick: bool) -> float:
-    src = torch.randn(numel, device=device, dtype=dtype)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return time_ms(lambda: dst.copy_(src), device, quick=quick)
-
-
-def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, quick: bool) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    return time_ms(lambda: a @ b, device, quick=quick)
-
-
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
     """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now.
 
@@ -514,23 +506,29 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
         copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
     else:
         copy_bytes, copy_dtype, gemm_n, gemm_dtype = 64 * MIB, torch.float32, 1024, torch.float32
-    copy_tbps = gemm_tflops = None
-    try:
-        ms = _copy_ms(copy_bytes // copy_dtype.itemsize, copy_dtype, device, quick)
-        copy_tbps = 2 * copy_bytes / ms / 1e9
-    except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
-        print(f"could not measure copy bandwidth: {type(e).__name__}: {e}")
-    free_memory(device)
-    try:
-        ms = _gemm_ms(gemm_n, gemm_dtype, device, quick)
-        gemm_tflops = 2 * gemm_n**3 / ms / 1e9
-    except Exception as e:  # noqa: BLE001
-        print(f"could not measure GEMM rate: {type(e).__name__}: {e}")
-    free_memory(device)
+
+    def copy_tbps() -> float:
+        src = torch.randn(copy_bytes // copy_dtype.itemsize, device=device, dtype=copy_dtype)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        return 2 * copy_bytes / time_ms(lambda: dst.copy_(src), device, quick=quick) / 1e9
+
+    def gemm_tflops() -> float:
+        a, b = (torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype) for _ in range(2))
+        a @ b
+        return 2 * gemm_n**3 / time_ms(lambda: a @ b, device, quick=quick) / 1e9
+
+    rates = {}
+    for what, rate in (("copy bandwidth", copy_tbps), ("GEMM rate", gemm_tflops)):
+        try:
+            rates[what] = rate()
+        except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
+            print(f"could not measure {what}: {type(e).__name__}: {e}")
+        free_memory(device)
     gemm_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[gemm_dtype]
     return Ceilings(
-        copy_tbps=copy_tbps,
-        gemm_tflops=gemm_tflops,
+        copy_tbps=rates.get("copy bandwidth"),
+        gemm_tflops=rates.get("GEMM rate"),
         copy_what=f"dst.copy_(src), {copy_bytes // MIB} MiB, bytes read + written",
         gemm_what=f"{gemm_name} GEMM {gemm_n}^3",
     )
@@ -591,14 +589,7 @@ def _measure(
         del result
     row.ms = time_ms(call, device, quick=quick)
     if suite.cuda_graph and device.type == "cuda":
-        row.ms_eager = row.ms
-        try:
-            graph = capture_graph(call, device)
-        except Exception as e:  # noqa: BLE001 - e.g. a host sync in the call: keep the eager time
-            row.note = f"eager time: graph capture failed ({error_text(e)})"
-        else:
-            row.ms = time_ms(graph.replay, device, quick=quick)
-            del graph
+        _replay_time(row, lambda: capture_graph(call, device), device, quick)
     return row
 
 
@@ -612,22 +603,30 @@ def _measure_bwd(
     quick: bool,
 ) -> OpRow:
     """The ``bwd`` row: the backward alone (:func:`time_backward_ms`); with ``suite.cuda_graph`` on CUDA
-    also its replays from a graph of the backward alone (:func:`capture_backward_graph`)."""
+    also the replays of a graph of the backward alone."""
 
     def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
         return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
 
     row.ms = time_backward_ms(forward, backward, device, quick=quick)
     if suite.cuda_graph and device.type == "cuda":
-        row.ms_eager = row.ms
-        try:
-            graph, outs = capture_backward_graph(forward, lambda o: backward(o, retain=True), device)
-        except Exception as e:  # noqa: BLE001 - e.g. a host sync in the backward: keep the eager time
-            row.note = f"eager time: graph capture failed ({error_text(e)})"
-        else:
-            row.ms = time_ms(graph.replay, device, quick=quick)
-            del graph, outs
+        _replay_time(
+            row, lambda: capture_backward_graph(forward, lambda o: backward(o, True), device), device, quick
+        )
     return row
+
+
+def _replay_time(row: OpRow, capture: Callable[[], Any], device: torch.device, quick: bool) -> None:
+    """``row.ms``: the replays of the graph ``capture()`` returns, the eager time moved to ``ms_eager``
+    (kept as ``ms``, with a note, when the capture fails: a host sync in the call, say)."""
+    row.ms_eager = row.ms
+    try:
+        captured = capture()  # a graph, or (graph, what it reads: kept alive while it replays)
+    except Exception as e:  # noqa: BLE001 - keep the eager time
+        row.note = f"eager time: graph capture failed ({error_text(e)})"
+        return
+    graph = captured[0] if isinstance(captured, tuple) else captured
+    row.ms = time_ms(graph.replay, device, quick=quick)
 
 
 def _finish(row: OpRow, cost: Cost, ceilings: Ceilings) -> OpRow:
@@ -648,6 +647,22 @@ def error_text(e: BaseException, limit: int = 120) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def run_measured(measure: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """``measure()``, or its failure as a result: status ``skipped`` (:class:`SkipProvider`, its message the
+    reason), ``oom`` (``torch.cuda.OutOfMemoryError``, with the peak allocated so far) or ``error`` (the
+    exception and the tail of its traceback)."""
+    try:
+        return measure()
+    except SkipProvider as e:
+        return {"status": "skipped", "error": str(e)}
+    except torch.cuda.OutOfMemoryError as e:
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"status": "oom", "error": error_text(e, 200), "peak_bytes": peak}
+    except Exception as e:  # noqa: BLE001 - reported in the row; the run goes on
+        tb = traceback.format_exc().strip().splitlines()  # its first line and its last 14
+        return {"status": "error", "error": error_text(e, 200), "traceback": "\n".join(tb[:1] + tb[1:][-14:])}
+
+
 def run_suite(
     suite: Suite,
     *,
@@ -662,21 +677,15 @@ def run_suite(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Report:
-    """Run ``suite`` for every (shape, provider, mode) and return the report (nothing written).
-
-    ``ceilings`` defaults to :func:`measure_ceilings` on ``device``. A provider whose setup raises
-    :class:`SkipProvider` is skipped with its reason; any other exception in one case becomes
-    that row's ``error`` and the run goes on.
-    The loop is :func:`cases.run_cases`'s.
+    """Run ``suite`` for every (shape, provider, mode) and return the report (nothing written), through
+    :func:`cases.run_cases`. ``ceilings`` defaults to :func:`measure_ceilings` on ``device``. A provider
+    whose setup fails is skipped with the reason; any other exception in one case is that row's ``error``.
     """
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
     modes = tuple(m for m in MODES if m in modes)
-    for name in providers:
-        suite.provider(name)
-    if ceilings is None:
-        ceilings = measure_ceilings(device, quick=quick)
+    chosen = [suite.provider(name) for name in providers]
     report = Report(
         suite=suite,
         dtype=dtype,
@@ -684,45 +693,36 @@ def run_suite(
         shapes=tuple(tuple(s) for s in shapes),
         providers=tuple(providers),
         metadata=dict(metadata or {}),
-        ceilings=ceilings,
+        ceilings=measure_ceilings(device, quick=quick) if ceilings is None else ceilings,
     )
     report.metadata.setdefault("timing", timing_method(device, quick, suite.cuda_graph))
     report.metadata.setdefault("quick", quick)
-
-    active: list[Provider] = []
-    for name in providers:
-        p = suite.provider(name)
+    for p in chosen:
         try:
             p.setup(device)
-        except SkipProvider as e:
-            report.skipped[name] = str(e)
-            log(f"skipping provider {name}: {e}")
-            continue
-        except Exception as e:  # noqa: BLE001
-            report.skipped[name] = f"setup failed: {error_text(e)}"
-            log(f"skipping provider {name}: setup failed: {error_text(e)}")
-            continue
-        active.append(p)
+        except Exception as e:  # noqa: BLE001 - SkipProvider's reason, or why the setup failed
+            report.skipped[p.name] = (
+                str(e) if isinstance(e, SkipProvider) else f"setup failed: {error_text(e)}"
+            )
+            log(f"skipping provider {p.name}: {report.skipped[p.name]}")
     free_memory(device)
-
-    by_name = {p.name: p for p in active}
 
     def execute(case: Case) -> OpRow:
         try:
-            row = _measure(suite, by_name[case.provider], case.shape, case.mode, dtype, device, quick)
+            row = _measure(suite, suite.provider(case.provider), case.shape, case.mode, dtype, device, quick)
         except SkipProvider as e:
             row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=f"skipped: {e}")
         except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
             row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error_text(e))
         free_memory(device)
-        return _finish(row, suite.cost(case.shape, case.mode, dtype), ceilings)
+        return _finish(row, suite.cost(case.shape, case.mode, dtype), report.ceilings)
 
     report.rows = run_cases(
-        [Case(p.name, s, mode=m) for s in report.shapes for p in active for m in modes],
+        [Case(p.name, s, mode=m) for s in report.shapes for p in chosen for m in modes],
         execute,
         desc=suite.name,
         describe=lambda c: f"{OpRow.label(c.shape)} {c.provider} {c.mode}",
-        skipped=report.skipped,
+        skipped=report.skipped,  # run_cases does not run these providers
         skip_provider=False,  # a provider that cannot take one shape may take the next
         progress=progress,
         log=None,

@@ -16,13 +16,12 @@ elements each) are not counted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from fuselm.ops.layer_norm import layer_norm
+
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
 
 EPS = 1e-5
 
@@ -47,25 +46,8 @@ def _torch_fn(x: Inputs) -> torch.Tensor:
     return F.layer_norm(x["x"], (x["x"].shape[-1],), x["weight"], x["bias"], EPS)
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """F.layer_norm, eager."""
-    return _torch_fn
-
-
-setup_torch_compile = compiled_setup(_torch_fn)
-
-
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.layer_norm."""
-    from fuselm.ops.layer_norm import layer_norm
-
-    return lambda x: layer_norm(x["x"], x["weight"], x["bias"], EPS)
-
-
-def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
-    """Liger-Kernel's LayerNorm (CUDA, importable liger_kernel)."""
-    function = import_peer(device, "liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
-    return lambda x: function.apply(x["x"], x["weight"], x["bias"], EPS)
+def _args(x: Inputs) -> tuple[torch.Tensor, ...]:
+    return x["x"], x["weight"], x["bias"], EPS
 
 
 SUITE = Suite(
@@ -75,10 +57,14 @@ SUITE = Suite(
     gpu_shapes=((16384, 4096), (32768, 8192)),
     cpu_shapes=((256, 256),),
     providers=(
-        Provider("torch", setup_torch, "F.layer_norm, eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of F.layer_norm"),
-        Provider("fuselm", setup_fuselm, "fuselm.layer_norm"),
-        Provider("liger", setup_liger, "liger_kernel LigerLayerNormFunction"),
+        Provider("torch", lambda device: _torch_fn, "F.layer_norm, eager"),
+        Provider("torch_compile", compiled_setup(_torch_fn), "torch.compile of F.layer_norm"),
+        Provider("fuselm", lambda device: lambda x: layer_norm(*_args(x)), "fuselm.layer_norm"),
+        Provider(
+            "liger",
+            peer_apply("liger_kernel.ops.layer_norm", "LigerLayerNormFunction", _args),
+            "liger_kernel LigerLayerNormFunction",
+        ),
     ),
     make_inputs=make_inputs,
     cost=cost,

@@ -258,14 +258,6 @@ def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x["input"], x["linear_weight"], x["target"]
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Eager PyTorch: [N, V] logits in the input dtype, upcast to fp32, F.cross_entropy."""
-    return lambda x: _torch_lce(*_args(x))
-
-
-setup_torch_compile = compiled_setup(_torch_lce, _args)
-
-
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's fused linear cross-entropy (needs CUDA and an importable liger_kernel)."""
     function = import_peer(
@@ -292,18 +284,13 @@ def setup_cce(device: torch.device) -> Callable[[Inputs], Any]:
     return run
 
 
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.linear_cross_entropy, memory="auto"."""
+def _fuselm(memory: str) -> Callable[[torch.device], Callable[[Inputs], Any]]:
     import fuselm
 
-    return lambda x: fuselm.linear_cross_entropy(*_args(x), memory="auto")
+    return lambda device: lambda x: fuselm.linear_cross_entropy(*_args(x), memory=memory)
 
 
-def setup_fuselm_min(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.linear_cross_entropy, memory="min"."""
-    import fuselm
-
-    return lambda x: fuselm.linear_cross_entropy(*_args(x), memory="min")
+setup_fuselm, setup_fuselm_min = _fuselm("auto"), _fuselm("min")
 
 
 _LLAMA3_8B, _GEMMA2_2B, _LLAMA3_8B_2X, _QWEN2_7B = (
@@ -334,8 +321,12 @@ SUITE = Suite(
     ),
     cpu_shapes=((256, 128, 1000, RANDOM, _K), (256, 128, 1000, PEAKED, _K), (256, 128, 1000, RANDOM, 2)),
     providers=(
-        Provider("torch", setup_torch, "F.cross_entropy((x @ W.T).float(), target), eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider(
+            "torch",
+            lambda device: lambda x: _torch_lce(*_args(x)),
+            "F.cross_entropy((x @ W.T).float(), target), eager",
+        ),
+        Provider("torch_compile", compiled_setup(_torch_lce, _args), "torch.compile of the eager function"),
         Provider("liger", setup_liger, "Liger-Kernel LigerFusedLinearCrossEntropyFunction"),
         Provider("cce", setup_cce, "Cut Cross-Entropy linear_cross_entropy"),
         Provider("fuselm", setup_fuselm, 'fuselm.linear_cross_entropy(memory="auto")'),

@@ -38,14 +38,13 @@ Accuracy: for every (shape, provider) the outputs of its first call are compared
 error of log_probs and of the entropy. The first call is a warmup call of the harness (or the call that
 shapes the upstream gradients), outside the timed and the memory-measured calls.
 
-This suite has its own runner (``run_cli``, for the accuracy table); ``fuselm bench linear_log_probs``
-takes ``--shapes NxHxVxkxE``, ``--providers``, ``--modes``, ``--dtype``, ``--quick``, ``--device``, ``--out``.
+This suite has its own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ import torch
 from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, import_peer
 from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
 from .linear_cross_entropy import make_inputs as lce_make_inputs
+from .report import cell, md_table, package_versions, shape_label, write_report
 
 NAME = "linear_log_probs"
 LOG_PROBS, WITH_ENTROPY = 1, 2
@@ -71,13 +71,9 @@ def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
         >>> split_shape((256, 64, 1000))
         (256, 64, 1000, 7, 2)
     """
-    if len(shape) == 3:
-        n, h, v = shape
-        k, outputs = DEFAULT_IGNORE_K, WITH_ENTROPY
-    elif len(shape) == 5:
-        n, h, v, k, outputs = shape
-    else:
+    if len(shape) not in (3, 5):
         raise ValueError(f"expected (N, H, V, k, outputs), got {tuple(shape)}")
+    n, h, v, k, outputs = (*shape, DEFAULT_IGNORE_K, WITH_ENTROPY) if len(shape) == 3 else shape
     if k < 1:
         raise ValueError(f"k (1/k of the targets ignored) must be >= 1, got {k}")
     if outputs not in OUTPUTS:
@@ -94,9 +90,9 @@ def describe(shape: Shape) -> str:
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """x ``[N, H]`` and W ``[V, H]`` (both require grad), target ``[N]`` with ``round(N / k)`` entries -100
-    (the linear_cross_entropy suite's random inputs), plus two plain entries the providers read:
-    ``outputs`` (the tuple of output names) and ``case`` (the shape, which keys the accuracy records)."""
+    """The linear_cross_entropy suite's random inputs (x, W requiring grad; ``round(N / k)`` targets -100),
+    plus two plain entries the providers read: ``outputs`` (the output names) and ``case`` (the shape,
+    which keys the accuracy records)."""
     n, h, v, k, outputs = split_shape(shape)
     x = lce_make_inputs((n, h, v, RANDOM, k), dtype, device)
     return {**x, "outputs": OUTPUTS[outputs], "case": (n, h, v, k, outputs)}  # type: ignore[dict-item]
@@ -112,8 +108,8 @@ _REFERENCE: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def reference(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tokens: int = ACCURACY_TOKENS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, log_probs, entropy): the first ``tokens`` non-ignored rows and their log-probs and entropy from
-    fp64 logits of the given x and W (on their device, ``_REF_SLAB`` vocabulary rows per GEMM), on the CPU."""
+    """(rows, log_probs, entropy) on the CPU: the first ``tokens`` non-ignored rows and their log-probs and
+    entropy from fp64 logits of the given x and W (``_REF_SLAB`` vocabulary rows per GEMM)."""
     with torch.no_grad():
         rows = (target != IGNORE_INDEX).nonzero().squeeze(1)[:tokens]
         xs = x.detach()[rows].double()
@@ -126,109 +122,99 @@ def reference(
 
 
 def record_accuracy(provider: str, inputs: Inputs, out: Any) -> None:
-    """Compare a provider's outputs with :func:`reference` (once per (case, provider))."""
-    case = inputs["case"]
-    key = (case, provider)
+    """Compare a provider's outputs with :func:`reference`, once per (case, provider)."""
+    key = (inputs["case"], provider)
     if key in ACCURACY:
         return
     x, w, t = inputs["input"], inputs["linear_weight"], inputs["target"]
-    ref_key = (case[:4], x.dtype, str(x.device))  # the inputs do not depend on the outputs code
+    ref_key = (key[0][:4], x.dtype, str(x.device))  # the inputs do not depend on the outputs code
     if ref_key not in _REFERENCE:
         _REFERENCE.clear()  # one shape at a time: keep no stale references
         _REFERENCE[ref_key] = reference(x, w, t)
     rows, lp_ref, ent_ref = _REFERENCE[ref_key]
-    outs = out if isinstance(out, (tuple, list)) else (out,)
+
+    def error(out: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((out.detach()[rows.to(out.device)].double().cpu() - ref).abs().max())
+
     with torch.no_grad():
-        lp = outs[0].detach()[rows.to(outs[0].device)].double().cpu()
         entry: dict[str, Any] = {"tokens": int(rows.numel()), "entropy": None}
-        entry["log_probs"] = float((lp - lp_ref).abs().max()) if rows.numel() else None
-        if len(outs) > 1 and outs[1] is not None and rows.numel():
-            ent = outs[1].detach()[rows.to(outs[1].device)].double().cpu()
-            entry["entropy"] = float((ent - ent_ref).abs().max())
+        entry["log_probs"] = error(out[0], lp_ref) if rows.numel() else None
+        if len(out) > 1 and out[1] is not None and rows.numel():
+            entry["entropy"] = error(out[1], ent_ref)
     ACCURACY[key] = entry
 
 
-def _with_accuracy(name: str, fn: Callable[[Inputs], Any]) -> Callable[[Inputs], Any]:
-    def run(inputs: Inputs) -> Any:
-        out = fn(inputs)
-        if (inputs.get("case"), name) not in ACCURACY and "case" in inputs:
-            record_accuracy(name, inputs, out)
-        return out
+def _provider(name: str, setup: Callable[[torch.device], Callable[..., Any]], description: str) -> Provider:
+    """A provider whose ``setup(device)`` gives ``fn(x, w, target, outputs) -> tuple``; each of its first
+    calls per shape records its accuracy (:func:`record_accuracy`)."""
 
-    return run
+    def accurate_setup(device: torch.device) -> Callable[[Inputs], Any]:
+        fn = setup(device)
+
+        def run(x: Inputs) -> Any:
+            out = fn(x["input"], x["linear_weight"], x["target"], x["outputs"])
+            record_accuracy(name, x, out)
+            return out
+
+        return run
+
+    return Provider(name, accurate_setup, description)
 
 
-# ---- providers ----
+# ---- providers: fn(x, w, target, outputs) -> (log_probs,) or (log_probs, entropy), [N] fp32 ----
 
 
-def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]]:
-    return x["input"], x["linear_weight"], x["target"], x["outputs"]  # type: ignore[return-value]
-
-
-def torch_log_probs(
-    x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, entropy: bool
-) -> tuple[torch.Tensor, ...]:
+def torch_log_probs(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, entropy: bool) -> tuple:
     """Eager reference: fp32 logits, log_softmax, gather, entropy; 0 at ignored targets."""
-    logits = (x @ w.T).float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax((x @ w.T).float(), dim=-1)
     keep = target != IGNORE_INDEX
-    lp = logp.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1)
-    lp = torch.where(keep, lp, 0.0)
+    lp = torch.where(keep, logp.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1), 0.0)
     if not entropy:
         return (lp,)
-    ent = -(logp.exp() * logp).sum(dim=-1)
-    return lp, torch.where(keep, ent, 0.0)
+    return lp, torch.where(keep, -(logp.exp() * logp).sum(dim=-1), 0.0)
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Eager PyTorch on [N, V] logits."""
-
-    def run(x: Inputs) -> Any:
-        a, w, t, outputs = _args(x)
-        return torch_log_probs(a, w, t, "entropy" in outputs)
-
-    return _with_accuracy("torch", run)
+def _torch(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
+    return torch_log_probs(x, w, t, "entropy" in outputs)
 
 
 _COMPILED: dict[str, Any] = {}
 
 
-def setup_torch_compile(device: torch.device) -> Callable[[Inputs], Any]:
-    """torch.compile of the eager function, static shapes; compiled once per (N, H, V, outputs) (the cache of
-    Dynamo is reset when that changes). Skipped on CPU to keep the CPU run short."""
+def setup_torch_compile(device: torch.device) -> Callable[..., Any]:
+    """torch.compile of the eager function, static shapes, compiled once per (N, H, V, outputs) (Dynamo's
+    cache reset when that changes). Skipped on CPU to keep the CPU run short."""
     if device.type != "cuda":
         raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
 
-    def run(x: Inputs) -> Any:
-        a, w, t, outputs = _args(x)
-        key = (tuple(a.shape), tuple(w.shape), outputs, a.dtype)
+    def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> Any:
+        key = (tuple(x.shape), tuple(w.shape), outputs, x.dtype)
         if _COMPILED.get("key") != key:
             torch._dynamo.reset()
-            _COMPILED["key"] = key
-            _COMPILED["fn"] = torch.compile(torch_log_probs, dynamic=False)
-        return _COMPILED["fn"](a, w, t, "entropy" in outputs)
+            _COMPILED.update(key=key, fn=torch.compile(torch_log_probs, dynamic=False))
+        return _COMPILED["fn"](x, w, t, "entropy" in outputs)
 
-    return _with_accuracy("torch_compile", run)
+    return run
 
 
-def setup_trl(device: torch.device) -> Callable[[Inputs], Any]:
+def trl_log_probs(
+    chunked: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tuple
+) -> tuple:
+    """TRL's ``ChunkedLogProbFunction`` as TRL's fused LM head calls it: on the non-ignored rows only, the
+    results scattered back (0 at ignored targets)."""
+    keep = target != IGNORE_INDEX
+    res = chunked.apply(x[keep], w, None, target[keep], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
+    return tuple(r.new_zeros(target.shape).masked_scatter(keep, r) for r in res[: len(outputs)])
+
+
+def setup_trl(device: torch.device) -> Callable[..., Any]:
     """TRL's ChunkedLogProbFunction on the non-ignored rows, as TRL's fused LM head calls it."""
     trl = "trl.kernels.chunked_logprob"
-    chunked_log_probs = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
-
-    def run(x: Inputs) -> Any:
-        a, w, t, outputs = _args(x)
-        mask = t != IGNORE_INDEX
-        res = chunked_log_probs.apply(a[mask], w, None, t[mask], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
-        lp = res[0].new_zeros(t.shape).masked_scatter(mask, res[0])
-        if "entropy" not in outputs:
-            return (lp,)
-        return lp, res[1].new_zeros(t.shape).masked_scatter(mask, res[1])
-
-    return _with_accuracy("trl", run)
+    chunked = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
+    return lambda *args: trl_log_probs(chunked, *args)
 
 
-def setup_liger_cute(device: torch.device) -> Callable[[Inputs], Any]:
+def setup_liger_cute(device: torch.device) -> Callable[..., Any]:
     """Liger-Kernel's CuTe DSL SM90 fused scaled cross-entropy (per-token NLL and entropy)."""
     if device.type != "cuda":
         raise SkipProvider("needs CUDA")
@@ -240,58 +226,40 @@ def setup_liger_cute(device: torch.device) -> Callable[[Inputs], Any]:
         function = _load_sm90_function()
     except Exception as e:  # noqa: BLE001
         raise SkipProvider(f"Liger's CuTe DSL path not importable ({type(e).__name__}: {e})") from None
-
-    def run(x: Inputs) -> Any:
-        a, w, t, outputs = _args(x)
-        entropy = "entropy" in outputs
-        # positional: input, weight, target, temperature, ignore_index, m_tiles_per_cluster, return_entropy
-        out = function.apply(a, w, t, 1.0, IGNORE_INDEX, 1, entropy)
-        return (-out[0], out[1]) if entropy else (-out,)
-
-    return _with_accuracy("liger_cute", run)
+    # positional: input, weight, target, temperature, ignore_index, m_tiles_per_cluster, return_entropy
+    return _liger(lambda x, w, t, entropy: function.apply(x, w, t, 1.0, IGNORE_INDEX, 1, entropy))
 
 
-def setup_liger_fallback(device: torch.device) -> Callable[[Inputs], Any]:
+def setup_liger_fallback(device: torch.device) -> Callable[..., Any]:
     """Liger-Kernel's portable fallback of the fused scaled cross-entropy (what it runs off SM90)."""
     module = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
     function = import_peer(device, module, "_FusedLinearPPOFallbackFunction", cuda=False)
-
-    def run(x: Inputs) -> Any:
-        a, w, t, outputs = _args(x)
-        entropy = "entropy" in outputs
-        # positional: input, weight, target, temperature, ignore_index, return_entropy
-        out = function.apply(a, w, t, 1.0, IGNORE_INDEX, entropy)
-        return (-out[0], out[1]) if entropy else (-out,)
-
-    return _with_accuracy("liger_fallback", run)
+    # positional: input, weight, target, temperature, ignore_index, return_entropy
+    return _liger(lambda x, w, t, entropy: function.apply(x, w, t, 1.0, IGNORE_INDEX, entropy))
 
 
-def _fuselm_op() -> Callable[..., Any]:
-    import fuselm
+def _liger(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """Liger's per-token NLL (and entropy) as log_probs = -NLL (and entropy)."""
 
-    op = getattr(fuselm, "linear_log_probs", None)
-    if op is None:
-        raise SkipProvider("fuselm.linear_log_probs is not in this checkout")
-    return op
+    def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
+        out = apply(x, w, t, "entropy" in outputs)
+        return (-out[0], out[1]) if "entropy" in outputs else (-out,)
+
+    return run
 
 
-def _setup_fuselm(name: str, memory: str) -> Callable[[torch.device], Callable[[Inputs], Any]]:
-    def setup(device: torch.device) -> Callable[[Inputs], Any]:
-        op = _fuselm_op()
+def _setup_fuselm(memory: str) -> Callable[[torch.device], Callable[..., Any]]:
+    def setup(device: torch.device) -> Callable[..., Any]:
+        import fuselm
 
-        def run(x: Inputs) -> Any:
-            a, w, t, outputs = _args(x)
-            r = op(a, w, t, outputs=outputs, memory=memory)
+        def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
+            r = fuselm.linear_log_probs(x, w, t, outputs=outputs, memory=memory)
             return (r.log_probs, r.entropy) if "entropy" in outputs else (r.log_probs,)
 
-        return _with_accuracy(name, run)
+        return run
 
-    setup.__doc__ = f'fuselm.linear_log_probs, memory="{memory}".'
     return setup
 
-
-setup_fuselm = _setup_fuselm("fuselm", "auto")
-setup_fuselm_min = _setup_fuselm("fuselm_min", "min")
 
 _LLAMA3_8B, _QWEN2_7B_2X, _GEMMA2_2B = (8192, 4096, 128256), (16384, 4096, 151936), (8192, 2304, 256000)
 _K = DEFAULT_IGNORE_K
@@ -304,12 +272,7 @@ SUITE = Suite(
     ),
     shape_dims=("N", "H", "V", "1/k ignored", "outputs (1 log_probs, 2 + entropy)"),
     gpu_shapes=(
-        (*_LLAMA3_8B, _K, LOG_PROBS),
-        (*_LLAMA3_8B, _K, WITH_ENTROPY),
-        (*_QWEN2_7B_2X, _K, LOG_PROBS),
-        (*_QWEN2_7B_2X, _K, WITH_ENTROPY),
-        (*_GEMMA2_2B, _K, LOG_PROBS),
-        (*_GEMMA2_2B, _K, WITH_ENTROPY),
+        *((*nhv, _K, outputs) for nhv in (_LLAMA3_8B, _QWEN2_7B_2X, _GEMMA2_2B) for outputs in (1, 2)),
         (*_LLAMA3_8B, 2, LOG_PROBS),
         (*_LLAMA3_8B, 2, WITH_ENTROPY),
     ),
@@ -319,13 +282,13 @@ SUITE = Suite(
         (256, 64, 1000, 2, WITH_ENTROPY),
     ),
     providers=(
-        Provider("torch", setup_torch, "logits.float(), log_softmax, gather, entropy; eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
-        Provider("trl", setup_trl, "TRL ChunkedLogProbFunction on the non-ignored rows (as TRL's head)"),
-        Provider("liger_cute", setup_liger_cute, "Liger fused scaled CE, CuTe DSL SM90 kernel"),
-        Provider("liger_fallback", setup_liger_fallback, "Liger fused scaled CE, portable fallback"),
-        Provider("fuselm", setup_fuselm, 'fuselm.linear_log_probs(memory="auto")'),
-        Provider("fuselm_min", setup_fuselm_min, 'fuselm.linear_log_probs(memory="min")'),
+        _provider("torch", lambda device: _torch, "logits.float(), log_softmax, gather, entropy; eager"),
+        _provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        _provider("trl", setup_trl, "TRL ChunkedLogProbFunction on the non-ignored rows (as TRL's head)"),
+        _provider("liger_cute", setup_liger_cute, "Liger fused scaled CE, CuTe DSL SM90 kernel"),
+        _provider("liger_fallback", setup_liger_fallback, "Liger fused scaled CE, portable fallback"),
+        _provider("fuselm", _setup_fuselm("auto"), 'fuselm.linear_log_probs(memory="auto")'),
+        _provider("fuselm_min", _setup_fuselm("min"), 'fuselm.linear_log_probs(memory="min")'),
     ),
     make_inputs=make_inputs,
     cost=cost,
@@ -352,43 +315,35 @@ SUITE = Suite(
 # ---- the accuracy and summary tables ----
 
 
-def _sci(x: float | None) -> str:
-    return "—" if x is None else f"{x:.1e}"
-
-
-def accuracy_rows(report) -> list[dict[str, Any]]:
+def accuracy_rows(report: Report) -> list[dict[str, Any]]:
     """One entry per (shape, provider) that recorded its accuracy in this process, in the report's order."""
-    out = []
-    for shape in report.shapes:
-        case = split_shape(shape)
-        for p in report.providers:
-            a = ACCURACY.get((case, p))
-            if a is not None:
-                out.append({"shape": list(shape), "provider": p, **a})
-    return out
+    return [
+        {"shape": list(shape), "provider": p, **ACCURACY[(split_shape(shape), p)]}
+        for shape in report.shapes
+        for p in report.providers
+        if (split_shape(shape), p) in ACCURACY
+    ]
 
 
-def summary_table(report) -> str:
+def summary_table(report: Report) -> str:
     """One line per (shape, provider): fwd / bwd / fwd+bwd ms, x floor (fwd+bwd), extra MiB (fwd+bwd),
     max abs error of log_probs and entropy vs fp64."""
-    from .report import cell, md_table, shape_label
-
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
     lines = []
     for shape in report.shapes:
-        for p in report.providers:
-            if p in report.skipped:
-                continue
+        for p in (p for p in report.providers if p not in report.skipped):
             fwd, bwd, full = (report.row(shape, p, m) for m in ("fwd", "bwd", "full"))
             cells = [shape_label(shape), p, *("—" if r is None else cell(r, "ms") for r in (fwd, bwd, full))]
             cells += ["—" if full is None else cell(full, col) for col in ("x_floor", "extra_mib")]
             acc = ACCURACY.get((split_shape(shape), p)) or {}
-            lines.append([*cells, _sci(acc.get("log_probs")), _sci(acc.get("entropy"))])
+            lines.append(
+                [*cells, *("—" if acc.get(k) is None else f"{acc[k]:.1e}" for k in ("log_probs", "entropy"))]
+            )
     return md_table(head, lines)
 
 
-def extra_markdown(report) -> str:
+def extra_markdown(report: Report) -> str:
     """The section after the harness's table: the summary with accuracy, and what the peers were."""
     m = report.metadata
     peers = ", ".join(f"{k} {m[k]}" for k in ("trl", "liger-kernel", "nvidia-cutlass-dsl") if m.get(k))
@@ -406,22 +361,15 @@ def extra_markdown(report) -> str:
 
 
 def peer_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    try:
-        out["trl"] = version("trl")
-    except PackageNotFoundError:
+    """TRL's and nvidia-cutlass-dsl's versions (TRL's kernels may be on the path without its metadata)."""
+    out = package_versions(("trl", "nvidia-cutlass-dsl"))
+    if "trl" not in out:
         try:
             import trl.kernels.chunked_logprob  # noqa: F401
 
             out["trl"] = "kernels only (trl/kernels on the path, no package metadata)"
         except Exception:  # noqa: BLE001
             pass
-    try:
-        out["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl")
-    except PackageNotFoundError:
-        pass
     return out
 
 
@@ -429,38 +377,14 @@ def peer_versions() -> dict[str, str]:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench linear_log_probs`` with the parsed ``fuselm bench`` arguments; returns the exit code
-    (0: something measured, 1: nothing). Raises ``fuselm_bench.arguments.UsageError`` for bad values."""
-    from .report import write_report
+    """``fuselm bench linear_log_probs``: ``--shapes NxHxVxkxE``, ``--providers``, ``--modes``, ``--dtype``,
+    ``--quick``, ``--device``, ``--out``. The suite runs one shape at a time, the files written after each
+    (a run stopped part-way keeps the shapes it finished); each skip reason is printed once. Returns the
+    exit code (0: something measured, 1: nothing); raises ``UsageError`` for bad values."""
     from .runner import finish, start
 
     session, [(_, shapes, providers)] = start([SUITE], args, argv, peer_versions(), check_shape=split_shape)
-    out_dir = session.out_dir
     ACCURACY.clear()
-
-    def write_partial(report: Report, done: int) -> None:
-        accuracy = {"accuracy": accuracy_rows(report)}
-        write_report(report, out_dir, extra_markdown=extra_markdown(report), extra_json=accuracy)
-        print(f"{done}/{len(shapes)} shapes done; results so far written to {out_dir}", flush=True)
-
-    report = run_by_shape(session, shapes, providers, on_shape=write_partial)
-    _REFERENCE.clear()
-    accuracy = {"accuracy": accuracy_rows(report)}
-    code = finish(report, out_dir, extra_markdown=extra_markdown(report), extra_json=accuracy)
-    print()
-    print(summary_table(report))
-    return code
-
-
-def run_by_shape(
-    session: Any,
-    shapes: Sequence[Shape],
-    providers: Sequence[str],
-    on_shape: Callable[[Report, int], None] | None = None,
-) -> Report:
-    """The suite run in ``session`` (a :class:`fuselm_bench.runner.Session`) one shape at a time, merged into
-    one report; after each shape ``on_shape(report so far, shapes done)`` (the CLI writes the files then: a
-    run stopped part-way keeps the shapes it finished). Each skip reason is printed once."""
     seen: set[str] = set()
 
     def log_once(msg: str) -> None:
@@ -477,7 +401,11 @@ def run_by_shape(
             report.shapes = (*report.shapes, *part.shapes)
             report.rows.extend(part.rows)
             report.skipped.update(part.skipped)
-        if on_shape is not None:
-            on_shape(report, i + 1)
-    assert report is not None, "no shapes"
-    return report
+        extra = {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
+        write_report(report, session.out_dir, **extra)
+        print(f"{i + 1}/{len(shapes)} shapes done; results so far written to {session.out_dir}", flush=True)
+    _REFERENCE.clear()
+    code = finish(report, session.out_dir, **extra)
+    print()
+    print(summary_table(report))
+    return code

@@ -17,7 +17,6 @@ length fits, the answer is HI).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import tempfile
@@ -31,7 +30,7 @@ import torch
 
 from . import finetune, fresh_process
 from .arguments import UsageError, parse_list, pick_device, results_dir
-from .report import collect_metadata
+from .report import collect_metadata, md_table, write_files
 
 NAME = "max-context"
 GRAIN = 256  # probed lengths are multiples of this many tokens
@@ -111,27 +110,32 @@ def _why_stopped(tokens: int, row: Any) -> str:
     return f"{tokens} tokens: {row.status}" + (f" ({error.splitlines()[-1]})" if error else "")
 
 
-def _row_summary(row: Any) -> tuple[str, float | None, float | None]:
-    return row.status, row.step_ms, row.peak_gib
-
-
 def search(
     provider: str, cap_gib: float | None, probe: Callable[[int], Any], lo: int, hi: int, **options
 ) -> Search:
     """:func:`longest_fitting` of one (provider, cap), as a :class:`Search`."""
     longest, best, probes, stopped = longest_fitting(probe, lo, hi, **options)
-    return Search(
-        provider,
-        cap_gib,
-        longest,
-        asdict(best) if best is not None else None,
-        [(t, *_row_summary(r)) for t, r in probes],
-        stopped,
-    )
+    rows = [(t, r.status, r.step_ms, r.peak_gib) for t, r in probes]
+    return Search(provider, cap_gib, longest, asdict(best) if best is not None else None, rows, stopped)
 
 
 def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
     """The report: one row per (provider, cap), then the probes."""
+    head = ["provider", "cap GiB", "longest tokens", "step s at that length", "peak GiB", "probes", "note"]
+    rows = []
+    for s in searches:
+        step, peak = ((s.best or {}).get(k) for k in ("step_ms", "peak_bytes"))
+        rows.append(
+            [
+                s.provider,
+                str(s.cap_gib if s.cap_gib is not None else "none"),
+                str(s.longest if s.longest is not None else "none fits"),
+                "" if step is None else f"{step / 1e3:.1f}",
+                "" if peak is None else f"{peak / 2**30:.2f}",
+                str(len(s.probes)),
+                s.stopped or "",
+            ]
+        )
     lines = [
         "# fuselm bench max-context",
         "",
@@ -139,20 +143,11 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
         "",
         *(f"- {k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)),
         "",
-        "| provider | cap GiB | longest tokens | step s at that length | peak GiB | probes | note |",
-        "|---|---|---|---|---|---|---|",
+        md_table(head, rows),
+        "",
+        "Probes (tokens: status, step ms, peak GiB):",
+        "",
     ]
-    for s in searches:
-        best = s.best or {}
-        step = best.get("step_ms")
-        peak = best.get("peak_bytes")
-        lines.append(
-            f"| {s.provider} | {s.cap_gib if s.cap_gib is not None else 'none'} | "
-            f"{s.longest if s.longest is not None else 'none fits'} | "
-            f"{'' if step is None else f'{step / 1e3:.1f}'} | "
-            f"{'' if peak is None else f'{peak / 2**30:.2f}'} | {len(s.probes)} | {s.stopped or ''} |"
-        )
-    lines += ["", "Probes (tokens: status, step ms, peak GiB):", ""]
     for s in searches:
         probes = "; ".join(
             f"{t}: {status}" + (f", {ms:.0f} ms, {gib:.2f} GiB" if ms is not None and gib is not None else "")
@@ -172,55 +167,41 @@ def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -
     return [(p, c, gpus[i % len(gpus)] if gpus else None) for i, (p, c) in enumerate(jobs)]
 
 
-def _gpus(text: str | None, cuda: bool) -> list[int] | None:
-    if not text:
-        return None
-    if not cuda:
-        raise UsageError("--gpus runs the searches side by side on CUDA devices; this run has none")
+def _numbers(text: str, kind: type, flag: str, what: str, sep: str = ",", count: int | None = None) -> list:
+    """``text`` split at ``sep``, each a ``kind``; UsageError ``<flag> takes <what>`` otherwise."""
     try:
-        gpus = [int(g) for g in text.split(",")]
+        values = [kind(v) for v in text.split(sep)]
     except ValueError:
-        raise UsageError(f"--gpus takes comma-separated GPU indices, got {text!r}") from None
-    count = torch.cuda.device_count()
-    if any(not 0 <= g < count for g in gpus):
-        raise UsageError(f"--gpus must name GPUs 0..{count - 1}, got {text!r}")
-    return gpus
+        values = []
+    if not values or (count is not None and len(values) != count):
+        raise UsageError(f"{flag} takes {what}, got {text!r}")
+    return values
 
 
 def _caps(text: str | None, cuda: bool) -> list[float | None]:
     if not cuda:
         return [None]  # no cap on the CPU
-    if not text:
-        return list(DEFAULT_CAPS)
-    try:
-        caps = [float(c) for c in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--caps takes comma-separated GiB numbers, got {text!r}") from None
+    caps = _numbers(text, float, "--caps", "comma-separated GiB numbers") if text else list(DEFAULT_CAPS)
     if any(not c > 0 for c in caps):
         raise UsageError(f"--caps must be > 0, got {text!r}")
     return caps
 
 
-def _seq_range(text: str | None, cuda: bool) -> tuple[int, int]:
+def _gpus(text: str | None, cuda: bool) -> list[int] | None:
     if not text:
-        return DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
-    try:
-        lo, hi = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise UsageError(f"--seq-range takes LO:HI (tokens), got {text!r}") from None
-    if not 0 < lo <= hi:
-        raise UsageError(f"--seq-range must be 0 < LO <= HI, got {text!r}")
-    return lo, hi
+        return None
+    if not cuda:
+        raise UsageError("--gpus runs the searches side by side on CUDA devices; this run has none")
+    gpus = _numbers(text, int, "--gpus", "comma-separated GPU indices")
+    if any(not 0 <= g < torch.cuda.device_count() for g in gpus):
+        raise UsageError(f"--gpus must name GPUs 0..{torch.cuda.device_count() - 1}, got {text!r}")
+    return gpus
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench max-context``: ``--models`` (one model shape of ``fuselm bench finetune``, default
-    llama3-8b), ``--scenarios`` (qlora or lora, default qlora), ``--providers`` (default fuselm, hf,
-    unsloth), ``--caps`` (GiB, default 16,40,80), ``--seq-range LO:HI``, ``--rel-tol``, ``--max-probes``,
-    ``--rank`` (default 32), ``--mlp-chunk-tokens`` (fuselm's MLP over chunks), ``--gpus`` (every (provider,
-    cap) search at once, on these GPUs in turn: :func:`side_by_side`), ``--model-dir`` (the saved
-    random-init model is kept there and reused, as in ``fuselm bench finetune``; else a temporary folder),
-    ``--device``, ``--out``. Raises ``UsageError``."""
+    """``fuselm bench max-context``: one model (default llama3-8b) and scenario (default qlora), each
+    provider (default fuselm, hf, unsloth) and cap searched, side by side with ``--gpus``
+    (:func:`side_by_side`), the saved model as ``fuselm bench finetune`` saves it. Raises ``UsageError``."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
@@ -233,21 +214,26 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(
             "qlora needs bitsandbytes' 4-bit on this CPU; --scenarios lora for the CPU smoke run"
         )
-    providers = parse_list(args.providers, finetune.PROVIDERS, "provider") if args.providers else None
-    providers = providers or [p for p in DEFAULT_PROVIDERS if p in finetune.PROVIDERS]
-    caps = _caps(getattr(args, "caps", None), cuda)
-    lo, hi = _seq_range(getattr(args, "seq_range", None), cuda)
-    rel_tol = getattr(args, "rel_tol", None) or 0.05
-    max_probes = getattr(args, "max_probes", None) or 12
-    rank = getattr(args, "rank", None) or 32
-    chunk = getattr(args, "mlp_chunk_tokens", None)
-    gpus = _gpus(getattr(args, "gpus", None), cuda)
+    providers = (
+        parse_list(args.providers, finetune.PROVIDERS, "provider") if args.providers else DEFAULT_PROVIDERS
+    )
+    caps = _caps(args.caps, cuda)
+    lo, hi = DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
+    if args.seq_range:
+        lo, hi = _numbers(args.seq_range, int, "--seq-range", "LO:HI (tokens)", ":", count=2)
+        if not 0 < lo <= hi:
+            raise UsageError(f"--seq-range must be 0 < LO <= HI, got {args.seq_range!r}")
+    gpus = _gpus(args.gpus, cuda)
+    rel_tol = args.rel_tol or 0.05
+    max_probes = args.max_probes or 12
+    rank = args.rank or 32
+    chunk = args.mlp_chunk_tokens
     metadata = collect_metadata(device, argv)
     metadata.update(
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
     )
     out_dir = results_dir(args.out, metadata["device"] if cuda else None)
-    keep = getattr(args, "model_dir", None) is not None
+    keep = args.model_dir is not None
     model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
     dtype = torch.bfloat16 if cuda else torch.float32
     jobs = side_by_side([(provider, cap) for provider in providers for cap in caps], gpus)
@@ -256,29 +242,19 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
     def run_search(provider: str, cap: float | None, gpu: int | None) -> Search:
         extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
-        if cap is not None:
-            extra["memory_cap_gib"] = cap
-        if chunk is not None and provider == "fuselm":
-            extra["mlp_chunk_tokens"] = chunk
-        if gpu is not None:
-            extra["gpu"] = gpu
+        extra.update({"memory_cap_gib": cap} if cap is not None else {})
+        extra.update({"mlp_chunk_tokens": chunk} if chunk is not None and provider == "fuselm" else {})
+        extra.update({"gpu": gpu} if gpu is not None else {})
 
         def probe(seq: int):
+            shape = (model, scenario, 1, seq)
             row = fresh_process.run_case(
-                finetune.BENCH,
-                provider,
-                (model, scenario, 1, seq),
-                plan=plan,
-                dtype=dtype,
-                device=device,
-                warmup=0,
-                steps=1,
+                finetune.BENCH, provider, shape, plan=plan, dtype=dtype, device=device, warmup=0, steps=1,
                 extra=extra,
-            )
-            error = (getattr(row, "error", None) or "").strip()
+            )  # fmt: skip
             print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
-            if row.status not in ("ok", "oom") and error:
-                print(error, flush=True)
+            if row.status not in ("ok", "oom") and (row.error or "").strip():
+                print(row.error.strip(), flush=True)
             return row
 
         found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
@@ -295,10 +271,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     finally:
         if not keep:
             shutil.rmtree(model_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "max_context.md").write_text(markdown(searches, metadata))
     data = {"suite": NAME, "metadata": metadata, "searches": [asdict(s) for s in searches]}
-    (out_dir / "max_context.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    print(f"wrote {out_dir / 'max_context.md'}, {out_dir / 'max_context.json'}")
-    failed = [s for s in searches if s.stopped]
-    return 1 if failed else 0
+    paths = write_files("max_context", out_dir, markdown(searches, metadata), data)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if any(s.stopped for s in searches) else 0

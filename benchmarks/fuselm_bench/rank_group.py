@@ -3,33 +3,32 @@
 and ``fuselm bench finetune --world-size W`` (:mod:`fuselm_bench.finetune`) share.
 
 Each rank joins one process group (:func:`join_group`: NCCL with one GPU per rank on CUDA, gloo on a CPU;
-``file://`` init in the group's temporary folder), runs the cases it is given in order, and appends what
-each case gave as one JSON line to ``rank<r>.jsonl`` in that folder (:func:`append_record`). A case ends
-with an all-reduce of its status on every rank (:func:`finish_case`: the worst of ok, skipped, OOM, error
-wins), so all ranks go on to the next case together and a failure on one rank becomes the case's status
-on all. A rank that fails while the others are inside a collective can leave them waiting there: it first
-writes a record of its failure (``final: False``), the parent (:class:`RankGroup`) reads the files as they
-grow, and kills a group that makes no progress (``timeout_s`` without a case finishing; ``grace_s`` once a
-rank has reported a failure).
+``file://`` init in the group's temporary folder), runs its cases in order, and appends what each gave as
+one JSON line to ``rank<r>.jsonl`` there. A case ends with an all-reduce of its status on every rank
+(:func:`finish_case`: the worst of ok, skipped, OOM, error wins), so all ranks go on together and a
+failure on one rank is the case's status on all. A rank that fails while the others are inside a
+collective can leave them waiting: it first writes a record of its failure (``final: False``); the parent
+(:class:`RankGroup`) reads the files as they grow and kills a group that makes no progress (``timeout_s``
+without a case finishing; ``grace_s`` once a rank has reported a failure).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from .harness import SkipProvider, error_text, free_memory
+from .harness import free_memory
 
 STATUSES = ("ok", "skipped", "oom", "error")  # in order of precedence: the ranks agree on the worst
 FAILED_GRACE_S = 60.0  # a rank reported a failure: how long the others may take to reach the agreement
@@ -47,30 +46,26 @@ NCCL_ENV = {  # NVLink multicast (NVLS) off: not every lent machine has it worki
 def join_group(
     rank: int, world_size: int, device_type: str, init_file: str, timeout_s: float
 ) -> torch.device:
-    """Join the group (NCCL on ``cuda:<rank>``, made the current device; gloo on a CPU) and return this
-    rank's device."""
-    if device_type == "cuda":
+    """Join the group (NCCL on ``cuda:<rank>``, made the current device; gloo on a CPU): this rank's
+    device."""
+    cuda = device_type == "cuda"
+    if cuda:
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        backend, device_id = "nccl", device
-    else:
-        device, backend, device_id = torch.device("cpu"), "gloo", None
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group(
-        backend,
+        "nccl" if cuda else "gloo",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device_id,
+        device_id=device if cuda else None,
     )
     return device
 
 
 def capture_output(out_dir: str | Path, rank: int) -> None:
-    """Send this process's stdout and stderr (file descriptors 1 and 2: Python's, C libraries') to
-    ``rank<r>.log`` in the group's folder; :class:`RankGroup` quotes its tail when the group fails."""
-    import sys
-
+    """Send this process's stdout and stderr (file descriptors 1 and 2) to ``rank<r>.log`` in the group's
+    folder; :meth:`RankGroup.failure_with_output` quotes its tail."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -79,35 +74,10 @@ def capture_output(out_dir: str | Path, rank: int) -> None:
     os.close(fd)
 
 
-def output_tails(out_dir: Path, lines: int = 6) -> str:
-    """The last ``lines`` lines of each rank's captured output (:func:`capture_output`), '' if none."""
-    parts = []
-    for path in sorted(Path(out_dir).glob("rank*.log")):
-        tail = [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
-        if tail:
-            parts.append(f"{path.stem}'s last output:\n" + "\n".join(tail))
-    return "\n".join(parts)
-
-
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """One JSON line appended to a rank's records (the parent reads only whole lines)."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def measure_into(record: dict[str, Any], measure: Callable[[], dict[str, Any]], device: torch.device) -> None:
-    """``record.update(measure())``, or the failure in ``record``: ``skipped`` (:class:`SkipProvider`, its
-    message the reason), ``oom`` (``torch.cuda.OutOfMemoryError``, with the peak allocated so far), or
-    ``error`` (the exception and the tail of its traceback)."""
-    try:
-        record.update(measure())
-    except SkipProvider as e:
-        record.update(status="skipped", error=str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        record.update(status="oom", error=error_text(e, 200), peak_bytes=peak)
-    except Exception as e:  # noqa: BLE001 - reported in the row; the group goes on
-        record.update(status="error", error=error_text(e, 200), traceback=traceback.format_exc()[-3000:])
 
 
 def finish_case(record: dict[str, Any], path: Path, device: torch.device) -> str:
@@ -132,19 +102,9 @@ def finish_case(record: dict[str, Any], path: Path, device: torch.device) -> str
 # ---- the parent ----
 
 
-def read_records(out_dir: Path) -> list[dict[str, Any]]:
-    """Every whole line of every rank's records (a line being written is read next time)."""
-    records = []
-    for path in sorted(Path(out_dir).glob("rank*.jsonl")):
-        for line in path.read_text().splitlines(keepends=True):
-            if line.endswith("\n"):
-                records.append(json.loads(line))
-    return records
-
-
 def case_records(records: list[dict[str, Any]], index: int, final: bool = True) -> list[dict[str, Any]]:
-    """The case records of case ``index``: the final ones (after the agreement), or the failures said
-    before it (``final=False``)."""
+    """The records of case ``index``: the final ones (after the agreement), or the failures said before it
+    (``final=False``)."""
     return [r for r in records if r["kind"] == "case" and r["index"] == index and r["final"] == final]
 
 
@@ -153,32 +113,37 @@ def rank_error(record: dict[str, Any]) -> str:
     return f"{record['error']} (rank {record['rank']})"
 
 
-def failure_text(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return f"a rank failed: {lines[-1].strip()}" if lines else f"a rank failed: {type(e).__name__}"
-
-
-@contextlib.contextmanager
-def environment(extra: dict[str, str] | None) -> Iterator[None]:
-    """``os.environ`` with ``extra`` set (what spawned processes inherit), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in extra or {}}
-    os.environ.update(extra or {})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def failed_case(
+    records: list[dict[str, Any]], index: int, world_size: int, failure: str | None = None
+) -> dict[str, Any] | None:
+    """None when every rank finished case ``index`` ok; else its ``status``, ``error`` and ``traceback``:
+    the agreed status with the first failing rank's error, or, when not every rank finished it, the failure
+    a rank said before it got stuck (else ``failure``: why the group stopped, else the missing ranks)."""
+    finals = {r["rank"]: r for r in case_records(records, index)}
+    if len(finals) < world_size:
+        said = sorted(case_records(records, index, final=False), key=lambda r: r["rank"])
+        if said:
+            return {
+                "status": said[0]["status"],
+                "error": rank_error(said[0]),
+                "traceback": said[0].get("traceback"),
+            }
+        missing = sorted(set(range(world_size)) - set(finals))
+        return {"status": "error", "error": failure or f"no result from ranks {missing}", "traceback": None}
+    agreed = finals[0]["agreed"]
+    if agreed == "ok":
+        return None
+    first = min((r for r in finals.values() if r["status"] == agreed), key=lambda r: r["rank"])
+    error = first["error"] if agreed == "skipped" else rank_error(first)
+    return {"status": agreed, "error": error, "traceback": first.get("traceback")}
 
 
 class RankGroup:
-    """``world_size`` spawned processes ``entry(rank, *args, init_file, out_dir)`` (with ``env`` set in their
-    environment) that run their cases in order, and the parent waiting for those cases one at a time
-    (:meth:`wait_for`): the process-group way of running :func:`cases.run_cases`'s cases. A group with no
-    case finished for ``timeout_s``, or for ``grace_s`` after a rank said the case failed, is killed; a
-    stopped group stays stopped (:attr:`failure` says why). Use it as a context manager (:meth:`close`)."""
+    """``world_size`` spawned processes ``entry(rank, *args, init_file, out_dir)`` (with ``env`` in their
+    environment) running their cases in order, and the parent waiting for those cases one at a time
+    (:meth:`wait_for`). A group with no case finished for ``timeout_s``, or for ``grace_s`` after a rank said
+    the case failed, is killed; a stopped group stays stopped (:attr:`failure` says why). A context
+    manager (:meth:`close`)."""
 
     def __init__(
         self,
@@ -196,7 +161,7 @@ class RankGroup:
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
         self.folder = Path(self._tmp.name)
-        with environment(env):
+        with mock.patch.dict(os.environ, env or {}):  # what the spawned processes inherit
             self._ctx = mp.start_processes(
                 entry,
                 args=(*args, str(self.folder / "init"), self._tmp.name),
@@ -209,8 +174,13 @@ class RankGroup:
         self.failure: str | None = None
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record the ranks have written so far (:func:`read_records`)."""
-        return read_records(self.folder)
+        """Every whole line the ranks have written so far (a line being written is read next time)."""
+        records = []
+        for path in sorted(self.folder.glob("rank*.jsonl")):
+            records += [
+                json.loads(line) for line in path.read_text().splitlines(keepends=True) if line[-1:] == "\n"
+            ]
+        return records
 
     def wait_for(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
         """Wait until case ``index`` is final on every rank: its final records and None; or, when the group
@@ -230,7 +200,9 @@ class RankGroup:
             try:
                 self.exited = self._ctx.join(POLL_S)
             except ProcessException as e:  # join() has ended the other ranks
-                self.exited, self.failure = True, failure_text(e)
+                lines = [line for line in str(e).strip().splitlines() if line.strip()]
+                self.exited = True
+                self.failure = f"a rank failed: {lines[-1].strip() if lines else type(e).__name__}"
             now = time.monotonic()
             if noticed_at is None and case_records(records, index, final=False):
                 noticed_at = now
@@ -242,11 +214,15 @@ class RankGroup:
                 self._kill()
 
     def failure_with_output(self) -> str | None:
-        """:attr:`failure` with the tail of each rank's captured output (:func:`capture_output`)."""
+        """:attr:`failure` with the last lines of each rank's captured output (:func:`capture_output`)."""
         if self.failure is None:
             return None
-        tails = output_tails(self.folder)
-        return self.failure + (f"\n{tails}" if tails else "")
+        parts = [self.failure]
+        for path in sorted(self.folder.glob("rank*.log")):
+            tail = [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-6:]
+            if tail:
+                parts.append(f"{path.stem}'s last output:\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def _kill(self) -> None:
         for p in self._ctx.processes:

@@ -1,8 +1,5 @@
-"""Run metadata (device, versions, commit) and report writers: markdown table, JSON, PNG plot.
-
-``write_report(report, out_dir)`` writes ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` and
-returns their paths; ``markdown(report)`` is the text printed at the end of a run.
-"""
+"""Run metadata (device, versions, commit) and the report writers every suite uses: markdown tables,
+the report document, and the one writer of ``<name>.md``, ``.json`` and ``.png`` (:func:`write_files`)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,8 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,11 @@ import torch
 from .harness import OpRow, Report
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype))
+
 
 COLUMN_TITLES = {
     "ms": "ms",
@@ -103,13 +106,19 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version
+def package_version(package: str) -> str | None:
+    """The installed version of ``package``, None when it has no metadata."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return version(module)
-    except Exception:  # noqa: BLE001
+    try:
+        return version(package)
+    except PackageNotFoundError:
         return None
+
+
+def package_versions(packages: Sequence[str]) -> dict[str, str]:
+    """The versions of those of ``packages`` that are installed."""
+    return {p: v for p in packages if (v := package_version(p))}
 
 
 def host_cpu() -> str:
@@ -143,8 +152,11 @@ def set_offline_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dict[str, Any]:
-    """Device, versions, commit, date and the hub settings (:data:`OFFLINE_ENV`) of this run."""
+def collect_metadata(
+    device: torch.device, argv: list[str] | None = None, packages: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Device, versions (with the peers' and ``packages``'), commit, date and the hub settings
+    (:data:`OFFLINE_ENV`) of this run."""
     import fuselm
 
     triton_version = None
@@ -168,11 +180,7 @@ def collect_metadata(device: torch.device, argv: list[str] | None = None) -> dic
         "command": " ".join(["fuselm", *(argv if argv is not None else sys.argv[1:])]),
         "env": {key: os.environ.get(key) for key in OFFLINE_ENV},
     }
-    for peer in ("liger-kernel", "cut-cross-entropy"):
-        v = _version(peer)
-        if v:
-            meta[peer] = v
-    return meta
+    return {**meta, **package_versions(("liger-kernel", "cut-cross-entropy", *packages))}
 
 
 # ---- formatting ----
@@ -191,7 +199,7 @@ def fmt_num(x: float | None, sig: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
-def shape_label(shape: tuple[int, ...]) -> str:
+def shape_label(shape: Sequence[Any]) -> str:
     """(8192, 128256) -> '8192x128256'."""
     return "x".join(str(d) for d in shape)
 
@@ -232,21 +240,13 @@ def cell(row: OpRow, col: str) -> str:
 def markdown_table(report: Report) -> str:
     """The results table: shape, provider, mode, then the suite's columns (and a note column if any error)."""
     cols = list(report.suite.columns)
-    any_error = any(r.error or r.note for r in report.rows)
     head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
     rows = [[shape_label(r.shape), r.provider, r.mode, *(cell(r, c) for c in cols)] for r in report.rows]
-    if any_error:
+    if any(r.error or r.note for r in report.rows):
         head.append("note")
         for cells, r in zip(rows, report.rows, strict=True):
             cells.append((r.error or r.note or "").replace("|", "/"))
     return md_table(head, rows)
-
-
-def _ceiling_line(report: Report) -> str:
-    c = report.ceilings
-    copy = f"{c.copy_tbps:.2f} TB/s ({c.copy_what})" if c.copy_tbps else "not measured"
-    gemm = f"{c.gemm_tflops:.1f} TFLOP/s ({c.gemm_what})" if c.gemm_tflops else "not measured"
-    return f"device copy {copy}; GEMM {gemm}"
 
 
 def notes(report: Report) -> list[str]:
@@ -297,27 +297,29 @@ def document(
 
 
 def markdown(report: Report, extra: str = "") -> str:
-    """The whole markdown report: header with device, versions, commit, date and ceilings; table; ``extra``
-    (more sections, markdown); notes."""
-    m = report.metadata
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    cpu = "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU."
+    """The whole markdown report of an op suite: device, versions, commit, date, ceilings, timing; the table;
+    ``extra`` (more sections); the notes."""
+    m, c = report.metadata, report.ceilings
     versions = (
         f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
     )
     peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
+    copy = f"{c.copy_tbps:.2f} TB/s ({c.copy_what})" if c.copy_tbps else "not measured"
+    gemm = f"{c.gemm_tflops:.1f} TFLOP/s ({c.gemm_what})" if c.gemm_tflops else "not measured"
     facts = [
         f"device: {m.get('device')}",
         f"versions: {versions}" + (f"; peers: {peers}" if peers else ""),
         f"date: {m.get('date')}",
-        f"ceilings (measured in this run): {_ceiling_line(report)}",
+        f"ceilings (measured in this run): device copy {copy}; GEMM {gemm}",
         f"timing: {m.get('timing')}",
         f"command: `{m.get('command')}`",
     ]
     return document(
         report.suite.name,
-        f"{report.suite.description}, {dtype}.",
-        cpu if m.get("device_type") == "cpu" else None,
+        f"{report.suite.description}, {dtype_name(report.dtype)}.",
+        "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU."
+        if m.get("device_type") == "cpu"
+        else None,
         facts,
         [markdown_table(report), *([extra] if extra else [])],
         notes(report),
@@ -327,68 +329,71 @@ def markdown(report: Report, extra: str = "") -> str:
 
 def to_json(report: Report) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready."""
-    rows = []
-    for r in report.rows:
-        d = {k: getattr(r, k) for k in r.__dataclass_fields__}
-        d["shape"] = list(r.shape)
-        d["extra_mib"] = r.extra_mib
-        rows.append(d)
-    c = report.ceilings
+    rows = [{**asdict(r), "shape": list(r.shape), "extra_mib": r.extra_mib} for r in report.rows]
     return {
         "suite": report.suite.name,
         "description": report.suite.description,
-        "dtype": DTYPE_NAMES.get(report.dtype, str(report.dtype)),
+        "dtype": dtype_name(report.dtype),
         "shape_dims": list(report.suite.shape_dims),
         "shapes": [list(s) for s in report.shapes],
         "modes": list(report.modes),
         "providers": list(report.providers),
         "columns": list(report.suite.columns),
         "metadata": report.metadata,
-        "ceilings": {
-            "copy_tbps": c.copy_tbps,
-            "gemm_tflops": c.gemm_tflops,
-            "copy_what": c.copy_what,
-            "gemm_what": c.gemm_what,
-        },
+        "ceilings": asdict(report.ceilings),
         "rows": rows,
         "skipped": report.skipped,
         "notes": notes(report),
     }
 
 
-def plot_metric(report: Report) -> str:
-    """What the PNG shows: the suite's first ratio column that has values, else ms."""
-    for col in report.suite.columns:
-        if col in PLOT_METRICS and any(getattr(r, col) is not None for r in report.rows):
-            return col
-    return "ms"
+# ---- plots and files ----
 
 
-def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) -> None:
-    """Grouped bars per shape and provider, one subplot per mode and metric (``metrics``: columns such as
-    ``ms`` or ``extra_mib``; default: :func:`plot_metric`)."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (ImportError without matplotlib: no plot written)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = list(metrics or [plot_metric(report)])
+    return plt
+
+
+def bar_groups(ax: Any, groups: int, series: Sequence[tuple[str, Sequence[float]]]) -> list[Any]:
+    """One group of bars per x position 0 .. groups - 1, one bar per ``(label, values)`` of ``series`` in
+    each; returns each series' bars."""
+    width = 0.8 / max(1, len(series))
+    return [
+        ax.bar(
+            [j + (i - (len(series) - 1) / 2) * width for j in range(groups)], values, width=width, label=name
+        )
+        for i, (name, values) in enumerate(series)
+    ]
+
+
+def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) -> None:
+    """Grouped bars per shape and provider, one subplot per mode and metric (``metrics``: columns such as
+    ``ms`` or ``extra_mib``; default: the suite's first ratio column that has values, else ms)."""
+    plt = pyplot()
+    default = [
+        c
+        for c in report.suite.columns
+        if c in PLOT_METRICS and any(getattr(r, c) is not None for r in report.rows)
+    ]
+    metrics = list(metrics or default[:1] or ["ms"])
     providers = [p for p in report.providers if p not in report.skipped]
     panels = [(metric, mode) for metric in metrics for mode in report.modes]
     panel_width = min(8.0, max(4.0, 1.5 + 0.35 * len(report.shapes) * max(1, len(providers))))
-    fig_width = max(6.0, panel_width * len(panels))  # room for the title
-    fig, axes = plt.subplots(1, len(panels), figsize=(fig_width, 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, panel_width * len(panels)), 4), squeeze=False)
     axes = list(axes[0])
-    width = 0.8 / max(1, len(providers))
     for ax, (metric, mode) in zip(axes, panels, strict=True):
-        for i, prov in enumerate(providers):
-            vals = []
-            for s in report.shapes:
-                r = report.row(s, prov, mode)
-                v = None if r is None else getattr(r, metric)
-                vals.append(float("nan") if v is None else v)
-            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(report.shapes))]
-            ax.bar(xs, vals, width=width, label=prov)
+        series = []
+        for prov in providers:
+            rows = [report.row(s, prov, mode) for s in report.shapes]
+            values = [None if r is None else getattr(r, metric) for r in rows]
+            series.append((prov, [float("nan") if v is None else v for v in values]))
+        bar_groups(ax, len(report.shapes), series)
         ax.set_xticks(range(len(report.shapes)))
         ax.set_xticklabels([shape_label(s) for s in report.shapes], fontsize=8)
         ax.set_title(mode if len(metrics) == 1 else f"{mode}: {COLUMN_TITLES[metric]}")
@@ -396,11 +401,42 @@ def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) 
         if metric in PLOT_METRICS:
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     axes[0].legend(fontsize=8)
-    dtype = DTYPE_NAMES.get(report.dtype, str(report.dtype))
-    fig.suptitle(f"fuselm bench {report.suite.name}, {dtype}, {report.metadata.get('device')}", fontsize=10)
+    title = f"fuselm bench {report.suite.name}, {dtype_name(report.dtype)}, {report.metadata.get('device')}"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_files(
+    name: str,
+    out_dir: str | Path,
+    markdown: str,
+    data: dict[str, Any],
+    write_png: Callable[[Path], None] | None = None,
+) -> dict[str, Path]:
+    """Write ``<name>.md``, ``<name>.json`` and (``write_png(path)``, skipped without matplotlib)
+    ``<name>.png`` into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
+    paths["md"].write_text(markdown)
+    paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
+    png = paths.pop("png")
+    try:
+        if write_png is not None:
+            write_png(png)
+            paths["png"] = png
+    except ImportError as e:
+        print(f"no plot written ({e}); pip install matplotlib")
+    return paths
+
+
+def print_written(text: str, paths: dict[str, Path]) -> None:
+    """The report printed at the end of a run, and the files written."""
+    print()
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
 def write_report(
@@ -411,19 +447,12 @@ def write_report(
     extra_json: dict[str, Any] | None = None,
     plot_metrics: Sequence[str] | None = None,
 ) -> dict[str, Path]:
-    """Write ``<suite>.md``, ``<suite>.json`` and ``<suite>.png`` into ``out_dir``; return their paths.
-
-    ``extra_markdown`` goes after the table (:func:`markdown`), ``extra_json`` is merged into the JSON's
-    top level, ``plot_metrics`` picks the plotted columns (:func:`write_png`)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = report.suite.name
-    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
-    paths["md"].write_text(markdown(report, extra_markdown))
-    paths["json"].write_text(json.dumps({**to_json(report), **(extra_json or {})}, indent=2) + "\n")
-    try:
-        write_png(report, paths["png"], plot_metrics)
-    except ImportError as e:
-        print(f"no plot written ({e}); pip install matplotlib")
-        del paths["png"]
-    return paths
+    """An op suite's :func:`write_files`: ``extra_markdown`` after the table, ``extra_json`` merged into the
+    JSON's top level, ``plot_metrics`` the plotted columns (:func:`write_png`)."""
+    return write_files(
+        report.suite.name,
+        out_dir,
+        markdown(report, extra_markdown),
+        {**to_json(report), **(extra_json or {})},
+        lambda path: write_png(report, path, plot_metrics),
+    )

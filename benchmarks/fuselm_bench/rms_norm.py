@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+from fuselm.ops.rms_norm import rms_norm
+
+from .arguments import parse_shapes
 from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite, compiled_setup, import_peer
 
 EPS = 1e-6
@@ -90,14 +93,6 @@ def _torch_fn(x: Inputs) -> Any:
     return hf_llama_rms_norm(s, x["weight"]), s
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Hugging Face's LlamaRMSNorm code, eager (with S = 2 the add first)."""
-    return _torch_fn
-
-
-setup_torch_compile = compiled_setup(_torch_fn)
-
-
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's RMSNorm (CUDA, importable liger_kernel); with S = 2 an eager add first."""
     function = import_peer(device, "liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
@@ -111,44 +106,26 @@ def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     return run
 
 
-def _needs(x: Inputs, residual: bool, name: str) -> None:
-    if ("residual" in x) != residual:
-        raise SkipProvider(f"{name} runs the S = {1 + int(residual)} shapes")
-
-
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.rms_norm (S = 1 shapes; the fused residual is fuselm_residual)."""
-    from fuselm.ops.rms_norm import rms_norm
+def _only(name: str, residual: bool, fn: Callable[[Inputs], Any]) -> Callable[[torch.device], Any]:
+    """The setup of a provider of the S = 2 (``residual``) or the S = 1 shapes (skipped at the others)."""
 
     def run(x: Inputs) -> Any:
-        _needs(x, False, "fuselm")
-        return rms_norm(x["x"], x["weight"], EPS)
+        if ("residual" in x) != residual:
+            raise SkipProvider(f"{name} runs the S = {1 + int(residual)} shapes")
+        return fn(x)
 
-    return run
-
-
-def setup_fuselm_residual(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.rms_norm with the residual add fused (S = 2 shapes)."""
-    from fuselm.ops.rms_norm import rms_norm
-
-    def run(x: Inputs) -> Any:
-        _needs(x, True, "fuselm_residual")
-        return rms_norm(x["x"], x["weight"], EPS, residual=x["residual"])
-
-    return run
+    return lambda device: run
 
 
-def setup_torch_add_then_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """s = x + residual in PyTorch, then fuselm.rms_norm(s) (S = 2 shapes)."""
-    from fuselm.ops.rms_norm import rms_norm
+def _add_then_fuselm(x: Inputs) -> Any:
+    s = x["x"] + x["residual"]
+    return rms_norm(s, x["weight"], EPS), s
 
-    def run(x: Inputs) -> Any:
-        _needs(x, True, "torch_add_then_fuselm")
-        s = x["x"] + x["residual"]
-        return rms_norm(s, x["weight"], EPS), s
 
-    return run
-
+setup_fuselm = _only("fuselm", False, lambda x: rms_norm(x["x"], x["weight"], EPS))
+setup_fuselm_residual = _only(
+    "fuselm_residual", True, lambda x: rms_norm(x["x"], x["weight"], EPS, residual=x["residual"])
+)
 
 SUITE = Suite(
     name="rms_norm",
@@ -157,12 +134,16 @@ SUITE = Suite(
     gpu_shapes=((16384, 4096, 1), (32768, 8192, 1), (16384, 4096, 2), (32768, 8192, 2)),
     cpu_shapes=((256, 256, 1), (256, 256, 2)),
     providers=(
-        Provider("torch", setup_torch, "Hugging Face LlamaRMSNorm code, eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        Provider("torch", lambda device: _torch_fn, "Hugging Face LlamaRMSNorm code, eager"),
+        Provider("torch_compile", compiled_setup(_torch_fn), "torch.compile of the eager function"),
         Provider("liger", setup_liger, "liger_kernel LigerRMSNormFunction (in_place=False)"),
         Provider("fuselm", setup_fuselm, "fuselm.rms_norm (S = 1)"),
         Provider("fuselm_residual", setup_fuselm_residual, "fuselm.rms_norm(..., residual=) (S = 2)"),
-        Provider("torch_add_then_fuselm", setup_torch_add_then_fuselm, "x + residual, then fuselm.rms_norm"),
+        Provider(
+            "torch_add_then_fuselm",
+            _only("torch_add_then_fuselm", True, _add_then_fuselm),
+            "x + residual, then fuselm.rms_norm",
+        ),
     ),
     make_inputs=make_inputs,
     cost=cost,
@@ -271,9 +252,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if not args.tune:
         parser.print_help()
         return 0
-    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
     device = torch.device(args.device) if args.device else None
-    tune(shapes, device=device, quick=args.quick)
+    tune(parse_shapes(args.shapes) if args.shapes else None, device=device, quick=args.quick)
     return 0
 
 

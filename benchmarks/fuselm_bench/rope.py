@@ -22,12 +22,11 @@ bf16, as docs/peers.md counts). cos/sin (``D / (Hq + Hkv)`` of a q/k row per pos
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from fuselm.ops.rope import apply_rotary
+
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
 
 ROPE_THETA = 500000.0  # Llama 3
 
@@ -79,27 +78,6 @@ def _args(x: Inputs) -> tuple[torch.Tensor, ...]:
     return x["q"], x["k"], x["cos"], x["sin"]
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Hugging Face's eager code."""
-    return lambda x: hf_apply_rotary_pos_emb(*_args(x))
-
-
-setup_torch_compile = compiled_setup(hf_apply_rotary_pos_emb, _args)
-
-
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.apply_rotary (Hugging Face layout)."""
-    from fuselm.ops.rope import apply_rotary
-
-    return lambda x: apply_rotary(*_args(x))
-
-
-def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
-    """Liger-Kernel's RoPE (needs CUDA and an importable liger_kernel)."""
-    function = import_peer(device, "liger_kernel.ops.rope", "LigerRopeFunction")
-    return lambda x: function.apply(*_args(x))
-
-
 SUITE = Suite(
     name="rope",
     description="rotary position embedding of q [B, Hq, T, D] and k [B, Hkv, T, D] (Hugging Face layout)",
@@ -107,10 +85,22 @@ SUITE = Suite(
     gpu_shapes=((4, 4096, 32, 8, 128), (1, 8192, 64, 8, 128)),
     cpu_shapes=((1, 16, 8, 2, 64),),  # small: under TRITON_INTERPRET=1 every (b, t) is a numpy program
     providers=(
-        Provider("torch", setup_torch, "Hugging Face apply_rotary_pos_emb, eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
-        Provider("fuselm", setup_fuselm, "fuselm.apply_rotary"),
-        Provider("liger", setup_liger, "liger_kernel LigerRopeFunction"),
+        Provider(
+            "torch",
+            lambda device: lambda x: hf_apply_rotary_pos_emb(*_args(x)),
+            "Hugging Face apply_rotary_pos_emb, eager",
+        ),
+        Provider(
+            "torch_compile",
+            compiled_setup(hf_apply_rotary_pos_emb, _args),
+            "torch.compile of the eager function",
+        ),
+        Provider("fuselm", lambda device: lambda x: apply_rotary(*_args(x)), "fuselm.apply_rotary"),
+        Provider(
+            "liger",
+            peer_apply("liger_kernel.ops.rope", "LigerRopeFunction", _args),
+            "liger_kernel LigerRopeFunction",
+        ),
     ),
     make_inputs=make_inputs,
     cost=cost,

@@ -18,28 +18,17 @@ from typing import Any
 import torch
 
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
-from .harness import MODES, Ceilings, Report, Shape, Suite, measure_ceilings, run_suite
-from .report import collect_metadata, markdown, markdown_table, write_report
-
-CPU_NOTICE = (
-    "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
-    "not comparable to GPU results."
-)
+from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
+from .report import collect_metadata, markdown, markdown_table, print_written, write_report
 
 
 @dataclass
 class Session:
-    """Where and how a run measures and writes: the device, ``--dtype``, ``--modes``, ``--quick``, the
-    progress bar, the run's metadata, the results folder, the ceilings."""
+    """Where a run writes, and :func:`~fuselm_bench.harness.run_suite`'s options of the run: the device,
+    ``--dtype``, ``--modes``, ``--quick``, the progress bar, the run's metadata, the ceilings."""
 
-    device: torch.device
-    dtype: torch.dtype
-    modes: list[str]
-    quick: bool
-    progress: bool
-    metadata: dict[str, Any]
     out_dir: Path
-    ceilings: Ceilings
+    options: dict[str, Any]
 
     def run(
         self,
@@ -48,20 +37,7 @@ class Session:
         providers: Sequence[str],
         log: Callable[[str], None] = print,
     ) -> Report:
-        """:func:`~fuselm_bench.harness.run_suite` of ``suite`` with this session's options."""
-        return run_suite(
-            suite,
-            shapes=shapes,
-            dtype=self.dtype,
-            modes=self.modes,
-            providers=providers,
-            device=self.device,
-            quick=self.quick,
-            ceilings=self.ceilings,
-            metadata=self.metadata,
-            progress=self.progress,
-            log=log,
-        )
+        return run_suite(suite, shapes=shapes, providers=providers, log=log, **self.options)
 
 
 def plan_suite(
@@ -104,7 +80,10 @@ def start(
     meta = collect_metadata(device, argv)
     meta.update(metadata or {})
     if not cuda:
-        print(CPU_NOTICE)
+        print(
+            "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
+            "not comparable to GPU results."
+        )
     print(
         f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, fuselm @ {meta['commit']}"
     )
@@ -114,15 +93,8 @@ def start(
     copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
     gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
-    session = Session(device, dtype, modes, args.quick, not args.no_progress, meta, out_dir, ceilings)
-    return session, plans
-
-
-def print_written(text: str, paths: dict[str, Path]) -> None:
-    """The report printed at the end of a run, and the files written."""
-    print()
-    print(text)
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    options = {"dtype": dtype, "modes": modes, "device": device, "quick": args.quick, "ceilings": ceilings}
+    return Session(out_dir, {**options, "metadata": meta, "progress": not args.no_progress}), plans
 
 
 def finish(

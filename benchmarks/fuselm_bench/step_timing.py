@@ -138,33 +138,20 @@ class KernelProfile:
 
     def top(self, n: int = 25) -> list[tuple[str, float, float]]:
         """The ``n`` kernels of most device time: (name, ms per step, launches per step)."""
-        ranked = sorted(self.by_name.items(), key=lambda kv: -kv[1][0])[:n]
-        steps = max(self.steps, 1)
-        return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
+        return self._ranked(self.by_name, n)
 
     def top_idle(self, n: int = 10) -> list[tuple[str, float, float]]:
         """The ``n`` events the device waited longest before: (name, idle ms per step, gaps per step)."""
-        ranked = sorted(self.idle_before.items(), key=lambda kv: -kv[1][0])[:n]
+        return self._ranked(self.idle_before, n)
+
+    def _ranked(self, table: dict[str, list[float]], n: int) -> list[tuple[str, float, float]]:
         steps = max(self.steps, 1)
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][0])[:n]
         return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
 
     def per_step(self, field_name: str) -> float | None:
         """``field_name``'s total over the window / its steps (None without steps)."""
         return getattr(self, field_name) / self.steps if self.steps else None
-
-
-def profile_steps(step: Step, first: int, count: int, device: torch.device) -> KernelProfile:
-    """Run steps ``first .. first + count - 1`` under ``torch.profiler`` (CPU and, on CUDA, CUDA activity;
-    no shapes, stacks or memory recorded) and return their :class:`KernelProfile` (all zero on a CPU);
-    the logged values of those steps are returned by :func:`run_steps`, not here."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for i in range(first, first + count):
-            step(i)
-        sync(device)
-    return KernelProfile.from_events(prof.events(), count)
 
 
 @dataclass
@@ -197,7 +184,8 @@ class StepRun:
 
 
 def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: torch.device) -> StepRun:
-    """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under :func:`profile_steps`.
+    """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under ``torch.profiler``
+    (:class:`KernelProfile`: all zero on a CPU).
 
     Each timed step runs between two device synchronizations (its wall time is theirs); the process's CPU
     time is read before the closing one, so a host that waits for the device does not count the wait (a
@@ -228,9 +216,16 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
         sync(device)
         step_s.append(time.perf_counter() - t0)
     profile = None
-    if profiled > 0:
-        first = warmup + steps
-        profile = profile_steps(lambda i: logged.append(step(i)), first, profiled, device)
+    if profiled > 0:  # CPU and, on CUDA, CUDA activity; no shapes, stacks or memory recorded
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for i in range(warmup + steps, warmup + steps + profiled):
+                logged.append(step(i))
+            sync(device)
+        profile = KernelProfile.from_events(prof.events(), profiled)
     return StepRun(
         logged=torch.stack([t.detach().double() for t in logged]).cpu().tolist() if logged else [],
         warmup_s=warmup_s,

@@ -15,13 +15,12 @@ dout, gate and up and writes dgate and dup (5 accesses, 10 B); forward + backwar
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from fuselm.ops.swiglu import swiglu
+
+from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
 
 ACCESSES = {"fwd": 3, "bwd": 5, "full": 8}  # element reads + writes per mode
 
@@ -44,25 +43,8 @@ def _torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def setup_torch(device: torch.device) -> Callable[[Inputs], Any]:
-    """Eager PyTorch, in the input dtype."""
-    return lambda x: _torch_swiglu(x["gate"], x["up"])
-
-
-setup_torch_compile = compiled_setup(_torch_swiglu, lambda x: (x["gate"], x["up"]))
-
-
-def setup_fuselm(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.swiglu."""
-    from fuselm.ops.swiglu import swiglu
-
-    return lambda x: swiglu(x["gate"], x["up"])
-
-
-def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
-    """Liger-Kernel's LigerSiLUMulFunction (needs CUDA and an importable liger_kernel)."""
-    function = import_peer(device, "liger_kernel.ops.swiglu", "LigerSiLUMulFunction")
-    return lambda x: function.apply(x["gate"], x["up"])
+def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return x["gate"], x["up"]
 
 
 SUITE = Suite(
@@ -72,10 +54,16 @@ SUITE = Suite(
     gpu_shapes=((16384, 14336), (8192, 14336), (16384, 11008)),
     cpu_shapes=((128, 512), (33, 1000)),
     providers=(
-        Provider("torch", setup_torch, "F.silu(gate) * up, eager"),
-        Provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
-        Provider("fuselm", setup_fuselm, "fuselm.swiglu"),
-        Provider("liger", setup_liger, "liger_kernel LigerSiLUMulFunction"),
+        Provider("torch", lambda device: lambda x: _torch_swiglu(*_args(x)), "F.silu(gate) * up, eager"),
+        Provider(
+            "torch_compile", compiled_setup(_torch_swiglu, _args), "torch.compile of the eager function"
+        ),
+        Provider("fuselm", lambda device: lambda x: swiglu(*_args(x)), "fuselm.swiglu"),
+        Provider(
+            "liger",
+            peer_apply("liger_kernel.ops.swiglu", "LigerSiLUMulFunction", _args),
+            "liger_kernel LigerSiLUMulFunction",
+        ),
     ),
     make_inputs=make_inputs,
     cost=cost,

@@ -1,61 +1,39 @@
 """The vocabulary split over ranks: ``fuselm bench linear_cross_entropy|linear_log_probs --world-size W``.
 
 The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU):
-rank r holds the contiguous rows ``W[start_r:start_r + V_r]`` as ``torch.tensor_split`` cuts them (V = qW +
-m: the first m ranks get q + 1 rows; 128256 over 2 ranks is 64128 + 64128). Shapes are ``N x H x V``
-(``--shapes 8192x4096x128256``). Two ops run on the same machinery (:data:`OPS`, keyed by the single-GPU
-suite's name; each picks its inputs, its providers and the loss they return):
+rank r holds the contiguous rows of W that ``torch.tensor_split`` gives it (128256 over 2 ranks: 64128 +
+64128). Shapes are ``N x H x V``. Two ops (:data:`OPS`, keyed by the single-GPU suite's name, whose inputs
+they take: x ~ N(0, 1), W ~ N(0, 1/H), 1/7 of the targets -100, made from one seed and broadcast from rank
+0): ``linear_cross_entropy`` (the mean over the non-ignored targets) and ``linear_log_probs`` (``loss =
+log_probs.sum()``: every token's upstream gradient is 1, an RL loss with unit advantages; no op can use it
+in its forward). Each provider is timed forward + backward of its loss, ``torch.autograd.grad`` w.r.t. x
+and the rank's weight rows (the op suites' ``full`` mode). The providers, the same for both ops:
 
-- ``linear_cross_entropy``: ``loss = cross_entropy(x @ W.T, target)``, the mean over the non-ignored
-  targets. Inputs from that suite's ``make_inputs``.
-- ``linear_log_probs``: per-token ``log_probs[i] = log softmax(x @ W.T)[i, target_i]`` (0 at ignored
-  targets), ``loss = log_probs.sum()``: the **sum** over the tokens, so every token's upstream gradient is 1
-  (an RL loss with unit advantages; no op can use it in its forward). Inputs from that suite's
-  ``make_inputs`` at ``(N, H, V, 7, 1)``: the same random x, W and targets as linear_cross_entropy's,
-  1/7 of the targets -100 as in that suite, log_probs only.
+- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy`` / ``linear_log_probs(...).log_probs`` on
+  every rank: the result over the whole vocabulary, no rank ever holding ``[N, V]``.
+- ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output): x
+  through an identity whose backward all-reduces its gradient, the local logits ``[N, V_r]`` all-gathered
+  into ``[N, V]`` (backward: the rank's columns, no communication), then the eager loss in fp32. Not
+  ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W times
+  too much for a loss that every rank computes in full.
+- ``fuselm_single``: ``fuselm.linear_cross_entropy`` / ``linear_log_probs`` with the whole W on rank 0 alone
+  (the other ranks wait): the single-GPU reference.
 
-x ``[N, H]`` (N(0, 1)), W (N(0, 1/H)) and target ``[N]`` are made from one seed and broadcast from rank 0,
-so every rank holds the same problem. Each provider is timed forward + backward of its loss,
-``torch.autograd.grad`` w.r.t. x and the rank's weight rows (the op suites' ``full`` mode). The providers,
-the same three names for both ops:
+Method: a group of W spawned processes first measures the card's ceilings on every rank, then runs every
+(shape, provider) in turn. Per case: inputs, ``warmup`` steps (the first records the loss and the gradient
+norm, a cross-check of the providers), one step for memory (CUDA: peak allocated minus allocated before,
+minus the returned gradients' fresh bytes, as the op suites count ``extra``), a barrier, then ``steps``
+steps, each between two CUDA events (CPU: ``time.perf_counter``). A fixed count, not
+``triton.testing.do_bench``, which picks its repetitions per process: ranks could disagree on the number
+of collectives and hang. A rank's time is the median of its steps; a row's time the slowest rank's (the
+step ends when the last rank's does), its extra memory the largest rank's; the JSON keeps every rank's.
+FLOPs are per rank: 6NHV/W for the split providers, 6NHV for the single GPU, so ``x floor`` is the time
+over the GEMM floor of the work one GPU does (per-token log-probs recompute the logits in the backward:
+8NHV, 1.33x floor, bounds them).
 
-- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy(x, W_r, target, vocab_sizes=...)`` /
-  ``fuselm.distributed.linear_log_probs(x, W_r, target, vocab_sizes=...).log_probs`` on every rank: the
-  result over the whole vocabulary, no rank ever holding ``[N, V]``.
-- ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output):
-  x enters through an identity whose backward all-reduces its gradient, the local logits
-  ``x @ W_r.T`` ``[N, V_r]`` are all-gathered into ``[N, V]`` (backward: the rank's columns of the
-  gradient, no communication), then ``F.cross_entropy(logits.float(), target)`` /
-  ``logits.float().log_softmax(-1).gather(-1, target[:, None])`` (0 at ignored targets). Not
-  ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W
-  times too much for a loss that every rank computes in full.
-- ``fuselm_single``: ``fuselm.linear_cross_entropy(x, W, target)`` / ``fuselm.linear_log_probs(x, W,
-  target).log_probs`` with the whole W on rank 0 alone (the other ranks wait): the single-GPU reference
-  the split is compared with.
-
-Method: one group of W spawned processes (``torch.multiprocessing``, ``file://`` init in a temporary
-folder) first measures the card's ceilings on every rank (``harness.measure_ceilings``), then runs every
-(shape, provider) in turn. Per case: inputs, ``warmup`` steps (the first one also records the loss and
-the gradient norm, a cross-check of the providers), one step for memory (CUDA: peak allocated minus
-allocated before, minus the returned gradients' fresh bytes, as the op suite counts ``extra``), a
-barrier, then ``steps`` steps, each between two CUDA events (CPU: ``time.perf_counter``). A fixed count,
-not ``triton.testing.do_bench``: that picks its repetitions per process from timings, ranks could
-disagree on the number of collectives and hang. A rank's time is the median of its steps; a row's time
-is the slowest rank's (the step ends when the last rank's does), its extra memory the largest rank's;
-the JSON keeps every rank's. FLOPs are per rank, for both ops: 6NHV/W for the split providers, 6NHV for
-the single GPU, so ``x floor`` is the time over the GEMM floor of the work one GPU does (per-token
-log-probs recompute the logits in the backward: 8NHV, 1.33x floor, bounds them).
-
-Failures: a case ends with an all-reduce of its status (ok, skipped, OOM, error) on every rank, so all
-ranks go on to the next case together, a failed case reported as such (``OOM`` for
-``torch.cuda.OutOfMemoryError``). A rank that fails inside a collective can leave the others waiting in
-it: each rank writes its results to a file as it goes, the parent watches them
-(:mod:`fuselm_bench.rank_group`, shared with ``fuselm bench finetune --world-size``), kills a group that
-makes no progress
-(``CASE_TIMEOUT_S``; ``rank_group.FAILED_GRACE_S`` once a rank has reported a failure) and starts a fresh
-group for the remaining cases.
-
-Reports: ``<op>_ws<W>.{md,json,png}`` (``linear_log_probs_ws2.md``).
+Failures: the ranks agree on each case's status (:mod:`fuselm_bench.rank_group`, shared with ``fuselm
+bench finetune --world-size``); a group that fails or makes no progress (``CASE_TIMEOUT_S``) is killed and
+a fresh group runs the cases left. Reports: ``<op>_ws<W>.{md,json,png}``.
 """
 
 from __future__ import annotations
@@ -63,7 +41,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,10 +50,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fuselm
+import fuselm.distributed
+
 from . import linear_cross_entropy as lce
 from . import linear_log_probs as llp
 from . import rank_group
-from .arguments import StepCounts, results_dir
+from .arguments import StepCounts, UsageError, pick_device, results_dir, warmup_steps_dtype
 from .cases import run_cases
 from .harness import (
     MIB,
@@ -89,13 +69,15 @@ from .harness import (
     Shape,
     Suite,
     _finish,
+    call_times_ms,
     fresh_bytes,
-    import_peer,
     measure_ceilings,
     peak_extra_bytes,
+    run_measured,
     sync,
 )
-from .report import fmt_num, md_table, ratio, shape_label
+from .report import collect_metadata, device_name, fmt_num, md_table, ratio, shape_label
+from .runner import finish, plan_suite
 
 PROVIDERS = ("fuselm_split", "allgather_logits", "fuselm_single")  # every op's, in this order
 SPLIT_PROVIDERS = PROVIDERS[:2]  # the work spread over every rank
@@ -155,11 +137,8 @@ class _GatherVocab(torch.autograd.Function):
 
 
 def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Sequence[int]) -> torch.Tensor:
-    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]``.
-
-    x ``[N, H]`` the same on every rank, weight_rows this rank's ``[V_r, H]`` of the split ``vocab_sizes``;
-    backward: this rank's columns of the gradient into its rows, dx summed over the ranks.
-    """
+    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]`` (x the same on
+    every rank; backward: this rank's columns of the gradient into its rows, dx summed over the ranks)."""
     local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
     return _GatherVocab.apply(local, tuple(vocab_sizes))
 
@@ -185,44 +164,11 @@ def allgather_logits_log_probs(
 
 
 # ---- the ops: providers fn(inputs) -> the scalar loss timed; inputs: input, linear_weight (the rank's
-# rows for the split providers, the whole W for fuselm_single), target, vocab_sizes
+# rows for the split providers, the whole W for fuselm_single), target, vocab_sizes (the split)
 
 
 def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x["input"], x["linear_weight"], x["target"]
-
-
-def _split_op(device: torch.device, name: str) -> Callable[..., Any]:
-    return import_peer(device, "fuselm.distributed", name, "fuselm.distributed", cuda=False)
-
-
-def setup_lce_split(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.distributed.linear_cross_entropy on this rank's rows (the split passed: no size exchange)."""
-    split_lce = _split_op(device, "linear_cross_entropy")
-    return lambda x: split_lce(*_args(x), vocab_sizes=x["vocab_sizes"], memory="auto")
-
-
-def setup_lce_allgather(device: torch.device) -> Callable[[Inputs], Any]:
-    """All-gathered logits + F.cross_entropy (:func:`allgather_logits_loss`)."""
-    return lambda x: allgather_logits_loss(*_args(x), x["vocab_sizes"])
-
-
-def setup_llp_split(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.distributed.linear_log_probs on this rank's rows, summed over the tokens."""
-    split_llp = _split_op(device, "linear_log_probs")
-    return lambda x: split_llp(*_args(x), vocab_sizes=x["vocab_sizes"], memory="auto").log_probs.sum()
-
-
-def setup_llp_allgather(device: torch.device) -> Callable[[Inputs], Any]:
-    """All-gathered logits, log_softmax, gather (:func:`allgather_logits_log_probs`), summed."""
-    return lambda x: allgather_logits_log_probs(*_args(x), x["vocab_sizes"]).sum()
-
-
-def setup_llp_single(device: torch.device) -> Callable[[Inputs], Any]:
-    """fuselm.linear_log_probs on the whole W, summed over the tokens."""
-    import fuselm
-
-    return lambda x: fuselm.linear_log_probs(*_args(x), memory="auto").log_probs.sum()
 
 
 def llp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
@@ -262,10 +208,18 @@ OPS: dict[str, VocabParallelOp] = {
             cost=lce.cost,
             providers=(
                 Provider(
-                    "fuselm_split", setup_lce_split, "fuselm.distributed.linear_cross_entropy, every rank"
+                    "fuselm_split",
+                    lambda device: (
+                        lambda x: fuselm.distributed.linear_cross_entropy(
+                            *_args(x), vocab_sizes=x["vocab_sizes"], memory="auto"
+                        )
+                    ),
+                    "fuselm.distributed.linear_cross_entropy, every rank",
                 ),
                 Provider(
-                    "allgather_logits", setup_lce_allgather, "all-gathered [N, V] logits + F.cross_entropy"
+                    "allgather_logits",
+                    lambda device: lambda x: allgather_logits_loss(*_args(x), x["vocab_sizes"]),
+                    "all-gathered [N, V] logits + F.cross_entropy",
                 ),
                 Provider("fuselm_single", lce.setup_fuselm, "fuselm.linear_cross_entropy, whole W on rank 0"),
             ),
@@ -281,17 +235,23 @@ OPS: dict[str, VocabParallelOp] = {
             providers=(
                 Provider(
                     "fuselm_split",
-                    setup_llp_split,
+                    lambda device: (
+                        lambda x: fuselm.distributed.linear_log_probs(
+                            *_args(x), vocab_sizes=x["vocab_sizes"], memory="auto"
+                        ).log_probs.sum()
+                    ),
                     "fuselm.distributed.linear_log_probs(...).log_probs.sum(), every rank",
                 ),
                 Provider(
                     "allgather_logits",
-                    setup_llp_allgather,
+                    lambda device: lambda x: allgather_logits_log_probs(*_args(x), x["vocab_sizes"]).sum(),
                     "all-gathered [N, V] logits, .float().log_softmax(-1).gather(-1, target[:, None]), sum",
                 ),
                 Provider(
                     "fuselm_single",
-                    setup_llp_single,
+                    lambda device: (
+                        lambda x: fuselm.linear_log_probs(*_args(x), memory="auto").log_probs.sum()
+                    ),
                     "fuselm.linear_log_probs(...).log_probs.sum(), whole W on rank 0",
                 ),
             ),
@@ -310,7 +270,6 @@ def make_suite(op: str, world_size: int) -> Suite:
     """The suite of a run of ``op`` (a key of :data:`OPS`) over ``world_size`` ranks (its name names the
     report files: ``<op>_ws<world_size>``)."""
     spec = OPS[op]
-    assert tuple(p.name for p in spec.providers) == PROVIDERS, spec.providers
     return Suite(
         name=f"{spec.name}_ws{world_size}",
         description=(
@@ -379,32 +338,11 @@ def _inputs(case: Case, plan: SplitRun, device: torch.device, rank: int) -> Inpu
     return {**x, "linear_weight": rows, "vocab_sizes": sizes}
 
 
-def time_steps(step: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
-    """Milliseconds of each of ``steps`` calls: two CUDA events around each (no host sync in between),
-    ``time.perf_counter`` on CPU."""
-    if device.type != "cuda":
-        out = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)
-    ]
-    for start, end in events:
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
-
-
 def _measure(case: Case, plan: SplitRun, device: torch.device, rank: int) -> dict[str, Any]:
-    """One rank's share of one case: loss, gradient norm, memory (CUDA), step times."""
+    """One rank's share of one case: loss, gradient norm, memory (CUDA), step times (a fixed count, each
+    between two CUDA events: :func:`harness.call_times_ms`)."""
     split = case.provider in SPLIT_PROVIDERS
-    suite = make_suite(plan.op, plan.world_size)
-    fn = suite.provider(case.provider).setup(device)  # SkipProvider: before collectives
+    fn = make_suite(plan.op, plan.world_size).provider(case.provider).setup(device)  # before collectives
     inputs = _inputs(case, plan, device, rank)
     wrt = [inputs["input"], inputs["linear_weight"]]
 
@@ -433,61 +371,30 @@ def _measure(case: Case, plan: SplitRun, device: torch.device, rank: int) -> dic
         del result
     if split:
         dist.barrier()
-    out["times_ms"] = time_steps(step, device, plan.steps)
+    out["times_ms"] = call_times_ms(lambda _: step(), plan.steps, device)
     out["ms"] = statistics.median(out["times_ms"])
     return out
 
 
-def _run_case(case: Case, plan: SplitRun, device: torch.device, rank: int, path: Path) -> None:
-    """Measure (a split provider, or rank 0 of the single one), then agree on the status with every rank
-    (:func:`rank_group.finish_case`, also the barrier of the ranks idle during fuselm_single)."""
-    record: dict[str, Any] = {"kind": "case", "index": case.index, "rank": rank, "status": "ok"}
-    if case.provider in SPLIT_PROVIDERS or rank == 0:
-        rank_group.measure_into(record, lambda: _measure(case, plan, device, rank), device)
-    rank_group.finish_case(record, path, device)
-
-
 def _worker(rank: int, plan: SplitRun, init_file: str, out_dir: str) -> None:
-    """A spawned rank: join the group, measure the ceilings (if asked), run the cases, write records."""
-    from .report import device_name
-
+    """A spawned rank: join the group, measure the ceilings (if asked), run the cases (a split provider, or
+    rank 0 of the single one, then the agreement, also the barrier of the ranks idle during
+    fuselm_single), write records."""
     path = Path(out_dir) / f"rank{rank}.jsonl"
     if plan.device_type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
     device = rank_group.join_group(rank, plan.world_size, plan.device_type, init_file, plan.timeout_s)
     try:
         ceilings = measure_ceilings(device, quick=plan.quick) if plan.ceilings else None
-        rank_group.append_record(
-            path,
-            {
-                "kind": "rank",
-                "rank": rank,
-                "device": device_name(device),
-                "ceilings": None if ceilings is None else asdict(ceilings),
-            },
-        )
+        info = {"kind": "rank", "rank": rank, "device": device_name(device)}
+        rank_group.append_record(path, {**info, "ceilings": None if ceilings is None else asdict(ceilings)})
         for case in plan.cases:
-            _run_case(case, plan, device, rank, path)
+            record: dict[str, Any] = {"kind": "case", "index": case.index, "rank": rank, "status": "ok"}
+            if case.provider in SPLIT_PROVIDERS or rank == 0:
+                record.update(run_measured(lambda case=case: _measure(case, plan, device, rank), device))
+            rank_group.finish_case(record, path, device)
     finally:
         dist.destroy_process_group()
-
-
-# ---- the parent: a group of ranks, watched ----
-
-
-_case_records = rank_group.case_records
-_rank_error = rank_group.rank_error
-
-
-def start_group(plan: SplitRun) -> rank_group.RankGroup:
-    """``plan``'s cases on ``plan.world_size`` fresh spawned ranks (:func:`_worker`)."""
-    return rank_group.RankGroup(
-        _worker,
-        (plan,),
-        world_size=plan.world_size,
-        timeout_s=plan.timeout_s,
-        prefix="fuselm-vocab-parallel-",
-    )
 
 
 # ---- rows, summary, report ----
@@ -505,10 +412,6 @@ class ParallelRow(OpRow):
     grad_norm: float | None = None
 
 
-def _traceback(record: dict[str, Any]) -> str:
-    return "\n" + record["traceback"] if record.get("traceback") else ""
-
-
 def case_row(
     suite: Suite,
     case: Case,
@@ -518,23 +421,18 @@ def case_row(
     ceilings: Ceilings,
     failure: str | None = None,
 ) -> ParallelRow:
-    """The row of one case from its ranks' final records (an error row when ``failure`` or a rank failed)."""
+    """The row of one case from its ranks' records (an error row when it failed:
+    :func:`rank_group.failed_case`, ``failure`` why the group stopped)."""
     split = case.provider in SPLIT_PROVIDERS
     sizes = vocab_split(case.shape[2], world_size) if split else [case.shape[2]]
     row = ParallelRow(
         shape=case.shape, provider=case.provider, mode="full", ranks=len(sizes), vocab_sizes=sizes
     )
-    by_rank = {r["rank"]: r for r in records}
-    if failure is None and len(by_rank) < world_size:
-        failure = f"results of ranks {sorted(set(range(world_size)) - set(by_rank))} missing"
-    if failure is not None:
-        row.error = failure
+    failed = rank_group.failed_case(records, case.index, world_size, failure)
+    if failed is not None:
+        row.error = ("skipped: " if failed["status"] == "skipped" else "") + failed["error"]
         return row
-    agreed = by_rank[0]["agreed"]
-    if agreed != "ok":
-        first = min((r for r in records if r["status"] == agreed), key=lambda r: r["rank"])
-        row.error = f"skipped: {first['error']}" if agreed == "skipped" else _rank_error(first)
-        return row
+    by_rank = {r["rank"]: r for r in rank_group.case_records(records, case.index)}
     working = [by_rank[r] for r in range(row.ranks)]
     row.rank_ms = [r["ms"] for r in working]
     row.rank_extra_bytes = [r.get("extra_bytes") for r in working]
@@ -548,28 +446,12 @@ def case_row(
     return _finish(row, Cost(flops=flops / row.ranks), ceilings)
 
 
-def case_line(case: Case, records: list[dict[str, Any]]) -> str:
-    """One progress line from a case's final records."""
-    label = f"{shape_label(case.shape)} {case.provider}"
-    bad = [r for r in records if r["status"] != "ok"]
-    if bad:
-        return f"{label}: {bad[0]['status']}: {_rank_error(bad[0])}" + _traceback(bad[0])
-    ms = [r["ms"] for r in records if "ms" in r]
-    return f"{label}: {fmt_num(max(ms))} ms (slowest rank), loss {records[0].get('loss', float('nan')):.5f}"
-
-
 def summary(report: Report, world_size: int) -> list[dict[str, Any]]:
     """Per shape: the split against its GEMM floor, the single GPU and the all-gathered logits."""
     out = []
+    names = {"split": "fuselm_split", "allgather": "allgather_logits", "single": "fuselm_single"}
     for shape in report.shapes:
-        rows = {
-            k: report.row(shape, p, "full")
-            for k, p in (
-                ("split", "fuselm_split"),
-                ("allgather", "allgather_logits"),
-                ("single", "fuselm_single"),
-            )
-        }
+        rows = {k: report.row(shape, p, "full") for k, p in names.items()}
         gemm = report.ceilings.gemm_tflops
         floor = report.suite.cost(shape, "full", report.dtype).flops / world_size
         ms = {k: None if r is None else r.ms for k, r in rows.items()}
@@ -594,38 +476,23 @@ def _mib(b: int | None) -> str:
     return "—" if b is None else fmt_num(b / MIB)
 
 
-def _x(v: float | None) -> str:
-    return "—" if v is None else f"{v:.2f}x"
-
-
 def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, Any]]) -> str:
     """The sections after the main table: split vs single and vs all-gathered logits, every rank's figures
     and ceilings, the providers."""
     rows = [
         [
-            shape_label(tuple(s["shape"])),
+            shape_label(s["shape"]),
             " + ".join(map(str, s["vocab_sizes"])),
-            fmt_num(s["split_ms"]),
-            fmt_num(s["split_floor_ms"]),
-            fmt_num(s["single_ms"]),
-            _x(s["split_vs_single"]),
+            *(fmt_num(s[k]) for k in ("split_ms", "split_floor_ms", "single_ms")),
+            "—" if s["split_vs_single"] is None else f"{s['split_vs_single']:.2f}x",
             fmt_num(s["allgather_ms"]),
-            _x(s["allgather_vs_split"]),
+            "—" if s["allgather_vs_split"] is None else f"{s['allgather_vs_split']:.2f}x",
             " / ".join(_mib(s[f"{k}_extra_bytes"]) for k in ("split", "allgather", "single")),
         ]
         for s in summary(report, world_size)
     ]
-    head = [
-        "N, H, V",
-        "V per rank",
-        "split ms",
-        "split GEMM floor ms",
-        "single ms",
-        "split / single",
-        "allgather ms",
-        "allgather / split",
-        "extra MiB split / allgather / single",
-    ]
+    head = ["N, H, V", "V per rank", "split ms", "split GEMM floor ms", "single ms", "split / single"]
+    head += ["allgather ms", "allgather / split", "extra MiB split / allgather / single"]
     lines = [
         f"## Split over {world_size} ranks vs one GPU and vs all-gathered logits",
         "",
@@ -674,55 +541,56 @@ def run(
 ) -> tuple[Report, list[dict[str, Any]]]:
     """Every (shape, provider) of ``op`` (a key of :data:`OPS`) on ``world_size`` ranks; returns the report
     and each rank's device and ceilings (nothing written). A group that fails or hangs is replaced by a fresh
-    one for the cases left."""
+    one for the cases left (none when a fresh group failed at once, without a rank saying why)."""
     suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
-    # the live group (None between groups), whether it has finished no case yet, what the first group said
-    # of the ranks (device, ceilings), and why the cases left are not run (a fresh group failed at once)
-    state: dict[str, Any] = {
-        "group": None,
-        "fresh": False,
-        "rank_info": [],
-        "ceilings": Ceilings(),
-        "gave_up": None,
-    }
-
-    def group_for(case: Case) -> rank_group.RankGroup:
-        """The live group, or a fresh one for this case and the ones after it (the first measures the
-        ceilings)."""
-        if state["group"] is None:
-            first = not state["rank_info"]
-            rest = tuple(c for c in cases if c.index >= case.index)
-            plan = SplitRun(op, world_size, device_type, dtype, max(warmup, 1), steps, quick, rest, first,
-                        CASE_TIMEOUT_S[device_type])  # fmt: skip
-            state["group"], state["fresh"] = start_group(plan), True
-        return state["group"]
+    group: rank_group.RankGroup | None = None
+    fresh = False  # the live group has finished no case yet
+    rank_info: list[dict[str, Any]] = []  # what the first group said of the ranks (device, ceilings)
+    ceilings = Ceilings()
+    gave_up: str | None = None  # why the cases left are not run
 
     def execute(case: Case) -> ParallelRow:
-        if state["gave_up"] is not None:
-            return case_row(
-                suite, case, [], world_size, dtype, state["ceilings"], f"not run: {state['gave_up']}"
+        nonlocal group, fresh, rank_info, ceilings, gave_up
+        if gave_up is not None:
+            return case_row(suite, case, [], world_size, dtype, ceilings, f"not run: {gave_up}")
+        if group is None:  # a fresh group for this case and the ones after it (the first measures ceilings)
+            rest = tuple(cases[case.index :])
+            plan = SplitRun(op, world_size, device_type, dtype, max(warmup, 1), steps, quick, rest,
+                            not rank_info, CASE_TIMEOUT_S[device_type])  # fmt: skip
+            group = rank_group.RankGroup(
+                _worker,
+                (plan,),
+                world_size=world_size,
+                timeout_s=plan.timeout_s,
+                prefix="fuselm-vocab-parallel-",
             )
-        group = group_for(case)
-        finished, failure = group.wait_for(case.index)
-        if not state["rank_info"]:
-            ranks = [r for r in group.records() if r["kind"] == "rank"]
-            state["rank_info"] = sorted(({k: v for k, v in r.items() if k != "kind"} for r in ranks),
-                                        key=lambda r: r["rank"])  # fmt: skip
-            if state["rank_info"] and state["rank_info"][0]["ceilings"]:
-                state["ceilings"] = Ceilings(**state["rank_info"][0]["ceilings"])
+            fresh = True
+        _, failure = group.wait_for(case.index)
+        records = group.records()
+        if not rank_info:
+            ranks = (r for r in records if r["kind"] == "rank")
+            rank_info = sorted(
+                ({k: v for k, v in r.items() if k != "kind"} for r in ranks), key=lambda r: r["rank"]
+            )
+            if rank_info and rank_info[0]["ceilings"]:
+                ceilings = Ceilings(**rank_info[0]["ceilings"])
+        why = None if failure is None else group.failure_with_output() or "the ranks stopped early"
+        row = case_row(suite, case, records, world_size, dtype, ceilings, why)
+        said = rank_group.case_records(records, case.index, final=False)
+        label = f"{shape_label(case.shape)} {case.provider}"
+        tb = next((r["traceback"] for r in said if r.get("traceback")), None)
         if failure is None:
-            state["fresh"] = False
-            log(case_line(case, finished))
-            return case_row(suite, case, finished, world_size, dtype, state["ceilings"])
-        notice = _case_records(group.records(), case.index, final=False)
-        why = _rank_error(notice[0]) if notice else (group.failure_with_output() or "the ranks stopped early")
-        log(f"{shape_label(case.shape)} {case.provider}: {why}" + (_traceback(notice[0]) if notice else ""))
-        if state["fresh"] and not notice:  # no progress and no reason: a fresh group would fail the same way
-            state["gave_up"] = group.failure_with_output() or "the ranks stopped early"
+            fresh = False
+            ok = f"{fmt_num(row.ms)} ms (slowest rank), loss {row.loss:.5f}" if row.error is None else None
+            log(f"{label}: {ok or row.status + ': ' + row.error}" + (f"\n{tb}" if tb else ""))
+            return row
+        log(f"{label}: {row.error}" + (f"\n{tb}" if tb else ""))
+        if fresh and not said:  # no progress and no reason: a fresh group would fail the same way
+            gave_up = why
         group.close()
-        state["group"] = None
-        return case_row(suite, case, [], world_size, dtype, state["ceilings"], why)
+        group = None
+        return row
 
     try:
         rows = run_cases(
@@ -733,12 +601,11 @@ def run(
             skipped={},
             skip_provider=False,  # the ranks agree per case; a provider skipped on one shape may run the next
             progress=False,
-            log=None,  # each case logs its own line (case_line: the slowest rank, the loss)
+            log=None,  # each case logs its own line: the slowest rank, the loss
         )
     finally:
-        if state["group"] is not None:
-            state["group"].close()
-    rank_info, ceilings = state["rank_info"], state["ceilings"]
+        if group is not None:
+            group.close()
     report = Report(
         suite=suite,
         dtype=dtype,
@@ -749,36 +616,17 @@ def run(
         ceilings=ceilings,
         rows=rows,
     )
-    skipped = {
-        r.provider: r.error.removeprefix("skipped: ")
-        for r in report.rows
-        if (r.error or "").startswith("skipped: ")
-    }
-    report.skipped.update(skipped)
+    for r in report.rows:
+        if r.status == "skipped":
+            report.skipped[r.provider] = r.error.removeprefix("skipped: ")
     return report, rank_info
-
-
-def timing_method(device_type: str, warmup: int, steps: int) -> str:
-    """One line saying how times were taken."""
-    clock = "two CUDA events around each" if device_type == "cuda" else "time.perf_counter"
-    return (
-        f"fixed counts: {max(warmup, 1)} warmup steps, a barrier, {steps} timed steps ({clock}); a rank's "
-        "median, the slowest rank's in the table"
-    )
 
 
 def run_cli(args, argv: list[str]) -> int:
     """``fuselm bench <op> --world-size W`` with the parsed ``fuselm bench`` arguments (``args.suite``: a
-    key of :data:`OPS`, linear_cross_entropy or linear_log_probs).
-
-    Uses ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``, ``--dtype``
-    (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply (forward + backward).
-    Raises ``fuselm_bench.arguments.UsageError`` for bad values.
-    """
-    from .arguments import UsageError, pick_device, warmup_steps_dtype
-    from .report import collect_metadata, device_name
-    from .runner import finish, plan_suite
-
+    key of :data:`OPS`): ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``,
+    ``--dtype`` (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply. Raises
+    ``UsageError`` for bad values."""
     world_size = args.world_size
     suite = make_suite(args.suite, world_size)
     device = pick_device(args.device)
@@ -787,20 +635,18 @@ def run_cli(args, argv: list[str]) -> int:
         raise UsageError(
             f"--world-size {world_size}: needs {world_size} CUDA devices, {torch.cuda.device_count()} visible"
         )
-    device_type = device.type
     shapes, providers = plan_suite(suite, args, device)
     for s in shapes:
         if s[2] < world_size:
             raise UsageError(f"shape {shape_label(s)}: V must be at least the world size ({world_size})")
-    warmup, steps, dtype = warmup_steps_dtype(args, STEPS[device_type], cuda)
-
+    warmup, steps, dtype = warmup_steps_dtype(args, STEPS[device.type], cuda)
     meta = collect_metadata(torch.device("cpu"), argv)  # the device fields come from the ranks
-    meta.update(
-        world_size=world_size,
-        backend="nccl" if cuda else "gloo",
-        timing=timing_method(device_type, warmup, steps),
+    clock = "two CUDA events around each" if cuda else "time.perf_counter"
+    timing = (
+        f"fixed counts: {max(warmup, 1)} warmup steps, a barrier, {steps} timed steps ({clock}); a rank's "
+        "median, the slowest rank's in the table"
     )
-    meta["quick"] = args.quick
+    meta.update(world_size=world_size, backend="nccl" if cuda else "gloo", timing=timing, quick=args.quick)
     if not cuda:
         print(
             f"No CUDA device in use: {world_size} gloo processes on the CPU, fp32, tiny shapes (no memory "
@@ -813,24 +659,16 @@ def run_cli(args, argv: list[str]) -> int:
         flush=True,
     )
     report, rank_info = run(
-        op=args.suite,
-        world_size=world_size,
-        shapes=shapes,
-        providers=providers,
-        dtype=dtype,
-        device_type=device_type,
-        warmup=warmup,
-        steps=steps,
-        quick=args.quick,
-        metadata=meta,
-    )
-    name = rank_info[0]["device"] if rank_info else device_name(torch.device("cuda" if cuda else "cpu", 0))
+        op=args.suite, world_size=world_size, shapes=shapes, providers=providers, dtype=dtype,
+        device_type=device.type, warmup=warmup, steps=steps, quick=args.quick, metadata=meta,
+    )  # fmt: skip
+    name = rank_info[0]["device"] if rank_info else device_name(torch.device(device.type, 0))
     meta = report.metadata
     meta.update(
-        device_type=device_type,
+        device_type=device.type,
         device=f"{world_size} x {name}" if cuda else f"{world_size} gloo processes on {name}",
+        ranks=rank_info,
     )
-    meta["ranks"] = rank_info
     return finish(
         report,
         results_dir(args.out, name if cuda else None),

@@ -13,7 +13,7 @@ import sys
 from contextlib import nullcontext
 
 import torch
-from hf_models import MODEL_TYPES, build, clone
+from kit.hf_models import MODEL_TYPES, build, clone
 from test_convergence import _batches
 
 import fuselm.hf

@@ -1,6 +1,6 @@
 import sys, torch
 sys.path[:0] = ["tests", "tests/hf"]
-from hf_models import build, clone
+from kit.hf_models import build, clone
 from test_convergence import _batches
 import fuselm.hf
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy

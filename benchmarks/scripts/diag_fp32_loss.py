@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path[:0] = ["tests", "tests/hf"]
-from hf_models import build, clone  # noqa: E402
+from kit.hf_models import build, clone  # noqa: E402
 from test_convergence import _batches  # noqa: E402
 
 import fuselm.hf  # noqa: E402

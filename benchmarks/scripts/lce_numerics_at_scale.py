@@ -22,7 +22,7 @@ from fuselm_bench import linear_cross_entropy as suite
 from fuselm_bench.harness import SkipProvider
 from fuselm.ops._common.testing import ATOL
 from fuselm.ops.linear_cross_entropy import linear_cross_entropy_reference
-from fuselm.ops.linear_cross_entropy.op import chunk_rows_for
+from fuselm.ops.linear_cross_entropy.chunked import chunk_rows_for
 
 DEVICE = torch.device(os.environ.get("DEVICE", "cuda"))  # DEVICE=cpu for a smoke run at tiny shapes
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuselm_bench import cli as bench_cli
-from fuselm_bench import finetune, finetune_sharded, fresh_process, registry
+from fuselm_bench import finetune, fresh_process, registry
 from fuselm_bench.arguments import UsageError
 
 from fuselm.cli import main
@@ -40,9 +39,7 @@ def reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_registry_lists_finetune_outside_all(capsys):
     assert "finetune" in registry.TRAINING_SUITES and "finetune" not in registry.suite_names()
-    assert registry.get_training_runner("finetune") is finetune_sharded.run_cli  # finetune's, with the group
-    with pytest.raises(UsageError, match="--world-size runs through fuselm_bench.finetune_sharded.run_cli"):
-        finetune.run_cli(bench_cli.build_parser().parse_args(["finetune", "--world-size", "2"]), [])
+    assert registry.get_training_runner("finetune") is finetune.run_cli  # one GPU and --world-size
     assert main(["bench"]) == 0
     assert "finetune" in capsys.readouterr().out
 
@@ -471,8 +468,8 @@ def test_world_size_refuses_providers_fsdp2_does_not_run(args, message, tmp_path
     assert not any(tmp_path.iterdir())
 
 
-def _case(world_size: int = 2) -> finetune_sharded.GroupCase:
-    return finetune_sharded.GroupCase(
+def _case(world_size: int = 2) -> finetune.GroupCase:
+    return finetune.GroupCase(
         finetune.GPU_PLAN, "fuselm", ("llama3-8b", "lora", 4, 2048), world_size, "cuda", torch.bfloat16, 3,
         10, {},
     )  # fmt: skip
@@ -490,8 +487,8 @@ def test_group_row_takes_the_slowest_rank_and_the_largest_peak():
         _rank_record(1, step_ms=720.0, step_ms_all=[720.0], peak_bytes=8 * GIB, reserved_bytes=11 * GIB,
                      first_loss=11.7),
     ]  # fmt: skip
-    row = finetune_sharded.group_row(_case(), records, None)
-    assert isinstance(row, finetune_sharded.DataParallelRow)
+    row = finetune.group_row(_case(), records, None)
+    assert isinstance(row, finetune.DataParallelRow)
     assert row.shape == ("llama3-8b", "lora", 4, 2048, 2)
     assert row.status == "ok" and row.world_size == 2 and row.step_ms == 720.0
     assert row.tokens_per_s == pytest.approx(2 * 4 * 2048 / 0.72)
@@ -508,46 +505,46 @@ def test_group_row_of_a_failed_rank():
         _rank_record(0, "oom", step_ms=1.0),
         _rank_record(1, "oom", status="oom", error=oom),
     ]
-    row = finetune_sharded.group_row(_case(), records, None)
+    row = finetune.group_row(_case(), records, None)
     assert row.status == "oom" and row.error == f"{oom} (rank 1)" and row.step_ms is None
     # rank 1 said it failed, rank 0 stuck in a collective: the group was killed, the row says rank 1's error
     said = [_rank_record(1, final=False, status="error", error="RuntimeError: boom", traceback="tb")]
-    row = finetune_sharded.group_row(
+    row = finetune.group_row(
         _case(), said, "no progress for 60 s (ranks stuck, e.g. in a collective); killed"
     )
     assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)" and row.traceback == "tb"
     # nothing written: why the group stopped
-    row = finetune_sharded.group_row(_case(), [], "a rank failed: process 1 terminated with signal SIGKILL")
+    row = finetune.group_row(_case(), [], "a rank failed: process 1 terminated with signal SIGKILL")
     assert row.status == "error" and row.error.startswith("a rank failed")
-    assert finetune_sharded.group_row(_case(), [], None).error == "no result from ranks [0, 1]"
+    assert finetune.group_row(_case(), [], None).error == "no result from ranks [0, 1]"
 
 
 def test_group_env_turns_nvlink_multicast_off_unless_set(monkeypatch):
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
-    env = finetune_sharded.group_env("cuda")
+    env = finetune.group_env("cuda")
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert "NVSHMEM_DISABLE_NVLS" not in env and env["HF_HUB_OFFLINE"] == "1"
-    assert "NCCL_NVLS_ENABLE" not in finetune_sharded.group_env("cpu")
+    assert "NCCL_NVLS_ENABLE" not in finetune.group_env("cpu")
 
 
 def test_world_size_report_gives_tokens_per_gpu_against_one_gpu(tmp_path):
     config = ("llama3-8b", "lora", 4, 2048)
     rows = []
     for p, one_ms, many_ms in (("hf", 1259.0, 1330.0), ("fuselm", 714.0, 760.0)):
-        one = finetune_sharded.DataParallelRow(
+        one = finetune.DataParallelRow(
             p, *config, "ok", step_ms=one_ms, tokens_per_s=8192 / one_ms * 1e3, peak_bytes=17 * GIB,
             losses=[11.9], first_loss=11.9,
         )  # fmt: skip
-        many = finetune_sharded.DataParallelRow(
+        many = finetune.DataParallelRow(
             p, *config, "ok", world_size=2, step_ms=many_ms, tokens_per_s=2 * 8192 / many_ms * 1e3,
             peak_bytes=10 * GIB, losses=[11.9], first_loss=11.9, rank_step_ms=[many_ms - 5, many_ms],
             rank_peak_bytes=[10 * GIB, 9 * GIB], rank_first_losses=[11.9, 11.8],
         )  # fmt: skip
         rows += [one, many]
-    rows.append(finetune_sharded.DataParallelRow("hf", "llama3-8b", "qlora", 4, 2048, "ok", step_ms=1238.0))
+    rows.append(finetune.DataParallelRow("hf", "llama3-8b", "qlora", 4, 2048, "ok", step_ms=1238.0))
     rows.append(
-        finetune_sharded.DataParallelRow(
+        finetune.DataParallelRow(
             "hf", "llama3-8b", "qlora", 4, 2048, "oom", world_size=2, error="OOM (rank 1)"
         )
     )
@@ -556,7 +553,7 @@ def test_world_size_report_gives_tokens_per_gpu_against_one_gpu(tmp_path):
         finetune.GPU_PLAN, torch.bfloat16, "cuda", tuple(shapes), ("hf", "fuselm"), 3, 10,
         {"device": "NVIDIA H100 80GB HBM3", "finetune": {"offload": True, "profile_steps": 2}}, rows=rows,
     )  # fmt: skip
-    paths = finetune_sharded.write_data_parallel_report(report, 2, tmp_path)
+    paths = finetune.write_data_parallel_report(report, 2, tmp_path)
     assert sorted(p.name for p in paths.values()) == [
         "finetune_ws2.json",
         "finetune_ws2.md",
@@ -642,6 +639,7 @@ def _failing_rank(rank: int, stuck: bool, init_file: str, out_dir: str) -> None:
 
     import torch.distributed as dist
     from fuselm_bench import rank_group
+    from fuselm_bench.harness import run_measured
 
     path = Path(out_dir) / f"rank{rank}.jsonl"
     device = rank_group.join_group(rank, 2, "cpu", init_file, 60.0)
@@ -654,7 +652,7 @@ def _failing_rank(rank: int, stuck: bool, init_file: str, out_dir: str) -> None:
         return {"step_ms": 1.0}
 
     record = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
-    rank_group.measure_into(record, measure, device)
+    record.update(run_measured(measure, device))
     # stuck: rank 1 says its failure, then waits in the agreement for rank 0, as a real rank would (exiting
     # at once instead could end the group before rank 0 finished connecting: a gloo error, not a stuck rank)
     rank_group.finish_case(record, path, device)
@@ -676,7 +674,7 @@ def test_a_failing_rank_ends_the_group_and_marks_the_row(stuck):
     else:
         assert failure is None
         assert [r["agreed"] for r in rank_group.case_records(records, 0)] == ["error", "error"]
-    row = finetune_sharded.group_row(_case(), records, failure)
+    row = finetune.group_row(_case(), records, failure)
     assert row.status == "error" and row.error == "RuntimeError: boom (rank 1)"
 
 

@@ -183,7 +183,7 @@ def test_rows_of_failed_cases(op):
     skipped = [_record(r, "skipped", "skipped", error="fuselm.distributed not importable") for r in (0, 1)]
     row = par.case_row(suite, case, skipped, 2, torch.bfloat16, ceil)
     assert row.error == "skipped: fuselm.distributed not importable"
-    assert "missing" in par.case_row(suite, case, records[:1], 2, torch.bfloat16, ceil).error
+    assert "no result from ranks [1]" in par.case_row(suite, case, records[:1], 2, torch.bfloat16, ceil).error
     hung = par.case_row(suite, case, [], 2, torch.bfloat16, ceil, failure="no progress for 60 s")
     assert hung.error == "no progress for 60 s"
 
