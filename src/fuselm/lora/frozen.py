@@ -52,10 +52,8 @@ def _operands(qs, device: torch.device) -> tuple[torch.Tensor, dict]:
         _TABLES[(qs.quant_type, device)] = table
     if not qs.nested:
         return table, {}
-    offset = qs.__dict__.get(_OFFSET)
-    if (
-        offset is None or offset[0] is not qs.offset
-    ):  # made once per offset tensor (a load may give a CPU one)
+    offset = qs.__dict__.get(_OFFSET)  # made once per offset tensor (a load may give a CPU one)
+    if offset is None or offset[0] is not qs.offset:
         offset = (qs.offset, torch.as_tensor(qs.offset, dtype=torch.float32).reshape(1).to(device))
         qs.__dict__[_OFFSET] = offset
     state2 = qs.state2
