@@ -290,16 +290,15 @@ class _Planner:
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
         base += len(self.layers) * _cast_bytes(layer, hidden.dtype)
+        figures = (len(self.layers), tokens, budget, base, kept, inp, remade)
         host = host_room()
-        modes = plan_layers(len(self.layers), tokens, budget, base, kept, inp, remade, host)
+        modes = plan_layers(*figures, host)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
-        held = modes.count("offload") - plan_layers(
-            len(modes), tokens, budget, base, kept, inp, remade
-        ).count("offload")  # < 0: inputs the host has no room for, recomputed on the device instead
-        if held < 0:
+        stay = plan_layers(*figures).count("offload") - modes.count("offload")  # no room on the host
+        if stay:
             warnings.warn(
                 f"fuselm.hf: the host has room for {modes.count('offload')} offloaded layer input(s) "
-                f"({_size(host)} of its available memory), so {-held} more stay on the device: {self.plan}; "
+                f"({_size(host)} of its available memory), so {stay} more stay on the device: {self.plan}; "
                 "a shorter sequence or a model on more GPUs needs less",
                 stacklevel=2,
             )
