@@ -648,3 +648,95 @@ def test_a_call_memo_is_shared_by_its_forward_and_recompute_then_freed(checkpoin
     assert torch.equal(x.grad, torch.full((3,), 2.0))
     checkpoint(f, torch.randn(3, requires_grad=True))  # another call: a memo of its own
     assert len(made) == 2
+
+
+# ---- outputs kept for the recompute ----
+
+
+def _kept_or_made(made: list, key: str, make):
+    """``make()`` unless the recompute finds it kept; made counts the calls of make; keeps what it made."""
+    y = offload.kept_output(key)
+    if y is None:
+        made.append(key)
+        y = make()
+        offload.keep_output(key, y)
+    return y
+
+
+class _Product(torch.autograd.Function):
+    """x @ w whose backward needs x and w only: its output may be kept for the recompute."""
+
+    @staticmethod
+    def forward(ctx, x, w, made):
+        ctx.save_for_backward(x, w)
+        return _kept_or_made(made, "xw", lambda: x @ w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy @ w.t(), x.t() @ dy, None
+
+
+def test_an_output_kept_in_the_forward_is_the_recomputes_and_is_made_once():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    made = []
+
+    def f(x):
+        return torch.tanh(_Product.apply(x, w, made)) * x  # x @ w is as large as x: within the share
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.tanh(x @ w).mul(x).sum().backward()
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    before = _in_use()
+    y = offload.offloaded_checkpoint(f, x)
+    assert _in_use() - before == 2 * x.numel() * x.element_size()  # the input and the kept output
+    y.sum().backward()
+    assert made == ["xw"]  # the recompute took the forward's
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+    del y
+    gc.collect()
+    assert _in_use() == before and offload._KEPT.in_use == 0
+
+
+def test_outputs_beyond_the_calls_share_or_the_room_are_made_again():
+    made = []
+    x = torch.randn(4, 8, requires_grad=True)
+    big = offload.KEPT_PER_INPUT + 1
+
+    def f(x):
+        return _kept_or_made(made, "wide", lambda: x.repeat(1, big)).sum(1)  # more than the share
+
+    offload.offloaded_checkpoint(f, x).sum().backward()
+    assert made == ["wide", "wide"]
+    made.clear()
+    try:
+        offload.set_kept_output_room(0)
+
+        def g(x):
+            return _kept_or_made(made, "h", lambda: x * 2)
+
+        offload.offloaded_checkpoint(g, x).sum().backward()
+        assert made == ["h", "h"]
+    finally:
+        offload.set_kept_output_room(None)
+
+
+def test_outputs_are_kept_in_offloaded_forwards_only():
+    made = []
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(x):
+        return _kept_or_made(made, "h", lambda: x * 2)
+
+    offload.recompute_checkpoint(f, x).sum().backward()  # its inputs stay on the device: so do its outputs
+    assert made == ["h", "h"]
+    offload.keep_output("h", x)  # outside a checkpointed call
+    assert offload.kept_output("h") is None and offload._KEPT.in_use == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_kept_output_room_must_be_none_or_a_count_of_bytes(bad):
+    with pytest.raises(ValueError, match="nbytes"):
+        offload.set_kept_output_room(bad)

@@ -45,6 +45,9 @@ __all__ = [
     "output_may_go_unread",
     "note_unread_output",
     "call_memo",
+    "keep_output",
+    "kept_output",
+    "set_kept_output_room",
     "checkpoint_fn",
     "host_memory_stats",
     "reset_peak_host_memory_stats",
@@ -263,10 +266,14 @@ class _Stash:
 
     def __init__(self, tensors: list[torch.Tensor], offload: bool = True) -> None:
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
-        weakref.finalize(self, _POOL.release, self.held)
+        self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
+        weakref.finalize(self, _release, self.held, self.kept_bytes)
         # (device, host copy or the tensor itself, whether it stays where it is)
         self.saved: list | None = [self._offload(t) if offload else (t.device, t, True) for t in tensors]
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
+        # outputs of the call kept for its recompute (keep): their keys, in the order of saved's tail
+        self.keys: list = []
+        self.room = KEPT_PER_INPUT * sum(h[2] for h in self.held) if offload else 0
         with _POOL.lock:
             self.previous, _Stash._last = _Stash._last, weakref.ref(self)
 
@@ -285,6 +292,21 @@ class _Stash:
             host.copy_(t)
         return t.device, host, False
 
+    def keep(self, key: Any, t: torch.Tensor) -> None:
+        """Keep ``t`` (an output of the call's forward, a CUDA or CPU tensor) in host memory with the
+        inputs, if this call and the host have room for it (see :func:`keep_output`)."""
+        nbytes = t.numel() * t.element_size()
+        if self.saved is None or t.device.type not in ("cuda", "cpu") or nbytes > self.room:
+            return
+        with _POOL.lock:
+            if _KEPT.in_use + nbytes > _KEPT.limit():
+                return
+            _KEPT.in_use += nbytes
+        self.kept_bytes[0] += nbytes
+        self.room -= nbytes
+        self.saved.append(self._offload(t))
+        self.keys.append(key)
+
     def fetch(self, prefetch: bool = False) -> None:
         """Start the copies back to the device (on the side stream); the host buffers go back to the
         pool (copies into them are queued on the same stream, after these)."""
@@ -299,11 +321,12 @@ class _Stash:
                 fetched.append((out, _side_copy(out, t, device)))
             else:  # a host copy of a CPU tensor
                 fetched.append((t.clone(), None))
-        _POOL.release(self.held, fetched=True, prefetched=prefetch)
+        _release(self.held, self.kept_bytes, fetched=True, prefetched=prefetch)
         self.saved, self.fetched = None, fetched
 
-    def take(self) -> list[torch.Tensor]:
-        """The inputs on their device, usable on the compute stream; start fetching the previous stash."""
+    def take(self) -> tuple[list[torch.Tensor], dict]:
+        """(the inputs on their device, the kept outputs by key), usable on the compute stream; start
+        fetching the previous stash."""
         if self.saved is None and self.fetched is None:
             raise RuntimeError(
                 "fuselm.offload: this checkpointed call was already backpropagated (its inputs were "
@@ -317,7 +340,108 @@ class _Stash:
         previous = self.previous and self.previous()
         if previous is not None:
             previous.fetch(prefetch=True)
-        return tensors
+        n = len(tensors) - len(self.keys)
+        return tensors[:n], dict(zip(self.keys, tensors[n:], strict=True))
+
+
+def _release(held: list, kept_bytes: list, fetched: bool = False, prefetched: bool = False) -> None:
+    """A stash's buffers back to the pool, its kept outputs' bytes off :data:`_KEPT`."""
+    with _POOL.lock:
+        _KEPT.in_use -= kept_bytes[0]
+        kept_bytes[0] = 0
+        _POOL.release(held, fetched=fetched, prefetched=prefetched)
+
+
+# ---- outputs kept for the recompute ----
+# The recompute of an offloaded call computes again what its backward needs. Some of that is cheap to keep
+# instead: a projection's output costs a GEMM to remake (2 x in FLOPs per element) and 2 host copies of its
+# bytes to keep, copies that overlap the compute. keep_output() puts such an output in host memory with
+# the call's inputs (it comes back with them, prefetched with them); the recompute takes it with
+# kept_output() and skips the GEMM. A call keeps at most KEPT_PER_INPUT bytes of outputs per byte of its
+# offloaded inputs (what the host link carries while the call computes: q, k, v and o of a Llama layer are
+# 2.5 inputs), and all calls together at most the kept-output room (set_kept_output_room; by default
+# KEPT_FRACTION of the host's available memory when first needed).
+
+KEPT_PER_INPUT = 3
+KEPT_FRACTION = 0.25
+
+
+class _KeptRoom:
+    def __init__(self) -> None:
+        self.room: int | None = None  # bytes; None: KEPT_FRACTION of the available memory, read when needed
+        self.in_use = 0
+
+    def limit(self) -> int:
+        if self.room is None:
+            available = host_available()
+            self.room = 0 if available is None else int(KEPT_FRACTION * available)
+        return self.room
+
+
+_KEPT = _KeptRoom()
+
+
+def set_kept_output_room(nbytes: int | None) -> None:
+    """The host memory (bytes) the outputs kept for recomputes (:func:`keep_output`) may take together;
+    None: :data:`KEPT_FRACTION` of the host's available memory (:func:`host_available`) when first needed.
+    A planner that gives the host's memory to offloaded inputs sets what is left.
+
+    Example:
+        >>> set_kept_output_room(0)      # keep none: every recompute computes everything again
+        >>> set_kept_output_room(None)   # the default
+    """
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"nbytes must be None or an int >= 0, got {nbytes!r}")
+    with _POOL.lock:
+        _KEPT.room = nbytes
+
+
+def keep_output(key: Any, tensor: torch.Tensor) -> None:
+    """In the forward of an :func:`offloaded_checkpoint` call: keep ``tensor`` for the recompute (in pinned
+    host memory, copied on the side stream, back with the call's inputs), where :func:`kept_output` with the
+    same ``key`` returns it. For the forward of a ``torch.autograd.Function`` whose backward needs not the
+    output's history (the recompute gets a tensor without one): ``tensor`` must be what the recompute would
+    compute again, bit for bit (an output of the call's inputs and of parameters the backward checks are
+    unchanged), not modified afterwards. A no-op elsewhere (outside such a forward, or no room left).
+    CPU tensors take the same path with plain host copies.
+
+    Example:
+        >>> import torch
+        >>> keep_output("q", torch.ones(2))   # outside a checkpointed call: nothing kept
+        >>> kept_output("q") is None
+        True
+    """
+    stash = _MEMO.stash
+    if stash is not None:
+        stash.keep(key, tensor)
+
+
+def kept_output(key: Any) -> torch.Tensor | None:
+    """In the recompute of an :func:`offloaded_checkpoint` call: the tensor its forward kept under ``key``
+    (:func:`keep_output`), on its device, once (None the second time); None elsewhere."""
+    memo = _MEMO.current
+    return None if memo is None else memo.pop((_KEPT_KEY, key), None)
+
+
+_KEPT_KEY = "fuselm.offload.kept"
+
+
+def host_available() -> int | None:
+    """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), or None
+    where there is no such file.
+
+    Example:
+        >>> n = host_available(); n is None or n > 0
+        True
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 # ---- the autograd function ----
@@ -406,6 +530,7 @@ _OUTPUTS_READ: set[Any] = set()  # kinds of functions whose recompute saved a te
 class _Memo(threading.local):
     def __init__(self) -> None:
         self.current: dict | None = None  # the memo of the checkpointed call running on this thread
+        self.stash: _Stash | None = None  # the stash of the offloaded call whose forward runs (keep_output)
 
 
 _MEMO = _Memo()
@@ -426,13 +551,13 @@ def call_memo() -> dict | None:
 
 
 @contextlib.contextmanager
-def _memo_scope(memo: dict | None):
+def _memo_scope(memo: dict | None, stash: _Stash | None = None):
     state = _MEMO
-    outer, state.current = state.current, memo
+    outer, state.current, outer_stash, state.stash = state.current, memo, state.stash, stash
     try:
         yield
     finally:
-        state.current = outer
+        state.current, state.stash = outer, outer_stash
 
 
 def output_may_go_unread() -> bool:
@@ -526,8 +651,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.stash = _Stash(offloaded, call.offload)  # copies queued before the function runs (it reads them)
         ctx.save_for_backward(*lifted)
         ctx.memo = {}
-        with _recompute_scope(allow_unread=False), _memo_scope(ctx.memo):  # (a forward in a recompute reads
-            outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)  # its outputs)
+        # (a forward inside a recompute reads its outputs: none goes unread)
+        with _recompute_scope(allow_unread=False), _memo_scope(ctx.memo, ctx.stash):
+            outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
         return tuple(outputs)
 
@@ -539,7 +665,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 "backward(inputs=...): the recompute accumulates into .grad (use .backward())"
             )
         call = ctx.call
-        tensors = ctx.stash.take() + list(ctx.saved_tensors)
+        tensors, kept = ctx.stash.take()
+        tensors += ctx.saved_tensors
+        ctx.memo.update({(_KEPT_KEY, key): t for key, t in kept.items()})
         allow = call.kind not in _OUTPUTS_READ
         inputs, outputs, saved_after = _recompute(ctx, tensors, allow)
         if allow and saved_after:

@@ -1111,3 +1111,49 @@ def test_adapter_casts_are_made_once_per_checkpointed_call(checkpoint, gen, monk
     assert len(casts) == 1
     for t, g in zip((x, a, b), want, strict=True):
         assert torch.equal(t.grad, g)
+
+
+class _CountingWeight(lora_frozen.FrozenWeight):
+    """A dense weight that counts how often the functions ask for it (one dense() per base GEMM)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w, self.shape, self.device, self.dtype, self.calls = w, w.shape, w.device, w.dtype, 0
+
+    def dense(self, dtype=None):
+        self.calls += 1
+        return self.w if dtype in (None, self.w.dtype) else self.w.to(dtype)
+
+
+@pytest.mark.parametrize("how", ["lora_linear", "lora_projections"])
+def test_an_offloaded_recompute_takes_the_forwards_projection_outputs(how, gen):
+    """In the recompute of an offloaded call the projections' outputs are the forward's, kept in host memory:
+    no base GEMM runs again (one in the forward, one for dX); the gradients are those without
+    checkpointing, bit for bit."""
+    from fuselm import offload
+
+    dtype = torch.float32
+    outs = (OUT, OUT // 4, OUT // 4) if how == "lora_projections" else (OUT,)  # q, k, v: within the share
+    ws = [randn(gen, (o, IN), dtype) for o in outs]
+    adapters = [
+        L.LoraAdapter(
+            randn(gen, (8, IN), dtype).requires_grad_(), randn(gen, (o, 8), dtype).requires_grad_(), 2.0
+        )
+        for o in outs
+    ]
+    x = randn(gen, (*LEAD, IN), dtype).requires_grad_()
+    leaves = [x, *(t for a in adapters for t in (a.A, a.B))]
+
+    def f(x, bases):
+        if how == "lora_linear":
+            return L.lora_linear(x, bases[0], adapters[0])
+        return torch.cat(L.lora_projections(x, list(zip(bases, adapters, strict=True))), -1)
+
+    f(x, ws).sum().backward()
+    want = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    bases = [_CountingWeight(w) for w in ws]
+    offload.offloaded_checkpoint(f, x, bases).sum().backward()
+    assert [b.calls for b in bases] == [2] * len(bases)
+    for t, g in zip(leaves, want, strict=True):
+        assert torch.equal(t.grad, g)

@@ -205,26 +205,13 @@ HOST_FRACTION = 0.9  # of the host's available memory, what offloaded layer inpu
 
 def host_room() -> int | None:
     """The host memory a plan may give offloaded layer inputs: :data:`HOST_FRACTION` of what the host has
-    available (:func:`host_available`) plus the buffers fuselm's pool holds already (reused); None where
-    the host does not say."""
-    available = host_available()
+    available (:func:`fuselm.offload.host_available`) plus the buffers fuselm's pool holds already
+    (reused); None where the host does not say."""
+    available = checkpoints.host_available()
     if available is None:
         return None
     pool = checkpoints.host_memory_stats()
     return int(HOST_FRACTION * available) + pool["pinned_bytes"] + pool["pageable_bytes"]
-
-
-def host_available() -> int | None:
-    """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), or None
-    where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _allocated(model: torch.nn.Module) -> int:
@@ -294,6 +281,8 @@ class _Planner:
         host = host_room()
         modes = plan_layers(*figures, host)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
+        # what the offloaded inputs leave of the host's room, the outputs their recomputes reuse may take
+        checkpoints.set_kept_output_room(None if host is None else max(0, host - self.plan.host_bytes))
         stay = plan_layers(*figures).count("offload") - modes.count("offload")  # no room on the host
         if stay:
             warnings.warn(

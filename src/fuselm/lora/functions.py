@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..offload import call_memo
+from ..offload import call_memo, keep_output, kept_output
 from ..ops.swiglu import check_chunk_rows, gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
@@ -366,7 +366,12 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, b, mask, proj):
         cast = _cast_adapter(a, b, x.dtype)
-        y, low = _proj_forward(x, a, cast, mask, proj)
+        y = _kept(a)
+        if y is None:
+            y, low = _proj_forward(x, a, cast, mask, proj)
+            _keep(a, y)
+        else:  # the recompute of an offloaded call: the forward's y, kept in host memory
+            low = _low(x, a, cast[0], mask, proj)
         ctx.proj, ctx.a, ctx.b, ctx.cast = proj, a, b, cast  # references and [r, *] casts: no activations
         ctx.save_for_backward(x if a is not None else None, low, mask)  # no adapter: dX = dY W only
         return y
@@ -405,10 +410,11 @@ class LoraProjectionsFunction(torch.autograd.Function):
             lows = list(low_cat.split([a.shape[0] for a, _ in pairs], dim=1))
         else:
             lows = [_low(x, a, c[0], m, p) for (a, _), c, m, p in zip(pairs, casts, each, projs, strict=True)]
-        ys = [
-            _proj_forward(x, a, c, m, p, low=low)[0]
-            for (a, _), c, m, p, low in zip(pairs, casts, each, projs, lows, strict=True)
-        ]
+        ys = [_kept(a) for a, _ in pairs]
+        for i, ((a, _), c, m, p, low) in enumerate(zip(pairs, casts, each, projs, lows, strict=True)):
+            if ys[i] is None:
+                ys[i] = _proj_forward(x, a, c, m, p, low=low)[0]
+                _keep(a, ys[i])
         ctx.projs, ctx.pairs, ctx.casts, ctx.a_cat = projs, pairs, casts, a_cat
         ctx.save_for_backward(x, *lows, *masks)
         ctx.set_materialize_grads(False)
@@ -470,6 +476,18 @@ class LoraProjectionsFunction(torch.autograd.Function):
                     grads[2 * i] = da
                 grads[2 * i + 1] = db
         return (dx, None, None, *grads)
+
+
+def _keep(a: torch.Tensor | None, y: torch.Tensor) -> None:
+    """Keep a projection's output for the recompute of the offloaded call running
+    (:func:`fuselm.offload.keep_output`: the recompute then skips the base GEMM), keyed by its adapter."""
+    if a is not None:
+        keep_output(("lora", id(a)), y)
+
+
+def _kept(a: torch.Tensor | None) -> torch.Tensor | None:
+    """The output :func:`_keep` kept for this recompute, or None."""
+    return None if a is None else kept_output(("lora", id(a)))
 
 
 def _stacked(pairs: list, masks: tuple) -> bool:
