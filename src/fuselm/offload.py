@@ -14,7 +14,9 @@ sequences; large ones are sized to within 1/8 of the request and page-locked by 
 :func:`host_memory_stats` reports them. CPU tensors take the same path with plain host copies, so the
 semantics are tested without a GPU. :func:`recompute_checkpoint` is the same checkpoint with the inputs
 left on their device. In either recompute, a call whose output nothing saved reads may skip computing it
-(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer).
+(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer), and
+the recompute of an offloaded call may take outputs its forward kept in host memory beside the inputs
+(:func:`keep_output`, :func:`kept_output`: the LoRA projections of attention).
 :func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
 cheap to make again from a tensor the backward holds anyway). This module imports torch only
 (:mod:`fuselm.hf.offload` installs it in Hugging Face models).

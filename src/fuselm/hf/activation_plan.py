@@ -11,7 +11,9 @@ A decoder layer runs in one of three modes (:data:`MODES`):
   stays (``I = H x itemsize`` bytes per token), its forward runs again in the backward (without the MLP's
   down projection, whose output the recompute does not read: see :func:`fuselm.offload.output_may_go_unread`);
 - ``"offload"``: checkpointing with the input in pinned host memory
-  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device.
+  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device; its attention
+  projections' outputs wait there too, so its recompute skips their GEMMs (:func:`fuselm.offload.keep_output`,
+  within the host room the offloaded inputs leave).
 
 The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute), then on
 recomputed ones (each saves a host round trip), and offloads the rest: ``peak ~ base + n_keep K T +
