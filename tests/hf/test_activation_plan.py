@@ -367,3 +367,32 @@ def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
     monkeypatch.setattr(activation_plan.checkpoints, "host_available", lambda: None)
     assert activation_plan.host_room() is None
     monkeypatch.undo()
+
+
+def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkeypatch):
+    """Where the budget holds two offloaded layers' worth of kept outputs (KEPT_PER_INPUT inputs each) and
+    that recomputes less, the offloaded layers keep their projections' outputs for the recompute (host room:
+    what the offloaded inputs leave): offloaded-and-kept beats recomputed-on-the-device; where the budget has
+    no room for them, none are kept; a kept layer is not given up for them when that recomputes more."""
+    f = _figures()
+    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    transient = kept + f.remade_bytes_per_token * f.tokens
+    extra = 2 * activation_plan.checkpoints.KEPT_PER_INPUT * inp
+    monkeypatch.setattr(activation_plan, "host_room", lambda: 100 * inp)
+
+    def plan(budget):
+        model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
+        _step(model, _batch(16))
+        return activation_plan.current(model), activation_plan.checkpoints._KEPT.room
+
+    try:
+        got, room = plan(f.base + transient + extra)  # without kept outputs: 4 recomputed on the device
+        assert got.modes == ("offload",) * 4 and got.kept_output_bytes == extra and room == 96 * inp
+        assert got.estimated_peak <= f.base + transient + extra + 64
+        assert "keep their projections' outputs" in str(got)
+        got, room = plan(f.base + transient)
+        assert got.modes == ("offload",) * 4 and got.kept_output_bytes == 0 and room == 0
+        got, room = plan(f.base + 2 * kept + transient)  # kept outputs would cost a kept layer: no
+        assert got.modes == ("offload", "offload", "keep", "keep") and got.kept_output_bytes == 0
+    finally:
+        activation_plan.checkpoints.set_kept_output_room(None)

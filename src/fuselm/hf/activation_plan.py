@@ -11,9 +11,8 @@ A decoder layer runs in one of three modes (:data:`MODES`):
   stays (``I = H x itemsize`` bytes per token), its forward runs again in the backward (without the MLP's
   down projection, whose output the recompute does not read: see :func:`fuselm.offload.output_may_go_unread`);
 - ``"offload"``: checkpointing with the input in pinned host memory
-  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device; its attention
-  projections' outputs wait there too, so its recompute skips their GEMMs (:func:`fuselm.offload.keep_output`,
-  within the host room the offloaded inputs leave).
+  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device; where the budget has
+  room (below), its attention projections' outputs wait there too and its recompute skips their GEMMs.
 
 The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute), then on
 recomputed ones (each saves a host round trip), and offloads the rest: ``peak ~ base + n_keep K T +
@@ -21,7 +20,11 @@ n_recompute I T + (K + R) T`` (the last term: one layer's activations, its norm 
 a checkpointed layer's backward runs; none when every layer is kept), where ``base`` is what the device holds
 when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
 trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
-its backward. Offloaded inputs take pinned host memory: the plan offloads no more of them
+its backward. Offloaded layers also keep their attention projections' outputs in host memory for their
+recomputes (:func:`fuselm.offload.keep_output`) when the budget holds two layers' worth of them on the
+device (``2 x KEPT_PER_INPUT x I x T``) and that plan recomputes less (an offloaded layer that keeps them
+counts as :data:`KEPT_SHARE` less than a recompute). Offloaded inputs take pinned host memory: the plan
+offloads no more of them
 than :func:`host_room` holds (the rest stay on the device, recomputed, over the budget if they must, said
 in a warning). The offloaded layers are the first ones (their inputs come back last
 in the backward: the most time for the copies), the kept ones the last.
@@ -69,10 +72,11 @@ class ActivationPlan:
     keep_bytes_per_token: int
     input_bytes_per_token: int
     remade_bytes_per_token: int = 0  # the norm outputs a kept layer makes again in its backward
+    kept_output_bytes: int = 0  # reserved for the outputs offloaded layers keep for their recomputes
 
     @property
     def estimated_peak(self) -> int:
-        return _peak(
+        return self.kept_output_bytes + _peak(
             self.modes,
             self.tokens,
             self.base,
@@ -89,6 +93,8 @@ class ActivationPlan:
     def __str__(self) -> str:
         counts = ", ".join(f"{self.modes.count(m)} {m}" for m in MODES if m in self.modes)
         host = f"; {_size(self.host_bytes)} of host memory" if self.host_bytes else ""
+        if self.kept_output_bytes:
+            host += f"; offloaded layers keep their projections' outputs ({_size(self.kept_output_bytes)})"
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
@@ -144,6 +150,16 @@ def plan_layers(
         n_offload = min(n_offload, max(0, host) // max(inp * tokens, 1))
         n_recompute = n_layers - n_keep - n_offload
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
+
+
+KEPT_SHARE = 0.25  # of a Llama layer's recompute GEMMs, the attention projections' (their outputs kept)
+
+
+def _recomputes(modes: tuple[str, ...], kept_outputs: bool) -> float:
+    """The layer recomputes ``modes`` cost, in whole layers: an offloaded layer that keeps its projections'
+    outputs recomputes :data:`KEPT_SHARE` less."""
+    offloaded = modes.count("offload") * (1 - KEPT_SHARE if kept_outputs else 1)
+    return modes.count("recompute") + offloaded
 
 
 def check_budget(memory_budget: object) -> float:
@@ -283,8 +299,18 @@ class _Planner:
         host = host_room()
         modes = plan_layers(*figures, host)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
-        # what the offloaded inputs leave of the host's room, the outputs their recomputes reuse may take
-        checkpoints.set_kept_output_room(None if host is None else max(0, host - self.plan.host_bytes))
+        # offloaded layers keep their projections' outputs for their recomputes (fuselm.offload.keep_output)
+        # where the budget has room for two layers' worth on the device (one fetched, one prefetched) and the
+        # host for all of them beside the inputs; else none
+        extra = 2 * checkpoints.KEPT_PER_INPUT * inp * tokens
+        if host is not None:
+            less = (len(self.layers), tokens, budget - extra, base, kept, inp, remade)
+            with_kept = plan_layers(*less, host)
+            plan = ActivationPlan(tokens, with_kept, budget, base, kept, inp, remade, extra)
+            if plan.estimated_peak <= budget and _recomputes(with_kept, True) < _recomputes(modes, False):
+                modes, self.plan, figures = with_kept, plan, less
+        room = self.plan.kept_output_bytes and max(0, host - self.plan.host_bytes)
+        checkpoints.set_kept_output_room(room)
         stay = plan_layers(*figures).count("offload") - modes.count("offload")  # no room on the host
         if stay:
             warnings.warn(
