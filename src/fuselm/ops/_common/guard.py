@@ -70,7 +70,7 @@ def check_classes(name: str, n_classes: int) -> None:
     """ValueError naming ``name`` (what holds the classes: the logits, the lm_head rows, their shards)
     unless there is at least one class."""
     if n_classes == 0:
-        raise ValueError(f"{name} holds no class (a loss needs at least one)")
+        raise ValueError(f"{name} holds no class (at least one is needed)")
 
 
 def check_target(target: object, input: torch.Tensor) -> None:
