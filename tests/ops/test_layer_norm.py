@@ -17,6 +17,7 @@ from conftest import TRITON_PATH, kernel_device
 from kit.spies import counting
 
 import fuselm
+from fuselm.ops._common import normalization
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.layer_norm import layer_norm, layer_norm_reference
 from fuselm.ops.layer_norm import op as ln_op
@@ -160,7 +161,7 @@ def test_large_mean_is_removed_accurately(gen):
 def test_persistent_grids(hidden, monkeypatch, gen):
     """Few programs walking many row blocks (the GPU's persistent grids, forced small here)."""
     monkeypatch.setattr(ln_op, "FWD_PROGRAMS_PER_SM", 1)
-    monkeypatch.setattr(ln_op, "persistent_grid", lambda n, device, per_sm: min(n, 3))
+    monkeypatch.setattr(normalization, "persistent_grid", lambda n, device, per_sm: min(n, 3))
     monkeypatch.setattr(ln_op, "resident_programs", lambda kernel, kw, n, *a, **k: min(n, 3))
     monkeypatch.setattr(ln_op, "BWD_TILE", 256)
     x, r, w, b = make_inputs(gen, (11,), hidden, torch.bfloat16, residual=True)

@@ -20,7 +20,7 @@ from conftest import TRITON_PATH, kernel_device
 from kit.spies import counting
 
 import fuselm
-from fuselm.ops._common import launch
+from fuselm.ops._common import launch, normalization
 from fuselm.ops._common.testing import assert_numerics
 from fuselm.ops.rms_norm import op as rms_op
 from fuselm.ops.rms_norm import rms_norm, rms_norm_reference
@@ -288,7 +288,7 @@ def test_persistent_grids(hidden, prefetch, monkeypatch, gen):
     interpreter runs them too): the loops, the prefetch of the next row and the dweight partials of
     several rows per program."""
     monkeypatch.setattr(rms_op, "FWD_PROGRAMS_PER_SM", 1)
-    monkeypatch.setattr(rms_op, "persistent_grid", lambda n, device, per_sm: min(n, 3))
+    monkeypatch.setattr(normalization, "persistent_grid", lambda n, device, per_sm: min(n, 3))
     monkeypatch.setattr(rms_op, "resident_programs", lambda kernel, kw, n, *a, **k: min(n, 3))
     monkeypatch.setattr(rms_op, "BWD_PREFETCH", prefetch)
     monkeypatch.setattr(rms_op, "BWD_TILE", 256)  # one row per program iteration: the prefetch path

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..ops._common.guard import FLOAT_DTYPES, check_tensor
+from ..ops._common.guard import FLOAT_DTYPES, check_target, check_target_range, check_tensor
 from ..ops.linear_log_probs import LogProbs
 from ..ops.linear_log_probs import linear_log_probs as local_linear_log_probs
-from ..ops.linear_log_probs.reference import OUTPUT_NAMES
+from ..ops.linear_log_probs.op import check_outputs
 from .losses import _check_eager, _is_dtensor, _local, _vocab_shard
 from .shard import _all_gather_into
 
@@ -56,19 +56,6 @@ class _GatherSliceStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad[dist.get_rank(ctx.group)], None
-
-
-def _check_outputs_for_split(outputs) -> tuple[str, ...]:
-    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-    if "is_top1" in names:
-        raise ValueError(
-            "outputs: 'is_top1' is not available split across ranks (the global argmax needs every slice's "
-            "maximum logit); compute it from fuselm.linear_log_probs on the whole weight"
-        )
-    unknown = [n for n in names if n not in OUTPUT_NAMES]
-    if unknown:
-        raise ValueError(f"outputs: unknown name(s) {unknown}; choose from {OUTPUT_NAMES[:-1]}")
-    return names
 
 
 def linear_log_probs(
@@ -129,7 +116,12 @@ def linear_log_probs(
         >>> dist.destroy_process_group()
     """
     _check_eager()
-    names = _check_outputs_for_split(outputs)
+    names = check_outputs(outputs)
+    if "is_top1" in names:
+        raise ValueError(
+            "outputs: 'is_top1' is not available split across ranks (the global argmax needs every slice's "
+            "maximum logit); compute it from fuselm.linear_log_probs on the whole weight"
+        )
     input = _local("input", input)
     target = _local("target", target)
     w_local, shard = _vocab_shard("linear_weight", linear_weight, 0, process_group, vocab_sizes)
@@ -137,19 +129,10 @@ def linear_log_probs(
     if linear_bias is not None and _is_dtensor(linear_bias):
         b_local, _ = _vocab_shard("linear_bias", linear_bias, 0, None, None)
     check_tensor("input", input, dtypes=(*FLOAT_DTYPES, torch.float64), min_ndim=1)
-    check_tensor("target", target, dtypes=(torch.int32, torch.int64), device=input.device)
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape {tuple(input.shape[:-1])} (input.shape[:-1]), got {tuple(target.shape)}"
-        )
+    check_target(target, input)
     n_classes = shard.n_classes
+    check_target_range(target, n_classes, ignore_index)  # the host sync of the eager check
     kept = target != ignore_index
-    if (kept & ((target < 0) | (target >= n_classes))).any():  # the host sync of the eager check
-        bad = target[kept & ((target < 0) | (target >= n_classes))][0].item()
-        raise ValueError(
-            f"target holds {bad}, outside [0, {n_classes}) and not ignore_index ({ignore_index})"
-        )
-
     held = kept & (target >= shard.start) & (target < shard.start + shard.size)
     # Rows whose target another rank holds are computed here too (their lse is needed): any class of the
     # slice will do as their local target, its log-prob is masked out below. Ignored rows stay ignored,

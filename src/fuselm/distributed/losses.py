@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..ops._common.guard import (
     FLOAT_DTYPES,
+    check_classes,
     check_tensor,
     linear_operands,
     resolve_loss_dtype,
@@ -82,8 +83,7 @@ def _vocab_shard(
             f"vocab_sizes must list the {world} ranks' shard sizes in rank order, with this rank's "
             f"({name}.shape[{dim}] = {local.shape[dim]}) at index {rank}; got {sizes}"
         )
-    if sum(sizes) == 0:
-        raise ValueError(f"{name}: the shards hold no class at all (every shard is empty)")
+    check_classes(name, sum(sizes))
     return local, VocabShard.from_sizes(sizes, group)
 
 
@@ -154,15 +154,7 @@ def cross_entropy(
     weight = _local("weight", weight)
     token_weights = _local("token_weights", token_weights)
     local, shard = _vocab_shard("input", input, -1, process_group, vocab_sizes)
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights,
-    )
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights)
     opts = opts.checked(local, target, shard.n_classes)
     extras = Extras(return_lse, return_z_loss)
     return apply_cross_entropy(local, target, opts, inplace_backward, shard, extras, loss_dtype)
@@ -250,15 +242,7 @@ def linear_cross_entropy(
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     if ignore_index is None:
         ignore_index = -100
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights,
-    )
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights)
     opts = opts.checked(input, target, shard.n_classes)
     widest = max(shard.max_size, 1)
     fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)

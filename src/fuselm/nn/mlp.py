@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops._common.dtensor import has_dtensor
+from ..ops._common.guard import check_choice
 from ..ops.swiglu import geglu, geglu_packed, swiglu, swiglu_linear, swiglu_mlp, swiglu_packed
 
 # Hugging Face `hidden_act` names (and fuselm's own) -> the activation of ops/swiglu.
@@ -137,8 +138,7 @@ class SwiGLUMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        check_choice("activation", activation, ACTIVATIONS)
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -184,7 +184,6 @@ class GeGLUMLP(SwiGLUMLP):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if approximate not in ("tanh", "none"):
-            raise ValueError(f"approximate must be one of ('tanh', 'none'), got {approximate!r}")
+        check_choice("approximate", approximate, ("tanh", "none"))
         activation = "gelu_pytorch_tanh" if approximate == "tanh" else "gelu"
         super().__init__(hidden_size, intermediate_size, bias, activation, device=device, dtype=dtype)

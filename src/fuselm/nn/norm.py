@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._common.guard import check_bool, check_choice
 from ..ops.layer_norm import layer_norm
 from ..ops.rms_norm import rms_norm
 from ..ops.rms_norm.reference import CASTINGS
@@ -51,10 +52,8 @@ class RMSNorm(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if casting not in CASTINGS:
-            raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-        if not isinstance(in_place, bool):
-            raise ValueError(f"in_place must be a bool, got {in_place!r}")
+        check_choice("casting", casting, CASTINGS)
+        check_bool("in_place", in_place)
         self.weight = torch.nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset = offset

@@ -66,6 +66,28 @@ def check_number(name: str, value: object, *, positive: bool = False) -> float:
     return value
 
 
+def check_classes(name: str, n_classes: int) -> None:
+    """ValueError naming ``name`` (what holds the classes: the logits, the lm_head rows, their shards)
+    unless there is at least one class."""
+    if n_classes == 0:
+        raise ValueError(f"{name} holds no class (at least one is needed)")
+
+
+def check_target(target: object, input: torch.Tensor) -> None:
+    """ValueError naming target unless it holds int32 / int64 class indices of shape ``input.shape[:-1]``
+    on input's device."""
+    check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        expected = tuple(input.shape[:-1])
+        raise ValueError(f"target must have shape input.shape[:-1] = {expected}, got {tuple(target.shape)}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is a bool (a flag: no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def check_chunk_rows(name: str, value: object) -> None:
     """A chunk size of rows (tokens): None or an int >= 1, else ValueError naming ``name``.
 

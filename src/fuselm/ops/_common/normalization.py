@@ -10,15 +10,14 @@ warp, max_fused, loop_block) at the top of its op.py and passes them here.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .dispatch import interpret_mode
-from .guard import FLOAT_DTYPES, check_tensor
-from .launch import next_pow2
+from .guard import FLOAT_DTYPES, check_number, check_tensor, rows_shape
+from .launch import cdiv, next_pow2, persistent_grid
 
 MAX_BLOCK_ROWS = 64
 # warps per program: tile elements / elems_per_warp, clamped to [MIN_WARPS, MAX_WARPS]
@@ -57,6 +56,24 @@ def _tile_config(n_rows, n_cols, tile, elems_per_warp, fused, loop, interpret):
     return True, block_rows, block_h, num_warps_for(block_rows * block_h, elems_per_warp)
 
 
+def forward_plan(
+    x, residual, tile: int, elems_per_warp: int, max_fused: int, loop_block: int, programs_per_sm: int
+) -> tuple[int, bool, int, int, int]:
+    """(grid, SINGLE_BLOCK, BLOCK_ROWS, BLOCK_H, num_warps) of a normalization's forward over the rows of x
+    (launch_rows; residual None or rows like x, asserted): the tile plan of :func:`tile_config`, one program
+    per block of rows, or ``programs_per_sm`` persistent programs per multiprocessor when that is > 0."""
+    n_rows, n_cols = rows_shape(x)
+    if residual is not None:
+        assert residual.numel() == x.numel() and residual.dtype == x.dtype
+        assert residual.stride(-1) == 1 or n_cols == 1
+    single, block_rows, block_h, num_warps = tile_config(
+        n_rows, n_cols, tile, elems_per_warp, max_fused, loop_block
+    )
+    n_blocks = cdiv(n_rows, block_rows)
+    grid = n_blocks if programs_per_sm <= 0 else persistent_grid(n_blocks, x.device, programs_per_sm)
+    return grid, single, block_rows, block_h, num_warps
+
+
 _DTYPES = (*FLOAT_DTYPES, torch.float64)
 
 
@@ -80,8 +97,8 @@ def check_norm_args(x, params: dict, residual, eps) -> None:
             raise ValueError(
                 f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if check_number("eps", eps) < 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
 
 
 # ---- Triton helpers of the kernels ----

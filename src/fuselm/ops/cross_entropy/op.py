@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 
 from .._common.dispatch import kernels_run
-from .._common.guard import FLOAT_DTYPES, check_tensor, refuse_double_backward, resolve_loss_dtype, rows_view
+from .._common.guard import (
+    FLOAT_DTYPES,
+    check_classes,
+    check_tensor,
+    refuse_double_backward,
+    resolve_loss_dtype,
+    rows_view,
+)
 from .._common.loss.backend import RowBackend
 from .._common.loss.options import Extras, LossOptions, LossScales, loss_outputs
 from .._common.loss.reference import z_loss_rows
@@ -179,17 +186,8 @@ def cross_entropy(
     check_tensor("input", input, dtypes=_DTYPES, min_ndim=1)
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     n_cols = input.shape[-1]
-    if n_cols == 0:
-        raise ValueError("input must have at least one class (last dimension is 0)")
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights,
-    )
+    check_classes("input", n_cols)
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights)
     opts = opts.checked(input, target, n_cols)
     extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
     if not kernels_run(input):

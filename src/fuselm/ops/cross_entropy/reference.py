@@ -42,15 +42,8 @@ def cross_entropy_reference(
         >>> cross_entropy_reference(logits, torch.tensor([0, -100]))
         tensor(0.2395)
     """
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights.reshape(-1) if token_weights is not None else None,
-    )
+    per_token = token_weights.reshape(-1) if token_weights is not None else None  # [N], as checked() gives
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, per_token)
     extras = Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens)
     return cross_entropy_reference_of(input, target, opts, extras, loss_dtype)
 

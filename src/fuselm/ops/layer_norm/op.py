@@ -7,8 +7,8 @@ import torch
 from .._common.dispatch import compiled_or_launcher, kernels_run
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
 from .._common.guard import launch_rows, row_stride, rows_shape
-from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
-from .._common.normalization import check_norm_args, tile_config
+from .._common.launch import cdiv, launcher, resident_programs
+from .._common.normalization import check_norm_args, forward_plan, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import layer_norm_bwd_kernel, layer_norm_fwd_kernel
 from .reference import layer_norm_reference
@@ -45,14 +45,9 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else None
     if n_rows == 0:
         return y, summed, mean, rstd
-    if has_res:
-        assert residual.numel() == x.numel() and residual.dtype == x.dtype
-        assert residual.stride(-1) == 1 or n_cols == 1
-    single, block_rows, block_h, num_warps = tile_config(
-        n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    grid, single, block_rows, block_h, num_warps = forward_plan(
+        x, residual, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H, FWD_PROGRAMS_PER_SM
     )
-    n_blocks = cdiv(n_rows, block_rows)
-    grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
     layer_norm_fwd_launch(
         (grid,),
         x_ptr=x,

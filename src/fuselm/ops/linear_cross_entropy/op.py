@@ -9,6 +9,7 @@ import torch
 from .._common.dispatch import compaction_allowed, kernels_run
 from .._common.guard import (
     FLOAT_DTYPES,
+    check_classes,
     linear_operands,
     refuse_double_backward,
     resolve_loss_dtype,
@@ -248,19 +249,10 @@ def linear_cross_entropy(
     loss_dtype = resolve_loss_dtype(loss_dtype, input)
     h = input.shape[-1]
     v = linear_weight.shape[0]
-    if v == 0:
-        raise ValueError("linear_weight must have at least one row (one class)")
+    check_classes("linear_weight", v)
     if ignore_index is None:  # torch.nn.functional.linear_cross_entropy's default, which means -100
         ignore_index = -100
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights,
-    )
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, token_weights)
     opts = opts.checked(input, target, v)
     validate_memory(memory)
     fp32_weight_grad = fp32_accumulation(accum_dtype, input.dtype)

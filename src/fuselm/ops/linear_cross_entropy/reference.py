@@ -202,15 +202,8 @@ def linear_cross_entropy_reference(
         chunk_rows = DEFAULT_CHUNK_BYTES // (
             v * torch.tensor([], dtype=_compute_dtype(input.dtype)).element_size()
         )
-    opts = LossOptions.of(
-        weight=weight,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        token_weights=token_weights.reshape(-1) if token_weights is not None else None,
-    )
+    per_token = token_weights.reshape(-1) if token_weights is not None else None  # [N], as checked() gives
+    opts = LossOptions.of(weight, ignore_index, reduction, label_smoothing, z_loss, softcap, per_token)
     outputs = (Extras(return_lse, return_z_loss, return_token_accuracy, return_predicted_tokens), loss_dtype)
     return linear_cross_entropy_reference_of(
         input, linear_weight, target, linear_bias, opts, chunk_rows, *outputs

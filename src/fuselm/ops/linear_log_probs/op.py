@@ -19,6 +19,7 @@ from .._common.dispatch import compaction_allowed, interpret_mode, kernels_run
 from .._common.fp32_matmul import mm_fp32_into
 from .._common.guard import (
     FLOAT_DTYPES,
+    check_classes,
     linear_operands,
     refuse_double_backward,
     rows_view,
@@ -435,7 +436,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
 # ---- public function ----
 
 
-def _check_outputs(outputs) -> tuple[str, ...]:
+def check_outputs(outputs) -> tuple[str, ...]:
+    """The names of `outputs` (a sequence of names among OUTPUT_NAMES, or one name), else ValueError."""
     names = (outputs,) if isinstance(outputs, str) else outputs
     try:
         names = tuple(names)
@@ -557,8 +559,7 @@ def linear_log_probs(
     )
     device = input.device
     v = linear_weight.shape[0]
-    if v == 0:
-        raise ValueError("linear_weight must have at least one row (one class)")
+    check_classes("linear_weight", v)
     # the family's options and checks: per-token statistics, so no reduction, smoothing or z-loss
     opts = LossOptions.of(
         ignore_index=ignore_index,
@@ -567,7 +568,7 @@ def linear_log_probs(
         logit_scale=logit_scale,
         temperature=temperature,
     ).checked(input, target, v)
-    names = _check_outputs(outputs)
+    names = check_outputs(outputs)
     validate_memory(memory)
 
     t1 = target.reshape(-1)

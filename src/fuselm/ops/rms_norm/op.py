@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 
 from .._common.dispatch import compiled_or_launcher, kernels_run
 from .._common.dtensor import ROWWISE_HINT, has_dtensor, leading_dims_only, run_local
-from .._common.guard import check_choice, launch_rows, row_stride, rows_shape
-from .._common.launch import cdiv, launcher, persistent_grid, resident_programs
-from .._common.normalization import check_norm_args, tile_config
+from .._common.guard import check_bool, check_choice, check_number, launch_rows, row_stride, rows_shape
+from .._common.launch import cdiv, launcher, resident_programs
+from .._common.normalization import check_norm_args, forward_plan, tile_config
 from .._common.partial_sums import reduce_partials_
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from .reference import CASTINGS, rms_norm_output_dtype, rms_norm_reference
@@ -62,14 +61,9 @@ def rms_norm_fwd(x, residual, weight, eps, offset, casting):
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_res else None
     if n_rows == 0:
         return y, summed, rstd
-    if has_res:
-        assert residual.numel() == x.numel() and residual.dtype == x.dtype
-        assert residual.stride(-1) == 1 or n_cols == 1
-    single, block_rows, block_h, num_warps = tile_config(
-        n_rows, n_cols, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H
+    grid, single, block_rows, block_h, num_warps = forward_plan(
+        x, residual, FWD_TILE, FWD_ELEMS_PER_WARP, MAX_FUSED_H, LOOP_BLOCK_H, FWD_PROGRAMS_PER_SM
     )
-    n_blocks = cdiv(n_rows, block_rows)
-    grid = n_blocks if FWD_PROGRAMS_PER_SM <= 0 else persistent_grid(n_blocks, x.device, FWD_PROGRAMS_PER_SM)
     rms_norm_fwd_launch(
         (grid,),
         x_ptr=x,
@@ -342,10 +336,8 @@ class RMSNormFunction(torch.autograd.Function):
 def _check_args(x, weight, eps, offset, residual, casting, in_place) -> None:
     check_norm_args(x, {"weight": weight}, residual, eps)
     check_choice("casting", casting, CASTINGS)
-    if not isinstance(in_place, bool):
-        raise ValueError(f"in_place must be a bool, got {in_place!r}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-        raise ValueError(f"offset must be a finite number, got {offset!r}")
+    check_bool("in_place", in_place)
+    check_number("offset", offset)
     if weight is None and offset != 0:
         raise ValueError(f"offset={offset} needs a weight (offset + weight scales the output)")
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..dispatch import validate_enabled
-from ..guard import FLOAT_DTYPES, check_choice, check_number, check_target_range, check_tensor
+from ..guard import FLOAT_DTYPES, check_choice, check_number, check_target, check_target_range, check_tensor
 
 
 class LossOptions(NamedTuple):
@@ -40,20 +40,21 @@ class LossOptions(NamedTuple):
     @classmethod
     def of(
         cls,
-        *,
         weight=None,
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         softcap: float | None = None,
+        token_weights=None,
+        *,
         logit_scale: float = 1.0,
         temperature: float = 1.0,
-        token_weights=None,
     ) -> LossOptions:
         """The options, checked (each ValueError names its argument: every float a finite number in its
         range), with Python floats (softcap None -> 0.0) and a contiguous weight; weight and token_weights
-        are checked against the input by :meth:`checked`."""
+        are checked against the input by :meth:`checked`. The first seven come in the order of the
+        family's public signatures, so that a public function passes its own along in one line."""
         check_choice("reduction", reduction, ("mean", "sum", "none"))
         label_smoothing = check_number("label_smoothing", label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
@@ -113,12 +114,7 @@ class LossOptions(NamedTuple):
         ValueError names its argument; under FUSELM_VALIDATE=1 also the target range, a host sync), with
         token_weights as one contiguous row [N]. ``input`` [..., C] gives the device and the target shape
         ``input.shape[:-1]``."""
-        check_tensor("target", target, dtypes=(torch.int64, torch.int32), device=input.device)
-        if tuple(target.shape) != tuple(input.shape[:-1]):
-            expected = tuple(input.shape[:-1])
-            raise ValueError(
-                f"target must have shape input.shape[:-1] = {expected}, got {tuple(target.shape)}"
-            )
+        check_target(target, input)
         weight = self.weight
         if weight is not None:
             check_tensor("weight", weight, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=1, device=input.device)

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ..dispatch import interpret_mode, use_triton
+from ..dispatch import compiled_or_launcher, interpret_mode, use_triton
 from ..launch import cdiv, launcher, persistent_grid, row_launch
 from .options import (
     LossOptions,
@@ -342,15 +342,16 @@ def _scale_grad_op(grad: torch.Tensor, dloss: torch.Tensor) -> None:
     _scale_grad_kernel_(grad, dloss)
 
 
+_run_scale_grad = compiled_or_launcher(_scale_grad_op, _scale_grad_kernel_)
+
+
 def scale_grad_(grad: torch.Tensor, dloss: torch.Tensor) -> None:
     """grad *= dloss (fp32 [1] on the device) in place, a zero kept zero whatever dloss (PyTorch's gradient of
     an ignored token is 0 even for an inf or NaN upstream gradient); the device skips it when dloss == 1."""
     if not use_triton(grad):  # a CPU vocabulary shard (fuselm.distributed on the reference path)
         grad.copy_(scale_keeping_zeros(grad, dloss))
-    elif torch.compiler.is_compiling():
-        _scale_grad_op(grad, dloss)
     else:
-        _scale_grad_kernel_(grad, dloss)
+        _run_scale_grad(grad, dloss)
 
 
 class LocalRows:
