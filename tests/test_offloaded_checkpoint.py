@@ -28,6 +28,7 @@ from fuselm.ops._common.testing import assert_numerics
 @pytest.fixture(autouse=True)
 def _fresh():
     offload._warned.clear()
+    offload.set_kept_output_room(None)  # process-wide: a plan made by another test may have set it
     yield
     gc.collect()  # graphs of a failed test: their host buffers back to the pool
 
@@ -703,7 +704,7 @@ def test_an_output_kept_in_the_forward_is_the_recomputes_and_is_made_once():
 def test_outputs_beyond_the_calls_share_or_the_room_are_made_again():
     made = []
     x = torch.randn(4, 8, requires_grad=True)
-    big = offload.KEPT_PER_INPUT + 1
+    big = int(offload.KEPT_PER_INPUT) + 1
 
     def f(x):
         return _kept_or_made(made, "wide", lambda: x.repeat(1, big)).sum(1)  # more than the share

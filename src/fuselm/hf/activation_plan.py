@@ -152,7 +152,7 @@ def plan_layers(
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
 
 
-KEPT_SHARE = 0.25  # of a Llama layer's recompute GEMMs, the attention projections' (their outputs kept)
+KEPT_SHARE = 0.15  # of a Llama-3-8B layer's recompute GEMMs, the q, k and v projections' (outputs kept)
 
 
 def _recomputes(modes: tuple[str, ...], kept_outputs: bool) -> float:
@@ -302,7 +302,7 @@ class _Planner:
         # offloaded layers keep their projections' outputs for their recomputes (fuselm.offload.keep_output)
         # where the budget has room for two layers' worth on the device (one fetched, one prefetched) and the
         # host for all of them beside the inputs; else none
-        extra = 2 * checkpoints.KEPT_PER_INPUT * inp * tokens
+        extra = int(2 * checkpoints.KEPT_PER_INPUT * inp * tokens)
         if host is not None:
             less = (len(self.layers), tokens, budget - extra, base, kept, inp, remade)
             with_kept = plan_layers(*less, host)
