@@ -49,6 +49,7 @@ __all__ = [
     "call_memo",
     "keep_output",
     "kept_output",
+    "count_kept_outputs",
     "set_kept_output_room",
     "checkpoint_fn",
     "host_memory_stats",
@@ -420,6 +421,40 @@ def keep_output(key: Any, tensor: torch.Tensor) -> None:
         stash.keep(key, tensor)
 
 
+class _KeptProbe:
+    """Stands in for a stash while a planner measures a call's forward: counts the bytes
+    :func:`keep_output` would keep (within the call's share of ``input_bytes``), copies nothing."""
+
+    def __init__(self, input_bytes: int) -> None:
+        self.room, self.kept = KEPT_PER_INPUT * input_bytes, 0
+
+    def keep(self, key: Any, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= self.room:
+            self.room -= nbytes
+            self.kept += nbytes
+
+
+@contextlib.contextmanager
+def count_kept_outputs(input_bytes: int):
+    """Inside: a forward's :func:`keep_output` calls kept nothing but are counted, as a call offloading
+    ``input_bytes`` of inputs would keep them; yields the probe (``.kept``: bytes). For planners.
+
+    Example:
+        >>> with count_kept_outputs(8) as probe:
+        ...     keep_output("q", torch.ones(2))   # 8 bytes: within 1.5 x 8
+        >>> probe.kept
+        8
+    """
+    probe = _KeptProbe(input_bytes)
+    state = _MEMO
+    outer, state.stash = state.stash, probe
+    try:
+        yield probe
+    finally:
+        state.stash = outer
+
+
 def kept_output(key: Any) -> torch.Tensor | None:
     """In the recompute of an :func:`offloaded_checkpoint` call: the tensor its forward kept under ``key``
     (:func:`keep_output`), on its device, once (None the second time); None elsewhere."""
@@ -534,7 +569,9 @@ _OUTPUTS_READ: set[Any] = set()  # kinds of functions whose recompute saved a te
 class _Memo(threading.local):
     def __init__(self) -> None:
         self.current: dict | None = None  # the memo of the checkpointed call running on this thread
-        self.stash: _Stash | None = None  # the stash of the offloaded call whose forward runs (keep_output)
+        self.stash: _Stash | _KeptProbe | None = (
+            None  # of the offloaded call whose forward runs (keep_output)
+        )
 
 
 _MEMO = _Memo()

@@ -372,23 +372,24 @@ def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
 
 
 def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkeypatch):
-    """Where the budget holds two offloaded layers' worth of kept outputs (KEPT_PER_INPUT inputs each) and
-    that recomputes less, the offloaded layers keep their projections' outputs for the recompute (host room:
-    what the offloaded inputs leave): offloaded-and-kept beats recomputed-on-the-device; where the budget has
-    no room for them, none are kept; a kept layer is not given up for them when that recomputes more."""
-    f = _figures()
+    """Where the budget holds two offloaded layers' worth of kept outputs (what the first layer's forward
+    keeps: q and k here, KEPT_PER_INPUT inputs) and that recomputes less, the offloaded LoRA layers keep
+    their projections' outputs for the recompute (host room: what the offloaded inputs leave):
+    offloaded-and-kept beats recomputed-on-the-device; where the budget has no room for them, or a kept
+    layer would be given up for them, or nothing would be kept (no fused LoRA projection), none are."""
+    f = _figures(lora=True)
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
     transient = kept + f.remade_bytes_per_token * f.tokens
     extra = int(2 * activation_plan.checkpoints.KEPT_PER_INPUT * inp)
     monkeypatch.setattr(activation_plan, "host_room", lambda: 100 * inp)
 
-    def plan(budget):
-        model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=_gib(budget))
+    def plan(budget, lora=True):
+        model = fuselm.hf.patch(_model(lora), checkpointing="auto", memory_budget=_gib(budget))
         _step(model, _batch(16))
         return activation_plan.current(model), activation_plan.checkpoints._KEPT.room
 
     try:
-        got, room = plan(f.base + transient + extra)  # without kept outputs: 4 recomputed on the device
+        got, room = plan(f.base + transient + extra)  # without kept outputs: recomputed on the device
         assert got.modes == ("offload",) * 4 and got.kept_output_bytes == extra and room == 96 * inp
         assert got.estimated_peak <= f.base + transient + extra + 64
         assert "keep their projections' outputs" in str(got)
@@ -396,5 +397,8 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
         assert got.modes == ("offload",) * 4 and got.kept_output_bytes == 0 and room == 0
         got, room = plan(f.base + 2 * kept + transient)  # kept outputs would cost a kept layer: no
         assert got.modes == ("offload", "offload", "keep", "keep") and got.kept_output_bytes == 0
+        full = _figures()  # no PEFT: plain projections keep nothing, so nothing is reserved
+        got, _ = plan(full.base + full.keep_bytes_per_token * full.tokens, lora=False)  # all checkpointed
+        assert "offload" in got.modes and got.kept_output_bytes == 0
     finally:
         activation_plan.checkpoints.set_kept_output_room(None)

@@ -22,12 +22,12 @@ when the first layer starts (weights, optimizer state, the embeddings' output) p
 trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
 its backward. Offloaded layers also keep their attention projections' outputs in host memory for their
 recomputes (:func:`fuselm.offload.keep_output`) when the budget holds two layers' worth of them on the
-device (``2 x KEPT_PER_INPUT x I x T``) and that plan recomputes less (an offloaded layer that keeps them
-counts as :data:`KEPT_SHARE` less than a recompute). Offloaded inputs take pinned host memory: the plan
-offloads no more of them
-than :func:`host_room` holds (the rest stay on the device, recomputed, over the budget if they must, said
-in a warning). The offloaded layers are the first ones (their inputs come back last
-in the backward: the most time for the copies), the kept ones the last.
+device (twice what the first layer's forward keeps, counted when ``K`` is) and that plan recomputes less
+(an offloaded layer that keeps them counts as :data:`KEPT_SHARE` less than a recompute). Offloaded inputs
+take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
+on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers are the
+first ones (their inputs come back last in the backward: the most time for the copies), the kept ones the
+last.
 
 ``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
 batch has more tokens than the plan was made for) the first decoder layer's forward runs once more on its
@@ -174,11 +174,11 @@ def check_budget(memory_budget: object) -> float:
 # ---- measuring ----
 
 
-def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
     """(bytes ``layer``'s forward keeps for backward when it is kept, bytes of the outputs it makes again
-    then) on these inputs: its parameters and buffers excluded, each storage counted once, the hidden
-    states taken as a tensor that needs grad (a middle layer's), under :func:`selective_checkpoint`'s
-    saving."""
+    then, bytes it would keep for its recompute when offloaded: :func:`fuselm.offload.keep_output`) on
+    these inputs: its parameters and buffers excluded, each storage counted once, the hidden states taken
+    as a tensor that needs grad (a middle layer's), under :func:`selective_checkpoint`'s saving."""
     own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
     seen: dict[int, int] = {}
     remade: dict[int, int] = {}
@@ -199,11 +199,12 @@ def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int
         layer.gradient_checkpointing = False
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             with checkpoints._selective_scope(then=count):
-                out = layer.forward(hidden, *args[1:], **kwargs)
+                with checkpoints.count_kept_outputs(hidden.numel() * hidden.element_size()) as probe:
+                    out = layer.forward(hidden, *args[1:], **kwargs)
         del out
     finally:
         layer.gradient_checkpointing = checkpointing
-    return sum(seen.values()), sum(remade.values())
+    return sum(seen.values()), sum(remade.values()), probe.kept
 
 
 def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -291,7 +292,7 @@ class _Planner:
                 if device.type == "cuda"
                 else 1 << 62  # no device memory to spend on the CPU: every layer is kept
             )
-        kept, remade = (math.ceil(n / tokens) for n in _saved_bytes(layer, args, kwargs))
+        kept, remade, outputs = (math.ceil(n / tokens) for n in _saved_bytes(layer, args, kwargs))
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
         base += len(self.layers) * _cast_bytes(layer, hidden.dtype)
@@ -302,8 +303,8 @@ class _Planner:
         # offloaded layers keep their projections' outputs for their recomputes (fuselm.offload.keep_output)
         # where the budget has room for two layers' worth on the device (one fetched, one prefetched) and the
         # host for all of them beside the inputs; else none
-        extra = int(2 * checkpoints.KEPT_PER_INPUT * inp * tokens)
-        if host is not None:
+        extra = 2 * outputs * tokens
+        if host is not None and extra:
             less = (len(self.layers), tokens, budget - extra, base, kept, inp, remade)
             with_kept = plan_layers(*less, host)
             plan = ActivationPlan(tokens, with_kept, budget, base, kept, inp, remade, extra)
