@@ -100,23 +100,144 @@ class GatedMLPFunction(torch.autograd.Function):
         return dx, dwg, dwu, dwd, dbg, dbu, dbd, None
 
 
-def _chunks(n_rows: int, chunk_rows: int):
+# ---- the chunked MLP: one loop for the dense projections (below) and fuselm.lora's ----
+
+
+def row_chunks(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """(start, end) of the chunks of ``chunk_rows`` rows that cover ``n_rows`` (the last may be shorter)."""
     return [(s, min(s + chunk_rows, n_rows)) for s in range(0, n_rows, chunk_rows)]
 
 
+class ChunkSums:
+    """Parameter gradients summed over the row chunks of a backward in fp32 (fp64 stays fp64), each rounded
+    to its parameter's dtype once, at the end. A sum starts as zeros made up front (:meth:`zeros`: the ones a
+    GEMM accumulates into, :meth:`addmm`) or as its first chunk's gradient (:meth:`add`).
+
+    Example:
+        >>> sums = ChunkSums()
+        >>> for t in (torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)):
+        ...     sums.add("b", t)
+        >>> sums.rounded({"a": None, "b": torch.ones(3, dtype=torch.bfloat16)})
+        (None, tensor([2., 2., 2.], dtype=torch.bfloat16))
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def zeros(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> None:
+        self.sums[name] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def addmm(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """sum += a @ b, the product summed in the sum's dtype by the GEMM (:meth:`zeros` first)."""
+        mm_fp32_into(self.sums[name], a, b, accumulate=True)
+
+    def add(self, name: str, t: torch.Tensor | None) -> None:
+        """sum += t, t cast to fp32 first (fp64 stays fp64); None adds nothing."""
+        if t is not None:
+            t = t.to(torch.promote_types(t.dtype, torch.float32))
+            self.sums[name] = t if name not in self.sums else self.sums[name].add_(t)
+
+    def rounded(self, like: dict) -> tuple:
+        """For each name of ``like`` (name -> its parameter), the sum in the parameter's dtype, or None."""
+        return tuple(self.sums[k].to(p.dtype) if k in self.sums else None for k, p in like.items())
+
+
+class ChunkedMLP:
+    """``down(act(gate(x)) * up(x))`` for x [N, H] over chunks of rows: never an [N, I] tensor, only
+    [chunk, I] ones. The chunk loop, the order of each chunk's work and the activation kernel are here,
+    for the dense projections (ChunkedGatedMLPFunction) and fuselm.lora's (ChunkedLoraGatedMLPFunction); a
+    subclass runs its projections on one chunk of rows [s, e):
+
+    - ``gate_up(xc, s, e)`` -> ``(g, u)`` [chunk, I] of x's rows xc, in forward and again in backward;
+    - ``down(h)`` -> the chunk's output rows (forward);
+    - ``grad_h(dyc)`` -> dh [chunk, I], a fresh buffer (backward: the kernel writes dg over it);
+    - ``grads(s, e, xc, dyc, dg, du, h)`` takes the chunk's gradients: its rows of dx, the parameters' sums
+      over the chunks (:class:`ChunkSums`); h is None unless the backward was asked for it.
+    """
+
+    def forward(self, x: torch.Tensor, chunk_rows: int, activation: str) -> torch.Tensor:
+        """y [N, H]: per chunk g, u, then h = act(g) * u (g and u freed), then y's rows = down(h)."""
+        y = x.new_empty(x.shape)  # an MLP maps H features to H
+        for s, e in row_chunks(x.shape[0], chunk_rows):
+            g, u = self.gate_up(x[s:e], s, e)
+            h = _run_fwd(g, u, activation)
+            del g, u
+            y[s:e] = self.down(h)
+        return y
+
+    def backward(self, x: torch.Tensor, dy: torch.Tensor, chunk_rows: int, activation: str, want_h: bool):
+        """Per chunk: g and u recomputed, dh, then one kernel writes dg over dh, du over u and (want_h) the
+        product h over g; then grads."""
+        for s, e in row_chunks(x.shape[0], chunk_rows):
+            xc, dyc = x[s:e], dy[s:e]
+            g, u = self.gate_up(xc, s, e)
+            dh = self.grad_h(dyc)
+            res = gated_backward(dh, g, u, activation, want_out=want_h, overwrite_inputs=True)
+            dg, du, h = res if want_h else (*res, None)
+            del dh, g, u
+            self.grads(s, e, xc, dyc, dg, du, h)
+
+
+class _DenseChunks(ChunkedMLP):
+    """ChunkedGatedMLPFunction's projections on one chunk: F.linear forward, torch.mm backward, the weights'
+    gradients summed over the chunks by the GEMMs in fp32 (fp64 for fp64 weights)."""
+
+    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down=None, needs=(False,) * 7, x=None):
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.b_gate, self.b_up, self.b_down = b_gate, b_up, b_down
+        self.needs = needs
+        nx, nwg, nwu, nwd, nbg, nbu, nbd = needs
+        self.dx = torch.empty_like(x) if nx else None
+        self.acc_dtype = torch.float64 if w_gate.dtype == torch.float64 else torch.float32
+        self.sums = ChunkSums()
+        for name, shape, need in (
+            ("wg", w_gate.shape, nwg),
+            ("wu", w_up.shape, nwu),
+            ("wd", w_down.shape, nwd),
+            ("bg", w_gate.shape[:1], nbg),
+            ("bu", w_up.shape[:1], nbu),
+            ("bd", w_down.shape[:1], nbd),
+        ):
+            if need:
+                self.sums.zeros(name, shape, self.acc_dtype, x.device)
+
+    def gate_up(self, xc, s, e):
+        return F.linear(xc, self.w_gate, self.b_gate), F.linear(xc, self.w_up, self.b_up)
+
+    def down(self, h):
+        return F.linear(h, self.w_down, self.b_down)
+
+    def grad_h(self, dyc):
+        return torch.mm(dyc, self.w_down)
+
+    def grads(self, s, e, xc, dyc, dg, du, h):
+        nx, nwg, nwu, nwd, nbg, nbu, nbd = self.needs
+        sums, acc_dtype = self.sums, self.acc_dtype
+        if nwd:
+            sums.addmm("wd", dyc.t(), h)
+        if nbd:
+            sums.add("bd", dyc.sum(0, dtype=acc_dtype))
+        if nwg:
+            sums.addmm("wg", dg.t(), xc)
+        if nwu:
+            sums.addmm("wu", du.t(), xc)
+        if nbg:
+            sums.add("bg", dg.sum(0, dtype=acc_dtype))
+        if nbu:
+            sums.add("bu", du.sum(0, dtype=acc_dtype))
+        if nx:
+            torch.mm(dg, self.w_gate, out=self.dx[s:e]).addmm_(du, self.w_up)
+
+
 class ChunkedGatedMLPFunction(torch.autograd.Function):
-    """GatedMLPFunction's math over chunks of ``chunk_rows`` rows: never an [N, I] tensor, only [chunk, I]
-    ones. Saves x alone (and the weights): the backward recomputes each chunk's gate and up projections
-    (two GEMMs more than the unchunked node, the price of O(N x H) activation memory) and sums the
-    weights' gradients over the chunks in fp32, rounded to the weights' dtype once."""
+    """GatedMLPFunction's math over chunks of ``chunk_rows`` rows (:class:`ChunkedMLP`): never an [N, I]
+    tensor, only [chunk, I] ones. Saves x alone (and the weights): the backward recomputes each chunk's gate
+    and up projections (two GEMMs more than the unchunked node, the price of O(N x H) activation memory) and
+    sums the weights' gradients over the chunks in fp32, rounded to the weights' dtype once."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, chunk_rows):
-        y = x.new_empty(x.shape[0], w_down.shape[0])
-        for s, e in _chunks(x.shape[0], chunk_rows):
-            xc = x[s:e]
-            h = _run_fwd(F.linear(xc, w_gate, b_gate), F.linear(xc, w_up, b_up), activation)
-            y[s:e] = F.linear(h, w_down, b_down)
+        y = _DenseChunks(w_gate, w_up, w_down, b_gate, b_up, b_down).forward(x, chunk_rows, activation)
         ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up)
         ctx.activation, ctx.chunk_rows = activation, chunk_rows
         return y
@@ -124,55 +245,12 @@ class ChunkedGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
-        nx, nwg, nwu, nwd, nbg, nbu, nbd = ctx.needs_input_grad[:7]
+        needs = ctx.needs_input_grad[:7]
         dy = rows_view(dy)
-        dx = torch.empty_like(x) if nx else None
-        acc_dtype = torch.float64 if w_gate.dtype == torch.float64 else torch.float32
-        acc = {
-            name: torch.zeros(shape, dtype=acc_dtype, device=x.device)
-            for name, shape, need in (
-                ("wg", w_gate.shape, nwg),
-                ("wu", w_up.shape, nwu),
-                ("wd", w_down.shape, nwd),
-                ("bg", w_gate.shape[:1], nbg),
-                ("bu", w_up.shape[:1], nbu),
-                ("bd", w_down.shape[:1], nbd),
-            )
-            if need
-        }
-        for s, e in _chunks(x.shape[0], ctx.chunk_rows):
-            xc, dyc = x[s:e], dy[s:e]
-            g, u = F.linear(xc, w_gate, b_gate), F.linear(xc, w_up, b_up)
-            dh = torch.mm(dyc, w_down)
-            res = gated_backward(dh, g, u, ctx.activation, want_out=nwd, overwrite_inputs=True)
-            dg, du, h = res if nwd else (*res, None)
-            if nwd:
-                mm_fp32_into(acc["wd"], dyc.t(), h, accumulate=True)
-            if nbd:
-                acc["bd"].add_(dyc.sum(0, dtype=acc_dtype))
-            if nwg:
-                mm_fp32_into(acc["wg"], dg.t(), xc, accumulate=True)
-            if nwu:
-                mm_fp32_into(acc["wu"], du.t(), xc, accumulate=True)
-            if nbg:
-                acc["bg"].add_(dg.sum(0, dtype=acc_dtype))
-            if nbu:
-                acc["bu"].add_(du.sum(0, dtype=acc_dtype))
-            if nx:
-                torch.mm(dg, w_gate, out=dx[s:e]).addmm_(du, w_up)
+        mlp = _DenseChunks(w_gate, w_up, w_down, b_gate, b_up, needs=needs, x=x)
+        mlp.backward(x, dy, ctx.chunk_rows, ctx.activation, want_h=needs[3])
         like = {"wg": w_gate, "wu": w_up, "wd": w_down, "bg": w_gate, "bu": w_up, "bd": w_down}
-        grads = {k: v.to(like[k].dtype) for k, v in acc.items()}
-        return (
-            dx,
-            grads.get("wg"),
-            grads.get("wu"),
-            grads.get("wd"),
-            grads.get("bg"),
-            grads.get("bu"),
-            grads.get("bd"),
-            None,
-            None,
-        )
+        return mlp.dx, *mlp.sums.rounded(like), None, None
 
 
 # ---- public functions ----
