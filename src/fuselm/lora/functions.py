@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..offload import call_memo, keep_output, kept_output
-from ..ops.swiglu import check_chunk_rows, gated_backward, gated_forward
+from ..ops.swiglu import ChunkedMLP, ChunkSums, check_chunk_rows, gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -567,6 +567,63 @@ class LoraGatedMLPFunction(torch.autograd.Function):
         return dx, dag, dbg, dau, dbu, dad, dbd, None, None, None, None, None, None, None
 
 
+class _LoraChunks(ChunkedMLP):
+    """ChunkedLoraGatedMLPFunction's projections on one chunk of rows (fuselm.ops.swiglu's ChunkedMLP runs the
+    chunks): gate's and up's with their rank-r products (the lows kept for the adapters' gradients), then
+    down's, whose dropout is 0 here. The adapters' gradients are summed over the chunks in fp32 (at least)."""
+
+    def __init__(self, adapters, casts, masks, projs, needs=(False,) * 7, x=None):
+        self.adapters, self.casts, self.masks, self.projs = adapters, casts, masks, projs
+        self.needs = needs
+        self.dx = torch.empty_like(x) if needs[0] else None
+        self.sums = ChunkSums()
+
+    def gate_up(self, xc, s, e):
+        ag, _, au, _, _, _ = self.adapters
+        (mg, mu), (cg, cu, _), (pg, pu, _) = self.masks, self.casts, self.projs
+        self.mgc, self.muc = _rows_of(mg, s, e), _rows_of(mu, s, e)
+        g, self.low_g = _proj_forward(xc, ag, cg, self.mgc, pg)
+        u, self.low_u = _proj_forward(xc, au, cu, self.muc, pu)
+        return g, u
+
+    def down(self, h):
+        return _proj_forward(h, self.adapters[4], self.casts[2], None, self.projs[2])[0]
+
+    def grad_h(self, dyc):
+        (ad_c, bd_c), pd = self.casts[2], self.projs[2]
+        self.dyb = torch.mm(dyc, bd_c) if self.adapters[4] is not None else None
+        return _grad_input(dyc, self.dyb, ad_c, None, pd)  # [chunk, I], fresh
+
+    def grads(self, s, e, xc, dyc, dg, du, h):
+        ag, bg, au, bu, ad, bd = self.adapters
+        (ag_c, bg_c), (au_c, bu_c), (ad_c, _) = self.casts
+        pg, pu, pd = self.projs
+        nx, nag, nbg, nau, nbu, nad, nbd = self.needs
+        dyb, self.dyb = self.dyb, None
+        if h is not None:  # down's adapter wants gradients
+            low_d = F.linear(h, ad_c)
+            dad, dbd = _grad_adapter(dyc, dyb, h, low_d, None, ad, bd, pd, nad, nbd)
+            self.sums.add("ad", dad)
+            self.sums.add("bd", dbd)
+        del h, dyb
+        if not (nx or nag or nbg or nau or nbu):
+            return
+        dgb = torch.mm(dg, bg_c) if ag is not None and (nx or nag) else None
+        dxc = _grad_input(dg, dgb, ag_c, self.mgc, pg) if nx else None
+        if ag is not None:
+            dag, dbg = _grad_adapter(dg, dgb, xc, self.low_g, self.mgc, ag, bg, pg, nag, nbg)
+            self.sums.add("ag", dag)
+            self.sums.add("bg", dbg)
+        del dg, dgb
+        dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
+        if nx:
+            self.dx[s:e] = _grad_input(du, dub, au_c, self.muc, pu, acc=dxc)
+        if au is not None:
+            dau, dbu = _grad_adapter(du, dub, xc, self.low_u, self.muc, au, bu, pu, nau, nbu)
+            self.sums.add("au", dau)
+            self.sums.add("bu", dbu)
+
+
 class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
     """LoraGatedMLPFunction's math over chunks of ``chunk_rows`` rows, for sequences whose [N, I] tensors
     would not fit: only [chunk, I] ones are ever held. Saves x and the gate / up dropout masks alone; the
@@ -576,85 +633,28 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows):
-        pg, pu, pd = projs
-        cg, cu, cd = casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
-        y = None
-        for s, e in _row_chunks(x.shape[0], chunk_rows):
-            xc = x[s:e]
-            g, _ = _proj_forward(xc, ag, cg, _rows_of(mg, s, e), pg)
-            u, _ = _proj_forward(xc, au, cu, _rows_of(mu, s, e), pu)
-            h = gated_forward(g, u, activation)
-            del g, u
-            yc, _ = _proj_forward(h, ad, cd, None, pd)
-            if y is None:
-                y = yc.new_empty(x.shape[0], yc.shape[1])
-            y[s:e] = yc
+        adapters = (ag, bg, au, bu, ad, bd)
+        casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
+        y = _LoraChunks(adapters, casts, (mg, mu), projs).forward(x, chunk_rows, activation)
         ctx.projs, ctx.activation, ctx.chunk_rows, ctx.casts = projs, activation, chunk_rows, casts
-        ctx.adapters = (ag, bg, au, bu, ad, bd)
+        ctx.adapters = adapters
         ctx.save_for_backward(x, mg, mu)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, mg, mu = ctx.saved_tensors
-        ag, bg, au, bu, ad, bd = ctx.adapters
-        pg, pu, pd = ctx.projs
         for p in ctx.projs:
             p.check_versions()
-        nx, nag, nbg, nau, nbu, nad, nbd = ctx.needs_input_grad[:7]
-        need_gu = nx or nag or nbg or nau or nbu
-        need_h = ad is not None and (nad or nbd)
-        cdt = dy.dtype
-        dx = torch.empty_like(x) if nx else None
-        sums: dict[str, torch.Tensor] = {}
-
-        def add(name, t):
-            if t is not None:
-                t = t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 sums (fp64 stays fp64)
-                sums[name] = t if name not in sums else sums[name].add_(t)
-
+        needs = ctx.needs_input_grad[:7]
+        nad, nbd = needs[5:7]
+        want_h = ctx.adapters[4] is not None and (nad or nbd)
         with _no_autocast(dy.device.type):
-            (ag_c, bg_c), (au_c, bu_c), (ad_c, bd_c) = _mlp_backward_casts(ctx, cdt)
-            for s, e in _row_chunks(x.shape[0], ctx.chunk_rows):
-                xc, dyc = x[s:e], dy[s:e]
-                mgc, muc = _rows_of(mg, s, e), _rows_of(mu, s, e)
-                g, low_g = _proj_forward(xc, ag, (ag_c, bg_c), mgc, pg)
-                u, low_u = _proj_forward(xc, au, (au_c, bu_c), muc, pu)
-                dyb = torch.mm(dyc, bd_c) if ad is not None else None
-                dh = _grad_input(dyc, dyb, ad_c, None, pd)  # [chunk, I], fresh
-                res = gated_backward(dh, g, u, ctx.activation, want_out=need_h, overwrite_inputs=True)
-                dg, du, h = res if need_h else (*res, None)
-                del dh, g, u
-                if need_h:
-                    low_d = F.linear(h, ad_c)
-                    dad, dbd = _grad_adapter(dyc, dyb, h, low_d, None, ad, bd, pd, nad, nbd)
-                    add("ad", dad)
-                    add("bd", dbd)
-                del h, dyb
-                if not need_gu:
-                    continue
-                dgb = torch.mm(dg, bg_c) if ag is not None and (nx or nag) else None
-                dxc = _grad_input(dg, dgb, ag_c, mgc, pg) if nx else None
-                if ag is not None:
-                    dag, dbg = _grad_adapter(dg, dgb, xc, low_g, mgc, ag, bg, pg, nag, nbg)
-                    add("ag", dag)
-                    add("bg", dbg)
-                del dg, dgb
-                dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
-                if nx:
-                    dx[s:e] = _grad_input(du, dub, au_c, muc, pu, acc=dxc)
-                if au is not None:
-                    dau, dbu = _grad_adapter(du, dub, xc, low_u, muc, au, bu, pu, nau, nbu)
-                    add("au", dau)
-                    add("bu", dbu)
-        like = {"ag": ag, "bg": bg, "au": au, "bu": bu, "ad": ad, "bd": bd}
-        grads = {k: v.to(like[k].dtype) for k, v in sums.items()}
-        order = ("ag", "bg", "au", "bu", "ad", "bd")
-        return dx, *(grads.get(k) for k in order), None, None, None, None, None
-
-
-def _row_chunks(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk_rows, n_rows)) for s in range(0, n_rows, chunk_rows)]
+            casts = _mlp_backward_casts(ctx, dy.dtype)
+            mlp = _LoraChunks(ctx.adapters, casts, (mg, mu), ctx.projs, needs, x)
+            mlp.backward(x, dy, ctx.chunk_rows, ctx.activation, want_h)
+        like = dict(zip(("ag", "bg", "au", "bu", "ad", "bd"), ctx.adapters, strict=True))
+        return mlp.dx, *mlp.sums.rounded(like), None, None, None, None, None
 
 
 def _rows_of(t: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
