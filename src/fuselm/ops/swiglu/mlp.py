@@ -163,6 +163,7 @@ class ChunkedMLP:
             h = _run_fwd(g, u, activation)
             del g, u
             y[s:e] = self.down(h)
+            del h  # before the next chunk's g and u: never two chunks' tensors at once
         return y
 
     def backward(self, x: torch.Tensor, dy: torch.Tensor, chunk_rows: int, activation: str, want_h: bool):
@@ -176,6 +177,7 @@ class ChunkedMLP:
             dg, du, h = res if want_h else (*res, None)
             del dh, g, u
             self.grads(s, e, xc, dyc, dg, du, h)
+            del res, dg, du, h  # before the next chunk's g, u and dh: three [chunk, I] tensors at most
 
 
 class _DenseChunks(ChunkedMLP):
