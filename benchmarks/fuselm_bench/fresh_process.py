@@ -426,9 +426,14 @@ def ratio_table(bench: Bench, report: CaseReport) -> str:
     return md_table(head, rows)
 
 
+def failed_cell(rows: Sequence[Row]) -> str:
+    """OOM or error (the first row's status), ``—`` without rows."""
+    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+
+
 def status_cell(row: Row, ok: str) -> str:
     """``ok`` for an ok row, else OOM or error."""
-    return ok if row.status == "ok" else {"oom": "OOM"}.get(row.status, "error")
+    return ok if row.status == "ok" else failed_cell([row])
 
 
 def note_cell(row: Row) -> str:
