@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from .harness import Cost, Inputs, Provider, Shape, Suite, import_peer, torch_providers
 
 IGNORE_INDEX = -100
 RANDOM, PEAKED = 1, 2
@@ -321,12 +321,7 @@ SUITE = Suite(
     ),
     cpu_shapes=((256, 128, 1000, RANDOM, _K), (256, 128, 1000, PEAKED, _K), (256, 128, 1000, RANDOM, 2)),
     providers=(
-        Provider(
-            "torch",
-            lambda device: lambda x: _torch_lce(*_args(x)),
-            "F.cross_entropy((x @ W.T).float(), target), eager",
-        ),
-        Provider("torch_compile", compiled_setup(_torch_lce, _args), "torch.compile of the eager function"),
+        *torch_providers(_torch_lce, _args, "F.cross_entropy((x @ W.T).float(), target), eager"),
         Provider("liger", setup_liger, "Liger-Kernel LigerFusedLinearCrossEntropyFunction"),
         Provider("cce", setup_cce, "Cut Cross-Entropy linear_cross_entropy"),
         Provider("fuselm", setup_fuselm, 'fuselm.linear_cross_entropy(memory="auto")'),
