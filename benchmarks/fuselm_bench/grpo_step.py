@@ -1,32 +1,12 @@
-"""GRPO-shaped training step benchmark: ``fuselm bench grpo_step``.
+"""``fuselm bench grpo_step``: GRPO-shaped training steps of a Llama-3.2-1B-shaped model, the LM head's
+per-token log-probs by provider (:data:`PROVIDER_DESCRIPTIONS`; the backbone is the same plain
+transformers model for all).
 
-A randomly initialised Llama-3.2-1B-shaped ``LlamaForCausalLM`` (the ``e2e`` benchmark's GPU preset: hidden
-2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256, tied embeddings; bf16 weights, SDPA
-attention, fused AdamW, no activation checkpointing) takes GRPO-shaped steps: a batch of B sequences of P
-prompt + C completion token ids (random ids; completion lengths uniform in [C/2, C], the rest of each
-completion is padding), per-token log-probs of the completion tokens from the last hidden states, and a
-PPO-clip policy loss (clip 0.2) with random per-sequence advantages and old log-probs = the detached
-current ones (the first step of a GRPO iteration), averaged over the completion tokens; the entropy of
-every completion token is computed and logged (no gradient). One step: backbone forward, head, loss,
-backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``.
-
-The backbone is the same plain transformers model for every provider; only the head differs:
-
-- ``hf``: ``model.lm_head`` on the completion positions ([B, C, V] bf16 logits), ``log_softmax`` in fp32,
-  ``gather``; entropy from the log-softmax under ``torch.no_grad()``.
-- ``trl``: TRL's ``trl.kernels.chunked_logprob.ChunkedLogProbFunction`` as TRL's fused LM head
-  (``trl.trainer.utils.add_fused_lm_head``) calls it: on the non-padding positions only, vocabulary chunk
-  32768, outputs ("log_probs", "entropy"), results scattered back with ``masked_scatter``.
-- ``fuselm``: ``fuselm.linear_log_probs(hidden, lm_head.weight, targets, outputs=("log_probs", "entropy"))``
-  (memory "auto") on the [B, C, H] completion hidden states, padding targets -100.
-
-Every (provider, shape) runs in a fresh ``python -m fuselm_bench.grpo_step --worker ...`` process (peak memory
-is per process); ``warmup`` steps, then ``steps`` timed steps between two ``torch.cuda.synchronize()``.
-Peak memory is ``torch.cuda.max_memory_allocated()`` of the whole process (weights, gradients, AdamW state,
-activations). A provider that runs out of memory at batch B is not run at a larger batch of the same (P, C).
-
-Shapes are ``--shapes BxPxC`` triples; on a GPU the default is 8 x (512 + 1536) and 16 x (512 + 1536) (16384
-and 32768 tokens a step). Without CUDA a tiny config runs in fp32 in seconds: a smoke test of the path.
+B sequences of P prompt + C completion random ids (completion lengths uniform in [C/2, C]), the head's
+log-probs of the completion tokens, a PPO-clip loss (clip 0.2, random per-sequence advantages, old
+log-probs = the detached current ones: a GRPO iteration's first step), the entropy logged without
+gradient; each (provider, shape) in a fresh worker process, the loop :func:`fuselm.demo.training.train`.
+:func:`notes` says in each report how every figure is taken.
 """
 
 from __future__ import annotations

@@ -1,44 +1,15 @@
-"""Benchmark suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``.
+"""Op suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``.
 
-What RL and preference losses (GRPO, PPO, DPO) need from the head: ``log_probs[i] = log softmax(x @ W.T)[i,
-target_i]`` and often the entropy of row i, with a *different* upstream gradient per token (advantages),
-so that the gradient cannot be formed in the forward as a mean loss's can. Every provider gets random
-per-token upstream gradients on log_probs (and on entropy when it is asked for).
+What RL and preference losses (GRPO, PPO, DPO) need from the head: ``log softmax(x @ W.T)[i, target_i]``
+and often row i's entropy, with a *different* upstream gradient per token (advantages), so the gradient
+cannot be formed in the forward as a mean loss's can: every provider gets random per-token upstream
+gradients, and a design that does not keep the logits recomputes them in the backward (8NHV, 1.33x floor,
+bounds it). A shape is ``(N, H, V, k, outputs)``: the linear_cross_entropy suite's random inputs,
+``round(N / k)`` targets -100, ``outputs`` 1 (log_probs) or 2 (+ entropy).
 
-A shape is ``(N, H, V, k, outputs)``: x ``[N, H]``, W ``[V, H]`` (both require grad), target ``[N]`` with
-``round(N / k)`` entries (random positions) set to -100 (``k = 7``: 1/7 ignored, ``k = 2``: half), and
-``outputs`` 1 for ``("log_probs",)``, 2 for ``("log_probs", "entropy")``. Inputs are those of the
-linear_cross_entropy suite's random case (x ~ N(0, 1), W ~ N(0, 1/H): logits about N(0, 1)).
-
-Providers (temperature 1, no bias, no softcap; per-token outputs in fp32, 0 at ignored targets):
-
-- ``torch``: logits ``(x @ W.T).float()``, ``log_softmax``, ``gather`` at the targets, entropy
-  ``-(p * log p).sum(-1)``; eager, every row (ignored ones too).
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes; compiled once per
-  (N, H, V, outputs)); skipped on CPU.
-- ``trl``: TRL's ``trl.kernels.chunked_logprob.ChunkedLogProbFunction.apply(hidden, weight, None, targets,
-  1.0, 32768, None, 1.0, outputs)`` called as TRL's fused LM head calls it: on the non-ignored rows only
-  (``hidden[mask]``), the results scattered back with ``masked_scatter`` (so TRL pays no FLOPs for ignored
-  tokens). Its gradients are accumulated in fp32 [N, H] and [V, H] buffers.
-- ``liger_cute``: Liger-Kernel's CuTe DSL SM90 fused scaled cross-entropy,
-  ``liger_kernel.ops.fused_linear_scaled_cross_entropy._load_sm90_function().apply(x, W, target, 1.0, -100,
-  1, return_entropy)`` (needs an SM90 GPU, bf16, and nvidia-cutlass-dsl); it returns the per-token NLL
-  (fp32) and the entropy (bf16), log_probs = -NLL.
-- ``liger_fallback``: Liger's portable fallback of the same op, ``_FusedLinearPPOFallbackFunction.apply(x,
-  W, target, 1.0, -100, return_entropy)`` (512-token chunks of fp32 logits), what Liger runs off SM90.
-- ``fuselm`` / ``fuselm_min``: ``fuselm.linear_log_probs(x, W, target, outputs=..., memory="auto" / "min")``.
-
-Cost: the GEMMs over all N rows, 2NHV FLOPs forward, 4NHV backward, 6NHV forward + backward; ``x_floor`` is
-the time over those FLOPs at the GEMM rate measured in the run. Per-token upstream gradients force the
-logits to be recomputed in the backward by any design that does not keep them, so 8NHV (1.33x) is the
-bound of an O(N)-memory design. The forward is timed as in a training step (``forward_grad=True``).
-
-Accuracy: for every (shape, provider) the outputs of its first call are compared with an fp64 reference
-(``log_softmax`` of fp64 logits of the same bf16 x and W) on the first 256 non-ignored tokens: max abs
-error of log_probs and of the entropy. The first call is a warmup call of the harness (or the call that
-shapes the upstream gradients), outside the timed and the memory-measured calls.
-
-This suite has its own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
+Accuracy: each provider's first call per shape is compared with an fp64 reference on the first 256
+non-ignored tokens (:func:`record_accuracy`), outside the timed and memory-measured calls. The suite has its
+own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""``fuselm bench max-context``: the longest sequence (batch 1) for which one full LoRA / QLoRA training
-step (forward, backward, optimizer) runs under a GPU memory cap, per provider.
+"""``fuselm bench max-context``: the longest sequence (batch 1) for which one LoRA / QLoRA training step
+runs under a GPU memory cap, per provider.
 
-Each probe is ``fuselm bench finetune``'s worker in a fresh process (the same saved random-init model,
-LoRA on all seven projections, gradient checkpointing; fuselm with activation offloading and, with
-``--mlp-chunk-tokens``, its MLP over chunks of tokens), one step at batch 1 x T with
-``torch.cuda.set_per_process_memory_fraction`` set to the cap: ``ok`` or out of memory. The lengths are
-searched by bisection on a log scale over multiples of :data:`GRAIN` tokens between ``--seq-range LO:HI``:
-HI first (when it fits, that is the answer: raise HI), then LO (when it does not, nothing fits), then the
-geometric middle until HI / LO <= 1 + ``--rel-tol`` or ``--max-probes`` probes. The report gives, per
-(provider, cap), the longest length that fitted, that step's time and peak memory, and every probe.
-
-Without CUDA a tiny model runs on the CPU with no cap (a smoke test of the search and the workers: every
-length fits, the answer is HI).
+Each probe is ``fuselm bench finetune``'s worker in a fresh process, one step at 1 x T under
+``torch.cuda.set_per_process_memory_fraction``: ok or out of memory. :func:`longest_fitting` bisects on a
+log scale over multiples of :data:`GRAIN` tokens. Without CUDA a tiny model runs with no cap (a smoke test:
+every length fits).
 """
 
 from __future__ import annotations

@@ -1,39 +1,21 @@
 """The vocabulary split over ranks: ``fuselm bench linear_cross_entropy|linear_log_probs --world-size W``.
 
-The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU):
-rank r holds the contiguous rows of W that ``torch.tensor_split`` gives it (128256 over 2 ranks: 64128 +
-64128). Shapes are ``N x H x V``. Two ops (:data:`OPS`, keyed by the single-GPU suite's name, whose inputs
-they take: x ~ N(0, 1), W ~ N(0, 1/H), 1/7 of the targets -100, made from one seed and broadcast from rank
-0): ``linear_cross_entropy`` (the mean over the non-ignored targets) and ``linear_log_probs`` (``loss =
-log_probs.sum()``: every token's upstream gradient is 1, an RL loss with unit advantages; no op can use it
-in its forward). Each provider is timed forward + backward of its loss, ``torch.autograd.grad`` w.r.t. x
-and the rank's weight rows (the op suites' ``full`` mode). The providers, the same for both ops:
+The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU),
+rank r holding the rows of W that ``torch.tensor_split`` gives it; shapes are ``N x H x V``, the inputs the
+single-GPU suite's (:data:`OPS`), made from one seed and broadcast from rank 0. ``linear_log_probs`` times
+``log_probs.sum()``: every token's upstream gradient is 1 (an RL loss with unit advantages), which no op
+can use in its forward. Providers: ``fuselm_split`` (``fuselm.distributed``, no rank ever holding
+``[N, V]``), ``allgather_logits`` (what users write today, Megatron's ColumnParallelLinear with
+gather_output; not ``torch.distributed.nn.functional.all_gather``, whose backward sums the gradient over
+the ranks, W times too much for a loss every rank computes in full) and ``fuselm_single`` (the whole W on
+rank 0, the others waiting).
 
-- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy`` / ``linear_log_probs(...).log_probs`` on
-  every rank: the result over the whole vocabulary, no rank ever holding ``[N, V]``.
-- ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output): x
-  through an identity whose backward all-reduces its gradient, the local logits ``[N, V_r]`` all-gathered
-  into ``[N, V]`` (backward: the rank's columns, no communication), then the eager loss in fp32. Not
-  ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W times
-  too much for a loss that every rank computes in full.
-- ``fuselm_single``: ``fuselm.linear_cross_entropy`` / ``linear_log_probs`` with the whole W on rank 0 alone
-  (the other ranks wait): the single-GPU reference.
-
-Method: a group of W spawned processes first measures the card's ceilings on every rank, then runs every
-(shape, provider) in turn. Per case: inputs, ``warmup`` steps (the first records the loss and the gradient
-norm, a cross-check of the providers), one step for memory (CUDA: peak allocated minus allocated before,
-minus the returned gradients' fresh bytes, as the op suites count ``extra``), a barrier, then ``steps``
-steps, each between two CUDA events (CPU: ``time.perf_counter``). A fixed count, not
-``triton.testing.do_bench``, which picks its repetitions per process: ranks could disagree on the number
-of collectives and hang. A rank's time is the median of its steps; a row's time the slowest rank's (the
-step ends when the last rank's does), its extra memory the largest rank's; the JSON keeps every rank's.
-FLOPs are per rank: 6NHV/W for the split providers, 6NHV for the single GPU, so ``x floor`` is the time
-over the GEMM floor of the work one GPU does (per-token log-probs recompute the logits in the backward:
-8NHV, 1.33x floor, bounds them).
-
-Failures: the ranks agree on each case's status (:mod:`fuselm_bench.rank_group`, shared with ``fuselm
-bench finetune --world-size``); a group that fails or makes no progress (``CASE_TIMEOUT_S``) is killed and
-a fresh group runs the cases left. Reports: ``<op>_ws<W>.{md,json,png}``.
+Per case: ``warmup`` steps (the first records loss and gradient norm, a cross-check of the providers), one
+step for memory, a barrier, then ``steps`` steps between CUDA events: a fixed count, not
+``triton.testing.do_bench``, which picks its repetitions per process (ranks could disagree on the number
+of collectives and hang). A row's time is the slowest rank's median; FLOPs are per rank (6NHV/W split,
+6NHV single). The ranks agree on each case's status (:mod:`fuselm_bench.rank_group`); a group that fails
+or stalls (``CASE_TIMEOUT_S``) is killed and a fresh one runs the cases left.
 """
 
 from __future__ import annotations
