@@ -44,7 +44,7 @@ WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must n
 
 @dataclass(frozen=True)
 class GrpoDefaults:
-    """Shapes and step counts of a run; ``preset`` is the e2e benchmark's model preset (named as the plan)."""
+    """Shapes and step counts of a run; ``preset``: the e2e benchmark's (named as the plan)."""
 
     preset: e2e.Preset
     shapes: tuple[tuple[int, int, int], ...]  # (batch, prompt, completion)
@@ -71,9 +71,8 @@ PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 def make_batch(
     vocab: int, batch: int, prompt: int, completion: int, device: torch.device, seed: int = e2e.SEED
 ) -> dict[str, torch.Tensor]:
-    """Random ``input_ids [B, P + C]``, the completion ``mask [B, C]`` (lengths uniform in [C/2, C]),
-    ``targets [B, C]`` (the completion ids, -100 on padding) and ``advantages [B]`` (standard normal,
-    centred and scaled as GRPO's group normalisation leaves them)."""
+    """Random ``ids [B, P + C]``, completion ``mask [B, C]``, ``targets [B, C]`` (-100 on padding) and
+    ``adv [B]`` (normalised as GRPO's groups leave them)."""
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (batch, prompt + completion), generator=gen)
     lengths = torch.randint(max(1, completion // 2), completion + 1, (batch,), generator=gen)
@@ -139,8 +138,7 @@ def train(
     steps: int,
     seed: int = e2e.SEED,
 ) -> dict[str, Any]:
-    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.demo.training.train`),
-    return the measurements."""
+    """A worker's run: build the model, ``warmup`` + ``steps`` GRPO-shaped steps, the measurements."""
     model, figures = fresh_process.build_measured(
         lambda: e2e.build_model(plan.preset, "hf", dtype, device, seed), device
     )
@@ -237,8 +235,6 @@ BENCH = fresh_process.Bench(
 
 
 def markdown_table(report: fresh_process.CaseReport) -> str:
-    """One line per (shape, provider): ms/step, tokens/s, peak GiB, mean log-prob / entropy of step 1 and of
-    the last step, note."""
     head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
     head += ["entropy last", "note"]
     rows = []
@@ -292,7 +288,6 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def markdown(report: fresh_process.CaseReport) -> str:
-    """The whole report: header (device, versions, commit, model), results, ratios, notes."""
     m = report.plan.preset.model
     model = (
         f"hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
@@ -310,7 +305,6 @@ def markdown(report: fresh_process.CaseReport) -> str:
 
 
 def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``grpo_step.md``, ``.json`` and ``.png`` (ms/step and peak GiB per shape and provider)."""
     data = fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
     panels = (("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0))
     return fresh_process.write_report(
@@ -328,9 +322,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
-    ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
-    ``fuselm_bench.arguments.UsageError``."""
+    """``fuselm bench grpo_step`` (``--shapes BxPxC``); the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN))
     for b, p, c_ in c.shapes:
         if p < 1:

@@ -36,7 +36,7 @@ _SOLVE_CHUNK = 1024  # rows per batched solve when building peaked hidden states
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V)`` or ``(N, H, V, inputs, k)`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
+    """``(N, H, V[, inputs, k])`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
 
     Example:
         >>> split_shape((256, 64, 1000))
@@ -180,9 +180,8 @@ def mean_target_prob(
     max_rows: int | None = 2048,
     chunk_rows: int = 256,
 ) -> float:
-    """Mean softmax probability of the target, ``softmax(x @ weight.T)[i, target_i]``, over the
-    non-ignored rows (the first ``max_rows`` of them; None: all). Logits are computed in the dtype
-    of ``weight`` (as the providers do), the softmax in fp32, ``chunk_rows`` rows at a time.
+    """Mean ``softmax(x @ weight.T)[i, target_i]`` over the first ``max_rows`` non-ignored rows (logits in
+    ``weight``'s dtype, as the providers compute them; softmax in fp32).
 
     Example:
         >>> w = torch.randn(1000, 32) / 32**0.5
@@ -205,8 +204,7 @@ def mean_target_prob(
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """x ``[N, H]`` and W ``[V, H]`` in ``dtype`` (both require grad), target ``[N]`` (int64) with
-    ``round(N / k)`` entries -100; random or peaked hidden states (see the module docstring)."""
+    """x ``[N, H]`` and W ``[V, H]`` requiring grad, target ``[N]`` with ``round(N / k)`` entries -100."""
     n, h, v, inputs, k = split_shape(shape)
     weight = torch.randn(v, h, device=device, dtype=dtype).div_(math.sqrt(h))
     target = torch.randint(0, v, (n,), device=device)

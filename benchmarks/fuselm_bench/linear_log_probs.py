@@ -35,8 +35,7 @@ _REF_SLAB = 16384  # vocabulary rows per fp64 GEMM of the reference
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V)`` or ``(N, H, V, k, outputs)`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored,
-    log_probs + entropy).
+    """``(N, H, V[, k, outputs])`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored, + entropy).
 
     Example:
         >>> split_shape((256, 64, 1000))
@@ -61,9 +60,8 @@ def describe(shape: Shape) -> str:
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """The linear_cross_entropy suite's random inputs (x, W requiring grad; ``round(N / k)`` targets -100),
-    plus two plain entries the providers read: ``outputs`` (the output names) and ``case`` (the shape,
-    which keys the accuracy records)."""
+    """The linear_cross_entropy suite's random inputs, plus ``outputs`` (the output names) and ``case`` (the
+    shape, which keys the accuracy records)."""
     n, h, v, k, outputs = split_shape(shape)
     x = lce_make_inputs((n, h, v, RANDOM, k), dtype, device)
     return {**x, "outputs": OUTPUTS[outputs], "case": (n, h, v, k, outputs)}  # type: ignore[dict-item]
@@ -79,8 +77,7 @@ _REFERENCE: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def reference(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tokens: int = ACCURACY_TOKENS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, log_probs, entropy) on the CPU: the first ``tokens`` non-ignored rows and their log-probs and
-    entropy from fp64 logits of the given x and W (``_REF_SLAB`` vocabulary rows per GEMM)."""
+    """(rows, log_probs, entropy) on the CPU of the first ``tokens`` non-ignored rows, from fp64 logits."""
     with torch.no_grad():
         rows = (target != IGNORE_INDEX).nonzero().squeeze(1)[:tokens]
         xs = x.detach()[rows].double()
@@ -116,8 +113,7 @@ def record_accuracy(provider: str, inputs: Inputs, out: Any) -> None:
 
 
 def _provider(name: str, setup: Callable[[torch.device], Callable[..., Any]], description: str) -> Provider:
-    """A provider whose ``setup(device)`` gives ``fn(x, w, target, outputs) -> tuple``; each of its first
-    calls per shape records its accuracy (:func:`record_accuracy`)."""
+    """A provider of ``fn(x, w, target, outputs) -> tuple`` that records its accuracy per shape."""
 
     def accurate_setup(device: torch.device) -> Callable[[Inputs], Any]:
         fn = setup(device)
@@ -153,8 +149,8 @@ _COMPILED: dict[str, Any] = {}
 
 
 def setup_torch_compile(device: torch.device) -> Callable[..., Any]:
-    """torch.compile of the eager function, static shapes, compiled once per (N, H, V, outputs) (Dynamo's
-    cache reset when that changes). Skipped on CPU to keep the CPU run short."""
+    """torch.compile of the eager function, once per (N, H, V, outputs) (Dynamo's cache reset when that
+    changes). Skipped on CPU."""
     if device.type != "cuda":
         raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
 
@@ -179,7 +175,6 @@ def trl_log_probs(
 
 
 def setup_trl(device: torch.device) -> Callable[..., Any]:
-    """TRL's ChunkedLogProbFunction on the non-ignored rows, as TRL's fused LM head calls it."""
     trl = "trl.kernels.chunked_logprob"
     chunked = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
     return lambda *args: trl_log_probs(chunked, *args)
@@ -287,7 +282,6 @@ SUITE = Suite(
 
 
 def accuracy_rows(report: Report) -> list[dict[str, Any]]:
-    """One entry per (shape, provider) that recorded its accuracy in this process, in the report's order."""
     return [
         {"shape": list(shape), "provider": p, **ACCURACY[(split_shape(shape), p)]}
         for shape in report.shapes
@@ -297,8 +291,6 @@ def accuracy_rows(report: Report) -> list[dict[str, Any]]:
 
 
 def summary_table(report: Report) -> str:
-    """One line per (shape, provider): fwd / bwd / fwd+bwd ms, x floor (fwd+bwd), extra MiB (fwd+bwd),
-    max abs error of log_probs and entropy vs fp64."""
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
     lines = []
@@ -315,7 +307,6 @@ def summary_table(report: Report) -> str:
 
 
 def extra_markdown(report: Report) -> str:
-    """The section after the harness's table: the summary with accuracy, and what the peers were."""
     m = report.metadata
     peers = ", ".join(f"{k} {m[k]}" for k in ("trl", "liger-kernel", "nvidia-cutlass-dsl") if m.get(k))
     lines = [
@@ -348,10 +339,8 @@ def peer_versions() -> dict[str, str]:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench linear_log_probs``: ``--shapes NxHxVxkxE``, ``--providers``, ``--modes``, ``--dtype``,
-    ``--quick``, ``--device``, ``--out``. The suite runs one shape at a time, the files written after each
-    (a run stopped part-way keeps the shapes it finished); each skip reason is printed once. Returns the
-    exit code (0: something measured, 1: nothing); raises ``UsageError`` for bad values."""
+    """``fuselm bench linear_log_probs``, one shape at a time, the files written after each (a run stopped
+    part-way keeps the shapes it finished); the exit code. Raises ``UsageError``."""
     from .runner import finish, start
 
     session, [(_, shapes, providers)] = start([SUITE], args, argv, peer_versions(), check_shape=split_shape)

@@ -119,8 +119,7 @@ class _GatherVocab(torch.autograd.Function):
 
 
 def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Sequence[int]) -> torch.Tensor:
-    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]`` (x the same on
-    every rank; backward: this rank's columns of the gradient into its rows, dx summed over the ranks)."""
+    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]``."""
     local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
     return _GatherVocab.apply(local, tuple(vocab_sizes))
 
@@ -128,8 +127,7 @@ def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Seq
 def allgather_logits_loss(
     x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """The cross-entropy baseline: :func:`gathered_logits`, then ``F.cross_entropy(logits.float())`` (the
-    mean over the non-ignored targets)."""
+    """The cross-entropy baseline: :func:`gathered_logits`, then ``F.cross_entropy(logits.float())``."""
     logits = gathered_logits(x, weight_rows, vocab_sizes)
     return F.cross_entropy(logits.float(), target, ignore_index=lce.IGNORE_INDEX)
 
@@ -137,8 +135,7 @@ def allgather_logits_loss(
 def allgather_logits_log_probs(
     x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """The log-probs baseline: :func:`gathered_logits`, then ``logits.float().log_softmax(-1).gather(-1,
-    target[:, None])``, ``[N]`` fp32, 0 at ignored targets (as ``fuselm.linear_log_probs`` gives them)."""
+    """The log-probs baseline: :func:`gathered_logits`, fp32 log_softmax, gather; 0 at ignored targets."""
     logits = gathered_logits(x, weight_rows, vocab_sizes)
     kept = target != llp.IGNORE_INDEX
     log_probs = logits.float().log_softmax(-1).gather(-1, target.clamp(min=0)[:, None]).squeeze(-1)
@@ -249,8 +246,7 @@ OPS: dict[str, VocabParallelOp] = {
 
 
 def make_suite(op: str, world_size: int) -> Suite:
-    """The suite of a run of ``op`` (a key of :data:`OPS`) over ``world_size`` ranks (its name names the
-    report files: ``<op>_ws<world_size>``)."""
+    """The suite of a run of ``op`` over ``world_size`` ranks (the report files: ``<op>_ws<world_size>``)."""
     spec = OPS[op]
     return Suite(
         name=f"{spec.name}_ws{world_size}",
@@ -359,9 +355,8 @@ def _measure(case: Case, plan: SplitRun, device: torch.device, rank: int) -> dic
 
 
 def _worker(rank: int, plan: SplitRun, init_file: str, out_dir: str) -> None:
-    """A spawned rank: join the group, measure the ceilings (if asked), run the cases (a split provider, or
-    rank 0 of the single one, then the agreement, also the barrier of the ranks idle during
-    fuselm_single), write records."""
+    """A spawned rank: join the group, the ceilings (if asked), the cases (the agreement after each is also
+    the barrier of the ranks idle during fuselm_single), the records."""
     path = Path(out_dir) / f"rank{rank}.jsonl"
     if plan.device_type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
@@ -403,8 +398,7 @@ def case_row(
     ceilings: Ceilings,
     failure: str | None = None,
 ) -> ParallelRow:
-    """The row of one case from its ranks' records (an error row when it failed:
-    :func:`rank_group.failed_case`, ``failure`` why the group stopped)."""
+    """The row of one case from its ranks' records (``failure``: why the group stopped)."""
     split = case.provider in SPLIT_PROVIDERS
     sizes = vocab_split(case.shape[2], world_size) if split else [case.shape[2]]
     row = ParallelRow(
@@ -459,8 +453,7 @@ def _mib(b: int | None) -> str:
 
 
 def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, Any]]) -> str:
-    """The sections after the main table: split vs single and vs all-gathered logits, every rank's figures
-    and ceilings, the providers."""
+    """The sections after the main table: split vs single and vs all-gathered logits, per rank, providers."""
     rows = [
         [
             shape_label(s["shape"]),
@@ -521,9 +514,9 @@ def run(
     metadata: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Report, list[dict[str, Any]]]:
-    """Every (shape, provider) of ``op`` (a key of :data:`OPS`) on ``world_size`` ranks; returns the report
-    and each rank's device and ceilings (nothing written). A group that fails or hangs is replaced by a fresh
-    one for the cases left (none when a fresh group failed at once, without a rank saying why)."""
+    """Every (shape, provider) of ``op`` on ``world_size`` ranks: the report and each rank's device and
+    ceilings. A group that fails or hangs is replaced for the cases left (not when a fresh group failed at
+    once, without a rank saying why: a fresh one would fail the same way)."""
     suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
     group: rank_group.RankGroup | None = None
@@ -605,10 +598,7 @@ def run(
 
 
 def run_cli(args, argv: list[str]) -> int:
-    """``fuselm bench <op> --world-size W`` with the parsed ``fuselm bench`` arguments (``args.suite``: a
-    key of :data:`OPS`): ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``,
-    ``--dtype`` (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply. Raises
-    ``UsageError`` for bad values."""
+    """``fuselm bench <op> --world-size W``; the exit code. Raises ``UsageError``."""
     world_size = args.world_size
     suite = make_suite(args.suite, world_size)
     device = pick_device(args.device)
