@@ -80,8 +80,7 @@ TINY = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A named model shape: its transformers family (a key of :data:`fuselm.demo.training.FAMILIES`),
-    its config at full size, and the overrides that make it tiny for a CPU smoke run."""
+    """A named model shape: its transformers family, full-size config and tiny (CPU) overrides."""
 
     name: str
     family: str
@@ -90,11 +89,9 @@ class ModelShape:
     nf4_only: bool = False  # saved as a 4-bit checkpoint (its bf16 weights fit no one machine): QLoRA only
 
     def settings(self, tiny: bool = False) -> dict[str, Any]:
-        """The config's keyword arguments (tiny: with the CPU overrides)."""
         return {**self.config, **self.tiny} if tiny else dict(self.config)
 
     def describe(self, tiny: bool = False) -> str:
-        """One line: the sizes of :meth:`settings`."""
         m = self.settings(tiny)
         rope = "llama3 scaling" if m.get("rope_scaling") else "default"
         return (
@@ -196,7 +193,7 @@ Config = tuple[str, int, int]  # (model, batch, sequence length)
 
 @dataclass(frozen=True)
 class Preset:
-    """A run plan: the GPU grid of full-size models, or tiny models for a CPU smoke run."""
+    """A run plan: the GPU grid of full-size models, or tiny ones on a CPU."""
 
     name: str
     tiny: bool
@@ -210,12 +207,11 @@ class Preset:
 
     @property
     def model(self) -> dict[str, Any]:
-        """The config of the default model (Llama-3.2-1B's shape), as the ``grpo_step`` benchmark takes it."""
+        """The default model's config (``grpo_step``'s)."""
         return MODELS[DEFAULT_MODEL].settings(self.tiny)
 
     @property
     def models(self) -> list[str]:
-        """The models of the grid, in order."""
         return list(dict.fromkeys(m for m, _, _ in self.grid))
 
 
@@ -382,8 +378,7 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
 
 @dataclass
 class E2ERow(Row):
-    """One (provider, model, B, T, repeat) result. ``status``: ok, oom, error or skipped; ``error`` says
-    why. ``step_ms`` is the median of ``step_ms_all``; ``cpu_ms``, ``gpu_ms``, ``launches`` are per step."""
+    """One (provider, model, B, T, repeat) result; ``step_ms`` is the median of ``step_ms_all``."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
@@ -591,9 +586,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
-    """Per configuration with both trainer providers: fuselm-trainer's tokens/s over hf-trainer's (medians
-    over the repeats), with the range of the per-repeat ratios: ``llama3.2-1b 1x2048: fuselm-trainer /
-    hf-trainer tokens/s 1.42x (1.40-1.45).``"""
+    """fuselm-trainer's tokens/s over hf-trainer's per configuration, with the per-repeat range."""
     out = []
     for shape in report.shapes:
         ours, base = (report.rows_of(p, shape) for p in ("fuselm-trainer", "hf-trainer"))

@@ -158,7 +158,7 @@ def llp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs
 
 @dataclass(frozen=True)
 class VocabParallelOp:
-    """What one op brings to the runner; :func:`make_suite` builds the suite of a run from it."""
+    """What one op brings to the runner (:func:`make_suite`)."""
 
     name: str  # the single-GPU suite's: the CLI's suite argument and the report's name prefix
     what: str  # the start of the suite's description
@@ -302,7 +302,7 @@ class SplitRun:
 
 
 def _inputs(case: Case, plan: SplitRun, device: torch.device, rank: int) -> Inputs:
-    """The whole problem made from the seed; the split providers keep this rank's rows of W."""
+    """The whole problem from the seed; the split providers keep this rank's rows of W."""
     torch.manual_seed(SEED)
     x = OPS[plan.op].make_inputs(case.shape, plan.dtype, device)
     if case.provider not in SPLIT_PROVIDERS:
