@@ -1,9 +1,5 @@
-"""The values of ``fuselm bench`` options: parsing, checking, defaults.
-
-The shape and list parsers, the dtype names and the default results folder; :class:`UsageError` (a bad
-value: the command line prints it and exits with 2), ``positive_int`` and ``pick_device`` are
-``fuselm.cli``'s, which ``fuselm demo`` uses too, named here for the runners.
-"""
+"""The values of ``fuselm bench`` options: parsing, checking, defaults. ``UsageError`` (printed, exit 2),
+``positive_int`` and ``pick_device`` are ``fuselm.cli``'s, which ``fuselm demo`` uses too."""
 
 from __future__ import annotations
 
@@ -87,10 +83,8 @@ CPU_RESULTS_DIR = Path("bench-out") / "cpu"
 
 
 def results_dir(out: str | None, device_name: str | None) -> Path:
-    """``--out``, else ``benchmarks/results/<gpu>`` for the GPU called ``device_name`` (where committed GPU
-    results live), else (``device_name`` None: a CPU run) ``bench-out/cpu`` under the current folder: CPU
-    figures are smoke runs, never committed, and ``bench-out/`` is in the checkout's ``.gitignore``, so a
-    run inside the checkout leaves no untracked files.
+    """``--out``, else ``benchmarks/results/<gpu>`` (the committed GPU results), else (a CPU run)
+    ``bench-out/cpu``: CPU figures are smoke runs, never committed (``bench-out/`` is git-ignored).
 
     Example:
         >>> [str(results_dir(None, gpu)) for gpu in (None, "NVIDIA H100 80GB HBM3")]
@@ -118,9 +112,8 @@ class StepCounts:
 
 
 def warmup_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
-    """``(warmup, steps, dtype)`` of a training benchmark: ``--warmup`` / ``--steps`` or the ``plan``'s (a
-    :class:`StepCounts` or anything with its fields; its quick ones with ``--quick``), ``--dtype`` on CUDA,
-    fp32 otherwise. Raises :class:`UsageError`."""
+    """``(warmup, steps, dtype)``: ``--warmup`` / ``--steps`` or the ``plan``'s (its quick ones with
+    ``--quick``), ``--dtype`` on CUDA, fp32 otherwise. Raises :class:`UsageError`."""
     warmup = getattr(args, "warmup", None)
     steps = getattr(args, "steps", None)
     warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup

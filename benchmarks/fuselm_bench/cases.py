@@ -1,11 +1,5 @@
-r"""The lab's one row type and one case loop.
-
-Every suite measures *cases*: one provider at one configuration (its "shape": sizes, and names such as a
-model), in one mode or one repeat, in this process (the op suites, :mod:`~fuselm_bench.harness`), in a fresh
-worker process (:mod:`~fuselm_bench.fresh_process`) or on a group of spawned ranks
-(:mod:`~fuselm_bench.rank_group`). Whatever runs it, a case gives a :class:`Row`, and :func:`run_cases` is
-the loop over the cases of a run.
-"""
+"""The lab's one row type and one case loop: a case (one provider at one configuration, in one mode or
+repeat) gives a :class:`Row` whatever runs it (this process, a fresh worker process or a group of ranks)."""
 
 from __future__ import annotations
 
@@ -22,13 +16,9 @@ def _named_shape(row: Row) -> tuple[Any, ...]:
 
 
 class Row:
-    """The base of every result row (each suite's row is a dataclass of this with its figures): ``provider``,
-    ``status`` (one of :data:`STATUSES`), ``error`` (None when ok), ``traceback``, ``peak_bytes``, the
-    configuration ``shape``: the values of ``SHAPE_FIELDS`` (``TEXT_FIELDS`` of them names, not ints), or a
-    ``shape`` field of its own (the op suites' tuples). ``SHAPE_DIMS`` names the sizes in the JSON,
-    ``SHAPE_TITLE`` heads the tables' first column, ``SHAPE_FORMAT`` formats a label, ``BATCH_FIELD`` is the
-    size whose out-of-memory skips larger ones.
-    """
+    """The base of every result row (a dataclass per suite). ``shape``: the values of ``SHAPE_FIELDS``
+    (``TEXT_FIELDS`` of them names), or a field of its own (the op suites' tuples); ``SHAPE_DIMS`` names the
+    sizes in the JSON, ``SHAPE_TITLE`` heads the tables' first column, ``SHAPE_FORMAT`` formats a label."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
@@ -52,12 +42,11 @@ class Row:
         return cls.SHAPE_FORMAT.format(*shape)
 
     def figures(self) -> tuple[str, str]:
-        """An ok row's main figure and what follows its peak memory in :meth:`summary`."""
+        """An ok row's main figure and what follows its peak memory in its progress line."""
         raise NotImplementedError
 
     def summary(self) -> str:
-        """The row's progress line: ``<provider> <shape>: <figure>, peak X GiB, <more>``, or its status and
-        error."""
+        """The row's progress line."""
         label = f"{self.provider} {self.label(self.shape)}"
         if self.status != "ok":
             return f"{label}: {self.status}: {self.error}"
@@ -72,8 +61,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Case:
-    """One measurement to make: ``provider`` at ``shape``, in ``mode`` (the op suites' fwd / bwd / full),
-    repeat number ``repeat`` (0-based)."""
+    """One measurement: ``provider`` at ``shape``, in ``mode`` (op suites), repeat ``repeat`` (0-based)."""
 
     provider: str
     shape: tuple[Any, ...]
@@ -96,12 +84,10 @@ def run_cases(
     log: Callable[[str], None] | None = print,
     on_row: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """``execute(case)`` for each case (a :class:`Case`, or any object with its ``provider``, ``shape`` and
-    ``repeat``) in order, with a progress bar; returns the rows. A provider in ``skipped`` (name -> reason)
-    is not run; with ``skip_provider``, a ``skipped`` row adds its provider there (and is dropped). With
-    ``batch_at`` (the index of the batch size in a shape), a provider out of memory at batch B is not run at
-    B or a larger batch of the same other sizes: ``not_run(case, why)`` is its row. Each row is logged
-    (:meth:`Row.summary`, its repeat, its traceback) when ``log`` is given, then ``on_row(rows so far)``.
+    """``execute(case)`` for each case in order, with a progress bar; the rows. A provider in ``skipped`` is
+    not run; with ``skip_provider``, a ``skipped`` row adds its provider there (and is dropped). With
+    ``batch_at`` (the batch size's index in a shape), a provider out of memory at batch B is not run at B or
+    larger of the same other sizes: ``not_run(case, why)`` is its row. ``on_row(rows so far)`` after each.
 
     Example:
         >>> from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""``fuselm bench``: the benchmark lab's command line (the ``fuselm`` command hands ``bench ...`` here).
+"""The lab's command line: ``python -m fuselm_bench ...``, or ``fuselm bench ...`` when it is importable.
 
 Usage::
 
@@ -13,9 +13,8 @@ Usage::
     fuselm bench linear_log_probs --world-size 2       # the same for per-token log-probs
     fuselm bench finetune --world-size 2 --providers hf,fuselm   # LoRA on 2 GPUs (FSDP2) vs one GPU
 
-Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out`` to change). Without a
-CUDA device the run says so, uses tiny shapes and few repetitions, and writes under ``bench-out/cpu``
-(ignored by git: CPU figures are smoke runs, never committed).
+Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out``); without CUDA tiny shapes
+run and write under ``bench-out/cpu`` (git-ignored: CPU figures are smoke runs, never committed).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from .report import set_offline_env
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fuselm bench``."""
     bench = argparse.ArgumentParser(
         prog="fuselm bench",
         description=(
@@ -195,8 +193,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fuselm bench`` with these arguments (after ``bench``); returns the exit code (0 ok, 1 nothing
-    measured, 2 usage error)."""
+    """``fuselm bench`` with these arguments; the exit code (0 ok, 1 nothing measured, 2 usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

@@ -1,16 +1,7 @@
-"""Benchmark suite: cross-entropy on given logits ``[N, V]`` (mean over tokens, no ignored targets).
+"""Op suite: cross-entropy on given logits ``[N, V]`` (mean over tokens, no ignored targets).
 
-Providers:
-
-- ``torch``: ``F.cross_entropy(logits.float(), target)``, eager, upcast as Hugging Face does.
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
-- ``fuselm``: ``fuselm.cross_entropy(logits, target)``.
-- ``fuselm_inplace``: ``fuselm.cross_entropy(logits, target, inplace_backward=True)``.
-- ``liger``: ``liger_kernel.transformers.functional.liger_cross_entropy`` (CUDA, when importable).
-
-Effective bandwidth counts the bytes the op cannot avoid: the forward reads every logit once
-(``itemsize`` bytes per logit, 2 for bf16); forward + backward also writes the gradient once
-(``2 * itemsize``); the backward is the difference.
+Bytes the op cannot avoid: the forward reads every logit once, forward + backward also writes its
+gradient once; the backward is the difference.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ import torch.nn.functional as F
 
 import fuselm
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from .harness import Cost, Inputs, Provider, Shape, Suite, import_peer, torch_providers
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
@@ -68,12 +59,7 @@ SUITE = Suite(
     gpu_shapes=((8192, 128256), (16384, 32000), (4096, 256000), (16384, 8192)),
     cpu_shapes=((256, 4096), (512, 1000)),
     providers=(
-        Provider(
-            "torch",
-            lambda device: lambda x: _torch_ce(*_args(x)),
-            "F.cross_entropy(logits.float(), target), eager",
-        ),
-        Provider("torch_compile", compiled_setup(_torch_ce, _args), "torch.compile of the eager function"),
+        *torch_providers(_torch_ce, _args, "F.cross_entropy(logits.float(), target), eager"),
         Provider("fuselm", lambda device: lambda x: fuselm.cross_entropy(*_args(x)), "fuselm.cross_entropy"),
         Provider(
             "fuselm_inplace",

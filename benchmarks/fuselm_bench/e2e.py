@@ -1,64 +1,22 @@
-"""End-to-end training benchmark: Llama-3.2-1B- and Qwen3-0.6B-shaped models trained with transformers.
+"""``fuselm bench e2e``: whole training steps (forward with labels, backward, ``AdamW.step``) of randomly
+initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MODELS`), host vs GPU time.
 
-``fuselm bench e2e`` times whole training steps (forward with labels, backward, ``AdamW.step``) of randomly
-initialised causal LMs for three providers:
+Providers (:data:`PROVIDER_DESCRIPTIONS`): ``hf``, ``liger`` (Liger patches the classes before the build;
+CUDA only), ``fuselm`` (``fuselm.hf.patch`` on the built model) and, opt-in, ``fuselm-graph`` (forward and
+backward replayed from one CUDA graph, :func:`fuselm_bench.step_timing.graphed_optimizer_step`) and the
+``Trainer.train()`` pair ``hf-trainer`` / ``fuselm-trainer`` (:func:`fuselm_bench.step_timing.run_trainer`).
 
-- ``hf``: plain transformers (eager modules, SDPA attention, the loss on materialized logits).
-- ``liger``: transformers with Liger-Kernel's ``apply_liger_kernel_to_llama`` / ``_qwen3`` (RoPE, RMSNorm,
-  SwiGLU, fused linear cross-entropy), applied to the classes before the model is built. Needs CUDA and
-  an importable ``liger_kernel``; skipped with the reason otherwise.
-- ``fuselm``: transformers with ``fuselm.hf.patch(model)`` on the built model (RMSNorm, RoPE, SwiGLU MLP,
-  the CausalLM loss through fused linear cross-entropy).
-- ``hf-trainer`` and ``fuselm-trainer`` (opt-in): the same steps run by ``transformers.Trainer.train()``
-  (its data loader, gradient clipping at 1.0 and logging of every step around them,
-  :func:`fuselm_bench.step_timing.run_trainer`), on the plain model and on fuselm's with
-  ``fuselm.integrations.trainer.capture_training_steps`` (forward and backward replayed from CUDA graphs;
-  needs CUDA).
-- ``fuselm-graph`` (opt-in: not in the default providers): the same model, its forward and backward
-  captured once in a CUDA graph and replayed every step, AdamW outside the graph (``fuselm.CapturedStep``,
-  :func:`fuselm_bench.step_timing.graphed_optimizer_step`): what the host costs once Python and the launches
-  are gone from the step. Needs CUDA; skipped with the reason otherwise.
-
-Models (:data:`MODELS`, ``--models``): ``llama3.2-1b`` (hidden 2048, intermediate 8192, 16 layers, 32 heads,
-8 kv heads, head_dim 64, vocab 128256, tied embeddings, llama3 rope scaling), ``qwen3-0.6b`` (hidden 1024,
-intermediate 3072, 28 layers, 16 heads, 8 kv heads, head_dim 128, vocab 151936, tied embeddings, q/k
-norms) and ``llama3-8b`` (the ``finetune`` benchmark's; full training of it does not fit one GPU). bf16
-weights, ``torch.optim.AdamW(fused=True)``, no activation checkpointing, ``labels = input_ids`` (random
-token ids, the same batch every step). The default grid (a configuration = model, batch B, sequence T) is
-the small-batch one where a step can be bound by the host, next to the large batches: Llama-3.2-1B at
-B1 x 512, B1 x 2048, B4 x 2048, B4 x 4096, B8 x 4096 and Qwen3-0.6B at B1 x 2048.
-
-Method: every (configuration, provider) runs ``--repeats`` times (default 3), each in a fresh ``python -m
-fuselm_bench.e2e --worker ...`` process (peak memory is per process, Liger patches classes, and a repeat
-must not inherit caches), the providers of one repeat back to back. In the worker: seed, build the model
-on the device, ``warmup`` steps, ``steps`` timed steps, then ``--profile-steps`` steps (default 3) under
-``torch.profiler`` (:func:`fuselm_bench.step_timing.run_steps`). Per step:
-
-- wall: each timed step between two ``torch.cuda.synchronize()``; the median;
-- CPU: ``time.process_time()`` of the timed steps (every thread of the process), read before each step's
-  closing synchronization, / steps; the worker makes waits for the GPU sleep instead of spin
-  (:func:`fuselm_bench.harness.blocking_sync`: Hugging Face syncs once per forward), so that is host work;
-- GPU: the summed device time of the CUDA kernels of the profiled steps / their number, and the kernels
-  launched per step (memory copies and memsets are counted apart, in the JSON);
-- bound by: ``host`` when CPU >= 0.9 x wall (the GPU waits for Python), else ``GPU``;
-- tokens/s = B * T / median wall; peak = ``torch.cuda.max_memory_allocated()`` over the whole process
-  (weights, gradients, AdamW state, activations; GiB = 2^30 bytes).
-
-The report gives the median over the repeats and their spread (min-max); the JSON keeps every repeat.
-``torch.cuda.OutOfMemoryError`` is reported as OOM; a provider out of memory at batch B is not run again
-at B or a larger batch of the same model and sequence length.
-
-Without CUDA (``--device cpu`` or no GPU) tiny configs of the same families run in fp32 with unfused AdamW
-in seconds: a smoke test of the whole path whose figures say nothing about GPU speed (no GPU figures).
-
-``--shapes BxT`` runs each model of ``--models`` (default: those of the grid) at those shapes; ``--models``
-alone keeps the grid's shapes of those models. ``--merge`` joins the rows already in the output folder's
-``e2e.json`` (a grid split over several commands). ``fuselm bench all`` does not include this benchmark.
+Every (configuration, provider) runs ``--repeats`` times (default 3), each in a fresh ``python -m
+fuselm_bench.e2e --worker`` process (peak memory is per process, Liger patches classes, a repeat must not
+inherit caches), the providers of one repeat back to back; the step loop is
+:func:`fuselm_bench.step_timing.run_steps`, and :func:`notes` says in each report how every figure is
+taken. Without CUDA tiny configs run in fp32: a smoke test of the path.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -122,8 +80,7 @@ TINY = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A named model shape: its transformers family (a key of :data:`fuselm.demo.training.FAMILIES`),
-    its config at full size, and the overrides that make it tiny for a CPU smoke run."""
+    """A named model shape: its transformers family, full-size config and tiny (CPU) overrides."""
 
     name: str
     family: str
@@ -132,11 +89,9 @@ class ModelShape:
     nf4_only: bool = False  # saved as a 4-bit checkpoint (its bf16 weights fit no one machine): QLoRA only
 
     def settings(self, tiny: bool = False) -> dict[str, Any]:
-        """The config's keyword arguments (tiny: with the CPU overrides)."""
         return {**self.config, **self.tiny} if tiny else dict(self.config)
 
     def describe(self, tiny: bool = False) -> str:
-        """One line: the sizes of :meth:`settings`."""
         m = self.settings(tiny)
         rope = "llama3 scaling" if m.get("rope_scaling") else "default"
         return (
@@ -238,7 +193,7 @@ Config = tuple[str, int, int]  # (model, batch, sequence length)
 
 @dataclass(frozen=True)
 class Preset:
-    """A run plan: the GPU grid of full-size models, or tiny models for a CPU smoke run."""
+    """A run plan: the GPU grid of full-size models, or tiny ones on a CPU."""
 
     name: str
     tiny: bool
@@ -252,12 +207,11 @@ class Preset:
 
     @property
     def model(self) -> dict[str, Any]:
-        """The config of the default model (Llama-3.2-1B's shape), as the ``grpo_step`` benchmark takes it."""
+        """The default model's config (``grpo_step``'s)."""
         return MODELS[DEFAULT_MODEL].settings(self.tiny)
 
     @property
     def models(self) -> list[str]:
-        """The models of the grid, in order."""
         return list(dict.fromkeys(m for m, _, _ in self.grid))
 
 
@@ -298,7 +252,7 @@ PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
 
 
 def apply_provider_before_build(provider: str, device: torch.device, family: str = "llama") -> None:
-    """Class-level patches that must be in place before the model is built (Liger's)."""
+    """Liger's class-level patches, before the model is built."""
     if provider != "liger":
         return
     if device.type != "cuda":
@@ -315,9 +269,8 @@ def build_model(
     seed: int = SEED,
     model: str = DEFAULT_MODEL,
 ):
-    """Seeded random init of ``model``'s causal LM (the preset's size: tiny on a CPU; no cache, SDPA
-    attention) on ``device`` in ``dtype``, with the provider's patches (``hf`` and ``fuselm`` get identical
-    weights for the same seed)."""
+    """Seeded random init of ``model`` (tiny on a CPU; SDPA, no cache) with the provider's patches: ``hf``
+    and ``fuselm`` get identical weights for the same seed."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     if model not in MODELS:
@@ -348,14 +301,8 @@ def train(
     seed: int = SEED,
     profile_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Build ``model``, run ``warmup`` + ``steps`` + ``profile_steps`` (default: the preset's) training
-    steps (:func:`fuselm_bench.step_timing.run_steps`), return the measurements.
-
-    One step: ``model(input_ids=ids, labels=ids).loss.backward()``, ``optimizer.step()``,
-    ``optimizer.zero_grad(set_to_none=True)``; the trainer providers: one step of ``Trainer.train()``
-    (:func:`fuselm_bench.step_timing.run_trainer`). Raises ``torch.cuda.OutOfMemoryError`` and anything else
-    unchanged.
-    """
+    """A worker's run: build ``model``, ``warmup`` + ``steps`` + ``profile_steps`` (default: the preset's)
+    training steps, the measurements (exceptions, OOM included, propagate)."""
     built, figures = fresh_process.build_measured(
         lambda: build_model(preset, provider, dtype, device, seed, model), device
     )
@@ -385,7 +332,7 @@ def train(
 
 
 def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
-    """A worker's per-step figures of ``run`` (ms, tokens/s; GPU figures None off CUDA)."""
+    """A worker's per-step figures of ``run`` (GPU figures None off CUDA)."""
     median = run.median_step_s
     # no CUDA, or a profile without device events (CUPTI unavailable): no GPU figures rather than zeros
     prof = run.profile if device.type == "cuda" and run.profile is not None and run.profile.kernels else None
@@ -431,8 +378,7 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
 
 @dataclass
 class E2ERow(Row):
-    """One (provider, model, B, T, repeat) result. ``status``: ok, oom, error or skipped; ``error`` says
-    why. ``step_ms`` is the median of ``step_ms_all``; ``cpu_ms``, ``gpu_ms``, ``launches`` are per step."""
+    """One (provider, model, B, T, repeat) result; ``step_ms`` is the median of ``step_ms_all``."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
@@ -478,7 +424,6 @@ class E2ERow(Row):
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
-    """A reason to skip ``provider`` without starting a process (None: try it)."""
     if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
         return "needs CUDA (CUDA graphs)"
     if provider == "liger":
@@ -544,12 +489,11 @@ def _status(rows: list[Any], ok_cell: str) -> str:
     if any(r.status == "ok" for r in rows):
         failed = sum(r.status != "ok" for r in rows)
         return ok_cell + (f" ({failed} failed)" if failed else "")
-    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+    return fresh_process.failed_cell(rows)
 
 
 def markdown_table(report: fresh_process.CaseReport) -> str:
-    """One line per (configuration, provider): tokens/s, ms/step, CPU and GPU ms/step, launches/step, bound
-    by, peak GiB, first loss, note; medians over the repeats with their range."""
+    """One line per (configuration, provider); medians over the repeats with their range."""
     head = ["model", "B x T", "provider", "tokens/s", "ms/step", "CPU ms/step", "GPU ms/step"]
     head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
     lines = []
@@ -597,7 +541,6 @@ def _gpu_wait_note(rows: list[Any]) -> str:
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:
-    """Footnotes of the report: method, what is counted, the anchors."""
     cuda = report.device_type == "cuda"
     repeats = report.repeats
     out = [
@@ -643,9 +586,7 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
-    """Per configuration with both trainer providers: fuselm-trainer's tokens/s over hf-trainer's (medians
-    over the repeats), with the range of the per-repeat ratios: ``llama3.2-1b 1x2048: fuselm-trainer /
-    hf-trainer tokens/s 1.42x (1.40-1.45).``"""
+    """fuselm-trainer's tokens/s over hf-trainer's per configuration, with the per-repeat range."""
     out = []
     for shape in report.shapes:
         ours, base = (report.rows_of(p, shape) for p in ("fuselm-trainer", "hf-trainer"))
@@ -663,7 +604,6 @@ def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
 
 
 def markdown(report: fresh_process.CaseReport) -> str:
-    """The whole report: header (device, versions, commit, models, method), results, ratios, notes."""
     tiny = report.plan.tiny
     models = list(dict.fromkeys(s[0] for s in report.shapes))
     facts = [f"model {MODELS[m].describe(tiny)}" for m in models if m in MODELS]
@@ -687,7 +627,6 @@ def markdown(report: fresh_process.CaseReport) -> str:
 
 
 def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
-    """All raw numbers and the metadata, JSON-ready."""
     models = list(dict.fromkeys(s[0] for s in report.shapes))
     plan = {
         "preset": report.plan.name,
@@ -715,8 +654,6 @@ def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
 
 
 def write_png(report: fresh_process.CaseReport, path: Path) -> None:
-    """Five panels of grouped bars per configuration and provider: tokens/s, ms/step, CPU and GPU kernel
-    ms/step, peak GiB (medians over the repeats; OOM marked)."""
     fresh_process.write_bars(
         BENCH,
         report,
@@ -735,7 +672,7 @@ def write_png(report: fresh_process.CaseReport, path: Path) -> None:
 
 
 def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``e2e.md``, ``e2e.json`` and ``e2e.png`` into ``out_dir``; return their paths."""
+    """Write ``e2e.{md,json,png}`` into ``out_dir``; their paths."""
     return fresh_process.write_report(
         NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
     )
@@ -745,8 +682,8 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 
 
 def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
-    """The configurations of a run: ``--models`` (default: the preset's grid's) at ``--shapes`` BxT, or
-    without ``--shapes`` the preset's grid limited to ``--models``. Raises ``UsageError``.
+    """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
+    ``--models``. Raises ``UsageError``.
 
     Example:
         >>> ns = argparse.Namespace(models="qwen3-0.6b", shapes=None)
@@ -767,13 +704,7 @@ def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINE
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench e2e`` with the parsed ``fuselm bench`` arguments; returns the exit code.
-
-    Uses ``--models``, ``--shapes`` (BxT pairs), ``--providers``, ``--repeats``, ``--steps``, ``--warmup``,
-    ``--profile-steps``, ``--quick``, ``--dtype`` (CUDA only: the CPU preset always runs fp32),
-    ``--device``, ``--out``, ``--merge``, ``--no-progress``; ``--modes`` does not apply. Raises
-    ``fuselm_bench.arguments.UsageError`` for bad values.
-    """
+    """``fuselm bench e2e``; the exit code. Raises ``UsageError``."""
     if getattr(args, "repeats", None) is None:
         args.repeats = 3
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PRESET, CPU_PRESET), grid=grid)
@@ -781,13 +712,12 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if profile is not None:
         if profile < 0:
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")
-        c.plan = _with_profile_steps(c.plan, profile)
+        c.plan = dataclasses.replace(c.plan, profile_steps=profile)
     c.extra["profile_steps"] = c.plan.profile_steps
     meta = c.metadata
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        meta["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    if os.environ.get("PYTORCH_ALLOC_CONF"):
-        meta["PYTORCH_ALLOC_CONF"] = os.environ["PYTORCH_ALLOC_CONF"]
+    meta.update(
+        {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if os.environ.get(k)}
+    )
     if c.device.type != "cuda":
         print(
             "No CUDA device in use: these are CPU figures (tiny models, fp32, a few steps, no GPU or memory "
@@ -801,12 +731,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         BENCH, c, markdown=markdown, write=write_report, progress=not args.no_progress, write_each_row=True
     )
     return fresh_process.exit_code(report)
-
-
-def _with_profile_steps(preset: Preset, n: int) -> Preset:
-    import dataclasses
-
-    return dataclasses.replace(preset, profile_steps=n)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.e2e --worker ... (the benchmark: fuselm bench)

@@ -1,51 +1,18 @@
-"""LoRA / QLoRA fine-tuning benchmark: ``fuselm bench finetune``.
+"""``fuselm bench finetune``: LoRA / QLoRA fine-tuning steps, HF + PEFT vs + Liger vs + fuselm vs Unsloth.
 
-Provider against provider, reproducible: a random-init model of a named shape (``--models``: ``llama3-8b``
-(default), ``llama3.2-1b``, ``qwen3-0.6b``, ``llama3-70b``: QLoRA only, saved 4-bit by
-:mod:`fuselm_bench.nf4_checkpoint`; the shapes of :data:`fuselm_bench.e2e.MODELS`) is saved once
-per run with a tokenizer to a local folder (``--model-dir``, else a temporary folder removed at the end;
-nothing comes from the hub), then every (scenario, B x T, provider) loads it and trains LoRA adapters in
-a fresh process:
+A random-init model of a named shape (``--models``, :data:`fuselm_bench.e2e.MODELS`; ``llama3-70b`` is
+QLoRA only, saved 4-bit by :mod:`fuselm_bench.nf4_checkpoint`) is saved once per run with a tokenizer
+(``--model-dir``, else a temporary folder; nothing comes from the hub), then every (scenario, B x T,
+provider) loads it and trains LoRA adapters in a fresh process (:func:`train`): ``qlora`` = bitsandbytes
+NF4 with double quantization (``bnb_4bit_quant_storage=torch.bfloat16``: the packed bytes stored as bf16,
+which FSDP2 shards on every torch), ``lora`` = a bf16 base. The providers are :data:`PROVIDER_DESCRIPTIONS`
+(``fuselm@<GiB>``: ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``); the step loop is
+``fuselm bench e2e``'s (:func:`fuselm_bench.step_timing.run_steps`), and :func:`notes` says in each report
+how every figure is taken. Workers run offline with Unsloth's allocator setting (:func:`base_env`).
 
-- scenarios (``--scenarios``): ``qlora`` = bitsandbytes NF4 with double quantization, bf16 compute, the LM
-  head not quantized (``bnb_4bit_quant_storage=torch.bfloat16``: the packed bytes stored as bf16, which
-  FSDP2 shards on every torch); ``lora`` = a bf16 base;
-- LoRA (PEFT's ``LoraConfig``): r = ``--rank`` (16), alpha = ``--lora-alpha`` (= r), dropout
-  ``--lora-dropout`` (0), on q, k, v, o, gate, up, down projections, no bias; AdamW (fused on CUDA) on the
-  trainable (LoRA) parameters, lr 1e-4; batch ``--shapes BxT`` (4 x 2048), ``labels = input_ids`` (random
-  ids, the same batch every step and for every provider);
-- providers: ``hf`` (transformers + PEFT, HF gradient checkpointing with ``use_reentrant=False``),
-  ``liger`` (the same, Liger-Kernel's ``apply_liger_kernel_to_<family>`` applied before the model is
-  loaded; CUDA only), ``fuselm`` (the same, then ``fuselm.hf.patch(peft_model)``, with
-  ``checkpointing="offload"`` when ``--offload`` is on, the default; ``fuselm@<GiB>``:
-  ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``), ``unsloth`` (imported first in its
-  worker; ``FastLanguageModel.from_pretrained(folder, max_seq_length=T, load_in_4bit=scenario == "qlora",
-  dtype=torch.bfloat16)`` and ``get_peft_model(..., use_gradient_checkpointing="unsloth")``; CUDA only).
-  A provider that cannot be imported, or needs CUDA where there is none, is skipped with the reason.
-
-Every worker runs with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
-UNSLOTH_DISABLE_STATISTICS=1`` and, as Unsloth sets it for itself,
-``PYTORCH_ALLOC_CONF=expandable_segments:True`` (unless the parent's environment sets an allocator
-configuration); Unsloth's worker also
-``UNSLOTH_COMPILE_DISABLE=1`` unless ``--unsloth-compile`` (its per-block compile takes minutes).
-
-Per step, as ``fuselm bench e2e`` measures them (:func:`fuselm_bench.step_timing.run_steps`): wall (median of
-``--steps`` (10) after ``--warmup`` (3)), the process's CPU time, the GPU kernel time and launches (a
-``torch.profiler`` window of ``--profile-steps`` (2) after the timed ones), tokens/s; peak allocated and
-reserved over the whole process (weights included); host pinned memory (:func:`host_memory`); the first
-losses; for fuselm which fused paths ran (:func:`fused_forwards`) and fuselm's warnings.
-
-Without CUDA a tiny config of the model (fp32) runs the path in seconds: ``lora``, and ``qlora`` when
-bitsandbytes' 4-bit layers work on this CPU (probed in the parent; the report says when they do not).
-
-``--world-size W`` (W > 1; ``hf`` and ``fuselm`` only): every case also runs on a fresh group of W spawned
-ranks (:mod:`fuselm_bench.rank_group`: NCCL with one GPU per rank and NVLink multicast off, gloo processes
-on a CPU). Each rank loads the same saved model, applies the provider and PEFT as the one-process worker
-does, then FSDP2 (:func:`shard_fsdp2`; fuselm patches before sharding, which keeps QLoRA's quantization
-state) and times the same step on its own batch of B x T (rank 0's is the one-process batch). The report
-``finetune_ws<W>.{md,json,png}`` gives each case's one-GPU row beside its W-GPU row: step time (the slowest
-rank's median), tokens/s in all and per GPU, peak memory per rank, tokens/s per GPU on W GPUs / on one, and
-the first losses of both.
+``--world-size W`` (``hf`` and ``fuselm``): every case also runs on a fresh group of W spawned ranks
+(:mod:`fuselm_bench.rank_group`), FSDP2 over the patched PEFT model (:func:`shard_fsdp2`), each rank on
+its own B x T batch; ``finetune_ws<W>.*`` puts each case's one-GPU row beside its W-GPU row.
 """
 
 from __future__ import annotations
@@ -104,8 +71,7 @@ HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 
 
 def split_provider(provider: str) -> tuple[str, float | None]:
-    """``(provider, memory budget in GiB or None)``: ``fuselm@24`` is fuselm patched with
-    ``checkpointing="auto", memory_budget=24`` (``--memory-budgets``); ValueError for another variant.
+    """``(provider, memory budget in GiB or None)``; ValueError for a variant of another provider.
 
     Example:
         >>> split_provider("fuselm@24"), split_provider("hf")
@@ -127,7 +93,7 @@ def provider_title(provider: str) -> str:
 
 @dataclass(frozen=True)
 class FinetuneDefaults:
-    """The suite's defaults on a device: full-size models in bf16 on a GPU, or tiny ones in fp32 on a CPU."""
+    """The defaults on a GPU (full-size models, bf16) or a CPU (tiny ones, fp32)."""
 
     name: str
     tiny: bool
@@ -151,15 +117,14 @@ PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 
 
 def model_settings(model: str, tiny: bool) -> dict[str, Any]:
-    """The config keyword arguments of ``model`` (:data:`fuselm_bench.e2e.MODELS`), with a pad token id
-    (the last id of the vocabulary unless the shape has one)."""
+    """``model``'s config keyword arguments, with a pad token id (default: the last id)."""
     settings = e2e.MODELS[model].settings(tiny)
     settings.setdefault("pad_token_id", settings["vocab_size"] - 1)
     return settings
 
 
 def saved_dtype(model: str, dtype: torch.dtype) -> str:
-    """The name of what ``model``'s checkpoint holds: ``dtype``'s, or ``nf4`` for a 4-bit-only shape."""
+    """What ``model``'s checkpoint holds: ``dtype``'s name, or ``nf4`` for a 4-bit-only shape."""
     return "nf4" if e2e.MODELS[model].nf4_only else dtype_name(dtype)
 
 
@@ -196,9 +161,8 @@ def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int
 def save_model(
     model: str, tiny: bool, folder: Path, device: torch.device, dtype: torch.dtype, seed: int
 ) -> dict:
-    """Build ``model`` (seeded random init, on ``device`` in ``dtype``), save it as safetensors with its
-    tokenizer into ``folder`` and write the marker :func:`saved_model_ok` checks; returns the marker. A
-    4-bit-only shape is drawn and quantized tensor by tensor (:mod:`fuselm_bench.nf4_checkpoint`)."""
+    """Save ``model`` (seeded random init; a 4-bit-only shape quantized tensor by tensor) with its tokenizer
+    into ``folder``, and the marker :func:`saved_model_ok` checks; returns the marker."""
     t0 = time.perf_counter()
     settings = model_settings(model, tiny)
     shape = e2e.MODELS[model]
@@ -230,7 +194,7 @@ def save_model(
 
 
 def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, seed: int) -> bool:
-    """Does ``folder`` hold the saved model this run asks for (same shape, dtype and seed)?"""
+    """Does ``folder`` hold this model (same shape, dtype and seed)?"""
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
@@ -243,10 +207,9 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
 def ensure_saved_model(
     model_dir: Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
 ) -> tuple[Path, dict[str, Any]]:
-    """The folder of ``model`` under ``model_dir``, saved now unless it already holds it: on CUDA in a worker
-    process (``python -m fuselm_bench.finetune --build``: this process holds no GPU memory), on a CPU
-    here. Returns the folder and ``reused``, ``build_s``, ``bytes``. Raises ``RuntimeError`` if the build
-    failed."""
+    """The folder of ``model`` under ``model_dir``, saved now unless it holds it already: on CUDA in a worker
+    process (``--build``: this process holds no GPU memory), on a CPU here. Returns the folder and
+    ``reused``, ``build_s``, ``bytes``; RuntimeError if the build failed."""
     folder = model_folder(model_dir, model, tiny, dtype)
     if saved_model_ok(folder, model, tiny, dtype, seed):
         marker = json.loads((folder / MARKER).read_text())
@@ -277,8 +240,7 @@ def ensure_saved_model(
 
 
 def build_main(argv: list[str]) -> int:
-    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` on CUDA in this fresh process; the
-    result (or the error) as JSON to ``--result``."""
+    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` on CUDA, the result as JSON."""
     p = argparse.ArgumentParser(prog="python -m fuselm_bench.finetune --build")
     p.add_argument("--build", action="store_true", required=True)
     p.add_argument("--model", choices=sorted(e2e.MODELS), required=True)
@@ -302,9 +264,8 @@ def build_main(argv: list[str]) -> int:
 
 
 def base_env(unsloth_compile: bool = False) -> dict[str, str]:
-    """What every worker runs with: no hub (:data:`fuselm_bench.report.OFFLINE_ENV`), no Unsloth statistics,
-    Unsloth's allocator setting for every provider (unless the parent sets an allocator configuration),
-    Unsloth's compile off unless asked."""
+    """Every worker's: offline, no Unsloth statistics, Unsloth's allocator setting for every provider
+    (unless the parent sets one), Unsloth's compile off unless asked."""
     env = {**OFFLINE_ENV, "UNSLOTH_DISABLE_STATISTICS": "1"}
     if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
@@ -314,8 +275,7 @@ def base_env(unsloth_compile: bool = False) -> dict[str, str]:
 
 
 def worker_env(provider: str, extra: dict[str, Any] | None = None) -> dict[str, str]:
-    """:func:`base_env` with ``--unsloth-compile`` (``extra["unsloth_compile"]``), on the GPU
-    ``extra["gpu"]`` alone (``CUDA_VISIBLE_DEVICES``) when given."""
+    """:func:`base_env`, on the GPU ``extra["gpu"]`` alone when given."""
     extra = extra or {}
     env = base_env(bool(extra.get("unsloth_compile")))
     if extra.get("gpu") is not None:
@@ -324,8 +284,7 @@ def worker_env(provider: str, extra: dict[str, Any] | None = None) -> dict[str, 
 
 
 def group_env(device_type: str) -> dict[str, str]:
-    """What the ranks of ``--world-size`` run with: :func:`base_env`, and on CUDA NVLink multicast off
-    (:data:`rank_group.NCCL_ENV`) where the parent's environment does not set it."""
+    """The ranks' of ``--world-size``: :func:`base_env`, on CUDA NVLink multicast off unless set."""
     env = base_env()
     if device_type == "cuda":
         env.update({k: v for k, v in rank_group.NCCL_ENV.items() if k not in os.environ})
@@ -345,7 +304,7 @@ UNSLOTH_BOOT = (
 
 
 def worker_prefix(provider: str) -> list[str]:
-    """The command that starts a worker: Unsloth's imports ``unsloth`` before anything else."""
+    """The command that starts a worker (Unsloth's imports ``unsloth`` first)."""
     return [sys.executable, "-c", UNSLOTH_BOOT] if provider == "unsloth" else [sys.executable, "-m", __name__]
 
 
@@ -355,9 +314,7 @@ def worker_prefix(provider: str) -> list[str]:
 def apply_fuselm(
     model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | None = None
 ) -> str:
-    """``fuselm.hf.patch(model)`` for the fuselm provider: ``checkpointing="offload"`` when ``offload``,
-    ``checkpointing="auto", memory_budget=`` (GiB) with a budget; ``mlp_chunk_tokens``: the MLP over chunks
-    of tokens. Returns how the model checkpoints."""
+    """``fuselm.hf.patch(model)`` for the fuselm provider; returns how the model checkpoints."""
     import fuselm.hf
 
     how = HF_CHECKPOINTING
@@ -391,8 +348,7 @@ def load_peft_model(
     mlp_chunk_tokens: int | None = None,
     memory_budget: float | None = None,
 ) -> tuple[Any, str]:
-    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints
-    (``mlp_chunk_tokens``, ``memory_budget``: fuselm's, :func:`apply_fuselm`)."""
+    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
     cuda = device.type == "cuda"
     if provider in ("liger", "unsloth") and not cuda:
         raise SkipProvider("needs CUDA")
@@ -444,10 +400,9 @@ def load_peft_model(
 
 
 def shard_fsdp2(peft_model, device: torch.device) -> str:
-    """FSDP2 over the whole ``torch.distributed`` group, the standard recipe (tests/distributed/test_fsdp.py):
-    ``fully_shard`` on each decoder layer, then on the root CausalLM under PEFT's wrappers (patched
-    before: ``fuselm.hf.patch`` keeps each bitsandbytes 4-bit layer's quantization state on the layer, so
-    QLoRA's packed weights shard like any parameter). Returns what was done, for the report."""
+    """FSDP2 over the group as tests/distributed/test_fsdp.py does it: ``fully_shard`` on each decoder layer,
+    then on the root CausalLM (patched before: fuselm keeps each 4-bit layer's quantization state on the
+    layer, so QLoRA's packed weights shard like any parameter). Returns what was done, for the report."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -540,10 +495,9 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
 
 
 def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
-    """Host memory used by the run. On CUDA ``host_pinned_bytes``: the peak of torch's pinned allocator
-    (``torch.cuda.host_memory_stats``) plus the peak of fuselm's offload pool when the run imported it (it
-    registers its large buffers), else the resident set's growth since ``rss_before`` (psutil); the source
-    says which. None off CUDA. The RSS figures (growth, peak) are kept in any case."""
+    """Host memory of the run. On CUDA ``host_pinned_bytes``: the pinned allocator's peak plus fuselm's
+    offload pool's (it page-locks its large buffers itself), else the RSS growth since ``rss_before``;
+    ``host_pinned_source`` says which. The RSS figures are kept in any case."""
     rss = _rss()
     out: dict[str, Any] = {"host_pinned_bytes": None, "host_pinned_source": None}
     out["rss_delta_bytes"] = None if rss is None or rss_before is None else rss - rss_before
@@ -583,8 +537,7 @@ def _rss() -> int | None:
 
 
 def cap_memory(device: torch.device, gib: float) -> None:
-    """Make the CUDA ``device`` act as a GPU of ``gib`` GiB for this process: allocations past it raise
-    torch.cuda.OutOfMemoryError (``set_per_process_memory_fraction`` wants the device's index)."""
+    """Make the CUDA ``device`` act as a GPU of ``gib`` GiB for this process (allocations past it OOM)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
@@ -616,15 +569,13 @@ def train(
     data_parallel: bool = False,
     gpu: int | None = None,
 ) -> dict[str, Any]:
-    """Load the saved ``model`` as ``provider`` does for ``scenario``, train LoRA for ``warmup`` +
-    ``steps`` + ``profile_steps`` steps, return the measurements (raises ``SkipProvider`` when the provider
-    cannot run here).
+    """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA for ``warmup`` + ``steps`` +
+    ``profile_steps`` steps, the measurements (SkipProvider when the provider cannot run here).
 
-    ``memory_cap_gib``: this process's GPU acts as one of that many GiB (max-context).
-    ``data_parallel``: this process is one rank of an initialized ``torch.distributed`` group: the patched
-    model is sharded with FSDP2 (:func:`shard_fsdp2`) before the optimizer is built, and the rank trains
-    on its own batch (rank 0's is the single-process batch). ``gpu``: the GPU the parent gave this worker
-    alone (:func:`worker_env`: it is this process's cuda:0)."""
+    ``memory_cap_gib``: the GPU acts as one of that many GiB (max-context). ``data_parallel``: this process
+    is one rank of a group: the model is sharded (:func:`shard_fsdp2`) before the optimizer is built, and
+    the rank trains on its own batch (rank 0's is the one-process batch). ``gpu``: the GPU the parent gave
+    this worker alone (:func:`worker_env`), its cuda:0."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
@@ -707,9 +658,8 @@ def train(
 
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
-    """A worker process (``python -m fuselm_bench.finetune --worker ...``, or Unsloth's boot script):
-    :func:`fresh_process.worker_main` of :data:`BENCH`; ``unsloth_failed``: why ``import unsloth`` failed
-    (the provider is then skipped with that reason)."""
+    """A worker process: :func:`fresh_process.worker_main` of :data:`BENCH`; ``unsloth_failed``: why ``import
+    unsloth`` failed in Unsloth's boot script (the provider is then skipped with that reason)."""
     bench = BENCH
     if unsloth_failed is not None:
         bench = dataclasses.replace(BENCH, train=functools.partial(train, unsloth_failed=unsloth_failed))
@@ -809,8 +759,7 @@ class FinetuneRow(Row):
 
 @dataclass
 class DataParallelRow(FinetuneRow):
-    """A :class:`FinetuneRow` whose configuration includes its number of GPUs: the rows of
-    ``finetune_ws<W>``, where one GPU and W GPUs of the same (model, scenario, B x T) sit side by side."""
+    """A row of ``finetune_ws<W>``: the configuration includes its number of GPUs."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq", "world_size")
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "scenario", "B", "T", "GPUs")
@@ -819,7 +768,6 @@ class DataParallelRow(FinetuneRow):
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
-    """A reason to skip ``provider`` without starting a process (None: try it)."""
     if provider in ("liger", "unsloth"):
         if device.type != "cuda":
             return "needs CUDA"
@@ -861,9 +809,7 @@ BENCH = fresh_process.Bench(
 
 
 def data_parallel_bench(world_size: int) -> fresh_process.Bench:
-    """:data:`BENCH` as the report of a ``--world-size`` run sees it: named ``finetune_ws<W>`` (its files),
-    the FSDP2 providers, rows keyed by GPUs too, fuselm / HF (its workers are :data:`BENCH`'s and the
-    groups')."""
+    """:data:`BENCH` as the ``finetune_ws<W>`` report sees it (the workers are :data:`BENCH`'s)."""
     return dataclasses.replace(
         BENCH,
         name=f"{NAME}_ws{world_size}",
@@ -876,8 +822,7 @@ def data_parallel_bench(world_size: int) -> fresh_process.Bench:
 
 
 def bnb_cpu_4bit_works() -> str | None:
-    """None when a bitsandbytes NF4 (double-quantized) layer runs forward and backward on this CPU, else
-    why not."""
+    """None when a bitsandbytes NF4 layer runs forward and backward on this CPU, else why not."""
     try:
         import bitsandbytes as bnb
 
@@ -900,8 +845,7 @@ def bnb_cpu_4bit_works() -> str | None:
 
 @dataclass(frozen=True)
 class GroupCase:
-    """One (provider, configuration) on a group of ranks, pickled to each spawned rank: :func:`train`'s
-    arguments (``options``: its keyword arguments from the command line, as a worker's ``--extra``)."""
+    """One (provider, configuration) on a group of ranks, pickled to each: :func:`train`'s arguments."""
 
     plan: FinetuneDefaults
     provider: str
@@ -917,8 +861,7 @@ class GroupCase:
 
 
 def group_rank(rank: int, case: GroupCase, init_file: str, out_dir: str) -> None:
-    """A spawned rank of :func:`run_group_case`: join the group, :func:`train` with ``data_parallel`` (its
-    failure caught as a worker's), agree on the status with every rank, write the record, leave."""
+    """A spawned rank: join the group, :func:`train` with ``data_parallel``, agree on the status, leave."""
     path = Path(out_dir) / f"rank{rank}.jsonl"
     rank_group.capture_output(out_dir, rank)  # HF's progress bars, the profiler's lines: quoted on failure
     record: dict[str, Any] = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
@@ -955,9 +898,8 @@ def group_rank(rank: int, case: GroupCase, init_file: str, out_dir: str) -> None
 
 
 def group_row(case: GroupCase, records: list[dict[str, Any]], failure: str | None, repeat: int = 0):
-    """The :class:`DataParallelRow` of one group's records: every rank ok (step time the slowest rank's,
-    tokens/s the group's, peak memory the largest rank's, the rest rank 0's, each rank's in the lists), or
-    the failure (:func:`rank_group.failed_case`)."""
+    """The row of one group: step time the slowest rank's, tokens/s the group's, peak memory the largest
+    rank's, the rest rank 0's (each rank's in the lists); or the failure."""
     bench = data_parallel_bench(case.world_size)
     shape = (*case.shape, case.world_size)
     failed = rank_group.failed_case(records, 0, case.world_size, failure)
@@ -981,8 +923,7 @@ def group_row(case: GroupCase, records: list[dict[str, Any]], failure: str | Non
 
 
 def run_group_case(case: GroupCase, repeat: int = 0) -> DataParallelRow:
-    """``case`` on a fresh group of ``case.world_size`` spawned ranks: its row (a failure of a rank is the
-    row's error, never an exception)."""
+    """``case`` on a fresh group of spawned ranks: its row (a rank's failure is the row's error)."""
     t0 = time.perf_counter()
     env = group_env(case.device_type)
     prefix = "fuselm-finetune-group-"
@@ -999,9 +940,7 @@ def run_group_case(case: GroupCase, repeat: int = 0) -> DataParallelRow:
 def run_groups(
     world_size: int, bench: fresh_process.Bench, c: fresh_process.CliRun, progress: bool, on_row
 ) -> CaseReport:
-    """The ``--world-size`` runner of :func:`fresh_process.run_cli` (``c.shapes``: every configuration at 1
-    and ``world_size`` GPUs): the one-GPU rows (:func:`fresh_process.run` of :data:`BENCH`), then the W-GPU
-    rows (:func:`run_group_case`, ``repeats`` each)."""
+    """The ``--world-size`` runner of :func:`fresh_process.run_cli`: the one-GPU rows, then the W-GPU rows."""
     configs = list(dict.fromkeys(s[:4] for s in c.shapes))
     report = CaseReport(
         c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), c.warmup, c.steps, c.metadata,
@@ -1055,13 +994,7 @@ def _ok(rows: list[Any]) -> list[Any]:
     return [r for r in rows if r.status == "ok"]
 
 
-def _failed(rows: list[Any]) -> str:
-    """OOM or error of a case without an ok row, — without rows."""
-    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
-
-
 def _cell(rows: list[Any], attr: str, digits: int = 0) -> str:
-    """:func:`e2e.summary_cell` with ``digits`` decimals."""
     return e2e.summary_cell(rows, attr, lambda v: f"{v:.{digits}f}")
 
 
@@ -1075,8 +1008,7 @@ def loss_gap(report: CaseReport, provider: str, shape: tuple[Any, ...]) -> float
 
 
 def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
-    """Scenario rows x provider columns of one (model, B x T), ``ms, GiB`` (medians over the repeats; GiB =
-    peak allocated), then fuselm / Unsloth and fuselm / HF (time, memory)."""
+    """Scenarios x providers of one (model, B x T): ``ms, GiB`` (medians), then fuselm / Unsloth and / HF."""
     providers = [p for p in report.providers if p not in report.skipped]
     head = ["scenario", *(provider_title(p) for p in providers)]
     head += ["fuselm / Unsloth (time, memory)", "fuselm / HF (time, memory)"]
@@ -1090,7 +1022,7 @@ def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
             rows = report.rows_of(p, shape)
             ms, peak = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
             if not _ok(rows):
-                cells.append(_failed(rows))
+                cells.append(fresh_process.failed_cell(rows))
             else:
                 cells.append(
                     "—" if ms is None else f"{ms:.0f} ms, " + ("n/a" if peak is None else f"{peak:.2f} GiB")
@@ -1104,8 +1036,6 @@ def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
 
 
 def detail_table(report: CaseReport) -> str:
-    """One line per (configuration, provider): ms/step (range), tokens/s, CPU / GPU ms/step, launches,
-    bound by, peak allocated / reserved, host pinned, first losses, max |loss - HF's|, fused modules, note."""
     gpus = any(len(s) > len(FinetuneRow.SHAPE_FIELDS) for s in report.shapes)  # a --world-size report
     head = ["model", "scenario", "B x T", *(["GPUs"] if gpus else []), "provider", "ms/step", "tokens/s"]
     head += ["CPU ms/step", "GPU ms/step", "launches/step", "bound by", "peak alloc GiB", "peak reserved GiB"]
@@ -1133,7 +1063,7 @@ def detail_table(report: CaseReport) -> str:
                     f"{b}x{t}",
                     *([str(shape[4])] if gpus else []),
                     p,
-                    _cell(rows, "step_ms") if ok else _failed(rows),
+                    _cell(rows, "step_ms") if ok else fresh_process.failed_cell(rows),
                     e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
                     *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
                     (e2e.bound_by(median_of(rows, "gpu_ms"), median_of(rows, "step_ms"), cuda) or "n/a")
@@ -1150,8 +1080,7 @@ def detail_table(report: CaseReport) -> str:
 
 
 def fused_paths_section(report: CaseReport) -> str:
-    """For each configuration fuselm ran: which modules ran fuselm's forward (by name, with counts), and
-    fuselm's warnings (what fell back, and why)."""
+    """Per configuration: which modules ran fuselm's forward, and fuselm's warnings."""
     lines = ["## What fuselm ran", ""]
     for shape in report.shapes:
         ok = _ok(report.rows_of("fuselm", shape))
@@ -1210,7 +1139,6 @@ def notes(report: CaseReport) -> list[str]:
 
 
 def _facts(report: CaseReport, options: str, gpus: str | None = None) -> list[str]:
-    """The models, ``gpus``, the steps per run, ``options``, the merged runs."""
     steps = report.metadata.get("finetune", {}).get("profile_steps")
     models = dict.fromkeys(s[0] for s in report.shapes)
     return [
@@ -1226,7 +1154,6 @@ def _facts(report: CaseReport, options: str, gpus: str | None = None) -> list[st
 
 
 def _tables(report: CaseReport, sections: list[str]) -> str:
-    """``sections``, the details and the fused paths."""
     fused = fused_paths_section(report)
     return "\n\n".join([*sections, "## Details\n\n" + detail_table(report)]) + (
         "\n\n" + fused if fused else ""
@@ -1234,8 +1161,6 @@ def _tables(report: CaseReport, sections: list[str]) -> str:
 
 
 def markdown(report: CaseReport) -> str:
-    """The whole report: header, the headline table per (model, B x T), details, fused paths, ratios,
-    notes."""
     extra = report.metadata.get("finetune", {})
     compile_ = "on" if extra.get("unsloth_compile") else "off (UNSLOTH_COMPILE_DISABLE=1)"
     options = (
@@ -1256,7 +1181,6 @@ def markdown(report: CaseReport) -> str:
 
 
 def to_json(report: CaseReport) -> dict[str, Any]:
-    """All raw numbers and the metadata, JSON-ready (``loss_gaps``: max |loss - HF's| per configuration)."""
     gaps = [
         {
             **dict(zip(FinetuneRow.SHAPE_FIELDS, s, strict=True)),
@@ -1272,9 +1196,7 @@ def to_json(report: CaseReport) -> dict[str, Any]:
 
 
 def write_png(report: CaseReport, path: Path) -> None:
-    """Bars of step time and peak memory per provider, one group per (model, scenario, B x T); with
-    memory budgets (``fuselm@<GiB>`` providers), one panel per configuration of each provider's step time
-    against its peak allocated GiB, fuselm's budgets joined by a line, the peers as marked points."""
+    """Bars of step time and peak GiB; with memory budgets, step time against peak GiB per configuration."""
     if not any(split_provider(p)[1] is not None for p in report.providers):
         fresh_process.write_bars(
             BENCH,
@@ -1322,7 +1244,6 @@ def write_png(report: CaseReport, path: Path) -> None:
 
 
 def write_report(report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``finetune.md``, ``finetune.json`` and ``finetune.png`` into ``out_dir``; return their paths."""
     return fresh_process.write_report(
         NAME, out_dir, markdown(report), to_json(report), lambda p: write_png(report, p)
     )
@@ -1332,9 +1253,7 @@ def write_report(report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
 
 
 def scaling(report: CaseReport, provider: str, config: tuple[Any, ...], world_size: int) -> dict[str, Any]:
-    """One GPU against ``world_size`` GPUs for (provider, (model, scenario, B, T)): step times, tokens/s
-    (the group's and per GPU), peak bytes, first losses (rank 0's batch is the one GPU's), and ``per_gpu``
-    = tokens/s per GPU on W GPUs / on one (medians over the repeats; None where either failed)."""
+    """One GPU against ``world_size`` for (provider, config); ``per_gpu``: tokens/s per GPU, W / 1."""
     one = report.rows_of(provider, (*config, 1))
     many = report.rows_of(provider, (*config, world_size))
     first_one, first_many = _ok(one)[:1], _ok(many)[:1]
@@ -1361,7 +1280,6 @@ def scaling(report: CaseReport, provider: str, config: tuple[Any, ...], world_si
 
 
 def _scalings(report: CaseReport, world_size: int) -> list[dict[str, Any]]:
-    """:func:`scaling` of every (configuration, provider) that has rows."""
     return [
         scaling(report, p, config, world_size)
         for config in dict.fromkeys(tuple(s[:4]) for s in report.shapes)
@@ -1371,8 +1289,6 @@ def _scalings(report: CaseReport, world_size: int) -> list[dict[str, Any]]:
 
 
 def scaling_table(report: CaseReport, world_size: int) -> str:
-    """Per (configuration, provider): one GPU (ms, tokens/s, peak GiB), W GPUs (ms of the slowest rank,
-    tokens/s in all and per GPU, peak GiB of each rank), tokens/s per GPU W / 1, and the first losses."""
     w = world_size
     head = ["model", "scenario", "B x T per GPU", "provider", "1 GPU ms/step", "1 GPU tokens/s"]
     head += ["1 GPU peak GiB", f"{w} GPUs ms/step (slowest rank)", f"{w} GPUs tokens/s", "tokens/s per GPU"]
@@ -1411,7 +1327,6 @@ def scaling_table(report: CaseReport, world_size: int) -> str:
 
 
 def per_rank_table(report: CaseReport) -> str:
-    """Every group row's ranks: median ms/step, peak allocated GiB, first loss (each rank's own batch)."""
     head = ["configuration", "provider", "ms/step per rank", "peak GiB per rank", "first loss per rank"]
     lines = [
         [
@@ -1453,8 +1368,6 @@ def data_parallel_notes(report: CaseReport, world_size: int) -> list[str]:
 
 
 def data_parallel_markdown(report: CaseReport, world_size: int) -> str:
-    """The ``--world-size`` report: one GPU vs W GPUs per (configuration, provider), per-rank figures,
-    the details (as the one-GPU report's), fused paths, fuselm / HF, notes."""
     extra = report.metadata.get("finetune", {})
     gpus = f"GPUs: 1 and {world_size} ({'NCCL' if report.device_type == 'cuda' else 'gloo processes'}), FSDP2"
     sections = [
@@ -1473,8 +1386,6 @@ def data_parallel_markdown(report: CaseReport, world_size: int) -> str:
 
 
 def write_data_parallel_report(report: CaseReport, world_size: int, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``finetune_ws<W>.md``, ``.json`` and ``.png`` (tokens/s per GPU and peak GiB of the largest
-    rank, one group per (configuration, GPUs)) into ``out_dir``; return their paths."""
     bench = data_parallel_bench(world_size)
     plan = {
         "plan": report.plan.name,
@@ -1499,7 +1410,7 @@ def write_data_parallel_report(report: CaseReport, world_size: int, out_dir: str
 
 
 def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, str, int, int]]:
-    """``--models`` x ``--scenarios`` x ``--shapes`` (each default: the plan's). Raises ``UsageError``.
+    """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``.
 
     Example:
         >>> grid(argparse.Namespace(models=None, scenarios="lora", shapes="1x2048,4x2048"), GPU_PLAN)
@@ -1527,12 +1438,7 @@ def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, st
 
 
 def parse_budget(text: str) -> float:
-    """One ``--memory-budgets`` value: GiB, a number > 0; UsageError otherwise.
-
-    Example:
-        >>> parse_budget("24"), parse_budget("7.5")
-        (24.0, 7.5)
-    """
+    """One ``--memory-budgets`` value: GiB > 0; UsageError otherwise."""
     try:
         value = float(text)
     except ValueError:
@@ -1543,8 +1449,7 @@ def parse_budget(text: str) -> float:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench finetune`` (its options: ``fuselm bench --help``); the exit code. Raises
-    ``UsageError``."""
+    """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
     world_size = getattr(args, "world_size", None) or 1

@@ -1,11 +1,9 @@
-"""What the ``e2e``, ``finetune`` and ``grpo_step`` benchmarks share: one case per fresh worker process.
+"""What ``e2e``, ``finetune`` and ``grpo_step`` share: one case per fresh worker process.
 
-A benchmark describes itself with a :class:`Bench`; everything else is here. The worker
-(:func:`worker_main`) runs one case and writes its result as JSON to the file the parent named; the parent
-(:func:`run_case`) starts that process with a timeout and reads the result back (a failure of the worker
-becomes an ``error`` row, never an exception). :func:`run` runs every (shape, repeat, provider) of a report
-that way, through :func:`cases.run_cases`; the report's files are medians over the repeats. A case's "shape"
-is the row type's ``SHAPE_FIELDS``: sizes and, in ``TEXT_FIELDS``, names (a model, a scenario).
+A benchmark describes itself with a :class:`Bench`. The worker (:func:`worker_main`) runs one case and
+writes its result as JSON to the file the parent named; the parent (:func:`run_case`) starts it with a
+timeout and reads the result back (a failed worker is an ``error`` row, never an exception). The reports
+give medians over the repeats.
 """
 
 from __future__ import annotations
@@ -51,16 +49,11 @@ Train = Callable[..., dict[str, Any]]
 
 @dataclass(frozen=True)
 class Bench:
-    """One fresh-process benchmark, as the shared parts need it.
-
-    ``plans``: name -> plan (what ``--<plan_flag>`` of a worker names); ``peers``: the providers fuselm's
-    figures are divided by, with the names the ratio table gives them; ``metrics``: ratio key -> (row
-    attribute, title in the ratio table); ``precheck(provider, device)``: a reason to skip a provider without
-    starting a process (None: try it); ``default_providers``: what runs without ``--providers`` (None:
-    all); ``worker_prefix(provider)``: the command before ``--worker`` (default ``python -m <module>``);
-    ``variant_description``: how ``<provider>@<setting>`` differs from its base; ``worker_env(provider,
-    extra)``: environment variables of its worker.
-    """
+    """One fresh-process benchmark. ``plans``: what ``--<plan_flag>`` of a worker names; ``peers``: the
+    providers fuselm's figures are divided by (with their names in the ratio table); ``metrics``: ratio key
+    -> (row attribute, title); ``precheck(provider, device)``: a reason to skip without starting a process;
+    ``worker_prefix(provider)``: the command before ``--worker``; ``worker_env(provider, extra)``: the
+    worker's environment variables."""
 
     name: str
     description: str
@@ -96,9 +89,8 @@ class Bench:
 
 
 def worker_main(bench: Bench, argv: Sequence[str]) -> int:
-    """The worker process: one (provider, shape) run of ``bench.train``, its result written as JSON to
-    ``--result`` and printed (without losses and traceback). Exit code 0 for a result (``ok``, ``oom``,
-    ``skipped``), 1 for an ``error`` (:func:`harness.run_measured`)."""
+    """The worker process: one (provider, shape) run of ``bench.train``, its result as JSON to ``--result``;
+    exit code 1 for an ``error``, else 0."""
     sizes = bench.row_type.SHAPE_FIELDS
     p = argparse.ArgumentParser(prog=f"python -m {bench.module} --worker")
     p.add_argument("--worker", action="store_true", required=True)
@@ -136,8 +128,7 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
 
 
 def build_measured(build: Callable[[], Any], device: torch.device) -> tuple[Any, dict[str, int | None]]:
-    """``build()`` after resetting ``torch.cuda``'s peak statistics; the model and its ``params`` and
-    ``weights_bytes`` (allocated once it is built; None on CPU)."""
+    """``build()`` after resetting the peak statistics; the model, its ``params`` and ``weights_bytes``."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -147,7 +138,7 @@ def build_measured(build: Callable[[], Any], device: torch.device) -> tuple[Any,
 
 
 def memory_figures(device: torch.device) -> dict[str, int | None]:
-    """``peak_bytes`` and ``reserved_bytes``: ``torch.cuda``'s maxima since the last reset (None on CPU)."""
+    """``torch.cuda``'s peak allocated and reserved since the last reset (None on CPU)."""
     cuda = device.type == "cuda"
     return {
         "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
@@ -176,9 +167,8 @@ def worker_command(
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment, with the directories this lab and this fuselm were imported from first on
-    PYTHONPATH (the worker runs the same code, whether fuselm is installed or run from ``src``), and
-    ``extra``."""
+    """The parent's environment and ``extra``, this lab's and this fuselm's folders first on PYTHONPATH (the
+    worker runs the same code, whether fuselm is installed or run from ``src``)."""
     env = dict(os.environ)
     lab = str(Path(__file__).resolve().parents[1])
     library = str(Path(fuselm.__file__).resolve().parents[1])
@@ -189,9 +179,8 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_worker(
     command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run ``command(result file)`` in a fresh process (:func:`worker_env` with ``env``); return the worker's
-    result with ``wall_s`` added. A timeout, or an exit without a readable result, gives ``{"status":
-    "error", "error": <what happened>, "wall_s": ...}`` (never an exception)."""
+    """Run ``command(result file)`` in a fresh process; the worker's result with ``wall_s``. A timeout or an
+    exit without a readable result is an ``error`` result (never an exception)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         result_path = Path(tmp) / "result.json"
@@ -225,8 +214,7 @@ def run_case(
     extra: dict[str, Any] | None = None,
     repeat: int = 0,
 ) -> Any:
-    """One (provider, shape) in a fresh worker process: its row (a failure of the worker is the row's
-    ``error``). ``extra``: more keyword arguments of ``bench.train`` (JSON values)."""
+    """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
     case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
     options: dict[str, Any] = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup}
     options["steps"] = steps
@@ -243,7 +231,7 @@ def run_case(
 
 
 def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
-    """``bench.row_type`` of (provider, shape) from a worker's result ``data`` (unknown keys dropped)."""
+    """The row of (provider, shape) from a worker's result (unknown keys dropped)."""
     key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
     known = set(bench.row_type.__dataclass_fields__) - set(key)
     values = {k: v for k, v in data.items() if k in known}
@@ -314,10 +302,9 @@ def run(
     repeats: int = 1,
     extra: dict[str, Any] | None = None,
 ) -> CaseReport:
-    """Every (shape, repeat, provider) (the providers of one repeat back to back) in its own worker process
-    (:func:`run_case`, with ``extra``); returns the report (nothing written), ``on_row(report so far)``
-    after each row. A provider that ``bench.precheck`` or a worker skips is not run again; one out of memory
-    at batch B (the row type's ``BATCH_FIELD``) is not run at B or a larger batch of the same other sizes."""
+    """Every (shape, repeat, provider), the providers of one repeat back to back, each in its own worker
+    (:func:`run_case`): the report, ``on_row(report so far)`` after each row. A skipped provider is not run
+    again; one out of memory at batch B is not run at B or larger of the same other sizes."""
     for p in providers:
         if p.partition("@")[0] not in bench.providers:  # <provider>@<setting>: finetune's memory budgets
             raise ValueError(f"unknown provider {p!r}; known: {', '.join(bench.providers)}")
@@ -426,9 +413,14 @@ def ratio_table(bench: Bench, report: CaseReport) -> str:
     return md_table(head, rows)
 
 
+def failed_cell(rows: Sequence[Row]) -> str:
+    """OOM or error (the first row's status), ``—`` without rows."""
+    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+
+
 def status_cell(row: Row, ok: str) -> str:
     """``ok`` for an ok row, else OOM or error."""
-    return ok if row.status == "ok" else {"oom": "OOM"}.get(row.status, "error")
+    return ok if row.status == "ok" else failed_cell([row])
 
 
 def note_cell(row: Row) -> str:
@@ -501,9 +493,8 @@ def write_bars(
     width_per_shape: float,
     mark_failures: bool = False,
 ) -> None:
-    """Panels ``(row attribute, title, scale)`` of grouped bars, one group per shape, one bar per provider
-    that ran: the median over the ok repeats, labelled. ``mark_failures``: OOM or error where a case has no
-    ok repeat, an x label, and "n/a (no CUDA)" / "no results" in an empty panel."""
+    """Panels ``(row attribute, title, scale)`` of grouped bars (medians over the ok repeats), one group per
+    shape; ``mark_failures``: OOM or error where a case has none, an x label, a note in an empty panel."""
     plt = pyplot()
     labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
     providers = [p for p in report.providers if p not in report.skipped]
@@ -575,11 +566,8 @@ def start_cli(
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
     packages: Sequence[str] = (),
 ) -> CliRun:
-    """``--providers`` (default: the bench's ``default_providers``, else all), ``--device``, the GPU or the
-    CPU plan of ``plans``, the shapes (``grid(args, plan)``, else ``--shapes``, default the plan's),
-    warmup, steps and dtype, ``--repeats``, ``--merge [PATH]``, the metadata (with transformers' and
-    ``packages``' versions), the results folder. Raises ``UsageError`` for bad values and without
-    transformers."""
+    """What a run of ``bench`` runs, from the arguments (shapes: ``grid(args, plan)``, else ``--shapes``, else
+    the plan's). Raises ``UsageError`` for bad values and without transformers."""
     if args.providers:
         chosen = parse_list(args.providers, bench.providers, "provider", variants=True)
     else:
@@ -631,11 +619,9 @@ def run_cli(
     runner: Runner = run_all,
     how: str = "one fresh process each",
 ) -> CaseReport:
-    """Say what runs (``how``), ``runner`` it (:func:`run_all`: one fresh process per case), then print the
-    report and write its files (``write(report, folder)``; after every row too with ``write_each_row``: a run
-    stopped part-way keeps what it measured). With ``c.merge`` the rows of an earlier report (``True``: the
-    one in the output folder; a path: that JSON file, or ``<folder>/<suite>.json``) are joined
-    (:func:`merge_previous`; one that cannot be joined is refused before anything runs)."""
+    """``runner`` the cases, print the report and write its files (after every row too with
+    ``write_each_row``: a run stopped part-way keeps what it measured). With ``c.merge`` an earlier report's
+    rows are joined (:func:`merge_previous`; one that cannot be is refused before anything runs)."""
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
@@ -656,8 +642,7 @@ def run_cli(
 
 
 def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
-    """The JSON of an earlier report: ``where`` if it is a file, else ``where/<suite>.json``; None (said)
-    when there is none yet."""
+    """The JSON of an earlier report, ``where`` or ``where/<suite>.json``; None (said) when there is none."""
     path = Path(where)
     if not path.is_file():
         path = path / f"{bench.name}.json"
@@ -668,10 +653,8 @@ def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
 
 
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
-    """A new report: ``report`` with the rows of ``previous`` (an earlier run's JSON) whose (provider, shape)
-    this run did not run first, its shapes and providers added, ``merged`` recording its command, date and
-    commit. A different device, dtype or suite raises ``UsageError`` (two machines' figures do not go in one
-    table)."""
+    """``report`` joined with the rows of ``previous`` (an earlier run's JSON) that this run did not run
+    again, ``merged`` recording its command. A different device, dtype or suite raises ``UsageError``."""
     if previous.get("suite") != bench.name:
         raise UsageError(f"--merge: the earlier report is of {previous.get('suite')!r}, not {bench.name!r}")
     meta = previous.get("metadata", {})

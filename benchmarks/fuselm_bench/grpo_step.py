@@ -1,32 +1,12 @@
-"""GRPO-shaped training step benchmark: ``fuselm bench grpo_step``.
+"""``fuselm bench grpo_step``: GRPO-shaped training steps of a Llama-3.2-1B-shaped model, the LM head's
+per-token log-probs by provider (:data:`PROVIDER_DESCRIPTIONS`; the backbone is the same plain
+transformers model for all).
 
-A randomly initialised Llama-3.2-1B-shaped ``LlamaForCausalLM`` (the ``e2e`` benchmark's GPU preset: hidden
-2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256, tied embeddings; bf16 weights, SDPA
-attention, fused AdamW, no activation checkpointing) takes GRPO-shaped steps: a batch of B sequences of P
-prompt + C completion token ids (random ids; completion lengths uniform in [C/2, C], the rest of each
-completion is padding), per-token log-probs of the completion tokens from the last hidden states, and a
-PPO-clip policy loss (clip 0.2) with random per-sequence advantages and old log-probs = the detached
-current ones (the first step of a GRPO iteration), averaged over the completion tokens; the entropy of
-every completion token is computed and logged (no gradient). One step: backbone forward, head, loss,
-backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``.
-
-The backbone is the same plain transformers model for every provider; only the head differs:
-
-- ``hf``: ``model.lm_head`` on the completion positions ([B, C, V] bf16 logits), ``log_softmax`` in fp32,
-  ``gather``; entropy from the log-softmax under ``torch.no_grad()``.
-- ``trl``: TRL's ``trl.kernels.chunked_logprob.ChunkedLogProbFunction`` as TRL's fused LM head
-  (``trl.trainer.utils.add_fused_lm_head``) calls it: on the non-padding positions only, vocabulary chunk
-  32768, outputs ("log_probs", "entropy"), results scattered back with ``masked_scatter``.
-- ``fuselm``: ``fuselm.linear_log_probs(hidden, lm_head.weight, targets, outputs=("log_probs", "entropy"))``
-  (memory "auto") on the [B, C, H] completion hidden states, padding targets -100.
-
-Every (provider, shape) runs in a fresh ``python -m fuselm_bench.grpo_step --worker ...`` process (peak memory
-is per process); ``warmup`` steps, then ``steps`` timed steps between two ``torch.cuda.synchronize()``.
-Peak memory is ``torch.cuda.max_memory_allocated()`` of the whole process (weights, gradients, AdamW state,
-activations). A provider that runs out of memory at batch B is not run at a larger batch of the same (P, C).
-
-Shapes are ``--shapes BxPxC`` triples; on a GPU the default is 8 x (512 + 1536) and 16 x (512 + 1536) (16384
-and 32768 tokens a step). Without CUDA a tiny config runs in fp32 in seconds: a smoke test of the path.
+B sequences of P prompt + C completion random ids (completion lengths uniform in [C/2, C]), the head's
+log-probs of the completion tokens, a PPO-clip loss (clip 0.2, random per-sequence advantages, old
+log-probs = the detached current ones: a GRPO iteration's first step), the entropy logged without
+gradient; each (provider, shape) in a fresh worker process, the loop :func:`fuselm.demo.training.train`.
+:func:`notes` says in each report how every figure is taken.
 """
 
 from __future__ import annotations
@@ -64,7 +44,7 @@ WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must n
 
 @dataclass(frozen=True)
 class GrpoDefaults:
-    """Shapes and step counts of a run; ``preset`` is the e2e benchmark's model preset (named as the plan)."""
+    """Shapes and step counts of a run; ``preset``: the e2e benchmark's (named as the plan)."""
 
     preset: e2e.Preset
     shapes: tuple[tuple[int, int, int], ...]  # (batch, prompt, completion)
@@ -91,9 +71,8 @@ PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 def make_batch(
     vocab: int, batch: int, prompt: int, completion: int, device: torch.device, seed: int = e2e.SEED
 ) -> dict[str, torch.Tensor]:
-    """Random ``input_ids [B, P + C]``, the completion ``mask [B, C]`` (lengths uniform in [C/2, C]),
-    ``targets [B, C]`` (the completion ids, -100 on padding) and ``advantages [B]`` (standard normal,
-    centred and scaled as GRPO's group normalisation leaves them)."""
+    """Random ``ids [B, P + C]``, completion ``mask [B, C]``, ``targets [B, C]`` (-100 on padding) and
+    ``adv [B]`` (normalised as GRPO's groups leave them)."""
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (batch, prompt + completion), generator=gen)
     lengths = torch.randint(max(1, completion // 2), completion + 1, (batch,), generator=gen)
@@ -159,8 +138,7 @@ def train(
     steps: int,
     seed: int = e2e.SEED,
 ) -> dict[str, Any]:
-    """Build the model, run ``warmup`` + ``steps`` GRPO-shaped steps (:func:`fuselm.demo.training.train`),
-    return the measurements."""
+    """A worker's run: build the model, ``warmup`` + ``steps`` GRPO-shaped steps, the measurements."""
     model, figures = fresh_process.build_measured(
         lambda: e2e.build_model(plan.preset, "hf", dtype, device, seed), device
     )
@@ -257,8 +235,6 @@ BENCH = fresh_process.Bench(
 
 
 def markdown_table(report: fresh_process.CaseReport) -> str:
-    """One line per (shape, provider): ms/step, tokens/s, peak GiB, mean log-prob / entropy of step 1 and of
-    the last step, note."""
     head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
     head += ["entropy last", "note"]
     rows = []
@@ -312,7 +288,6 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def markdown(report: fresh_process.CaseReport) -> str:
-    """The whole report: header (device, versions, commit, model), results, ratios, notes."""
     m = report.plan.preset.model
     model = (
         f"hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
@@ -330,7 +305,6 @@ def markdown(report: fresh_process.CaseReport) -> str:
 
 
 def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``grpo_step.md``, ``.json`` and ``.png`` (ms/step and peak GiB per shape and provider)."""
     data = fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
     panels = (("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0))
     return fresh_process.write_report(
@@ -348,9 +322,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench grpo_step``: ``--shapes BxPxC``, ``--providers``, ``--steps``, ``--warmup``,
-    ``--quick``, ``--dtype`` (CUDA only; CPU runs fp32), ``--device``, ``--out``. Raises
-    ``fuselm_bench.arguments.UsageError``."""
+    """``fuselm bench grpo_step`` (``--shapes BxPxC``); the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN))
     for b, p, c_ in c.shapes:
         if p < 1:

@@ -1,56 +1,30 @@
-"""Benchmark harness: suites, providers, timing, peak memory, the card's ceilings, ratios.
+"""The op suites' harness: suites, providers, timing, peak memory, the card's ceilings, ratios.
 
-A *suite* benchmarks one op for a list of shapes and *providers* (torch eager, torch.compile,
-fuselm, peers). The harness runs every (shape, provider, mode), then reports each result as
-milliseconds and as ratios to ceilings measured in the same process:
+A :class:`Suite` benchmarks one op for a list of shapes and providers (torch eager, torch.compile, fuselm,
+peers); :func:`run_suite` runs every (shape, provider, mode) and reports milliseconds and ratios to
+ceilings measured in the same process (``x_copy``: bandwidth / copy bandwidth, ``x_gemm``: FLOP rate / bf16
+GEMM rate, ``x_floor`` = 1 / ``x_gemm``; :func:`compute_ratios`). Modes (``report.notes`` says the same in
+every report):
 
-- ``tbps`` / ``x_copy``: effective bandwidth (the suite's byte count / time) and its ratio to the
-  device copy bandwidth (1.0 = streams at the copy rate; higher is better).
-- ``tflops`` / ``x_gemm``: FLOP rate (the suite's FLOP count / time) and its ratio to the bf16 GEMM
-  rate (higher is better).
-- ``x_floor``: time / (FLOPs at the GEMM rate), the inverse of ``x_gemm`` (1.0 = at the GEMM floor;
-  lower is better). Meant for suites whose cost is a GEMM floor, e.g. 6NHV for linear cross-entropy.
+- ``fwd``: the forward alone, under ``torch.no_grad()`` on detached inputs (an evaluation pass), or with
+  ``Suite.forward_grad`` recording autograd as a training step does.
+- ``full``: forward + ``torch.autograd.grad(outputs, inputs that require grad, grad_outputs)``; never into
+  ``.grad`` (no AccumulateGrad, which a loss on an activation never pays).
+- ``bwd``: the backward alone after an untimed forward (:func:`time_backward_ms`). Until 2026-11 it was
+  median(full) - median(fwd), which came out negative when the no-grad forward cost more than the
+  forward inside ``full``.
 
-Modes:
+``Suite.cuda_graph`` (ops of a fraction of a millisecond): ``ms`` is the median replay of the call captured
+in a CUDA graph (device time, no host path), ``ms_eager`` the plain call's; a call that cannot be captured
+keeps its eager time, with a note. Memory (CUDA only): ``extra`` = peak allocated during one call minus
+what was allocated before, less (in ``full``) the returned gradients' fresh bytes: a gradient counts as
+already allocated, as ``.grad`` is.
 
-- ``fwd``: the forward alone. By default under ``torch.no_grad()`` on inputs detached from
-  autograd (what an evaluation pass pays, the same work for every provider); with
-  ``Suite.forward_grad=True`` it records autograd as in a training step (designs that compute the
-  gradient in the forward then pay for it here).
-- ``full``: forward + backward: ``torch.autograd.grad(outputs, inputs that require grad,
-  grad_outputs)``. The gradients are returned to the caller, never accumulated into ``.grad``
-  (no AccumulateGrad copy or add, which a loss whose input is an activation never pays).
-- ``bwd``: the backward alone, measured on its own: each repetition runs an untimed forward that
-  records autograd, then times ``torch.autograd.grad(outputs, inputs that require grad, grad_outputs)``
-  (on CUDA between two events after the forward was enqueued and the L2 cache flushed, as
-  ``do_bench`` flushes it; on a CPU with ``perf_counter``); the median of the repetitions. Designs that
-  compute the gradient during the forward (chunked fused losses) do that work in the forward: it shows
-  in ``full``, not in ``bwd``. (Until 2026-11 bwd was median(full) - median(fwd), which came out
-  negative when the no-grad forward of ``fwd`` cost more than the forward inside ``full``.)
-
-CUDA graphs (``Suite.cuda_graph=True``, for ops whose kernels take a fraction of a millisecond):
-the call is also captured in a CUDA graph and ``ms`` is the median time of its replays, the device
-time without the host path (Python, the autograd engine, kernel launches), which otherwise shows
-in the figure whenever the host is slower than the GPU; ``ms_eager`` keeps the time of the plain
-call. In ``bwd`` mode the graph holds the backward alone (the forward runs eagerly on the capture
-stream once, its graph retained, and the backward is captured with ``retain_graph=True``). A
-provider whose call cannot be captured keeps its eager time as ``ms``, with a note. Rates and
-ratios are computed from ``ms``.
-
-Memory (CUDA only): after warmup, ``extra`` = peak allocated during one call minus what was
-allocated before it (inputs already allocated). In ``full`` mode, the bytes of the returned
-gradients that are fresh buffers (not aliasing an input) are subtracted: gradients count as
-already allocated once, as ``.grad`` in a training step is; a gradient written into the input's
-buffer therefore costs 0 too. In ``fwd`` mode the outputs and whatever the forward keeps for the
-backward are counted. ``bwd`` rows have no memory figure.
-
-Adding a suite: a module ``fuselm_bench/<op>.py`` defining ``SUITE = Suite(...)`` and a line in
-``registry.SUITES``. ``make_inputs(shape, dtype, device)`` returns a dict of tensors (those with
-``requires_grad`` are differentiated), made afresh per (shape, provider, mode) after ``torch.manual_seed(0)``,
-so a provider may overwrite them; ``Provider.setup(device)`` returns ``fn(inputs) -> Tensor | tuple`` or
-raises :class:`SkipProvider` with the reason, once per (shape, mode); ``cost(shape, mode, dtype)`` gives
-the bytes and FLOPs a mode must at least move and do (``None``: that ratio left out). A non-scalar output
-gets a fixed random ``grad_output``, made once per case outside timing.
+Adding a suite: ``fuselm_bench/<op>.py`` defining ``SUITE = Suite(...)`` and a line in ``registry.SUITES``.
+``make_inputs(shape, dtype, device)`` is called afresh per (shape, provider, mode) after
+``torch.manual_seed(0)``, so a provider may overwrite its inputs; ``Provider.setup(device)`` returns
+``fn(inputs)`` or raises :class:`SkipProvider`; ``cost(shape, mode, dtype)`` gives the bytes and FLOPs a
+mode must at least move and do.
 """
 
 from __future__ import annotations
@@ -90,9 +64,8 @@ Setup = Callable[[torch.device], Callable[[Inputs], Any]]
 
 
 def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None = None) -> Setup:
-    """The setup of a ``torch_compile`` provider: ``torch.compile(fn, dynamic=False)``, compiled afresh per
-    case (Dynamo's cache reset: no cache-limit surprises), called as ``fn(*args(inputs))`` (``fn(inputs)``
-    without ``args``). Skipped on CPU, where compile time would dominate a smoke run."""
+    """A ``torch_compile`` provider's setup: ``torch.compile(fn, dynamic=False)`` afresh per case (Dynamo's
+    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))``. Skipped on CPU."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         if device.type != "cuda":
@@ -104,11 +77,20 @@ def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | Non
     return setup
 
 
+def torch_providers(
+    fn: Callable[..., Any], args: Callable[[Inputs], tuple], description: str
+) -> tuple[Provider, Provider]:
+    """The ``torch`` provider, eager ``fn(*args(inputs))``, and its ``torch_compile`` one."""
+    return (
+        Provider("torch", lambda device: lambda x: fn(*args(x)), description),
+        Provider("torch_compile", compiled_setup(fn, args), "torch.compile of the eager function"),
+    )
+
+
 def import_peer(
     device: torch.device, module: str, name: str, package: str = "liger_kernel", *, cuda: bool = True
 ) -> Any:
-    """``module.name`` of a peer (that runs on CUDA only, unless ``cuda`` is False); :class:`SkipProvider`
-    with the reason on a CPU or when it cannot be imported (any exception)."""
+    """``module.name`` of a peer; :class:`SkipProvider` when it cannot be imported, or on a CPU (``cuda``)."""
     import importlib
 
     if cuda and device.type != "cuda":
@@ -120,8 +102,7 @@ def import_peer(
 
 
 def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup:
-    """The setup of a peer's autograd Function (CUDA only, :func:`import_peer`), called as
-    ``Function.apply(*args(inputs))``."""
+    """A peer's autograd Function (CUDA only) as a setup: ``Function.apply(*args(inputs))``."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         function = import_peer(device, module, name)
@@ -132,7 +113,7 @@ def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup
 
 @dataclass(frozen=True)
 class Cost:
-    """Work one call of a mode must at least do: bytes moved and FLOPs (``None``: not counted)."""
+    """Bytes and FLOPs one call of a mode must at least move and do (``None``: not counted)."""
 
     bytes: float | None = None
     flops: float | None = None
@@ -188,8 +169,7 @@ class Ceilings:
 
 @dataclass
 class OpRow(Row):
-    """One op-suite case (shape, provider, mode): raw numbers, derived rates and ratios, or an error string
-    (``status`` follows from it: ``skipped: ...``, an out-of-memory error, another error)."""
+    """One op-suite case (shape, provider, mode); ``status`` follows from ``error``."""
 
     shape: Shape
     provider: str
@@ -253,11 +233,7 @@ class Report:
 
 
 def compute_ratios(ms: float | None, cost: Cost, ceilings: Ceilings) -> dict[str, float | None]:
-    """Rates and ratios of one result: ``tbps``, ``x_copy``, ``tflops``, ``x_gemm``, ``x_floor``.
-
-    ``tbps = bytes / time``, ``x_copy = tbps / copy_tbps``, ``tflops = flops / time``,
-    ``x_gemm = tflops / gemm_tflops``, ``x_floor = time / (flops / gemm rate) = 1 / x_gemm``.
-    Anything whose inputs are missing (or a non-positive time) is None.
+    """``tbps``, ``x_copy``, ``tflops``, ``x_gemm``, ``x_floor`` of one time (None where an input is missing).
 
     Example:
         >>> r = compute_ratios(2.0, Cost(bytes=4e9), Ceilings(copy_tbps=4.0))
@@ -286,14 +262,10 @@ CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 
 def blocking_sync(ordinal: int = 0) -> str:
-    """Make the CUDA primary context of this process's visible GPU ``ordinal`` (the first by default; a
-    rank's own, ``cuda:<rank>``, in a group) wait for the GPU by sleeping
-    (``CU_CTX_SCHED_BLOCKING_SYNC``) instead of spinning; call it before anything initializes CUDA. With
-    the default (spin) a wait inside a step (Hugging Face's packed-sequence check syncs once per forward)
-    burns CPU time for as long as the GPU is behind, so ``time.process_time`` would count the GPU's time
-    as host work in a GPU-bound step. Returns ``"blocking"``, or ``"spin (why)"`` when the flag could not
-    be set (no driver library, an error code): the figure then includes spinning, and the report says so.
-    """
+    """Make the CUDA primary context of GPU ``ordinal`` wait for the GPU by sleeping
+    (``CU_CTX_SCHED_BLOCKING_SYNC``), before anything initializes CUDA. Spinning, a wait inside a step
+    (Hugging Face syncs once per forward) burns CPU time while the GPU is behind, so ``time.process_time``
+    would count the GPU's time as host work. Returns ``"blocking"``, or ``"spin (why)"``."""
     import ctypes
 
     try:
@@ -309,7 +281,6 @@ def blocking_sync(ordinal: int = 0) -> str:
 
 
 def _budget(quick: bool) -> tuple[int, int]:
-    """do_bench's warmup and repetition budgets in ms."""
     return (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
 
 
@@ -317,8 +288,7 @@ def call_times_ms(
     call: Callable[[Any], Any], n: int, device: torch.device, prepare: Callable[[], Any] = lambda: None
 ) -> list[float]:
     """Milliseconds of each of ``n`` calls ``call(prepare())``, ``prepare()`` untimed: on CUDA between two
-    events recorded around the call once ``prepare`` is enqueued (no host sync in between, one at the end),
-    on a CPU ``time.perf_counter``."""
+    events (one host sync, at the end), on a CPU ``time.perf_counter``."""
     if device.type != "cuda":
         times = []
         for _ in range(n):
@@ -408,14 +378,9 @@ BWD_FLUSH_BYTES = 256 << 20  # the L2 flush before each timed backward (do_bench
 def time_backward_ms(
     forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device, *, quick: bool = False
 ) -> float:
-    """Median time in ms of ``backward(forward())``'s backward alone.
-
-    Each repetition runs ``outs = forward()`` (untimed), then times ``backward(outs)``: on CUDA between two
-    events recorded after the forward was enqueued and a 256 MiB buffer zeroed (the L2 flush of
-    ``triton.testing.do_bench``), so the figure is the backward's device time, plus the host's time
-    whenever the host is slower than the GPU (as do_bench's); the repetition counts follow do_bench's
-    warmup / rep budgets (in ms). On a CPU: ``perf_counter`` around the backward, the median of
-    ``CPU_REPS`` repetitions.
+    """Median ms of ``backward(outs)`` after an untimed ``outs = forward()``: on CUDA between two events after
+    the L2 flush of ``triton.testing.do_bench`` (256 MiB zeroed), repetitions from do_bench's budgets; on a
+    CPU ``perf_counter``, ``CPU_REPS`` repetitions.
 
     Example:
         >>> x = torch.randn(64, requires_grad=True)
@@ -443,7 +408,6 @@ def time_backward_ms(
 
 
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
-    """One line saying how times were taken."""
     if device.type == "cuda":
         warmup, rep = _budget(quick)
         how = (
@@ -484,10 +448,7 @@ def fresh_bytes(tensors: Iterable[torch.Tensor | None], inputs: Iterable[torch.T
 
 
 def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, Any]:
-    """Run ``fn()`` once; return (peak allocated minus allocated before, allocated before, result).
-
-    The result is returned (still alive) so the caller can inspect it before freeing it.
-    """
+    """Run ``fn()`` once: (peak allocated minus allocated before, allocated before, the result, alive)."""
     sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -497,11 +458,8 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, 
 
 
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
-    """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now.
-
-    CUDA: ``dst.copy_(src)`` on a 1 GiB buffer; bf16 GEMM on 8192^3 random normal data.
-    CPU (so the ratios of a CPU smoke run exist): 64 MiB copy, fp32 GEMM on 1024^3.
-    """
+    """Copy bandwidth (bytes read + written) and GEMM rate, measured now: CUDA 1 GiB copy, bf16 8192^3
+    GEMM; CPU 64 MiB copy, fp32 1024^3 GEMM (so a CPU smoke run has ratios)."""
     if device.type == "cuda":
         copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
     else:
@@ -602,8 +560,7 @@ def _measure_bwd(
     device: torch.device,
     quick: bool,
 ) -> OpRow:
-    """The ``bwd`` row: the backward alone (:func:`time_backward_ms`); with ``suite.cuda_graph`` on CUDA
-    also the replays of a graph of the backward alone."""
+    """The ``bwd`` row (:func:`time_backward_ms`; with ``suite.cuda_graph``, a graph of the backward)."""
 
     def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
         return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
@@ -617,8 +574,8 @@ def _measure_bwd(
 
 
 def _replay_time(row: OpRow, capture: Callable[[], Any], device: torch.device, quick: bool) -> None:
-    """``row.ms``: the replays of the graph ``capture()`` returns, the eager time moved to ``ms_eager``
-    (kept as ``ms``, with a note, when the capture fails: a host sync in the call, say)."""
+    """``row.ms``: the replays of ``capture()``'s graph, the eager time moved to ``ms_eager`` (kept, with a
+    note, when the capture fails: a host sync in the call, say)."""
     row.ms_eager = row.ms
     try:
         captured = capture()  # a graph, or (graph, what it reads: kept alive while it replays)
@@ -648,9 +605,8 @@ def error_text(e: BaseException, limit: int = 120) -> str:
 
 
 def run_measured(measure: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """``measure()``, or its failure as a result: status ``skipped`` (:class:`SkipProvider`, its message the
-    reason), ``oom`` (``torch.cuda.OutOfMemoryError``, with the peak allocated so far) or ``error`` (the
-    exception and the tail of its traceback)."""
+    """``measure()``, or its failure as a result: ``skipped``, ``oom`` (with the peak so far) or ``error``
+    (with the tail of the traceback)."""
     try:
         return measure()
     except SkipProvider as e:
@@ -677,10 +633,8 @@ def run_suite(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Report:
-    """Run ``suite`` for every (shape, provider, mode) and return the report (nothing written), through
-    :func:`cases.run_cases`. ``ceilings`` defaults to :func:`measure_ceilings` on ``device``. A provider
-    whose setup fails is skipped with the reason; any other exception in one case is that row's ``error``.
-    """
+    """Every (shape, provider, mode) of ``suite``: the report (nothing written). A provider whose setup
+    fails is skipped with the reason; an exception in one case is that row's ``error``."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")

@@ -1,17 +1,7 @@
-"""Benchmark suite: LayerNorm over the last dimension of ``[N, H]`` with weight and bias.
+"""Op suite: LayerNorm over the last dimension of ``[N, H]`` with weight and bias (all requiring grad).
 
-A shape is ``(N, H)``: x ``[N, H]``, weight and bias ``[H]``, all requiring grad.
-
-Providers:
-
-- ``torch``: ``F.layer_norm(x, (H,), weight, bias, eps)``, eager (what ``torch.nn.LayerNorm`` runs).
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
-- ``fuselm``: ``fuselm.layer_norm(x, weight, bias, eps)``.
-- ``liger``: ``liger_kernel.ops.layer_norm.LigerLayerNormFunction.apply(x, weight, bias, eps)``, CUDA only.
-
-Bytes counted per element (``itemsize`` b): fwd reads x and writes y (2b), bwd reads x and dy and
-writes dx (3b), full 5b (10 bytes per element in bf16); the parameters and their gradients (H
-elements each) are not counted.
+Bytes per element (``itemsize`` b): fwd reads x, writes y (2b); bwd reads x, dy, writes dx (3b); full 5b.
+The parameters and their gradients (H elements each) are not counted.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
-"""Benchmark suite: fused linear cross-entropy, ``loss = cross_entropy(x @ W.T, target)``, fwd + bwd.
+"""Op suite: fused linear cross-entropy, ``loss = cross_entropy(x @ W.T, target)``, fwd + bwd.
 
-A shape is ``(N, H, V, inputs, k)``: x ``[N, H]``, W ``[V, H]`` (both require grad: the gradient of
-W is part of the cost), target ``[N]`` with ``round(N / k)`` entries (at random positions) set to
--100, and ``inputs`` picks how the hidden states look:
-
-- ``1`` (``RANDOM``): plain random logits. x ~ N(0, 1), W ~ N(0, 1/H), so every logit is about
-  N(0, 1) and the target is just one class among V (mean softmax of the target about 1/V).
-- ``2`` (``PEAKED``): logits shaped like a trained model's (see :func:`peaked_hidden`): the target
-  gets a large logit, a few runner-up classes get moderately large ones, over a long N(0, 2^2) tail;
-  the mean softmax probability of the target is calibrated to 0.9 (:func:`mean_target_prob` checks it).
-
-The CLI's ``--shapes`` takes integers only, hence the codes: ``--shapes 8192x4096x128256x2x7`` is
-Llama-3-8B's head with peaked inputs and 1/7 of the targets ignored; ``...x1x2`` random inputs with
-half of them ignored. ``python -m fuselm_bench.linear_cross_entropy`` prints the mean softmax of the
-target for the suite's shapes (``--device``, ``--shapes`` as in the CLI).
-
-Providers (mean over the non-ignored tokens, ignore_index -100, no target shift, no bias):
-
-- ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, eager ("logits.float()" in docs/peers.md).
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
-- ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (its defaults: dW accumulated
-  in the input dtype), CUDA only.
-- ``cce``: Cut Cross-Entropy's ``linear_cross_entropy(e, c, targets, ignore_index=-100,
-  reduction="mean", shift=False)`` with its default gradient filter, CUDA only.
-- ``fuselm``: ``fuselm.linear_cross_entropy(x, W, target, memory="auto")``.
-- ``fuselm_min``: the same with ``memory="min"``.
-
-Cost: the three GEMMs over all N rows (ignored ones included), 2NHV FLOPs forward, 6NHV forward +
-backward, 4NHV backward; ``x_floor`` is the time over those FLOPs at the measured GEMM rate. The
-forward is timed as in a training step (``forward_grad=True``): designs that compute the gradient
-in the forward pay for it there.
+A shape is ``(N, H, V, inputs, k)``: x ``[N, H]``, W ``[V, H]`` (both require grad: dW is part of the
+cost), ``round(N / k)`` targets -100 at random positions, and ``inputs`` 1 (``RANDOM``: x ~ N(0, 1),
+W ~ N(0, 1/H), logits about N(0, 1)) or 2 (``PEAKED``: logits shaped like a trained model's, the mean
+target softmax calibrated to 0.9, :func:`peaked_hidden`); the CLI's ``--shapes`` takes integers only, hence
+the codes (``8192x4096x128256x2x7``: Llama-3-8B's head, peaked, 1/7 ignored). FLOPs: the three GEMMs over
+all N rows (6NHV fwd + bwd). ``python -m fuselm_bench.linear_cross_entropy`` prints the mean target
+softmax of the suite's shapes.
 """
 
 from __future__ import annotations
@@ -41,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, import_peer
+from .harness import Cost, Inputs, Provider, Shape, Suite, import_peer, torch_providers
 
 IGNORE_INDEX = -100
 RANDOM, PEAKED = 1, 2
@@ -59,7 +36,7 @@ _SOLVE_CHUNK = 1024  # rows per batched solve when building peaked hidden states
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V)`` or ``(N, H, V, inputs, k)`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
+    """``(N, H, V[, inputs, k])`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
 
     Example:
         >>> split_shape((256, 64, 1000))
@@ -203,9 +180,8 @@ def mean_target_prob(
     max_rows: int | None = 2048,
     chunk_rows: int = 256,
 ) -> float:
-    """Mean softmax probability of the target, ``softmax(x @ weight.T)[i, target_i]``, over the
-    non-ignored rows (the first ``max_rows`` of them; None: all). Logits are computed in the dtype
-    of ``weight`` (as the providers do), the softmax in fp32, ``chunk_rows`` rows at a time.
+    """Mean ``softmax(x @ weight.T)[i, target_i]`` over the first ``max_rows`` non-ignored rows (logits in
+    ``weight``'s dtype, as the providers compute them; softmax in fp32).
 
     Example:
         >>> w = torch.randn(1000, 32) / 32**0.5
@@ -228,8 +204,7 @@ def mean_target_prob(
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """x ``[N, H]`` and W ``[V, H]`` in ``dtype`` (both require grad), target ``[N]`` (int64) with
-    ``round(N / k)`` entries -100; random or peaked hidden states (see the module docstring)."""
+    """x ``[N, H]`` and W ``[V, H]`` requiring grad, target ``[N]`` with ``round(N / k)`` entries -100."""
     n, h, v, inputs, k = split_shape(shape)
     weight = torch.randn(v, h, device=device, dtype=dtype).div_(math.sqrt(h))
     target = torch.randint(0, v, (n,), device=device)
@@ -321,12 +296,7 @@ SUITE = Suite(
     ),
     cpu_shapes=((256, 128, 1000, RANDOM, _K), (256, 128, 1000, PEAKED, _K), (256, 128, 1000, RANDOM, 2)),
     providers=(
-        Provider(
-            "torch",
-            lambda device: lambda x: _torch_lce(*_args(x)),
-            "F.cross_entropy((x @ W.T).float(), target), eager",
-        ),
-        Provider("torch_compile", compiled_setup(_torch_lce, _args), "torch.compile of the eager function"),
+        *torch_providers(_torch_lce, _args, "F.cross_entropy((x @ W.T).float(), target), eager"),
         Provider("liger", setup_liger, "Liger-Kernel LigerFusedLinearCrossEntropyFunction"),
         Provider("cce", setup_cce, "Cut Cross-Entropy linear_cross_entropy"),
         Provider("fuselm", setup_fuselm, 'fuselm.linear_cross_entropy(memory="auto")'),

@@ -1,44 +1,15 @@
-"""Benchmark suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``.
+"""Op suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``.
 
-What RL and preference losses (GRPO, PPO, DPO) need from the head: ``log_probs[i] = log softmax(x @ W.T)[i,
-target_i]`` and often the entropy of row i, with a *different* upstream gradient per token (advantages),
-so that the gradient cannot be formed in the forward as a mean loss's can. Every provider gets random
-per-token upstream gradients on log_probs (and on entropy when it is asked for).
+What RL and preference losses (GRPO, PPO, DPO) need from the head: ``log softmax(x @ W.T)[i, target_i]``
+and often row i's entropy, with a *different* upstream gradient per token (advantages), so the gradient
+cannot be formed in the forward as a mean loss's can: every provider gets random per-token upstream
+gradients, and a design that does not keep the logits recomputes them in the backward (8NHV, 1.33x floor,
+bounds it). A shape is ``(N, H, V, k, outputs)``: the linear_cross_entropy suite's random inputs,
+``round(N / k)`` targets -100, ``outputs`` 1 (log_probs) or 2 (+ entropy).
 
-A shape is ``(N, H, V, k, outputs)``: x ``[N, H]``, W ``[V, H]`` (both require grad), target ``[N]`` with
-``round(N / k)`` entries (random positions) set to -100 (``k = 7``: 1/7 ignored, ``k = 2``: half), and
-``outputs`` 1 for ``("log_probs",)``, 2 for ``("log_probs", "entropy")``. Inputs are those of the
-linear_cross_entropy suite's random case (x ~ N(0, 1), W ~ N(0, 1/H): logits about N(0, 1)).
-
-Providers (temperature 1, no bias, no softcap; per-token outputs in fp32, 0 at ignored targets):
-
-- ``torch``: logits ``(x @ W.T).float()``, ``log_softmax``, ``gather`` at the targets, entropy
-  ``-(p * log p).sum(-1)``; eager, every row (ignored ones too).
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes; compiled once per
-  (N, H, V, outputs)); skipped on CPU.
-- ``trl``: TRL's ``trl.kernels.chunked_logprob.ChunkedLogProbFunction.apply(hidden, weight, None, targets,
-  1.0, 32768, None, 1.0, outputs)`` called as TRL's fused LM head calls it: on the non-ignored rows only
-  (``hidden[mask]``), the results scattered back with ``masked_scatter`` (so TRL pays no FLOPs for ignored
-  tokens). Its gradients are accumulated in fp32 [N, H] and [V, H] buffers.
-- ``liger_cute``: Liger-Kernel's CuTe DSL SM90 fused scaled cross-entropy,
-  ``liger_kernel.ops.fused_linear_scaled_cross_entropy._load_sm90_function().apply(x, W, target, 1.0, -100,
-  1, return_entropy)`` (needs an SM90 GPU, bf16, and nvidia-cutlass-dsl); it returns the per-token NLL
-  (fp32) and the entropy (bf16), log_probs = -NLL.
-- ``liger_fallback``: Liger's portable fallback of the same op, ``_FusedLinearPPOFallbackFunction.apply(x,
-  W, target, 1.0, -100, return_entropy)`` (512-token chunks of fp32 logits), what Liger runs off SM90.
-- ``fuselm`` / ``fuselm_min``: ``fuselm.linear_log_probs(x, W, target, outputs=..., memory="auto" / "min")``.
-
-Cost: the GEMMs over all N rows, 2NHV FLOPs forward, 4NHV backward, 6NHV forward + backward; ``x_floor`` is
-the time over those FLOPs at the GEMM rate measured in the run. Per-token upstream gradients force the
-logits to be recomputed in the backward by any design that does not keep them, so 8NHV (1.33x) is the
-bound of an O(N)-memory design. The forward is timed as in a training step (``forward_grad=True``).
-
-Accuracy: for every (shape, provider) the outputs of its first call are compared with an fp64 reference
-(``log_softmax`` of fp64 logits of the same bf16 x and W) on the first 256 non-ignored tokens: max abs
-error of log_probs and of the entropy. The first call is a warmup call of the harness (or the call that
-shapes the upstream gradients), outside the timed and the memory-measured calls.
-
-This suite has its own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
+Accuracy: each provider's first call per shape is compared with an fp64 reference on the first 256
+non-ignored tokens (:func:`record_accuracy`), outside the timed and memory-measured calls. The suite has its
+own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
 """
 
 from __future__ import annotations
@@ -64,8 +35,7 @@ _REF_SLAB = 16384  # vocabulary rows per fp64 GEMM of the reference
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V)`` or ``(N, H, V, k, outputs)`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored,
-    log_probs + entropy).
+    """``(N, H, V[, k, outputs])`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored, + entropy).
 
     Example:
         >>> split_shape((256, 64, 1000))
@@ -90,9 +60,8 @@ def describe(shape: Shape) -> str:
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """The linear_cross_entropy suite's random inputs (x, W requiring grad; ``round(N / k)`` targets -100),
-    plus two plain entries the providers read: ``outputs`` (the output names) and ``case`` (the shape,
-    which keys the accuracy records)."""
+    """The linear_cross_entropy suite's random inputs, plus ``outputs`` (the output names) and ``case`` (the
+    shape, which keys the accuracy records)."""
     n, h, v, k, outputs = split_shape(shape)
     x = lce_make_inputs((n, h, v, RANDOM, k), dtype, device)
     return {**x, "outputs": OUTPUTS[outputs], "case": (n, h, v, k, outputs)}  # type: ignore[dict-item]
@@ -108,8 +77,7 @@ _REFERENCE: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def reference(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tokens: int = ACCURACY_TOKENS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, log_probs, entropy) on the CPU: the first ``tokens`` non-ignored rows and their log-probs and
-    entropy from fp64 logits of the given x and W (``_REF_SLAB`` vocabulary rows per GEMM)."""
+    """(rows, log_probs, entropy) on the CPU of the first ``tokens`` non-ignored rows, from fp64 logits."""
     with torch.no_grad():
         rows = (target != IGNORE_INDEX).nonzero().squeeze(1)[:tokens]
         xs = x.detach()[rows].double()
@@ -145,8 +113,7 @@ def record_accuracy(provider: str, inputs: Inputs, out: Any) -> None:
 
 
 def _provider(name: str, setup: Callable[[torch.device], Callable[..., Any]], description: str) -> Provider:
-    """A provider whose ``setup(device)`` gives ``fn(x, w, target, outputs) -> tuple``; each of its first
-    calls per shape records its accuracy (:func:`record_accuracy`)."""
+    """A provider of ``fn(x, w, target, outputs) -> tuple`` that records its accuracy per shape."""
 
     def accurate_setup(device: torch.device) -> Callable[[Inputs], Any]:
         fn = setup(device)
@@ -182,8 +149,8 @@ _COMPILED: dict[str, Any] = {}
 
 
 def setup_torch_compile(device: torch.device) -> Callable[..., Any]:
-    """torch.compile of the eager function, static shapes, compiled once per (N, H, V, outputs) (Dynamo's
-    cache reset when that changes). Skipped on CPU to keep the CPU run short."""
+    """torch.compile of the eager function, once per (N, H, V, outputs) (Dynamo's cache reset when that
+    changes). Skipped on CPU."""
     if device.type != "cuda":
         raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
 
@@ -208,7 +175,6 @@ def trl_log_probs(
 
 
 def setup_trl(device: torch.device) -> Callable[..., Any]:
-    """TRL's ChunkedLogProbFunction on the non-ignored rows, as TRL's fused LM head calls it."""
     trl = "trl.kernels.chunked_logprob"
     chunked = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
     return lambda *args: trl_log_probs(chunked, *args)
@@ -316,7 +282,6 @@ SUITE = Suite(
 
 
 def accuracy_rows(report: Report) -> list[dict[str, Any]]:
-    """One entry per (shape, provider) that recorded its accuracy in this process, in the report's order."""
     return [
         {"shape": list(shape), "provider": p, **ACCURACY[(split_shape(shape), p)]}
         for shape in report.shapes
@@ -326,8 +291,6 @@ def accuracy_rows(report: Report) -> list[dict[str, Any]]:
 
 
 def summary_table(report: Report) -> str:
-    """One line per (shape, provider): fwd / bwd / fwd+bwd ms, x floor (fwd+bwd), extra MiB (fwd+bwd),
-    max abs error of log_probs and entropy vs fp64."""
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
     lines = []
@@ -344,7 +307,6 @@ def summary_table(report: Report) -> str:
 
 
 def extra_markdown(report: Report) -> str:
-    """The section after the harness's table: the summary with accuracy, and what the peers were."""
     m = report.metadata
     peers = ", ".join(f"{k} {m[k]}" for k in ("trl", "liger-kernel", "nvidia-cutlass-dsl") if m.get(k))
     lines = [
@@ -377,10 +339,8 @@ def peer_versions() -> dict[str, str]:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench linear_log_probs``: ``--shapes NxHxVxkxE``, ``--providers``, ``--modes``, ``--dtype``,
-    ``--quick``, ``--device``, ``--out``. The suite runs one shape at a time, the files written after each
-    (a run stopped part-way keeps the shapes it finished); each skip reason is printed once. Returns the
-    exit code (0: something measured, 1: nothing); raises ``UsageError`` for bad values."""
+    """``fuselm bench linear_log_probs``, one shape at a time, the files written after each (a run stopped
+    part-way keeps the shapes it finished); the exit code. Raises ``UsageError``."""
     from .runner import finish, start
 
     session, [(_, shapes, providers)] = start([SUITE], args, argv, peer_versions(), check_shape=split_shape)

@@ -1,17 +1,10 @@
-"""``fuselm bench max-context``: the longest sequence (batch 1) for which one full LoRA / QLoRA training
-step (forward, backward, optimizer) runs under a GPU memory cap, per provider.
+"""``fuselm bench max-context``: the longest sequence (batch 1) for which one LoRA / QLoRA training step
+runs under a GPU memory cap, per provider.
 
-Each probe is ``fuselm bench finetune``'s worker in a fresh process (the same saved random-init model,
-LoRA on all seven projections, gradient checkpointing; fuselm with activation offloading and, with
-``--mlp-chunk-tokens``, its MLP over chunks of tokens), one step at batch 1 x T with
-``torch.cuda.set_per_process_memory_fraction`` set to the cap: ``ok`` or out of memory. The lengths are
-searched by bisection on a log scale over multiples of :data:`GRAIN` tokens between ``--seq-range LO:HI``:
-HI first (when it fits, that is the answer: raise HI), then LO (when it does not, nothing fits), then the
-geometric middle until HI / LO <= 1 + ``--rel-tol`` or ``--max-probes`` probes. The report gives, per
-(provider, cap), the longest length that fitted, that step's time and peak memory, and every probe.
-
-Without CUDA a tiny model runs on the CPU with no cap (a smoke test of the search and the workers: every
-length fits, the answer is HI).
+Each probe is ``fuselm bench finetune``'s worker in a fresh process, one step at 1 x T under
+``torch.cuda.set_per_process_memory_fraction``: ok or out of memory. :func:`longest_fitting` bisects on a
+log scale over multiples of :data:`GRAIN` tokens. Without CUDA a tiny model runs with no cap (a smoke test:
+every length fits).
 """
 
 from __future__ import annotations
@@ -41,9 +34,8 @@ DEFAULT_PROVIDERS = ("fuselm", "hf", "unsloth")
 
 @dataclass
 class Search:
-    """The search of one (provider, cap): ``longest`` (None: not even LO fitted, or a probe failed
-    otherwise than by running out of memory: ``stopped`` says why), the row of the step at that length,
-    and every probe as (length, status, step ms, peak GiB)."""
+    """The search of one (provider, cap): ``longest`` (None: nothing fitted, or ``stopped`` says why), the
+    row at that length, every probe as (length, status, step ms, peak GiB)."""
 
     provider: str
     cap_gib: float | None
@@ -61,10 +53,9 @@ def on_grain(tokens: float) -> int:
 def longest_fitting(
     probe: Callable[[int], Any], lo: int, hi: int, *, rel_tol: float = 0.05, max_probes: int = 12
 ) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
-    """(the longest length that fitted, its row, every (length, row) probed, why the search stopped early
-    or None). ``probe(T)`` returns a row whose ``status`` is ``ok`` (fits), ``oom`` (does not) or anything
-    else (the search stops there). Bisection on a log scale between lo and hi, probing multiples of GRAIN
-    between them (GRAIN is the resolution).
+    """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None).
+    ``probe(T)``'s row is ``ok``, ``oom`` or else (the search stops). HI first (fits: the answer), then LO
+    (does not: nothing fits), then the geometric middle on multiples of GRAIN.
 
     Example:
         >>> fits = lambda t: type("Row", (), {"status": "ok" if t <= 40_000 else "oom"})()
@@ -105,7 +96,7 @@ def longest_fitting(
 
 
 def _why_stopped(tokens: int, row: Any) -> str:
-    """Why a probe ended the search: its status and the last line of its error (a worker's traceback)."""
+    """Why a probe ended the search: its status and its error's last line."""
     error = (getattr(row, "error", None) or "").strip()
     return f"{tokens} tokens: {row.status}" + (f" ({error.splitlines()[-1]})" if error else "")
 
@@ -113,14 +104,12 @@ def _why_stopped(tokens: int, row: Any) -> str:
 def search(
     provider: str, cap_gib: float | None, probe: Callable[[int], Any], lo: int, hi: int, **options
 ) -> Search:
-    """:func:`longest_fitting` of one (provider, cap), as a :class:`Search`."""
     longest, best, probes, stopped = longest_fitting(probe, lo, hi, **options)
     rows = [(t, r.status, r.step_ms, r.peak_gib) for t, r in probes]
     return Search(provider, cap_gib, longest, asdict(best) if best is not None else None, rows, stopped)
 
 
 def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
-    """The report: one row per (provider, cap), then the probes."""
     head = ["provider", "cap GiB", "longest tokens", "step s at that length", "peak GiB", "probes", "note"]
     rows = []
     for s in searches:
@@ -168,7 +157,7 @@ def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -
 
 
 def _numbers(text: str, kind: type, flag: str, what: str, sep: str = ",", count: int | None = None) -> list:
-    """``text`` split at ``sep``, each a ``kind``; UsageError ``<flag> takes <what>`` otherwise."""
+    """``text`` split at ``sep``, each a ``kind``; UsageError otherwise."""
     try:
         values = [kind(v) for v in text.split(sep)]
     except ValueError:
@@ -199,9 +188,8 @@ def _gpus(text: str | None, cuda: bool) -> list[int] | None:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench max-context``: one model (default llama3-8b) and scenario (default qlora), each
-    provider (default fuselm, hf, unsloth) and cap searched, side by side with ``--gpus``
-    (:func:`side_by_side`), the saved model as ``fuselm bench finetune`` saves it. Raises ``UsageError``."""
+    """``fuselm bench max-context``: one model and scenario, each (provider, cap) searched (side by side with
+    ``--gpus``). Raises ``UsageError``."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN

@@ -28,9 +28,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from .cases import STATUSES  # in order of precedence: the ranks agree on the worst
 from .harness import free_memory
 
-STATUSES = ("ok", "skipped", "oom", "error")  # in order of precedence: the ranks agree on the worst
 FAILED_GRACE_S = 60.0  # a rank reported a failure: how long the others may take to reach the agreement
 POLL_S = 0.2
 NCCL_ENV = {  # NVLink multicast (NVLS) off: not every lent machine has it working

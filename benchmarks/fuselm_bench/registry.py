@@ -1,11 +1,7 @@
-"""The benchmark suites ``fuselm bench`` knows: name -> (module, one-line description).
+"""The suites the lab knows: name -> (module, one-line description), imported lazily.
 
-Suites are imported lazily (listing them imports nothing heavy). To add one, write
-``fuselm_bench/<name>.py`` defining ``SUITE = Suite(...)`` (see ``harness``) and add a line here.
-
-``TRAINING_SUITES`` are benchmarks that do not fit the op-suite model (whole training runs, one process
-per case): their module defines ``run_cli(args, argv) -> int`` and ``fuselm bench <name>`` calls it.
-They are listed by ``fuselm bench`` but not run by ``fuselm bench all`` (they take minutes).
+``TRAINING_SUITES`` (whole training runs, one process per case) define ``run_cli(args, argv) -> int``;
+they are listed but not run by ``all`` (they take minutes).
 """
 
 from __future__ import annotations
@@ -50,17 +46,15 @@ TRAINING_SUITES: dict[str, tuple[str, str]] = {
 
 
 def suite_names() -> list[str]:
-    """Registered op suite names, in registration order (what ``fuselm bench all`` runs)."""
+    """The op suites, in order (what ``all`` runs)."""
     return list(SUITES)
 
 
 def get_suite(name: str) -> Suite:
-    """Import and return the op suite called ``name``."""
     return importlib.import_module(SUITES[name][0]).SUITE
 
 
 def get_training_runner(name: str) -> Callable[[argparse.Namespace, list[str]], int]:
-    """Import the training suite called ``name`` and return its ``run_cli(args, argv) -> int``."""
     if name not in TRAINING_SUITES:
         raise KeyError(f"unknown training benchmark {name!r}; known: {', '.join(TRAINING_SUITES)}")
     return importlib.import_module(TRAINING_SUITES[name][0]).run_cli

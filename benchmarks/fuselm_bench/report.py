@@ -20,6 +20,8 @@ import torch
 
 from .harness import OpRow, Report
 
+shape_label = OpRow.label  # (8192, 128256) -> '8192x128256'
+
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
@@ -70,10 +72,7 @@ def device_name(device: torch.device) -> str:
 
 
 def gpu_slug(name: str | None) -> str:
-    """Folder name for results: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200', None -> 'cpu'.
-
-    Falls back to the lowercased name with spaces as dashes (without a leading 'nvidia-').
-    """
+    """Results folder name: 'NVIDIA H100 80GB HBM3' -> 'h100', None -> 'cpu', else the name as a slug."""
     if not name or name.lower().startswith("cpu"):
         return "cpu"
     low = name.lower()
@@ -85,10 +84,8 @@ def gpu_slug(name: str | None) -> str:
 
 
 def git_commit() -> str:
-    """Short commit hash of the fuselm checkout (with '-dirty' if tracked files changed), else 'unknown'.
-
-    FUSELM_COMMIT overrides it (a copy of the tree without .git, e.g. on a remote GPU machine).
-    """
+    """Short commit of the checkout ('-dirty' with changes), 'unknown' without; FUSELM_COMMIT overrides it (a
+    copy of the tree without .git, e.g. on a remote GPU machine)."""
     if os.environ.get("FUSELM_COMMIT"):
         return os.environ["FUSELM_COMMIT"]
     here = Path(__file__).resolve().parent
@@ -106,29 +103,24 @@ def git_commit() -> str:
         return "unknown"
 
 
-def package_version(package: str) -> str | None:
-    """The installed version of ``package``, None when it has no metadata."""
+def package_versions(packages: Sequence[str]) -> dict[str, str]:
+    """The versions of those of ``packages`` that are installed (with metadata)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def package_versions(packages: Sequence[str]) -> dict[str, str]:
-    """The versions of those of ``packages`` that are installed."""
-    return {p: v for p in packages if (v := package_version(p))}
+    out = {}
+    for package in packages:
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            continue
+        if not out[package]:
+            del out[package]
+    return out
 
 
 def host_cpu() -> str:
-    """The host's CPU model and the cores this process may use (a step's host time depends on them: the
-    same code's CPU time per step differs by 1.7x between the hosts of two GPU machines).
-
-    Example:
-        >>> "cores" in host_cpu()
-        True
-    """
+    """The host's CPU model and usable cores (the same step's CPU time differs by 1.7x between the hosts of
+    two GPU machines)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -155,8 +147,7 @@ def set_offline_env() -> None:
 def collect_metadata(
     device: torch.device, argv: list[str] | None = None, packages: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """Device, versions (with the peers' and ``packages``'), commit, date and the hub settings
-    (:data:`OFFLINE_ENV`) of this run."""
+    """Device, versions (the peers' and ``packages``' too), commit, date and hub settings of this run."""
     import fuselm
 
     triton_version = None
@@ -199,11 +190,6 @@ def fmt_num(x: float | None, sig: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
-def shape_label(shape: Sequence[Any]) -> str:
-    """(8192, 128256) -> '8192x128256'."""
-    return "x".join(str(d) for d in shape)
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``; None when either is missing or ``b`` is not positive.
 
@@ -228,7 +214,7 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def cell(row: OpRow, col: str) -> str:
-    """A row's value of column ``col`` as the tables write it (OOM or error for a failed time)."""
+    """A row's column ``col`` as the tables write it."""
     if col == "ms" and row.ms is None and row.error:
         return "OOM" if row.error.startswith("OutOfMemoryError") else "error"
     value = row.extra_mib if col == "extra_mib" else getattr(row, col)
@@ -238,7 +224,6 @@ def cell(row: OpRow, col: str) -> str:
 
 
 def markdown_table(report: Report) -> str:
-    """The results table: shape, provider, mode, then the suite's columns (and a note column if any error)."""
     cols = list(report.suite.columns)
     head = [", ".join(report.suite.shape_dims), "provider", "mode", *(COLUMN_TITLES[c] for c in cols)]
     rows = [[shape_label(r.shape), r.provider, r.mode, *(cell(r, c) for c in cols)] for r in report.rows]
@@ -250,7 +235,6 @@ def markdown_table(report: Report) -> str:
 
 
 def notes(report: Report) -> list[str]:
-    """Footnotes: what each column means, how modes and memory are taken, the suite's own notes."""
     out = []
     if "bwd" in report.modes:
         out.append(
@@ -283,8 +267,7 @@ def document(
     notes: Sequence[str],
     skipped: dict[str, str],
 ) -> str:
-    """A markdown report as every suite writes it: title, ``intro``, ``cpu_figures`` (when given), the
-    ``facts`` as a list, each of ``sections``, the ``notes`` and the skipped providers as a list."""
+    """A markdown report as every suite writes it: title, intro, facts, sections, notes, skipped providers."""
     lines = [f"# fuselm bench {name}", "", intro, ""]
     if cpu_figures:
         lines += [cpu_figures, ""]
@@ -297,8 +280,7 @@ def document(
 
 
 def markdown(report: Report, extra: str = "") -> str:
-    """The whole markdown report of an op suite: device, versions, commit, date, ceilings, timing; the table;
-    ``extra`` (more sections); the notes."""
+    """An op suite's markdown report (``extra``: more sections after the table)."""
     m, c = report.metadata, report.ceilings
     versions = (
         f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
@@ -328,7 +310,6 @@ def markdown(report: Report, extra: str = "") -> str:
 
 
 def to_json(report: Report) -> dict[str, Any]:
-    """All raw numbers and the metadata, JSON-ready."""
     rows = [{**asdict(r), "shape": list(r.shape), "extra_mib": r.extra_mib} for r in report.rows]
     return {
         "suite": report.suite.name,
@@ -361,8 +342,7 @@ def pyplot():
 
 
 def bar_groups(ax: Any, groups: int, series: Sequence[tuple[str, Sequence[float]]]) -> list[Any]:
-    """One group of bars per x position 0 .. groups - 1, one bar per ``(label, values)`` of ``series`` in
-    each; returns each series' bars."""
+    """Grouped bars, one group per x position, one bar per ``(label, values)`` of ``series``; their bars."""
     width = 0.8 / max(1, len(series))
     return [
         ax.bar(
@@ -373,8 +353,8 @@ def bar_groups(ax: Any, groups: int, series: Sequence[tuple[str, Sequence[float]
 
 
 def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) -> None:
-    """Grouped bars per shape and provider, one subplot per mode and metric (``metrics``: columns such as
-    ``ms`` or ``extra_mib``; default: the suite's first ratio column that has values, else ms)."""
+    """Grouped bars per shape and provider, one panel per mode and metric (default: the suite's first ratio
+    column with values, else ms)."""
     plt = pyplot()
     default = [
         c
@@ -415,8 +395,7 @@ def write_files(
     data: dict[str, Any],
     write_png: Callable[[Path], None] | None = None,
 ) -> dict[str, Path]:
-    """Write ``<name>.md``, ``<name>.json`` and (``write_png(path)``, skipped without matplotlib)
-    ``<name>.png`` into ``out_dir``; return their paths."""
+    """Write ``<name>.md``, ``.json`` and (without matplotlib: not) ``.png`` into ``out_dir``; their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
@@ -433,7 +412,6 @@ def write_files(
 
 
 def print_written(text: str, paths: dict[str, Path]) -> None:
-    """The report printed at the end of a run, and the files written."""
     print()
     print(text)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -447,8 +425,7 @@ def write_report(
     extra_json: dict[str, Any] | None = None,
     plot_metrics: Sequence[str] | None = None,
 ) -> dict[str, Path]:
-    """An op suite's :func:`write_files`: ``extra_markdown`` after the table, ``extra_json`` merged into the
-    JSON's top level, ``plot_metrics`` the plotted columns (:func:`write_png`)."""
+    """An op suite's :func:`write_files` (``extra_json``: merged into the JSON's top level)."""
     return write_files(
         report.suite.name,
         out_dir,

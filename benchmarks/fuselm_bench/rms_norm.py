@@ -1,31 +1,13 @@
-"""Benchmark suite: RMSNorm over the last dimension of ``[N, H]`` (Llama casting), with and without the
-residual add before it.
+"""Op suite: RMSNorm (Llama casting) over the last dimension of ``[N, H]``, with and without the residual
+add before it.
 
-A shape is ``(N, H, S)`` with S the number of tensors summed before the norm: x ``[N, H]`` and
-weight ``[H]`` (both require grad); ``S = 1``: ``y = rms_norm(x)``; ``S = 2``: a residual ``[N, H]``
-(requires grad) is added first, ``s = x + residual``, ``y = rms_norm(s)``, and both y and s are
-outputs (the pre-norm residual stream: s is the next block's residual). ``--shapes 16384x4096x2``
-in the CLI (which takes positive sizes only, hence 1 and 2).
+A shape is ``(N, H, S)``: x ``[N, H]`` and weight ``[H]`` (requiring grad); ``S = 2`` adds a residual
+``[N, H]`` (requiring grad) first, ``s = x + residual``, and both ``rms_norm(s)`` and s are outputs (s is
+the next block's residual). Bytes per element (``itemsize`` b): ``S = 1`` fwd 2b, bwd 3b, full 5b;
+``S = 2`` fwd 4b, bwd 4b, full 8b (the suite's notes say which reads and writes).
 
-Providers:
-
-- ``torch``: Hugging Face's LlamaRMSNorm code, eager (``S = 2``: ``s = x + residual`` first).
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
-- ``liger``: ``liger_kernel.ops.rms_norm.LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)``
-  (``in_place=False``: the harness reuses its grad_output), CUDA only; ``S = 2``: eager add first.
-- ``fuselm``: ``fuselm.rms_norm(x, w)`` (``S = 1``).
-- ``fuselm_residual``: ``fuselm.rms_norm(x, w, residual=residual)`` (``S = 2``): the add fused,
-  one kernel forward and one backward.
-- ``torch_add_then_fuselm``: ``s = x + residual``, ``fuselm.rms_norm(s, w)`` (``S = 2``).
-
-Bytes counted per element (``itemsize`` b: 2 for bf16), what the op cannot avoid moving:
-``S = 1``: fwd reads x and writes y (2b), bwd reads x and dy and writes dx (3b), full 5b (10 bytes
-per element in bf16, as in docs/peers.md). ``S = 2``: fwd reads x, residual and writes y, s (4b); bwd
-reads s, dy, ds and writes dx, which is also d residual (4b); full 8b. The weight and its gradient
-(H elements) are not counted.
-
-``python -m fuselm_bench.rms_norm --tune`` sweeps the launch constants of ``ops/rms_norm/op.py`` on
-the suite's GPU shapes and prints the time of each configuration (see :func:`tune`).
+``python -m fuselm_bench.rms_norm --tune`` sweeps the launch constants of ``ops/rms_norm/op.py`` on the
+suite's GPU shapes (:func:`tune`).
 """
 
 from __future__ import annotations

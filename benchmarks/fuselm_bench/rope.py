@@ -1,23 +1,9 @@
-"""Benchmark suite: rotary position embedding of q and k, Hugging Face layout, forward and backward.
+"""Op suite: rotary position embedding of q and k, Hugging Face layout, forward and backward.
 
-A shape is ``(B, T, Hq, Hkv, D)``: q ``[B, Hq, T, D]`` and k ``[B, Hkv, T, D]``, contiguous, both
-requiring grad; cos/sin ``[B, T, D]`` in the input dtype, as Hugging Face's Llama rotary embedding
-returns them (default rope, theta 500000, positions 0..T-1). ``(4, 4096, 32, 8, 128)`` is Llama-3-8B
-at batch 4.
-
-Providers:
-
-- ``torch``: Hugging Face's ``apply_rotary_pos_emb`` written out (``q * cos + rotate_half(q) * sin``),
-  eager, every op in the input dtype.
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case; CUDA only).
-- ``fuselm``: ``fuselm.apply_rotary(q, k, cos, sin)``.
-- ``liger``: Liger-Kernel's ``LigerRopeFunction.apply(q, k, cos, sin)`` (CUDA, when importable). It
-  works in place on ``q.transpose(1, 2).contiguous()``, which is a copy for these contiguous inputs.
-
-Effective bandwidth counts the bytes the op cannot avoid: the forward reads q and k and writes q_embed
-and k_embed (``2 * itemsize`` bytes per q/k element, 4 in bf16); the backward reads the two output
-gradients and writes dq and dk (the same again); forward + backward twice that (8 bytes per element in
-bf16, as docs/peers.md counts). cos/sin (``D / (Hq + Hkv)`` of a q/k row per position) are not counted.
+A shape is ``(B, T, Hq, Hkv, D)``: q ``[B, Hq, T, D]`` and k ``[B, Hkv, T, D]`` (contiguous, requiring
+grad), cos/sin ``[B, T, D]`` in the input dtype as HF's Llama rotary embedding returns them (theta 500000);
+``(4, 4096, 32, 8, 128)`` is Llama-3-8B at batch 4. Bytes: q, k read and q_embed, k_embed written each
+way (8 B per q/k element fwd + bwd in bf16, as docs/peers.md counts); cos/sin not counted.
 """
 
 from __future__ import annotations
@@ -26,7 +12,7 @@ import torch
 
 from fuselm.ops.rope import apply_rotary
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
+from .harness import Cost, Inputs, Provider, Shape, Suite, peer_apply, torch_providers
 
 ROPE_THETA = 500000.0  # Llama 3
 
@@ -85,16 +71,7 @@ SUITE = Suite(
     gpu_shapes=((4, 4096, 32, 8, 128), (1, 8192, 64, 8, 128)),
     cpu_shapes=((1, 16, 8, 2, 64),),  # small: under TRITON_INTERPRET=1 every (b, t) is a numpy program
     providers=(
-        Provider(
-            "torch",
-            lambda device: lambda x: hf_apply_rotary_pos_emb(*_args(x)),
-            "Hugging Face apply_rotary_pos_emb, eager",
-        ),
-        Provider(
-            "torch_compile",
-            compiled_setup(hf_apply_rotary_pos_emb, _args),
-            "torch.compile of the eager function",
-        ),
+        *torch_providers(hf_apply_rotary_pos_emb, _args, "Hugging Face apply_rotary_pos_emb, eager"),
         Provider("fuselm", lambda device: lambda x: apply_rotary(*_args(x)), "fuselm.apply_rotary"),
         Provider(
             "liger",

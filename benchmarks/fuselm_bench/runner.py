@@ -1,11 +1,6 @@
-"""``fuselm bench <op suite>``: from the parsed command-line arguments to the printed and written reports.
-
-:func:`run_op_suites` runs registered op suites through :func:`~fuselm_bench.harness.run_suite`;
-:func:`start` and :func:`finish` are the steps it shares with the suites that have a runner of their own
-(``linear_log_probs``, the vocabulary-parallel ``linear_cross_entropy``): the options, shapes and providers
-asked for, the device line, the results folder and the card's ceilings measured in this process; then the
-report written and printed.
-"""
+"""``fuselm bench <op suite>``: from the parsed arguments to the printed and written reports. :func:`start`
+and :func:`finish` are shared with the op suites that have a runner of their own (``linear_log_probs``,
+``vocab_parallel``)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ from .report import collect_metadata, markdown, markdown_table, print_written, w
 
 @dataclass
 class Session:
-    """Where a run writes, and :func:`~fuselm_bench.harness.run_suite`'s options of the run: the device,
-    ``--dtype``, ``--modes``, ``--quick``, the progress bar, the run's metadata, the ceilings."""
+    """Where a run writes, and :func:`~fuselm_bench.harness.run_suite`'s options of the run."""
 
     out_dir: Path
     options: dict[str, Any]
@@ -46,8 +40,7 @@ def plan_suite(
     device: torch.device,
     check_shape: Callable[[Shape], Any] | None = None,
 ) -> tuple[list[Shape], list[str]]:
-    """The shapes (``--shapes``, else the suite's GPU or CPU shapes; each passed to ``check_shape``, whose
-    ``ValueError`` is a bad shape) and providers (``--providers``, else all of the suite's) of a run of
+    """The shapes (each through ``check_shape``, whose ValueError is a bad shape) and providers of a run of
     ``suite``. Raises ``UsageError``."""
     if args.shapes:
         shapes = parse_shapes(args.shapes, len(suite.shape_dims))
@@ -69,9 +62,8 @@ def start(
     metadata: dict[str, Any] | None = None,
     check_shape: Callable[[Shape], Any] | None = None,
 ) -> tuple[Session, list[tuple[Suite, list[Shape], list[str]]]]:
-    """The options and each suite's shapes and providers (:func:`plan_suite`; ``UsageError`` for bad values,
-    before anything runs); then print what runs where (a notice on a CPU), pick the results folder and
-    measure the ceilings. Returns the session and ``(suite, shapes, providers)`` per suite."""
+    """Check the options (``UsageError`` before anything runs), say what runs where, measure the ceilings;
+    the session and ``(suite, shapes, providers)`` per suite."""
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)
@@ -100,17 +92,14 @@ def start(
 def finish(
     report: Report, out_dir: Path, *, extra_markdown: str = "", text: str | None = None, **options
 ) -> int:
-    """Write the report (``extra_markdown`` and ``options`` as :func:`~fuselm_bench.report.write_report`
-    takes them), print ``text`` (default: the whole markdown) and the files; return the exit code: 0, or 1
-    when nothing was measured."""
+    """Write the report, print ``text`` (default: the markdown); the exit code (1: nothing measured)."""
     paths = write_report(report, out_dir, extra_markdown=extra_markdown, **options)
     print_written(markdown(report, extra_markdown) if text is None else text, paths)
     return 0 if any(r.ms is not None for r in report.rows) else 1
 
 
 def run_op_suites(suites: list[Suite], args: argparse.Namespace, argv: list[str]) -> int:
-    """Run each of ``suites`` with the parsed ``fuselm bench`` arguments; write and print the reports.
-    Returns the exit code: 0, or 1 when a suite measured nothing. Raises ``UsageError`` for bad values."""
+    """Run and write each of ``suites``; the exit code (1: a suite measured nothing)."""
     session, plans = start(suites, args, argv)
     status = 0
     for suite, shapes, providers in plans:

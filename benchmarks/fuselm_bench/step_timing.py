@@ -1,7 +1,6 @@
-"""The training benchmarks' step loop (``fuselm bench e2e``, ``finetune``): per step, wall time, the
-process's CPU time, and from a short ``torch.profiler`` window after the timed steps the device time of the
-CUDA kernels and their count (:class:`KernelProfile`); the same figures of Hugging Face's ``Trainer.train()``
-(:func:`run_trainer`). The model, the forward and the demo's loop are :mod:`fuselm.demo.training`'s."""
+"""The step loop of ``e2e`` and ``finetune``: per step wall time, the process's CPU time and, from a
+``torch.profiler`` window after the timed steps, the CUDA kernels' device time and count
+(:class:`KernelProfile`); the same figures of ``Trainer.train()`` (:func:`run_trainer`)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,7 @@ Step = Callable[[int], torch.Tensor]
 def optimizer_step(
     forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
 ) -> Step:
-    """A :data:`Step` over ``batches`` (step ``i`` takes ``batches[i % len(batches)]``): ``loss, logged =
-    forward(batch)``, ``loss.backward()``, ``AdamW.step()`` (``lr`` constant),
-    ``zero_grad(set_to_none=True)``; returns ``logged``."""
+    """A :data:`Step`: forward, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; ``logged``."""
     optimizer = torch.optim.AdamW(list(params), lr=lr, fused=fused)
 
     def step(i: int) -> torch.Tensor:
@@ -47,11 +44,8 @@ def graphed_optimizer_step(
     fused: bool,
     warmup: int = 3,
 ) -> Step:
-    """A :data:`Step` whose forward and backward replay one CUDA graph (:class:`fuselm.CapturedStep`, the
-    README's "CUDA graphs"): ``batches[i % len(batches)]`` copied into the static input, the graph
-    replayed, then ``AdamW.step()`` (``lr`` constant) outside it. The graph is captured here, after
-    ``warmup`` passes, so the first steps the caller runs are replays. CUDA tensors of one shape only.
-    Returns the loss of each step (what ``forward`` logs for a causal LM)."""
+    """A :data:`Step` whose forward and backward replay one CUDA graph (:class:`fuselm.CapturedStep`, captured
+    here after ``warmup`` passes), ``AdamW.step()`` outside it; the loss of each step."""
     params = list(params)
     captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=warmup)
     optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
@@ -156,16 +150,8 @@ class KernelProfile:
 
 @dataclass
 class StepRun:
-    """What :func:`run_steps` measured.
-
-    Attributes:
-        logged: the logged values of every step (warmup, timed, profiled), ``Tensor.tolist()`` of each.
-        warmup_s: wall time of the warmup steps (synchronized).
-        step_s: wall time of each timed step, from the device synchronization before it to the one after.
-        cpu_s: the process's CPU time (``time.process_time``, every thread) of the timed steps, summed;
-            each step's is read before its closing synchronization, so waiting for the device is not in it.
-        profile: the kernels of the profiled steps after the timed ones (None when there were none).
-    """
+    """What :func:`run_steps` measured: every step's logged values, the warmup's wall time, each timed
+    step's wall time, the timed steps' summed CPU time, the profiled steps' kernels (None without)."""
 
     logged: list[Any]
     warmup_s: float
@@ -184,13 +170,11 @@ class StepRun:
 
 
 def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: torch.device) -> StepRun:
-    """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under ``torch.profiler``
-    (:class:`KernelProfile`: all zero on a CPU).
+    """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under ``torch.profiler``.
 
-    Each timed step runs between two device synchronizations (its wall time is theirs); the process's CPU
-    time is read before the closing one, so a host that waits for the device does not count the wait (a
-    spinning ``cudaDeviceSynchronize`` would otherwise make every step look host-bound). The logged values
-    stay on the device until the end. Exceptions (``torch.cuda.OutOfMemoryError`` too) propagate.
+    Each timed step runs between two device synchronizations; the CPU time is read before the closing one,
+    so waiting for the device is not counted (a spinning synchronize would make every step look
+    host-bound). The logged values stay on the device until the end.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(3))
@@ -248,13 +232,9 @@ def run_trainer(
     device: torch.device,
     seed: int,
 ) -> StepRun:
-    """``transformers.Trainer.train()`` of ``model`` on ``ids`` (``[B, T]``, labels = ids, the same batch
-    every step), measured as :func:`run_steps` measures its steps: ``warmup`` steps, ``steps`` timed ones
-    (each from the end of the previous optimizer step, synchronized, to the end of its own: the data loader,
-    forward, backward, clipping, AdamW (``lr`` constant) and Trainer's logging of every step), then
-    ``profiled`` steps under ``torch.profiler``. ``graphs``: with
-    :func:`fuselm.integrations.trainer.capture_training_steps`. Trainer's defaults otherwise (gradient
-    clipping at 1.0, no weight decay); its step loss is logged every step."""
+    """``Trainer.train()`` of ``model`` on ``ids`` (labels = ids), measured as :func:`run_steps` measures: a
+    step from the end of the previous optimizer step to the end of its own (data loader, forward, backward,
+    clipping at 1.0, AdamW, logging). ``graphs``: under ``capture_training_steps``."""
     import tempfile
 
     import transformers

@@ -1,16 +1,7 @@
-"""Benchmark suite: SwiGLU ``silu(gate) * up`` on ``[N, I]`` gate and up (both require grad).
+"""Op suite: SwiGLU ``silu(gate) * up`` on ``[N, I]`` gate and up (both require grad).
 
-Providers:
-
-- ``torch``: ``F.silu(gate) * up``, eager.
-- ``torch_compile``: ``torch.compile`` of the same function (static shapes, compiled per case).
-- ``fuselm``: ``fuselm.swiglu(gate, up)``.
-- ``liger``: ``liger_kernel.ops.swiglu.LigerSiLUMulFunction`` (CUDA, when importable).
-
-Effective bandwidth counts the bytes the op cannot avoid, ``itemsize`` bytes per access (2 in
-bf16): the forward reads gate and up and writes out (3 accesses, 6 B in bf16); the backward reads
-dout, gate and up and writes dgate and dup (5 accesses, 10 B); forward + backward 8 accesses
-(16 B in bf16).
+Bytes: ``itemsize`` per access; fwd reads gate, up and writes out (3 accesses), bwd reads dout, gate, up
+and writes dgate, dup (5), full 8 (16 B per element in bf16).
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ import torch.nn.functional as F
 
 from fuselm.ops.swiglu import swiglu
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
+from .harness import Cost, Inputs, Provider, Shape, Suite, peer_apply, torch_providers
 
 ACCESSES = {"fwd": 3, "bwd": 5, "full": 8}  # element reads + writes per mode
 
@@ -54,10 +45,7 @@ SUITE = Suite(
     gpu_shapes=((16384, 14336), (8192, 14336), (16384, 11008)),
     cpu_shapes=((128, 512), (33, 1000)),
     providers=(
-        Provider("torch", lambda device: lambda x: _torch_swiglu(*_args(x)), "F.silu(gate) * up, eager"),
-        Provider(
-            "torch_compile", compiled_setup(_torch_swiglu, _args), "torch.compile of the eager function"
-        ),
+        *torch_providers(_torch_swiglu, _args, "F.silu(gate) * up, eager"),
         Provider("fuselm", lambda device: lambda x: swiglu(*_args(x)), "fuselm.swiglu"),
         Provider(
             "liger",

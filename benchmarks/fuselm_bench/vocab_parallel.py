@@ -1,39 +1,21 @@
 """The vocabulary split over ranks: ``fuselm bench linear_cross_entropy|linear_log_probs --world-size W``.
 
-The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU):
-rank r holds the contiguous rows of W that ``torch.tensor_split`` gives it (128256 over 2 ranks: 64128 +
-64128). Shapes are ``N x H x V``. Two ops (:data:`OPS`, keyed by the single-GPU suite's name, whose inputs
-they take: x ~ N(0, 1), W ~ N(0, 1/H), 1/7 of the targets -100, made from one seed and broadcast from rank
-0): ``linear_cross_entropy`` (the mean over the non-ignored targets) and ``linear_log_probs`` (``loss =
-log_probs.sum()``: every token's upstream gradient is 1, an RL loss with unit advantages; no op can use it
-in its forward). Each provider is timed forward + backward of its loss, ``torch.autograd.grad`` w.r.t. x
-and the rank's weight rows (the op suites' ``full`` mode). The providers, the same for both ops:
+The classes of ``x @ W.T`` are split over W processes (one GPU each with NCCL; gloo processes on a CPU),
+rank r holding the rows of W that ``torch.tensor_split`` gives it; shapes are ``N x H x V``, the inputs the
+single-GPU suite's (:data:`OPS`), made from one seed and broadcast from rank 0. ``linear_log_probs`` times
+``log_probs.sum()``: every token's upstream gradient is 1 (an RL loss with unit advantages), which no op
+can use in its forward. Providers: ``fuselm_split`` (``fuselm.distributed``, no rank ever holding
+``[N, V]``), ``allgather_logits`` (what users write today, Megatron's ColumnParallelLinear with
+gather_output; not ``torch.distributed.nn.functional.all_gather``, whose backward sums the gradient over
+the ranks, W times too much for a loss every rank computes in full) and ``fuselm_single`` (the whole W on
+rank 0, the others waiting).
 
-- ``fuselm_split``: ``fuselm.distributed.linear_cross_entropy`` / ``linear_log_probs(...).log_probs`` on
-  every rank: the result over the whole vocabulary, no rank ever holding ``[N, V]``.
-- ``allgather_logits``: what users write today (Megatron's ColumnParallelLinear with gather_output): x
-  through an identity whose backward all-reduces its gradient, the local logits ``[N, V_r]`` all-gathered
-  into ``[N, V]`` (backward: the rank's columns, no communication), then the eager loss in fp32. Not
-  ``torch.distributed.nn.functional.all_gather``: its backward sums the gradient over the ranks, W times
-  too much for a loss that every rank computes in full.
-- ``fuselm_single``: ``fuselm.linear_cross_entropy`` / ``linear_log_probs`` with the whole W on rank 0 alone
-  (the other ranks wait): the single-GPU reference.
-
-Method: a group of W spawned processes first measures the card's ceilings on every rank, then runs every
-(shape, provider) in turn. Per case: inputs, ``warmup`` steps (the first records the loss and the gradient
-norm, a cross-check of the providers), one step for memory (CUDA: peak allocated minus allocated before,
-minus the returned gradients' fresh bytes, as the op suites count ``extra``), a barrier, then ``steps``
-steps, each between two CUDA events (CPU: ``time.perf_counter``). A fixed count, not
-``triton.testing.do_bench``, which picks its repetitions per process: ranks could disagree on the number
-of collectives and hang. A rank's time is the median of its steps; a row's time the slowest rank's (the
-step ends when the last rank's does), its extra memory the largest rank's; the JSON keeps every rank's.
-FLOPs are per rank: 6NHV/W for the split providers, 6NHV for the single GPU, so ``x floor`` is the time
-over the GEMM floor of the work one GPU does (per-token log-probs recompute the logits in the backward:
-8NHV, 1.33x floor, bounds them).
-
-Failures: the ranks agree on each case's status (:mod:`fuselm_bench.rank_group`, shared with ``fuselm
-bench finetune --world-size``); a group that fails or makes no progress (``CASE_TIMEOUT_S``) is killed and
-a fresh group runs the cases left. Reports: ``<op>_ws<W>.{md,json,png}``.
+Per case: ``warmup`` steps (the first records loss and gradient norm, a cross-check of the providers), one
+step for memory, a barrier, then ``steps`` steps between CUDA events: a fixed count, not
+``triton.testing.do_bench``, which picks its repetitions per process (ranks could disagree on the number
+of collectives and hang). A row's time is the slowest rank's median; FLOPs are per rank (6NHV/W split,
+6NHV single). The ranks agree on each case's status (:mod:`fuselm_bench.rank_group`); a group that fails
+or stalls (``CASE_TIMEOUT_S``) is killed and a fresh one runs the cases left.
 """
 
 from __future__ import annotations
@@ -137,8 +119,7 @@ class _GatherVocab(torch.autograd.Function):
 
 
 def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Sequence[int]) -> torch.Tensor:
-    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]`` (x the same on
-    every rank; backward: this rank's columns of the gradient into its rows, dx summed over the ranks)."""
+    """The ``[N, V]`` logits on every rank from each rank's ``x @ weight_rows.T`` ``[N, V_r]``."""
     local = _CopyToShards.apply(x) @ weight_rows.T  # [N, V_r]
     return _GatherVocab.apply(local, tuple(vocab_sizes))
 
@@ -146,8 +127,7 @@ def gathered_logits(x: torch.Tensor, weight_rows: torch.Tensor, vocab_sizes: Seq
 def allgather_logits_loss(
     x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """The cross-entropy baseline: :func:`gathered_logits`, then ``F.cross_entropy(logits.float())`` (the
-    mean over the non-ignored targets)."""
+    """The cross-entropy baseline: :func:`gathered_logits`, then ``F.cross_entropy(logits.float())``."""
     logits = gathered_logits(x, weight_rows, vocab_sizes)
     return F.cross_entropy(logits.float(), target, ignore_index=lce.IGNORE_INDEX)
 
@@ -155,8 +135,7 @@ def allgather_logits_loss(
 def allgather_logits_log_probs(
     x: torch.Tensor, weight_rows: torch.Tensor, target: torch.Tensor, vocab_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """The log-probs baseline: :func:`gathered_logits`, then ``logits.float().log_softmax(-1).gather(-1,
-    target[:, None])``, ``[N]`` fp32, 0 at ignored targets (as ``fuselm.linear_log_probs`` gives them)."""
+    """The log-probs baseline: :func:`gathered_logits`, fp32 log_softmax, gather; 0 at ignored targets."""
     logits = gathered_logits(x, weight_rows, vocab_sizes)
     kept = target != llp.IGNORE_INDEX
     log_probs = logits.float().log_softmax(-1).gather(-1, target.clamp(min=0)[:, None]).squeeze(-1)
@@ -179,7 +158,7 @@ def llp_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs
 
 @dataclass(frozen=True)
 class VocabParallelOp:
-    """What one op brings to the runner; :func:`make_suite` builds the suite of a run from it."""
+    """What one op brings to the runner (:func:`make_suite`)."""
 
     name: str  # the single-GPU suite's: the CLI's suite argument and the report's name prefix
     what: str  # the start of the suite's description
@@ -267,8 +246,7 @@ OPS: dict[str, VocabParallelOp] = {
 
 
 def make_suite(op: str, world_size: int) -> Suite:
-    """The suite of a run of ``op`` (a key of :data:`OPS`) over ``world_size`` ranks (its name names the
-    report files: ``<op>_ws<world_size>``)."""
+    """The suite of a run of ``op`` over ``world_size`` ranks (the report files: ``<op>_ws<world_size>``)."""
     spec = OPS[op]
     return Suite(
         name=f"{spec.name}_ws{world_size}",
@@ -324,7 +302,7 @@ class SplitRun:
 
 
 def _inputs(case: Case, plan: SplitRun, device: torch.device, rank: int) -> Inputs:
-    """The whole problem made from the seed; the split providers keep this rank's rows of W."""
+    """The whole problem from the seed; the split providers keep this rank's rows of W."""
     torch.manual_seed(SEED)
     x = OPS[plan.op].make_inputs(case.shape, plan.dtype, device)
     if case.provider not in SPLIT_PROVIDERS:
@@ -377,9 +355,8 @@ def _measure(case: Case, plan: SplitRun, device: torch.device, rank: int) -> dic
 
 
 def _worker(rank: int, plan: SplitRun, init_file: str, out_dir: str) -> None:
-    """A spawned rank: join the group, measure the ceilings (if asked), run the cases (a split provider, or
-    rank 0 of the single one, then the agreement, also the barrier of the ranks idle during
-    fuselm_single), write records."""
+    """A spawned rank: join the group, the ceilings (if asked), the cases (the agreement after each is also
+    the barrier of the ranks idle during fuselm_single), the records."""
     path = Path(out_dir) / f"rank{rank}.jsonl"
     if plan.device_type != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
@@ -421,8 +398,7 @@ def case_row(
     ceilings: Ceilings,
     failure: str | None = None,
 ) -> ParallelRow:
-    """The row of one case from its ranks' records (an error row when it failed:
-    :func:`rank_group.failed_case`, ``failure`` why the group stopped)."""
+    """The row of one case from its ranks' records (``failure``: why the group stopped)."""
     split = case.provider in SPLIT_PROVIDERS
     sizes = vocab_split(case.shape[2], world_size) if split else [case.shape[2]]
     row = ParallelRow(
@@ -477,8 +453,7 @@ def _mib(b: int | None) -> str:
 
 
 def extra_markdown(report: Report, world_size: int, rank_info: list[dict[str, Any]]) -> str:
-    """The sections after the main table: split vs single and vs all-gathered logits, every rank's figures
-    and ceilings, the providers."""
+    """The sections after the main table: split vs single and vs all-gathered logits, per rank, providers."""
     rows = [
         [
             shape_label(s["shape"]),
@@ -539,9 +514,9 @@ def run(
     metadata: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Report, list[dict[str, Any]]]:
-    """Every (shape, provider) of ``op`` (a key of :data:`OPS`) on ``world_size`` ranks; returns the report
-    and each rank's device and ceilings (nothing written). A group that fails or hangs is replaced by a fresh
-    one for the cases left (none when a fresh group failed at once, without a rank saying why)."""
+    """Every (shape, provider) of ``op`` on ``world_size`` ranks: the report and each rank's device and
+    ceilings. A group that fails or hangs is replaced for the cases left (not when a fresh group failed at
+    once, without a rank saying why: a fresh one would fail the same way)."""
     suite = make_suite(op, world_size)
     cases = [Case(i, tuple(s), p) for i, (s, p) in enumerate((s, p) for s in shapes for p in providers)]
     group: rank_group.RankGroup | None = None
@@ -623,10 +598,7 @@ def run(
 
 
 def run_cli(args, argv: list[str]) -> int:
-    """``fuselm bench <op> --world-size W`` with the parsed ``fuselm bench`` arguments (``args.suite``: a
-    key of :data:`OPS`): ``--shapes`` (N x H x V), ``--providers``, ``--steps``, ``--warmup``, ``--quick``,
-    ``--dtype`` (CUDA only: CPU runs fp32), ``--device``, ``--out``; ``--modes`` does not apply. Raises
-    ``UsageError`` for bad values."""
+    """``fuselm bench <op> --world-size W``; the exit code. Raises ``UsageError``."""
     world_size = args.world_size
     suite = make_suite(args.suite, world_size)
     device = pick_device(args.device)
