@@ -822,3 +822,30 @@ def test_rows_times_cols_over_2_31():
     g, u = split_packed(gate_up.detach())
     dg, du = split_packed(gate_up.grad)
     check("packed", "geglu_tanh", (out.detach(), dg, du), g, u, dout)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_swiglu_mlp_chunks_hold_one_chunks_tensors_at_a_time():
+    """Over chunks, the forward holds at most one chunk's g, u and h, the backward one chunk's g, u and dh
+    (dg and du written over them): the previous chunk's are freed before the next chunk's are made."""
+    torch.manual_seed(0)
+    n, h, i, c = 8192, 512, 8192, 1024
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wg, wu = (torch.randn(i, h, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in "gu")
+    wd = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) * 0.05
+    chunk = c * i * 2  # bytes of one [chunk, I] bf16 tensor
+    rows = n * h * 2  # bytes of y, dy or dx
+    y = swiglu_mlp(x, wg, wu, wd, chunk_rows=c)  # once first: cuBLAS's workspaces and the kernels made
+    torch.autograd.grad(y, x, torch.ones_like(y))
+    del y
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = swiglu_mlp(x, wg, wu, wd, chunk_rows=c)
+    assert torch.cuda.max_memory_allocated() - before <= rows + 3.5 * chunk  # y, one chunk's g, u, h
+    dy = torch.randn_like(y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.cuda.max_memory_allocated() - before <= rows + 3.5 * chunk  # dx, one chunk's g, u, dh
