@@ -18,6 +18,7 @@ import torch
 import fuselm
 from fuselm import CapturedStep
 from fuselm.graph_step import GraphCache
+from fuselm.offload import offloaded_checkpoint, recompute_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
 
@@ -229,6 +230,76 @@ def test_loss_fn_must_return_a_scalar(graph_device):
         CapturedStep(lambda x, t: model["up"](x), list(model["up"].parameters()), _batch(0, graph_device))
     with pytest.raises(ValueError, match=r"inputs\[1\] must be a CUDA tensor, got int"):
         CapturedStep(_loss(model), _trained(model), _batch(0, graph_device))(_batch(1, graph_device)[0], 3)
+
+
+# ---- gradient checkpointing inside the graphs ----
+
+
+def _checkpointed_loss(model, checkpoint):
+    """_loss's MLP, checkpointed by ``checkpoint``."""
+
+    def loss_fn(x, target):
+        def mlp(h):
+            gate, up = model["up"](h).chunk(2, dim=-1)
+            return model["down"](fuselm.swiglu(gate, up))
+
+        h = fuselm.rms_norm(x, torch.ones(16, device=x.device, dtype=x.dtype))
+        return fuselm.cross_entropy(checkpoint(mlp, h), target).mean()
+
+    return loss_fn
+
+
+def test_fuselms_recompute_checkpoint_is_captured(graph_device):
+    """A step checkpointed by recompute_checkpoint replays the eager non-checkpointed step's loss and
+    gradients bit for bit (the recompute runs the same operations on the same inputs)."""
+    graphed, eager = _model(graph_device), _model(graph_device)
+    step = CapturedStep(
+        _checkpointed_loss(graphed, recompute_checkpoint), _trained(graphed), _batch(0, graph_device)
+    )
+    for seed in (1, 2):
+        x, t = _batch(seed, graph_device)
+        for m in (graphed, eager):
+            m.zero_grad(set_to_none=True)
+        loss = step(x, t)
+        loss_eager = _loss(eager)(x, t)
+        loss_eager.backward()
+        assert torch.equal(loss, loss_eager.detach())
+        for p, pe in zip(_trained(graphed), _trained(eager), strict=True):
+            assert torch.equal(p.grad, pe.grad)
+    assert step.graphs.replays == 2 and step.graphs.eager == 0
+
+
+def test_an_offloaded_checkpoint_raises_at_the_capture(graph_device):
+    model = _model(graph_device)
+    loss_fn = _checkpointed_loss(model, offloaded_checkpoint)
+    with pytest.raises(RuntimeError, match=r"offloaded \(offloaded_checkpoint\) inside a CUDA graph capture"):
+        CapturedStep(loss_fn, _trained(model), _batch(0, graph_device))
+
+
+@pytest.mark.gpu
+def test_torchs_checkpoint_raises_at_the_capture():
+    """It reads the CUDA generator's state, which a real capture refuses."""
+    model = _model("cuda")
+    checkpoint = torch.utils.checkpoint.checkpoint
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        CapturedStep(_checkpointed_loss(model, checkpoint), _trained(model), _batch(0, "cuda"))
+
+
+def test_a_checkpoint_that_draws_random_numbers_raises_at_the_capture(graph_device):
+    """Dropout inside a checkpointed call: a capture cannot restore its masks for the recompute."""
+    w = torch.nn.Parameter(torch.ones(64, device=graph_device))
+
+    def loss_fn(x):
+        return recompute_checkpoint(lambda h: torch.nn.functional.dropout(w * h, 0.5), x).sum()
+
+    with pytest.raises(RuntimeError, match=r"draws random numbers \(dropout\) and is checkpointed"):
+        CapturedStep(loss_fn, [w], [torch.ones(64, device=graph_device)])
+
+
+def test_a_tensor_outside_params_that_would_get_a_gradient_is_named(graph_device):
+    w, v = (torch.nn.Parameter(torch.ones(3, device=graph_device)) for _ in "wv")
+    with pytest.raises(ValueError, match=r"not one of its parameters \(torch.float32 \[3\]"):
+        CapturedStep(lambda x: (w * v * x).sum(), [w], [torch.ones(3, device=graph_device)])
 
 
 def test_dropout_draws_new_masks_each_replay(graph_device):

@@ -6,7 +6,9 @@ QLoRA only, saved 4-bit by :mod:`fuselm_bench.nf4_checkpoint`) is saved once per
 provider) loads it and trains LoRA adapters in a fresh process (:func:`train`): ``qlora`` = bitsandbytes
 NF4 with double quantization (``bnb_4bit_quant_storage=torch.bfloat16``: the packed bytes stored as bf16,
 which FSDP2 shards on every torch), ``lora`` = a bf16 base. The providers are :data:`PROVIDER_DESCRIPTIONS`
-(``fuselm@<GiB>``: ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``); the step loop is
+(``fuselm@<GiB>``: ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``; ``fuselm@graph``:
+``checkpointing="recompute"`` with each forward and backward replayed from CUDA graphs,
+:func:`fuselm_bench.step_timing.graphed_optimizer_step`); the step loop is
 ``fuselm bench e2e``'s (:func:`fuselm_bench.step_timing.run_steps`), and :func:`notes` says in each report
 how every figure is taken. Workers run offline with Unsloth's allocator setting (:func:`base_env`).
 
@@ -70,25 +72,38 @@ MARKER = "fuselm_bench_model.json"
 HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 
 
-def split_provider(provider: str) -> tuple[str, float | None]:
-    """``(provider, memory budget in GiB or None)``; ValueError for a variant of another provider.
+GRAPH = "graph"  # fuselm@graph: checkpointing="recompute", the step's forward and backward in CUDA graphs
+
+
+def split_provider(provider: str) -> tuple[str, float | str | None]:
+    """``(provider, its variant: a memory budget in GiB, GRAPH, or None)``; UsageError for a variant of
+    another provider or a bad one.
 
     Example:
-        >>> split_provider("fuselm@24"), split_provider("hf")
-        (('fuselm', 24.0), ('hf', None))
+        >>> split_provider("fuselm@24"), split_provider("fuselm@graph"), split_provider("hf")
+        (('fuselm', 24.0), ('fuselm', 'graph'), ('hf', None))
     """
-    base, at, budget = provider.partition("@")
+    base, at, setting = provider.partition("@")
     if not at:
         return provider, None
     if base != "fuselm":
-        raise ValueError(f"{provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
-    return base, float(budget)
+        raise UsageError(f"--providers: {provider!r}: only fuselm has variants (fuselm@<GiB>, fuselm@graph)")
+    return base, GRAPH if setting == GRAPH else parse_budget(setting)
+
+
+def describe_variant(setting: str) -> str:
+    """What a fuselm@<setting> provider does instead of fuselm's default."""
+    if setting == GRAPH:
+        return "@graph: patch(checkpointing='recompute'), forward + backward replayed from CUDA graphs"
+    return f"@{setting}: patch(checkpointing='auto', memory_budget={setting}) instead"
 
 
 def provider_title(provider: str) -> str:
-    """The column title of a provider (a budget variant: the base title and its budget)."""
-    base, budget = split_provider(provider)
-    return PROVIDER_TITLES[base] + ("" if budget is None else f" @ {budget:g} GiB")
+    """The column title of a provider (a variant: the base title and its budget, or CUDA graphs)."""
+    base, variant = split_provider(provider)
+    if variant is None:
+        return PROVIDER_TITLES[base]
+    return PROVIDER_TITLES[base] + (" (CUDA graphs)" if variant == GRAPH else f" @ {variant:g} GiB")
 
 
 @dataclass(frozen=True)
@@ -312,9 +327,10 @@ def worker_prefix(provider: str) -> list[str]:
 
 
 def apply_fuselm(
-    model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | None = None
+    model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | str | None = None
 ) -> str:
-    """``fuselm.hf.patch(model)`` for the fuselm provider; returns how the model checkpoints."""
+    """``fuselm.hf.patch(model)`` for the fuselm provider (``memory_budget``: its variant, GiB or
+    :data:`GRAPH`); returns how the model checkpoints."""
     import fuselm.hf
 
     how = HF_CHECKPOINTING
@@ -322,6 +338,9 @@ def apply_fuselm(
     if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
         chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
         how = f"{how}, MLP in chunks of {mlp_chunk_tokens} tokens"
+    if memory_budget == GRAPH:
+        fuselm.hf.patch(model, checkpointing="recompute", **chunks)
+        return f"{how} + fuselm.hf.patch(checkpointing='recompute')"
     if memory_budget is not None:
         fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
         return f"{how} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
@@ -346,7 +365,7 @@ def load_peft_model(
     seed: int,
     offload: bool,
     mlp_chunk_tokens: int | None = None,
-    memory_budget: float | None = None,
+    memory_budget: float | str | None = None,
 ) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
     cuda = device.type == "cuda"
@@ -617,7 +636,8 @@ def train(
             loss = peft_model(input_ids=x, labels=x).loss
             return loss, loss.detach()
 
-        step = step_timing.optimizer_step(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
+        stepper = step_timing.graphed_optimizer_step if memory_budget == GRAPH else step_timing.optimizer_step
+        step = stepper(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
         called = CalledModules()
 
         def first_step_watched(i: int) -> torch.Tensor:
@@ -804,7 +824,7 @@ BENCH = fresh_process.Bench(
     precheck=_precheck,
     worker_prefix=worker_prefix,
     worker_env=worker_env,
-    variant_description="@{setting}: patch(checkpointing='auto', memory_budget={setting}) instead",
+    variant_description=describe_variant,
 )
 
 
@@ -1197,7 +1217,7 @@ def to_json(report: CaseReport) -> dict[str, Any]:
 
 def write_png(report: CaseReport, path: Path) -> None:
     """Bars of step time and peak GiB; with memory budgets, step time against peak GiB per configuration."""
-    if not any(split_provider(p)[1] is not None for p in report.providers):
+    if not any(isinstance(split_provider(p)[1], float) for p in report.providers):
         fresh_process.write_bars(
             BENCH,
             report,
@@ -1218,12 +1238,12 @@ def write_png(report: CaseReport, path: Path) -> None:
             if ms is None or gib is None:
                 continue
             base, budget = split_provider(provider)
-            if budget is not None:
+            if isinstance(budget, float):
                 budgets.append((gib, ms, budget))
                 continue
             marker = {"unsloth": "*", "hf": "x", "liger": "^"}.get(base, "o")
             ax.scatter(
-                [gib], [ms], marker=marker, s=120 if marker == "*" else 50, label=PROVIDER_TITLES[base]
+                [gib], [ms], marker=marker, s=120 if marker == "*" else 50, label=provider_title(provider)
             )
         if budgets:
             budgets.sort()
@@ -1481,10 +1501,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
         named = [f"fuselm@{parse_budget(b):g}" for b in budgets.split(",")]
         c.providers = [*c.providers, *(p for p in named if p not in c.providers)]
-    for provider in c.providers:  # fuselm@<GiB> named in --providers
-        base, _, budget = provider.partition("@")
-        if budget and (base != "fuselm" or parse_budget(budget) is None):
-            raise UsageError(f"--providers: {provider!r}: only fuselm takes a memory budget (fuselm@<GiB>)")
+    for provider in c.providers:  # fuselm@<GiB> and fuselm@graph named in --providers: checked
+        split_provider(provider)
     scenario_note = None
     if not cuda and any(s[1] == "qlora" for s in c.shapes):
         reason = bnb_cpu_4bit_works()

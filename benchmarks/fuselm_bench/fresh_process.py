@@ -71,7 +71,7 @@ class Bench:
     precheck: Callable[[str, torch.device], str | None] | None = None
     default_providers: tuple[str, ...] | None = None
     worker_prefix: Callable[[str], list[str]] | None = None
-    variant_description: str = "variant @{setting}"
+    variant_description: Callable[[str], str] = "variant @{}".format  # of <provider>@<setting>
     worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
 
     @property
@@ -82,7 +82,7 @@ class Bench:
         """A provider's description (a variant ``<provider>@<setting>``: its base's, and the setting)."""
         base, at, setting = provider.partition("@")
         text = self.provider_descriptions[base]
-        return f"{text}; {self.variant_description.format(setting=setting)}" if at else text
+        return f"{text}; {self.variant_description(setting)}" if at else text
 
 
 # ---- the worker (a fresh process) ----

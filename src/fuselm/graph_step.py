@@ -259,11 +259,6 @@ class GraphCache:
         if key not in self._graphs:
             self._graphs[key] = self._capture(fn, list(params), key, tensors, rebuild)
 
-    def backward_inputs(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """``inputs=`` for ``torch.autograd.backward`` of a loss computed through this cache that is to reach
-        only ``params`` (eager calls) and the replayed nodes (captured calls)."""
-        return [*self._anchors.values(), *params]
-
     def _eager(self, fn, args, kwargs, cause: str, message: str):
         if cause not in self._warned:
             self._warned.add(cause)
@@ -321,8 +316,8 @@ class GraphCache:
             leaves, spec = pytree.tree_flatten(call())
         diff = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
         grad_outputs = [torch.empty_like(leaves[i]) for i in diff]
-        with self._capturing(backward, key):
-            torch.autograd.backward([leaves[i] for i in diff], grad_outputs, inputs=reached)
+        with self._capturing(backward, key):  # (reaches no other leaf: _warm_up checked)
+            torch.autograd.backward([leaves[i] for i in diff], grad_outputs)
         outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in leaves]
         return _Pass(forward, backward, outputs, spec, diff, grad_outputs)
 
@@ -342,7 +337,8 @@ class GraphCache:
                     diff = [o for o in leaves if isinstance(o, torch.Tensor) and o.requires_grad]
                     reached = []
                     if diff:
-                        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff], inputs=params)
+                        self._check_leaves(diff, params)
+                        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
                         reached = [p for p in params if p.grad is not None]
                     if not reached:
                         raise ValueError(
@@ -355,6 +351,26 @@ class GraphCache:
                 p.grad = grad
         torch.cuda.current_stream(device).wait_stream(side)
         return reached
+
+    def _check_leaves(self, outputs: list[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """ValueError when a tensor outside ``params`` would get a gradient from the outputs' backward (a
+        leaf that requires grad and holds elements): the captured backward is a plain ``backward()`` (as a
+        gradient checkpoint's recompute needs), so every leaf it reaches must be a parameter of the step."""
+        own = {id(p) for p in params}
+        seen, todo = set(), [o.grad_fn for o in outputs]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
+            if leaf is not None and id(leaf) not in own and leaf.numel() > 0:
+                raise ValueError(
+                    f"{self.owner}: the step's backward reaches a tensor that requires grad and is not one "
+                    f"of its parameters ({leaf.dtype} {list(leaf.shape)} on {leaf.device}): add it to the "
+                    "parameters, or detach it"
+                )
+            todo.extend(next_node for next_node, _ in node.next_functions)
 
     @contextlib.contextmanager
     def _capturing(self, graph, key):
@@ -465,12 +481,17 @@ class CapturedStep:
 
     The step must capture: fuselm's ops make no host sync while a graph is being captured; a model that
     syncs (``.item()``, data-dependent shapes; HF's eager attention builds its mask from a host scalar: use
-    SDPA) raises RuntimeError naming the cause. Dropout draws new masks on every replay.
+    SDPA) raises RuntimeError naming the cause. Dropout draws new masks on every replay. Gradient
+    checkpointing captures with fuselm's recompute (``fuselm.hf.patch(model, checkpointing="recompute")``,
+    or :func:`fuselm.offload.recompute_checkpoint`) in layers that draw no random numbers; torch's
+    checkpoint (it reads the RNG state on the host) and offloaded layers (host copies) raise RuntimeError
+    at the capture.
 
     Args:
         loss_fn: ``loss_fn(*inputs) -> loss`` (a scalar tensor), e.g. ``lambda ids, labels:
             model(input_ids=ids, labels=labels).loss``.
-        params: the parameters to differentiate (those that require grad).
+        params: the parameters to differentiate (those that require grad): every tensor the loss's
+            backward would give a gradient (ValueError at the capture naming one that is not among them).
         example_inputs: CUDA tensors shaped as the first calls' inputs (their values are used by the warm-up
             passes).
         warmup: forward + backward passes before each capture (>= 1).
@@ -539,7 +560,7 @@ class CapturedStep:
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         _check_inputs("inputs", inputs)
         loss = self._graphs(self._loss, lambda: self.params, inputs, {})
-        torch.autograd.backward(loss, inputs=self._graphs.backward_inputs(self.params))
+        loss.backward()
         return loss.detach()
 
 

@@ -654,10 +654,23 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(function: Callable) -> Any:
-    """What the outputs-read memory is kept by: the class of a bound method's object (a layer's
-    ``__call__``), else the function."""
+    """What the memories of a checkpointed function (outputs read, random numbers drawn) are kept by: the
+    class of a bound method's object (a layer's ``__call__``) or of a module; for a function, its code and
+    name (the same for every closure made from it; a decorator's wrappers share their code, not their
+    name); else the callable."""
     owner = getattr(function, "__self__", None)
-    return type(owner) if owner is not None else function
+    if owner is not None or isinstance(function, torch.nn.Module):
+        return type(owner if owner is not None else function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return function
+    return code, getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+
+
+def _kind_name(kind: Any) -> str:
+    if isinstance(kind, tuple):
+        return str(kind[2] or kind[0].co_qualname)
+    return getattr(kind, "__qualname__", None) or repr(kind)
 
 
 @dataclass
@@ -687,14 +700,21 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         }
         # (cpu state, device ids, device states): devices of the offloaded tensors only, none initialized
         ctx.rng = None
-        if call.preserve_rng_state:
-            ctx.rng = (torch.get_rng_state(), *torch_checkpoint.get_device_states(*offloaded))
+        captured = _capturing(ctx.device_type)
+        if captured:
+            _check_capturable(call)
+        elif call.preserve_rng_state:
+            ctx.rng = _rng_states(offloaded)
         ctx.stash = _Stash(offloaded, call.offload)  # copies queued before the function runs (it reads them)
         ctx.save_for_backward(*lifted)
         ctx.memo = {}
         # (a forward inside a recompute reads its outputs: none goes unread)
         with _recompute_scope(allow_unread=False), _memo_scope(ctx.memo, ctx.stash):
             outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
+        if ctx.rng is not None and call.kind not in _DRAWS_RANDOM:
+            after = _flat(_rng_states(offloaded))
+            drew = not all(torch.equal(a, b) for a, b in zip(_flat(ctx.rng), after, strict=True))
+            (_DRAWS_RANDOM if drew else _DRAWS_NONE).add(call.kind)
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
         return tuple(outputs)
 
@@ -715,7 +735,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             _OUTPUTS_READ.add(call.kind)
             _warn_once(
                 f"unread:{call.kind!r}",
-                f"fuselm.offload: the recompute of {getattr(call.kind, '__qualname__', call.kind)} saves a "
+                f"fuselm.offload: the recompute of {_kind_name(call.kind)} saves a "
                 "tensor after an output it skipped: recomputed in full (from now on every time)",
             )
             inputs, outputs, _ = _recompute(ctx, tensors, False)
@@ -725,6 +745,53 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         needs = ctx.needs_input_grad[2:]
         return (None, None, *[x.grad if need else None for x, need in zip(inputs, needs, strict=True)])
+
+
+# ---- inside a CUDA graph capture ----
+# A capture cannot read a CUDA generator's state (its offset lives on the device while capturing), so a
+# captured checkpoint cannot replay its forward's random numbers in the recompute: a call may be captured
+# only if its eager runs drew none (no dropout; recorded by kind, as _OUTPUTS_READ is) - then the
+# recompute is exact without restoring any state. Offloaded inputs cannot be captured either: their host
+# buffers and side-stream copies belong to the eager step.
+_DRAWS_RANDOM: set[Any] = set()  # kinds of checkpointed functions whose eager forward drew random numbers
+_DRAWS_NONE: set[Any] = set()  # and those whose eager forward drew none (until one does)
+
+
+def _capturing(device_type: str) -> bool:
+    """Is a CUDA graph being captured on the current stream (for work on ``device_type``)?"""
+    return device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _rng_states(tensors: list[torch.Tensor]) -> tuple:
+    """(the CPU RNG state, device ids, their RNG states): those of the devices of ``tensors``."""
+    return (torch.get_rng_state(), *torch_checkpoint.get_device_states(*tensors))
+
+
+def _flat(states: tuple) -> list[torch.Tensor]:
+    cpu, _, devices = states
+    return [cpu, *devices]
+
+
+def _check_capturable(call: _Call) -> None:
+    """RuntimeError where ``call``, run inside a CUDA graph capture, would not recompute exactly."""
+    name = _kind_name(call.kind)
+    if call.offload:
+        raise RuntimeError(
+            f"fuselm.offload: {name} is offloaded (offloaded_checkpoint) inside a CUDA graph capture: host "
+            "copies cannot be captured; capture with its inputs on the device (recompute_checkpoint: "
+            "fuselm.hf.patch(model, checkpointing='recompute'))"
+        )
+    if call.preserve_rng_state and call.kind in _DRAWS_RANDOM:
+        raise RuntimeError(
+            f"fuselm.offload: {name} draws random numbers (dropout) and is checkpointed inside a CUDA graph "
+            "capture, whose recompute cannot restore them: set its dropout to 0, or capture without "
+            "checkpointing"
+        )
+    if call.preserve_rng_state and call.kind not in _DRAWS_NONE:
+        raise RuntimeError(
+            f"fuselm.offload: {name} is checkpointed inside a CUDA graph capture without an eager run "
+            "before it (which tells whether it draws random numbers): run a step eagerly first"
+        )
 
 
 def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tuple[list, list, bool]:

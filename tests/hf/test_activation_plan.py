@@ -279,6 +279,41 @@ def test_hf_checkpointing_switches_keep_the_plan():
     assert functions() == [FUNCTIONS[m] for m in modes]
 
 
+def test_recompute_checkpoints_every_layer_on_the_device_and_gives_hf_peft_results():
+    """checkpointing="recompute": every layer runs recompute_checkpoint (also after HF's checkpointing
+    switches), nothing goes to the host, the loss and LoRA gradients are HF + PEFT's (dropout 0.1: the
+    masks are replayed); patching again without it takes it out."""
+    base = build("llama", layers=LAYERS)
+    ids = _batch(16)
+    results = []
+    for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        model = _model(True, dtype, base)
+        if ours:
+            fuselm.hf.patch(model, checkpointing="recompute")
+        else:
+            _hf_checkpointing(model)
+        torch.manual_seed(1)
+        loss = _step(model, ids)
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (ref, ref_g), (eager, eager_g), (got, got_g) = results
+    assert_numerics("loss", got, eager, ref, torch.float32)
+    assert got_g.keys() == eager_g.keys() and got_g
+    for name in got_g:
+        assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
+    layers = model.base_model.model.model.layers
+
+    def functions():
+        return [vars(layer).get("_gradient_checkpointing_func").func for layer in layers]
+
+    assert functions() == [recompute_checkpoint] * LAYERS and activation_plan.recomputes_every_layer(model)
+    assert activation_plan.current(model) is None  # nothing planned
+    _hf_checkpointing(model)
+    _step(model, ids)
+    assert functions() == [recompute_checkpoint] * LAYERS
+    fuselm.hf.patch(model)
+    assert not activation_plan.recomputes_every_layer(model) and not offload.is_enabled(model)
+
+
 def test_the_plan_is_reported_and_follows_the_patch():
     model = fuselm.hf.patch(build("llama", layers=LAYERS), checkpointing="auto", memory_budget=1.0)
     assert fuselm.hf.report(model).activations is None  # no training forward yet

@@ -109,7 +109,8 @@ def test_a_cpu_trainer_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "setup, message",
     [
-        ("gradient_checkpointing", "gradient checkpointing is on"),
+        ("gradient_checkpointing", "gradient checkpointing is on: torch's .* checkpointing='recompute'"),
+        ("offloaded_model", "gradient checkpointing is on"),
         ("eager", "the model's attention is 'eager': Hugging Face's eager attention makes its mask"),
         ("flash_attention_2", "the model's attention is 'flash_attention_2': flash attention unpads"),
         ("torch_compile", "torch_compile=True"),
@@ -123,6 +124,8 @@ def test_setups_that_cannot_be_captured_are_refused(tmp_path, monkeypatch, setup
         model.config._attn_implementation = setup
     elif setup == "checkpointed_model":
         model.gradient_checkpointing_enable()
+    elif setup == "offloaded_model":  # fuselm's checkpointing that offloads: host copies in the step
+        fuselm.hf.patch(model, checkpointing="offload")
     else:
         kwargs[setup] = True
     trainer = _trainer(tmp_path, model, **kwargs)
@@ -221,9 +224,11 @@ def test_trainer_steps_from_graphs_match_eager(tmp_path, graph_device, accumulat
     assert len(items) == 1 and items[0][4].type == torch.device(graph_device).type, signature
 
 
-def test_peft_lora(tmp_path, graph_device):
+@pytest.mark.parametrize("checkpointing", [None, "recompute"])
+def test_peft_lora(tmp_path, graph_device, checkpointing):
     """A PEFT LoRA model (patched: fuselm.lora's nodes inside the graphs), gradient accumulation 2: only the
-    adapters train, as in the eager run."""
+    adapters train, as in the eager run; with Trainer's gradient checkpointing on, fuselm's recompute
+    (checkpointing="recompute") is captured too."""
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
@@ -234,7 +239,7 @@ def test_peft_lora(tmp_path, graph_device):
 
     def make(dtype):
         model = copy.deepcopy(base).to(dtype)
-        return fuselm.hf.patch(model) if dtype != torch.float64 else model
+        return fuselm.hf.patch(model, checkpointing=checkpointing) if dtype != torch.float64 else model
 
     runs = _three_runs(
         make,
@@ -244,10 +249,11 @@ def test_peft_lora(tmp_path, graph_device):
         max_steps=3,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
+        gradient_checkpointing=checkpointing is not None,
     )
     _check(runs)
     assert all("lora_" in name for name in runs[2][1])
-    assert runs[2][2].graphs.replays == 6
+    assert runs[2][2].graphs.replays == 6 and runs[2][2].graphs.eager == 0
 
 
 @pytest.mark.gpu

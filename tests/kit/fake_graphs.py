@@ -115,13 +115,14 @@ class FakeStream:
 def emulate(monkeypatch) -> None:
     """Replace torch.cuda's graph and stream API by the emulation and let fuselm.graph_step capture CPU
     tensors (undone with ``monkeypatch``)."""
-    from fuselm import graph_step
+    from fuselm import graph_step, offload
     from fuselm.ops._common import dispatch
     from fuselm.ops._common.loss import budget
 
     monkeypatch.setattr(graph_step, "CAPTURE_DEVICES", ("cuda", "cpu"))
     for module in (dispatch, budget):  # fuselm's ops skip their host syncs while capturing
         monkeypatch.setattr(module, "capturing", lambda device: _State.capturing)
+    monkeypatch.setattr(offload, "_capturing", lambda device_type: _State.capturing)  # and its checkpoints
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("fake pool",))

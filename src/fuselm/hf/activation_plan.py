@@ -258,8 +258,9 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
 class _Planner:
     """A model's budget, its plan, and the hooks that make and apply it."""
 
-    def __init__(self, top: torch.nn.Module, budget: int | None):
+    def __init__(self, top: torch.nn.Module, budget: int | None, every_layer: str | None = None):
         self.top, self.budget, self.plan = top, budget, None
+        self.every_layer = every_layer  # a mode of MODES for every layer instead of a plan
         self.layers = offload._layers(top)
         self.pending: tuple[int, int, int] | None = None  # tokens, the model's bytes, gradients to come
         self.handles = [
@@ -269,6 +270,9 @@ class _Planner:
 
     def before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.every_layer is not None:
+            self.apply((self.every_layer,) * len(self.layers))
             return
         tokens = _tokens(args, kwargs)
         if tokens is not None and (self.plan is None or tokens > self.plan.tokens):
@@ -340,16 +344,21 @@ class _Planner:
             handle.remove()
 
 
-def enable(model: torch.nn.Module, memory_budget: float | None = None) -> torch.nn.Module:
+def enable(
+    model: torch.nn.Module, memory_budget: float | None = None, every_layer: str | None = None
+) -> torch.nn.Module:
     """``checkpointing="auto"`` on ``model`` (:func:`fuselm.hf.patch` calls it): offloading installed
     (:func:`fuselm.hf.offload.enable`), then the layers' modes planned at the first training forward and
     whenever a batch has more tokens. ``memory_budget``: GiB for the step's peak; None: 90% of the GPU's
-    memory (every layer kept on the CPU)."""
+    memory (every layer kept on the CPU). ``every_layer``: a mode of :data:`MODES` that every layer runs in
+    instead of a plan (``checkpointing="recompute"``: ``"recompute"``), set again at each training forward."""
     budget = None if memory_budget is None else int(check_budget(memory_budget) * GIB)
+    if every_layer is not None and (every_layer not in MODES or memory_budget is not None):
+        raise ValueError(f"every_layer must be one of {MODES} (without a memory_budget), got {every_layer!r}")
     disable(model)
     offload.enable(model)
     top = offload._pretrained(model)[0]
-    top.__dict__[_PLANNER] = _Planner(top, budget)
+    top.__dict__[_PLANNER] = _Planner(top, budget, every_layer)
     return model
 
 
@@ -360,6 +369,12 @@ def disable(model: torch.nn.Module) -> None:
         planner = m.__dict__.pop(_PLANNER, None)
         if planner is not None:
             planner.remove()
+
+
+def recomputes_every_layer(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs ``checkpointing="recompute"``: every decoder layer checkpointed by
+    :func:`fuselm.offload.recompute_checkpoint` (a step a CUDA graph can capture)."""
+    return any(getattr(m.__dict__.get(_PLANNER), "every_layer", None) == "recompute" for m in model.modules())
 
 
 def current(model: torch.nn.Module) -> ActivationPlan | None:

@@ -97,8 +97,12 @@ def patch(
         accum_dtype: :func:`fuselm.linear_cross_entropy`'s: None, or ``torch.float32`` (the lm_head's
             gradient summed in fp32 across chunks). The loss options are checked here, also when no
             loss flag is on.
-        checkpointing: None (HF's gradient checkpointing as the model has it) or ``"offload"`` (built
-            models only): gradient checkpointing with each decoder layer's input kept in pinned host
+        checkpointing: None (HF's gradient checkpointing as the model has it), ``"recompute"`` (built
+            models only): every decoder layer checkpointed by :func:`fuselm.offload.recompute_checkpoint`,
+            its input kept on the device (a step that a CUDA graph captures: :class:`fuselm.CapturedStep`,
+            :func:`~fuselm.integrations.trainer.capture_training_steps`; turned on like ``"offload"``), or
+            ``"offload"`` (built models only): gradient checkpointing with each decoder layer's input kept
+            in pinned host
             memory between forward and backward (:func:`fuselm.hf.offload.enable`: turned on if it is off,
             kept through later ``gradient_checkpointing_enable()`` calls and Trainer's flag), or ``"auto"``
             (built models only): per decoder layer, keep its activations, recompute it, or offload its
@@ -205,6 +209,8 @@ def _set_checkpointing(model: nn.Module, before: PatchPlan | None, plan: PatchPl
         offload.enable(model)
     elif plan.checkpointing == "auto":
         activation_plan.enable(model, plan.memory_budget)
+    elif plan.checkpointing == "recompute":
+        activation_plan.enable(model, every_layer="recompute")
 
 
 def unpatch(target):

@@ -34,9 +34,10 @@ REMOVED = {
 }
 
 
-# None: HF's gradient checkpointing as the model has it; "offload": every layer's input on the host;
-# "auto": per layer, keep / recompute / offload under a memory budget (fuselm.hf.activation_plan)
-CHECKPOINTING = (None, "offload", "auto")
+# None: HF's gradient checkpointing as the model has it; "recompute": fuselm's checkpointing, every layer's
+# input on the device (a CUDA graph captures it); "offload": every layer's input on the host; "auto": per
+# layer, keep / recompute / offload under a memory budget (fuselm.hf.activation_plan)
+CHECKPOINTING = (None, "recompute", "offload", "auto")
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ def capture_training_steps(trainer, *, max_graphs: int = 4, warmup: int = 3):
     - LoRA / QLoRA (PEFT) models: the trainable parameters are read when a shape is captured.
 
     Checked here (ValueError naming the cause): a CUDA device, one process on one GPU (no DataParallel,
-    DDP, FSDP or DeepSpeed), no gradient checkpointing (its recomputation reads the RNG state on the host),
+    DDP, FSDP or DeepSpeed), no gradient checkpointing but fuselm's ``checkpointing="recompute"`` (torch's
+    reads the RNG state on the host),
     no ``torch_compile``, no TRL ``activation_offloading``, and a model on SDPA attention (eager attention
     makes its mask from a host value, flash attention reads the batch's lengths on the host); the model
     again at its first step. A step that still cannot be captured (a host synchronization in the model, a
@@ -181,24 +182,29 @@ def check_trainer(trainer) -> None:
     for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
         if getattr(trainer, flag, False):
             _refuse(f"the trainer runs {what}; captured steps are for one process on one GPU")
-    _refuse_checkpointing(args, ("activation_checkpointing", "gradient_checkpointing"))
+    flags = ("activation_checkpointing", "gradient_checkpointing")
+    _refuse_checkpointing(args, flags, getattr(trainer, "model", None))
     if getattr(args, "torch_compile", False):
         _refuse("torch_compile=True: a compiled model and a captured step do not combine (pick one)")
     if getattr(args, "activation_offloading", False):
         _refuse("activation_offloading=True copies activations to the host inside the step: turn it off")
 
 
-def _refuse_checkpointing(owner, flags: tuple[str, str]) -> None:
-    """ValueError when gradient checkpointing is on: ``flags`` are its names in transformers 5.25 and 5.17
-    (the first one ``owner`` has is read: the old name warns in 5.25)."""
+def _refuse_checkpointing(owner, flags: tuple[str, str], model) -> None:
+    """ValueError when gradient checkpointing is on and ``model`` does not run fuselm's recompute (which a
+    graph captures): ``flags`` are its names in transformers 5.25 and 5.17 (the first one ``owner`` has is
+    read: the old name warns in 5.25)."""
+    from ..hf.activation_plan import recomputes_every_layer
+
     for flag in flags:
         on = getattr(owner, flag, None)
         if on is not None:
-            if on:
+            if on and not (model is not None and recomputes_every_layer(model)):
                 _refuse(
-                    "gradient checkpointing is on: its recomputation saves and restores the RNG state on the "
-                    "host, which a CUDA graph capture refuses; train without it (gradient_checkpointing="
-                    "False: TRL's configs turn it on by default), captured steps are for small batches"
+                    "gradient checkpointing is on: torch's checkpoint saves and restores the RNG state on "
+                    "the host, which a CUDA graph capture refuses; patch the model with "
+                    "fuselm.hf.patch(model, checkpointing='recompute') (a checkpoint that captures) or "
+                    "train without it (gradient_checkpointing=False: TRL's configs turn it on by default)"
                 )
             return
 
@@ -216,7 +222,7 @@ def check_model(model) -> None:
         if attention not in (None, "sdpa"):
             why = _ATTENTION.get(attention, "only SDPA attention is known to capture")
             _refuse(f"the model's attention is {attention!r}: {why}; load it with attn_implementation='sdpa'")
-    _refuse_checkpointing(model, ("is_activation_checkpointing", "is_gradient_checkpointing"))
+    _refuse_checkpointing(model, ("is_activation_checkpointing", "is_gradient_checkpointing"), model)
     for name, p in model.named_parameters():
         if p.requires_grad and p.device.type not in graph_step.CAPTURE_DEVICES:
             _refuse(f"trainable parameter {name} is on {p.device}; CUDA graphs hold GPU work only")
