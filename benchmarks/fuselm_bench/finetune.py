@@ -603,7 +603,7 @@ def train(
     if provider == "unsloth" and unsloth_failed:
         raise SkipProvider(f"unsloth not importable ({unsloth_failed})")
     cuda = device.type == "cuda"
-    if provider in ("liger", "unsloth") and not cuda:
+    if (provider in ("liger", "unsloth") or memory_budget == GRAPH) and not cuda:
         raise SkipProvider("needs CUDA")
     if data_parallel and provider not in DATA_PARALLEL_PROVIDERS:
         raise ValueError(

@@ -731,8 +731,22 @@ def test_cli_cpu_memory_budgets_run_fuselm_once_per_budget(tmp_path, capsys):
     assert (out / "finetune.png").stat().st_size > 0
     with pytest.raises(UsageError, match="--memory-budgets: '-1' must be a number of GiB > 0"):
         finetune.parse_budget("-1")
-    with pytest.raises(ValueError, match="only fuselm takes a memory budget"):
+    with pytest.raises(UsageError, match="only fuselm has variants"):
         finetune.split_provider("hf@8")
+    with pytest.raises(UsageError, match="'x' is not a number of GiB"):
+        finetune.split_provider("fuselm@x")
     capsys.readouterr()
     assert main([*args[:2], "--device", "cpu", "--providers", "hf@8", "--out", str(out)]) == 2
-    assert "--providers: 'hf@8': only fuselm takes a memory budget" in capsys.readouterr().err
+    assert "--providers: 'hf@8': only fuselm has variants (fuselm@<GiB>, fuselm@graph)" in capsys.readouterr().err
+
+
+def test_cli_cpu_graph_variant_is_named_and_needs_cuda(tmp_path, capsys):
+    """fuselm@graph (checkpointing="recompute", the step replayed from CUDA graphs): its own column, skipped
+    on the CPU saying why."""
+    out = tmp_path / "out"
+    args = ["bench", "finetune", "--device", "cpu", "--providers", "fuselm@graph", "--scenarios", "lora"]
+    assert main([*args, "--no-progress", "--out", str(out)]) == 1  # nothing ran
+    data = json.loads((out / "finetune.json").read_text())
+    assert data["rows"] == [] and data["skipped"] == {"fuselm@graph": "needs CUDA"}
+    assert finetune.provider_title("fuselm@graph") == "+ fuselm.hf.patch (CUDA graphs)"
+    assert "checkpointing='recompute'" in finetune.BENCH.describe("fuselm@graph")
