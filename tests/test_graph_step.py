@@ -10,6 +10,7 @@ model's step: tests/hf/test_compile_host.py; Trainer's: tests/integrations/test_
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -280,7 +281,7 @@ def test_an_offloaded_checkpoint_raises_at_the_capture(graph_device):
 def test_torchs_checkpoint_raises_at_the_capture():
     """It reads the CUDA generator's state, which a real capture refuses."""
     model = _model("cuda")
-    checkpoint = torch.utils.checkpoint.checkpoint
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         CapturedStep(_checkpointed_loss(model, checkpoint), _trained(model), _batch(0, "cuda"))
 
@@ -294,6 +295,23 @@ def test_a_checkpoint_that_draws_random_numbers_raises_at_the_capture(graph_devi
 
     with pytest.raises(RuntimeError, match=r"draws random numbers \(dropout\) and is checkpointed"):
         CapturedStep(loss_fn, [w], [torch.ones(64, device=graph_device)])
+
+
+def test_a_checkpoint_is_captured_when_its_last_eager_run_drew_no_random_numbers(graph_device):
+    """What counts is the warm-up before the capture: a function that drew (dropout 0.5) in an earlier
+    eager step and draws none now (dropout 0) is captured."""
+    w = torch.nn.Parameter(torch.ones(64, device=graph_device))
+    p = [0.5]
+
+    def loss_fn(x):
+        return recompute_checkpoint(lambda h: torch.nn.functional.dropout(w * h, p[0]), x).sum()
+
+    x = torch.ones(64, device=graph_device)
+    loss_fn(x).backward()
+    p[0], w.grad = 0.0, None
+    step = CapturedStep(loss_fn, [w], [x])
+    assert step(x).item() == 64 and torch.equal(w.grad, x)
+    assert step.graphs.replays == 1 and step.graphs.eager == 0
 
 
 def test_a_tensor_outside_params_that_would_get_a_gradient_is_named(graph_device):

@@ -711,10 +711,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         # (a forward inside a recompute reads its outputs: none goes unread)
         with _recompute_scope(allow_unread=False), _memo_scope(ctx.memo, ctx.stash):
             outputs, call.join_outputs = _split(call.run(offloaded, lifted), _is_tensor)
-        if ctx.rng is not None and call.kind not in _DRAWS_RANDOM:
+        if ctx.rng is not None:
             after = _flat(_rng_states(offloaded))
-            drew = not all(torch.equal(a, b) for a, b in zip(_flat(ctx.rng), after, strict=True))
-            (_DRAWS_RANDOM if drew else _DRAWS_NONE).add(call.kind)
+            _DRAWS[call.kind] = not all(torch.equal(a, b) for a, b in zip(_flat(ctx.rng), after, strict=True))
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
         return tuple(outputs)
 
@@ -750,11 +749,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 # ---- inside a CUDA graph capture ----
 # A capture cannot read a CUDA generator's state (its offset lives on the device while capturing), so a
 # captured checkpoint cannot replay its forward's random numbers in the recompute: a call may be captured
-# only if its eager runs drew none (no dropout; recorded by kind, as _OUTPUTS_READ is) - then the
+# only if the last eager run of its kind (the capture's warm-up) drew none (no dropout) - then the
 # recompute is exact without restoring any state. Offloaded inputs cannot be captured either: their host
 # buffers and side-stream copies belong to the eager step.
-_DRAWS_RANDOM: set[Any] = set()  # kinds of checkpointed functions whose eager forward drew random numbers
-_DRAWS_NONE: set[Any] = set()  # and those whose eager forward drew none (until one does)
+_DRAWS: dict[Any, bool] = {}  # kind of checkpointed function: did its last eager forward draw random numbers
 
 
 def _capturing(device_type: str) -> bool:
@@ -781,13 +779,14 @@ def _check_capturable(call: _Call) -> None:
             "copies cannot be captured; capture with its inputs on the device (recompute_checkpoint: "
             "fuselm.hf.patch(model, checkpointing='recompute'))"
         )
-    if call.preserve_rng_state and call.kind in _DRAWS_RANDOM:
+    drew = _DRAWS.get(call.kind)
+    if call.preserve_rng_state and drew:
         raise RuntimeError(
             f"fuselm.offload: {name} draws random numbers (dropout) and is checkpointed inside a CUDA graph "
             "capture, whose recompute cannot restore them: set its dropout to 0, or capture without "
             "checkpointing"
         )
-    if call.preserve_rng_state and call.kind not in _DRAWS_NONE:
+    if call.preserve_rng_state and drew is None:
         raise RuntimeError(
             f"fuselm.offload: {name} is checkpointed inside a CUDA graph capture without an eager run "
             "before it (which tells whether it draws random numbers): run a step eagerly first"

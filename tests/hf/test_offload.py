@@ -194,6 +194,7 @@ def test_input_embedding_hooks_are_off_while_offloading():
     assert embedded is not None and embedded.requires_grad  # HF's hook: kept for the backward
     del embedded
     loss.backward()
+    model.enable_input_require_grads()  # asked again (PEFT does): HF keeps only this call's hook handles
     offload.enable(model)
     _hf_checkpointing(model, use_reentrant=True)  # what Trainer does at train(): hooks asked for again
     model.enable_input_require_grads()  # what PEFT's prepare_model_for_kbit_training does

@@ -117,10 +117,24 @@ class _EnableInputRequireGrads:
         self.model.__dict__[_STATE].input_grads = True
 
 
+# the forward hooks that make the input embeddings' output require grad: HF's enable_input_require_grads
+# and PEFT's own when a model lacks it (a second call of HF's keeps only the last call's handles: the hooks
+# are found on the embeddings by name)
+_INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+
+
 def _drop_input_grad_hooks(m: torch.nn.Module, state: _State) -> None:
-    """Remove HF's input-embedding hooks registered before offloading (noted for :func:`disable`)."""
+    """Remove the input-embedding hooks registered before offloading (noted for :func:`disable`)."""
     if getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) is not None:
         type(m).disable_input_require_grads(m)
+        state.input_grads = True
+    try:
+        embeddings = m.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without input embeddings
+        embeddings = None
+    hooks = getattr(embeddings, "_forward_hooks", {})
+    for key in [k for k, hook in hooks.items() if getattr(hook, "__name__", None) in _INPUT_GRAD_HOOKS]:
+        del hooks[key]
         state.input_grads = True
 
 
