@@ -359,6 +359,7 @@ class Tail(torch.nn.Module):
         self.first, self.last = torch.nn.Linear(h, h), torch.nn.Linear(h, h)
         self.w = torch.nn.Parameter(torch.randn(h)) if scaled else None
         self.computed = 0
+        self.output_bytes: list[int] = []  # the output's memory when its gradient arrives (recomputes)
 
     def forward(self, x):
         h = torch.tanh(self.first(x))
@@ -371,7 +372,10 @@ class Tail(torch.nn.Module):
             y = self.last(h)
         if self.w is not None:
             y = y * self.w
-        return x + y
+        out = x + y
+        if out.requires_grad:
+            out.register_hook(lambda g: self.output_bytes.append(out.untyped_storage().nbytes()))
+        return out
 
 
 class _SkippedLinear(torch.autograd.Function):
@@ -391,14 +395,17 @@ class _SkippedLinear(torch.autograd.Function):
 @pytest.mark.parametrize("how", ["recompute", "offload"])
 def test_a_recompute_may_leave_the_last_output_unread(how):
     """The recompute of a checkpointed call skips an output nothing after it saves: the same gradients,
-    the skipped work done once (the forward), not twice."""
+    the skipped work done once (the forward), not twice; the call's own output (made from the skipped
+    one, read by nothing) gives its memory back before the backward."""
     check = offload.recompute_checkpoint if how == "recompute" else offload.offloaded_checkpoint
     torch.manual_seed(0)
     tail, x = Tail(8), torch.randn(3, 8, requires_grad=True)
     want = torch.autograd.grad((tail(x) ** 2).sum(), [x, *tail.parameters()])
     tail.computed = 0
+    tail.output_bytes.clear()
     (check(tail, x, use_reentrant=False) ** 2).sum().backward()
     assert tail.computed == 1  # the forward only
+    assert tail.output_bytes == [0]  # the recomputed output held no memory through the backward
     for got, exp in zip([x.grad, *(p.grad for p in tail.parameters())], want, strict=True):
         assert_numerics("grad", got, exp, exp, torch.float32)
 

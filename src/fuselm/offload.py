@@ -560,6 +560,7 @@ class _Recompute(threading.local):
         self.hooks: tuple | None = None  # (pack, unpack) of the recompute in progress, on this thread
         self.unread = False  # a call in it returned an output without values
         self.saved_after = False  # and a tensor was saved for backward after that
+        self.saved: set[int] = set()  # the storages of the tensors it saved for backward (data_ptr)
 
 
 _RECOMPUTE = _Recompute()
@@ -630,15 +631,17 @@ def _recompute_scope(allow_unread: bool):
     """The recompute of one call: with ``allow_unread``, outputs may go unread (and saves after one are
     noted); nested recomputes and forwards of checkpointed calls inside it see their own state."""
     state = _RECOMPUTE
-    outer = (state.hooks, state.unread, state.saved_after)
+    outer = (state.hooks, state.unread, state.saved_after, state.saved)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if state.unread:
             state.saved_after = True
+        state.saved.add(t.untyped_storage().data_ptr())
         return t
 
     hooks = (pack, _identity)
     state.hooks, state.unread, state.saved_after = (hooks if allow_unread else None), False, False
+    state.saved = set()
     try:
         if allow_unread:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
@@ -646,7 +649,7 @@ def _recompute_scope(allow_unread: bool):
         else:
             yield state
     finally:
-        state.hooks, state.unread, state.saved_after = outer
+        state.hooks, state.unread, state.saved_after, state.saved = outer
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -728,8 +731,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         tensors, kept = ctx.stash.take()
         tensors += ctx.saved_tensors
         ctx.memo.update({(_KEPT_KEY, key): t for key, t in kept.items()})
+        del kept  # (the memo holds them through the recompute only: what it does not save goes then)
         allow = call.kind not in _OUTPUTS_READ
-        inputs, outputs, saved_after = _recompute(ctx, tensors, allow)
+        inputs, outputs, saved_after, spare = _recompute(ctx, tensors, allow)
         if allow and saved_after:
             _OUTPUTS_READ.add(call.kind)
             _warn_once(
@@ -737,7 +741,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 f"fuselm.offload: the recompute of {_kind_name(call.kind)} saves a "
                 "tensor after an output it skipped: recomputed in full (from now on every time)",
             )
-            inputs, outputs, _ = _recompute(ctx, tensors, False)
+            inputs, outputs, _, spare = _recompute(ctx, tensors, False)
+        for o in spare:  # (a decoder layer's output when its MLP skipped the down projection)
+            o.untyped_storage().resize_(0)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
         ctx.memo = None  # the recompute is done
         if pairs:
@@ -793,9 +799,12 @@ def _check_capturable(call: _Call) -> None:
         )
 
 
-def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tuple[list, list, bool]:
+def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tuple[list, list, bool, list]:
     """Run the call again on ``tensors`` under the forward's RNG and autocast states: (its inputs, which
-    gather the gradients, its tensor outputs, whether it saved a tensor after an unread output)."""
+    gather the gradients, its tensor outputs, whether it saved a tensor after an unread output, the outputs
+    whose memory may go before the backward: with an output left unread and nothing saved after it, the
+    outputs' values are never made right nor read, and those that no node saved and that hold no input's
+    memory are needed for their graph only)."""
     needs, n = ctx.needs_input_grad[2:], ctx.call.n_offloaded
     cpu_state, devices, device_states = ctx.rng or (None, [], [])
     with contextlib.ExitStack() as stack:
@@ -812,8 +821,13 @@ def _recompute(ctx: Any, tensors: list[torch.Tensor], allow_unread: bool) -> tup
         state = stack.enter_context(_recompute_scope(allow_unread))
         stack.enter_context(_memo_scope(ctx.memo))
         outputs, _ = _split(ctx.call.run(inputs[:n], inputs[n:]), _is_tensor)
-        saved_after = state.saved_after
-    return inputs, outputs, saved_after
+        saved_after, spare = state.saved_after, []
+        if state.unread and not saved_after:
+            kept = state.saved | {t.untyped_storage().data_ptr() for t in tensors}
+            spare = [
+                o for o in outputs if o.grad_fn is not None and o.untyped_storage().data_ptr() not in kept
+            ]
+    return inputs, outputs, saved_after, spare
 
 
 # An input of every call: outputs require grad (so the function's parameters get gradients) even when no

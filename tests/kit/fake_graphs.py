@@ -39,6 +39,8 @@ class FakeGraph:
 
 
 def _write(recorded, result) -> None:
+    if isinstance(recorded, torch.Tensor) and recorded.untyped_storage().nbytes() == 0:
+        return  # memory given back during the capture (nothing reads it later: a graph reuses it)
     if isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor):
         same = recorded.data_ptr() == result.data_ptr() and recorded.stride() == result.stride()
         if not same or recorded.shape != result.shape:  # views and in-place results are the recorded ones
