@@ -10,7 +10,6 @@ model's step: tests/hf/test_compile_host.py; Trainer's: tests/integrations/test_
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import pytest
@@ -275,15 +274,6 @@ def test_an_offloaded_checkpoint_raises_at_the_capture(graph_device):
     loss_fn = _checkpointed_loss(model, offloaded_checkpoint)
     with pytest.raises(RuntimeError, match=r"offloaded \(offloaded_checkpoint\) inside a CUDA graph capture"):
         CapturedStep(loss_fn, _trained(model), _batch(0, graph_device))
-
-
-@pytest.mark.gpu
-def test_torchs_checkpoint_raises_at_the_capture():
-    """It reads the CUDA generator's state, which a real capture refuses."""
-    model = _model("cuda")
-    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        CapturedStep(_checkpointed_loss(model, checkpoint), _trained(model), _batch(0, "cuda"))
 
 
 def test_a_checkpoint_that_draws_random_numbers_raises_at_the_capture(graph_device):

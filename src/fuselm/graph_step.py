@@ -483,9 +483,9 @@ class CapturedStep:
     syncs (``.item()``, data-dependent shapes; HF's eager attention builds its mask from a host scalar: use
     SDPA) raises RuntimeError naming the cause. Dropout draws new masks on every replay. Gradient
     checkpointing captures with fuselm's recompute (``fuselm.hf.patch(model, checkpointing="recompute")``,
-    or :func:`fuselm.offload.recompute_checkpoint`) in layers that draw no random numbers; torch's
-    checkpoint (it reads the RNG state on the host) and offloaded layers (host copies) raise RuntimeError
-    at the capture.
+    or :func:`fuselm.offload.recompute_checkpoint`) in layers that draw no random numbers (dropout, and
+    offloaded layers: host copies, raise RuntimeError at the capture); torch's checkpoint is not checked
+    here for an exact recompute inside a graph.
 
     Args:
         loss_fn: ``loss_fn(*inputs) -> loss`` (a scalar tensor), e.g. ``lambda ids, labels:

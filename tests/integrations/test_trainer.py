@@ -109,7 +109,10 @@ def test_a_cpu_trainer_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "setup, message",
     [
-        ("gradient_checkpointing", "gradient checkpointing is on: torch's .* checkpointing='recompute'"),
+        (
+            "gradient_checkpointing",
+            "gradient checkpointing is on: only fuselm's .* checkpointing='recompute'",
+        ),
         ("offloaded_model", "gradient checkpointing is on"),
         ("eager", "the model's attention is 'eager': Hugging Face's eager attention makes its mask"),
         ("flash_attention_2", "the model's attention is 'flash_attention_2': flash attention unpads"),

@@ -114,13 +114,12 @@ def capture_training_steps(trainer, *, max_graphs: int = 4, warmup: int = 3):
     - LoRA / QLoRA (PEFT) models: the trainable parameters are read when a shape is captured.
 
     Checked here (ValueError naming the cause): a CUDA device, one process on one GPU (no DataParallel,
-    DDP, FSDP or DeepSpeed), no gradient checkpointing but fuselm's ``checkpointing="recompute"`` (torch's
-    reads the RNG state on the host),
-    no ``torch_compile``, no TRL ``activation_offloading``, and a model on SDPA attention (eager attention
-    makes its mask from a host value, flash attention reads the batch's lengths on the host); the model
-    again at its first step. A step that still cannot be captured (a host synchronization in the model, a
-    data-dependent shape) raises RuntimeError naming the cause at its capture. Argument types a graph
-    cannot hold (lists, caches) run eagerly, said once.
+    DDP, FSDP or DeepSpeed), no gradient checkpointing but fuselm's ``checkpointing="recompute"`` (the one
+    checked to recompute exactly inside a graph), no ``torch_compile``, no TRL ``activation_offloading``,
+    and a model on SDPA attention (eager attention makes its mask from a host value, flash attention reads
+    the batch's lengths on the host); the model again at its first step. A step that still cannot be
+    captured (a host synchronization in the model, a data-dependent shape) raises RuntimeError naming the
+    cause at its capture. Argument types a graph cannot hold (lists, caches) run eagerly, said once.
 
     Args:
         trainer: a ``transformers.Trainer`` (or a subclass) to train on a CUDA device.
@@ -201,9 +200,8 @@ def _refuse_checkpointing(owner, flags: tuple[str, str], model) -> None:
         if on is not None:
             if on and not (model is not None and recomputes_every_layer(model)):
                 _refuse(
-                    "gradient checkpointing is on: torch's checkpoint saves and restores the RNG state on "
-                    "the host, which a CUDA graph capture refuses; patch the model with "
-                    "fuselm.hf.patch(model, checkpointing='recompute') (a checkpoint that captures) or "
+                    "gradient checkpointing is on: only fuselm's is checked to recompute exactly inside a "
+                    "CUDA graph; patch the model with fuselm.hf.patch(model, checkpointing='recompute') or "
                     "train without it (gradient_checkpointing=False: TRL's configs turn it on by default)"
                 )
             return
