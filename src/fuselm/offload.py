@@ -703,8 +703,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         }
         # (cpu state, device ids, device states): devices of the offloaded tensors only, none initialized
         ctx.rng = None
-        captured = _capturing(ctx.device_type)
-        if captured:
+        if _capturing(ctx.device_type):
             _check_capturable(call)
         elif call.preserve_rng_state:
             ctx.rng = _rng_states(offloaded)
@@ -753,11 +752,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 # ---- inside a CUDA graph capture ----
-# A capture cannot read a CUDA generator's state (its offset lives on the device while capturing), so a
-# captured checkpoint cannot replay its forward's random numbers in the recompute: a call may be captured
-# only if the last eager run of its kind (the capture's warm-up) drew none (no dropout) - then the
-# recompute is exact without restoring any state. Offloaded inputs cannot be captured either: their host
-# buffers and side-stream copies belong to the eager step.
+# A graph's random numbers come from an offset its replays advance on the device: a generator state read
+# on the host during the capture would make the recompute draw the same numbers at every replay while the
+# forward draws new ones. So a call may be captured only if the last eager run of its kind (the capture's
+# warm-up) drew none (no dropout) - then the recompute is exact without restoring any state. Offloaded
+# inputs cannot be captured either: their host buffers and side-stream copies belong to the eager step.
 _DRAWS: dict[Any, bool] = {}  # kind of checkpointed function: did its last eager forward draw random numbers
 
 

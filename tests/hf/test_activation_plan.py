@@ -353,6 +353,10 @@ def test_memory_budget_needs_auto_and_auto_needs_a_model():
         fuselm.hf.patch("llama", checkpointing="auto")
     with pytest.raises(ValueError, match="^checkpointing must be one of"):
         fuselm.hf.patch(build("llama", layers=1), checkpointing="budget")
+    with pytest.raises(ValueError, match="^every_layer must be one of"):
+        activation_plan.enable(build("llama", layers=1), every_layer="offloaded")
+    with pytest.raises(ValueError, match="^every_layer must be one of"):
+        activation_plan.enable(build("llama", layers=1), memory_budget=8, every_layer="recompute")
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
