@@ -208,11 +208,13 @@ def table_in(title: str) -> list[list[str]]:
     return rows
 
 
-def commit_named(title: str) -> str:
-    """The commit the paragraph ``**title**`` names (``... at <hash>``)."""
+def commit_named(title: str) -> str | None:
+    """The commit the paragraph ``**title**`` names (``... at <hash>``), None where it names none (the
+    README names none: its figures' commits are in the reports)."""
     text = documents()
     start = text.index(f"**{title}**")
-    return re.search(r" at ([0-9a-f]{7})", text[start : start + 400]).group(1)
+    found = re.search(r" at ([0-9a-f]{7})", text[start : start + 400])
+    return found and found.group(1)
 
 
 def kernel_row(data: dict, shape: list[int], provider: str, mode: str = "full") -> dict:
@@ -243,7 +245,7 @@ def check_kernel_table(title, data, shapes, providers, ratio_key):
     """``shapes``: first cell -> JSON shape; ``providers``: header cell -> JSON provider."""
     table = table_in(title)
     head, body = table[0], table[2:]
-    assert commit_named(title) == data["metadata"]["commit"]
+    assert commit_named(title) in (None, data["metadata"]["commit"])
     assert {row[0] for row in body} == set(shapes), title
     total = 0
     for row in body:
@@ -316,7 +318,7 @@ def test_linear_log_probs_table_equals_json():
     err = table.pop()
     assert err[0] == "err of log-probs (bf16)"
     head, body = table[0], table[2:]
-    assert commit_named(title) == data["metadata"]["commit"]
+    assert commit_named(title) in (None, data["metadata"]["commit"])
     assert f"{data['ceilings']['gemm_tflops']:.0f} TFLOP/s" in documents()
     for row in body:
         for header, cell in zip(head[1:], row[1:], strict=True):
@@ -336,7 +338,7 @@ def test_vocabulary_split_table_equals_json():
     data = load("h200", "linear_cross_entropy_ws2")
     table = table_in(title)
     head, body = table[0], table[2:]
-    assert commit_named(title) == data["metadata"]["commit"]
+    assert commit_named(title) in (None, data["metadata"]["commit"])
     providers = dict(zip(head[1:4], ["fuselm_split", "allgather_logits", "fuselm_single"], strict=True))
     assert head[4] == "split / one GPU"
     assert {row[0] for row in body} == {", ".join(map(str, s)) for s in data["shapes"]}
@@ -352,7 +354,7 @@ def test_block_kernel_table_equals_json():
     title = "Block kernels"
     table = table_in(title)
     head, body = table[0], table[2:]
-    assert commit_named(title) == "e7bef7a"
+    assert commit_named(title) in (None, "e7bef7a")
     providers = dict(zip(head[1:], ["torch", "torch_compile", "liger", "fuselm"], strict=True))
     rope = [4, 4096, 32, 8, 128]
     rows = {
@@ -387,7 +389,7 @@ def test_e2e_table_equals_json():
     data = load("h200", "e2e")
     table = table_in(title)
     head, body = table[0], table[2:]
-    assert commit_named(title) == data["metadata"]["commit"]
+    assert commit_named(title) in (None, data["metadata"]["commit"])
     providers = dict(zip(head[1:4], data["providers"], strict=True))
     assert head[1:4] == ["HF eager", "HF + Liger", "HF + fuselm"]
     assert [int(row[0]) for row in body] == [b for b, _ in data["shapes"]]
@@ -493,3 +495,9 @@ def test_e2e_h100_paragraph_equals_json():
     assert shown(fu_tok, row["fuselm"]["tokens_per_s"] / 1e3) and shown(fu_gib, row["fuselm"]["peak_gib"])
     assert shown(tok_ratio, data["ratios"][0]["tokens_vs_liger"])
     assert shown(gib_ratio, data["ratios"][0]["peak_vs_liger"])
+
+
+def test_the_readme_names_no_commit():
+    """The README states what is true now; which commit made a figure is in its report (and history)."""
+    text = README.read_text()
+    assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
