@@ -14,7 +14,7 @@ from kit.hf_models import build, clone
 import fuselm.hf
 from fuselm.hf import activation_plan, blocks, offload
 from fuselm.hf.activation_plan import GIB, plan_layers
-from fuselm.offload import offloaded_checkpoint, recompute_checkpoint, selective_checkpoint
+from fuselm.offload import host_memory_stats, offloaded_checkpoint, recompute_checkpoint, selective_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
@@ -145,28 +145,35 @@ def test_every_plan_gives_hf_peft_loss_and_gradients(plan):
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
     transient = kept + f.remade_bytes_per_token * f.tokens
     budget = {"keep": 1e6 * GIB, "mixed": f.base + kept + transient + inp, "offload": 1}[plan]
+    model = _against_hf_peft(checkpointing="auto", memory_budget=_gib(budget))
+    modes = activation_plan.current(model).modes
+    assert ("keep" in modes, "offload" in modes) == {"keep": (True, False), "offload": (False, True)}.get(
+        plan, (True, True)
+    )
+
+
+def _against_hf_peft(**patch):
+    """PEFT LoRA (dropout 0.1) on a Llama: one step of fuselm.hf.patch(model, **patch) against HF + PEFT
+    with HF's gradient checkpointing (fp32, and a float64 reference): loss and LoRA gradients under the
+    numerics rule. Returns the patched model."""
     base = build("llama", layers=LAYERS)
     ids = _batch(16)
     results = []
     for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
         model = _model(True, dtype, base)
         if ours:
-            fuselm.hf.patch(model, checkpointing="auto", memory_budget=_gib(budget))
+            fuselm.hf.patch(model, **patch)
         else:
             _hf_checkpointing(model)
         torch.manual_seed(1)
         loss = _step(model, ids)
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        results.append((loss, grads))
-    modes = activation_plan.current(model).modes
-    assert ("keep" in modes, "offload" in modes) == {"keep": (True, False), "offload": (False, True)}.get(
-        plan, (True, True)
-    )
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (ref, ref_g), (eager, eager_g), (got, got_g) = results
     assert_numerics("loss", got, eager, ref, torch.float32)
     assert got_g.keys() == eager_g.keys() and got_g
     for name in got_g:
         assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
+    return model
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -283,23 +290,7 @@ def test_recompute_checkpoints_every_layer_on_the_device_and_gives_hf_peft_resul
     """checkpointing="recompute": every layer runs recompute_checkpoint (also after HF's checkpointing
     switches), nothing goes to the host, the loss and LoRA gradients are HF + PEFT's (dropout 0.1: the
     masks are replayed); patching again without it takes it out."""
-    base = build("llama", layers=LAYERS)
-    ids = _batch(16)
-    results = []
-    for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
-        model = _model(True, dtype, base)
-        if ours:
-            fuselm.hf.patch(model, checkpointing="recompute")
-        else:
-            _hf_checkpointing(model)
-        torch.manual_seed(1)
-        loss = _step(model, ids)
-        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (ref, ref_g), (eager, eager_g), (got, got_g) = results
-    assert_numerics("loss", got, eager, ref, torch.float32)
-    assert got_g.keys() == eager_g.keys() and got_g
-    for name in got_g:
-        assert_numerics(name, got_g[name], eager_g[name], ref_g[name], torch.float32)
+    model = _against_hf_peft(checkpointing="recompute")
     layers = model.base_model.model.model.layers
 
     def functions():
@@ -308,8 +299,9 @@ def test_recompute_checkpoints_every_layer_on_the_device_and_gives_hf_peft_resul
     assert functions() == [recompute_checkpoint] * LAYERS and activation_plan.recomputes_every_layer(model)
     assert activation_plan.current(model) is None  # nothing planned
     _hf_checkpointing(model)
-    _step(model, ids)
-    assert functions() == [recompute_checkpoint] * LAYERS
+    offloads = host_memory_stats()["offloads"]
+    _step(model, _batch(16))
+    assert functions() == [recompute_checkpoint] * LAYERS and host_memory_stats()["offloads"] == offloads
     fuselm.hf.patch(model)
     assert not activation_plan.recomputes_every_layer(model) and not offload.is_enabled(model)
 
