@@ -309,8 +309,9 @@ def test_no_positional_tensor_warns():
 def test_signature_is_torch_checkpoints(name):
     ours = inspect.signature(getattr(offload, name)).parameters
     theirs = inspect.signature(torch_checkpoint.checkpoint).parameters
-    assert list(theirs) == [p for p in ours if p != "preserve_rng_state"]
+    assert list(theirs) == [p for p in ours if p not in ("preserve_rng_state", "kept_per_input")]
     assert ours["preserve_rng_state"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert name == "recompute_checkpoint" or ours["kept_per_input"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_checkpoint_fn_binds_checked_options():
@@ -748,3 +749,28 @@ def test_outputs_are_kept_in_offloaded_forwards_only():
 def test_kept_output_room_must_be_none_or_a_count_of_bytes(bad):
     with pytest.raises(ValueError, match="nbytes"):
         offload.set_kept_output_room(bad)
+
+
+def test_kept_per_input_sets_the_calls_share():
+    made = []
+    x = torch.randn(4, 8, requires_grad=True)
+    big = int(offload.KEPT_PER_INPUT) + 1
+
+    def f(x):
+        return _kept_or_made(made, "wide", lambda: x.repeat(1, big)).sum(1)  # beyond the default share
+
+    offload.offloaded_checkpoint(f, x, kept_per_input=big).sum().backward()
+    assert made == ["wide"]  # kept: the recompute took the forward's
+    made.clear()
+    offload.offloaded_checkpoint(
+        lambda x: _kept_or_made(made, "h", lambda: x * 2), x, kept_per_input=0
+    ).sum().backward()
+    assert made == ["h", "h"]  # none kept
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1", None])
+def test_kept_per_input_must_be_a_finite_number_at_least_zero(bad):
+    with pytest.raises(
+        ValueError, match="^offloaded_checkpoint: kept_per_input must be a finite number >= 0"
+    ):
+        offload.offloaded_checkpoint(torch.tanh, torch.ones(2, requires_grad=True), kept_per_input=bad)

@@ -16,7 +16,7 @@ semantics are tested without a GPU. :func:`recompute_checkpoint` is the same che
 left on their device. In either recompute, a call whose output nothing saved reads may skip computing it
 (:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer), and
 the recompute of an offloaded call may take outputs its forward kept in host memory beside the inputs
-(:func:`keep_output`, :func:`kept_output`: the LoRA projections of attention).
+(:func:`keep_output`, :func:`kept_output`: the fused LoRA projections, attention's and the MLP's gate and up).
 :func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
 cheap to make again from a tensor the backward holds anyway). This module imports torch only
 (:mod:`fuselm.hf.offload` installs it in Hugging Face models).
@@ -28,6 +28,7 @@ import bisect
 import contextlib
 import functools
 import inspect
+import math
 import threading
 import warnings
 import weakref
@@ -267,7 +268,7 @@ class _Stash:
 
     _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
 
-    def __init__(self, tensors: list[torch.Tensor], offload: bool = True) -> None:
+    def __init__(self, tensors: list[torch.Tensor], offload: bool = True, share: float = 0.0) -> None:
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes)
@@ -276,7 +277,7 @@ class _Stash:
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
         # outputs of the call kept for its recompute (keep): their keys, in the order of saved's tail
         self.keys: list = []
-        self.room = KEPT_PER_INPUT * sum(h[2] for h in self.held) if offload else 0
+        self.room = share * sum(h[2] for h in self.held) if offload else 0
         with _POOL.lock:
             self.previous, _Stash._last = _Stash._last, weakref.ref(self)
 
@@ -360,11 +361,13 @@ def _release(held: list, kept_bytes: list, fetched: bool = False, prefetched: bo
 # instead: a projection's output costs a GEMM to remake (2 x in FLOPs per element) and 2 host copies of its
 # bytes to keep, copies that overlap the compute. keep_output() puts such an output in host memory with
 # the call's inputs (it comes back with them, prefetched with them); the recompute takes it with
-# kept_output() and skips the GEMM. A call keeps at most KEPT_PER_INPUT bytes of outputs per byte of its
-# offloaded inputs, and all calls together at most the kept-output room (set_kept_output_room; by default
-# KEPT_FRACTION of the host's available memory when first needed). 1.5 inputs are a Llama-3-8B layer's q, k
-# and v (its o would be 2.5): what comes back costs device memory in the backward (the previous layer's,
-# prefetched), and at 1.5 the 8B step at 4 x 2048 peaks no higher than without (measured: 2.5 cost 0.3 GiB).
+# kept_output() and skips the GEMM. A call keeps at most kept_per_input bytes of outputs per byte of its
+# offloaded inputs (an option of offloaded_checkpoint, KEPT_PER_INPUT by default; outputs offered in the
+# forward's order, each kept if it fits what is left), and all calls together at most the kept-output room
+# (set_kept_output_room; by default KEPT_FRACTION of the host's available memory when first needed). 1.5
+# inputs are a Llama-3-8B layer's q, k and v (its o would be 2.5): what comes back costs device memory in the
+# backward (the previous layer's, prefetched), and at 1.5 the 8B step at 4 x 2048 peaks no higher than
+# without (measured: 2.5 cost 0.3 GiB). A memory budget with room to spare keeps more (fuselm.hf's planner).
 
 KEPT_PER_INPUT = 1.5
 KEPT_FRACTION = 0.25
@@ -422,29 +425,36 @@ def keep_output(key: Any, tensor: torch.Tensor) -> None:
 
 
 class _KeptProbe:
-    """Stands in for a stash while a planner measures a call's forward: counts the bytes
-    :func:`keep_output` would keep (within the call's share of ``input_bytes``), copies nothing."""
+    """Stands in for a stash while a planner measures a call's forward: records the bytes of each output
+    offered to :func:`keep_output`, in order, copies nothing."""
 
     def __init__(self, input_bytes: int) -> None:
-        self.room, self.kept = KEPT_PER_INPUT * input_bytes, 0
+        self.input_bytes, self.offered = input_bytes, []
 
     def keep(self, key: Any, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if nbytes <= self.room:
-            self.room -= nbytes
-            self.kept += nbytes
+        self.offered.append(t.numel() * t.element_size())
+
+    def kept(self, kept_per_input: float = KEPT_PER_INPUT) -> int:
+        """The bytes a call with this ``kept_per_input`` keeps of them (each kept if it fits what is left)."""
+        room, kept = kept_per_input * self.input_bytes, 0
+        for nbytes in self.offered:
+            if nbytes <= room - kept:
+                kept += nbytes
+        return kept
 
 
 @contextlib.contextmanager
 def count_kept_outputs(input_bytes: int):
-    """Inside: a forward's :func:`keep_output` calls kept nothing but are counted, as a call offloading
-    ``input_bytes`` of inputs would keep them; yields the probe (``.kept``: bytes). For planners.
+    """Inside: a forward's :func:`keep_output` calls keep nothing but are recorded; yields the probe, whose
+    ``kept(kept_per_input)`` is what a call offloading ``input_bytes`` of inputs would keep of them (bytes),
+    and ``offered`` all they offered. For planners.
 
     Example:
         >>> with count_kept_outputs(8) as probe:
         ...     keep_output("q", torch.ones(2))   # 8 bytes: within 1.5 x 8
-        >>> probe.kept
-        8
+        ...     keep_output("g", torch.ones(4))   # 16 more: beyond it
+        >>> probe.kept(), probe.kept(3.0), probe.offered
+        (8, 24, [8, 16])
     """
     probe = _KeptProbe(input_bytes)
     state = _MEMO
@@ -682,6 +692,7 @@ class _Call:
     n_offloaded: int  # the Function's tensors: the offloaded ones, then the lifted ones
     preserve_rng_state: bool
     offload: bool = True  # the positional tensors wait in host memory (else on their device)
+    kept_per_input: float = 0.0  # outputs kept for the recompute, bytes per byte of offloaded inputs
     kind: Any = None  # see _kind
     join_outputs: Callable | None = None  # set by the forward
 
@@ -707,7 +718,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             _check_capturable(call)
         elif call.preserve_rng_state:
             ctx.rng = _rng_states(offloaded)
-        ctx.stash = _Stash(offloaded, call.offload)  # copies queued before the function runs (it reads them)
+        # copies queued before the function runs (it reads them)
+        ctx.stash = _Stash(offloaded, call.offload, call.kept_per_input)
         ctx.save_for_backward(*lifted)
         ctx.memo = {}
         # (a forward inside a recompute reads its outputs: none goes unread)
@@ -844,6 +856,7 @@ def offloaded_checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    kept_per_input: float = KEPT_PER_INPUT,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)`` checkpointed, its tensor ``args`` kept in host memory until the backward.
@@ -868,6 +881,10 @@ def offloaded_checkpoint(
         context_fn: only the default (selective checkpointing is not supported: ValueError).
         determinism_check: ``"default"`` or ``"none"`` (no check is made either way).
         debug, early_stop: accepted; ``debug=True`` warns once that it is ignored.
+        kept_per_input: how many bytes of the outputs ``function`` offers to :func:`keep_output` stay in host
+            memory for the recompute (which then skips making them), per byte of the offloaded inputs: a
+            finite number >= 0 (default :data:`KEPT_PER_INPUT`: a Llama layer's q, k and v projections; 0:
+            none). What comes back costs device memory in the backward (one call's, prefetched).
         **kwargs: keyword arguments of ``function``.
 
     Returns:
@@ -893,7 +910,15 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    return _checkpoint(function, args, kwargs, preserve_rng_state, offload=True)
+    if not _is_share(kept_per_input):
+        raise ValueError(
+            f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {kept_per_input!r}"
+        )
+    return _checkpoint(function, args, kwargs, preserve_rng_state, True, kept_per_input)
+
+
+def _is_share(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 @torch.compiler.disable  # see offloaded_checkpoint
@@ -925,7 +950,9 @@ def recompute_checkpoint(
     return _checkpoint(function, args, kwargs, preserve_rng_state, offload=False)
 
 
-def _checkpoint(function: Callable, args: tuple, kwargs: dict, preserve_rng_state: bool, offload: bool):
+def _checkpoint(
+    function: Callable, args: tuple, kwargs: dict, preserve_rng_state: bool, offload: bool, share: float = 0.0
+):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     base, bound, keywords = function, (), kwargs
@@ -946,7 +973,7 @@ def _checkpoint(function: Callable, args: tuple, kwargs: dict, preserve_rng_stat
         bound, keywords = join_keywords(lifted)
         return base(*bound, *join_args(offloaded), **keywords)
 
-    call = _Call(run, len(offloaded), preserve_rng_state, offload, _kind(base))
+    call = _Call(run, len(offloaded), preserve_rng_state, offload, share, _kind(base))
     outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
     return call.join_outputs(outputs)  # (set by the forward)
 

@@ -403,16 +403,19 @@ def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
 
 
 def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkeypatch):
-    """Where the budget holds two offloaded layers' worth of kept outputs (what the first layer's forward
-    keeps: q and k here, KEPT_PER_INPUT inputs) and that recomputes less, the offloaded LoRA layers keep
-    their projections' outputs for the recompute (host room: what the offloaded inputs leave):
-    offloaded-and-kept beats recomputed-on-the-device; where the budget has no room for them, or a kept
-    layer would be given up for them, or nothing would be kept (no fused LoRA projection), none are."""
+    """Offloaded LoRA layers keep their projections' outputs in host memory for the recompute where the
+    budget holds one layer's worth of them on the device (the previous layer's, prefetched) and that
+    recomputes less: every output offered (q, k, v, o, gate, up: 8 inputs here) in as many layers as the
+    host link copies in the forward's time, q and k (KEPT_PER_INPUT inputs) in the others; only q and k
+    where the budget holds no more; none where it holds nothing, or a kept layer would be given up for
+    them, or nothing would be kept (no fused LoRA projection). The host room for them is what the
+    offloaded inputs leave."""
     f = _figures(lora=True)
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
     transient = kept + f.remade_bytes_per_token * f.tokens
-    extra = int(2 * activation_plan.checkpoints.KEPT_PER_INPUT * inp)
+    share = activation_plan.checkpoints.KEPT_PER_INPUT
     monkeypatch.setattr(activation_plan, "host_room", lambda: 100 * inp)
+    monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 1.0)  # a tiny layer: copies take time
 
     def plan(budget, lora=True):
         model = fuselm.hf.patch(_model(lora), checkpointing="auto", memory_budget=_gib(budget))
@@ -420,10 +423,18 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
         return activation_plan.current(model), activation_plan.checkpoints._KEPT.room
 
     try:
-        got, room = plan(f.base + transient + extra)  # without kept outputs: recomputed on the device
-        assert got.modes == ("offload",) * 4 and got.kept_output_bytes == extra and room == 96 * inp
-        assert got.estimated_peak <= f.base + transient + extra + 64
-        assert "keep their projections' outputs" in str(got)
+        got, room = plan(f.base + transient + 8 * inp)  # the copies of every output fit the forward
+        assert got.modes == ("offload",) * 4 and got.kept_per_input == (8.0,) * 4
+        assert got.kept_output_bytes == 8 * inp and room == 96 * inp
+        assert got.estimated_peak <= f.base + transient + 8 * inp + 64
+        assert "keep their projections' outputs: 4 at 8 inputs" in str(got)
+        got, room = plan(f.base + transient + 2 * inp)  # q and k only
+        assert got.modes == ("offload",) * 4 and got.kept_per_input == (share,) * 4 and room == 96 * inp
+        assert got.kept_output_bytes == share * inp
+        monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 0.0)  # no time for more copies:
+        got, _ = plan(f.base + transient + 8 * inp)  # the room holds every input on the device instead
+        assert got.modes == ("recompute",) * 4 and got.kept_output_bytes == 0
+        monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 1.0)
         got, room = plan(f.base + transient)
         assert got.modes == ("offload",) * 4 and got.kept_output_bytes == 0 and room == 0
         got, room = plan(f.base + 2 * kept + transient)  # kept outputs would cost a kept layer: no
@@ -433,3 +444,13 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
         assert "offload" in got.modes and got.kept_output_bytes == 0
     finally:
         activation_plan.checkpoints.set_kept_output_room(None)
+
+
+def test_kept_shares_spread_the_largest_over_what_the_copies_and_the_host_allow():
+    off, keep = ("offload",) * 4, ("keep",)
+    at = {1.5: 15, 9.5: 95}
+    assert activation_plan.kept_shares(off + keep, 10, at, 10**6, 10**6) == (9.5,) * 4 + (0.0,)
+    assert activation_plan.kept_shares(off + keep, 10, at, 100 + 80, 10**6) == (9.5, 1.5, 1.5, 1.5, 0.0)
+    assert activation_plan.kept_shares(off, 10, at, 10**6, 4 * 15 + 80) == (9.5, 1.5, 1.5, 1.5)
+    assert activation_plan.kept_shares(off, 10, {1.5: 15}, 10**6, 10**6) == (1.5,) * 4
+    assert activation_plan.kept_shares(keep, 10, at, 10**6, 10**6) == (0.0,)

@@ -1158,3 +1158,39 @@ def test_an_offloaded_recompute_takes_the_forwards_projection_outputs(how, gen):
     assert [b.calls for b in bases] == [2] * len(bases)
     for t, g in zip(leaves, want, strict=True):
         assert torch.equal(t.grad, g)
+
+
+def test_an_offloaded_recompute_takes_the_forwards_gate_and_up_outputs(gen):
+    """With room for them (kept_per_input), the gated MLP's gate and up outputs come back from the forward
+    in the offloaded recompute: gate's and up's base GEMMs run twice (forward, dX), not three times; the
+    gradients are those without checkpointing, bit for bit. With the default share (q, k, v's) they are
+    made again."""
+    from fuselm import offload
+
+    offload.set_kept_output_room(None)  # process-wide: a plan made by another test may have set it
+    dtype = torch.float32
+    mid = 2 * IN
+    shapes = ((mid, IN), (mid, IN), (IN, mid))
+    ws = [randn(gen, s, dtype) for s in shapes]
+    adapters = [
+        L.LoraAdapter(
+            randn(gen, (8, s[1]), dtype).requires_grad_(), randn(gen, (s[0], 8), dtype).requires_grad_(), 2.0
+        )
+        for s in shapes
+    ]
+    x = randn(gen, (*LEAD, IN), dtype).requires_grad_()
+    leaves = [x, *(t for a in adapters for t in (a.A, a.B))]
+
+    def f(x, bases):
+        return L.lora_gated_mlp(x, *zip(bases, adapters, strict=True), "silu")
+
+    f(x, ws).sum().backward()
+    want = [t.grad.clone() for t in leaves]
+    for share, calls in ((4.0, [2, 2]), (offload.KEPT_PER_INPUT, [3, 3])):
+        for t in leaves:
+            t.grad = None
+        bases = [_CountingWeight(w) for w in ws]
+        offload.offloaded_checkpoint(f, x, bases, kept_per_input=share).sum().backward()
+        assert [b.calls for b in bases[:2]] == calls  # (down's: whether the recompute reads its output)
+        for t, g in zip(leaves, want, strict=True):
+            assert torch.equal(t.grad, g)

@@ -20,10 +20,13 @@ n_recompute I T + (K + R) T`` (the last term: one layer's activations, its norm 
 a checkpointed layer's backward runs; none when every layer is kept), where ``base`` is what the device holds
 when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
 trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
-its backward. Offloaded layers also keep their attention projections' outputs in host memory for their
-recomputes (:func:`fuselm.offload.keep_output`) when the budget holds two layers' worth of them on the
-device (twice what the first layer's forward keeps, counted when ``K`` is) and that plan recomputes less
-(an offloaded layer that keeps them counts as :data:`KEPT_SHARE` less than a recompute). Offloaded inputs
+its backward. Offloaded layers also keep their projections' outputs in host memory for their recomputes
+(:func:`fuselm.offload.keep_output`: the recompute skips their GEMMs) where the budget holds one layer's
+worth of them on the device (the previous layer's, prefetched during a backward; what the first layer's
+forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Planner._keep_outputs`): q, k
+and v in every offloaded layer, every projection's output (o, gate and up too: three quarters of a Llama
+layer's recompute) in as many of them as the host link copies while the forward runs
+(:data:`HOST_COPY_BYTES_PER_FLOP`), spread over them (:func:`kept_shares`). Offloaded inputs
 take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
 on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers are the
 first ones (their inputs come back last in the backward: the most time for the copies), the kept ones the
@@ -38,10 +41,13 @@ checkpointing recomputes exactly (the forward's RNG states are restored).
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +79,7 @@ class ActivationPlan:
     input_bytes_per_token: int
     remade_bytes_per_token: int = 0  # the norm outputs a kept layer makes again in its backward
     kept_output_bytes: int = 0  # reserved for the outputs offloaded layers keep for their recomputes
+    kept_per_input: tuple[float, ...] = ()  # per layer: the offloaded call's kept_per_input (0: none kept)
 
     @property
     def estimated_peak(self) -> int:
@@ -94,7 +101,10 @@ class ActivationPlan:
         counts = ", ".join(f"{self.modes.count(m)} {m}" for m in MODES if m in self.modes)
         host = f"; {_size(self.host_bytes)} of host memory" if self.host_bytes else ""
         if self.kept_output_bytes:
-            host += f"; offloaded layers keep their projections' outputs ({_size(self.kept_output_bytes)})"
+            shares = collections.Counter(s for s in self.kept_per_input if s)
+            each = ", ".join(f"{n} at {s:.3g} inputs" for s, n in sorted(shares.items()))
+            reserved = _size(self.kept_output_bytes)
+            host += f"; offloaded layers keep their projections' outputs: {each} ({reserved} reserved)"
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
@@ -152,14 +162,46 @@ def plan_layers(
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
 
 
-KEPT_SHARE = 0.15  # of a Llama-3-8B layer's recompute GEMMs, the q, k and v projections' (outputs kept)
+# Bytes of pinned host copies one way per FLOP of the decoder layers' forward GEMMs that they overlap: an
+# H100 host copied 55 GB/s while a Llama-3-8B layer's forward ran at ~600 TFLOP/s (9e-5), less a margin; an
+# A100's (~25 GB/s against ~300 TFLOP/s) is near it.
+HOST_COPY_BYTES_PER_FLOP = 8e-5
 
 
-def _recomputes(modes: tuple[str, ...], kept_outputs: bool) -> float:
-    """The layer recomputes ``modes`` cost, in whole layers: an offloaded layer that keeps its projections'
-    outputs recomputes :data:`KEPT_SHARE` less."""
-    offloaded = modes.count("offload") * (1 - KEPT_SHARE if kept_outputs else 1)
-    return modes.count("recompute") + offloaded
+def _recomputes(modes: tuple[str, ...], saved: tuple[float, ...] = ()) -> float:
+    """The layer recomputes ``modes`` cost, in whole layers; ``saved``: per layer, the share of its
+    recompute its kept outputs save."""
+    saved = saved or (0.0,) * len(modes)
+    return sum(0 if m == "keep" else 1 - s for m, s in zip(modes, saved, strict=True))
+
+
+def kept_shares(
+    modes: tuple[str, ...], inp: int, kept_at: dict[float, int], capacity: float, host: int
+) -> tuple[float, ...]:
+    """Per layer, the ``kept_per_input`` of an offloaded layer (0 for the others): the smallest share of
+    ``kept_at`` (share: bytes a layer keeps at it) for every offloaded layer, then the largest for as many of
+    them as the host link copies in the forward's time (``capacity`` bytes one way, inputs included:
+    ``inp`` a layer) and the host holds (``host`` bytes), spread over them.
+
+    Example (inputs of 10 bytes; 15 kept at share 1.5, 95 at 9.5):
+        >>> kept_shares(("offload",) * 4 + ("keep",), 10, {1.5: 15, 9.5: 95}, capacity=300, host=10**6)
+        (9.5, 1.5, 9.5, 1.5, 0.0)
+    """
+    off = [i for i, m in enumerate(modes) if m == "offload"]
+    shares = [0.0] * len(modes)
+    if not off or not kept_at:
+        return tuple(shares)
+    low, high = min(kept_at), max(kept_at)
+    for i in off:
+        shares[i] = low
+    more = kept_at[high] - kept_at[low]
+    copies, held = len(off) * (inp + kept_at[low]), len(off) * kept_at[low]
+    n = 0
+    if more > 0:
+        n = int(min(len(off), max(0, capacity - copies) // more, max(0, host - held) // more))
+    for k in range(n):
+        shares[off[k * len(off) // n]] = high
+    return tuple(shares)
 
 
 def check_budget(memory_budget: object) -> float:
@@ -174,11 +216,12 @@ def check_budget(memory_budget: object) -> float:
 # ---- measuring ----
 
 
-def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int, Any]:
     """(bytes ``layer``'s forward keeps for backward when it is kept, bytes of the outputs it makes again
-    then, bytes it would keep for its recompute when offloaded: :func:`fuselm.offload.keep_output`) on
-    these inputs: its parameters and buffers excluded, each storage counted once, the hidden states taken
-    as a tensor that needs grad (a middle layer's), under :func:`selective_checkpoint`'s saving."""
+    then, the probe of what it offers to keep for its recompute when offloaded:
+    :func:`fuselm.offload.count_kept_outputs`) on these inputs: its parameters and buffers excluded, each
+    storage counted once, the hidden states taken as a tensor that needs grad (a middle layer's), under
+    :func:`selective_checkpoint`'s saving."""
     own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
     seen: dict[int, int] = {}
     remade: dict[int, int] = {}
@@ -204,7 +247,13 @@ def _saved_bytes(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int
         del out
     finally:
         layer.gradient_checkpointing = checkpointing
-    return sum(seen.values()), sum(remade.values()), probe.kept
+    return sum(seen.values()), sum(remade.values()), probe
+
+
+def _forward_flops(layer: torch.nn.Module, tokens: int) -> int:
+    """2 x the multiply-adds of ``layer``'s linear layers (quantized ones included) for ``tokens`` tokens."""
+    macs = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * macs * tokens
 
 
 def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -281,7 +330,7 @@ class _Planner:
             own = _allocated(module)
             self.pending = (tokens, own, _pending_grads(module))
         elif self.plan is not None:
-            self.apply(self.plan.modes)  # again: HF's checkpointing switches set every layer alike
+            self.apply(self.plan.modes, self.plan.kept_per_input)  # again: HF's switches set all layers alike
 
     def before_first_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.pending is None:
@@ -296,7 +345,8 @@ class _Planner:
                 if device.type == "cuda"
                 else 1 << 62  # no device memory to spend on the CPU: every layer is kept
             )
-        kept, remade, outputs = (math.ceil(n / tokens) for n in _saved_bytes(layer, args, kwargs))
+        kept, remade, probe = _saved_bytes(layer, args, kwargs)
+        kept, remade = math.ceil(kept / tokens), math.ceil(remade / tokens)
         inp = hidden.shape[-1] * hidden.element_size()
         base = (torch.cuda.memory_allocated(device) if device.type == "cuda" else own) + grads
         base += len(self.layers) * _cast_bytes(layer, hidden.dtype)
@@ -304,19 +354,13 @@ class _Planner:
         host = host_room()
         modes = plan_layers(*figures, host)
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
-        # offloaded layers keep their projections' outputs for their recomputes (fuselm.offload.keep_output)
-        # where the budget has room for two layers' worth on the device (one fetched, one prefetched) and the
-        # host for all of them beside the inputs; else none
-        extra = 2 * outputs * tokens
-        if host is not None and extra:
-            less = (len(self.layers), tokens, budget - extra, base, kept, inp, remade)
-            with_kept = plan_layers(*less, host)
-            plan = ActivationPlan(tokens, with_kept, budget, base, kept, inp, remade, extra)
-            if plan.estimated_peak <= budget and _recomputes(with_kept, True) < _recomputes(modes, False):
-                modes, self.plan, figures = with_kept, plan, less
+        if host is not None:
+            self._keep_outputs(figures, host, probe, _forward_flops(layer, tokens), hidden.shape[-1])
         room = self.plan.kept_output_bytes and max(0, host - self.plan.host_bytes)
         checkpoints.set_kept_output_room(room)
-        stay = plan_layers(*figures).count("offload") - modes.count("offload")  # no room on the host
+        modes = self.plan.modes
+        unlimited = plan_layers(*figures[:2], budget - self.plan.kept_output_bytes, *figures[3:])
+        stay = unlimited.count("offload") - modes.count("offload")  # no room on the host
         if stay:
             warnings.warn(
                 f"fuselm.hf: the host has room for {modes.count('offload')} offloaded layer input(s) "
@@ -328,16 +372,50 @@ class _Planner:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
             _log.info("fuselm.hf: activation plan: %s", self.plan)
-        self.apply(modes)
+        self.apply(modes, self.plan.kept_per_input)
 
-    def apply(self, modes: tuple[str, ...]) -> None:
-        for layer, mode in zip(self.layers, modes, strict=True):
+    def _keep_outputs(self, figures: tuple, host: int, probe: Any, flops: int, width: int) -> None:
+        """Offloaded layers keep their projections' outputs in host memory for their recomputes
+        (:func:`fuselm.offload.keep_output`) where the plan then recomputes less: q, k and v
+        (:data:`fuselm.offload.KEPT_PER_INPUT`) in every offloaded layer, every output offered in as many as
+        the host link copies in the forward's time (:data:`HOST_COPY_BYTES_PER_FLOP`); the budget reserves
+        one layer's worth on the device (the previous layer's, prefetched in a backward)."""
+        n_layers, tokens, budget, base, kept, inp, remade = figures
+        inp_bytes = inp * tokens
+        offered = sum(probe.offered)
+        kept_at = {s: probe.kept(s) for s in {checkpoints.KEPT_PER_INPUT, offered / inp_bytes}}
+        kept_at = {s: n for s, n in kept_at.items() if n}
+        capacity = HOST_COPY_BYTES_PER_FLOP * flops * n_layers
+        best = self.plan, _recomputes(self.plan.modes)
+        for top in sorted(kept_at):  # the largest share kept up to this one
+            shares_at = {s: n for s, n in kept_at.items() if s <= top}
+            extra = max(shares_at.values())
+            modes = plan_layers(n_layers, tokens, budget - extra, base, kept, inp, remade, host)
+            room = host - modes.count("offload") * inp_bytes
+            shares = kept_shares(modes, inp_bytes, shares_at, capacity, room)
+            if top not in shares:  # reserved for, not kept: the smaller share's plan, with less room
+                continue
+            plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade, extra, shares)
+            # the share of a layer's recompute its kept outputs save: their GEMMs' multiply-adds (projections
+            # of the hidden states: width inputs an element) over the layer's
+            saved = tuple(2 * probe.kept(s) * width * width / (inp * flops) for s in shares)
+            cost = _recomputes(modes, saved)
+            if plan.estimated_peak <= budget and cost < best[1]:
+                best = plan, cost
+        self.plan = best[0]
+
+    def apply(self, modes: tuple[str, ...], shares: tuple[float, ...] = ()) -> None:
+        """Set each layer's checkpointing function to its mode's; ``shares``: the offloaded layers'
+        ``kept_per_input`` (none: the default, within the kept-output room)."""
+        for i, (layer, mode) in enumerate(zip(self.layers, modes, strict=True)):
             layer.gradient_checkpointing = True  # a kept layer's function: the selective one
             want = _FUNCTIONS[mode]
-            current = layer.__dict__.get("_gradient_checkpointing_func")
-            if offload._unpartial(current)[0] is not want:
+            options = {"kept_per_input": shares[i]} if mode == "offload" and shares else {}
+            func, keywords = offload._unpartial(layer.__dict__.get("_gradient_checkpointing_func"))
+            if func is not want or any(keywords.get(k) != v for k, v in options.items()):
                 hf_func = layer.__dict__.get(offload._HF_FUNC)
-                layer._gradient_checkpointing_func = offload._fuselm_checkpointing(hf_func, layer, want)
+                function = functools.partial(want, **options)
+                layer._gradient_checkpointing_func = offload._fuselm_checkpointing(hf_func, layer, function)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -366,12 +366,7 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, b, mask, proj):
         cast = _cast_adapter(a, b, x.dtype)
-        y = _kept(a)
-        if y is None:
-            y, low = _proj_forward(x, a, cast, mask, proj)
-            _keep(a, y)
-        else:  # the recompute of an offloaded call: the forward's y, kept in host memory
-            low = _low(x, a, cast[0], mask, proj)
+        y, low = _kept_or_made(x, a, cast, mask, proj)
         ctx.proj, ctx.a, ctx.b, ctx.cast = proj, a, b, cast  # references and [r, *] casts: no activations
         ctx.save_for_backward(x if a is not None else None, low, mask)  # no adapter: dX = dY W only
         return y
@@ -478,6 +473,17 @@ class LoraProjectionsFunction(torch.autograd.Function):
         return (dx, None, None, *grads)
 
 
+def _kept_or_made(x, a, cast, mask, proj: _Proj):
+    """:func:`_proj_forward` of a projection whose output an offloaded call keeps for its recompute: there
+    the forward's y comes back from host memory (no base GEMM; low made again), else y is made and kept."""
+    y = _kept(a)
+    if y is None:
+        y, low = _proj_forward(x, a, cast, mask, proj)
+        _keep(a, y)
+        return y, low
+    return y, _low(x, a, cast[0], mask, proj)
+
+
 def _keep(a: torch.Tensor | None, y: torch.Tensor) -> None:
     """Keep a projection's output for the recompute of the offloaded call running
     (:func:`fuselm.offload.keep_output`: the recompute then skips the base GEMM), keyed by its adapter."""
@@ -498,14 +504,15 @@ def _stacked(pairs: list, masks: tuple) -> bool:
 class LoraGatedMLPFunction(torch.autograd.Function):
     """down(act(gate(x)) * up(x)) of three LoRA projections for x [N, H]. Saves x, the gate and up
     pre-activations g, u [N, I] and the three lows [N, r] (and the bool dropout masks, p > 0); the
-    product h = act(g) * u is recomputed in backward by the kernel that writes dg and du."""
+    product h = act(g) * u is recomputed in backward by the kernel that writes dg and du. In an offloaded
+    call g and u may be kept for its recompute (:func:`_kept_or_made`)."""
 
     @staticmethod
     def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output):
         pg, pu, pd = projs
         casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
-        g, low_g = _proj_forward(x, ag, casts[0], mg, pg)  # [N, I]
-        u, low_u = _proj_forward(x, au, casts[1], mu, pu)  # [N, I]
+        g, low_g = _kept_or_made(x, ag, casts[0], mg, pg)  # [N, I]
+        u, low_u = _kept_or_made(x, au, casts[1], mu, pu)  # [N, I]
         h = gated_forward(g, u, activation)  # [N, I]
         # PEFT's down_proj draws its mask here, after gate's and up's, on h cast to A's dtype
         md = dropout_mask(h, down_p, down_mask_dtype) if ad is not None else None
