@@ -43,6 +43,7 @@ import warnings
 import pytest
 import torch
 from filelock import FileLock  # a dependency of torch
+from kit import skip_unless_fuselm_trl
 from kit.hf_models import MODEL_TYPES, build
 from kit.workers import backend_params, run_workers
 
@@ -338,7 +339,7 @@ def test_fsdp_trl_fused_head_matches_single_process(fsdp_runs):
     """TRL's fused LM head (add_fused_lm_head, what its trainers use) on fuselm (fuselm.trl.patch) under
     FSDP2: the per-rank losses (the mean negative log-prob) and every gradient equal one process running
     TRL's own head, under the numerics rule."""
-    pytest.importorskip("trl")
+    skip_unless_fuselm_trl()
     fsdp = _fsdp_case(fsdp_runs, "llama", "trl")
     assert fsdp["sharded"] and fsdp["fused_loss"], "fuselm.trl was not patched during the step"
     _check("llama FSDP + TRL fused head", fsdp, "llama", fsdp_runs[0], "trl")

@@ -405,11 +405,11 @@ def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
 def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkeypatch):
     """Offloaded LoRA layers keep their projections' outputs in host memory for the recompute where the
     budget holds one layer's worth of them on the device (the previous layer's, prefetched) and that
-    recomputes less: every output offered (q, k, v, o, gate, up: 8 inputs here) in as many layers as the
-    host link copies in the forward's time, q and k (KEPT_PER_INPUT inputs) in the others; only q and k
-    where the budget holds no more; none where it holds nothing, or a kept layer would be given up for
-    them, or nothing would be kept (no fused LoRA projection). The host room for them is what the
-    offloaded inputs leave."""
+    recomputes less: the outputs in the forward's order, up to all of them (q, k, v, o, gate, up: 8 inputs
+    here) where the host link copies them in time, at least q and k (KEPT_PER_INPUT inputs); fewer where
+    the budget holds no more; none where it holds nothing, or a kept layer would be given up for them, or
+    nothing would be kept (no fused LoRA projection). The host room for them is what the offloaded inputs
+    leave."""
     f = _figures(lora=True)
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
     transient = kept + f.remade_bytes_per_token * f.tokens
@@ -428,9 +428,11 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
         assert got.kept_output_bytes == 8 * inp and room == 96 * inp
         assert got.estimated_peak <= f.base + transient + 8 * inp + 64
         assert "keep their projections' outputs: 4 at 8 inputs" in str(got)
-        got, room = plan(f.base + transient + 2 * inp)  # q and k only
-        assert got.modes == ("offload",) * 4 and got.kept_per_input == (share,) * 4 and room == 96 * inp
-        assert got.kept_output_bytes == share * inp
+        got, room = plan(f.base + transient + 2 * inp)  # room for q, k and v only
+        assert got.modes == ("offload",) * 4 and got.kept_per_input == (2.0,) * 4 and room == 96 * inp
+        assert got.kept_output_bytes == 2 * inp
+        got, _ = plan(f.base + transient + share * inp)  # q and k: the smallest share
+        assert got.kept_per_input == (share,) * 4 and got.kept_output_bytes == share * inp
         monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 0.0)  # no time for more copies:
         got, _ = plan(f.base + transient + 8 * inp)  # the room holds every input on the device instead
         assert got.modes == ("recompute",) * 4 and got.kept_output_bytes == 0
@@ -446,11 +448,22 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
         activation_plan.checkpoints.set_kept_output_room(None)
 
 
-def test_kept_shares_spread_the_largest_over_what_the_copies_and_the_host_allow():
+def test_kept_shares_take_the_largest_share_the_host_link_copies_in_time():
+    """Each offloaded layer keeps the largest share whose copies fit: back while the next layer's backward
+    runs (shorter when that layer recomputes less), out while the forward runs, within the host's room;
+    else the smallest."""
     off, keep = ("offload",) * 4, ("keep",)
-    at = {1.5: 15, 9.5: 95}
-    assert activation_plan.kept_shares(off + keep, 10, at, 10**6, 10**6) == (9.5,) * 4 + (0.0,)
-    assert activation_plan.kept_shares(off + keep, 10, at, 100 + 80, 10**6) == (9.5, 1.5, 1.5, 1.5, 0.0)
-    assert activation_plan.kept_shares(off, 10, at, 10**6, 4 * 15 + 80) == (9.5, 1.5, 1.5, 1.5)
-    assert activation_plan.kept_shares(off, 10, {1.5: 15}, 10**6, 10**6) == (1.5,) * 4
-    assert activation_plan.kept_shares(keep, 10, at, 10**6, 10**6) == (0.0,)
+    two = {1.5: (15, 0.1), 9.5: (95, 0.7)}  # share: (bytes kept of a layer, the share of its recompute saved)
+    three = {**two, 4.0: (40, 0.3)}
+
+    def shares(modes, levels, unit, host=10**6):
+        return activation_plan.kept_shares(modes, 10, levels, unit, host)
+
+    assert shares(off + keep, two, 10**6) == (9.5,) * 4 + (0.0,)  # time for every copy
+    assert shares(off + keep, two, 100) == (9.5, 9.5, 9.5, 1.5, 0.0)  # a kept layer's backward: too short
+    assert shares(off + keep, two, 70) == (9.5, 1.5, 9.5, 1.5, 0.0)  # after a layer that keeps 9.5: too
+    assert shares(off + keep, three, 70) == (9.5, 4.0, 9.5, 4.0, 0.0)
+    assert shares(off + keep, three, 40) == (4.0, 4.0, 4.0, 1.5, 0.0)
+    assert shares(off + keep, three, 100, host=4 * 15 + 25) == (1.5, 1.5, 1.5, 4.0, 0.0)  # the host's room
+    assert shares(off, {1.5: (15, 0.1)}, 10**6) == (1.5,) * 4
+    assert shares(keep, two, 10**6) == (0.0,)

@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from kit import skip_unless_fuselm_trl
 from kit.fake_graphs import emulate
 from kit.hf_models import build
 
@@ -329,14 +330,9 @@ def test_sft_trainer(tmp_path, graph_device):
     """TRL's SFTTrainer on prompt/completion pairs (loss on the completions), fuselm.trl's head and
     fuselm.hf's block kernels: the captured run against the eager one; TRL's head scores every position
     inside the graphs (no boolean-mask compaction)."""
-    trl = pytest.importorskip("trl")
+    skip_unless_fuselm_trl()
     from kit import trl_models as tm
     from trl import SFTConfig, SFTTrainer
-
-    from fuselm.trl import patching
-
-    if not patching._supported(getattr(trl, "__version__", "unknown")):
-        pytest.skip(f"fuselm.trl supports trl {patching.SUPPORTED}; trl {trl.__version__} is installed")
 
     path = tmp_path / "tiny-llama"
     tm.model(seed=0).save_pretrained(path)

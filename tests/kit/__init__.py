@@ -10,3 +10,15 @@ imports another one, and nothing here is a test.
 
 The ``gen`` fixture (a CPU generator seeded by the test's id) lives in tests/conftest.py.
 """
+
+
+def skip_unless_fuselm_trl():
+    """Skip the calling test unless trl is installed in a version fuselm.trl supports; returns trl."""
+    import pytest
+
+    trl = pytest.importorskip("trl")
+    from fuselm.trl import patching
+
+    if not patching._supported(getattr(trl, "__version__", "unknown")):
+        pytest.skip(f"fuselm.trl supports trl {patching.SUPPORTED}; trl {trl.__version__} is installed")
+    return trl

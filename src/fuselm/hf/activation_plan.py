@@ -23,10 +23,10 @@ trainable parameters not allocated yet and the adapters every layer keeps cast t
 its backward. Offloaded layers also keep their projections' outputs in host memory for their recomputes
 (:func:`fuselm.offload.keep_output`: the recompute skips their GEMMs) where the budget holds one layer's
 worth of them on the device (the previous layer's, prefetched during a backward; what the first layer's
-forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Planner._keep_outputs`): q, k
-and v in every offloaded layer, every projection's output (o, gate and up too: three quarters of a Llama
-layer's recompute) in as many of them as the host link copies while the forward runs
-(:data:`HOST_COPY_BYTES_PER_FLOP`), spread over them (:func:`kept_shares`). Offloaded inputs
+forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Planner._keep_outputs`): in
+the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
+quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
+back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`). Offloaded inputs
 take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
 on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers are the
 first ones (their inputs come back last in the backward: the most time for the copies), the kept ones the
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import math
 import warnings
@@ -176,31 +177,51 @@ def _recomputes(modes: tuple[str, ...], saved: tuple[float, ...] = ()) -> float:
 
 
 def kept_shares(
-    modes: tuple[str, ...], inp: int, kept_at: dict[float, int], capacity: float, host: int
+    modes: tuple[str, ...], inp: int, levels: dict[float, tuple[int, float]], unit: float, host: int
 ) -> tuple[float, ...]:
-    """Per layer, the ``kept_per_input`` of an offloaded layer (0 for the others): the smallest share of
-    ``kept_at`` (share: bytes a layer keeps at it) for every offloaded layer, then the largest for as many of
-    them as the host link copies in the forward's time (``capacity`` bytes one way, inputs included:
-    ``inp`` a layer) and the host holds (``host`` bytes), spread over them.
+    """Per layer, the ``kept_per_input`` of an offloaded layer (0 for the others), from ``levels`` (share:
+    (bytes a layer keeps at it, the share of its recompute that saves)). Each offloaded layer, last first,
+    takes the largest share whose copies the host link makes in time, the smallest one otherwise: ``unit``
+    is what it copies one way while a layer's forward GEMMs run, so a kept layer's backward has time for
+    ``unit`` bytes, a recomputed one's for ``2 unit``, an offloaded one's ``(2 - saved) unit``. In the
+    backward a layer's input and kept outputs (``inp`` + kept) come back while the layer after it runs its
+    backward; in the forward all of them go out while the layers run (``n unit``); the host holds ``host``
+    bytes of kept outputs.
 
-    Example (inputs of 10 bytes; 15 kept at share 1.5, 95 at 9.5):
-        >>> kept_shares(("offload",) * 4 + ("keep",), 10, {1.5: 15, 9.5: 95}, capacity=300, host=10**6)
-        (9.5, 1.5, 9.5, 1.5, 0.0)
+    Example (inputs of 10 bytes; 15 kept at share 1.5, saving 10% of a recompute, 95 at 9.5, saving 70%):
+        >>> levels = {1.5: (15, 0.1), 9.5: (95, 0.7)}
+        >>> kept_shares(("offload",) * 4 + ("keep",), 10, levels, unit=100, host=10**6)
+        (9.5, 9.5, 9.5, 1.5, 0.0)
     """
-    off = [i for i, m in enumerate(modes) if m == "offload"]
     shares = [0.0] * len(modes)
-    if not off or not kept_at:
+    off = [i for i, m in enumerate(modes) if m == "offload"]
+    if not off or not levels:
         return tuple(shares)
-    low, high = min(kept_at), max(kept_at)
-    for i in off:
-        shares[i] = low
-    more = kept_at[high] - kept_at[low]
-    copies, held = len(off) * (inp + kept_at[low]), len(off) * kept_at[low]
-    n = 0
-    if more > 0:
-        n = int(min(len(off), max(0, capacity - copies) // more, max(0, host - held) // more))
-    for k in range(n):
-        shares[off[k * len(off) // n]] = high
+    order = sorted(levels)
+    low = order[0]
+
+    def backward_time(k: int) -> float:  # in copied bytes
+        if k >= len(modes) or modes[k] == "keep":
+            return unit
+        return unit * (2 - (levels[shares[k]][1] if modes[k] == "offload" else 0.0))
+
+    copied, held = 0, 0
+    for n_left, j in enumerate(reversed(off)):
+        left = len(off) - n_left - 1  # offloaded layers still to choose (at least the smallest share each)
+        shares[j] = low
+        for share in reversed(order):
+            kept, saved = levels[share]
+            fits = (
+                inp + kept <= backward_time(j + 1)
+                and (j == 0 or modes[j - 1] != "offload" or inp + levels[low][0] <= unit * (2 - saved))
+                and copied + inp + kept + left * (inp + levels[low][0]) <= unit * len(modes)
+                and held + kept + left * levels[low][0] <= host
+            )
+            if fits:
+                shares[j] = share
+                break
+        copied += inp + levels[shares[j]][0]
+        held += levels[shares[j]][0]
     return tuple(shares)
 
 
@@ -376,30 +397,34 @@ class _Planner:
 
     def _keep_outputs(self, figures: tuple, host: int, probe: Any, flops: int, width: int) -> None:
         """Offloaded layers keep their projections' outputs in host memory for their recomputes
-        (:func:`fuselm.offload.keep_output`) where the plan then recomputes less: q, k and v
-        (:data:`fuselm.offload.KEPT_PER_INPUT`) in every offloaded layer, every output offered in as many as
-        the host link copies in the forward's time (:data:`HOST_COPY_BYTES_PER_FLOP`); the budget reserves
-        one layer's worth on the device (the previous layer's, prefetched in a backward)."""
+        (:func:`fuselm.offload.keep_output`) where the plan then recomputes less: the outputs the first
+        layer's forward offers, in its order, from q, k and v (:data:`fuselm.offload.KEPT_PER_INPUT`) up to
+        all of them, as many in each offloaded layer as the host link copies in time (:func:`kept_shares`,
+        :data:`HOST_COPY_BYTES_PER_FLOP`); the budget reserves one layer's worth on the device (the previous
+        layer's, prefetched during a backward)."""
         n_layers, tokens, budget, base, kept, inp, remade = figures
         inp_bytes = inp * tokens
-        offered = sum(probe.offered)
-        kept_at = {s: probe.kept(s) for s in {checkpoints.KEPT_PER_INPUT, offered / inp_bytes}}
-        kept_at = {s: n for s, n in kept_at.items() if n}
-        capacity = HOST_COPY_BYTES_PER_FLOP * flops * n_layers
+        # the shares that keep a prefix of the offered outputs; the share of a layer's recompute each saves:
+        # the kept outputs' GEMM multiply-adds (projections of the hidden states: width inputs an element)
+        prefixes = itertools.accumulate(probe.offered)
+        shares = sorted({checkpoints.KEPT_PER_INPUT, *(n / inp_bytes for n in prefixes)})
+        levels = {
+            s: (probe.kept(s), 2 * probe.kept(s) * width * width / (inp * flops))
+            for s in shares
+            if s >= checkpoints.KEPT_PER_INPUT and probe.kept(s)
+        }
+        unit = HOST_COPY_BYTES_PER_FLOP * flops
         best = self.plan, _recomputes(self.plan.modes)
-        for top in sorted(kept_at):  # the largest share kept up to this one
-            shares_at = {s: n for s, n in kept_at.items() if s <= top}
-            extra = max(shares_at.values())
+        for top in levels:  # the largest share any layer may take, whose kept outputs the budget reserves
+            extra = levels[top][0]
             modes = plan_layers(n_layers, tokens, budget - extra, base, kept, inp, remade, host)
             room = host - modes.count("offload") * inp_bytes
-            shares = kept_shares(modes, inp_bytes, shares_at, capacity, room)
-            if top not in shares:  # reserved for, not kept: the smaller share's plan, with less room
+            upto = {s: v for s, v in levels.items() if s <= top}
+            shares = kept_shares(modes, inp_bytes, upto, unit, room)
+            if top not in shares:  # reserved for, not kept: a smaller share's plan, with less room
                 continue
             plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade, extra, shares)
-            # the share of a layer's recompute its kept outputs save: their GEMMs' multiply-adds (projections
-            # of the hidden states: width inputs an element) over the layer's
-            saved = tuple(2 * probe.kept(s) * width * width / (inp * flops) for s in shares)
-            cost = _recomputes(modes, saved)
+            cost = _recomputes(modes, tuple(upto[s][1] if s else 0.0 for s in shares))
             if plan.estimated_peak <= budget and cost < best[1]:
                 best = plan, cost
         self.plan = best[0]
