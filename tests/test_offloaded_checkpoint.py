@@ -710,6 +710,8 @@ def test_an_output_kept_in_the_forward_is_the_recomputes_and_is_made_once():
 
 
 def test_outputs_beyond_the_calls_share_or_the_room_are_made_again():
+    """An output larger than the call's share (kept_per_input, default KEPT_PER_INPUT) or than the room is
+    made again in the recompute; within a larger share it is kept; with a share of 0 nothing is."""
     made = []
     x = torch.randn(4, 8, requires_grad=True)
     big = int(offload.KEPT_PER_INPUT) + 1
@@ -719,6 +721,14 @@ def test_outputs_beyond_the_calls_share_or_the_room_are_made_again():
 
     offload.offloaded_checkpoint(f, x).sum().backward()
     assert made == ["wide", "wide"]
+    made.clear()
+    offload.offloaded_checkpoint(f, x, kept_per_input=big).sum().backward()
+    assert made == ["wide"]  # kept: the recompute took the forward's
+    made.clear()
+    offload.offloaded_checkpoint(
+        lambda x: _kept_or_made(made, "h", lambda: x * 2), x, kept_per_input=0
+    ).sum().backward()
+    assert made == ["h", "h"]
     made.clear()
     try:
         offload.set_kept_output_room(0)
@@ -749,23 +759,6 @@ def test_outputs_are_kept_in_offloaded_forwards_only():
 def test_kept_output_room_must_be_none_or_a_count_of_bytes(bad):
     with pytest.raises(ValueError, match="nbytes"):
         offload.set_kept_output_room(bad)
-
-
-def test_kept_per_input_sets_the_calls_share():
-    made = []
-    x = torch.randn(4, 8, requires_grad=True)
-    big = int(offload.KEPT_PER_INPUT) + 1
-
-    def f(x):
-        return _kept_or_made(made, "wide", lambda: x.repeat(1, big)).sum(1)  # beyond the default share
-
-    offload.offloaded_checkpoint(f, x, kept_per_input=big).sum().backward()
-    assert made == ["wide"]  # kept: the recompute took the forward's
-    made.clear()
-    offload.offloaded_checkpoint(
-        lambda x: _kept_or_made(made, "h", lambda: x * 2), x, kept_per_input=0
-    ).sum().backward()
-    assert made == ["h", "h"]  # none kept
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1", None])
