@@ -26,8 +26,8 @@ worth of them on the device (the previous layer's, prefetched during a backward;
 forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Planner._keep_outputs`): in
 the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
 quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
-back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`). Offloaded inputs
-take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
+back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`).
+Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
 on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers are the
 first ones (their inputs come back last in the backward: the most time for the copies), the kept ones the
 last.
