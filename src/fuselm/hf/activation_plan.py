@@ -27,10 +27,10 @@ forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Pl
 the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
 quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
 back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`).
-Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the rest stay
-on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers are the
-first ones (their inputs come back last in the backward: the most time for the copies), the kept ones the
-last.
+Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the
+rest stay on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers
+are the first ones (their inputs come back last in the backward: the most time for the copies), the kept ones
+the last.
 
 ``K`` is measured, not guessed: when a plan is made (the first training forward, and again whenever a
 batch has more tokens than the plan was made for) the first decoder layer's forward runs once more on its
