@@ -315,8 +315,9 @@ def test_signature_is_torch_checkpoints(name):
 
 
 def test_checkpoint_fn_binds_checked_options():
-    """checkpoint_fn: a partial of offloaded_checkpoint with exactly the options given; an unknown or
-    unsupported option raises ValueError naming it, when bound (not at the first backward)."""
+    """checkpoint_fn: a partial of offloaded_checkpoint with exactly the options given (kept_per_input
+    included; recompute_checkpoint has none); an unknown or unsupported option raises ValueError naming
+    it, when bound (not at the first backward)."""
     f = offload.checkpoint_fn(use_reentrant=True, preserve_rng_state=False)
     assert isinstance(f, functools.partial) and f.func is offload.offloaded_checkpoint
     assert f.keywords == {"use_reentrant": True, "preserve_rng_state": False} and f.args == ()
@@ -327,6 +328,11 @@ def test_checkpoint_fn_binds_checked_options():
     assert offload.checkpoint_fn(False, use_reentrant=False).func is offload.recompute_checkpoint
     with pytest.raises(ValueError, match="^checkpoint_fn: offload must be a bool, got 'no'"):
         offload.checkpoint_fn("no")
+    assert offload.checkpoint_fn(kept_per_input=4).keywords == {"kept_per_input": 4}
+    with pytest.raises(ValueError, match="kept_per_input must be a finite number >= 0, got -1"):
+        offload.checkpoint_fn(kept_per_input=-1)
+    with pytest.raises(ValueError, match="'kept_per_input'"):  # recompute_checkpoint keeps nothing
+        offload.checkpoint_fn(False, kept_per_input=4)
 
 
 # ---- recompute_checkpoint, and outputs a recompute leaves unread ----

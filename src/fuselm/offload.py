@@ -910,15 +910,14 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    if not _is_share(kept_per_input):
-        raise ValueError(
-            f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {kept_per_input!r}"
-        )
+    _check_share(kept_per_input)
     return _checkpoint(function, args, kwargs, preserve_rng_state, True, kept_per_input)
 
 
-def _is_share(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+def _check_share(kept_per_input: Any) -> None:
+    x = kept_per_input
+    if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0):
+        raise ValueError(f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {x!r}")
 
 
 @torch.compiler.disable  # see offloaded_checkpoint
@@ -1146,7 +1145,8 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
     :func:`recompute_checkpoint`), the options checked now (ValueError naming one that is unknown or
     unsupported): for frameworks that take a checkpointing function and its options apart (HF's
     ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
-    :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`).
+    :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`, and
+    ``kept_per_input`` when ``offload``).
 
     Example:
         >>> from fuselm.offload import checkpoint_fn
@@ -1155,10 +1155,13 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
         >>> checkpoint_fn(offload=False).func.__name__
         'recompute_checkpoint'
     """
-    unknown = sorted(set(options) - _OPTIONS)
+    known = _OPTIONS | ({"kept_per_input"} if offload is True else set())  # recompute_checkpoint keeps none
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(_OPTIONS)})")
+        raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(known)})")
     if not isinstance(offload, bool):
         raise ValueError(f"checkpoint_fn: offload must be a bool, got {offload!r}")
-    _check_options(**options)
+    _check_options(**{k: v for k, v in options.items() if k in _OPTIONS})
+    if "kept_per_input" in options:
+        _check_share(options["kept_per_input"])
     return functools.partial(offloaded_checkpoint if offload else recompute_checkpoint, **options)
