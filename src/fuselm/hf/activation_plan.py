@@ -408,11 +408,8 @@ class _Planner:
         # the kept outputs' GEMM multiply-adds (projections of the hidden states: width inputs an element)
         prefixes = itertools.accumulate(probe.offered)
         shares = sorted({checkpoints.KEPT_PER_INPUT, *(n / inp_bytes for n in prefixes)})
-        levels = {
-            s: (probe.kept(s), 2 * probe.kept(s) * width * width / (inp * flops))
-            for s in shares
-            if s >= checkpoints.KEPT_PER_INPUT and probe.kept(s)
-        }
+        kept_at = {s: probe.kept(s) for s in shares if s >= checkpoints.KEPT_PER_INPUT}
+        levels = {s: (n, 2 * n * width * width / (inp * flops)) for s, n in kept_at.items() if n}
         unit = HOST_COPY_BYTES_PER_FLOP * flops
         best = self.plan, _recomputes(self.plan.modes)
         for top in levels:  # the largest share any layer may take, whose kept outputs the budget reserves
