@@ -261,6 +261,11 @@ def empty_host_cache() -> None:
 # ---- the inputs of one call, between its forward and its backward ----
 
 
+# How many calls made before it a call's backward starts fetching (each stays fetched, on its device, until
+# its own backward takes it).
+PREFETCH_DEPTH = 1
+
+
 class _Stash:
     """The positional tensors of one call: in host buffers after the forward (``saved``), on their
     device once fetched (``fetched``: by this call's backward, or early by the backward of the call made
@@ -341,9 +346,12 @@ class _Stash:
             if done is not None:
                 torch.cuda.current_stream(t.device).wait_event(done)
         tensors, self.fetched = [t for t, _ in self.fetched], None
-        previous = self.previous and self.previous()
-        if previous is not None:
-            previous.fetch(prefetch=True)
+        stash = self
+        for _ in range(PREFETCH_DEPTH):
+            stash = stash.previous and stash.previous()
+            if stash is None:
+                break
+            stash.fetch(prefetch=True)
         n = len(tensors) - len(self.keys)
         return tensors[:n], dict(zip(self.keys, tensors[n:], strict=True))
 
