@@ -309,9 +309,10 @@ def test_no_positional_tensor_warns():
 def test_signature_is_torch_checkpoints(name):
     ours = inspect.signature(getattr(offload, name)).parameters
     theirs = inspect.signature(torch_checkpoint.checkpoint).parameters
-    assert list(theirs) == [p for p in ours if p not in ("preserve_rng_state", "kept_per_input")]
-    assert ours["preserve_rng_state"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert name == "recompute_checkpoint" or ours["kept_per_input"].kind is inspect.Parameter.KEYWORD_ONLY
+    extra = ("preserve_rng_state", "kept_per_input", "prefetch")
+    assert list(theirs) == [p for p in ours if p not in extra]
+    for option in extra if name == "offloaded_checkpoint" else extra[:1]:
+        assert ours[option].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_checkpoint_fn_binds_checked_options():
@@ -329,6 +330,7 @@ def test_checkpoint_fn_binds_checked_options():
     with pytest.raises(ValueError, match="^checkpoint_fn: offload must be a bool, got 'no'"):
         offload.checkpoint_fn("no")
     assert offload.checkpoint_fn(kept_per_input=4).keywords == {"kept_per_input": 4}
+    assert offload.checkpoint_fn(prefetch=2).keywords == {"prefetch": 2}
     with pytest.raises(ValueError, match="kept_per_input must be a finite number >= 0, got -1"):
         offload.checkpoint_fn(kept_per_input=-1)
     with pytest.raises(ValueError, match="'kept_per_input'"):  # recompute_checkpoint keeps nothing
@@ -773,3 +775,39 @@ def test_kept_per_input_must_be_a_finite_number_at_least_zero(bad):
         ValueError, match="^offloaded_checkpoint: kept_per_input must be a finite number >= 0"
     ):
         offload.offloaded_checkpoint(torch.tanh, torch.ones(2, requires_grad=True), kept_per_input=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
+def test_prefetch_must_be_an_int_at_least_one(bad):
+    with pytest.raises(ValueError, match="^offloaded_checkpoint: prefetch must be an int >= 1"):
+        offload.offloaded_checkpoint(torch.tanh, torch.ones(2, requires_grad=True), prefetch=bad)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        offload.checkpoint_fn(prefetch=bad)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 5])
+def test_prefetch_brings_back_that_many_earlier_calls(prefetch):
+    """The backward of an offloaded call brings back the inputs of the `prefetch` offloaded calls made
+    before it (their host buffers go back to the pool then): when the last of four calls recomputes, its
+    own input and min(prefetch, 3) others are off the host; the gradients are those of plain autograd."""
+    in_use = []
+
+    def block(x):
+        in_use.append(offload.host_memory_stats()["in_use_bytes"])
+        return torch.tanh(x) * 2
+
+    x0 = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    base = offload.host_memory_stats()["in_use_bytes"]
+    x = x0
+    for _ in range(4):
+        x = offload.offloaded_checkpoint(block, x, prefetch=prefetch)
+    each = (offload.host_memory_stats()["in_use_bytes"] - base) // 4
+    x.sum().backward()
+    assert each > 0 and in_use[4] == base + (4 - 1 - min(prefetch, 3)) * each  # the 4th call's recompute
+    ref = x0.detach().clone().requires_grad_()
+    y = ref
+    for _ in range(4):
+        y = torch.tanh(y) * 2
+    y.sum().backward()
+    assert torch.equal(x0.grad, ref.grad)
+    assert offload.host_memory_stats()["in_use_bytes"] == base

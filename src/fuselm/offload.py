@@ -261,11 +261,6 @@ def empty_host_cache() -> None:
 # ---- the inputs of one call, between its forward and its backward ----
 
 
-# How many calls made before it a call's backward starts fetching (each stays fetched, on its device, until
-# its own backward takes it).
-PREFETCH_DEPTH = 1
-
-
 class _Stash:
     """The positional tensors of one call: in host buffers after the forward (``saved``), on their
     device once fetched (``fetched``: by this call's backward, or early by the backward of the call made
@@ -273,7 +268,10 @@ class _Stash:
 
     _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
 
-    def __init__(self, tensors: list[torch.Tensor], offload: bool = True, share: float = 0.0) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], offload: bool = True, share: float = 0.0, prefetch: int = 1
+    ) -> None:
+        self.prefetch = prefetch  # how many stashes made before this one its take fetches
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes)
@@ -335,7 +333,7 @@ class _Stash:
 
     def take(self) -> tuple[list[torch.Tensor], dict]:
         """(the inputs on their device, the kept outputs by key), usable on the compute stream; start
-        fetching the previous stash."""
+        fetching the ``prefetch`` stashes made before this one."""
         if self.saved is None and self.fetched is None:
             raise RuntimeError(
                 "fuselm.offload: this checkpointed call was already backpropagated (its inputs were "
@@ -347,7 +345,7 @@ class _Stash:
                 torch.cuda.current_stream(t.device).wait_event(done)
         tensors, self.fetched = [t for t, _ in self.fetched], None
         stash = self
-        for _ in range(PREFETCH_DEPTH):
+        for _ in range(self.prefetch):
             stash = stash.previous and stash.previous()
             if stash is None:
                 break
@@ -701,6 +699,7 @@ class _Call:
     preserve_rng_state: bool
     offload: bool = True  # the positional tensors wait in host memory (else on their device)
     kept_per_input: float = 0.0  # outputs kept for the recompute, bytes per byte of offloaded inputs
+    prefetch: int = 1  # calls made before this one whose inputs its backward starts bringing back
     kind: Any = None  # see _kind
     join_outputs: Callable | None = None  # set by the forward
 
@@ -727,7 +726,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         elif call.preserve_rng_state:
             ctx.rng = _rng_states(offloaded)
         # copies queued before the function runs (it reads them)
-        ctx.stash = _Stash(offloaded, call.offload, call.kept_per_input)
+        ctx.stash = _Stash(offloaded, call.offload, call.kept_per_input, call.prefetch)
         ctx.save_for_backward(*lifted)
         ctx.memo = {}
         # (a forward inside a recompute reads its outputs: none goes unread)
@@ -865,6 +864,7 @@ def offloaded_checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     kept_per_input: float = KEPT_PER_INPUT,
+    prefetch: int = 1,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)`` checkpointed, its tensor ``args`` kept in host memory until the backward.
@@ -893,6 +893,10 @@ def offloaded_checkpoint(
             memory for the recompute (which then skips making them), per byte of the offloaded inputs: a
             finite number >= 0 (default :data:`KEPT_PER_INPUT`: a Llama layer's q, k and v projections; 0:
             none). What comes back costs device memory in the backward (one call's, prefetched).
+        prefetch: how many of the offloaded calls made before this one its backward starts bringing back
+            (each waits on the device for its own backward): an int >= 1 (default 1). More gives each
+            copy back more time when the host link is busy, for one more call's inputs and kept outputs
+            of device memory each.
         **kwargs: keyword arguments of ``function``.
 
     Returns:
@@ -918,14 +922,18 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    _check_share(kept_per_input)
-    return _checkpoint(function, args, kwargs, preserve_rng_state, True, kept_per_input)
+    _check_offload_options(kept_per_input=kept_per_input, prefetch=prefetch)
+    return _checkpoint(function, args, kwargs, preserve_rng_state, True, kept_per_input, prefetch)
 
 
-def _check_share(kept_per_input: Any) -> None:
-    x = kept_per_input
+def _check_offload_options(**options: Any) -> None:
+    """ValueError naming ``kept_per_input`` (not a finite number >= 0) or ``prefetch`` (not an int >= 1)."""
+    x = options.get("kept_per_input", 0.0)
     if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0):
         raise ValueError(f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {x!r}")
+    n = options.get("prefetch", 1)
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"offloaded_checkpoint: prefetch must be an int >= 1, got {n!r}")
 
 
 @torch.compiler.disable  # see offloaded_checkpoint
@@ -958,7 +966,13 @@ def recompute_checkpoint(
 
 
 def _checkpoint(
-    function: Callable, args: tuple, kwargs: dict, preserve_rng_state: bool, offload: bool, share: float = 0.0
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    preserve_rng_state: bool,
+    offload: bool,
+    share: float = 0.0,
+    prefetch: int = 1,
 ):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
@@ -980,7 +994,7 @@ def _checkpoint(
         bound, keywords = join_keywords(lifted)
         return base(*bound, *join_args(offloaded), **keywords)
 
-    call = _Call(run, len(offloaded), preserve_rng_state, offload, share, _kind(base))
+    call = _Call(run, len(offloaded), preserve_rng_state, offload, share, prefetch, _kind(base))
     outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
     return call.join_outputs(outputs)  # (set by the forward)
 
@@ -1154,7 +1168,7 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
     unsupported): for frameworks that take a checkpointing function and its options apart (HF's
     ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
     :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`, and
-    ``kept_per_input`` when ``offload``).
+    ``kept_per_input`` and ``prefetch`` when ``offload``).
 
     Example:
         >>> from fuselm.offload import checkpoint_fn
@@ -1163,13 +1177,13 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
         >>> checkpoint_fn(offload=False).func.__name__
         'recompute_checkpoint'
     """
-    known = _OPTIONS | ({"kept_per_input"} if offload is True else set())  # recompute_checkpoint keeps none
+    offloading = {"kept_per_input", "prefetch"}
+    known = _OPTIONS | (offloading if offload is True else set())  # recompute_checkpoint has neither
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(known)})")
     if not isinstance(offload, bool):
         raise ValueError(f"checkpoint_fn: offload must be a bool, got {offload!r}")
     _check_options(**{k: v for k, v in options.items() if k in _OPTIONS})
-    if "kept_per_input" in options:
-        _check_share(options["kept_per_input"])
+    _check_offload_options(**{k: v for k, v in options.items() if k in offloading})
     return functools.partial(offloaded_checkpoint if offload else recompute_checkpoint, **options)

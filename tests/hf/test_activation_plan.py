@@ -404,7 +404,7 @@ def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
 
 def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkeypatch):
     """Offloaded LoRA layers keep their projections' outputs in host memory for the recompute where the
-    budget holds one layer's worth of them on the device (the previous layer's, prefetched) and that
+    budget holds PREFETCH layers' inputs and kept outputs on the device (brought back early) and that
     recomputes less: the outputs in the forward's order, up to all of them (q, k, v, o, gate, up: 8 inputs
     here) where the host link copies them in time, at least q and k (KEPT_PER_INPUT inputs); fewer where
     the budget holds no more; none where it holds nothing, or a kept layer would be given up for them, or
@@ -417,25 +417,28 @@ def test_offloaded_layers_keep_outputs_where_the_budget_has_room_for_them(monkey
     monkeypatch.setattr(activation_plan, "host_room", lambda: 100 * inp)
     monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 1.0)  # a tiny layer: copies take time
 
+    def reserved(share):  # what the budget holds for layers keeping `share` inputs' worth of outputs
+        return activation_plan.PREFETCH * (share + 1) * inp
+
     def plan(budget, lora=True):
         model = fuselm.hf.patch(_model(lora), checkpointing="auto", memory_budget=_gib(budget))
         _step(model, _batch(16))
         return activation_plan.current(model), activation_plan.checkpoints._KEPT.room
 
     try:
-        got, room = plan(f.base + transient + 8 * inp)  # the copies of every output fit the forward
+        got, room = plan(f.base + transient + reserved(8))  # the copies of every output fit the forward
         assert got.modes == ("offload",) * 4 and got.kept_per_input == (8.0,) * 4
-        assert got.kept_output_bytes == 8 * inp and room == 96 * inp
-        assert got.estimated_peak <= f.base + transient + 8 * inp + 64
+        assert got.kept_output_bytes == reserved(8) and room == 96 * inp
+        assert got.estimated_peak <= f.base + transient + reserved(8) + 64
         assert "keep their projections' outputs: 4 at 8 inputs" in str(got)
-        got, room = plan(f.base + transient + 2 * inp)  # room for q, k and v only
+        got, room = plan(f.base + transient + reserved(2))  # room for q, k and v only
         assert got.modes == ("offload",) * 4 and got.kept_per_input == (2.0,) * 4 and room == 96 * inp
-        assert got.kept_output_bytes == 2 * inp
-        got, _ = plan(f.base + transient + share * inp)  # q and k: the smallest share
-        assert got.kept_per_input == (share,) * 4 and got.kept_output_bytes == share * inp
+        assert got.kept_output_bytes == reserved(2)
+        got, _ = plan(f.base + transient + reserved(share))  # q and k: the smallest share
+        assert got.kept_per_input == (share,) * 4 and got.kept_output_bytes == reserved(share)
         monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 0.0)  # no time for more copies:
-        got, _ = plan(f.base + transient + 8 * inp)  # the room holds every input on the device instead
-        assert got.modes == ("recompute",) * 4 and got.kept_output_bytes == 0
+        got, _ = plan(f.base + transient + reserved(8))  # the room holds every input on the device instead
+        assert "offload" not in got.modes and got.kept_output_bytes == 0
         monkeypatch.setattr(activation_plan, "HOST_COPY_BYTES_PER_FLOP", 1.0)
         got, room = plan(f.base + transient)
         assert got.modes == ("offload",) * 4 and got.kept_output_bytes == 0 and room == 0

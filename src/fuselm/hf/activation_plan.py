@@ -21,9 +21,10 @@ a checkpointed layer's backward runs; none when every layer is kept), where ``ba
 when the first layer starts (weights, optimizer state, the embeddings' output) plus the gradients of the
 trainable parameters not allocated yet and the adapters every layer keeps cast to the compute dtype until
 its backward. Offloaded layers also keep their projections' outputs in host memory for their recomputes
-(:func:`fuselm.offload.keep_output`: the recompute skips their GEMMs) where the budget holds one layer's
-worth of them on the device (the previous layer's, prefetched during a backward; what the first layer's
-forward offers, counted when ``K`` is) and that plan recomputes less (:meth:`_Planner._keep_outputs`): in
+(:func:`fuselm.offload.keep_output`: the recompute skips their GEMMs) where the budget holds
+:data:`PREFETCH` layers' worth of them and of their inputs on the device (the layers before the one whose
+backward runs, brought back early; what the first layer's forward offers, counted when ``K`` is) and that
+plan recomputes less (:meth:`_Planner._keep_outputs`): in
 the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
 quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
 back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`).
@@ -163,10 +164,16 @@ def plan_layers(
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
 
 
-# Bytes of pinned host copies one way per FLOP of the decoder layers' forward GEMMs that they overlap: an
-# H100 host copied 55 GB/s while a Llama-3-8B layer's forward ran at ~600 TFLOP/s (9e-5), less a margin; an
-# A100's (~25 GB/s against ~300 TFLOP/s) is near it.
-HOST_COPY_BYTES_PER_FLOP = 8e-5
+# Bytes of pinned host copies one way per FLOP of the decoder layers' forward GEMMs that they overlap. An
+# H100 host copies 55 GB/s while a Llama-3-8B layer's forward runs at ~600 TFLOP/s (9e-5); with each
+# offloaded layer's backward bringing back the two before it (PREFETCH), a copy that runs late has a second
+# layer's time, and the 8B bf16 LoRA step at 4 x 2048 under 24 GiB measured (H100, 10 steps) 588 ms at
+# 8e-5, 568 ms at 1.2e-4 and 586 ms at 1.6e-4 (there the backward waited on the copies).
+HOST_COPY_BYTES_PER_FLOP = 1.2e-4
+# How many offloaded layers before it the backward of an offloaded layer that keeps outputs brings back
+# (fuselm.offload.offloaded_checkpoint's prefetch): the budget reserves that many layers' inputs and kept
+# outputs on the device.
+PREFETCH = 2
 
 
 def _recomputes(modes: tuple[str, ...], saved: tuple[float, ...] = ()) -> float:
@@ -400,8 +407,8 @@ class _Planner:
         (:func:`fuselm.offload.keep_output`) where the plan then recomputes less: the outputs the first
         layer's forward offers, in its order, from q, k and v (:data:`fuselm.offload.KEPT_PER_INPUT`) up to
         all of them, as many in each offloaded layer as the host link copies in time (:func:`kept_shares`,
-        :data:`HOST_COPY_BYTES_PER_FLOP`); the budget reserves one layer's worth on the device (the previous
-        layer's, prefetched during a backward)."""
+        :data:`HOST_COPY_BYTES_PER_FLOP`); the budget reserves :data:`PREFETCH` layers' inputs and kept
+        outputs on the device (the layers before the one whose backward runs, brought back early)."""
         n_layers, tokens, budget, base, kept, inp, remade = figures
         inp_bytes = inp * tokens
         # the shares that keep a prefix of the offered outputs; the share of a layer's recompute each saves:
@@ -413,7 +420,7 @@ class _Planner:
         unit = HOST_COPY_BYTES_PER_FLOP * flops
         best = self.plan, _recomputes(self.plan.modes)
         for top in levels:  # the largest share any layer may take, whose kept outputs the budget reserves
-            extra = levels[top][0]
+            extra = PREFETCH * (levels[top][0] + inp_bytes)
             modes = plan_layers(n_layers, tokens, budget - extra, base, kept, inp, remade, host)
             room = host - modes.count("offload") * inp_bytes
             upto = {s: v for s, v in levels.items() if s <= top}
@@ -432,7 +439,8 @@ class _Planner:
         for i, (layer, mode) in enumerate(zip(self.layers, modes, strict=True)):
             layer.gradient_checkpointing = True  # a kept layer's function: the selective one
             want = _FUNCTIONS[mode]
-            options = {"kept_per_input": shares[i]} if mode == "offload" and shares else {}
+            kept = mode == "offload" and shares
+            options = {"kept_per_input": shares[i], "prefetch": PREFETCH} if kept else {}
             func, keywords = offload._unpartial(layer.__dict__.get("_gradient_checkpointing_func"))
             if func is not want or any(keywords.get(k) != v for k, v in options.items()):
                 hf_func = layer.__dict__.get(offload._HF_FUNC)
