@@ -376,21 +376,11 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
 # ---- the parent: one fresh process per (configuration, repeat, provider) ----
 
 
-@dataclass
-class E2ERow(Row):
-    """One (provider, model, B, T, repeat) result; ``step_ms`` is the median of ``step_ms_all``."""
+@dataclass(kw_only=True)
+class TrainingRow(Row):
+    """The figures of one run of training steps (``e2e``, ``finetune``): :func:`step_figures`, memory,
+    losses; ``step_ms`` is the median of ``step_ms_all``. A suite's row adds its configuration."""
 
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
-    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
-    SHAPE_TITLE: ClassVar[str] = "model B x T"
-    SHAPE_FORMAT: ClassVar[str] = "{} {}x{}"
-    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ("model",)
-
-    provider: str
-    model: str
-    batch: int
-    seq: int
-    status: str
     repeat: int = 0
     tokens_per_s: float | None = None
     step_ms: float | None = None
@@ -406,7 +396,6 @@ class E2ERow(Row):
     weights_bytes: int | None = None
     params: int | None = None
     first_loss: float | None = None
-    final_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     warmup_s: float | None = None
     wall_s: float | None = None
@@ -414,6 +403,24 @@ class E2ERow(Row):
     gpu_wait: str | None = None
     error: str | None = None
     traceback: str | None = None
+
+
+@dataclass
+class E2ERow(TrainingRow):
+    """One (provider, model, B, T, repeat) result."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
+    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
+    SHAPE_TITLE: ClassVar[str] = "model B x T"
+    SHAPE_FORMAT: ClassVar[str] = "{} {}x{}"
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ("model",)
+
+    provider: str
+    model: str
+    batch: int
+    seq: int
+    status: str
+    final_loss: float | None = None
 
     def figures(self) -> tuple[str, str]:
         cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""

@@ -690,7 +690,7 @@ def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
 
 
 @dataclass
-class FinetuneRow(Row):
+class FinetuneRow(e2e.TrainingRow):
     """One (provider, model, scenario, B, T, repeat) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq")
@@ -705,33 +705,17 @@ class FinetuneRow(Row):
     batch: int
     seq: int
     status: str
-    repeat: int = 0
-    tokens_per_s: float | None = None
-    step_ms: float | None = None
-    step_ms_all: list[float] = field(default_factory=list)
-    cpu_ms: float | None = None
-    gpu_ms: float | None = None
-    launches: float | None = None
-    memcpy_ms: float | None = None
-    memcpys: float | None = None
-    profile_steps: int | None = None
     top_kernels: list | None = None  # (name, ms/step, launches/step) of the profiled steps, most time first
     idle_ms: float | None = None  # the GPU idle between its kernels and copies, per profiled step
     top_idle: list | None = None  # (next event's name, idle ms/step, gaps/step), most idle first
-    peak_bytes: int | None = None
-    reserved_bytes: int | None = None
-    weights_bytes: int | None = None
     host_pinned_bytes: int | None = None
     host_pinned_source: str | None = None
     rss_delta_bytes: int | None = None
     max_rss_bytes: int | None = None
-    params: int | None = None
     trainable_params: int | None = None
     trainable_dtype: str | None = None
     load_s: float | None = None
     checkpointing: str | None = None
-    first_loss: float | None = None
-    losses: list[float] = field(default_factory=list)
     fused_modules: int | None = None
     fused_modules_ran: int | None = None
     modules: int | None = None
@@ -741,14 +725,8 @@ class FinetuneRow(Row):
     lora_layers_fused: int | None = None
     lora_layers_inside: int | None = None
     fuselm_warnings: list[str] = field(default_factory=list)
-    warmup_s: float | None = None
-    wall_s: float | None = None
     memory_cap_gib: float | None = None  # set_per_process_memory_fraction's cap (max-context)
     activation_plan: str | None = None  # fuselm@<GiB>: what each decoder layer kept, recomputed, offloaded
-    # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
-    gpu_wait: str | None = None
-    error: str | None = None
-    traceback: str | None = None
     # --world-size: the GPUs (ranks) of the step, each with its own batch of batch x seq. step_ms is the
     # slowest rank's median, tokens_per_s the group's (world_size x batch x seq / step), peak_bytes and
     # reserved_bytes the largest rank's; the other figures are rank 0's. One process: 1, the lists empty.

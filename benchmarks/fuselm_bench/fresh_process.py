@@ -461,6 +461,7 @@ def markdown(
 
 def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     """All raw numbers and the metadata, JSON-ready; ``plan``: what the JSON says of the plan."""
+    fields = bench.row_type.SHAPE_FIELDS
     return {
         "suite": bench.name,
         "description": bench.description,
@@ -476,7 +477,15 @@ def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: l
         "repeats": report.repeats,
         "metadata": report.metadata,
         "merged": report.merged,
-        "rows": [{**asdict(r), "peak_gib": r.peak_gib} for r in report.rows],
+        "rows": [  # the configuration first (a row type's own fields follow those of its base)
+            {
+                "provider": r.provider,
+                **dict(zip(fields, r.shape, strict=True)),
+                **asdict(r),
+                "peak_gib": r.peak_gib,
+            }
+            for r in report.rows
+        ],
         "ratios": ratios(bench, report),
         "skipped": report.skipped,
         "notes": notes,
