@@ -955,7 +955,7 @@ def run_groups(
             on_row(report)
 
     c1 = dataclasses.replace(c, shapes=configs)
-    one_gpu(fresh_process.run_all(BENCH, c1, progress, one_gpu), notify=False)
+    one_gpu(fresh_process.run(BENCH, c1, progress, one_gpu), notify=False)
     one_gpu_rows = list(report.rows)
 
     def execute(case: Case) -> DataParallelRow:

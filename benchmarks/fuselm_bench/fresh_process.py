@@ -210,7 +210,6 @@ def run_case(
     device: torch.device,
     warmup: int,
     steps: int,
-    timeout: float | None = None,
     extra: dict[str, Any] | None = None,
     repeat: int = 0,
 ) -> Any:
@@ -223,7 +222,7 @@ def run_case(
     prefix = bench.worker_prefix(provider) if bench.worker_prefix is not None else None
     data = run_worker(
         lambda result: worker_command(bench.module, provider, case, prefix=prefix, **options, result=result),
-        timeout=bench.timeout_s if timeout is None else timeout,
+        timeout=bench.timeout_s,
         prefix=f"fuselm-{bench.name}-",
         env=bench.worker_env(provider, extra) if bench.worker_env is not None else None,
     )
@@ -286,25 +285,16 @@ class CaseReport:
 
 def run(
     bench: Bench,
-    *,
-    plan: Any,
-    shapes: Sequence[Sequence[Any]],
-    providers: Sequence[str],
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    metadata: dict[str, Any] | None = None,
+    c: CliRun,
     progress: bool = True,
-    log: Callable[[str], None] = print,
-    timeout: float | None = None,
     on_row: Callable[[CaseReport], None] | None = None,
-    repeats: int = 1,
-    extra: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
 ) -> CaseReport:
-    """Every (shape, repeat, provider), the providers of one repeat back to back, each in its own worker
-    (:func:`run_case`): the report, ``on_row(report so far)`` after each row. A skipped provider is not run
-    again; one out of memory at batch B is not run at B or larger of the same other sizes."""
+    """Every (shape, repeat, provider) of ``c``, the providers of one repeat back to back, each in its own
+    worker (:func:`run_case`): the report, ``on_row(report so far)`` after each row (:func:`run_cli`'s
+    default :data:`Runner`). A skipped provider is not run again; one out of memory at batch B is not run at
+    B or larger of the same other sizes."""
+    providers, repeats = c.providers, c.repeats
     for p in providers:
         if p.partition("@")[0] not in bench.providers:  # <provider>@<setting>: finetune's memory budgets
             raise ValueError(f"unknown provider {p!r}; known: {', '.join(bench.providers)}")
@@ -312,24 +302,27 @@ def run(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     text = bench.row_type.TEXT_FIELDS
     fields = bench.row_type.SHAPE_FIELDS
-    shapes = tuple(tuple(v if f in text else int(v) for f, v in zip(fields, s, strict=True)) for s in shapes)
+    shapes = tuple(
+        tuple(v if f in text else int(v) for f, v in zip(fields, s, strict=True)) for s in c.shapes
+    )
     report = CaseReport(
-        plan,
-        dtype,
-        device.type,
+        c.plan,
+        c.dtype,
+        c.device.type,
         shapes,
         tuple(providers),
-        warmup,
-        steps,
-        dict(metadata or {}),
+        c.warmup,
+        c.steps,
+        dict(c.metadata),
         repeats=repeats,
     )
+    device = c.device
     for p in providers:
         reason = bench.precheck(p, device) if bench.precheck is not None else None
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
-    options = {"plan": plan, "dtype": dtype, "device": device, "warmup": warmup, "steps": steps}
+    options = {"plan": c.plan, "dtype": c.dtype, "device": device, "warmup": c.warmup, "steps": c.steps}
     batch = bench.row_type.BATCH_FIELD
 
     def on_rows(rows: list[Row]) -> None:
@@ -339,9 +332,7 @@ def run(
 
     report.rows[:] = run_cases(
         [Case(p, s, repeat=r) for s in report.shapes for r in range(repeats) for p in providers],
-        lambda c: run_case(
-            bench, c.provider, c.shape, timeout=timeout, extra=extra, repeat=c.repeat, **options
-        ),
+        lambda case: run_case(bench, case.provider, case.shape, extra=c.extra, repeat=case.repeat, **options),
         desc=bench.name,
         describe=lambda c: f"{c.provider} {bench.row_type.label(c.shape)} #{c.repeat + 1}",
         skipped=report.skipped,
@@ -606,17 +597,6 @@ def start_cli(
 Runner = Callable[[Bench, CliRun, bool, Callable[[CaseReport], None] | None], CaseReport]
 
 
-def run_all(
-    bench: Bench, c: CliRun, progress: bool, on_row: Callable[[CaseReport], None] | None
-) -> CaseReport:
-    """:func:`run` of ``c``'s cases (the default :data:`Runner` of :func:`run_cli`)."""
-    return run(
-        bench, plan=c.plan, shapes=c.shapes, providers=c.providers, dtype=c.dtype, device=c.device,
-        warmup=c.warmup, steps=c.steps, metadata=c.metadata, progress=progress, on_row=on_row,
-        repeats=c.repeats, extra=c.extra,
-    )  # fmt: skip
-
-
 def run_cli(
     bench: Bench,
     c: CliRun,
@@ -625,7 +605,7 @@ def run_cli(
     write: Callable[[CaseReport, Path], dict[str, Path]],
     progress: bool,
     write_each_row: bool = False,
-    runner: Runner = run_all,
+    runner: Runner = run,
     how: str = "one fresh process each",
 ) -> CaseReport:
     """``runner`` the cases, print the report and write its files (after every row too with

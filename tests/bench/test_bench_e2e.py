@@ -527,7 +527,7 @@ def test_gpu_report_files(tmp_path):
     assert paths["png"].stat().st_size > 0
 
 
-def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch):
+def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch, tmp_path):
     calls = []
 
     def fake_run_case(bench, provider, shape, *, repeat=0, **kwargs):
@@ -540,24 +540,11 @@ def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch):
         return e2e.E2ERow(provider, model, batch, seq, "ok", repeat=repeat, tokens_per_s=1.0, step_ms=1.0)
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
-    report = fresh_process.run(
-        e2e.BENCH,
-        plan=e2e.CPU_PRESET,
-        shapes=[
-            ("llama3.2-1b", 4, 64),
-            ("llama3.2-1b", 8, 64),
-            ("llama3.2-1b", 16, 64),
-            ("qwen3-0.6b", 8, 64),
-        ],
-        providers=["hf"],
-        dtype=torch.float32,
-        device=CPU,
-        warmup=0,
-        steps=1,
-        progress=False,
-        log=lambda s: None,
-        repeats=2,
+    shapes = [("llama3.2-1b", 4, 64), ("llama3.2-1b", 8, 64), ("llama3.2-1b", 16, 64), ("qwen3-0.6b", 8, 64)]
+    c = fresh_process.CliRun(
+        ["hf"], CPU, e2e.CPU_PRESET, shapes, 0, 1, torch.float32, {}, tmp_path, repeats=2
     )
+    report = fresh_process.run(e2e.BENCH, c, progress=False, log=lambda s: None)
     # batch 8 of llama ran once; its second repeat and batch 16 are not run; qwen3 is another model
     assert calls == [("hf", 4, 0), ("hf", 4, 1), ("hf", 8, 0), ("hf", 8, 0)]
     assert [(r.model, r.batch, r.repeat, r.status) for r in report.rows] == [

@@ -124,7 +124,7 @@ def test_ratios_and_tables():
     assert "| 8x(512+1536) | fuselm | 240.0 |" in grpo_step.markdown_table(report)
 
 
-def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
+def test_oom_at_a_batch_skips_larger_batches(monkeypatch, tmp_path):
     calls = []
 
     def fake_run_case(bench, provider, shape, **kw):
@@ -135,17 +135,8 @@ def test_oom_at_a_batch_skips_larger_batches(monkeypatch):
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     shapes = [(4, 8, 8), (8, 8, 8), (16, 8, 8)]
-    report = fresh_process.run(
-        grpo_step.BENCH,
-        plan=grpo_step.CPU_PLAN,
-        shapes=shapes,
-        providers=["hf"],
-        dtype=torch.float32,
-        device=CPU,
-        warmup=0,
-        steps=1,
-        log=lambda s: None,
-    )
+    c = fresh_process.CliRun(["hf"], CPU, grpo_step.CPU_PLAN, shapes, 0, 1, torch.float32, {}, tmp_path)
+    report = fresh_process.run(grpo_step.BENCH, c, log=lambda s: None)
     assert calls == [("hf", (4, 8, 8)), ("hf", (8, 8, 8))]
     assert [r.status for r in report.rows] == ["ok", "oom", "oom"]
     assert "not run" in report.rows[2].error
