@@ -362,12 +362,7 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
     """``GPU`` when the step's kernels keep the GPU busy ``>= HOST_BOUND`` of its wall time, else ``host``
     (the GPU waits: for Python and the launches, or for a host-device synchronization); None when either is
     missing or off CUDA (there the host does everything). Read from the GPU's side: the process CPU time also
-    counts spin-waits in synchronizations, so CPU ~ wall does not tell the two apart.
-
-    Example:
-        >>> bound_by(44.6, 48.2), bound_by(24.6, 59.7), bound_by(None, 1.0), bound_by(5.0, 5.0, cuda=False)
-        ('GPU', 'host', None, None)
-    """
+    counts spin-waits in synchronizations, so CPU ~ wall does not tell the two apart."""
     if gpu_ms is None or not step_ms or not cuda:
         return None
     return "GPU" if gpu_ms >= HOST_BOUND * step_ms else "host"
@@ -690,15 +685,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 
 def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
-    ``--models``. Raises ``UsageError``.
-
-    Example:
-        >>> ns = argparse.Namespace(models="qwen3-0.6b", shapes=None)
-        >>> grid(ns, GPU_PRESET)
-        [('qwen3-0.6b', 1, 2048)]
-        >>> grid(argparse.Namespace(models=None, shapes="2x8"), CPU_PRESET)
-        [('llama3.2-1b', 2, 8), ('qwen3-0.6b', 2, 8)]
-    """
+    ``--models``. Raises ``UsageError``."""
     models = parse_list(args.models, list(known), "model") if getattr(args, "models", None) else None
     if args.shapes:
         shapes = parse_shapes(args.shapes, 2)

@@ -77,12 +77,7 @@ GRAPH = "graph"  # fuselm@graph: checkpointing="recompute", the step's forward a
 
 def split_provider(provider: str) -> tuple[str, float | str | None]:
     """``(provider, its variant: a memory budget in GiB, GRAPH, or None)``; UsageError for a variant of
-    another provider or a bad one.
-
-    Example:
-        >>> split_provider("fuselm@24"), split_provider("fuselm@graph"), split_provider("hf")
-        (('fuselm', 24.0), ('fuselm', 'graph'), ('hf', None))
-    """
+    another provider or a bad one."""
     base, at, setting = provider.partition("@")
     if not at:
         return provider, None
@@ -151,13 +146,7 @@ def model_folder(model_dir: str | Path, model: str, tiny: bool, dtype: torch.dty
 def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int):
     """A word-level ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens (``t<i>`` for id i;
     ``<s>``, ``</s>``, ``<pad>`` and ``<unk>`` at their ids): what ``from_pretrained`` of a local folder
-    (Unsloth's included) needs beside the weights, built without a download.
-
-    Example:
-        >>> tok = make_tokenizer(16, 1, 2, 15)
-        >>> len(tok), tok.eos_token_id, tok.pad_token_id, tok("t5 t9")["input_ids"]
-        (16, 2, 15, [5, 9])
-    """
+    (Unsloth's included) needs beside the weights, built without a download."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -477,16 +466,7 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
     their counts, and the LoRA layers (modules with ``lora_A``). With ``called`` (:class:`CalledModules` of a
     step): ``fused_modules_ran``, and how the LoRA layers ran: ``lora_layers_peft`` (called, a forward not
     fuselm's), ``lora_layers_fused`` (called, fuselm's), ``lora_layers_inside`` (never called: computed
-    inside a fused parent).
-
-    Example:
-        >>> class fuselm_Lin(torch.nn.Linear):
-        ...     def forward(self, x):
-        ...         return super().forward(x)
-        >>> out = fused_forwards(torch.nn.Sequential(torch.nn.Linear(2, 2), fuselm_Lin(2, 2)))
-        >>> out["fused_modules"], out["modules"], out["fused_forwards"]
-        (1, 3, {'fuselm_Lin.forward': 1})
-    """
+    inside a fused parent)."""
     counts: collections.Counter[str] = collections.Counter()
     modules = lora = ran = 0
     lora_ran = {"peft": 0, "fused": 0, "inside": 0}
@@ -1408,12 +1388,7 @@ def write_data_parallel_report(report: CaseReport, world_size: int, out_dir: str
 
 
 def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, str, int, int]]:
-    """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``.
-
-    Example:
-        >>> grid(argparse.Namespace(models=None, scenarios="lora", shapes="1x2048,4x2048"), GPU_PLAN)
-        [('llama3-8b', 'lora', 1, 2048), ('llama3-8b', 'lora', 4, 2048)]
-    """
+    """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``."""
     models = (
         parse_list(args.models, list(e2e.MODELS), "model") if getattr(args, "models", None) else plan.models
     )

@@ -36,12 +36,7 @@ _SOLVE_CHUNK = 1024  # rows per batched solve when building peaked hidden states
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V[, inputs, k])`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7).
-
-    Example:
-        >>> split_shape((256, 64, 1000))
-        (256, 64, 1000, 1, 7)
-    """
+    """``(N, H, V[, inputs, k])`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7)."""
     if len(shape) == 3:
         n, h, v = shape
         inputs, k = RANDOM, DEFAULT_IGNORE_K
@@ -181,14 +176,7 @@ def mean_target_prob(
     chunk_rows: int = 256,
 ) -> float:
     """Mean ``softmax(x @ weight.T)[i, target_i]`` over the first ``max_rows`` non-ignored rows (logits in
-    ``weight``'s dtype, as the providers compute them; softmax in fp32).
-
-    Example:
-        >>> w = torch.randn(1000, 32) / 32**0.5
-        >>> x, t = torch.randn(64, 32), torch.randint(0, 1000, (64,))
-        >>> mean_target_prob(x, w, t) < 0.05
-        True
-    """
+    ``weight``'s dtype, as the providers compute them; softmax in fp32)."""
     keep = (target != ignore_index).nonzero().squeeze(1)
     if max_rows is not None:
         keep = keep[:max_rows]

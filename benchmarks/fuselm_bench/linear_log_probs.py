@@ -35,12 +35,7 @@ _REF_SLAB = 16384  # vocabulary rows per fp64 GEMM of the reference
 
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
-    """``(N, H, V[, k, outputs])`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored, + entropy).
-
-    Example:
-        >>> split_shape((256, 64, 1000))
-        (256, 64, 1000, 7, 2)
-    """
+    """``(N, H, V[, k, outputs])`` -> ``(N, H, V, k, outputs)`` (defaults: 1/7 ignored, + entropy)."""
     if len(shape) not in (3, 5):
         raise ValueError(f"expected (N, H, V, k, outputs), got {tuple(shape)}")
     n, h, v, k, outputs = (*shape, DEFAULT_IGNORE_K, WITH_ENTROPY) if len(shape) == 3 else shape

@@ -55,14 +55,7 @@ def longest_fitting(
 ) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
     """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None).
     ``probe(T)``'s row is ``ok``, ``oom`` or else (the search stops). HI first (fits: the answer), then LO
-    (does not: nothing fits), then the geometric middle on multiples of GRAIN.
-
-    Example:
-        >>> fits = lambda t: type("Row", (), {"status": "ok" if t <= 40_000 else "oom"})()
-        >>> longest, _, probes, _ = longest_fitting(fits, 1024, 200_000, rel_tol=0.02)
-        >>> 39_000 <= longest <= 40_000, len(probes) <= 12
-        (True, True)
-    """
+    (does not: nothing fits), then the geometric middle on multiples of GRAIN."""
     if not 0 < lo <= hi:
         raise ValueError(f"the sequence range must be 0 < LO <= HI, got {lo}:{hi}")
     probes: list[tuple[int, Any]] = []
@@ -147,12 +140,7 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
 
 
 def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -> list[tuple]:
-    """(provider, cap, GPU) of each search: the GPUs of ``gpus`` in turn (None each without ``gpus``).
-
-    Example:
-        >>> side_by_side([("fuselm", 16.0), ("fuselm", 40.0), ("unsloth", 16.0), ("unsloth", 40.0)], [0, 1])
-        [('fuselm', 16.0, 0), ('fuselm', 40.0, 1), ('unsloth', 16.0, 0), ('unsloth', 40.0, 1)]
-    """
+    """(provider, cap, GPU) of each search: the GPUs of ``gpus`` in turn (None each without ``gpus``)."""
     return [(p, c, gpus[i % len(gpus)] if gpus else None) for i, (p, c) in enumerate(jobs)]
 
 

@@ -79,18 +79,7 @@ class KernelProfile:
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
         """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA;
         a name starting with ``Memcpy`` or ``Memset`` is a copy or a memset, anything else a kernel, each
-        lasting ``time_range.elapsed_us()``.
-
-        Example:
-            >>> from types import SimpleNamespace as E
-            >>> from torch.autograd import DeviceType
-            >>> def ev(name, us, dev=DeviceType.CUDA):
-            ...     return E(name=name, device_type=dev, time_range=E(elapsed_us=lambda: us))
-            >>> p = KernelProfile.from_events([ev("gemm", 30), ev("Memcpy HtoD", 5), ev("aten::mm", 40,
-            ...     DeviceType.CPU), ev("triton_rms", 10)], steps=2)
-            >>> p.kernels, round(p.kernel_s * 1e6), p.memcpys, p.per_step("kernels")
-            (2, 40, 1, 1.0)
-        """
+        lasting ``time_range.elapsed_us()``."""
         from torch.autograd import DeviceType
 
         out = cls(steps=steps)

@@ -73,12 +73,7 @@ CASE_TIMEOUT_S = {"cuda": 600.0, "cpu": 300.0}  # no case finished for this long
 
 
 def vocab_split(v: int, world_size: int) -> list[int]:
-    """Rows of the vocabulary per rank, as ``torch.tensor_split`` cuts them.
-
-    Example:
-        >>> vocab_split(128256, 2), vocab_split(301, 2)
-        ([64128, 64128], [151, 150])
-    """
+    """Rows of the vocabulary per rank, as ``torch.tensor_split`` cuts them."""
     q, m = divmod(v, world_size)
     return [q + (r < m) for r in range(world_size)]
 
