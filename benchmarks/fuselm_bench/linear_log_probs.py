@@ -338,7 +338,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     part-way keeps the shapes it finished); the exit code. Raises ``UsageError``."""
     from .runner import finish, start
 
-    session, [(_, shapes, providers)] = start([SUITE], args, argv, peer_versions(), check_shape=split_shape)
+    out_dir, run, [(_, shapes, providers)] = start(
+        [SUITE], args, argv, peer_versions(), check_shape=split_shape
+    )
     ACCURACY.clear()
     seen: set[str] = set()
 
@@ -349,7 +351,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
     report: Report | None = None
     for i, shape in enumerate(shapes):
-        part = session.run(SUITE, [shape], providers, log=log_once)
+        part = run(SUITE, shapes=[shape], providers=providers, log=log_once)
         if report is None:
             report = part
         else:
@@ -357,10 +359,10 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             report.rows.extend(part.rows)
             report.skipped.update(part.skipped)
         extra = {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
-        write_report(report, session.out_dir, **extra)
-        print(f"{i + 1}/{len(shapes)} shapes done; results so far written to {session.out_dir}", flush=True)
+        write_report(report, out_dir, **extra)
+        print(f"{i + 1}/{len(shapes)} shapes done; results so far written to {out_dir}", flush=True)
     _REFERENCE.clear()
-    code = finish(report, session.out_dir, **extra)
+    code = finish(report, out_dir, **extra)
     print()
     print(summary_table(report))
     return code

@@ -5,8 +5,8 @@ and :func:`finish` are shared with the op suites that have a runner of their own
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +15,6 @@ import torch
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
 from .report import collect_metadata, markdown, markdown_table, print_written, write_report
-
-
-@dataclass
-class Session:
-    """Where a run writes, and :func:`~fuselm_bench.harness.run_suite`'s options of the run."""
-
-    out_dir: Path
-    options: dict[str, Any]
-
-    def run(
-        self,
-        suite: Suite,
-        shapes: Sequence[Shape],
-        providers: Sequence[str],
-        log: Callable[[str], None] = print,
-    ) -> Report:
-        return run_suite(suite, shapes=shapes, providers=providers, log=log, **self.options)
 
 
 def plan_suite(
@@ -61,9 +44,10 @@ def start(
     argv: list[str],
     metadata: dict[str, Any] | None = None,
     check_shape: Callable[[Shape], Any] | None = None,
-) -> tuple[Session, list[tuple[Suite, list[Shape], list[str]]]]:
+) -> tuple[Path, Callable[..., Report], list[tuple[Suite, list[Shape], list[str]]]]:
     """Check the options (``UsageError`` before anything runs), say what runs where, measure the ceilings;
-    the session and ``(suite, shapes, providers)`` per suite."""
+    the output folder, ``run(suite, shapes=, providers=[, log=])`` (:func:`run_suite` with the run's
+    options) and ``(suite, shapes, providers)`` per suite."""
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)
@@ -86,7 +70,8 @@ def start(
     gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
     options = {"dtype": dtype, "modes": modes, "device": device, "quick": args.quick, "ceilings": ceilings}
-    return Session(out_dir, {**options, "metadata": meta, "progress": not args.no_progress}), plans
+    run = functools.partial(run_suite, **options, metadata=meta, progress=not args.no_progress)
+    return out_dir, run, plans
 
 
 def finish(
@@ -100,10 +85,10 @@ def finish(
 
 def run_op_suites(suites: list[Suite], args: argparse.Namespace, argv: list[str]) -> int:
     """Run and write each of ``suites``; the exit code (1: a suite measured nothing)."""
-    session, plans = start(suites, args, argv)
+    out_dir, run, plans = start(suites, args, argv)
     status = 0
     for suite, shapes, providers in plans:
-        report = session.run(suite, shapes, providers)
+        report = run(suite, shapes=shapes, providers=providers)
         text = None if len(plans) == 1 else markdown_table(report)
-        status = max(status, finish(report, session.out_dir, text=text))
+        status = max(status, finish(report, out_dir, text=text))
     return status
