@@ -103,6 +103,24 @@ class ModelShape:
         )
 
 
+# Llama-3-8B's config; the other Llama shapes change a few of its sizes
+LLAMA3_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_theta": 500000.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -110,21 +128,14 @@ MODELS: dict[str, ModelShape] = {
             "llama3.2-1b",
             "llama",
             {
-                "vocab_size": 128256,
+                **LLAMA3_8B,
                 "hidden_size": 2048,
                 "intermediate_size": 8192,
                 "num_hidden_layers": 16,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
                 "head_dim": 64,
-                "hidden_act": "silu",
                 "max_position_embeddings": 131072,
-                "rms_norm_eps": 1e-5,
                 "tie_word_embeddings": True,
-                "rope_theta": 500000.0,
                 "rope_scaling": LLAMA3_ROPE_SCALING,
-                "bos_token_id": 128000,
-                "eos_token_id": 128001,
             },
         ),
         ModelShape(
@@ -148,26 +159,7 @@ MODELS: dict[str, ModelShape] = {
                 "eos_token_id": 151645,
             },
         ),
-        ModelShape(
-            "llama3-8b",
-            "llama",
-            {
-                "vocab_size": 128256,
-                "hidden_size": 4096,
-                "intermediate_size": 14336,
-                "num_hidden_layers": 32,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
-                "hidden_act": "silu",
-                "max_position_embeddings": 8192,
-                "rms_norm_eps": 1e-5,
-                "tie_word_embeddings": False,
-                "rope_theta": 500000.0,
-                "bos_token_id": 128000,
-                "eos_token_id": 128001,
-            },
-        ),
+        ModelShape("llama3-8b", "llama", LLAMA3_8B),
     )
 }
 # Llama-3.3-70B's shape: QLoRA only (141 GB of bf16 weights; fuselm_bench.nf4_checkpoint saves it 4-bit)
@@ -175,7 +167,7 @@ MODELS["llama3-70b"] = ModelShape(
     "llama3-70b",
     "llama",
     {
-        **MODELS["llama3-8b"].config,
+        **LLAMA3_8B,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
