@@ -360,6 +360,16 @@ def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> 
     return "GPU" if gpu_ms >= HOST_BOUND * step_ms else "host"
 
 
+def rows_bound_by(rows: list[Any], cuda: bool) -> str | None:
+    """:func:`bound_by` of the medians over ``rows``' ok repeats."""
+    return bound_by(*(fresh_process.median_of(rows, a) for a in ("gpu_ms", "step_ms")), cuda)
+
+
+def bound_cell(rows: list[Any], cuda: bool) -> str:
+    """:func:`rows_bound_by` as a table writes it: ``n/a`` without it, ``—`` without an ok row."""
+    return (rows_bound_by(rows, cuda) or "n/a") if any(r.status == "ok" for r in rows) else "—"
+
+
 # ---- the parent: one fresh process per (configuration, repeat, provider) ----
 
 
@@ -490,32 +500,24 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
     """One line per (configuration, provider); medians over the repeats with their range."""
     head = ["model", "B x T", "provider", "tokens/s", "ms/step", "CPU ms/step", "GPU ms/step"]
     head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
-    lines = []
     cuda = report.device_type == "cuda"
-    for shape in report.shapes:
-        for provider in report.providers:
-            rows = report.rows_of(provider, shape)
-            if not rows:
-                continue
-            model, b, t = shape
-            gpu, wall = (fresh_process.median_of(rows, a) for a in ("gpu_ms", "step_ms"))
-            ok = any(r.status == "ok" for r in rows)
-            lines.append(
-                [
-                    model,
-                    f"{b}x{t}",
-                    provider,
-                    _status(rows, summary_cell(rows, "tokens_per_s", fmt_tokens)),
-                    summary_cell(rows, "step_ms"),
-                    summary_cell(rows, "cpu_ms"),
-                    summary_cell(rows, "gpu_ms"),
-                    summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
-                    (bound_by(gpu, wall, cuda) or "n/a") if ok else "—",
-                    summary_cell(rows, "peak_gib"),
-                    summary_cell(rows, "first_loss", lambda v: f"{v:.4f}"),
-                    "; ".join(dict.fromkeys(fresh_process.note_cell(r) for r in rows if r.error)),
-                ]
-            )
+    lines = [
+        [
+            model,
+            f"{b}x{t}",
+            provider,
+            _status(rows, summary_cell(rows, "tokens_per_s", fmt_tokens)),
+            summary_cell(rows, "step_ms"),
+            summary_cell(rows, "cpu_ms"),
+            summary_cell(rows, "gpu_ms"),
+            summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
+            bound_cell(rows, cuda),
+            summary_cell(rows, "peak_gib"),
+            summary_cell(rows, "first_loss", lambda v: f"{v:.4f}"),
+            fresh_process.note_cell(rows),
+        ]
+        for (model, b, t), provider, rows in report.groups()
+    ]
     return md_table(head, lines)
 
 
@@ -621,6 +623,7 @@ def markdown(report: fresh_process.CaseReport) -> str:
 
 
 def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
+    cuda = report.device_type == "cuda"
     models = list(dict.fromkeys(s[0] for s in report.shapes))
     plan = {
         "preset": report.plan.name,
@@ -628,20 +631,8 @@ def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
         "profile_steps": report.plan.profile_steps,
         "host_bound_threshold": HOST_BOUND,
         "bound_by": [
-            {
-                "model": s[0],
-                "batch": s[1],
-                "seq": s[2],
-                "provider": p,
-                "bound_by": bound_by(
-                    fresh_process.median_of(report.rows_of(p, s), "gpu_ms"),
-                    fresh_process.median_of(report.rows_of(p, s), "step_ms"),
-                    report.device_type == "cuda",
-                ),
-            }
-            for s in report.shapes
-            for p in report.providers
-            if report.rows_of(p, s)
+            {"model": m, "batch": b, "seq": t, "provider": p, "bound_by": rows_bound_by(rows, cuda)}
+            for (m, b, t), p, rows in report.groups()
         ],
     }
     return fresh_process.report_json(BENCH, report, plan, notes(report))

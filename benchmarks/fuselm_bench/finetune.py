@@ -1021,39 +1021,32 @@ def detail_table(report: CaseReport) -> str:
     head += ["fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
     lines = []
-    for shape in report.shapes:
+    for shape, p, rows in report.groups():
         model, scenario, b, t = shape[:4]
-        for p in report.providers:
-            rows = report.rows_of(p, shape)
-            if not rows:
-                continue
-            ok = _ok(rows)
-            first = ok[0] if ok else None
-            gap = loss_gap(report, p, shape)
-            fused = "—"
-            if first is not None and first.fused_modules is not None and p == "fuselm":
-                fused = f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
-
-            lines.append(
-                [
-                    model,
-                    scenario,
-                    f"{b}x{t}",
-                    *([str(shape[4])] if gpus else []),
-                    p,
-                    _cell(rows, "step_ms") if ok else fresh_process.failed_cell(rows),
-                    e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
-                    *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
-                    (e2e.bound_by(median_of(rows, "gpu_ms"), median_of(rows, "step_ms"), cuda) or "n/a")
-                    if ok
-                    else "—",
-                    *(_cell(rows, a, 2) for a in ("peak_gib", "reserved_gib", "pinned_gib")),
-                    "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES]),
-                    "—" if gap is None else f"{gap:.1e}",
-                    fused,
-                    "; ".join(dict.fromkeys(fresh_process.note_cell(r) for r in rows if r.error)),
-                ]
-            )
+        ok = _ok(rows)
+        first = ok[0] if ok else None
+        gap = loss_gap(report, p, shape)
+        fused = "—"
+        if first is not None and first.fused_modules is not None and p == "fuselm":
+            fused = f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
+        lines.append(
+            [
+                model,
+                scenario,
+                f"{b}x{t}",
+                *([str(shape[4])] if gpus else []),
+                p,
+                _cell(rows, "step_ms") if ok else fresh_process.failed_cell(rows),
+                e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
+                *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
+                e2e.bound_cell(rows, cuda),
+                *(_cell(rows, a, 2) for a in ("peak_gib", "reserved_gib", "pinned_gib")),
+                "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES]),
+                "—" if gap is None else f"{gap:.1e}",
+                fused,
+                fresh_process.note_cell(rows),
+            ]
+        )
     return md_table(head, lines)
 
 
@@ -1165,9 +1158,7 @@ def to_json(report: CaseReport) -> dict[str, Any]:
             "provider": p,
             "max_abs_diff_vs_hf": loss_gap(report, p, s),
         }
-        for s in report.shapes
-        for p in report.providers
-        if report.rows_of(p, s)
+        for s, p, _ in report.groups()
     ]
     plan = {"plan": report.plan.name, "finetune": report.metadata.get("finetune", {}), "loss_gaps": gaps}
     return fresh_process.report_json(BENCH, report, plan, notes(report))

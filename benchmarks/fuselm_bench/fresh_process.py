@@ -282,6 +282,10 @@ class CaseReport:
         """Every row (one per repeat) of (provider, shape)."""
         return [r for r in self.rows if r.provider == provider and r.shape == tuple(shape)]
 
+    def groups(self) -> list[tuple[tuple[Any, ...], str, list[Any]]]:
+        """``(shape, provider, its rows)`` for every shape and provider with rows, in the report's order."""
+        return [(s, p, rows) for s in self.shapes for p in self.providers if (rows := self.rows_of(p, s))]
+
 
 def run(
     bench: Bench,
@@ -414,9 +418,10 @@ def status_cell(row: Row, ok: str) -> str:
     return ok if row.status == "ok" else failed_cell([row])
 
 
-def note_cell(row: Row) -> str:
-    """The row's error on one line, without the table's separators."""
-    return (row.error or "").replace("|", "/").replace("\n", " ")
+def note_cell(rows: Sequence[Row]) -> str:
+    """The rows' distinct errors on one line, without the table's separators."""
+    errors = ((r.error or "").replace("|", "/").replace("\n", " ") for r in rows if r.error)
+    return "; ".join(dict.fromkeys(errors))
 
 
 def markdown(

@@ -250,7 +250,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
                 f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
                 f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
                 f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
-                fresh_process.note_cell(r),
+                fresh_process.note_cell([r]),
             ]
         )
     return md_table(head, rows)
