@@ -334,8 +334,9 @@ def plainly_causal(config, call: dict) -> bool:
     types_ = getattr(config, "layer_types", None)
     if types_ is not None and any(t != "full_attention" for t in types_):
         return False
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", 1)
-    if sliding or getattr(config, "attention_chunk_size", None) is not None:
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    if getattr(config, "attention_chunk_size", None) is not None:
         return False
     given = {k for k, v in call.items() if v is not None and not (k == "kwargs" and not v)}
     extra = call.get("kwargs") or {}
