@@ -11,8 +11,8 @@ tables and figures of both (one text: each table in one of them) equal the commi
 - The other tables of "## Benchmarks" equal the committed JSON of the suite and GPU each one names: end to
   end (h200/e2e.json), cross-entropy (h200/ and h100/cross_entropy.json), fused linear cross-entropy
   (h200/linear_cross_entropy.json), per-token log-probs and their error row (h100/linear_log_probs.json),
-  vocabulary split over 2 GPUs (h200/linear_cross_entropy_ws2.json), block kernels (h200/rms_norm,
-  layer_norm, swiglu, rope.json and h100/rope.json), and the GRPO-shaped step paragraph (h100/grpo_step.json).
+  block kernels (h200/rms_norm, layer_norm, swiglu, rope.json and h100/rope.json), and the GRPO-shaped step
+  paragraph (h100/grpo_step.json).
   Every number a cell shows (ms, x copy / x floor, MiB, GiB, k tok/s) must be the committed value printed
   with the README's number of decimals; the commit a table names must be the JSON's.
 - The prose figures with a JSON source are checked the same way: the batch 1 x 2048 end-to-end sentence
@@ -331,23 +331,6 @@ def test_linear_log_probs_table_equals_json():
         assert len(acc) == 1, header
         mantissa, exponent = f"{acc[0]['log_probs']:.1e}".split("e")
         assert cell == f"{mantissa}e{int(exponent)}", (header, cell, acc[0]["log_probs"])
-
-
-def test_vocabulary_split_table_equals_json():
-    title = "Vocabulary split over 2 GPUs"
-    data = load("h200", "linear_cross_entropy_ws2")
-    table = table_in(title)
-    head, body = table[0], table[2:]
-    assert commit_named(title) in (None, data["metadata"]["commit"])
-    providers = dict(zip(head[1:4], ["fuselm_split", "allgather_logits", "fuselm_single"], strict=True))
-    assert head[4] == "split / one GPU"
-    assert {row[0] for row in body} == {", ".join(map(str, s)) for s in data["shapes"]}
-    for row in body:
-        shape = [int(v) for v in row[0].split(", ")]
-        for header, cell in zip(head[1:4], row[1:4], strict=True):
-            assert check_kernel_cell(cell, kernel_row(data, shape, providers[header]), "x_floor") == 2
-        summary = [s for s in data["summary"] if s["shape"] == shape]
-        assert shown(re.fullmatch(NUM + "x", row[4]).group(1), summary[0]["split_vs_single"]), row
 
 
 def test_block_kernel_table_equals_json():

@@ -4,6 +4,6 @@
 - ``cli``, ``registry`` (the suites, imported lazily), ``runner`` (an op suite's run); ``harness``: the op
   suites' interface, timing, memory, ceilings; one module per op suite (``cross_entropy``, ...).
 - ``cases``: the one row type and case loop, whatever runs a case: this process (``harness``), a fresh
-  worker (``fresh_process``: ``e2e``, ``finetune``, ``grpo_step``) or a group of ranks (``rank_group``).
+  worker (``fresh_process``: ``e2e``, ``finetune``, ``grpo_step``).
 - ``report``: run metadata and the markdown / JSON / PNG writers.
 """

@@ -1,5 +1,5 @@
 """The lab's one row type and one case loop: a case (one provider at one configuration, in one mode or
-repeat) gives a :class:`Row` whatever runs it (this process, a fresh worker process or a group of ranks)."""
+repeat) gives a :class:`Row` whatever runs it (this process, or a fresh worker process)."""
 
 from __future__ import annotations
 

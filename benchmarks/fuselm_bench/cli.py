@@ -9,9 +9,6 @@ Usage::
     fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
     fuselm bench e2e --models qwen3-0.6b --repeats 3 # the grid's Qwen3 shapes, 3 fresh processes each
     fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
-    fuselm bench linear_cross_entropy --world-size 2   # V split over 2 GPUs vs one GPU vs gathered logits
-    fuselm bench linear_log_probs --world-size 2       # the same for per-token log-probs
-    fuselm bench finetune --world-size 2 --providers hf,fuselm   # LoRA on 2 GPUs (FSDP2) vs one GPU
 
 Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out``); without CUDA tiny shapes
 run and write under ``bench-out/cpu`` (git-ignored: CPU figures are smoke runs, never committed).
@@ -61,14 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--steps",
         type=int,
-        help="e2e, finetune: timed training steps per run (default 10; CPU 3); --world-size: timed fwd+bwd "
-        "steps per provider (default 20; --quick 3)",
+        help="e2e, finetune: timed training steps per run (default 10; CPU 3)",
     )
     bench.add_argument(
         "--warmup",
         type=int,
-        help="e2e, finetune: warmup steps before timing (default 3; CPU 2); --world-size: per provider "
-        "(default 3)",
+        help="e2e, finetune: warmup steps before timing (default 3; CPU 2)",
     )
     bench.add_argument(
         "--models",
@@ -141,16 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="finetune, max-context: folder for the saved random-init models (reused when already there; "
         "default: a temporary folder removed after the run)",
     )
-    bench.add_argument(
-        "--world-size",
-        type=positive_int,
-        default=1,
-        help="linear_cross_entropy and linear_log_probs: split the vocabulary over this many GPUs (gloo "
-        "processes on a CPU) and compare with one GPU and with all-gathered logits, fwd+bwd, --shapes NxHxV; "
-        "finetune: each case on this many GPUs with FSDP2 (hf and fuselm; each rank its own B x T batch) "
-        "beside its one-GPU row, tokens/s per GPU; writes <suite>_ws<N>.* (e.g. linear_log_probs_ws2.md, "
-        "finetune_ws2.md)",
-    )
     return bench
 
 
@@ -173,14 +158,6 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.suite is None:
         _list_suites()
         return 0
-    if args.world_size > 1 and args.suite != "finetune":  # finetune: its runner takes --world-size
-        from .vocab_parallel import OPS, run_cli
-
-        if args.suite not in OPS:  # the vocabulary split over ranks: its own runner, one process per rank
-            raise UsageError(
-                f"--world-size applies to {', '.join(OPS)} and finetune only, not to {args.suite!r}"
-            )
-        return run_cli(args, argv)
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)
     if args.suite != "all" and args.suite not in suite_names():

@@ -1,20 +1,10 @@
 """``fuselm bench finetune``: LoRA / QLoRA fine-tuning steps, HF + PEFT vs + Liger vs + fuselm vs Unsloth.
 
-A random-init model of a named shape (``--models``, :data:`fuselm_bench.e2e.MODELS`; ``llama3-70b`` is
-QLoRA only, saved 4-bit by :mod:`fuselm_bench.nf4_checkpoint`) is saved once per run with a tokenizer
-(``--model-dir``, else a temporary folder; nothing comes from the hub), then every (scenario, B x T,
-provider) loads it and trains LoRA adapters in a fresh process (:func:`train`): ``qlora`` = bitsandbytes
-NF4 with double quantization (``bnb_4bit_quant_storage=torch.bfloat16``: the packed bytes stored as bf16,
-which FSDP2 shards on every torch), ``lora`` = a bf16 base. The providers are :data:`PROVIDER_DESCRIPTIONS`
-(``fuselm@<GiB>``: ``checkpointing="auto", memory_budget=<GiB>``, ``--memory-budgets``; ``fuselm@graph``:
-``checkpointing="recompute"`` with each forward and backward replayed from CUDA graphs,
-:func:`fuselm_bench.step_timing.graphed_optimizer_step`); the step loop is
-``fuselm bench e2e``'s (:func:`fuselm_bench.step_timing.run_steps`), and :func:`notes` says in each report
-how every figure is taken. Workers run offline with Unsloth's allocator setting (:func:`base_env`).
-
-``--world-size W`` (``hf`` and ``fuselm``): every case also runs on a fresh group of W spawned ranks
-(:mod:`fuselm_bench.rank_group`), FSDP2 over the patched PEFT model (:func:`shard_fsdp2`), each rank on
-its own B x T batch; ``finetune_ws<W>.*`` puts each case's one-GPU row beside its W-GPU row.
+A random-init model of a named shape (``--models``, :data:`fuselm_bench.e2e.MODELS`) is saved once per run
+with a tokenizer (nothing comes from the hub); every (scenario, B x T, provider) then loads it and trains
+LoRA adapters in a fresh process (:func:`train`), with ``fuselm bench e2e``'s step loop. ``qlora``:
+bitsandbytes NF4 with double quantization; ``lora``: a bf16 base. :func:`notes` says how every figure is
+taken.
 """
 
 from __future__ import annotations
@@ -40,17 +30,16 @@ import torch
 
 from fuselm.demo import training
 
-from . import e2e, fresh_process, rank_group, step_timing
+from . import e2e, fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
-from .cases import GIB, Case, Row, run_cases
+from .cases import GIB
 from .fresh_process import CaseReport, median_of
-from .harness import SkipProvider, blocking_sync, error_text, run_measured
+from .harness import SkipProvider, error_text
 from .report import DTYPE_NAMES, OFFLINE_ENV, dtype_name, md_table, pyplot, ratio
 
 NAME = "finetune"
 DESCRIPTION = "LoRA / QLoRA fine-tuning steps (PEFT): HF vs + Liger vs + fuselm vs Unsloth"
 PROVIDERS: tuple[str, ...] = ("hf", "liger", "fuselm", "unsloth")
-DATA_PARALLEL_PROVIDERS: tuple[str, ...] = ("hf", "fuselm")  # --world-size: PEFT models sharded by hand
 PROVIDER_TITLES = {"hf": "HF + PEFT", "liger": "+ Liger", "fuselm": "+ fuselm.hf.patch", "unsloth": "Unsloth"}
 PROVIDER_DESCRIPTIONS = {
     "hf": "transformers + PEFT LoRA, HF gradient checkpointing (use_reentrant=False)",
@@ -67,7 +56,7 @@ SEED = 0
 LR = 1e-4
 RANK = 16
 FIRST_LOSSES = 5
-WORKER_TIMEOUT_S = 900.0  # also a build's, and a group's with no result for this long
+WORKER_TIMEOUT_S = 900.0  # also a build's
 MARKER = "fuselm_bench_model.json"
 HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 
@@ -287,14 +276,6 @@ def worker_env(provider: str, extra: dict[str, Any] | None = None) -> dict[str, 
     return env
 
 
-def group_env(device_type: str) -> dict[str, str]:
-    """The ranks' of ``--world-size``: :func:`base_env`, on CUDA NVLink multicast off unless set."""
-    env = base_env()
-    if device_type == "cuda":
-        env.update({k: v for k, v in rank_group.NCCL_ENV.items() if k not in os.environ})
-    return env
-
-
 UNSLOTH_BOOT = (
     "import sys\n"
     "try:\n"
@@ -392,7 +373,7 @@ def load_peft_model(
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
-            bnb_4bit_quant_storage=torch.bfloat16,  # shardable by FSDP2 (--world-size) on every torch
+            bnb_4bit_quant_storage=torch.bfloat16,
         )
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     model.config.use_cache = False
@@ -405,26 +386,6 @@ def load_peft_model(
     if provider == "fuselm":
         checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens, memory_budget)
     return model.train(), checkpointing
-
-
-def shard_fsdp2(peft_model, device: torch.device) -> str:
-    """FSDP2 over the group as tests/distributed/test_fsdp.py does it: ``fully_shard`` on each decoder layer,
-    then on the root CausalLM (patched before: fuselm keeps each 4-bit layer's quantization state on the
-    layer, so QLoRA's packed weights shard like any parameter). Returns what was done, for the report."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    world_size = torch.distributed.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size,))
-    causal_lm = peft_model.get_base_model()
-    layers = list(causal_lm.model.layers)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(causal_lm, mesh=mesh)
-    return (
-        f"FSDP2 over {world_size} ranks: fully_shard on each of {len(layers)} decoder layers, then on "
-        f"{type(causal_lm).__name__.removeprefix('FSDP')}"
-    )
 
 
 def _forward_name(fn: Any) -> tuple[str, str]:
@@ -565,16 +526,13 @@ def train(
     unsloth_failed: str | None = None,
     memory_cap_gib: float | None = None,
     mlp_chunk_tokens: int | None = None,
-    data_parallel: bool = False,
     gpu: int | None = None,
 ) -> dict[str, Any]:
     """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA for ``warmup`` + ``steps`` +
     ``profile_steps`` steps, the measurements (SkipProvider when the provider cannot run here).
 
-    ``memory_cap_gib``: the GPU acts as one of that many GiB (max-context). ``data_parallel``: this process
-    is one rank of a group: the model is sharded (:func:`shard_fsdp2`) before the optimizer is built, and
-    the rank trains on its own batch (rank 0's is the one-process batch). ``gpu``: the GPU the parent gave
-    this worker alone (:func:`worker_env`), its cuda:0."""
+    ``memory_cap_gib``: the GPU acts as one of that many GiB (max-context). ``gpu``: the GPU the parent
+    gave this worker alone (:func:`worker_env`), its cuda:0."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
@@ -585,10 +543,6 @@ def train(
     cuda = device.type == "cuda"
     if (provider in ("liger", "unsloth") or memory_budget == GRAPH) and not cuda:
         raise SkipProvider("needs CUDA")
-    if data_parallel and provider not in DATA_PARALLEL_PROVIDERS:
-        raise ValueError(
-            f"{provider} does not run under FSDP2 here; only {', '.join(DATA_PARALLEL_PROVIDERS)}"
-        )
     folder = model_folder(model_dir, model, plan.tiny, torch.bfloat16 if cuda else torch.float32)
     if not (folder / MARKER).is_file():
         raise FileNotFoundError(f"no saved model in {folder} (the parent saves it before the workers run)")
@@ -605,11 +559,10 @@ def train(
             alpha=float(rank if alpha is None else alpha), dropout=dropout, seed=seed, offload=offload,
             mlp_chunk_tokens=mlp_chunk_tokens, memory_budget=memory_budget,
         )  # fmt: skip
-        sharding = shard_fsdp2(peft_model, device) if data_parallel else None
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
-        params = [p for p in peft_model.parameters() if p.requires_grad]  # after sharding: FSDP's DTensors
-        gen = torch.Generator().manual_seed(seed + 1 + (torch.distributed.get_rank() if data_parallel else 0))
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        gen = torch.Generator().manual_seed(seed + 1)
         ids = torch.randint(0, peft_model.config.vocab_size, (batch, seq), generator=gen).to(device)
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -627,8 +580,6 @@ def train(
                 return step(0)
 
         profiled = plan.profile_steps if profile_steps is None else profile_steps
-        if data_parallel:  # the ranks loaded at their own pace: start the steps together
-            torch.distributed.barrier()
         run = step_timing.run_steps(
             first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
         )
@@ -647,7 +598,6 @@ def train(
         "trainable_dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
         "load_s": load_s,
         "checkpointing": checkpointing,
-        "sharding": sharding,
         "memory_cap_gib": memory_cap_gib,
         "losses": run.logged,
         "first_loss": run.logged[0] if run.logged else None,
@@ -707,18 +657,6 @@ class FinetuneRow(e2e.TrainingRow):
     fuselm_warnings: list[str] = field(default_factory=list)
     memory_cap_gib: float | None = None  # set_per_process_memory_fraction's cap (max-context)
     activation_plan: str | None = None  # fuselm@<GiB>: what each decoder layer kept, recomputed, offloaded
-    # --world-size: the GPUs (ranks) of the step, each with its own batch of batch x seq. step_ms is the
-    # slowest rank's median, tokens_per_s the group's (world_size x batch x seq / step), peak_bytes and
-    # reserved_bytes the largest rank's; the other figures are rank 0's. One process: 1, the lists empty.
-    world_size: int = 1
-    sharding: str | None = None
-    rank_step_ms: list[float | None] = field(default_factory=list)
-    rank_peak_bytes: list[int | None] = field(default_factory=list)
-    rank_first_losses: list[float | None] = field(default_factory=list)
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float | None:
-        return None if self.tokens_per_s is None else self.tokens_per_s / self.world_size
 
     @property
     def reserved_gib(self) -> float | None:
@@ -733,16 +671,6 @@ class FinetuneRow(e2e.TrainingRow):
         cpu = "" if self.cpu_ms is None else f" (CPU {self.cpu_ms:.0f} ms)"
         losses = ", ".join(f"{x:.4f}" for x in self.losses[:3])
         return f"{step}{cpu}, {e2e.fmt_tokens(self.tokens_per_s)} tok/s", f"losses {losses}"
-
-
-@dataclass
-class DataParallelRow(FinetuneRow):
-    """A row of ``finetune_ws<W>``: the configuration includes its number of GPUs."""
-
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq", "world_size")
-    SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "scenario", "B", "T", "GPUs")
-    SHAPE_TITLE: ClassVar[str] = "model scenario B x T (per GPU) GPUs"
-    SHAPE_FORMAT: ClassVar[str] = "{} {} {}x{} x{}gpu"
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
@@ -786,19 +714,6 @@ BENCH = fresh_process.Bench(
 )
 
 
-def data_parallel_bench(world_size: int) -> fresh_process.Bench:
-    """:data:`BENCH` as the ``finetune_ws<W>`` report sees it (the workers are :data:`BENCH`'s)."""
-    return dataclasses.replace(
-        BENCH,
-        name=f"{NAME}_ws{world_size}",
-        description=f"LoRA / QLoRA fine-tuning steps (PEFT) on {world_size} GPUs with FSDP2 vs one GPU: "
-        "HF vs + fuselm",
-        providers=DATA_PARALLEL_PROVIDERS,
-        row_type=DataParallelRow,
-        peers={"hf": "HF"},
-    )
-
-
 def bnb_cpu_4bit_works() -> str | None:
     """None when a bitsandbytes NF4 layer runs forward and backward on this CPU, else why not."""
     try:
@@ -816,153 +731,6 @@ def bnb_cpu_4bit_works() -> str | None:
     except Exception as e:  # noqa: BLE001 - whatever fails, qlora does not run here
         return f"bitsandbytes 4-bit does not run on this CPU ({error_text(e, 160)})"
     return None
-
-
-# ---- --world-size: a case on a group of ranks ----
-
-
-@dataclass(frozen=True)
-class GroupCase:
-    """One (provider, configuration) on a group of ranks, pickled to each: :func:`train`'s arguments."""
-
-    plan: FinetuneDefaults
-    provider: str
-    shape: tuple[str, str, int, int]
-    world_size: int
-    device_type: str
-    dtype: torch.dtype
-    warmup: int
-    steps: int
-    options: dict[str, Any]
-    seed: int = SEED
-    timeout_s: float = WORKER_TIMEOUT_S
-
-
-def group_rank(rank: int, case: GroupCase, init_file: str, out_dir: str) -> None:
-    """A spawned rank: join the group, :func:`train` with ``data_parallel``, agree on the status, leave."""
-    path = Path(out_dir) / f"rank{rank}.jsonl"
-    rank_group.capture_output(out_dir, rank)  # HF's progress bars, the profiler's lines: quoted on failure
-    record: dict[str, Any] = {"kind": "case", "index": 0, "rank": rank, "status": "ok"}
-    if case.device_type == "cuda":  # before CUDA starts in this process
-        record["gpu_wait"] = blocking_sync(rank)
-    else:
-        torch.set_num_threads(1)  # a tiny model, as the one-process worker runs it
-    device = rank_group.join_group(rank, case.world_size, case.device_type, init_file, case.timeout_s)
-    try:
-
-        def measure() -> dict[str, Any]:
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-            options = {"warmup": case.warmup, "steps": case.steps, "seed": case.seed, **case.options}
-            return train(
-                case.plan,
-                case.provider,
-                *case.shape,
-                dtype=case.dtype,
-                device=device,
-                data_parallel=True,
-                **options,
-            )
-
-        record.update(run_measured(measure, device))
-        rank_group.finish_case(record, path, device)
-    finally:
-        torch.distributed.destroy_process_group()
-    # Leave without interpreter finalization, where gloo's threads can still hold tensors and abort the
-    # process after the record is written (tests/kit/workers.py saw it in CI).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def group_row(case: GroupCase, records: list[dict[str, Any]], failure: str | None, repeat: int = 0):
-    """The row of one group: step time the slowest rank's, tokens/s the group's, peak memory the largest
-    rank's, the rest rank 0's (each rank's in the lists); or the failure."""
-    bench = data_parallel_bench(case.world_size)
-    shape = (*case.shape, case.world_size)
-    failed = rank_group.failed_case(records, 0, case.world_size, failure)
-    if failed is not None:
-        return fresh_process.make_row(bench, case.provider, shape, failed, repeat)
-    ranks = sorted(rank_group.case_records(records, 0), key=lambda r: r["rank"])
-    slowest = max(ranks, key=lambda r: r["step_ms"] if r.get("step_ms") is not None else -1.0)
-    data = dict(ranks[0])
-    data.update(step_ms=slowest.get("step_ms"), step_ms_all=slowest.get("step_ms_all", []))
-    tokens = case.world_size * case.shape[2] * case.shape[3]
-    data["tokens_per_s"] = None if not data["step_ms"] else tokens / (data["step_ms"] / 1e3)
-    for key in ("peak_bytes", "reserved_bytes"):
-        values = [r.get(key) for r in ranks]
-        data[key] = None if None in values else max(values)
-    data.update(
-        rank_step_ms=[r.get("step_ms") for r in ranks],
-        rank_peak_bytes=[r.get("peak_bytes") for r in ranks],
-        rank_first_losses=[r.get("first_loss") for r in ranks],
-    )
-    return fresh_process.make_row(bench, case.provider, shape, data, repeat)
-
-
-def run_group_case(case: GroupCase, repeat: int = 0) -> DataParallelRow:
-    """``case`` on a fresh group of spawned ranks: its row (a rank's failure is the row's error)."""
-    t0 = time.perf_counter()
-    env = group_env(case.device_type)
-    prefix = "fuselm-finetune-group-"
-    with rank_group.RankGroup(
-        group_rank, (case,), world_size=case.world_size, timeout_s=case.timeout_s, env=env, prefix=prefix
-    ) as group:
-        group.wait_for(0)
-        records, failure = group.records(), group.failure_with_output()
-    row = group_row(case, records, failure, repeat)
-    row.wall_s = time.perf_counter() - t0
-    return row
-
-
-def run_groups(
-    world_size: int, bench: fresh_process.Bench, c: fresh_process.CliRun, progress: bool, on_row
-) -> CaseReport:
-    """The ``--world-size`` runner of :func:`fresh_process.run_cli`: the one-GPU rows, then the W-GPU rows."""
-    configs = list(dict.fromkeys(s[:4] for s in c.shapes))
-    report = CaseReport(
-        c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), c.warmup, c.steps, c.metadata,
-        repeats=c.repeats,
-    )  # fmt: skip
-
-    def one_gpu(partial: CaseReport, notify: bool = True) -> None:
-        report.rows[:] = [
-            DataParallelRow(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
-            for r in partial.rows
-        ]
-        report.skipped.update(partial.skipped)
-        if notify and on_row is not None:
-            on_row(report)
-
-    c1 = dataclasses.replace(c, shapes=configs)
-    one_gpu(fresh_process.run(BENCH, c1, progress, one_gpu), notify=False)
-    one_gpu_rows = list(report.rows)
-
-    def execute(case: Case) -> DataParallelRow:
-        group = GroupCase(
-            c.plan, case.provider, case.shape, world_size, c.device.type, c.dtype, c.warmup, c.steps,
-            dict(c.extra),
-        )  # fmt: skip
-        return run_group_case(group, case.repeat)
-
-    def group_rows(rows: list[Row]) -> None:
-        report.rows[:] = one_gpu_rows + rows
-        if on_row is not None:
-            on_row(report)
-
-    run_cases(
-        [Case(p, s, repeat=r) for s in configs for r in range(c.repeats) for p in c.providers],
-        execute,
-        desc=f"{bench.name} x{world_size}",
-        describe=lambda case: f"{case.provider} {FinetuneRow.label(case.shape)} #{case.repeat + 1}",
-        skipped=report.skipped,
-        repeats=c.repeats,
-        skip_provider=False,  # a provider skipped on one GPU is not run; one that skips on W runs the next
-        progress=progress,
-        log=lambda line: print(line, flush=True),
-        on_row=group_rows,
-    )
-    return report
 
 
 # ---- reports ----
@@ -1014,15 +782,14 @@ def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
 
 
 def detail_table(report: CaseReport) -> str:
-    gpus = any(len(s) > len(FinetuneRow.SHAPE_FIELDS) for s in report.shapes)  # a --world-size report
-    head = ["model", "scenario", "B x T", *(["GPUs"] if gpus else []), "provider", "ms/step", "tokens/s"]
+    head = ["model", "scenario", "B x T", "provider", "ms/step", "tokens/s"]
     head += ["CPU ms/step", "GPU ms/step", "launches/step", "bound by", "peak alloc GiB", "peak reserved GiB"]
     head += ["host pinned GiB", f"first {FIRST_LOSSES} losses", "max abs diff vs HF"]
     head += ["fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
     lines = []
     for shape, p, rows in report.groups():
-        model, scenario, b, t = shape[:4]
+        model, scenario, b, t = shape
         ok = _ok(rows)
         first = ok[0] if ok else None
         gap = loss_gap(report, p, shape)
@@ -1034,7 +801,6 @@ def detail_table(report: CaseReport) -> str:
                 model,
                 scenario,
                 f"{b}x{t}",
-                *([str(shape[4])] if gpus else []),
                 p,
                 _cell(rows, "step_ms") if ok else fresh_process.failed_cell(rows),
                 e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
@@ -1109,12 +875,11 @@ def notes(report: CaseReport) -> list[str]:
     return out
 
 
-def _facts(report: CaseReport, options: str, gpus: str | None = None) -> list[str]:
+def _facts(report: CaseReport, options: str) -> list[str]:
     steps = report.metadata.get("finetune", {}).get("profile_steps")
     models = dict.fromkeys(s[0] for s in report.shapes)
     return [
         *(f"model {e2e.MODELS[m].describe(report.plan.tiny)}" for m in models if m in e2e.MODELS),
-        *([gpus] if gpus else []),
         f"steps per run: {report.warmup} warmup, {report.steps} timed, {steps} profiled",
         options,
         *(
@@ -1218,163 +983,6 @@ def write_report(report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
     )
 
 
-# ---- --world-size reports: one GPU against W ----
-
-
-def scaling(report: CaseReport, provider: str, config: tuple[Any, ...], world_size: int) -> dict[str, Any]:
-    """One GPU against ``world_size`` for (provider, config); ``per_gpu``: tokens/s per GPU, W / 1."""
-    one = report.rows_of(provider, (*config, 1))
-    many = report.rows_of(provider, (*config, world_size))
-    first_one, first_many = _ok(one)[:1], _ok(many)[:1]
-    loss_one = first_one[0].first_loss if first_one else None
-    loss_many = first_many[0].first_loss if first_many else None
-    return {
-        **dict(zip(FinetuneRow.SHAPE_FIELDS, config, strict=True)),
-        "provider": provider,
-        "world_size": world_size,
-        "one_gpu_step_ms": median_of(one, "step_ms"),
-        "one_gpu_tokens_per_s": median_of(one, "tokens_per_s"),
-        "one_gpu_peak_bytes": median_of(one, "peak_bytes"),
-        "step_ms": median_of(many, "step_ms"),
-        "tokens_per_s": median_of(many, "tokens_per_s"),
-        "tokens_per_s_per_gpu": median_of(many, "tokens_per_s_per_gpu"),
-        "peak_bytes_per_rank": first_many[0].rank_peak_bytes if first_many else [],
-        "per_gpu": ratio(median_of(many, "tokens_per_s_per_gpu"), median_of(one, "tokens_per_s")),
-        "one_gpu_first_loss": loss_one,
-        "first_loss": loss_many,
-        "first_loss_diff": None if loss_one is None or loss_many is None else abs(loss_many - loss_one),
-        "status": None if first_many else (many[0].status if many else "not run"),
-        "one_gpu_status": None if first_one else (one[0].status if one else "not run"),
-    }
-
-
-def _scalings(report: CaseReport, world_size: int) -> list[dict[str, Any]]:
-    return [
-        scaling(report, p, config, world_size)
-        for config in dict.fromkeys(tuple(s[:4]) for s in report.shapes)
-        for p in report.providers
-        if report.rows_of(p, (*config, 1)) or report.rows_of(p, (*config, world_size))
-    ]
-
-
-def scaling_table(report: CaseReport, world_size: int) -> str:
-    w = world_size
-    head = ["model", "scenario", "B x T per GPU", "provider", "1 GPU ms/step", "1 GPU tokens/s"]
-    head += ["1 GPU peak GiB", f"{w} GPUs ms/step (slowest rank)", f"{w} GPUs tokens/s", "tokens/s per GPU"]
-    head += ["peak GiB per rank", f"tokens/s per GPU, {w} GPUs / 1 GPU", "first loss 1 GPU / rank 0"]
-    lines = []
-    for s in _scalings(report, w):
-        failed = {k: {"oom": "OOM", "skipped": "skipped", "not run": "—"}.get(s[k], "error") if s[k] else None
-                  for k in ("one_gpu_status", "status")}  # fmt: skip
-        one, many = failed["one_gpu_status"], failed["status"]
-        peak, peaks, losses = (
-            s["one_gpu_peak_bytes"],
-            s["peak_bytes_per_rank"],
-            (s["one_gpu_first_loss"], s["first_loss"]),
-        )
-        lines.append(
-            [
-                s["model"],
-                s["scenario"],
-                f"{s['batch']}x{s['seq']}",
-                s["provider"],
-                one or f"{s['one_gpu_step_ms']:.0f}",
-                one or e2e.fmt_tokens(s["one_gpu_tokens_per_s"]),
-                one or ("n/a" if peak is None else f"{peak / GIB:.2f}"),
-                many or f"{s['step_ms']:.0f}",
-                many or e2e.fmt_tokens(s["tokens_per_s"]),
-                many or e2e.fmt_tokens(s["tokens_per_s_per_gpu"]),
-                many
-                or ("n/a" if not peaks or None in peaks else " / ".join(f"{x / GIB:.2f}" for x in peaks)),
-                "—" if s["per_gpu"] is None else f"{s['per_gpu']:.2f}x",
-                "—"
-                if losses == (None, None)
-                else " / ".join("—" if x is None else f"{x:.4f}" for x in losses),
-            ]
-        )
-    return md_table(head, lines)
-
-
-def per_rank_table(report: CaseReport) -> str:
-    head = ["configuration", "provider", "ms/step per rank", "peak GiB per rank", "first loss per rank"]
-    lines = [
-        [
-            r.label(r.shape),
-            r.provider,
-            " / ".join("—" if x is None else f"{x:.0f}" for x in r.rank_step_ms),
-            " / ".join("n/a" if x is None else f"{x / GIB:.2f}" for x in r.rank_peak_bytes),
-            " / ".join("—" if x is None else f"{x:.4f}" for x in r.rank_first_losses),
-        ]
-        for r in report.rows
-        if r.world_size != 1 and r.status == "ok"
-    ]
-    return md_table(head, lines)
-
-
-def data_parallel_notes(report: CaseReport, world_size: int) -> list[str]:
-    backend = "NCCL, one GPU per rank" if report.device_type == "cuda" else "gloo, CPU processes"
-    sharding = next((r.sharding for r in report.rows if r.sharding), None)
-    return [
-        f"{world_size} GPUs: each (configuration, provider) ran on a fresh group of {world_size} spawned "
-        f"processes ({backend}); every rank loaded the same saved model, applied the provider and PEFT "
-        "LoRA as the one-GPU worker does, then FSDP2: "
-        + (sharding or "fully_shard on each decoder layer, then on the root CausalLM")
-        + "; each rank trains on its own batch of B x T (rank 0's is the one-GPU batch), so the global "
-        f"batch is {world_size} x B x T; FSDP averages the LoRA gradients over the ranks.",
-        f"{world_size} GPUs ms/step: the slowest rank's median step (a step ends when the last rank's "
-        f"does); tokens/s: {world_size} x B x T / that step; per GPU: / {world_size}; tokens/s per GPU, "
-        f"{world_size} GPUs / 1 GPU: 1.00x is perfect scaling. Peak GiB per rank: each rank's "
-        "torch.cuda.max_memory_allocated() (its shard of the weights included); CPU ms, GPU ms, launches, "
-        "host memory and the fused paths of a group row are rank 0's.",
-        "1 GPU rows: the one-process bench (fuselm bench finetune without --world-size) in the same run, "
-        "same saved model, options and per-GPU batch.",
-        "first loss 1 GPU / rank 0: the same batch and weights (the LoRA B matrices start at zero), so "
-        "they agree to the sharded step's rounding; later losses differ (the group's optimizer steps "
-        "average the gradients of every rank's batch).",
-        f"Ranks' environment: {report.metadata.get('finetune', {}).get('group_env')}.",
-        *notes(report),
-    ]
-
-
-def data_parallel_markdown(report: CaseReport, world_size: int) -> str:
-    extra = report.metadata.get("finetune", {})
-    gpus = f"GPUs: 1 and {world_size} ({'NCCL' if report.device_type == 'cuda' else 'gloo processes'}), FSDP2"
-    sections = [
-        f"## tokens/s per GPU, {world_size} GPUs / 1 GPU\n\n" + scaling_table(report, world_size),
-        "## Per rank\n\n" + per_rank_table(report),
-    ]
-    return fresh_process.markdown(
-        data_parallel_bench(world_size),
-        report,
-        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, gloo processes; a smoke test of "
-        "the path.",
-        facts=_facts(report, f"fuselm: offload {'on' if extra.get('offload') else 'off'}", gpus),
-        table=_tables(report, sections),
-        notes=data_parallel_notes(report, world_size),
-    )
-
-
-def write_data_parallel_report(report: CaseReport, world_size: int, out_dir: str | Path) -> dict[str, Path]:
-    bench = data_parallel_bench(world_size)
-    plan = {
-        "plan": report.plan.name,
-        "world_size": world_size,
-        "finetune": report.metadata.get("finetune", {}),
-        "scaling": _scalings(report, world_size),
-    }
-    panels = (("tokens_per_s_per_gpu", "tokens/s per GPU", 1.0), ("peak_gib", "peak GiB (max rank)", 1.0))
-    title = f" ({report.plan.name} plan)"
-    return fresh_process.write_report(
-        bench.name,
-        out_dir,
-        data_parallel_markdown(report, world_size),
-        fresh_process.report_json(bench, report, plan, data_parallel_notes(report, world_size)),
-        lambda path: fresh_process.write_bars(
-            bench, report, path, panels=panels, title=title, width_per_shape=3.0, mark_failures=True
-        ),
-    )
-
-
 # ---- command line ----
 
 
@@ -1416,20 +1024,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
-    world_size = getattr(args, "world_size", None) or 1
-    if world_size > 1:  # before anything runs: only the FSDP2 providers, W devices
-        refused = [p for p in c.providers if p not in DATA_PARALLEL_PROVIDERS] if args.providers else []
-        if refused:
-            raise UsageError(
-                f"--world-size {world_size}: {', '.join(refused)} cannot run sharded (FSDP2 runs the PEFT "
-                f"models of {' and '.join(DATA_PARALLEL_PROVIDERS)} only); leave {', '.join(refused)} out"
-            )
-        c.providers = [p for p in c.providers if p in DATA_PARALLEL_PROVIDERS]
-        if cuda and torch.cuda.device_count() < world_size:
-            raise UsageError(
-                f"--world-size {world_size}: needs {world_size} CUDA devices, "
-                f"{torch.cuda.device_count()} visible"
-            )
     rank = getattr(args, "rank", None) or RANK
     alpha = float(getattr(args, "lora_alpha", None) or rank)
     dropout = getattr(args, "lora_dropout", None) or 0.0
@@ -1486,39 +1080,14 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             print(
                 "No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results."
             )
-        bench, markdown_of, write_files = BENCH, markdown, write_report
-        more: dict[str, Any] = {}
-        if world_size > 1:
-            backend = "nccl" if cuda else "gloo"
-            group = " ".join(f"{k}={v}" for k, v in group_env(c.device.type).items())
-            c.metadata["finetune"]["group_env"] = group
-            c.metadata.update(world_size=world_size, backend=backend)
-            c.shapes = [(*s, w) for s in c.shapes for w in (1, world_size)]
-            bench = data_parallel_bench(world_size)
-            markdown_of = functools.partial(data_parallel_markdown, world_size=world_size)
-
-            def write_files(report: CaseReport, out: Path) -> dict[str, Path]:
-                return write_data_parallel_report(report, world_size, out)
-
-            more = {
-                "runner": functools.partial(run_groups, world_size),
-                "how": f"on 1 GPU (a fresh process each) then on {world_size} ({backend}, a fresh group of "
-                f"{world_size} each)",
-            }
 
         def write(report: CaseReport, out: Path) -> dict[str, Path]:
             sources = {r.host_pinned_source for r in report.rows if r.host_pinned_source}
             report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
-            return write_files(report, out)
+            return write_report(report, out)
 
         report = fresh_process.run_cli(
-            bench,
-            c,
-            markdown=markdown_of,
-            write=write,
-            progress=not args.no_progress,
-            write_each_row=True,
-            **more,
+            BENCH, c, markdown=markdown, write=write, progress=not args.no_progress, write_each_row=True
         )
     finally:
         if not keep:

@@ -294,9 +294,8 @@ def run(
     on_row: Callable[[CaseReport], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> CaseReport:
-    """Every (shape, repeat, provider) of ``c``, the providers of one repeat back to back, each in its own
-    worker (:func:`run_case`): the report, ``on_row(report so far)`` after each row (:func:`run_cli`'s
-    default :data:`Runner`). A skipped provider is not run again; one out of memory at batch B is not run at
+    """Every (shape, repeat, provider) of ``c``, each in its own worker (:func:`run_case`); ``on_row(report so
+    far)`` after each row. A skipped provider is not run again; one out of memory at batch B is not run at
     B or larger of the same other sizes."""
     providers, repeats = c.providers, c.repeats
     for p in providers:
@@ -599,9 +598,6 @@ def start_cli(
     return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, {}, merge)
 
 
-Runner = Callable[[Bench, CliRun, bool, Callable[[CaseReport], None] | None], CaseReport]
-
-
 def run_cli(
     bench: Bench,
     c: CliRun,
@@ -610,16 +606,14 @@ def run_cli(
     write: Callable[[CaseReport, Path], dict[str, Path]],
     progress: bool,
     write_each_row: bool = False,
-    runner: Runner = run,
-    how: str = "one fresh process each",
 ) -> CaseReport:
-    """``runner`` the cases, print the report and write its files (after every row too with
+    """Run the cases, print the report and write its files (after every row too with
     ``write_each_row``: a run stopped part-way keeps what it measured). With ``c.merge`` an earlier report's
     rows are joined (:func:`merge_previous`; one that cannot be is refused before anything runs)."""
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
-        f"warmup + {c.steps} timed steps, {how}",
+        f"warmup + {c.steps} timed steps, one fresh process each",
         flush=True,
     )
     previous = _previous_report(bench, c.out_dir if c.merge is True else Path(c.merge)) if c.merge else None
@@ -629,7 +623,7 @@ def run_cli(
 
     finish(CaseReport(c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata))
     report = finish(
-        runner(bench, c, progress, (lambda r: write(finish(r), c.out_dir)) if write_each_row else None)
+        run(bench, c, progress, (lambda r: write(finish(r), c.out_dir)) if write_each_row else None)
     )
     print_written(markdown(report), write(report, c.out_dir))
     return report

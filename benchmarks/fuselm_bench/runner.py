@@ -1,6 +1,5 @@
 """``fuselm bench <op suite>``: from the parsed arguments to the printed and written reports. :func:`start`
-and :func:`finish` are shared with the op suites that have a runner of their own (``linear_log_probs``,
-``vocab_parallel``)."""
+and :func:`finish` are shared with ``linear_log_probs``, which has a runner of its own."""
 
 from __future__ import annotations
 
