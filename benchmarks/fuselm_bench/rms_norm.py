@@ -5,23 +5,17 @@ A shape is ``(N, H, S)``: x ``[N, H]`` and weight ``[H]`` (requiring grad); ``S 
 ``[N, H]`` (requiring grad) first, ``s = x + residual``, and both ``rms_norm(s)`` and s are outputs (s is
 the next block's residual). Bytes per element (``itemsize`` b): ``S = 1`` fwd 2b, bwd 3b, full 5b;
 ``S = 2`` fwd 4b, bwd 4b, full 8b (the suite's notes say which reads and writes).
-
-``python -m fuselm_bench.rms_norm --tune`` sweeps the launch constants of ``ops/rms_norm/op.py`` on the
-suite's GPU shapes (:func:`tune`).
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fuselm.ops.rms_norm import rms_norm
 
-from .arguments import parse_shapes
 from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite, compiled_setup, import_peer
 
 EPS = 1e-6
@@ -140,104 +134,3 @@ SUITE = Suite(
         "the other providers run both.",
     ),
 )
-
-
-# ---- tuning the launch constants (GPU) ----
-
-FWD_SPACE: dict[str, Sequence[int]] = {
-    "FWD_ELEMS_PER_WARP": (256, 512, 1024),
-    "FWD_TILE": (4096, 8192),
-    "FWD_PROGRAMS_PER_SM": (0, 4, 8),
-}
-BWD_SPACE: dict[str, Sequence[int]] = {
-    "BWD_ELEMS_PER_WARP": (256, 512, 1024),
-    "BWD_TILE": (4096, 8192),
-    "BWD_PROGRAMS_PER_SM": (0, 1, 2, 4),
-    "BWD_PREFETCH": (0, 1),
-}
-
-
-def tune(
-    shapes: Sequence[Shape] | None = None,
-    *,
-    device: torch.device | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    fwd_space: dict[str, Sequence[int]] | None = None,
-    bwd_space: dict[str, Sequence[int]] | None = None,
-    quick: bool = False,
-    log: Callable[[str], None] = print,
-) -> list[dict[str, Any]]:
-    """Sweep the launch constants of ``fuselm.ops.rms_norm.op`` (module attributes, restored afterwards):
-    every combination of ``fwd_space`` timed on the forward, then every combination of ``bwd_space``
-    timed on forward + backward (the forward at its defaults). Returns one dict per (shape, pass,
-    combination) with the time and its bandwidth ratio (cost of that mode / time / copy bandwidth)."""
-    from fuselm.ops.rms_norm import op as rms_op
-
-    from .harness import Ceilings, compute_ratios, measure_ceilings, time_ms
-
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = list(shapes or (SUITE.gpu_shapes if device.type == "cuda" else SUITE.cpu_shapes))
-    spaces = {"fwd": dict(FWD_SPACE if fwd_space is None else fwd_space)}
-    spaces["full"] = dict(BWD_SPACE if bwd_space is None else bwd_space)
-    ceilings = measure_ceilings(device, quick=True) if device.type == "cuda" else Ceilings()
-    saved = {k: getattr(rms_op, k) for space in spaces.values() for k in space}
-    results: list[dict[str, Any]] = []
-    try:
-        for shape in shapes:
-            torch.manual_seed(0)
-            inputs = make_inputs(shape, dtype, device)
-            fn = (setup_fuselm_residual if "residual" in inputs else setup_fuselm)(device)
-            wrt = [t for t in inputs.values() if t.requires_grad]
-            outs = fn(inputs)
-            gos = [torch.randn_like(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
-
-            def fwd(fn=fn, inputs=inputs):
-                with torch.no_grad():
-                    return fn(inputs)
-
-            def full(fn=fn, inputs=inputs, wrt=wrt, gos=gos):
-                o = fn(inputs)
-                return torch.autograd.grad(o if isinstance(o, tuple) else (o,), wrt, gos)
-
-            for mode, space in spaces.items():
-                call = fwd if mode == "fwd" else full
-                for values in itertools.product(*space.values()):
-                    config = dict(zip(space, values, strict=True))
-                    for k, v in saved.items():
-                        setattr(rms_op, k, config.get(k, v))
-                    call()  # compile
-                    ms = time_ms(call, device, quick=quick)
-                    x_copy = compute_ratios(ms, cost(shape, mode, dtype), ceilings)["x_copy"]
-                    results.append(dict(shape=tuple(shape), mode=mode, **config, ms=ms, x_copy=x_copy))
-                    ratio = f"{x_copy:.3f}" if x_copy else "n/a"
-                    log(f"{shape} {mode} {config}: {ms:.4f} ms, x_copy {ratio}")
-    finally:
-        for k, v in saved.items():
-            setattr(rms_op, k, v)
-    for shape in shapes:
-        for mode in spaces:
-            rows = [r for r in results if r["shape"] == tuple(shape) and r["mode"] == mode]
-            if rows:
-                log(f"best {mode} {tuple(shape)}: {min(rows, key=lambda r: r['ms'])}")
-    return results
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fuselm_bench.rms_norm", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--tune", action="store_true", help="sweep the launch constants (see tune())")
-    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    parser.add_argument("--shapes", default=None, help="NxHxR,... (default: the suite's shapes)")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    args = parser.parse_args(argv)
-    if not args.tune:
-        parser.print_help()
-        return 0
-    device = torch.device(args.device) if args.device else None
-    tune(parse_shapes(args.shapes) if args.shapes else None, device=device, quick=args.quick)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -199,30 +199,6 @@ def test_cli_cpu(name, shapes, tmp_path, capsys, monkeypatch):
     assert any(r["provider"] == "fuselm" and r["error"] is None and r["ms"] > 0 for r in data["rows"])
 
 
-def test_tune_restores_the_constants():
-    from fuselm.ops.rms_norm import op as rms_op
-
-    before = (rms_op.BWD_PROGRAMS_PER_SM, rms_op.FWD_TILE)
-    lines = []
-    rows = rms_bench.tune(
-        [(32, 64, 2)],
-        device=CPU,
-        dtype=torch.float32,
-        fwd_space={"FWD_TILE": (1024, 4096)},
-        bwd_space={"BWD_PROGRAMS_PER_SM": (0, 2)},
-        quick=True,
-        log=lines.append,
-    )
-    assert [(r["mode"], r.get("FWD_TILE"), r.get("BWD_PROGRAMS_PER_SM")) for r in rows] == [
-        ("fwd", 1024, None),
-        ("fwd", 4096, None),
-        ("full", None, 0),
-        ("full", None, 2),
-    ]
-    assert (rms_op.BWD_PROGRAMS_PER_SM, rms_op.FWD_TILE) == before
-    assert any(line.startswith("best full") for line in lines)
-
-
 # ---- GPU ----
 
 
