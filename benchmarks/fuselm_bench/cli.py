@@ -1,18 +1,4 @@
-"""The lab's command line: ``python -m fuselm_bench ...``, or ``fuselm bench ...`` when it is importable.
-
-Usage::
-
-    fuselm bench                       # list the benchmark suites
-    fuselm bench cross_entropy         # run one suite with its default shapes and providers
-    fuselm bench cross_entropy --shapes 8192x128256 --modes full --providers torch,fuselm --quick
-    fuselm bench all                   # every suite, default shapes
-    fuselm bench e2e --shapes 8x4096 --providers liger,fuselm   # training steps, B x T (not in 'all')
-    fuselm bench e2e --models qwen3-0.6b --repeats 3 # the grid's Qwen3 shapes, 3 fresh processes each
-    fuselm bench finetune --models llama3-8b --scenarios qlora --providers hf,fuselm,unsloth  # LoRA / QLoRA
-
-Results go to ``benchmarks/results/<gpu>/<suite>.{md,json,png}`` (``--out``); without CUDA tiny shapes
-run and write under ``bench-out/cpu`` (git-ignored: CPU figures are smoke runs, never committed).
-"""
+"""The lab's command line: ``python -m fuselm_bench ...``, or ``fuselm bench ...`` when it is importable."""
 
 from __future__ import annotations
 
@@ -56,14 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
-        "--steps",
-        type=int,
-        help="e2e, finetune: timed training steps per run (default 10; CPU 3)",
+        "--steps", type=int, help="e2e, finetune: timed training steps per run (default 10; CPU 3)"
     )
     bench.add_argument(
-        "--warmup",
-        type=int,
-        help="e2e, finetune: warmup steps before timing (default 3; CPU 2)",
+        "--warmup", type=int, help="e2e, finetune: warmup steps before timing (default 3; CPU 2)"
     )
     bench.add_argument(
         "--models",

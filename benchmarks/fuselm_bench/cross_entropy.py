@@ -1,8 +1,4 @@
-"""Op suite: cross-entropy on given logits ``[N, V]`` (mean over tokens, no ignored targets).
-
-Bytes the op cannot avoid: the forward reads every logit once, forward + backward also writes its
-gradient once; the backward is the difference.
-"""
+"""Op suite: cross-entropy on given logits ``[N, V]`` (mean over tokens, no ignored targets)."""
 
 from __future__ import annotations
 

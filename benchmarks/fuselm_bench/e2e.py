@@ -1,17 +1,5 @@
 """``fuselm bench e2e``: whole training steps (forward with labels, backward, ``AdamW.step``) of randomly
-initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MODELS`), host vs GPU time.
-
-Providers (:data:`PROVIDER_DESCRIPTIONS`): ``hf``, ``liger`` (Liger patches the classes before the build;
-CUDA only), ``fuselm`` (``fuselm.hf.patch`` on the built model) and, opt-in, ``fuselm-graph`` (forward and
-backward replayed from one CUDA graph, :func:`fuselm_bench.step_timing.graphed_optimizer_step`) and the
-``Trainer.train()`` pair ``hf-trainer`` / ``fuselm-trainer`` (:func:`fuselm_bench.step_timing.run_trainer`).
-
-Every (configuration, provider) runs ``--repeats`` times (default 3), each in a fresh ``python -m
-fuselm_bench.e2e --worker`` process (peak memory is per process, Liger patches classes, a repeat must not
-inherit caches), the providers of one repeat back to back; the step loop is
-:func:`fuselm_bench.step_timing.run_steps`, and :func:`notes` says in each report how every figure is
-taken. Without CUDA tiny configs run in fp32: a smoke test of the path.
-"""
+initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MODELS`), host vs GPU time."""
 
 from __future__ import annotations
 
@@ -261,8 +249,8 @@ def build_model(
     seed: int = SEED,
     model: str = DEFAULT_MODEL,
 ):
-    """Seeded random init of ``model`` (tiny on a CPU; SDPA, no cache) with the provider's patches: ``hf``
-    and ``fuselm`` get identical weights for the same seed."""
+    """Seeded random init of ``model`` (tiny on a CPU; SDPA, no cache) with the provider's patches: ``hf`` and
+    ``fuselm`` get identical weights for the same seed."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     if model not in MODELS:
@@ -353,8 +341,7 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
 def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> str | None:
     """``GPU`` when the step's kernels keep the GPU busy ``>= HOST_BOUND`` of its wall time, else ``host``
     (the GPU waits: for Python and the launches, or for a host-device synchronization); None when either is
-    missing or off CUDA (there the host does everything). Read from the GPU's side: the process CPU time also
-    counts spin-waits in synchronizations, so CPU ~ wall does not tell the two apart."""
+    missing or off CUDA (there the host does everything)."""
     if gpu_ms is None or not step_ms or not cuda:
         return None
     return "GPU" if gpu_ms >= HOST_BOUND * step_ms else "host"
@@ -375,8 +362,8 @@ def bound_cell(rows: list[Any], cuda: bool) -> str:
 
 @dataclass(kw_only=True)
 class TrainingRow(Row):
-    """The figures of one run of training steps (``e2e``, ``finetune``): :func:`step_figures`, memory,
-    losses; ``step_ms`` is the median of ``step_ms_all``. A suite's row adds its configuration."""
+    """The figures of one run of training steps (``e2e``, ``finetune``): :func:`step_figures`, memory, losses;
+    ``step_ms`` is the median of ``step_ms_all``."""
 
     repeat: int = 0
     tokens_per_s: float | None = None
@@ -668,7 +655,7 @@ def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[
 
 def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
-    ``--models``. Raises ``UsageError``."""
+    ``--models``."""
     models = parse_list(args.models, list(known), "model") if getattr(args, "models", None) else None
     if args.shapes:
         shapes = parse_shapes(args.shapes, 2)

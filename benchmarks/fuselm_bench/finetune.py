@@ -1,11 +1,4 @@
-"""``fuselm bench finetune``: LoRA / QLoRA fine-tuning steps, HF + PEFT vs + Liger vs + fuselm vs Unsloth.
-
-A random-init model of a named shape (``--models``, :data:`fuselm_bench.e2e.MODELS`) is saved once per run
-with a tokenizer (nothing comes from the hub); every (scenario, B x T, provider) then loads it and trains
-LoRA adapters in a fresh process (:func:`train`), with ``fuselm bench e2e``'s step loop. ``qlora``:
-bitsandbytes NF4 with double quantization; ``lora``: a bf16 base. :func:`notes` says how every figure is
-taken.
-"""
+"""``fuselm bench finetune``: LoRA / QLoRA fine-tuning steps, HF + PEFT vs + Liger vs + fuselm vs Unsloth."""
 
 from __future__ import annotations
 
@@ -201,8 +194,7 @@ def ensure_saved_model(
     model_dir: Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
 ) -> tuple[Path, dict[str, Any]]:
     """The folder of ``model`` under ``model_dir``, saved now unless it holds it already: on CUDA in a worker
-    process (``--build``: this process holds no GPU memory), on a CPU here. Returns the folder and
-    ``reused``, ``build_s``, ``bytes``; RuntimeError if the build failed."""
+    process (``--build``: this process holds no GPU memory), on a CPU here."""
     folder = model_folder(model_dir, model, tiny, dtype)
     if saved_model_ok(folder, model, tiny, dtype, seed):
         marker = json.loads((folder / MARKER).read_text())
@@ -257,8 +249,8 @@ def build_main(argv: list[str]) -> int:
 
 
 def base_env(unsloth_compile: bool = False) -> dict[str, str]:
-    """Every worker's: offline, no Unsloth statistics, Unsloth's allocator setting for every provider
-    (unless the parent sets one), Unsloth's compile off unless asked."""
+    """Every worker's: offline, no Unsloth statistics, Unsloth's allocator setting for every provider (unless
+    the parent sets one), Unsloth's compile off unless asked."""
     env = {**OFFLINE_ENV, "UNSLOTH_DISABLE_STATISTICS": "1"}
     if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
@@ -424,10 +416,7 @@ class CalledModules:
 def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
     """Which of ``model``'s modules run a forward of fuselm's (instance or class ``forward`` whose qualified
     name starts with ``fuselm`` or that a ``fuselm`` module defines): their count, the distinct names with
-    their counts, and the LoRA layers (modules with ``lora_A``). With ``called`` (:class:`CalledModules` of a
-    step): ``fused_modules_ran``, and how the LoRA layers ran: ``lora_layers_peft`` (called, a forward not
-    fuselm's), ``lora_layers_fused`` (called, fuselm's), ``lora_layers_inside`` (never called: computed
-    inside a fused parent)."""
+    their counts, and the LoRA layers (modules with ``lora_A``)."""
     counts: collections.Counter[str] = collections.Counter()
     modules = lora = ran = 0
     lora_ran = {"peft": 0, "fused": 0, "inside": 0}
@@ -455,9 +444,7 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
 
 
 def host_memory(device: torch.device, rss_before: int | None) -> dict[str, Any]:
-    """Host memory of the run. On CUDA ``host_pinned_bytes``: the pinned allocator's peak plus fuselm's
-    offload pool's (it page-locks its large buffers itself), else the RSS growth since ``rss_before``;
-    ``host_pinned_source`` says which. The RSS figures are kept in any case."""
+    """Host memory of the run."""
     rss = _rss()
     out: dict[str, Any] = {"host_pinned_bytes": None, "host_pinned_source": None}
     out["rss_delta_bytes"] = None if rss is None or rss_before is None else rss - rss_before
@@ -529,10 +516,7 @@ def train(
     gpu: int | None = None,
 ) -> dict[str, Any]:
     """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA for ``warmup`` + ``steps`` +
-    ``profile_steps`` steps, the measurements (SkipProvider when the provider cannot run here).
-
-    ``memory_cap_gib``: the GPU acts as one of that many GiB (max-context). ``gpu``: the GPU the parent
-    gave this worker alone (:func:`worker_env`), its cuda:0."""
+    ``profile_steps`` steps, the measurements (SkipProvider when the provider cannot run here)."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")

@@ -1,10 +1,4 @@
-"""What ``e2e``, ``finetune`` and ``grpo_step`` share: one case per fresh worker process.
-
-A benchmark describes itself with a :class:`Bench`. The worker (:func:`worker_main`) runs one case and
-writes its result as JSON to the file the parent named; the parent (:func:`run_case`) starts it with a
-timeout and reads the result back (a failed worker is an ``error`` row, never an exception). The reports
-give medians over the repeats.
-"""
+"""What ``e2e``, ``finetune`` and ``grpo_step`` share: one case per fresh worker process."""
 
 from __future__ import annotations
 
@@ -49,11 +43,7 @@ Train = Callable[..., dict[str, Any]]
 
 @dataclass(frozen=True)
 class Bench:
-    """One fresh-process benchmark. ``plans``: what ``--<plan_flag>`` of a worker names; ``peers``: the
-    providers fuselm's figures are divided by (with their names in the ratio table); ``metrics``: ratio key
-    -> (row attribute, title); ``precheck(provider, device)``: a reason to skip without starting a process;
-    ``worker_prefix(provider)``: the command before ``--worker``; ``worker_env(provider, extra)``: the
-    worker's environment variables."""
+    """One fresh-process benchmark."""
 
     name: str
     description: str
@@ -179,8 +169,7 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_worker(
     command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run ``command(result file)`` in a fresh process; the worker's result with ``wall_s``. A timeout or an
-    exit without a readable result is an ``error`` result (never an exception)."""
+    """Run ``command(result file)`` in a fresh process; the worker's result with ``wall_s``."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         result_path = Path(tmp) / "result.json"
@@ -295,8 +284,7 @@ def run(
     log: Callable[[str], None] = print,
 ) -> CaseReport:
     """Every (shape, repeat, provider) of ``c``, each in its own worker (:func:`run_case`); ``on_row(report so
-    far)`` after each row. A skipped provider is not run again; one out of memory at batch B is not run at
-    B or larger of the same other sizes."""
+    far)`` after each row."""
     providers, repeats = c.providers, c.repeats
     for p in providers:
         if p.partition("@")[0] not in bench.providers:  # <provider>@<setting>: finetune's memory budgets
@@ -571,7 +559,7 @@ def start_cli(
     packages: Sequence[str] = (),
 ) -> CliRun:
     """What a run of ``bench`` runs, from the arguments (shapes: ``grid(args, plan)``, else ``--shapes``, else
-    the plan's). Raises ``UsageError`` for bad values and without transformers."""
+    the plan's)."""
     if args.providers:
         chosen = parse_list(args.providers, bench.providers, "provider", variants=True)
     else:
@@ -607,9 +595,8 @@ def run_cli(
     progress: bool,
     write_each_row: bool = False,
 ) -> CaseReport:
-    """Run the cases, print the report and write its files (after every row too with
-    ``write_each_row``: a run stopped part-way keeps what it measured). With ``c.merge`` an earlier report's
-    rows are joined (:func:`merge_previous`; one that cannot be is refused before anything runs)."""
+    """Run the cases, print the report and write its files (after every row too with ``write_each_row``: a run
+    stopped part-way keeps what it measured)."""
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
@@ -642,7 +629,7 @@ def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
 
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
     """``report`` joined with the rows of ``previous`` (an earlier run's JSON) that this run did not run
-    again, ``merged`` recording its command. A different device, dtype or suite raises ``UsageError``."""
+    again, ``merged`` recording its command."""
     if previous.get("suite") != bench.name:
         raise UsageError(f"--merge: the earlier report is of {previous.get('suite')!r}, not {bench.name!r}")
     meta = previous.get("metadata", {})

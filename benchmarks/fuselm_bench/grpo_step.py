@@ -1,13 +1,6 @@
 """``fuselm bench grpo_step``: GRPO-shaped training steps of a Llama-3.2-1B-shaped model, the LM head's
-per-token log-probs by provider (:data:`PROVIDER_DESCRIPTIONS`; the backbone is the same plain
-transformers model for all).
-
-B sequences of P prompt + C completion random ids (completion lengths uniform in [C/2, C]), the head's
-log-probs of the completion tokens, a PPO-clip loss (clip 0.2, random per-sequence advantages, old
-log-probs = the detached current ones: a GRPO iteration's first step), the entropy logged without
-gradient; each (provider, shape) in a fresh worker process, the loop :func:`fuselm.demo.training.train`.
-:func:`notes` says in each report how every figure is taken.
-"""
+per-token log-probs by provider (:data:`PROVIDER_DESCRIPTIONS`; the backbone is the same plain transformers
+model for all)."""
 
 from __future__ import annotations
 
@@ -71,8 +64,8 @@ PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
 def make_batch(
     vocab: int, batch: int, prompt: int, completion: int, device: torch.device, seed: int = e2e.SEED
 ) -> dict[str, torch.Tensor]:
-    """Random ``ids [B, P + C]``, completion ``mask [B, C]``, ``targets [B, C]`` (-100 on padding) and
-    ``adv [B]`` (normalised as GRPO's groups leave them)."""
+    """Random ``ids [B, P + C]``, completion ``mask [B, C]``, ``targets [B, C]`` (-100 on padding) and ``adv
+    [B]`` (normalised as GRPO's groups leave them)."""
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (batch, prompt + completion), generator=gen)
     lengths = torch.randint(max(1, completion // 2), completion + 1, (batch,), generator=gen)

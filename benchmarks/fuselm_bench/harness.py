@@ -1,31 +1,4 @@
-"""The op suites' harness: suites, providers, timing, peak memory, the card's ceilings, ratios.
-
-A :class:`Suite` benchmarks one op for a list of shapes and providers (torch eager, torch.compile, fuselm,
-peers); :func:`run_suite` runs every (shape, provider, mode) and reports milliseconds and ratios to
-ceilings measured in the same process (``x_copy``: bandwidth / copy bandwidth, ``x_gemm``: FLOP rate / bf16
-GEMM rate, ``x_floor`` = 1 / ``x_gemm``; :func:`compute_ratios`). Modes (``report.notes`` says the same in
-every report):
-
-- ``fwd``: the forward alone, under ``torch.no_grad()`` on detached inputs (an evaluation pass), or with
-  ``Suite.forward_grad`` recording autograd as a training step does.
-- ``full``: forward + ``torch.autograd.grad(outputs, inputs that require grad, grad_outputs)``; never into
-  ``.grad`` (no AccumulateGrad, which a loss on an activation never pays).
-- ``bwd``: the backward alone after an untimed forward (:func:`time_backward_ms`). Until 2026-11 it was
-  median(full) - median(fwd), which came out negative when the no-grad forward cost more than the
-  forward inside ``full``.
-
-``Suite.cuda_graph`` (ops of a fraction of a millisecond): ``ms`` is the median replay of the call captured
-in a CUDA graph (device time, no host path), ``ms_eager`` the plain call's; a call that cannot be captured
-keeps its eager time, with a note. Memory (CUDA only): ``extra`` = peak allocated during one call minus
-what was allocated before, less (in ``full``) the returned gradients' fresh bytes: a gradient counts as
-already allocated, as ``.grad`` is.
-
-Adding a suite: ``fuselm_bench/<op>.py`` defining ``SUITE = Suite(...)`` and a line in ``registry.SUITES``.
-``make_inputs(shape, dtype, device)`` is called afresh per (shape, provider, mode) after
-``torch.manual_seed(0)``, so a provider may overwrite its inputs; ``Provider.setup(device)`` returns
-``fn(inputs)`` or raises :class:`SkipProvider`; ``cost(shape, mode, dtype)`` gives the bytes and FLOPs a
-mode must at least move and do.
-"""
+"""The op suites' harness: suites, providers, timing, peak memory, the card's ceilings, ratios."""
 
 from __future__ import annotations
 
@@ -65,7 +38,7 @@ Setup = Callable[[torch.device], Callable[[Inputs], Any]]
 
 def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None = None) -> Setup:
     """A ``torch_compile`` provider's setup: ``torch.compile(fn, dynamic=False)`` afresh per case (Dynamo's
-    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))``. Skipped on CPU."""
+    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))``."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         if device.type != "cuda":
@@ -263,9 +236,7 @@ CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 def blocking_sync(ordinal: int = 0) -> str:
     """Make the CUDA primary context of GPU ``ordinal`` wait for the GPU by sleeping
-    (``CU_CTX_SCHED_BLOCKING_SYNC``), before anything initializes CUDA. Spinning, a wait inside a step
-    (Hugging Face syncs once per forward) burns CPU time while the GPU is behind, so ``time.process_time``
-    would count the GPU's time as host work. Returns ``"blocking"``, or ``"spin (why)"``."""
+    (``CU_CTX_SCHED_BLOCKING_SYNC``), before anything initializes CUDA."""
     import ctypes
 
     try:
@@ -340,10 +311,9 @@ def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUD
 def capture_backward_graph(
     forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side
-    stream (so autograd runs the backward there too), then ``backward(outs)`` (which must pass
-    ``retain_graph=True``) is captured. Returns the graph and the forward's outputs, which must stay alive
-    while the graph is replayed (their autograd graph holds what the backward reads)."""
+    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side stream
+    (so autograd runs the backward there too), then ``backward(outs)`` (which must pass ``retain_graph=True``)
+    is captured."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -362,9 +332,8 @@ def capture_backward_graph(
 
 
 def _leave_failed_capture(device: torch.device) -> None:
-    """A capture that failed (a host sync in the call, say) leaves the default CUDA generator in
-    capture mode: every later random op raises "Offset increment outside graph capture". A trivial
-    capture that succeeds takes it out again."""
+    """A capture that failed (a host sync in the call, say) leaves the default CUDA generator in capture mode:
+    every later random op raises "Offset increment outside graph capture"."""
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -458,8 +427,8 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, 
 
 
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
-    """Copy bandwidth (bytes read + written) and GEMM rate, measured now: CUDA 1 GiB copy, bf16 8192^3
-    GEMM; CPU 64 MiB copy, fp32 1024^3 GEMM (so a CPU smoke run has ratios)."""
+    """Copy bandwidth (bytes read + written) and GEMM rate, measured now: CUDA 1 GiB copy, bf16 8192^3 GEMM;
+    CPU 64 MiB copy, fp32 1024^3 GEMM (so a CPU smoke run has ratios)."""
     if device.type == "cuda":
         copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
     else:
@@ -594,8 +563,7 @@ def _finish(row: OpRow, cost: Cost, ceilings: Ceilings) -> OpRow:
 
 
 def error_text(e: BaseException, limit: int = 120) -> str:
-    """``Type: message`` on one line, at most ``limit`` characters of message (OOM: its first two
-    sentences, "CUDA out of memory. Tried to allocate X GiB.")."""
+    """``Type: message`` on one line, at most ``limit`` characters of message (OOM: its first sentences)."""
     text = " ".join(str(e).split())
     if isinstance(e, torch.cuda.OutOfMemoryError):
         text = ". ".join(text.split(". ")[:2]).rstrip(".") + "."
@@ -633,8 +601,7 @@ def run_suite(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> Report:
-    """Every (shape, provider, mode) of ``suite``: the report (nothing written). A provider whose setup
-    fails is skipped with the reason; an exception in one case is that row's ``error``."""
+    """Every (shape, provider, mode) of ``suite``: the report (nothing written)."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")

@@ -1,8 +1,4 @@
-"""Op suite: LayerNorm over the last dimension of ``[N, H]`` with weight and bias (all requiring grad).
-
-Bytes per element (``itemsize`` b): fwd reads x, writes y (2b); bwd reads x, dy, writes dx (3b); full 5b.
-The parameters and their gradients (H elements each) are not counted.
-"""
+"""Op suite: LayerNorm over the last dimension of ``[N, H]`` with weight and bias (all requiring grad)."""
 
 from __future__ import annotations
 

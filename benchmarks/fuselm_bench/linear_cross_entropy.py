@@ -1,13 +1,4 @@
-"""Op suite: fused linear cross-entropy, ``loss = cross_entropy(x @ W.T, target)``, fwd + bwd.
-
-A shape is ``(N, H, V, inputs, k)``: x ``[N, H]``, W ``[V, H]`` (both require grad: dW is part of the
-cost), ``round(N / k)`` targets -100 at random positions, and ``inputs`` 1 (``RANDOM``: x ~ N(0, 1),
-W ~ N(0, 1/H), logits about N(0, 1)) or 2 (``PEAKED``: logits shaped like a trained model's, the mean
-target softmax calibrated to 0.9, :func:`peaked_hidden`); the CLI's ``--shapes`` takes integers only, hence
-the codes (``8192x4096x128256x2x7``: Llama-3-8B's head, peaked, 1/7 ignored). FLOPs: the three GEMMs over
-all N rows (6NHV fwd + bwd). ``python -m fuselm_bench.linear_cross_entropy`` prints the mean target
-softmax of the suite's shapes.
-"""
+"""Op suite: fused linear cross-entropy, ``loss = cross_entropy(x @ W.T, target)``, fwd + bwd."""
 
 from __future__ import annotations
 

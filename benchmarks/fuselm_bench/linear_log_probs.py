@@ -1,16 +1,4 @@
-"""Op suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``.
-
-What RL and preference losses (GRPO, PPO, DPO) need from the head: ``log softmax(x @ W.T)[i, target_i]``
-and often row i's entropy, with a *different* upstream gradient per token (advantages), so the gradient
-cannot be formed in the forward as a mean loss's can: every provider gets random per-token upstream
-gradients, and a design that does not keep the logits recomputes them in the backward (8NHV, 1.33x floor,
-bounds it). A shape is ``(N, H, V, k, outputs)``: the linear_cross_entropy suite's random inputs,
-``round(N / k)`` targets -100, ``outputs`` 1 (log_probs) or 2 (+ entropy).
-
-Accuracy: each provider's first call per shape is compared with an fp64 reference on the first 256
-non-ignored tokens (:func:`record_accuracy`), outside the timed and memory-measured calls. The suite has its
-own runner (:func:`run_cli`: the accuracy table, the files written after each shape).
-"""
+"""Op suite: per-token log-probs (and entropy) of the LM head, ``fuselm bench linear_log_probs``."""
 
 from __future__ import annotations
 
@@ -145,7 +133,7 @@ _COMPILED: dict[str, Any] = {}
 
 def setup_torch_compile(device: torch.device) -> Callable[..., Any]:
     """torch.compile of the eager function, once per (N, H, V, outputs) (Dynamo's cache reset when that
-    changes). Skipped on CPU."""
+    changes)."""
     if device.type != "cuda":
         raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
 
@@ -335,7 +323,7 @@ def peer_versions() -> dict[str, str]:
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench linear_log_probs``, one shape at a time, the files written after each (a run stopped
-    part-way keeps the shapes it finished); the exit code. Raises ``UsageError``."""
+    part-way keeps the shapes it finished); the exit code."""
     from .runner import finish, start
 
     out_dir, run, [(_, shapes, providers)] = start(

@@ -1,11 +1,5 @@
-"""``fuselm bench max-context``: the longest sequence (batch 1) for which one LoRA / QLoRA training step
-runs under a GPU memory cap, per provider.
-
-Each probe is ``fuselm bench finetune``'s worker in a fresh process, one step at 1 x T under
-``torch.cuda.set_per_process_memory_fraction``: ok or out of memory. :func:`longest_fitting` bisects on a
-log scale over multiples of :data:`GRAIN` tokens. Without CUDA a tiny model runs with no cap (a smoke test:
-every length fits).
-"""
+"""``fuselm bench max-context``: the longest sequence (batch 1) for which one LoRA / QLoRA training step runs
+under a GPU memory cap, per provider."""
 
 from __future__ import annotations
 
@@ -34,8 +28,8 @@ DEFAULT_PROVIDERS = ("fuselm", "hf", "unsloth")
 
 @dataclass
 class Search:
-    """The search of one (provider, cap): ``longest`` (None: nothing fitted, or ``stopped`` says why), the
-    row at that length, every probe as (length, status, step ms, peak GiB)."""
+    """The search of one (provider, cap): ``longest`` (None: nothing fitted, or ``stopped`` says why), the row
+    at that length, every probe as (length, status, step ms, peak GiB)."""
 
     provider: str
     cap_gib: float | None
@@ -53,9 +47,7 @@ def on_grain(tokens: float) -> int:
 def longest_fitting(
     probe: Callable[[int], Any], lo: int, hi: int, *, rel_tol: float = 0.05, max_probes: int = 12
 ) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
-    """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None).
-    ``probe(T)``'s row is ``ok``, ``oom`` or else (the search stops). HI first (fits: the answer), then LO
-    (does not: nothing fits), then the geometric middle on multiples of GRAIN."""
+    """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None)."""
     if not 0 < lo <= hi:
         raise ValueError(f"the sequence range must be 0 < LO <= HI, got {lo}:{hi}")
     probes: list[tuple[int, Any]] = []
@@ -177,7 +169,7 @@ def _gpus(text: str | None, cuda: bool) -> list[int] | None:
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench max-context``: one model and scenario, each (provider, cap) searched (side by side with
-    ``--gpus``). Raises ``UsageError``."""
+    ``--gpus``)."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN

@@ -48,8 +48,8 @@ def _quantized(name: str, module: torch.nn.Module, lm_head: torch.nn.Module | No
 
 
 class _Shards:
-    """Tensors gathered on the host and written as ``model-0000i.safetensors`` once ``limit`` bytes are
-    held; :meth:`finish` writes the rest and the index ``from_pretrained`` reads."""
+    """Tensors gathered on the host and written as ``model-0000i.safetensors`` once ``limit`` bytes are held;
+    :meth:`finish` writes the rest and the index ``from_pretrained`` reads."""
 
     def __init__(self, folder: Path, limit: int) -> None:
         self.folder, self.limit = folder, limit
@@ -86,10 +86,8 @@ class _Shards:
 def save_nf4_checkpoint(
     config: Any, folder: str | Path, device: torch.device, *, seed: int, shard_bytes: int | None = None
 ) -> dict[str, Any]:
-    """Write ``config``'s causal LM, random init (seeded), as an NF4 pre-quantized checkpoint into
-    ``folder`` (see the module's docstring), in shards of ``shard_bytes`` (default :data:`SHARD_BYTES`).
-    Returns ``{"quantized": n 4-bit weights, "tensors": n, "bytes": written}``. Raises ``ImportError``
-    without bitsandbytes."""
+    """Write ``config``'s causal LM, random init (seeded), as an NF4 pre-quantized checkpoint into ``folder``
+    (see the module's docstring), in shards of ``shard_bytes`` (default :data:`SHARD_BYTES`)."""
     import bitsandbytes.functional as bnb_functional
     from transformers import AutoModelForCausalLM
 

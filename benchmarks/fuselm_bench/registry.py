@@ -1,8 +1,4 @@
-"""The suites the lab knows: name -> (module, one-line description), imported lazily.
-
-``TRAINING_SUITES`` (whole training runs, one process per case) define ``run_cli(args, argv) -> int``;
-they are listed but not run by ``all`` (they take minutes).
-"""
+"""The suites the lab knows: name -> (module, one-line description), imported lazily."""
 
 from __future__ import annotations
 

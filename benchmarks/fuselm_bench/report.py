@@ -1,5 +1,5 @@
-"""Run metadata (device, versions, commit) and the report writers every suite uses: markdown tables,
-the report document, and the one writer of ``<name>.md``, ``.json`` and ``.png`` (:func:`write_files`)."""
+"""Run metadata (device, versions, commit) and the report writers every suite uses: markdown tables, the
+report document, and the one writer of ``<name>.md``, ``.json`` and ``.png`` (:func:`write_files`)."""
 
 from __future__ import annotations
 

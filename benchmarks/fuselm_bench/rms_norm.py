@@ -1,11 +1,5 @@
-"""Op suite: RMSNorm (Llama casting) over the last dimension of ``[N, H]``, with and without the residual
-add before it.
-
-A shape is ``(N, H, S)``: x ``[N, H]`` and weight ``[H]`` (requiring grad); ``S = 2`` adds a residual
-``[N, H]`` (requiring grad) first, ``s = x + residual``, and both ``rms_norm(s)`` and s are outputs (s is
-the next block's residual). Bytes per element (``itemsize`` b): ``S = 1`` fwd 2b, bwd 3b, full 5b;
-``S = 2`` fwd 4b, bwd 4b, full 8b (the suite's notes say which reads and writes).
-"""
+"""Op suite: RMSNorm (Llama casting) over the last dimension of ``[N, H]``, with and without the residual add
+before it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Op suite: rotary position embedding of q and k, Hugging Face layout, forward and backward.
-
-A shape is ``(B, T, Hq, Hkv, D)``: q ``[B, Hq, T, D]`` and k ``[B, Hkv, T, D]`` (contiguous, requiring
-grad), cos/sin ``[B, T, D]`` in the input dtype as HF's Llama rotary embedding returns them (theta 500000);
-``(4, 4096, 32, 8, 128)`` is Llama-3-8B at batch 4. Bytes: q, k read and q_embed, k_embed written each
-way (8 B per q/k element fwd + bwd in bf16, as docs/peers.md counts); cos/sin not counted.
-"""
+"""Op suite: rotary position embedding of q and k, Hugging Face layout, forward and backward."""
 
 from __future__ import annotations
 

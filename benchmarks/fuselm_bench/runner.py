@@ -23,7 +23,7 @@ def plan_suite(
     check_shape: Callable[[Shape], Any] | None = None,
 ) -> tuple[list[Shape], list[str]]:
     """The shapes (each through ``check_shape``, whose ValueError is a bad shape) and providers of a run of
-    ``suite``. Raises ``UsageError``."""
+    ``suite``."""
     if args.shapes:
         shapes = parse_shapes(args.shapes, len(suite.shape_dims))
     else:
@@ -44,9 +44,9 @@ def start(
     metadata: dict[str, Any] | None = None,
     check_shape: Callable[[Shape], Any] | None = None,
 ) -> tuple[Path, Callable[..., Report], list[tuple[Suite, list[Shape], list[str]]]]:
-    """Check the options (``UsageError`` before anything runs), say what runs where, measure the ceilings;
-    the output folder, ``run(suite, shapes=, providers=[, log=])`` (:func:`run_suite` with the run's
-    options) and ``(suite, shapes, providers)`` per suite."""
+    """Check the options (``UsageError`` before anything runs), say what runs where, measure the ceilings; the
+    output folder, ``run(suite, shapes=, providers=[, log=])`` (:func:`run_suite` with the run's options) and
+    ``(suite, shapes, providers)`` per suite."""
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)

@@ -77,8 +77,8 @@ class KernelProfile:
 
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
-        """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA;
-        a name starting with ``Memcpy`` or ``Memset`` is a copy or a memset, anything else a kernel, each
+        """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA; a
+        name starting with ``Memcpy`` or ``Memset`` is a copy or a memset, anything else a kernel, each
         lasting ``time_range.elapsed_us()``."""
         from torch.autograd import DeviceType
 
@@ -107,8 +107,8 @@ class KernelProfile:
         return out
 
     def _add_idle(self, spans: list[tuple[float, float, str]]) -> None:
-        """Idle time between the device's events (start and end in us, any stream), each gap charged to
-        the event that ends it: what the device waited for (the host launching it, a synchronization)."""
+        """Idle time between the device's events (start and end in us, any stream), each gap charged to the
+        event that ends it: what the device waited for (the host launching it, a synchronization)."""
         busy_until = None
         for start, end, name in sorted(spans):
             if busy_until is not None and start > busy_until:
@@ -139,8 +139,8 @@ class KernelProfile:
 
 @dataclass
 class StepRun:
-    """What :func:`run_steps` measured: every step's logged values, the warmup's wall time, each timed
-    step's wall time, the timed steps' summed CPU time, the profiled steps' kernels (None without)."""
+    """What :func:`run_steps` measured: every step's logged values, the warmup's wall time, each timed step's
+    wall time, the timed steps' summed CPU time, the profiled steps' kernels (None without)."""
 
     logged: list[Any]
     warmup_s: float
@@ -223,7 +223,7 @@ def run_trainer(
 ) -> StepRun:
     """``Trainer.train()`` of ``model`` on ``ids`` (labels = ids), measured as :func:`run_steps` measures: a
     step from the end of the previous optimizer step to the end of its own (data loader, forward, backward,
-    clipping at 1.0, AdamW, logging). ``graphs``: under ``capture_training_steps``."""
+    clipping at 1.0, AdamW, logging)."""
     import tempfile
 
     import transformers

@@ -1,8 +1,4 @@
-"""Op suite: SwiGLU ``silu(gate) * up`` on ``[N, I]`` gate and up (both require grad).
-
-Bytes: ``itemsize`` per access; fwd reads gate, up and writes out (3 accesses), bwd reads dout, gate, up
-and writes dgate, dup (5), full 8 (16 B per element in bf16).
-"""
+"""Op suite: SwiGLU ``silu(gate) * up`` on ``[N, I]`` gate and up (both require grad)."""
 
 from __future__ import annotations
 
