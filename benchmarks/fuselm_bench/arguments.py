@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +100,9 @@ def results_dir(out: str | None, device_name: str | None) -> Path:
     return Path("benchmarks") / "results" / gpu_slug(device_name)
 
 
-@dataclass(frozen=True)
-class StepCounts:
-    """Default warmup and timed steps of a run, and with ``--quick``."""
-
-    warmup: int
-    steps: int
-    quick_warmup: int
-    quick_steps: int
-
-
 def warmup_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
     """``(warmup, steps, dtype)``: ``--warmup`` / ``--steps`` or the ``plan``'s (its quick ones with
-    ``--quick``), ``--dtype`` on CUDA, fp32 otherwise. Raises :class:`UsageError`."""
+    ``--quick``), ``--dtype`` on CUDA, fp32 otherwise."""
     warmup = getattr(args, "warmup", None)
     steps = getattr(args, "steps", None)
     warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup

@@ -1,5 +1,5 @@
-"""The lab's one row type and one case loop: a case (one provider at one configuration, in one mode or
-repeat) gives a :class:`Row` whatever runs it (this process, or a fresh worker process)."""
+"""The lab's one row type and one case loop: a case (one provider at one configuration, in one mode or repeat)
+gives a :class:`Row` whatever runs it (this process, or a fresh worker process)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-STATUSES = ("ok", "skipped", "oom", "error")
 GIB = 1 << 30
 
 
@@ -16,9 +15,7 @@ def _named_shape(row: Row) -> tuple[Any, ...]:
 
 
 class Row:
-    """The base of every result row (a dataclass per suite). ``shape``: the values of ``SHAPE_FIELDS``
-    (``TEXT_FIELDS`` of them names), or a field of its own (the op suites' tuples); ``SHAPE_DIMS`` names the
-    sizes in the JSON, ``SHAPE_TITLE`` heads the tables' first column, ``SHAPE_FORMAT`` formats a label."""
+    """The base of every result row (a dataclass per suite)."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ()
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
