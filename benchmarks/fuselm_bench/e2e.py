@@ -44,26 +44,16 @@ WORKER_TIMEOUT_S = 1800.0
 HOST_BOUND = 0.9  # bound by the GPU when its kernels run >= HOST_BOUND of the step, else by the host
 
 LLAMA3_ROPE_SCALING = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
-}
+}  # fmt: skip
 
 # the tiny sizes every family takes on a CPU
 TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2,
     "pad_token_id": 3,
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,78 +83,37 @@ class ModelShape:
 
 # Llama-3-8B's config; the other Llama shapes change a few of its sizes
 LLAMA3_8B: dict[str, Any] = {
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "rope_theta": 500000.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
+}  # fmt: skip
+QWEN3_06B: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_theta": 1000000.0, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}  # fmt: skip
+LLAMA32_1B = {
+    **LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE_SCALING,
+}  # fmt: skip
+# Llama-3.3-70B's shape: QLoRA only (141 GB of bf16 weights; fuselm_bench.nf4_checkpoint saves it 4-bit)
+LLAMA3_70B = {
+    **LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "max_position_embeddings": 131072,
+    "rope_scaling": {**LLAMA3_ROPE_SCALING, "factor": 8.0},
+}  # fmt: skip
 
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape(
-            "llama3.2-1b",
-            "llama",
-            {
-                **LLAMA3_8B,
-                "hidden_size": 2048,
-                "intermediate_size": 8192,
-                "num_hidden_layers": 16,
-                "head_dim": 64,
-                "max_position_embeddings": 131072,
-                "tie_word_embeddings": True,
-                "rope_scaling": LLAMA3_ROPE_SCALING,
-            },
-        ),
-        ModelShape(
-            "qwen3-0.6b",
-            "qwen3",
-            {
-                "vocab_size": 151936,
-                "hidden_size": 1024,
-                "intermediate_size": 3072,
-                "num_hidden_layers": 28,
-                "num_attention_heads": 16,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
-                "hidden_act": "silu",
-                "max_position_embeddings": 40960,
-                "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": True,
-                "rope_theta": 1000000.0,
-                "attention_bias": False,
-                "bos_token_id": 151643,
-                "eos_token_id": 151645,
-            },
-        ),
+        ModelShape("llama3.2-1b", "llama", LLAMA32_1B),
+        ModelShape("qwen3-0.6b", "qwen3", QWEN3_06B),
         ModelShape("llama3-8b", "llama", LLAMA3_8B),
+        ModelShape("llama3-70b", "llama", LLAMA3_70B, nf4_only=True),
     )
 }
-# Llama-3.3-70B's shape: QLoRA only (141 GB of bf16 weights; fuselm_bench.nf4_checkpoint saves it 4-bit)
-MODELS["llama3-70b"] = ModelShape(
-    "llama3-70b",
-    "llama",
-    {
-        **LLAMA3_8B,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {**LLAMA3_ROPE_SCALING, "factor": 8.0},
-    },
-    nf4_only=True,
-)
 TRAINED_IN_FULL = [m for m in MODELS if not MODELS[m].nf4_only]  # what this suite (full training) runs
 DEFAULT_MODEL = "llama3.2-1b"
 
@@ -195,36 +144,10 @@ class Preset:
         return list(dict.fromkeys(m for m, _, _ in self.grid))
 
 
-GPU_PRESET = Preset(
-    name="gpu",
-    tiny=False,
-    grid=(
-        ("llama3.2-1b", 1, 512),
-        ("llama3.2-1b", 1, 2048),
-        ("llama3.2-1b", 4, 2048),
-        ("llama3.2-1b", 4, 4096),
-        ("llama3.2-1b", 8, 4096),
-        ("qwen3-0.6b", 1, 2048),
-    ),
-    warmup=3,
-    steps=10,
-    quick_warmup=2,
-    quick_steps=4,
-    fused_adamw=True,
-    profile_steps=3,
-)
-
-CPU_PRESET = Preset(
-    name="cpu",
-    tiny=True,
-    grid=(("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64)),
-    warmup=2,
-    steps=3,
-    quick_warmup=1,
-    quick_steps=2,
-    fused_adamw=False,
-    profile_steps=1,
-)
+GPU_GRID = (("llama3.2-1b", 1, 512), ("llama3.2-1b", 1, 2048), ("llama3.2-1b", 4, 2048))
+GPU_GRID += (("llama3.2-1b", 4, 4096), ("llama3.2-1b", 8, 4096), ("qwen3-0.6b", 1, 2048))
+GPU_PRESET = Preset("gpu", False, GPU_GRID, 3, 10, 2, 4, fused_adamw=True, profile_steps=3)
+CPU_PRESET = Preset("cpu", True, (("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64)), 2, 3, 1, 2, False, 1)
 PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
 
 
