@@ -11,7 +11,7 @@ import torch
 from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, import_peer
 from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
 from .linear_cross_entropy import make_inputs as lce_make_inputs
-from .report import cell, md_table, package_versions, shape_label, write_report
+from .report import cell, md_table, package_versions, shape_label
 
 NAME = "linear_log_probs"
 LOG_PROBS, WITH_ENTROPY = 1, 2
@@ -322,35 +322,14 @@ def peer_versions() -> dict[str, str]:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench linear_log_probs``, one shape at a time, the files written after each (a run stopped
-    part-way keeps the shapes it finished); the exit code."""
-    from .runner import finish, start
+    """``fuselm bench linear_log_probs``: :func:`runner.run_op_suites` with the accuracy, its summary last."""
+    from .runner import run_op_suites
 
-    out_dir, run, [(_, shapes, providers)] = start(
-        [SUITE], args, argv, peer_versions(), check_shape=split_shape
-    )
+    def extras(report: Report) -> dict[str, Any]:
+        return {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
+
     ACCURACY.clear()
-    seen: set[str] = set()
-
-    def log_once(msg: str) -> None:
-        if msg not in seen:
-            seen.add(msg)
-            print(msg)
-
-    report: Report | None = None
-    for i, shape in enumerate(shapes):
-        part = run(SUITE, shapes=[shape], providers=providers, log=log_once)
-        if report is None:
-            report = part
-        else:
-            report.shapes = (*report.shapes, *part.shapes)
-            report.rows.extend(part.rows)
-            report.skipped.update(part.skipped)
-        extra = {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
-        write_report(report, out_dir, **extra)
-        print(f"{i + 1}/{len(shapes)} shapes done; results so far written to {out_dir}", flush=True)
-    _REFERENCE.clear()
-    code = finish(report, out_dir, **extra)
-    print()
-    print(summary_table(report))
-    return code
+    try:
+        return run_op_suites([SUITE], args, argv, peer_versions(), split_shape, extras, summary_table)
+    finally:
+        _REFERENCE.clear()

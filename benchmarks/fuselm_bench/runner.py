@@ -1,12 +1,9 @@
-"""``fuselm bench <op suite>``: from the parsed arguments to the printed and written reports. :func:`start`
-and :func:`finish` are shared with ``linear_log_probs``, which has a runner of its own."""
+"""``fuselm bench <op suite>``: from the parsed arguments to the printed and written reports."""
 
 from __future__ import annotations
 
 import argparse
-import functools
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,23 +34,37 @@ def plan_suite(
     return shapes, providers or suite.provider_names
 
 
-def start(
-    suites: Sequence[Suite],
+def _said_once() -> Callable[[str], None]:
+    """``print``, each distinct message once."""
+    seen: set[str] = set()
+
+    def log(msg: str) -> None:
+        if msg not in seen:
+            seen.add(msg)
+            print(msg)
+
+    return log
+
+
+def run_op_suites(
+    suites: list[Suite],
     args: argparse.Namespace,
     argv: list[str],
     metadata: dict[str, Any] | None = None,
     check_shape: Callable[[Shape], Any] | None = None,
-) -> tuple[Path, Callable[..., Report], list[tuple[Suite, list[Shape], list[str]]]]:
-    """Check the options (``UsageError`` before anything runs), say what runs where, measure the ceilings; the
-    output folder, ``run(suite, shapes=, providers=[, log=])`` (:func:`run_suite` with the run's options) and
-    ``(suite, shapes, providers)`` per suite."""
+    extras: Callable[[Report], dict[str, Any]] | None = None,
+    summary: Callable[[Report], str] | None = None,
+) -> int:
+    """Measure the card's ceilings, then run each of ``suites`` one shape at a time, its files written after
+    each shape (a run stopped part-way keeps the shapes it finished); the exit code (1: a suite measured
+    nothing). ``extras(report)``: more keywords of :func:`write_report`; ``summary(report)``: a table printed
+    last. Raises ``UsageError`` before anything runs."""
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)
     plans = [(suite, *plan_suite(suite, args, device, check_shape)) for suite in suites]
     cuda = device.type == "cuda"
-    meta = collect_metadata(device, argv)
-    meta.update(metadata or {})
+    meta = {**collect_metadata(device, argv), **(metadata or {})}
     if not cuda:
         print(
             "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
@@ -69,25 +80,26 @@ def start(
     gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
     print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
     options = {"dtype": dtype, "modes": modes, "device": device, "quick": args.quick, "ceilings": ceilings}
-    run = functools.partial(run_suite, **options, metadata=meta, progress=not args.no_progress)
-    return out_dir, run, plans
-
-
-def finish(
-    report: Report, out_dir: Path, *, extra_markdown: str = "", text: str | None = None, **options
-) -> int:
-    """Write the report, print ``text`` (default: the markdown); the exit code (1: nothing measured)."""
-    paths = write_report(report, out_dir, extra_markdown=extra_markdown, **options)
-    print_written(markdown(report, extra_markdown) if text is None else text, paths)
-    return 0 if any(r.ms is not None for r in report.rows) else 1
-
-
-def run_op_suites(suites: list[Suite], args: argparse.Namespace, argv: list[str]) -> int:
-    """Run and write each of ``suites``; the exit code (1: a suite measured nothing)."""
-    out_dir, run, plans = start(suites, args, argv)
+    options.update(metadata=meta, progress=not args.no_progress)
     status = 0
     for suite, shapes, providers in plans:
-        report = run(suite, shapes=shapes, providers=providers)
-        text = None if len(plans) == 1 else markdown_table(report)
-        status = max(status, finish(report, out_dir, text=text))
+        log = _said_once()  # a provider's skip once (its setup runs at every shape)
+        report: Report | None = None
+        for i, shape in enumerate(shapes):
+            part = run_suite(suite, shapes=[shape], providers=providers, log=log, **options)
+            if report is None:
+                report = part
+            else:
+                report.shapes = (*report.shapes, *part.shapes)
+                report.rows.extend(part.rows)
+                report.skipped.update(part.skipped)
+            more = extras(report) if extras is not None else {}
+            paths = write_report(report, out_dir, **more)
+            print(f"{suite.name}: {i + 1}/{len(shapes)} shapes done, written to {out_dir}", flush=True)
+        text = markdown(report, more.get("extra_markdown", "")) if len(plans) == 1 else markdown_table(report)
+        print_written(text, paths)
+        if summary is not None:
+            print()
+            print(summary(report))
+        status = max(status, 0 if any(r.ms is not None for r in report.rows) else 1)
     return status
