@@ -9,7 +9,6 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +19,7 @@ from . import fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import Row
 from .harness import SkipProvider, import_peer
-from .report import fmt_num, md_table, ratio
+from .report import fmt_num, md_table
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
@@ -350,6 +349,114 @@ def _precheck(provider: str, device: torch.device) -> str | None:
     return None
 
 
+def fmt_tokens(x: float | None) -> str:
+    """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
+    if x is None:
+        return "—"
+    return f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
+
+
+# ---- report files ----
+
+
+def markdown_table(report: fresh_process.CaseReport) -> str:
+    """One line per (configuration, provider); medians over the repeats with their range."""
+    head = ["model", "B x T", "provider", "tokens/s", "ms/step", "CPU ms/step", "GPU ms/step"]
+    head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
+    cuda = report.device_type == "cuda"
+    cell = fresh_process.summary_cell
+    lines = [
+        [
+            model,
+            f"{b}x{t}",
+            provider,
+            fresh_process.first_cell(rows, "tokens_per_s", fmt_tokens),
+            *(cell(rows, a) for a in ("step_ms", "cpu_ms", "gpu_ms")),
+            cell(rows, "launches", "{:.0f}".format),
+            bound_cell(rows, cuda),
+            cell(rows, "peak_gib"),
+            cell(rows, "first_loss", "{:.4f}".format),
+            fresh_process.note_cell(rows),
+        ]
+        for (model, b, t), provider, rows in report.groups()
+    ]
+    return md_table(head, lines)
+
+
+def step_notes(report: fresh_process.CaseReport) -> list[str]:
+    """How the figures of a :class:`TrainingRow` are measured (``e2e``, ``finetune``)."""
+    waits = {r.gpu_wait for r in report.rows if r.status == "ok"} - {None}
+    if waits == {"blocking"}:
+        wait = "; a wait for the GPU inside a step sleeps (CUDA blocking sync): this is host work alone."
+    elif waits or report.device_type == "cuda":  # none: rows of an older version, whose waits spun
+        wait = (
+            f"; waits for the GPU: {', '.join(sorted(waits)) or 'spin'} (a spinning wait counts as CPU time)."
+        )
+    else:
+        wait = "."
+    return [
+        "ms/step: the median of the timed steps, each between two device synchronizations; tokens/s = "
+        "B * T / that median.",
+        "CPU ms/step: time.process_time() (all threads) of the timed steps, read before each step's closing "
+        "synchronization, / steps" + wait,
+        "GPU ms/step and launches/step: the CUDA kernels' summed device time and number in a torch.profiler "
+        "window of the profiled steps (after the timed ones), / steps; memory copies and memsets are not in "
+        "them (memcpy_ms, memcpys in the JSON).",
+        f"bound by: GPU when GPU ms/step >= {HOST_BOUND} x ms/step, else host (the GPU waits for Python, the "
+        "launches or a synchronization).",
+    ]
+
+
+def notes(report: fresh_process.CaseReport) -> list[str]:
+    fused = "fused" if report.device_type == "cuda" and report.plan.fused_adamw else "not fused"
+    out = [
+        "One step: forward with labels = input_ids (random ids, the same batch every step), backward, "
+        f"AdamW.step() ({fused}), zero_grad(set_to_none=True).",
+        *step_notes(report),
+        "first loss: the loss of the first step (same seed, weights and batch for every provider).",
+    ]
+    if any(p in TRAINER_PROVIDERS for p in report.providers):
+        out.append(
+            "hf-trainer, fuselm-trainer: steps of transformers.Trainer.train() (the same batch through its "
+            "data loader, gradient clipping at 1.0, the loss logged every step), timed from the end of one "
+            "optimizer step to the end of the next; fuselm-trainer under capture_training_steps."
+            + "".join(f" {line}" for line in trainer_ratios(report))
+        )
+    return out
+
+
+def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
+    """fuselm-trainer's tokens/s over hf-trainer's per configuration, with the per-repeat range."""
+    out = []
+    for shape in report.shapes:
+        value, each = fresh_process.pair_ratio(report, shape, "fuselm-trainer", "hf-trainer", "tokens_per_s")
+        if value is not None:
+            text = fresh_process.ratio_text(value, each)
+            out.append(f"{E2ERow.label(shape)}: fuselm-trainer / hf-trainer tokens/s {text}.")
+    return out
+
+
+def model_facts(report: fresh_process.CaseReport) -> list[str]:
+    """The sizes of the report's models."""
+    models = dict.fromkeys(s[0] for s in report.shapes)
+    return [f"model {MODELS[m].describe(report.plan.tiny)}" for m in models if m in MODELS]
+
+
+def plan_json(report: fresh_process.CaseReport) -> dict[str, Any]:
+    cuda = report.device_type == "cuda"
+    models = dict.fromkeys(s[0] for s in report.shapes)
+    return {
+        "preset": report.plan.name,
+        "models": {m: MODELS[m].settings(report.plan.tiny) for m in models if m in MODELS},
+        "profile_steps": report.plan.profile_steps,
+        "host_bound_threshold": HOST_BOUND,
+        "bound_by": [
+            {"model": m, "batch": b, "seq": t, "provider": p, "bound_by": rows_bound_by(rows, cuda)}
+            for (m, b, t), p, rows in report.groups()
+        ],
+    }
+
+
 BENCH = fresh_process.Bench(
     name=NAME,
     description=DESCRIPTION,
@@ -366,211 +473,18 @@ BENCH = fresh_process.Bench(
     peers={"liger": "Liger", "hf": "HF"},
     metrics={"tokens": ("tokens_per_s", "tokens/s"), "peak": ("peak_bytes", "peak")},
     precheck=_precheck,
+    facts=lambda report: [*model_facts(report), "random init, SDPA attention, no activation checkpointing"],
+    tables=markdown_table,
+    notes=notes,
+    plan_json=plan_json,
+    panels=(
+        ("tokens_per_s", "tokens/s (k)", 1e-3),
+        ("step_ms", "ms/step", 1.0),
+        ("cpu_ms", "CPU ms/step", 1.0),
+        ("gpu_ms", "GPU kernel ms/step", 1.0),
+        ("peak_gib", "peak GiB", 1.0),
+    ),
 )
-
-
-def fmt_tokens(x: float | None) -> str:
-    """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
-    if x is None:
-        return "—"
-    return f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
-
-
-# ---- report files ----
-
-
-def summary_cell(rows: list[Any], attr: str, fmt=lambda v: f"{v:.1f}") -> str:
-    """The median of ``attr`` over the ok repeats, with their range when several differ: ``56.2 (55.1-57.3)``;
-    ``n/a`` when the ok rows have no value, ``—`` without an ok row.
-
-    Example:
-        >>> from types import SimpleNamespace as R
-        >>> summary_cell([R(status="ok", x=2.0), R(status="ok", x=1.0), R(status="ok", x=4.0)], "x")
-        '2.0 (1.0-4.0)'
-    """
-    ok = [r for r in rows if r.status == "ok"]
-    if not ok:
-        return "—"
-    median = fresh_process.median_of(ok, attr)
-    if median is None:
-        return "n/a"
-    low, high = fresh_process.spread_of(ok, attr)
-    spread = f" ({fmt(low)}-{fmt(high)})" if len(ok) > 1 and fmt(low) != fmt(high) else ""
-    return fmt(median) + spread
-
-
-def _status(rows: list[Any], ok_cell: str) -> str:
-    if any(r.status == "ok" for r in rows):
-        failed = sum(r.status != "ok" for r in rows)
-        return ok_cell + (f" ({failed} failed)" if failed else "")
-    return fresh_process.failed_cell(rows)
-
-
-def markdown_table(report: fresh_process.CaseReport) -> str:
-    """One line per (configuration, provider); medians over the repeats with their range."""
-    head = ["model", "B x T", "provider", "tokens/s", "ms/step", "CPU ms/step", "GPU ms/step"]
-    head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
-    cuda = report.device_type == "cuda"
-    lines = [
-        [
-            model,
-            f"{b}x{t}",
-            provider,
-            _status(rows, summary_cell(rows, "tokens_per_s", fmt_tokens)),
-            summary_cell(rows, "step_ms"),
-            summary_cell(rows, "cpu_ms"),
-            summary_cell(rows, "gpu_ms"),
-            summary_cell(rows, "launches", lambda v: f"{v:.0f}"),
-            bound_cell(rows, cuda),
-            summary_cell(rows, "peak_gib"),
-            summary_cell(rows, "first_loss", lambda v: f"{v:.4f}"),
-            fresh_process.note_cell(rows),
-        ]
-        for (model, b, t), provider, rows in report.groups()
-    ]
-    return md_table(head, lines)
-
-
-def _gpu_wait_note(rows: list[Any]) -> str:
-    """How waits for the GPU inside a step counted in the rows' CPU time."""
-    waits = {r.gpu_wait for r in rows if r.status == "ok"} - {None}
-    if waits == {"blocking"}:
-        return (
-            "waits for the GPU inside a step (Hugging Face's packed-sequence check syncs once per forward) "
-            "sleep (CUDA blocking sync), so this is host work alone."
-        )
-    if not waits:
-        return "(rows of an older version: a wait for the GPU inside a step spun and counted as CPU time)."
-    return (
-        f"waits for the GPU: {', '.join(sorted(waits))} (a spinning wait counts the GPU's time as CPU time)."
-    )
-
-
-def notes(report: fresh_process.CaseReport) -> list[str]:
-    cuda = report.device_type == "cuda"
-    repeats = report.repeats
-    out = [
-        f"Each (configuration, provider) ran {repeats} time{'s' if repeats > 1 else ''}, each in a fresh "
-        "process (`python -m fuselm_bench.e2e --worker`), the providers of one repeat back to back; cells "
-        "are the median over the repeats with their range (min-max) when they differ; the JSON keeps every "
-        "repeat.",
-        "One step: forward with labels = input_ids (random ids, the same batch every step), backward, "
-        f"AdamW.step() ({'fused' if cuda and report.plan.fused_adamw else 'not fused'}), "
-        "zero_grad(set_to_none=True). Warmup steps, then the timed steps, then the profiled steps "
-        "(--profile-steps).",
-        "ms/step: the median of the timed steps, each"
-        + (" between two torch.cuda.synchronize()" if cuda else " timed with perf_counter")
-        + "; tokens/s = B * T / that median.",
-        "CPU ms/step: time.process_time() of the timed steps (all threads of the process), read before each "
-        "step's closing synchronization, / steps; " + _gpu_wait_note(report.rows),
-        "GPU ms/step and launches/step: the summed device time of the CUDA kernels and their number in a "
-        "torch.profiler window of the profiled steps (after the timed ones), / steps; memory copies and "
-        "memsets are not in them (memcpy_ms, memcpys in the JSON).",
-        f"bound by: GPU when GPU ms/step >= {HOST_BOUND} x ms/step, else host (the GPU waits for Python, "
-        "the launches or a synchronization).",
-    ]
-    if cuda:
-        out.append(
-            "peak GiB = torch.cuda.max_memory_allocated() over the whole process: weights, gradients, AdamW "
-            "state and activations (GiB = 2^30 bytes); the JSON also has max_memory_reserved."
-        )
-        out.append(
-            "OOM = torch.cuda.OutOfMemoryError; a provider that ran out of memory at batch B is not run at B "
-            "or a larger batch of the same model and sequence length."
-        )
-    else:
-        out.append("No CUDA: no GPU or memory figures (n/a); each worker runs one CPU thread.")
-    if any(p in TRAINER_PROVIDERS for p in report.providers):
-        out.append(
-            "hf-trainer, fuselm-trainer: steps of transformers.Trainer.train() (the same batch through its "
-            "data loader, gradient clipping at 1.0, the loss logged every step), timed from the end of one "
-            "optimizer step to the end of the next; fuselm-trainer under capture_training_steps."
-            + "".join(f" {line}" for line in trainer_ratios(report))
-        )
-    out.append("first loss: the loss of the first step (same seed, weights and batch for every provider).")
-    return out
-
-
-def trainer_ratios(report: fresh_process.CaseReport) -> list[str]:
-    """fuselm-trainer's tokens/s over hf-trainer's per configuration, with the per-repeat range."""
-    out = []
-    for shape in report.shapes:
-        ours, base = (report.rows_of(p, shape) for p in ("fuselm-trainer", "hf-trainer"))
-        value = ratio(*(fresh_process.median_of(rows, "tokens_per_s") for rows in (ours, base)))
-        if value is None:
-            continue
-        each = []
-        for i in range(report.repeats):
-            pair = [[r for r in rows if r.repeat == i] for rows in (ours, base)]
-            each.append(ratio(*(fresh_process.median_of(rows, "tokens_per_s") for rows in pair)))
-        each = [x for x in each if x is not None]
-        spread = f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
-        out.append(f"{E2ERow.label(shape)}: fuselm-trainer / hf-trainer tokens/s {value:.2f}x{spread}.")
-    return out
-
-
-def markdown(report: fresh_process.CaseReport) -> str:
-    tiny = report.plan.tiny
-    models = list(dict.fromkeys(s[0] for s in report.shapes))
-    facts = [f"model {MODELS[m].describe(tiny)}" for m in models if m in MODELS]
-    facts.append("random init, SDPA attention, no activation checkpointing")
-    facts.append(
-        f"steps per run: {report.warmup} warmup, {report.steps} timed, {report.plan.profile_steps} profiled; "
-        f"fresh-process repeats per configuration: {report.repeats}"
-    )
-    facts += [
-        f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})" for m in report.merged
-    ]
-    return fresh_process.markdown(
-        BENCH,
-        report,
-        cpu_figures="**CPU figures** (no CUDA device): tiny configs, fp32, a few steps; a smoke test of the "
-        "path, not comparable to GPU results.",
-        facts=facts,
-        table=markdown_table(report),
-        notes=notes(report),
-    )
-
-
-def to_json(report: fresh_process.CaseReport) -> dict[str, Any]:
-    cuda = report.device_type == "cuda"
-    models = list(dict.fromkeys(s[0] for s in report.shapes))
-    plan = {
-        "preset": report.plan.name,
-        "models": {m: MODELS[m].settings(report.plan.tiny) for m in models if m in MODELS},
-        "profile_steps": report.plan.profile_steps,
-        "host_bound_threshold": HOST_BOUND,
-        "bound_by": [
-            {"model": m, "batch": b, "seq": t, "provider": p, "bound_by": rows_bound_by(rows, cuda)}
-            for (m, b, t), p, rows in report.groups()
-        ],
-    }
-    return fresh_process.report_json(BENCH, report, plan, notes(report))
-
-
-def write_png(report: fresh_process.CaseReport, path: Path) -> None:
-    fresh_process.write_bars(
-        BENCH,
-        report,
-        path,
-        panels=(
-            ("tokens_per_s", "tokens/s (k)", 1e-3),
-            ("step_ms", "ms/step", 1.0),
-            ("cpu_ms", "CPU ms/step", 1.0),
-            ("gpu_ms", "GPU kernel ms/step", 1.0),
-            ("peak_gib", "peak GiB", 1.0),
-        ),
-        title=f" ({report.plan.name} preset)",
-        width_per_shape=4.5,
-        mark_failures=True,
-    )
-
-
-def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``e2e.{md,json,png}`` into ``out_dir``; their paths."""
-    return fresh_process.write_report(
-        NAME, out_dir, markdown(report), to_json(report), lambda path: write_png(report, path)
-    )
 
 
 # ---- command line ----
@@ -601,23 +515,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")
         c.plan = dataclasses.replace(c.plan, profile_steps=profile)
     c.extra["profile_steps"] = c.plan.profile_steps
-    meta = c.metadata
-    meta.update(
-        {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if os.environ.get(k)}
-    )
-    if c.device.type != "cuda":
-        print(
-            "No CUDA device in use: these are CPU figures (tiny models, fp32, a few steps, no GPU or memory "
-            "figures), not comparable to GPU results."
-        )
-    print(
-        f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, transformers "
-        f"{meta['transformers']}, liger-kernel {meta.get('liger-kernel', 'n/a')}, fuselm @ {meta['commit']}"
-    )
-    report = fresh_process.run_cli(
-        BENCH, c, markdown=markdown, write=write_report, progress=not args.no_progress, write_each_row=True
-    )
-    return fresh_process.exit_code(report)
+    alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    c.metadata.update({k: os.environ[k] for k in alloc if os.environ.get(k)})
+    return fresh_process.exit_code(fresh_process.run_cli(BENCH, c, progress=not args.no_progress))
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.e2e --worker ... (the benchmark: fuselm bench)

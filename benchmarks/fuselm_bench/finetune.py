@@ -667,28 +667,6 @@ def _precheck(provider: str, device: torch.device) -> str | None:
     return None
 
 
-VERSIONS = ("peft", "bitsandbytes", "unsloth", "unsloth_zoo")
-BENCH = fresh_process.Bench(
-    name=NAME,
-    description=DESCRIPTION,
-    providers=PROVIDERS,
-    provider_descriptions=PROVIDER_DESCRIPTIONS,
-    row_type=FinetuneRow,
-    plan_flag="plan",
-    plans=PLANS,
-    train=train,
-    timeout_s=WORKER_TIMEOUT_S,
-    seed=SEED,
-    versions=("torch", "triton", "transformers", "liger-kernel", *VERSIONS),
-    peers={"unsloth": "Unsloth", "hf": "HF"},
-    metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
-    precheck=_precheck,
-    worker_prefix=worker_prefix,
-    worker_env=worker_env,
-    variant_description=describe_variant,
-)
-
-
 def bnb_cpu_4bit_works() -> str | None:
     """None when a bitsandbytes NF4 layer runs forward and backward on this CPU, else why not."""
     try:
@@ -716,7 +694,7 @@ def _ok(rows: list[Any]) -> list[Any]:
 
 
 def _cell(rows: list[Any], attr: str, digits: int = 0) -> str:
-    return e2e.summary_cell(rows, attr, lambda v: f"{v:.{digits}f}")
+    return fresh_process.summary_cell(rows, attr, f"{{:.{digits}f}}".format)
 
 
 def loss_gap(report: CaseReport, provider: str, shape: tuple[Any, ...]) -> float | None:
@@ -777,8 +755,8 @@ def detail_table(report: CaseReport) -> str:
                 scenario,
                 f"{b}x{t}",
                 p,
-                _cell(rows, "step_ms") if ok else fresh_process.failed_cell(rows),
-                e2e.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
+                fresh_process.first_cell(rows, "step_ms", "{:.0f}".format),
+                fresh_process.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
                 *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
                 e2e.bound_cell(rows, cuda),
                 *(_cell(rows, a, 2) for a in ("peak_gib", "reserved_gib", "pinned_gib")),
@@ -811,25 +789,28 @@ def fused_paths_section(report: CaseReport) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def tables(report: CaseReport) -> str:
+    """A headline table per (model, B x T), the details, what fuselm ran."""
+    sections = [
+        f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n" + headline_table(report, model, b, t)
+        for model, b, t in dict.fromkeys((s[0], s[2], s[3]) for s in report.shapes)
+    ]
+    sections += ["## Details\n\n" + detail_table(report), fused_paths_section(report)]
+    return "\n\n".join(s for s in sections if s)
+
+
 def notes(report: CaseReport) -> list[str]:
-    cuda = report.device_type == "cuda"
     extra = report.metadata.get("finetune", {})
+    fused = "fused" if report.device_type == "cuda" else "not fused"
     out = [
         f"LoRA r={extra.get('rank')}, alpha={extra.get('alpha')}, dropout={extra.get('dropout')} on "
-        f"{', '.join(TARGET_MODULES)}; AdamW ({'fused' if cuda else 'not fused'}) on the trainable "
-        f"parameters, lr {LR}; labels = input_ids (random ids, the same batch every step and provider, "
-        f"seed {SEED}).",
+        f"{', '.join(TARGET_MODULES)}; AdamW ({fused}) on the trainable parameters, lr {LR}; labels = "
+        f"input_ids (random ids, the same batch every step and provider, seed {SEED}).",
         "qlora: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant="
         "True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16), the LM head "
         "not quantized; lora: the base in the run's dtype.",
-        "Each (configuration, provider) ran in a fresh process (Unsloth's imports unsloth first); "
-        f"{report.repeats} repeat(s); cells are medians over the repeats (range in the details).",
-        "ms/step: median of the timed steps, each between two device synchronizations; CPU ms/step: "
-        "time.process_time() of the timed steps before each closing synchronization; GPU ms/step and "
-        "launches/step: CUDA kernels in a torch.profiler window after the timed steps; bound by: GPU when "
-        f"GPU >= {e2e.HOST_BOUND} x wall, else host.",
-        "GiB: peak allocated = torch.cuda.max_memory_allocated() over the whole process (weights "
-        "included); peak reserved = max_memory_reserved(); host pinned: "
+        *e2e.step_notes(report),
+        "peak reserved GiB = torch.cuda.max_memory_reserved(); host pinned GiB: "
         + (extra.get("host_pinned_source") or "see host_pinned_source in the JSON")
         + "; the JSON also has the resident set's growth (rss_delta_bytes).",
         f"first {FIRST_LOSSES} losses: the first ok repeat; max abs diff vs HF: over those steps (the LoRA "
@@ -843,55 +824,17 @@ def notes(report: CaseReport) -> list[str]:
         how = "reused" if info.get("reused") else f"saved in {info.get('build_s') or 0:.0f} s"
         size = (info.get("bytes") or 0) / GIB
         out.append(f"Saved model {model}: {info.get('folder')} ({how}, {size:.2f} GiB, safetensors).")
-    if extra.get("scenario_note"):
-        out.append(extra["scenario_note"])
-    if not cuda:
-        out.append("No CUDA: tiny models in fp32, no GPU or memory figures; Liger and Unsloth need CUDA.")
-    return out
+    return out + ([extra["scenario_note"]] if extra.get("scenario_note") else [])
 
 
-def _facts(report: CaseReport, options: str) -> list[str]:
-    steps = report.metadata.get("finetune", {}).get("profile_steps")
-    models = dict.fromkeys(s[0] for s in report.shapes)
-    return [
-        *(f"model {e2e.MODELS[m].describe(report.plan.tiny)}" for m in models if m in e2e.MODELS),
-        f"steps per run: {report.warmup} warmup, {report.steps} timed, {steps} profiled",
-        options,
-        *(
-            f"merged rows of: `{m.get('command')}` ({m.get('date')}, {m.get('commit')})"
-            for m in report.merged
-        ),
-    ]
-
-
-def _tables(report: CaseReport, sections: list[str]) -> str:
-    fused = fused_paths_section(report)
-    return "\n\n".join([*sections, "## Details\n\n" + detail_table(report)]) + (
-        "\n\n" + fused if fused else ""
-    )
-
-
-def markdown(report: CaseReport) -> str:
+def facts(report: CaseReport) -> list[str]:
     extra = report.metadata.get("finetune", {})
     compile_ = "on" if extra.get("unsloth_compile") else "off (UNSLOTH_COMPILE_DISABLE=1)"
-    options = (
-        f"fuselm: offload {'on' if extra.get('offload') else 'off'}; Unsloth: per-block compile {compile_}"
-    )
-    sections = [
-        f"## {model}, B{b} x {t}: ms per step, peak allocated GiB\n\n" + headline_table(report, model, b, t)
-        for model, b, t in dict.fromkeys((s[0], s[2], s[3]) for s in report.shapes)
-    ]
-    return fresh_process.markdown(
-        BENCH,
-        report,
-        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32; a smoke test of the path.",
-        facts=_facts(report, options),
-        table=_tables(report, sections),
-        notes=notes(report),
-    )
+    offload = "on" if extra.get("offload") else "off"
+    return [*e2e.model_facts(report), f"fuselm: offload {offload}; Unsloth: per-block compile {compile_}"]
 
 
-def to_json(report: CaseReport) -> dict[str, Any]:
+def plan_json(report: CaseReport) -> dict[str, Any]:
     gaps = [
         {
             **dict(zip(FinetuneRow.SHAPE_FIELDS, s, strict=True)),
@@ -900,22 +843,13 @@ def to_json(report: CaseReport) -> dict[str, Any]:
         }
         for s, p, _ in report.groups()
     ]
-    plan = {"plan": report.plan.name, "finetune": report.metadata.get("finetune", {}), "loss_gaps": gaps}
-    return fresh_process.report_json(BENCH, report, plan, notes(report))
+    return {"plan": report.plan.name, "finetune": report.metadata.get("finetune", {}), "loss_gaps": gaps}
 
 
-def write_png(report: CaseReport, path: Path) -> None:
+def plot(report: CaseReport, path: Path) -> None:
     """Bars of step time and peak GiB; with memory budgets, step time against peak GiB per configuration."""
     if not any(isinstance(split_provider(p)[1], float) for p in report.providers):
-        fresh_process.write_bars(
-            BENCH,
-            report,
-            path,
-            panels=(("step_ms", "ms/step", 1.0), ("peak_gib", "peak allocated GiB", 1.0)),
-            title=f" ({report.plan.name} plan)",
-            width_per_shape=3.0,
-            mark_failures=True,
-        )
+        fresh_process.write_bars(BENCH, report, path)
         return
     plt = pyplot()
     fig, axes = plt.subplots(1, len(report.shapes), figsize=(5.0 * len(report.shapes), 4.2), squeeze=False)
@@ -952,10 +886,32 @@ def write_png(report: CaseReport, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    return fresh_process.write_report(
-        NAME, out_dir, markdown(report), to_json(report), lambda p: write_png(report, p)
-    )
+VERSIONS = ("peft", "bitsandbytes", "unsloth", "unsloth_zoo")
+BENCH = fresh_process.Bench(
+    name=NAME,
+    description=DESCRIPTION,
+    providers=PROVIDERS,
+    provider_descriptions=PROVIDER_DESCRIPTIONS,
+    row_type=FinetuneRow,
+    plan_flag="plan",
+    plans=PLANS,
+    train=train,
+    timeout_s=WORKER_TIMEOUT_S,
+    seed=SEED,
+    versions=("torch", "triton", "transformers", "liger-kernel", *VERSIONS),
+    peers={"unsloth": "Unsloth", "hf": "HF"},
+    metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
+    precheck=_precheck,
+    worker_prefix=worker_prefix,
+    worker_env=worker_env,
+    variant_description=describe_variant,
+    facts=facts,
+    tables=tables,
+    notes=notes,
+    plan_json=plan_json,
+    panels=(("step_ms", "ms/step", 1.0), ("peak_gib", "peak allocated GiB", 1.0)),
+    plot=plot,
+)
 
 
 # ---- command line ----
@@ -1009,6 +965,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if profile is not None and profile < 0:
         raise UsageError(f"--profile-steps must be >= 0, got {profile}")
     profile = c.plan.profile_steps if profile is None else profile
+    c.plan = dataclasses.replace(c.plan, profile_steps=profile)
     unsloth_compile = bool(getattr(args, "unsloth_compile", False))
     budgets = getattr(args, "memory_budgets", None)
     if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
@@ -1051,19 +1008,13 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             "scenario_note": scenario_note,
             "host_pinned_source": None,
         }
-        if not cuda:
-            print(
-                "No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results."
-            )
 
         def write(report: CaseReport, out: Path) -> dict[str, Path]:
             sources = {r.host_pinned_source for r in report.rows if r.host_pinned_source}
             report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
-            return write_report(report, out)
+            return fresh_process.write_report(BENCH, report, out)
 
-        report = fresh_process.run_cli(
-            BENCH, c, markdown=markdown, write=write, progress=not args.no_progress, write_each_row=True
-        )
+        report = fresh_process.run_cli(BENCH, c, progress=not args.no_progress, write=write)
     finally:
         if not keep:
             shutil.rmtree(model_dir, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,8 +33,8 @@ from .report import (
     print_written,
     pyplot,
     ratio,
+    write_files,
 )
-from .report import write_files as write_report  # noqa: F401 - the benches' writer: (name, out_dir, md, data, png)
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
 
@@ -63,6 +64,13 @@ class Bench:
     worker_prefix: Callable[[str], list[str]] | None = None
     variant_description: Callable[[str], str] = "variant @{}".format  # of <provider>@<setting>
     worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
+    # the report (:func:`markdown`, :func:`report_json`, :func:`write_report`)
+    facts: Callable[[CaseReport], list[str]] = lambda report: []
+    tables: Callable[[CaseReport], str] = lambda report: ""
+    notes: Callable[[CaseReport], list[str]] = lambda report: []
+    plan_json: Callable[[CaseReport], dict[str, Any]] = lambda report: {}
+    panels: tuple[tuple[str, str, float], ...] = (("step_ms", "ms/step", 1.0), ("peak_gib", "peak GiB", 1.0))
+    plot: Callable[[CaseReport, Path], None] | None = None  # instead of :func:`write_bars`
 
     @property
     def module(self) -> str:
@@ -347,23 +355,39 @@ def exit_code(report: CaseReport) -> int:
 # ---- ratios, tables and report files ----
 
 
+def pair_ratio(
+    report: CaseReport, shape: Sequence[Any], mine: str, other: str, attr: str
+) -> tuple[float | None, list[float | None]]:
+    """``mine``'s figure over ``other``'s at ``shape``, each the median over its ok repeats, and with several
+    repeats the ratio within each repeat (its providers ran back to back)."""
+    a, b = report.rows_of(mine, shape), report.rows_of(other, shape)
+    each = [
+        ratio(median_of(_repeat(a, i), attr), median_of(_repeat(b, i), attr)) for i in range(report.repeats)
+    ]
+    return ratio(median_of(a, attr), median_of(b, attr)), each if report.repeats > 1 else []
+
+
+def ratio_text(value: float | None, each: Sequence[float | None]) -> str:
+    """``1.23x`` (``—`` if None), followed by the range of the per-repeat ratios when it is one,
+    ``1.23x (1.20-1.25)``."""
+    if value is None:
+        return "—"
+    each = [x for x in each if x is not None]
+    low, high = (f"{min(each):.2f}", f"{max(each):.2f}") if each else ("", "")
+    return f"{value:.2f}x" + (f" ({low}-{high})" if len(each) > 1 and low != high else "")
+
+
 def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
-    """Per shape: its sizes, then ``<key>_vs_<peer>`` for each of ``bench.peers`` and ``bench.metrics``:
-    fuselm's figure over the peer's, each the median over its ok repeats; with several repeats also
-    ``<key>_vs_<peer>_repeats``, the ratio within each repeat (its providers ran back to back)."""
+    """Per shape: its sizes, then ``<key>_vs_<peer>`` (:func:`pair_ratio` of fuselm and the peer) for each of
+    ``bench.peers`` and ``bench.metrics``, with several repeats also ``<key>_vs_<peer>_repeats``."""
     out = []
     for shape in report.shapes:
-        mine = report.rows_of("fuselm", shape)
         entry: dict[str, Any] = dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))
         for peer in bench.peers:
-            other = report.rows_of(peer, shape)
             for key, (attr, _) in bench.metrics.items():
-                entry[f"{key}_vs_{peer}"] = ratio(median_of(mine, attr), median_of(other, attr))
+                entry[f"{key}_vs_{peer}"], each = pair_ratio(report, shape, "fuselm", peer, attr)
                 if report.repeats > 1:
-                    entry[f"{key}_vs_{peer}_repeats"] = [
-                        ratio(median_of(_repeat(mine, i), attr), median_of(_repeat(other, i), attr))
-                        for i in range(report.repeats)
-                    ]
+                    entry[f"{key}_vs_{peer}_repeats"] = each
         out.append(entry)
     return out
 
@@ -373,36 +397,56 @@ def _repeat(rows: Sequence[Any], i: int) -> list[Any]:
 
 
 def ratio_table(bench: Bench, report: CaseReport) -> str:
-    """:func:`ratios` as a markdown table, ``1.23x`` (``—`` if None), with several repeats followed by the
-    range of the per-repeat ratios when it is one, ``1.23x (1.20-1.25)``."""
+    """:func:`ratios` as a markdown table of :func:`ratio_text`."""
     head = [bench.row_type.SHAPE_TITLE]
     head += [
         f"{title} fuselm / {name}" for name in bench.peers.values() for _, title in bench.metrics.values()
     ]
-    rows = []
-    for shape, entry in zip(report.shapes, ratios(bench, report), strict=True):
-        cells = []
-        for peer in bench.peers:
-            for key in bench.metrics:
-                v = entry[f"{key}_vs_{peer}"]
-                cell = "—" if v is None else f"{v:.2f}x"
-                each = [x for x in entry.get(f"{key}_vs_{peer}_repeats", []) if x is not None]
-                low, high = (f"{min(each):.2f}", f"{max(each):.2f}") if each else ("", "")
-                if v is not None and len(each) > 1 and low != high:
-                    cell += f" ({low}-{high})"
-                cells.append(cell)
-        rows.append([bench.row_type.label(shape), *cells])
+    rows = [
+        [
+            bench.row_type.label(shape),
+            *(
+                ratio_text(entry[f"{key}_vs_{peer}"], entry.get(f"{key}_vs_{peer}_repeats", []))
+                for peer in bench.peers
+                for key in bench.metrics
+            ),
+        ]
+        for shape, entry in zip(report.shapes, ratios(bench, report), strict=True)
+    ]
     return md_table(head, rows)
 
 
 def failed_cell(rows: Sequence[Row]) -> str:
-    """OOM or error (the first row's status), ``—`` without rows."""
-    return {"oom": "OOM"}.get(rows[0].status, "error") if rows else "—"
+    """OOM (a row ran out of memory) or error, ``—`` without rows."""
+    return ("OOM" if any(r.status == "oom" for r in rows) else "error") if rows else "—"
 
 
-def status_cell(row: Row, ok: str) -> str:
-    """``ok`` for an ok row, else OOM or error."""
-    return ok if row.status == "ok" else failed_cell([row])
+def summary_cell(rows: Sequence[Any], attr: str, fmt: Callable[[float], str] = "{:.1f}".format) -> str:
+    """The median of ``attr`` over the ok repeats, with their range when several differ: ``56.2 (55.1-57.3)``;
+    ``n/a`` when the ok rows have no value, ``—`` without an ok row.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> summary_cell([R(status="ok", x=2.0), R(status="ok", x=1.0), R(status="ok", x=4.0)], "x")
+        '2.0 (1.0-4.0)'
+    """
+    ok = [r for r in rows if r.status == "ok"]
+    if not ok:
+        return "—"
+    median = median_of(ok, attr)
+    if median is None:
+        return "n/a"
+    low, high = spread_of(ok, attr)
+    return fmt(median) + (f" ({fmt(low)}-{fmt(high)})" if len(ok) > 1 and fmt(low) != fmt(high) else "")
+
+
+def first_cell(rows: Sequence[Any], attr: str, fmt: Callable[[float], str] = "{:.1f}".format) -> str:
+    """A table's first figure: :func:`summary_cell` and how many repeats failed, OOM or error without an ok
+    row."""
+    failed = sum(r.status != "ok" for r in rows)
+    if failed == len(rows):
+        return failed_cell(rows)
+    return summary_cell(rows, attr, fmt) + (f" ({failed} failed)" if failed else "")
 
 
 def note_cell(rows: Sequence[Row]) -> str:
@@ -411,48 +455,74 @@ def note_cell(rows: Sequence[Row]) -> str:
     return "; ".join(dict.fromkeys(errors))
 
 
-def markdown(
-    bench: Bench,
-    report: CaseReport,
-    *,
-    cpu_figures: str,
-    facts: Sequence[str],
-    table: str,
-    notes: Sequence[str],
-) -> str:
-    """The whole report: title, ``cpu_figures`` (off CUDA), device, the ``bench.versions`` found in the
-    metadata, date, ``facts``, command, ``table``, the ratio table, ``notes``, the providers, the skipped."""
-    m = report.metadata
+def versions(bench: Bench, m: dict[str, Any]) -> str:
+    """The ``bench.versions`` found in the metadata ``m``, and fuselm's."""
     found = ", ".join(f"{k} {m[k]}" for k in bench.versions if m.get(k) is not None)
+    return f"{found}; fuselm {m.get('fuselm')} @ {m.get('commit')}"
+
+
+def all_notes(bench: Bench, report: CaseReport) -> list[str]:
+    """What every fresh-process report says of its runs, then ``bench.notes``, then the providers."""
+    n = report.repeats
+    out = [
+        f"Each (configuration, provider) ran {n} time{'s' if n > 1 else ''}, each in a fresh process "
+        f"(`python -m {bench.module} --worker`), the providers of one repeat back to back; cells are medians "
+        "over the repeats, with their range (min-max) where they differ; the JSON keeps every repeat.",
+        "peak GiB = torch.cuda.max_memory_allocated() of the whole process (weights included; GiB = 2^30 "
+        "bytes); OOM = torch.cuda.OutOfMemoryError; a provider out of memory at batch B is not run at B or a "
+        "larger batch of the same other sizes."
+        if report.device_type == "cuda"
+        else "No CUDA: tiny models in fp32, one CPU thread per worker, no GPU or memory figures (n/a).",
+        *bench.notes(report),
+    ]
+    return out + [f"{p}: {bench.describe(p)}" for p in report.providers]
+
+
+def markdown(bench: Bench, report: CaseReport) -> str:
+    """The whole report: title, the CPU figures' warning (off CUDA), the facts (device, versions, date,
+    ``bench.facts``, steps, merged runs, command), ``bench.tables``, the ratio table, the notes, the
+    skipped providers."""
+    m = report.metadata
+    profiled = getattr(report.plan, "profile_steps", None)
     facts = [
         f"device: {m.get('device')}",
-        f"versions: {found}; fuselm {m.get('fuselm')} @ {m.get('commit')}",
+        f"versions: {versions(bench, m)}",
         f"date: {m.get('date')}",
-        *facts,
+        *bench.facts(report),
+        f"steps per run: {report.warmup} warmup, {report.steps} timed"
+        + ("" if profiled is None else f", {profiled} profiled")
+        + f"; fresh-process repeats per configuration: {report.repeats}",
+        *(
+            f"merged rows of: `{r.get('command')}` ({r.get('date')}, {r.get('commit')})"
+            for r in report.merged
+        ),
         f"command: `{m.get('command')}`",
     ]
     return document(
         bench.name,
         f"{bench.description}, {dtype_name(report.dtype)} weights.",
-        cpu_figures if report.device_type != "cuda" else None,
+        CPU_FIGURES if report.device_type != "cuda" else None,
         facts,
-        [table, ratio_table(bench, report)],
-        [*notes, *(f"{p}: {bench.describe(p)}" for p in report.providers)],
+        [bench.tables(report), ratio_table(bench, report)],
+        all_notes(bench, report),
         report.skipped,
     )
 
 
-def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """All raw numbers and the metadata, JSON-ready; ``plan``: what the JSON says of the plan."""
+CPU_FIGURES = "**CPU figures** (no CUDA device): tiny models in fp32, a few steps; a smoke test of the path."
+
+
+def report_json(bench: Bench, report: CaseReport) -> dict[str, Any]:
+    """All raw numbers and the metadata, JSON-ready (``bench.plan_json``: what it says of the plan)."""
     fields = bench.row_type.SHAPE_FIELDS
     return {
         "suite": bench.name,
         "description": bench.description,
-        **plan,
+        **bench.plan_json(report),
         "dtype": dtype_name(report.dtype),
         "device_type": report.device_type,
         "shape_dims": list(bench.row_type.SHAPE_DIMS),
-        "shape_fields": list(bench.row_type.SHAPE_FIELDS),
+        "shape_fields": list(fields),
         "shapes": [list(s) for s in report.shapes],
         "providers": list(report.providers),
         "warmup": report.warmup,
@@ -471,27 +541,28 @@ def report_json(bench: Bench, report: CaseReport, plan: dict[str, Any], notes: l
         ],
         "ratios": ratios(bench, report),
         "skipped": report.skipped,
-        "notes": notes,
+        "notes": all_notes(bench, report),
     }
 
 
-def write_bars(
-    bench: Bench,
-    report: CaseReport,
-    path: Path,
-    *,
-    panels: Sequence[tuple[str, str, float]],
-    title: str,
-    width_per_shape: float,
-    mark_failures: bool = False,
-) -> None:
-    """Panels ``(row attribute, title, scale)`` of grouped bars (medians over the ok repeats), one group per
-    shape; ``mark_failures``: OOM or error where a case has none, an x label, a note in an empty panel."""
+def write_report(bench: Bench, report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``<name>.md``, ``.json`` and ``.png`` (``bench.plot``, else :func:`write_bars`) into ``out_dir``;
+    their paths."""
+    plot = bench.plot or functools.partial(write_bars, bench)
+    return write_files(
+        bench.name, out_dir, markdown(bench, report), report_json(bench, report), lambda p: plot(report, p)
+    )
+
+
+def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
+    """A panel of grouped bars per ``bench.panels`` ``(row attribute, title, scale)`` (medians over the ok
+    repeats), one group per shape; OOM or error where a case has none, a note in an empty panel."""
     plt = pyplot()
     labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
     providers = [p for p in report.providers if p not in report.skipped]
     width = 0.8 / max(1, len(providers))
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + width_per_shape * len(labels)), 4))
+    panels = bench.panels
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + 1.2 * len(panels) * len(labels)), 4))
     for ax, (attr, panel_title, scale) in zip(axes, panels, strict=True):
         series = []
         for i, prov in enumerate(providers):
@@ -500,26 +571,23 @@ def write_bars(
                 rows = report.rows_of(prov, shape)
                 v = median_of(rows, attr)
                 values.append(float("nan") if v is None else v * scale)
-                if mark_failures and rows and not any(r.status == "ok" for r in rows):
-                    failure = "OOM" if any(r.status == "oom" for r in rows) else "error"
+                if rows and not any(r.status == "ok" for r in rows):
                     x = j + (i - (len(providers) - 1) / 2) * width
-                    ax.text(x, 0, failure, ha="center", va="bottom", rotation=90, fontsize=8)
+                    ax.text(x, 0, failed_cell(rows), ha="center", va="bottom", rotation=90, fontsize=8)
             series.append((prov, values))
         for bars, (_, values) in zip(bar_groups(ax, len(labels), series), series, strict=True):
             ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in values], fontsize=7)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(panel_title)
-        if not mark_failures:
-            continue
         ax.set_xlim(-0.5, len(labels) - 0.5)
         ax.set_xlabel(bench.row_type.SHAPE_TITLE)
         if all(v != v for _, values in series for v in values):
             ax.set_yticks([])
             text = "n/a (no CUDA)" if report.device_type != "cuda" else "no results"
             ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-    dtype = dtype_name(report.dtype)
-    fig.suptitle(f"fuselm bench {bench.name}{title}, {dtype}, {report.metadata.get('device')}", fontsize=10)
+    title = f"fuselm bench {bench.name} ({report.plan.name} {bench.plan_flag}), {dtype_name(report.dtype)}"
+    fig.suptitle(f"{title}, {report.metadata.get('device')}", fontsize=10)
     if providers:  # one legend for every panel, below them (a legend per panel hides bars)
         handles, names = axes[0].get_legend_handles_labels()
         fig.legend(handles, names, loc="lower center", ncol=len(providers), fontsize=8, frameon=False)
@@ -590,13 +658,17 @@ def run_cli(
     bench: Bench,
     c: CliRun,
     *,
-    markdown: Callable[[CaseReport], str],
-    write: Callable[[CaseReport, Path], dict[str, Path]],
     progress: bool,
-    write_each_row: bool = False,
+    write: Callable[[CaseReport, Path], dict[str, Path]] | None = None,
 ) -> CaseReport:
-    """Run the cases, print the report and write its files (after every row too with ``write_each_row``: a run
-    stopped part-way keeps what it measured)."""
+    """Run the cases, the report's files written after every row (a run stopped part-way keeps what it
+    measured; ``write``: instead of :func:`write_report`), and print the report."""
+    write = write or functools.partial(write_report, bench)
+    if c.device.type != "cuda":
+        print(
+            "No CUDA device in use: CPU figures (tiny models, fp32, no GPU or memory figures), a smoke test."
+        )
+    print(f"device: {c.metadata['device']}; versions: {versions(bench, c.metadata)}")
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "
@@ -609,10 +681,8 @@ def run_cli(
         return merge_previous(bench, report, previous) if previous is not None else report
 
     finish(CaseReport(c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata))
-    report = finish(
-        run(bench, c, progress, (lambda r: write(finish(r), c.out_dir)) if write_each_row else None)
-    )
-    print_written(markdown(report), write(report, c.out_dir))
+    report = finish(run(bench, c, progress, lambda r: write(finish(r), c.out_dir)))
+    print_written(markdown(bench, report), write(report, c.out_dir))
     return report
 
 

@@ -8,7 +8,6 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -207,6 +206,56 @@ class StepRow(Row):
         return f"{self.step_ms:.1f} ms/step", f"mean entropy {self.mean_entropy[0]:.4f}"
 
 
+# ---- report ----
+
+
+def markdown_table(report: fresh_process.CaseReport) -> str:
+    head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
+    head += ["entropy last", "note"]
+    rows = []
+    for r in report.rows:
+        ok = r.status == "ok"
+        rows.append(
+            [
+                StepRow.label(r.shape),
+                r.provider,
+                f"{r.step_ms:.1f}" if ok else fresh_process.failed_cell([r]),
+                e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
+                ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
+                f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
+                f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
+                f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
+                fresh_process.note_cell([r]),
+            ]
+        )
+    return md_table(head, rows)
+
+
+def notes(report: fresh_process.CaseReport) -> list[str]:
+    fused = "fused" if report.device_type == "cuda" and report.plan.preset.fused_adamw else "not fused"
+    return [
+        "One step: backbone forward (plain transformers, SDPA), the provider's head on the completion "
+        f"positions, PPO-clip loss (clip {CLIP_EPS}, old log-probs = detached current ones, random "
+        f"per-sequence advantages, mean over completion tokens), backward, AdamW.step() ({fused}), "
+        "zero_grad(set_to_none=True); the same batch every step.",
+        "Batch: random ids; completion lengths uniform in [C/2, C] (the rest is padding, target -100); "
+        "entropy computed for every completion token and logged (no gradient through it).",
+        "ms/step: wall time of the timed steps (between two device synchronizations) / steps; tokens/s = "
+        "B * (P + C) * steps / that time.",
+        "logp / entropy: mean over the completion tokens of the first and the last step (same seed, weights "
+        "and batch for every provider: step 1 must agree across providers).",
+    ]
+
+
+def model_fact(report: fresh_process.CaseReport) -> str:
+    m = report.plan.preset.model
+    return (
+        f"model (random init, SDPA attention, no activation checkpointing): hidden {m['hidden_size']}, "
+        f"intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} "
+        f"heads, {m['num_key_value_heads']} kv heads, vocab {m['vocab_size']}, tied embeddings"
+    )
+
+
 BENCH = fresh_process.Bench(
     name=NAME,
     description=DESCRIPTION,
@@ -221,94 +270,11 @@ BENCH = fresh_process.Bench(
     versions=("torch", "triton", "transformers", "trl"),
     peers={"trl": "TRL", "hf": "HF"},
     metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
+    facts=lambda report: [model_fact(report)],
+    tables=markdown_table,
+    notes=notes,
+    plan_json=lambda report: {"model": report.plan.preset.model},
 )
-
-
-# ---- report ----
-
-
-def markdown_table(report: fresh_process.CaseReport) -> str:
-    head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
-    head += ["entropy last", "note"]
-    rows = []
-    for r in report.rows:
-        ok = r.status == "ok"
-        rows.append(
-            [
-                StepRow.label(r.shape),
-                r.provider,
-                fresh_process.status_cell(r, f"{r.step_ms:.1f}" if ok else ""),
-                e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
-                ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
-                f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
-                f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
-                f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
-                fresh_process.note_cell([r]),
-            ]
-        )
-    return md_table(head, rows)
-
-
-def notes(report: fresh_process.CaseReport) -> list[str]:
-    cuda = report.device_type == "cuda"
-    fused = "fused" if cuda and report.plan.preset.fused_adamw else "not fused"
-    out = [
-        "One step: backbone forward (plain transformers, SDPA), the provider's head on the completion "
-        f"positions, PPO-clip loss (clip {CLIP_EPS}, old log-probs = detached current ones, random "
-        f"per-sequence advantages, mean over completion tokens), backward, AdamW.step() ({fused}), "
-        f"zero_grad(set_to_none=True). {report.warmup} warmup steps, then {report.steps} timed steps; the "
-        "same batch every step.",
-        "Batch: random ids; completion lengths uniform in [C/2, C] (the rest is padding, target -100); "
-        "entropy computed for every completion token and logged (no gradient through it).",
-        "ms/step: wall time of the timed steps / steps"
-        + (" (torch.cuda.synchronize() before and after)" if cuda else "")
-        + "; tokens/s = B * (P + C) * steps / that time.",
-        "logp / entropy: mean over the completion tokens of the first and the last step (same seed, weights "
-        "and batch for every provider: step 1 must agree across providers).",
-        "Each (provider, shape) ran in a fresh process (`python -m fuselm_bench.grpo_step --worker`).",
-    ]
-    if cuda:
-        out.append(
-            "peak GiB = torch.cuda.max_memory_allocated() of the whole process: weights, gradients, AdamW "
-            "state and activations (GiB = 2^30 bytes). OOM = torch.cuda.OutOfMemoryError; a provider out "
-            "of memory at batch B is not run at a larger batch of the same (P, C)."
-        )
-    else:
-        out.append(
-            "No CUDA: a tiny config in fp32, peak memory not measured (n/a); one CPU thread per worker."
-        )
-    return out
-
-
-def markdown(report: fresh_process.CaseReport) -> str:
-    m = report.plan.preset.model
-    model = (
-        f"hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
-        f"{m['num_attention_heads']} heads, {m['num_key_value_heads']} kv heads, vocab {m['vocab_size']}, "
-        "tied embeddings"
-    )
-    return fresh_process.markdown(
-        BENCH,
-        report,
-        cpu_figures="**CPU figures** (no CUDA device): a tiny config, fp32, a smoke test of the path.",
-        facts=["model (random init, SDPA attention, no activation checkpointing): " + model],
-        table=markdown_table(report),
-        notes=notes(report),
-    )
-
-
-def write_report(report: fresh_process.CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    data = fresh_process.report_json(BENCH, report, {"model": report.plan.preset.model}, notes(report))
-    panels = (("step_ms", "ms / step", 1.0), ("peak_gib", "peak GiB", 1.0))
-    return fresh_process.write_report(
-        NAME,
-        out_dir,
-        markdown(report),
-        data,
-        lambda path: fresh_process.write_bars(
-            BENCH, report, path, panels=panels, title="", width_per_shape=2.4
-        ),
-    )
 
 
 # ---- command line ----
@@ -321,11 +287,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")
     c.metadata.update({k: v for k, v in peer_versions().items() if k == "trl"})
-    if c.device.type != "cuda":
-        print("No CUDA device in use: a tiny config in fp32 (a smoke test), not comparable to GPU results.")
-    report = fresh_process.run_cli(
-        BENCH, c, markdown=markdown, write=write_report, progress=False, write_each_row=True
-    )
+    report = fresh_process.run_cli(BENCH, c, progress=False)
     print()
     print(markdown_table(report))
     return fresh_process.exit_code(report)

@@ -501,7 +501,7 @@ def test_trainer_ratio_is_in_the_notes():
 
 def test_gpu_report_files(tmp_path):
     report = _gpu_report()
-    paths = e2e.write_report(report, tmp_path)
+    paths = fresh_process.write_report(e2e.BENCH, report, tmp_path)
     md = paths["md"].read_text()
     # medians with the range of the repeats; bound by: CPU 101.9 >= 0.9 x 107.8 ms is host, 39.1 of 56.3 GPU
     liger = (
@@ -565,7 +565,7 @@ def test_merge_joins_an_earlier_run(tmp_path):
     full = _gpu_report()
     first = fresh_process.CaseReport(**{**vars(full), "shapes": full.shapes[:1], "rows": full.rows[:3]})
     first.metadata = {**full.metadata, "command": "fuselm bench e2e --shapes 1x2048", "date": "d1"}
-    e2e.write_report(first, tmp_path)
+    fresh_process.write_report(e2e.BENCH, first, tmp_path)
     second_rows = [r for r in full.rows if r.shape == ("llama3.2-1b", 8, 4096)]
     second = fresh_process.CaseReport(**{**vars(full), "shapes": full.shapes[1:2], "rows": second_rows})
     previous = json.loads((tmp_path / "e2e.json").read_text())
@@ -573,7 +573,7 @@ def test_merge_joins_an_earlier_run(tmp_path):
     assert merged.shapes == (("llama3.2-1b", 1, 2048), ("llama3.2-1b", 8, 4096))
     assert len(merged.rows) == 3 + len(second_rows) and merged.rows[0].provider == "hf"
     assert merged.merged == [{"command": "fuselm bench e2e --shapes 1x2048", "date": "d1", "commit": "abc"}]
-    md = e2e.markdown(merged)
+    md = fresh_process.markdown(e2e.BENCH, merged)
     assert (
         "merged rows of: `fuselm bench e2e --shapes 1x2048`" in md and "| llama3.2-1b | 1x2048 | hf |" in md
     )

@@ -297,7 +297,7 @@ def _gpu_report() -> fresh_process.CaseReport:
 
 def test_gpu_report_in_issue_23s_layout(tmp_path):
     report = _gpu_report()
-    paths = finetune.write_report(report, tmp_path)
+    paths = fresh_process.write_report(finetune.BENCH, report, tmp_path)
     md = paths["md"].read_text()
     head = (
         "| scenario | HF + PEFT | + Liger | + fuselm.hf.patch | Unsloth | fuselm / Unsloth (time, memory) |"
