@@ -17,7 +17,6 @@ from fuselm.demo import training
 
 from . import fresh_process, step_timing
 from .arguments import UsageError, parse_list, parse_shapes
-from .cases import Row
 from .harness import SkipProvider, import_peer
 from .report import fmt_num, md_table
 
@@ -283,13 +282,10 @@ def bound_cell(rows: list[Any], cuda: bool) -> str:
 
 
 @dataclass(kw_only=True)
-class TrainingRow(Row):
+class TrainingRow(fresh_process.WorkerRow):
     """The figures of one run of training steps (``e2e``, ``finetune``): :func:`step_figures`, memory, losses;
     ``step_ms`` is the median of ``step_ms_all``."""
 
-    repeat: int = 0
-    tokens_per_s: float | None = None
-    step_ms: float | None = None
     step_ms_all: list[float] = field(default_factory=list)
     cpu_ms: float | None = None
     gpu_ms: float | None = None
@@ -297,18 +293,9 @@ class TrainingRow(Row):
     memcpy_ms: float | None = None
     memcpys: float | None = None
     profile_steps: int | None = None
-    peak_bytes: int | None = None
-    reserved_bytes: int | None = None
-    weights_bytes: int | None = None
-    params: int | None = None
     first_loss: float | None = None
-    losses: list[float] = field(default_factory=list)
-    warmup_s: float | None = None
-    wall_s: float | None = None
     # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
     gpu_wait: str | None = None
-    error: str | None = None
-    traceback: str | None = None
 
 
 @dataclass

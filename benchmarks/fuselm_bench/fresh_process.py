@@ -229,11 +229,26 @@ def run_case(
 def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
     """The row of (provider, shape) from a worker's result (unknown keys dropped)."""
     key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
-    known = set(bench.row_type.__dataclass_fields__) - set(key)
-    values = {k: v for k, v in data.items() if k in known}
-    if "repeat" in known:
-        values["repeat"] = repeat
-    return bench.row_type(**key, **values)
+    known = set(bench.row_type.__dataclass_fields__) - {*key, "repeat"}
+    return bench.row_type(**key, **{k: v for k, v in data.items() if k in known}, repeat=repeat)
+
+
+@dataclass(kw_only=True)
+class WorkerRow(Row):
+    """What every worker's row has: time, memory and losses of its steps, or why it failed."""
+
+    repeat: int = 0
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    weights_bytes: int | None = None
+    params: int | None = None
+    losses: list[float] = field(default_factory=list)
+    warmup_s: float | None = None
+    wall_s: float | None = None
+    error: str | None = None
+    traceback: str | None = None
 
 
 def _ok_values(rows: Sequence[Any], attr: str) -> list[Any]:
@@ -393,7 +408,7 @@ def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
 
 
 def _repeat(rows: Sequence[Any], i: int) -> list[Any]:
-    return [r for r in rows if getattr(r, "repeat", 0) == i]
+    return [r for r in rows if r.repeat == i]
 
 
 def ratio_table(bench: Bench, report: CaseReport) -> str:

@@ -16,7 +16,6 @@ from fuselm.demo import training
 
 from . import e2e, fresh_process
 from .arguments import UsageError
-from .cases import Row
 from .harness import import_peer
 from .linear_log_probs import peer_versions, trl_log_probs
 from .report import md_table
@@ -174,7 +173,7 @@ def train(
 
 
 @dataclass
-class StepRow(Row):
+class StepRow(fresh_process.WorkerRow):
     """One (provider, B, P, C) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("batch", "prompt", "completion")
@@ -187,20 +186,9 @@ class StepRow(Row):
     prompt: int
     completion: int
     status: str
-    step_ms: float | None = None
-    tokens_per_s: float | None = None
     completion_tokens: int | None = None
-    peak_bytes: int | None = None
-    reserved_bytes: int | None = None
-    weights_bytes: int | None = None
-    params: int | None = None
-    losses: list[float] = field(default_factory=list)
     mean_log_probs: list[float] = field(default_factory=list)
     mean_entropy: list[float] = field(default_factory=list)
-    warmup_s: float | None = None
-    wall_s: float | None = None
-    error: str | None = None
-    traceback: str | None = None
 
     def figures(self) -> tuple[str, str]:
         return f"{self.step_ms:.1f} ms/step", f"mean entropy {self.mean_entropy[0]:.4f}"
