@@ -44,9 +44,11 @@ def parse_shapes(text: str, ndim: int | None = None) -> list[tuple[int, ...]]:
     return shapes
 
 
-def parse_list(text: str, known: Sequence[str], what: str, variants: bool = False) -> list[str]:
-    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped); with
-    ``variants``, ``a@<setting>`` is checked as ``a`` (the suite checks the setting).
+def parse_list(
+    text: str | None, known: Sequence[str], what: str, variants: bool = False, default: Sequence[str] = ()
+) -> list[str]:
+    """'a,b' -> ['a', 'b'], each checked against ``known`` (order kept, duplicates dropped), ``default``
+    without ``text``; with ``variants``, ``a@<setting>`` is checked as ``a`` (the suite checks the setting).
 
     Example:
         >>> parse_list("full,fwd,full", ("fwd", "bwd", "full"), "mode")
@@ -54,6 +56,8 @@ def parse_list(text: str, known: Sequence[str], what: str, variants: bool = Fals
         >>> parse_list("fuselm@24,hf", ("hf", "fuselm"), "provider", variants=True)
         ['fuselm@24', 'hf']
     """
+    if not text and default:
+        return list(default)
     items: list[str] = []
     for item in (s.strip() for s in text.split(",")):
         if not item or item in items:

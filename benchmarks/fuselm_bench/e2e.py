@@ -480,12 +480,11 @@ BENCH = fresh_process.Bench(
 def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
     ``--models``."""
-    models = parse_list(args.models, list(known), "model") if getattr(args, "models", None) else None
+    models = parse_list(getattr(args, "models", None), list(known), "model", default=preset.models)
     if args.shapes:
-        shapes = parse_shapes(args.shapes, 2)
-        return [(m, b, t) for m in (models or preset.models) for b, t in shapes]
-    configs = [c for c in preset.grid if models is None or c[0] in models]
-    missing = [m for m in models or () if m not in preset.models]
+        return [(m, b, t) for m in models for b, t in parse_shapes(args.shapes, 2)]
+    configs = [c for c in preset.grid if c[0] in models]
+    missing = [m for m in models if m not in preset.models]
     if missing:
         raise UsageError(f"--models {','.join(missing)}: not in the default grid; give --shapes BxT too")
     return configs

@@ -919,14 +919,8 @@ BENCH = fresh_process.Bench(
 
 def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, str, int, int]]:
     """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``."""
-    models = (
-        parse_list(args.models, list(e2e.MODELS), "model") if getattr(args, "models", None) else plan.models
-    )
-    scenarios = (
-        parse_list(args.scenarios, SCENARIOS, "scenario")
-        if getattr(args, "scenarios", None)
-        else plan.scenarios
-    )
+    models = parse_list(getattr(args, "models", None), list(e2e.MODELS), "model", default=plan.models)
+    scenarios = parse_list(getattr(args, "scenarios", None), SCENARIOS, "scenario", default=plan.scenarios)
     shapes = parse_shapes(args.shapes, 2) if args.shapes else plan.shapes
     for m in models:
         if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:

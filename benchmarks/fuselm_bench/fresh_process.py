@@ -267,12 +267,6 @@ def median_of(rows: Sequence[Any], attr: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def spread_of(rows: Sequence[Any], attr: str) -> tuple[float, float] | None:
-    """(min, max) of ``attr`` over the ok rows that have it (None if none)."""
-    values = _ok_values(rows, attr)
-    return (min(values), max(values)) if values else None
-
-
 @dataclass
 class CaseReport:
     """Everything one run of a fresh-process benchmark produced."""
@@ -314,21 +308,10 @@ def run(
             raise ValueError(f"unknown provider {p!r}; known: {', '.join(bench.providers)}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    text = bench.row_type.TEXT_FIELDS
-    fields = bench.row_type.SHAPE_FIELDS
-    shapes = tuple(
+    fields, text = bench.row_type.SHAPE_FIELDS, bench.row_type.TEXT_FIELDS
+    report = new_report(c)
+    report.shapes = tuple(
         tuple(v if f in text else int(v) for f, v in zip(fields, s, strict=True)) for s in c.shapes
-    )
-    report = CaseReport(
-        c.plan,
-        c.dtype,
-        c.device.type,
-        shapes,
-        tuple(providers),
-        c.warmup,
-        c.steps,
-        dict(c.metadata),
-        repeats=repeats,
     )
     device = c.device
     for p in providers:
@@ -451,7 +434,7 @@ def summary_cell(rows: Sequence[Any], attr: str, fmt: Callable[[float], str] = "
     median = median_of(ok, attr)
     if median is None:
         return "n/a"
-    low, high = spread_of(ok, attr)
+    low, high = min(_ok_values(ok, attr)), max(_ok_values(ok, attr))
     return fmt(median) + (f" ({fmt(low)}-{fmt(high)})" if len(ok) > 1 and fmt(low) != fmt(high) else "")
 
 
@@ -632,6 +615,15 @@ class CliRun:
     merge: bool | str = False  # True: <out>/<suite>.json; a path: that file (or <folder>/<suite>.json)
 
 
+def new_report(c: CliRun) -> CaseReport:
+    """The report of ``c`` before any row."""
+    shapes, providers = tuple(map(tuple, c.shapes)), tuple(c.providers)
+    meta = dict(c.metadata)
+    return CaseReport(
+        c.plan, c.dtype, c.device.type, shapes, providers, c.warmup, c.steps, meta, repeats=c.repeats
+    )
+
+
 def start_cli(
     bench: Bench,
     args: Any,
@@ -643,10 +635,8 @@ def start_cli(
 ) -> CliRun:
     """What a run of ``bench`` runs, from the arguments (shapes: ``grid(args, plan)``, else ``--shapes``, else
     the plan's)."""
-    if args.providers:
-        chosen = parse_list(args.providers, bench.providers, "provider", variants=True)
-    else:
-        chosen = list(bench.default_providers or bench.providers)
+    default = bench.default_providers or bench.providers
+    chosen = parse_list(args.providers, bench.providers, "provider", variants=True, default=default)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = plans[0] if cuda else plans[1]
@@ -695,7 +685,7 @@ def run_cli(
     def finish(report: CaseReport) -> CaseReport:
         return merge_previous(bench, report, previous) if previous is not None else report
 
-    finish(CaseReport(c.plan, c.dtype, c.device.type, tuple(c.shapes), tuple(c.providers), 0, 0, c.metadata))
+    finish(new_report(c))  # a bad --merge fails before anything runs
     report = finish(run(bench, c, progress, lambda r: write(finish(r), c.out_dir)))
     print_written(markdown(bench, report), write(report, c.out_dir))
     return report

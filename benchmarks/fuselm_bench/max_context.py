@@ -17,7 +17,7 @@ import torch
 
 from . import finetune, fresh_process
 from .arguments import UsageError, parse_list, pick_device, results_dir
-from .report import collect_metadata, md_table, write_files
+from .report import collect_metadata, document, md_table, write_files
 
 NAME = "max-context"
 GRAIN = 256  # probed lengths are multiples of this many tokens
@@ -110,25 +110,23 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
                 s.stopped or "",
             ]
         )
-    lines = [
-        "# fuselm bench max-context",
-        "",
-        "The longest sequence (batch 1) for which one LoRA / QLoRA training step runs under a memory cap.",
-        "",
-        *(f"- {k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)),
-        "",
-        md_table(head, rows),
-        "",
-        "Probes (tokens: status, step ms, peak GiB):",
-        "",
-    ]
-    for s in searches:
-        probes = "; ".join(
+    probes = [
+        f"{s.provider}, cap {s.cap_gib}: "
+        + "; ".join(
             f"{t}: {status}" + (f", {ms:.0f} ms, {gib:.2f} GiB" if ms is not None and gib is not None else "")
             for t, status, ms, gib in s.probes
         )
-        lines.append(f"- {s.provider}, cap {s.cap_gib}: {probes}")
-    return "\n".join(lines) + "\n"
+        for s in searches
+    ]
+    return document(
+        NAME,
+        "The longest sequence (batch 1) for which one LoRA / QLoRA training step runs under a memory cap.",
+        None,
+        [f"{k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)],
+        [md_table(head, rows), "Probes (tokens: status, step ms, peak GiB):"],
+        probes,
+        {},
+    )
 
 
 def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -> list[tuple]:
@@ -173,8 +171,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
-    models = parse_list(args.models, finetune.e2e.MODELS, "model") if args.models else ["llama3-8b"]
-    scenarios = parse_list(args.scenarios, finetune.SCENARIOS, "scenario") if args.scenarios else ["qlora"]
+    models = parse_list(args.models, list(finetune.e2e.MODELS), "model", default=["llama3-8b"])
+    scenarios = parse_list(args.scenarios, finetune.SCENARIOS, "scenario", default=["qlora"])
     if len(models) != 1 or len(scenarios) != 1:
         raise UsageError("max-context searches one --models and one --scenarios at a time")
     model, scenario = models[0], scenarios[0]
@@ -182,9 +180,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(
             "qlora needs bitsandbytes' 4-bit on this CPU; --scenarios lora for the CPU smoke run"
         )
-    providers = (
-        parse_list(args.providers, finetune.PROVIDERS, "provider") if args.providers else DEFAULT_PROVIDERS
-    )
+    providers = parse_list(args.providers, finetune.PROVIDERS, "provider", default=DEFAULT_PROVIDERS)
     caps = _caps(args.caps, cuda)
     lo, hi = DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
     if args.seq_range:

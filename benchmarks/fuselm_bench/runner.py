@@ -25,13 +25,13 @@ def plan_suite(
         shapes = parse_shapes(args.shapes, len(suite.shape_dims))
     else:
         shapes = list(suite.gpu_shapes if device.type == "cuda" else suite.cpu_shapes)
-    providers = parse_list(args.providers, suite.provider_names, "provider") if args.providers else None
+    providers = parse_list(args.providers, suite.provider_names, "provider", default=suite.provider_names)
     for shape in shapes if check_shape is not None else ():
         try:
             check_shape(shape)
         except ValueError as e:
             raise UsageError(f"bad shape {'x'.join(map(str, shape))}: {e}") from None
-    return shapes, providers or suite.provider_names
+    return shapes, providers
 
 
 def _said_once() -> Callable[[str], None]:
