@@ -4,7 +4,6 @@ initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MOD
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -495,12 +494,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if getattr(args, "repeats", None) is None:
         args.repeats = 3
     c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PRESET, CPU_PRESET), grid=grid)
-    profile = getattr(args, "profile_steps", None)
-    if profile is not None:
-        if profile < 0:
-            raise UsageError(f"--profile-steps must be >= 0, got {profile}")
-        c.plan = dataclasses.replace(c.plan, profile_steps=profile)
-    c.extra["profile_steps"] = c.plan.profile_steps
     alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     c.metadata.update({k: os.environ[k] for k in alloc if os.environ.get(k)})
     return fresh_process.exit_code(fresh_process.run_cli(BENCH, c, progress=not args.no_progress))

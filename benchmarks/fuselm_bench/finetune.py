@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -188,6 +190,16 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
     settings = json.loads(json.dumps(model_settings(model, tiny)))  # tuples -> lists, as in the marker
     return all(marker.get(k) == v for k, v in want.items()) and marker.get("settings") == settings
+
+
+@contextlib.contextmanager
+def models_folder(model_dir: str | None, prefix: str) -> Iterator[Path]:
+    """``--model-dir`` (kept), else a temporary folder removed at the end: where the models are saved."""
+    if model_dir is not None:
+        yield Path(model_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
 
 
 def ensure_saved_model(
@@ -955,11 +967,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if not 0.0 <= dropout < 1.0:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
     offload = True if getattr(args, "offload", None) is None else bool(args.offload)
-    profile = getattr(args, "profile_steps", None)
-    if profile is not None and profile < 0:
-        raise UsageError(f"--profile-steps must be >= 0, got {profile}")
-    profile = c.plan.profile_steps if profile is None else profile
-    c.plan = dataclasses.replace(c.plan, profile_steps=profile)
     unsloth_compile = bool(getattr(args, "unsloth_compile", False))
     budgets = getattr(args, "memory_budgets", None)
     if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
@@ -976,11 +983,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             print(scenario_note)
             if not c.shapes:
                 raise UsageError(scenario_note)
-    keep = args.model_dir is not None
-    model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-finetune-models-"))
     save_dtype = torch.bfloat16 if cuda else torch.float32
     env = base_env(unsloth_compile)
-    try:
+    with models_folder(args.model_dir, "fuselm-finetune-models-") as model_dir:
         folders = {}
         for model in dict.fromkeys(s[0] for s in c.shapes):
             tiny = "tiny, " if c.plan.tiny else ""
@@ -989,16 +994,14 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             folders[model] = {"folder": str(folder), **info}
             print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
         options = {"rank": rank, "alpha": alpha, "dropout": dropout, "offload": offload}
-        c.extra.update(
-            model_dir=str(model_dir), **options, profile_steps=profile, unsloth_compile=unsloth_compile
-        )
+        c.extra.update(model_dir=str(model_dir), **options, unsloth_compile=unsloth_compile)
         c.metadata["finetune"] = {
             **options,
             "unsloth_compile": unsloth_compile,
-            "profile_steps": profile,
+            "profile_steps": c.plan.profile_steps,
             "env": " ".join(f"{k}={v}" for k, v in env.items()),
             "model_folders": folders,
-            "model_dir_kept": keep,
+            "model_dir_kept": args.model_dir is not None,
             "scenario_note": scenario_note,
             "host_pinned_source": None,
         }
@@ -1009,9 +1012,6 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             return fresh_process.write_report(BENCH, report, out)
 
         report = fresh_process.run_cli(BENCH, c, progress=not args.no_progress, write=write)
-    finally:
-        if not keep:
-            shutil.rmtree(model_dir, ignore_errors=True)
     return fresh_process.exit_code(report)
 
 

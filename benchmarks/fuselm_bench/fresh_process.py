@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -645,6 +646,13 @@ def start_cli(
     else:
         ndim = len(bench.row_type.SHAPE_FIELDS)
         shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
+    extra = {}
+    if hasattr(plan, "profile_steps"):  # e2e, finetune: --profile-steps
+        profile = getattr(args, "profile_steps", None)
+        if profile is not None and profile < 0:
+            raise UsageError(f"--profile-steps must be >= 0, got {profile}")
+        plan = dataclasses.replace(plan, profile_steps=plan.profile_steps if profile is None else profile)
+        extra["profile_steps"] = plan.profile_steps
     repeats = getattr(args, "repeats", None) or 1
     warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
     meta = collect_metadata(device, argv, packages)
@@ -656,7 +664,7 @@ def start_cli(
         raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
     merge = getattr(args, "merge", None) or False
-    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, {}, merge)
+    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, extra, merge)
 
 
 def run_cli(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -197,14 +195,12 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
     )
     out_dir = results_dir(args.out, metadata["device"] if cuda else None)
-    keep = args.model_dir is not None
-    model_dir = Path(args.model_dir) if keep else Path(tempfile.mkdtemp(prefix="fuselm-max-context-"))
     dtype = torch.bfloat16 if cuda else torch.float32
     jobs = side_by_side([(provider, cap) for provider in providers for cap in caps], gpus)
     if gpus:
         metadata["gpus"] = ", ".join(f"{p} cap {c}: GPU {g}" for p, c, g in jobs)
 
-    def run_search(provider: str, cap: float | None, gpu: int | None) -> Search:
+    def run_search(provider: str, cap: float | None, gpu: int | None, model_dir: Path) -> Search:
         extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
         extra.update({"memory_cap_gib": cap} if cap is not None else {})
         extra.update({"mlp_chunk_tokens": chunk} if chunk is not None and provider == "fuselm" else {})
@@ -225,16 +221,13 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
         return found
 
-    try:
+    with finetune.models_folder(args.model_dir, "fuselm-max-context-") as model_dir:
         finetune.ensure_saved_model(model_dir, model, plan.tiny, dtype, device)
         if gpus:  # every search at once, each on its GPU (probes are fresh processes: threads only wait)
             with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                searches = list(pool.map(lambda job: run_search(*job), jobs))
+                searches = list(pool.map(lambda job: run_search(*job, model_dir), jobs))
         else:
-            searches = [run_search(*job) for job in jobs]
-    finally:
-        if not keep:
-            shutil.rmtree(model_dir, ignore_errors=True)
+            searches = [run_search(*job, model_dir) for job in jobs]
     data = {"suite": NAME, "metadata": metadata, "searches": [asdict(s) for s in searches]}
     paths = write_files("max_context", out_dir, markdown(searches, metadata), data)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
