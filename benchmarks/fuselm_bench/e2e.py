@@ -38,6 +38,7 @@ TRAINER_PROVIDERS = ("hf-trainer", "fuselm-trainer")
 SEED = 0
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
+BUILT = "random init, SDPA attention, no activation checkpointing"  # the models of e2e and grpo_step
 HOST_BOUND = 0.9  # bound by the GPU when its kernels run >= HOST_BOUND of the step, else by the host
 
 LLAMA3_ROPE_SCALING = {
@@ -459,7 +460,7 @@ BENCH = fresh_process.Bench(
     peers={"liger": "Liger", "hf": "HF"},
     metrics={"tokens": ("tokens_per_s", "tokens/s"), "peak": ("peak_bytes", "peak")},
     precheck=_precheck,
-    facts=lambda report: [*model_facts(report), "random init, SDPA attention, no activation checkpointing"],
+    facts=lambda report: [*model_facts(report), BUILT],
     tables=markdown_table,
     notes=notes,
     plan_json=plan_json,

@@ -235,15 +235,6 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
     ]
 
 
-def model_fact(report: fresh_process.CaseReport) -> str:
-    m = report.plan.preset.model
-    return (
-        f"model (random init, SDPA attention, no activation checkpointing): hidden {m['hidden_size']}, "
-        f"intermediate {m['intermediate_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} "
-        f"heads, {m['num_key_value_heads']} kv heads, vocab {m['vocab_size']}, tied embeddings"
-    )
-
-
 BENCH = fresh_process.Bench(
     name=NAME,
     description=DESCRIPTION,
@@ -258,7 +249,10 @@ BENCH = fresh_process.Bench(
     versions=("torch", "triton", "transformers", "trl"),
     peers={"trl": "TRL", "hf": "HF"},
     metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
-    facts=lambda report: [model_fact(report)],
+    facts=lambda report: [
+        f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.preset.tiny)}",
+        e2e.BUILT,
+    ],
     tables=markdown_table,
     notes=notes,
     plan_json=lambda report: {"model": report.plan.preset.model},

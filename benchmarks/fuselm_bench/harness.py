@@ -383,12 +383,9 @@ def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
             "after an untimed forward, between CUDA events, L2 flushed, median"
         )
-        if cuda_graph:
-            how += (
-                "; ms: replays of the call captured in a CUDA graph (device time, no host path), "
-                "eager ms: the plain call"
-            )
-        return how
+        return how + (
+            "; ms: replays of a CUDA graph of the call, eager ms: the plain call" if cuda_graph else ""
+        )
     reps = CPU_REPS_QUICK if quick else CPU_REPS
     return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
 

@@ -158,6 +158,15 @@ class StepRun:
         return self.cpu_s / len(self.step_s) if self.step_s else None
 
 
+def device_profiler(device: torch.device) -> Any:
+    """A ``torch.profiler.profile`` of CPU and, on CUDA, CUDA activity; no shapes, stacks or memory
+    recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    return profile(activities=[ProfilerActivity.CPU, *cuda])
+
+
 def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: torch.device) -> StepRun:
     """``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps under ``torch.profiler``.
 
@@ -189,12 +198,8 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
         sync(device)
         step_s.append(time.perf_counter() - t0)
     profile = None
-    if profiled > 0:  # CPU and, on CUDA, CUDA activity; no shapes, stacks or memory recorded
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=activities) as prof:
+    if profiled > 0:
+        with device_profiler(device) as prof:
             for i in range(warmup + steps, warmup + steps + profiled):
                 logged.append(step(i))
             sync(device)
@@ -295,10 +300,7 @@ class _TrainerClock:
             self.step_s.append(wall)
             self.cpu_s += cpu
         if step == self.warmup + self.steps and self.profiled:
-            from torch.profiler import ProfilerActivity, profile
-
-            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._profiler = device_profiler(self.device)
             self._profiler.start()
         if step == self.warmup + self.steps + self.profiled and self._profiler is not None:
             self._profiler.stop()
