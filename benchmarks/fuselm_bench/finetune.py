@@ -217,16 +217,9 @@ def ensure_saved_model(
         marker = save_model(model, tiny, folder, device, dtype, seed)
         return folder, {"reused": False, "bytes": marker["bytes"], "build_s": marker["build_s"]}
     args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
+    command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
     data = fresh_process.run_worker(
-        lambda result: [
-            sys.executable,
-            "-m",
-            __name__,
-            "--build",
-            *args,
-            *["--tiny"] * tiny,
-            f"--result={result}",
-        ],
+        lambda result: [*command, f"--result={result}"],
         timeout=WORKER_TIMEOUT_S,
         prefix="fuselm-finetune-build-",
         env=base_env(),

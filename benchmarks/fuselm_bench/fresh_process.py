@@ -742,15 +742,10 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
     for p in report.providers:  # ran here: its skip (or not) is this run's
         if p not in report.skipped:
             skipped.pop(p, None)
-    return CaseReport(
-        plan=report.plan,
-        dtype=report.dtype,
-        device_type=report.device_type,
+    return dataclasses.replace(
+        report,
         shapes=tuple(dict.fromkeys([*(tuple(s) for s in previous.get("shapes", [])), *report.shapes])),
         providers=tuple(dict.fromkeys([*previous.get("providers", []), *report.providers])),
-        warmup=report.warmup,
-        steps=report.steps,
-        metadata=report.metadata,
         rows=[*kept, *report.rows],
         skipped=skipped,
         repeats=max(report.repeats, int(previous.get("repeats", 1))),
