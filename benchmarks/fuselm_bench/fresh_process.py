@@ -25,6 +25,7 @@ from .arguments import UsageError, parse_list, parse_shapes, pick_device, result
 from .cases import Case, Row, run_cases
 from .harness import blocking_sync, run_measured
 from .report import (
+    CPU_FIGURES,
     DTYPE_NAMES,
     bar_groups,
     collect_metadata,
@@ -471,7 +472,7 @@ def all_notes(bench: Bench, report: CaseReport) -> list[str]:
         "bytes); OOM = torch.cuda.OutOfMemoryError; a provider out of memory at batch B is not run at B or a "
         "larger batch of the same other sizes."
         if report.device_type == "cuda"
-        else "No CUDA: tiny models in fp32, one CPU thread per worker, no GPU or memory figures (n/a).",
+        else "No CUDA: one CPU thread per worker; no GPU or memory figures (n/a).",
         *bench.notes(report),
     ]
     return out + [f"{p}: {bench.describe(p)}" for p in report.providers]
@@ -506,9 +507,6 @@ def markdown(bench: Bench, report: CaseReport) -> str:
         all_notes(bench, report),
         report.skipped,
     )
-
-
-CPU_FIGURES = "**CPU figures** (no CUDA device): tiny models in fp32, a few steps; a smoke test of the path."
 
 
 def report_json(bench: Bench, report: CaseReport) -> dict[str, Any]:
@@ -678,9 +676,7 @@ def run_cli(
     measured; ``write``: instead of :func:`write_report`), and print the report."""
     write = write or functools.partial(write_report, bench)
     if c.device.type != "cuda":
-        print(
-            "No CUDA device in use: CPU figures (tiny models, fp32, no GPU or memory figures), a smoke test."
-        )
+        print(CPU_FIGURES)
     print(f"device: {c.metadata['device']}; versions: {versions(bench, c.metadata)}")
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(

@@ -60,6 +60,11 @@ COLUMN_NOTES = {
 
 PLOT_METRICS = ("x_copy", "x_floor", "x_gemm")
 
+# what a report (and the run's output) says of figures measured without CUDA
+CPU_FIGURES = (
+    "**CPU figures** (no CUDA device): tiny sizes, few repetitions; a smoke test, not comparable to GPU."
+)
+
 
 # ---- environment ----
 
@@ -299,9 +304,7 @@ def markdown(report: Report, extra: str = "") -> str:
     return document(
         report.suite.name,
         f"{report.suite.description}, {dtype_name(report.dtype)}.",
-        "**CPU figures** (no CUDA device): tiny shapes, few repetitions; not comparable to GPU."
-        if m.get("device_type") == "cpu"
-        else None,
+        CPU_FIGURES if m.get("device_type") == "cpu" else None,
         facts,
         [markdown_table(report), *([extra] if extra else [])],
         notes(report),

@@ -10,7 +10,7 @@ import torch
 
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
-from .report import collect_metadata, markdown, markdown_table, print_written, write_report
+from .report import CPU_FIGURES, collect_metadata, markdown, markdown_table, print_written, write_report
 
 
 def plan_suite(
@@ -66,10 +66,7 @@ def run_op_suites(
     cuda = device.type == "cuda"
     meta = {**collect_metadata(device, argv), **(metadata or {})}
     if not cuda:
-        print(
-            "No CUDA device in use: these are CPU figures (tiny shapes, few repetitions, no memory figures), "
-            "not comparable to GPU results."
-        )
+        print(CPU_FIGURES)
     print(
         f"device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, fuselm @ {meta['commit']}"
     )
