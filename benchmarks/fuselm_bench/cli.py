@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="finetune: fuselm with checkpointing='offload' (default: on)",
     )
     add("--unsloth-compile", action="store_true", help="finetune: leave Unsloth's torch.compile on")
+    add("--trainer", action="store_true", help="finetune: steps through transformers.Trainer.train()")
     add("--gpus", help="max-context: run the searches at once, on these GPUs in turn (e.g. 0,1)")
     add("--model-dir", help="finetune, max-context: folder for the saved models (default: a temporary one)")
     return bench

@@ -519,9 +519,11 @@ def train(
     memory_cap_gib: float | None = None,
     mlp_chunk_tokens: int | None = None,
     gpu: int | None = None,
+    trainer: bool = False,
 ) -> dict[str, Any]:
     """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA for ``warmup`` + ``steps`` +
-    ``profile_steps`` steps, the measurements (SkipProvider when the provider cannot run here)."""
+    ``profile_steps`` steps (``trainer``: through ``Trainer.train()``, fuselm@graph under
+    ``capture_training_steps``), the measurements (SkipProvider when the provider cannot run here)."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
@@ -559,19 +561,26 @@ def train(
             return loss, loss.detach()
 
         stepper = step_timing.graphed_optimizer_step if memory_budget == GRAPH else step_timing.optimizer_step
-        step = stepper(forward, params, [ids], lr=LR, fused=plan.fused_adamw and cuda)
         called = CalledModules()
-
-        def first_step_watched(i: int) -> torch.Tensor:
-            if i != 0:
-                return step(i)
-            with called:  # which modules the first (warmup, untimed) step calls
-                return step(0)
-
         profiled = plan.profile_steps if profile_steps is None else profile_steps
-        run = step_timing.run_steps(
-            first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
-        )
+        fused = plan.fused_adamw and cuda
+        if trainer:
+            run = step_timing.run_trainer(
+                peft_model, ids, graphs=memory_budget == GRAPH, lr=LR, fused=fused, warmup=warmup,
+                steps=steps, profiled=profiled, device=device, seed=seed,
+            )  # fmt: skip
+        else:
+            step = stepper(forward, params, [ids], lr=LR, fused=fused)
+
+            def first_step_watched(i: int) -> torch.Tensor:
+                if i != 0:
+                    return step(i)
+                with called:  # which modules the first (warmup, untimed) step calls
+                    return step(0)
+
+            run = step_timing.run_steps(
+                first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
+            )
     messages = (str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename)
     from fuselm.hf import activation_plan
 
@@ -592,7 +601,7 @@ def train(
         "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": list(dict.fromkeys(messages))[:20],
         "activation_plan": None if plan_of is None else str(plan_of),
-        **fused_forwards(peft_model, called.ids),
+        **fused_forwards(peft_model, None if trainer else called.ids),
     }
 
 
@@ -783,13 +792,16 @@ def fused_paths_section(report: CaseReport) -> str:
             continue
         r = ok[0]
         names = ", ".join(f"{n} x{c}" for n, c in r.fused_forwards.items()) or "none"
-        lines.append(
-            f"- {r.label(shape)}: {r.fused_modules_ran} modules ran fuselm's forward in the first "
-            f"step ({r.fused_modules} of {r.modules} have it); of {r.lora_layers} LoRA layers, "
-            f"{r.lora_layers_inside} ran inside a fused parent (never called), {r.lora_layers_fused} ran "
-            f"fuselm's own forward, {r.lora_layers_peft} ran PEFT's; checkpointing: {r.checkpointing}; "
-            f"forwards: {names}"
+        ran = (
+            f"{r.fused_modules} of {r.modules} modules have fuselm's forward (the Trainer's steps are not "
+            "watched)"
+            if r.fused_modules_ran is None
+            else f"{r.fused_modules_ran} modules ran fuselm's forward in the first step ({r.fused_modules} "
+            f"of {r.modules} have it); of {r.lora_layers} LoRA layers, {r.lora_layers_inside} ran inside a "
+            f"fused parent (never called), {r.lora_layers_fused} ran fuselm's own forward, "
+            f"{r.lora_layers_peft} ran PEFT's"
         )
+        lines.append(f"- {r.label(shape)}: {ran}; checkpointing: {r.checkpointing}; forwards: {names}")
         lines += [f"  - warning: {w}" for w in r.fuselm_warnings]
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
@@ -836,7 +848,16 @@ def facts(report: CaseReport) -> list[str]:
     extra = report.metadata.get("finetune", {})
     compile_ = "on" if extra.get("unsloth_compile") else "off (UNSLOTH_COMPILE_DISABLE=1)"
     offload = "on" if extra.get("offload") else "off"
-    return [*e2e.model_facts(report), f"fuselm: offload {offload}; Unsloth: per-block compile {compile_}"]
+    steps = (
+        ["steps: transformers.Trainer.train() (its data loader, clipping at 1.0, a log line a step), "
+         "fuselm@graph under fuselm.integrations.trainer.capture_training_steps"]
+        if extra.get("trainer") else []
+    )  # fmt: skip
+    return [
+        *e2e.model_facts(report),
+        f"fuselm: offload {offload}; Unsloth: per-block compile {compile_}",
+        *steps,
+    ]
 
 
 def plan_json(report: CaseReport) -> dict[str, Any]:
@@ -961,6 +982,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
     offload = True if getattr(args, "offload", None) is None else bool(args.offload)
     unsloth_compile = bool(getattr(args, "unsloth_compile", False))
+    trainer = bool(getattr(args, "trainer", False))
     budgets = getattr(args, "memory_budgets", None)
     if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
         named = [f"fuselm@{parse_budget(b):g}" for b in budgets.split(",")]
@@ -987,10 +1009,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             folders[model] = {"folder": str(folder), **info}
             print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
         options = {"rank": rank, "alpha": alpha, "dropout": dropout, "offload": offload}
-        c.extra.update(model_dir=str(model_dir), **options, unsloth_compile=unsloth_compile)
+        c.extra.update(model_dir=str(model_dir), **options, unsloth_compile=unsloth_compile, trainer=trainer)
         c.metadata["finetune"] = {
             **options,
             "unsloth_compile": unsloth_compile,
+            "trainer": trainer,
             "profile_steps": c.plan.profile_steps,
             "env": " ".join(f"{k}={v}" for k, v in env.items()),
             "model_folders": folders,

@@ -490,3 +490,26 @@ def test_cli_cpu_graph_variant_is_named_and_needs_cuda(tmp_path, capsys):
     assert data["rows"] == [] and data["skipped"] == {"fuselm@graph": "needs CUDA"}
     assert finetune.provider_title("fuselm@graph") == "+ fuselm.hf.patch (CUDA graphs)"
     assert "checkpointing='recompute'" in finetune.BENCH.describe("fuselm@graph")
+
+
+def test_cli_cpu_trainer_steps_run_through_trainer(tmp_path, capsys):
+    """--trainer: every provider's steps through transformers.Trainer.train(), said in the report; on the
+    same saved model, adapters and batch its first loss (before any update) is the step loop's, and no
+    module watch runs (the Trainer owns the steps)."""
+    models = tmp_path / "models"
+    args = ["bench", "finetune", "--device", "cpu", "--providers", "hf,fuselm", "--scenarios", "lora"]
+    args += ["--model-dir", str(models), "--no-progress"]
+    runs = {}
+    for name, extra in (("loop", []), ("trainer", ["--trainer"])):
+        assert main([*args, *extra, "--out", str(tmp_path / name)]) == 0, capsys.readouterr().out
+        runs[name] = json.loads((tmp_path / name / "finetune.json").read_text())
+    assert runs["trainer"]["finetune"]["trainer"] is True and runs["loop"]["finetune"]["trainer"] is False
+    md = (tmp_path / "trainer" / "finetune.md").read_text()
+    assert "steps: transformers.Trainer.train()" in md and "(the Trainer's steps are not watched)" in md
+    assert "transformers.Trainer" not in (tmp_path / "loop" / "finetune.md").read_text()
+    for provider in ("hf", "fuselm"):
+        loop, trained = ({r["provider"]: r for r in runs[k]["rows"]}[provider] for k in ("loop", "trainer"))
+        assert trained["status"] == "ok", trained
+        assert len(trained["losses"]) == len(loop["losses"]) and all(map(math.isfinite, trained["losses"]))
+        assert trained["fused_modules_ran"] is None and trained["lora_layers_peft"] is None
+        assert trained["first_loss"] == pytest.approx(loop["first_loss"], rel=1e-6)
