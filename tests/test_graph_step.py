@@ -269,11 +269,41 @@ def test_fuselms_recompute_checkpoint_is_captured(graph_device):
     assert step.graphs.replays == 2 and step.graphs.eager == 0
 
 
-def test_an_offloaded_checkpoint_raises_at_the_capture(graph_device):
-    model = _model(graph_device)
-    loss_fn = _checkpointed_loss(model, offloaded_checkpoint)
-    with pytest.raises(RuntimeError, match=r"offloaded \(offloaded_checkpoint\) inside a CUDA graph capture"):
-        CapturedStep(loss_fn, _trained(model), _batch(0, graph_device))
+def test_an_offloaded_checkpoint_is_captured_with_its_host_copies(graph_device):
+    """A step whose checkpointed call keeps its input in host memory (offloaded_checkpoint) is captured with
+    the copies: every replay sends the new input out and back, and gives the eager step's loss and gradients
+    bit for bit. The host buffers are the graphs' while they live (an eager offload gets others; the passes
+    of one signature share them), the pool's again once they are gone."""
+    import gc
+
+    from fuselm import offload
+
+    def free():
+        return {id(entry[2]) for bucket in offload._POOL.free.values() for entry in bucket}
+
+    graphed, eager = _model(graph_device), _model(graph_device)
+    step = CapturedStep(
+        _checkpointed_loss(graphed, offloaded_checkpoint), _trained(graphed), _batch(0, graph_device)
+    )
+    owned = {id(entry[2]) for graphs in step.graphs._graphs.values() for _, entry in graphs.host_buffers}
+    assert len(owned) == 1, "one input offloaded: the two passes captured (write, add) share its buffer"
+    assert not owned & free(), "the graphs own their host buffers"
+    for seed in (1, 2):
+        x, t = _batch(seed, graph_device)
+        for m in (graphed, eager):
+            m.zero_grad(set_to_none=True)
+        loss = step(x, t)
+        loss_eager = _loss(eager)(x, t)
+        loss_eager.backward()
+        assert torch.equal(loss, loss_eager.detach())
+        for p, pe in zip(_trained(graphed), _trained(eager), strict=True):
+            assert torch.equal(p.grad, pe.grad)
+    assert step.graphs.replays == 2 and step.graphs.eager == 0
+    stash = offload._Stash([torch.ones(64, 16, device=graph_device)])
+    assert stash.held and all(id(held[0]) not in owned for held in stash.held)
+    del stash, step
+    gc.collect()
+    assert owned <= free()
 
 
 def test_a_checkpoint_that_draws_random_numbers_raises_at_the_capture(graph_device):

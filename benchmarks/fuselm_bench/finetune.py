@@ -56,7 +56,7 @@ MARKER = "fuselm_bench_model.json"
 HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 
 
-GRAPH = "graph"  # fuselm@graph: checkpointing="recompute", the step's forward and backward in CUDA graphs
+GRAPH = "graph"  # fuselm@graph: checkpointing "offload" (--no-offload: "recompute") in CUDA graphs
 
 
 def split_provider(provider: str) -> tuple[str, float | str | None]:
@@ -73,7 +73,7 @@ def split_provider(provider: str) -> tuple[str, float | str | None]:
 def describe_variant(setting: str) -> str:
     """What a fuselm@<setting> provider does instead of fuselm's default."""
     if setting == GRAPH:
-        return "@graph: patch(checkpointing='recompute'), forward + backward replayed from CUDA graphs"
+        return "@graph: patch(checkpointing='offload'; --no-offload: 'recompute') replayed from CUDA graphs"
     return f"@{setting}: patch(checkpointing='auto', memory_budget={setting}) instead"
 
 
@@ -306,8 +306,9 @@ def apply_fuselm(
         chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
         how = f"{how}, MLP in chunks of {mlp_chunk_tokens} tokens"
     if memory_budget == GRAPH:
-        fuselm.hf.patch(model, checkpointing="recompute", **chunks)
-        return f"{how} + fuselm.hf.patch(checkpointing='recompute')"
+        mode = "offload" if offload else "recompute"
+        fuselm.hf.patch(model, checkpointing=mode, **chunks)
+        return f"{how} + fuselm.hf.patch(checkpointing='{mode}')"
     if memory_budget is not None:
         fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
         return f"{how} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"

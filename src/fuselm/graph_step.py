@@ -115,12 +115,19 @@ class _Graphs:
     """The captured passes of one signature: one whose backward adds into the gradient buffers, and for the
     first signature one whose backward writes them (a step after ``zero_grad()``)."""
 
-    __slots__ = ("inputs", "add", "write", "pairs")
+    __slots__ = ("inputs", "add", "write", "pairs", "host_buffers", "__weakref__")
 
-    def __init__(self, inputs, add: _Pass, write: _Pass | None, pairs):
+    def __init__(self, inputs, add: _Pass, write: _Pass | None, pairs, host_buffers: list):
         self.inputs = inputs  # the static input tensors (each call copies into them)
         self.add, self.write = add, write
         self.pairs = pairs  # (parameter, gradient buffer) of the parameters the backward reaches
+        # (device index, pool entry) of the host buffers offloaded activations are copied into and out of
+        # (fuselm.offload.captured_host_buffers): the pool's again once these graphs are gone
+        self.host_buffers = host_buffers
+        if host_buffers:
+            from .offload import give_back_host_buffers
+
+            weakref.finalize(self, give_back_host_buffers, host_buffers)
 
     def pass_for_grads(self) -> _Pass:
         """The write pass when there is one and no parameter has a ``.grad``, else the add pass."""
@@ -294,20 +301,31 @@ class GraphCache:
             self._pool = torch.cuda.graph_pool_handle()
         stash = [p.grad for p in reached]
         write = None
-        try:
-            if not self._buffers.has_any(reached):
-                for p in reached:  # AccumulateGrad takes a gradient as .grad where there is none: the buffers
-                    p.grad = None
-                write = self._capture_pass(call, key, reached)
-                self._buffers.adopt(reached)
-            pairs = self._buffers.pairs(reached)
-            for p, buffer in pairs:  # AccumulateGrad adds into an existing .grad in place: into the buffer
-                p.grad = buffer
-            add = self._capture_pass(call, key, reached)
-        finally:
-            for p, grad in zip(reached, stash, strict=True):
-                p.grad = grad
-        return _Graphs(inputs, add, write, pairs)
+        from . import offload  # (imported by the first capture: `import fuselm` does not import it)
+
+        with offload.captured_host_buffers() as host_buffers:
+            try:
+                if not self._buffers.has_any(reached):
+                    for (
+                        p
+                    ) in reached:  # AccumulateGrad takes a gradient as .grad where there is none: the buffers
+                        p.grad = None
+                    write = self._capture_pass(call, key, reached)
+                    self._buffers.adopt(reached)
+                pairs = self._buffers.pairs(reached)
+                for (
+                    p,
+                    buffer,
+                ) in pairs:  # AccumulateGrad adds into an existing .grad in place: into the buffer
+                    p.grad = buffer
+                add = self._capture_pass(call, key, reached)
+            except BaseException:
+                offload.give_back_host_buffers(host_buffers)  # no graph of this capture replays
+                raise
+            finally:
+                for p, grad in zip(reached, stash, strict=True):
+                    p.grad = grad
+        return _Graphs(inputs, add, write, pairs, host_buffers)
 
     def _capture_pass(self, call, key, reached) -> _Pass:
         """Capture a forward and its backward (into the parameters' ``.grad`` as they are now)."""
@@ -482,10 +500,11 @@ class CapturedStep:
     The step must capture: fuselm's ops make no host sync while a graph is being captured; a model that
     syncs (``.item()``, data-dependent shapes; HF's eager attention builds its mask from a host scalar: use
     SDPA) raises RuntimeError naming the cause. Dropout draws new masks on every replay. Gradient
-    checkpointing captures with fuselm's recompute (``fuselm.hf.patch(model, checkpointing="recompute")``,
-    or :func:`fuselm.offload.recompute_checkpoint`) in layers that draw no random numbers (dropout, and
-    offloaded layers: host copies, raise RuntimeError at the capture); torch's checkpoint is not checked
-    here for an exact recompute inside a graph.
+    checkpointing captures with fuselm's recompute (``fuselm.hf.patch(model, checkpointing="recompute")``
+    or ``"offload"``; :func:`fuselm.offload.recompute_checkpoint`, ``offloaded_checkpoint``) in layers that
+    draw no random numbers (dropout raises RuntimeError at the capture); offloaded inputs go to host buffers
+    that the graphs own while they live (every replay copies out and back); torch's checkpoint is not
+    checked here for an exact recompute inside a graph.
 
     Args:
         loss_fn: ``loss_fn(*inputs) -> loss`` (a scalar tensor), e.g. ``lambda ids, labels:

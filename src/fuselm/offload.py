@@ -17,6 +17,10 @@ left on their device. In either recompute, a call whose output nothing saved rea
 (:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer), and
 the recompute of an offloaded call may take outputs its forward kept in host memory beside the inputs
 (:func:`keep_output`, :func:`kept_output`: the fused LoRA projections, attention's and the MLP's gate and up).
+Inside a CUDA graph capture (:class:`fuselm.CapturedStep`) the copies are captured too: the host buffers
+become the graphs' (:func:`captured_host_buffers`; every replay copies out and back), and instead of
+``record_stream`` (under which the caching allocator would hold every offloaded input until the capture
+ends) the next checkpointed call makes the compute stream wait for the previous call's copies out.
 :func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
 cheap to make again from a tensor the backward holds anyway). This module imports torch only
 (:mod:`fuselm.hf.offload` installs it in Hugging Face models).
@@ -124,6 +128,8 @@ class _HostPool:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # reentrant: a stash's finalizer (release) may run in a GC in acquire
         self.free: dict[int | None, list[tuple[int, int, torch.Tensor, bool]]] = {}  # (size, id, buf, reg)
+        self.scopes: list[_Captured] = []  # the capture scopes open (captured_host_buffers)
+        self.captured: list[tuple[int | None, tuple]] = []  # buffers captured outside a scope: never reused
         names = "pinned_bytes peak_pinned_bytes pageable_bytes in_use_bytes peak_in_use_bytes offloads"
         self.stats = dict.fromkeys((*names.split(), "fetches", "prefetched"), 0)
 
@@ -132,40 +138,69 @@ class _HostPool:
         if "peak_" + name in self.stats:
             self.stats["peak_" + name] = max(self.stats["peak_" + name], self.stats[name])
 
-    def acquire(self, nbytes: int, device: torch.device) -> tuple:
-        """A buffer of >= ``nbytes`` for a tensor on ``device``: (buffer, its entry, nbytes)."""
+    @staticmethod
+    def _take(bucket: list, nbytes: int) -> tuple | None:
+        """The smallest entry of ``bucket`` (sorted by size) that holds ``nbytes``, if at most twice its
+        :func:`buffer_bytes` (popped), else None."""
+        at = bisect.bisect_left(bucket, (nbytes,))
+        if at < len(bucket) and bucket[at][0] <= 2 * buffer_bytes(nbytes):
+            return bucket.pop(at)
+        return None
+
+    def acquire(self, nbytes: int, device: torch.device, captured: bool = False) -> tuple:
+        """A buffer of >= ``nbytes`` for a tensor on ``device``: (buffer, its entry, nbytes). ``captured``:
+        for copies a CUDA graph captures, which every replay repeats: the buffer is the graphs' of the open
+        capture scope (one its graphs copied back from already, else one more), never the pool's again
+        while they live; no smaller free buffer is dropped then (that waits for the side stream)."""
         index = device.index if device.type == "cuda" else None
         if device.type == "cuda" and index is None:
             index = torch.cuda.current_device()
         with self.lock:
-            bucket = self.free.setdefault(index, [])
-            at = bisect.bisect_left(bucket, (nbytes,))
-            if at < len(bucket) and bucket[at][0] <= 2 * buffer_bytes(nbytes):
-                entry = bucket.pop(at)
-            else:
-                self._drop(index, bucket[:at])
-                del bucket[:at]
-                size = buffer_bytes(nbytes)
-                if index is None:
-                    buf, registered = torch.empty(size, dtype=torch.uint8), False
-                else:
-                    buf, registered = _pinned_buffer(size)
-                entry = (size, id(buf), buf, registered)
-                self.add(_held(index), size)
+            scope = self.scopes[-1] if captured and self.scopes else None
+            entry = self._take(scope.spare.setdefault(index, []), nbytes) if scope is not None else None
+            if entry is None:
+                bucket = self.free.setdefault(index, [])
+                entry = self._take(bucket, nbytes)
+                if entry is None:
+                    at = 0 if captured else bisect.bisect_left(bucket, (nbytes,))
+                    self._drop(index, bucket[:at])
+                    del bucket[:at]
+                    size = buffer_bytes(nbytes)
+                    if index is None:
+                        buf, registered = torch.empty(size, dtype=torch.uint8), False
+                    else:
+                        buf, registered = _pinned_buffer(size)
+                    entry = (size, id(buf), buf, registered)
+                    self.add(_held(index), size)
+                if captured:
+                    (scope.owned if scope is not None else self.captured).append((index, entry))
             self.add("in_use_bytes", nbytes)
             self.add("offloads", 1)
         return entry[2], (index, entry), nbytes
 
-    def release(self, held: list, fetched: bool = False, prefetched: bool = False) -> None:
+    def release(self, held: list, fetched: bool = False, prefetched: bool = False, captured: bool = False):
         """Return the (buffer, (device index, entry), nbytes) of ``held`` to the pool and empty the list;
-        count them as copied back (by a prefetch)."""
+        count them as copied back (by a prefetch). ``captured``: they stay their graphs' (those copied back
+        may serve another graph of the open capture scope)."""
         with self.lock:
             self.add("fetches", len(held) if fetched else 0)
             self.add("prefetched", len(held) if prefetched else 0)
+            scope = self.scopes[-1] if captured and fetched and self.scopes else None
             while held:
                 _, (index, entry), nbytes = held.pop()
-                bisect.insort(self.free.setdefault(index, []), entry)
+                if not captured:
+                    bisect.insort(self.free.setdefault(index, []), entry)
+                elif scope is not None:
+                    bisect.insort(scope.spare.setdefault(index, []), entry)
                 self.add("in_use_bytes", -nbytes)
+
+    def give_back(self, owned: list) -> None:
+        """The buffers of graphs that will not replay again (``owned``: (device index, entry)) back to the
+        free ones; empties the list."""
+        with self.lock:
+            while owned:
+                index, entry = owned.pop()
+                bisect.insort(self.free.setdefault(index, []), entry)
 
     def _drop(self, index: int | None, entries: list) -> None:
         """Free ``entries`` (free buffers of device ``index``) once the copies queued on its side stream
@@ -190,10 +225,16 @@ _POOL = _HostPool()
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> torch.cuda.Event:
+def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, captured: bool = False):
     """``dst.copy_(src)`` between ``device`` and pinned memory on the device's side stream, after what its
     current stream queued (the source is written, the destination's memory free); the device tensor's
-    memory is not reused before the copy is done. Returns the copy's event."""
+    memory is not reused before the copy is done. Returns the copy's event.
+
+    ``captured`` (inside a CUDA graph capture, where the caching allocator keeps a block another stream
+    used until the capture ends, so ``record_stream`` would hold every offloaded input): a device source
+    waits in :data:`_UNJOINED` until :func:`_join_copies` (at the next checkpointed call, or the first
+    backward) makes the current stream wait for its copy and lets it go; a device destination is read
+    only after :meth:`_Stash.take` made the current stream wait for it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _POOL.lock:
         if index not in _SIDE_STREAMS:
@@ -204,8 +245,53 @@ def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> to
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    (src if src.is_cuda else dst).record_stream(side)
+    if not captured:
+        (src if src.is_cuda else dst).record_stream(side)
+    elif src.is_cuda:
+        _UNJOINED.append((done, src))
     return done
+
+
+_UNJOINED: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # captured copies out not yet waited for
+
+
+def _join_copies() -> None:
+    """Make each device's current stream wait for the captured copies out (:func:`_side_copy`): their
+    sources' memory may be reused after that, and the side stream's work rejoins the capture."""
+    while _UNJOINED:
+        done, src = _UNJOINED.pop()
+        torch.cuda.current_stream(src.device).wait_event(done)
+
+
+@contextlib.contextmanager
+def captured_host_buffers():
+    """Collect the host buffers that the offloaded calls captured inside this scope copy into and out of
+    (every replay of their graphs does): yields the list that holds them, which the caller keeps as long as
+    the graphs may replay and then passes to :func:`give_back_host_buffers`. Buffers captured outside such
+    a scope stay out of the pool for good (their graph's lifetime is not known here)."""
+    scope = _Captured()
+    with _POOL.lock:
+        _POOL.scopes.append(scope)
+    try:
+        yield scope.owned
+    finally:
+        with _POOL.lock:
+            _POOL.scopes.remove(scope)
+
+
+class _Captured:
+    """The host buffers of one capture scope: all it took (``owned``: (device index, entry)) and, per device,
+    those its graphs' backward copied back from already (``spare``), which a later graph of the scope
+    reuses: the graphs of one scope never replay at once (graph_step's passes of one signature)."""
+
+    def __init__(self) -> None:
+        self.owned: list[tuple[int | None, tuple]] = []
+        self.spare: dict[int | None, list] = {}
+
+
+def give_back_host_buffers(owned: list) -> None:
+    """Return the buffers :func:`captured_host_buffers` collected to the pool (their graphs are gone)."""
+    _POOL.give_back(owned)
 
 
 def host_memory_stats() -> dict[str, int]:
@@ -269,12 +355,20 @@ class _Stash:
     _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
 
     def __init__(
-        self, tensors: list[torch.Tensor], offload: bool = True, share: float = 0.0, prefetch: int = 1
+        self,
+        tensors: list[torch.Tensor],
+        offload: bool = True,
+        share: float = 0.0,
+        prefetch: int = 1,
+        captured: bool = False,
     ) -> None:
         self.prefetch = prefetch  # how many stashes made before this one its take fetches
+        self.captured = captured  # inside a CUDA graph capture: its buffers are the graph's (_side_copy)
+        if captured:
+            _join_copies()  # the previous call's copies out had its forward's time
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
-        weakref.finalize(self, _release, self.held, self.kept_bytes)
+        weakref.finalize(self, _release, self.held, self.kept_bytes, False, False, captured)
         # (device, host copy or the tensor itself, whether it stays where it is)
         self.saved: list | None = [self._offload(t) if offload else (t.device, t, True) for t in tensors]
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
@@ -291,10 +385,10 @@ class _Stash:
             _warn_once(f"device:{kind}", f"fuselm.offload: checkpointed {message}")
             return t.device, t, True
         nbytes = t.numel() * t.element_size()
-        self.held.append(_POOL.acquire(nbytes, t.device))
+        self.held.append(_POOL.acquire(nbytes, t.device, self.captured))
         host = self.held[-1][0][:nbytes].view(t.dtype).view(t.shape)
         if kind == "cuda":
-            _side_copy(host, t, t.device)
+            _side_copy(host, t, t.device, self.captured)
         else:
             host.copy_(t)
         return t.device, host, False
@@ -325,10 +419,10 @@ class _Stash:
                 fetched.append((t, None))
             elif device.type == "cuda":
                 out = torch.empty(t.shape, dtype=t.dtype, device=device)  # on the compute stream
-                fetched.append((out, _side_copy(out, t, device)))
+                fetched.append((out, _side_copy(out, t, device, self.captured)))
             else:  # a host copy of a CPU tensor
                 fetched.append((t.clone(), None))
-        _release(self.held, self.kept_bytes, fetched=True, prefetched=prefetch)
+        _release(self.held, self.kept_bytes, True, prefetch, self.captured)
         self.saved, self.fetched = None, fetched
 
     def take(self) -> tuple[list[torch.Tensor], dict]:
@@ -339,6 +433,8 @@ class _Stash:
                 "fuselm.offload: this checkpointed call was already backpropagated (its inputs were "
                 "freed); a second backward through it (retain_graph=True) is not supported"
             )
+        if self.captured:
+            _join_copies()  # the last forward's copies out
         self.fetch()
         for t, done in self.fetched:
             if done is not None:
@@ -354,12 +450,15 @@ class _Stash:
         return tensors[:n], dict(zip(self.keys, tensors[n:], strict=True))
 
 
-def _release(held: list, kept_bytes: list, fetched: bool = False, prefetched: bool = False) -> None:
-    """A stash's buffers back to the pool, its kept outputs' bytes off :data:`_KEPT`."""
+def _release(
+    held: list, kept_bytes: list, fetched: bool = False, prefetched: bool = False, captured: bool = False
+) -> None:
+    """A stash's buffers back to the pool (``captured``: kept by their graph), its kept outputs' bytes off
+    :data:`_KEPT`."""
     with _POOL.lock:
         _KEPT.in_use -= kept_bytes[0]
         kept_bytes[0] = 0
-        _POOL.release(held, fetched=fetched, prefetched=prefetched)
+        _POOL.release(held, fetched, prefetched, captured)
 
 
 # ---- outputs kept for the recompute ----
@@ -721,12 +820,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         }
         # (cpu state, device ids, device states): devices of the offloaded tensors only, none initialized
         ctx.rng = None
-        if _capturing(ctx.device_type):
+        captured = _capturing(ctx.device_type)
+        if captured:
             _check_capturable(call)
         elif call.preserve_rng_state:
             ctx.rng = _rng_states(offloaded)
         # copies queued before the function runs (it reads them)
-        ctx.stash = _Stash(offloaded, call.offload, call.kept_per_input, call.prefetch)
+        ctx.stash = _Stash(offloaded, call.offload, call.kept_per_input, call.prefetch, captured)
         ctx.save_for_backward(*lifted)
         ctx.memo = {}
         # (a forward inside a recompute reads its outputs: none goes unread)
@@ -775,7 +875,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 # on the host during the capture would make the recompute draw the same numbers at every replay while the
 # forward draws new ones. So a call may be captured only if the last eager run of its kind (the capture's
 # warm-up) drew none (no dropout) - then the recompute is exact without restoring any state. Offloaded
-# inputs cannot be captured either: their host buffers and side-stream copies belong to the eager step.
+# inputs are captured with their copies: the host buffers become the graph's (every replay copies into and
+# out of them), and the copies out are waited for by the next call instead of record_stream (_side_copy).
 _DRAWS: dict[Any, bool] = {}  # kind of checkpointed function: did its last eager forward draw random numbers
 
 
@@ -797,12 +898,6 @@ def _flat(states: tuple) -> list[torch.Tensor]:
 def _check_capturable(call: _Call) -> None:
     """RuntimeError where ``call``, run inside a CUDA graph capture, would not recompute exactly."""
     name = _kind_name(call.kind)
-    if call.offload:
-        raise RuntimeError(
-            f"fuselm.offload: {name} is offloaded (offloaded_checkpoint) inside a CUDA graph capture: host "
-            "copies cannot be captured; capture with its inputs on the device (recompute_checkpoint: "
-            "fuselm.hf.patch(model, checkpointing='recompute'))"
-        )
     drew = _DRAWS.get(call.kind)
     if call.preserve_rng_state and drew:
         raise RuntimeError(

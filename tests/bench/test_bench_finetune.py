@@ -481,7 +481,7 @@ def test_cli_cpu_memory_budgets_run_fuselm_once_per_budget(tmp_path, capsys):
 
 
 def test_cli_cpu_graph_variant_is_named_and_needs_cuda(tmp_path, capsys):
-    """fuselm@graph (checkpointing="recompute", the step replayed from CUDA graphs): its own column, skipped
+    """fuselm@graph (checkpointing="offload", the step replayed from CUDA graphs): its own column, skipped
     on the CPU saying why."""
     out = tmp_path / "out"
     args = ["bench", "finetune", "--device", "cpu", "--providers", "fuselm@graph", "--scenarios", "lora"]
@@ -489,7 +489,7 @@ def test_cli_cpu_graph_variant_is_named_and_needs_cuda(tmp_path, capsys):
     data = json.loads((out / "finetune.json").read_text())
     assert data["rows"] == [] and data["skipped"] == {"fuselm@graph": "needs CUDA"}
     assert finetune.provider_title("fuselm@graph") == "+ fuselm.hf.patch (CUDA graphs)"
-    assert "checkpointing='recompute'" in finetune.BENCH.describe("fuselm@graph")
+    assert "checkpointing='offload'; --no-offload: 'recompute'" in finetune.BENCH.describe("fuselm@graph")
 
 
 def test_cli_cpu_trainer_steps_run_through_trainer(tmp_path, capsys):

@@ -114,7 +114,6 @@ def test_a_cpu_trainer_is_refused(tmp_path):
             "gradient_checkpointing",
             "gradient checkpointing is on: only fuselm's .* checkpointing='recompute'",
         ),
-        ("offloaded_model", "gradient checkpointing is on"),
         ("eager", "the model's attention is 'eager': Hugging Face's eager attention makes its mask"),
         ("flash_attention_2", "the model's attention is 'flash_attention_2': flash attention unpads"),
         ("torch_compile", "torch_compile=True"),
@@ -128,8 +127,6 @@ def test_setups_that_cannot_be_captured_are_refused(tmp_path, monkeypatch, setup
         model.config._attn_implementation = setup
     elif setup == "checkpointed_model":
         model.gradient_checkpointing_enable()
-    elif setup == "offloaded_model":  # fuselm's checkpointing that offloads: host copies in the step
-        fuselm.hf.patch(model, checkpointing="offload")
     else:
         kwargs[setup] = True
     trainer = _trainer(tmp_path, model, **kwargs)
@@ -228,11 +225,12 @@ def test_trainer_steps_from_graphs_match_eager(tmp_path, graph_device, accumulat
     assert len(items) == 1 and items[0][4].type == torch.device(graph_device).type, signature
 
 
-@pytest.mark.parametrize("checkpointing", [None, "recompute"])
+@pytest.mark.parametrize("checkpointing", [None, "recompute", "offload"])
 def test_peft_lora(tmp_path, graph_device, checkpointing):
     """A PEFT LoRA model (patched: fuselm.lora's nodes inside the graphs), gradient accumulation 2: only the
-    adapters train, as in the eager run; with Trainer's gradient checkpointing on, fuselm's recompute
-    (checkpointing="recompute") is captured too."""
+    adapters train, as in the eager run; with Trainer's gradient checkpointing on, fuselm's recompute is
+    captured too, its layer inputs on the device (checkpointing="recompute") or copied to host memory and
+    back inside the graphs (checkpointing="offload")."""
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],

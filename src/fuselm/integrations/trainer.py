@@ -114,8 +114,9 @@ def capture_training_steps(trainer, *, max_graphs: int = 4, warmup: int = 3):
     - LoRA / QLoRA (PEFT) models: the trainable parameters are read when a shape is captured.
 
     Checked here (ValueError naming the cause): a CUDA device, one process on one GPU (no DataParallel,
-    DDP, FSDP or DeepSpeed), no gradient checkpointing but fuselm's ``checkpointing="recompute"`` (the one
-    checked to recompute exactly inside a graph), no ``torch_compile``, no TRL ``activation_offloading``,
+    DDP, FSDP or DeepSpeed), no gradient checkpointing but fuselm's ``checkpointing="recompute"`` or
+    ``"offload"`` (checked to recompute exactly inside a graph; offloaded inputs are copied out and back by
+    the graphs), no ``torch_compile``, no TRL ``activation_offloading``,
     and a model on SDPA attention (eager attention makes its mask from a host value, flash attention reads
     the batch's lengths on the host); the model again at its first step. A step that still cannot be
     captured (a host synchronization in the model, a data-dependent shape) raises RuntimeError naming the
@@ -190,19 +191,23 @@ def check_trainer(trainer) -> None:
 
 
 def _refuse_checkpointing(owner, flags: tuple[str, str], model) -> None:
-    """ValueError when gradient checkpointing is on and ``model`` does not run fuselm's recompute (which a
-    graph captures): ``flags`` are its names in transformers 5.25 and 5.17 (the first one ``owner`` has is
-    read: the old name warns in 5.25)."""
+    """ValueError when gradient checkpointing is on and ``model`` does not run fuselm's recompute, offloading
+    or not (which a graph captures): ``flags`` are its names in transformers 5.25 and 5.17 (the first one
+    ``owner`` has is read: the old name warns in 5.25)."""
+    from ..hf import offload
     from ..hf.activation_plan import recomputes_every_layer
 
     for flag in flags:
         on = getattr(owner, flag, None)
         if on is not None:
-            if on and not (model is not None and recomputes_every_layer(model)):
+            if on and not (
+                model is not None and (recomputes_every_layer(model) or offload.is_enabled(model))
+            ):
                 _refuse(
                     "gradient checkpointing is on: only fuselm's is checked to recompute exactly inside a "
-                    "CUDA graph; patch the model with fuselm.hf.patch(model, checkpointing='recompute') or "
-                    "train without it (gradient_checkpointing=False: TRL's configs turn it on by default)"
+                    "CUDA graph; patch the model with fuselm.hf.patch(model, checkpointing='recompute' or "
+                    "'offload') or train without it (gradient_checkpointing=False: TRL's configs turn it on "
+                    "by default)"
                 )
             return
 
