@@ -178,7 +178,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(
             "qlora needs bitsandbytes' 4-bit on this CPU; --scenarios lora for the CPU smoke run"
         )
-    providers = parse_list(args.providers, finetune.PROVIDERS, "provider", default=DEFAULT_PROVIDERS)
+    providers = parse_list(
+        args.providers, finetune.PROVIDERS, "provider", variants=True, default=DEFAULT_PROVIDERS
+    )
+    for provider in providers:  # fuselm@<GiB> (checkpointing="auto": it offloads what the host holds)
+        finetune.split_provider(provider)
     caps = _caps(args.caps, cuda)
     lo, hi = DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
     if args.seq_range:
@@ -203,7 +207,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     def run_search(provider: str, cap: float | None, gpu: int | None, model_dir: Path) -> Search:
         extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
         extra.update({"memory_cap_gib": cap} if cap is not None else {})
-        extra.update({"mlp_chunk_tokens": chunk} if chunk is not None and provider == "fuselm" else {})
+        fuselm = finetune.split_provider(provider)[0] == "fuselm"
+        extra.update({"mlp_chunk_tokens": chunk} if chunk is not None and fuselm else {})
         extra.update({"gpu": gpu} if gpu is not None else {})
 
         def probe(seq: int):

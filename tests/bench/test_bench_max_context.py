@@ -70,6 +70,8 @@ def test_registered_outside_all():
         (["--seq-range", "64:16"], "--seq-range must be 0 < LO <= HI"),
         (["--models", "llama3-8b,qwen3-0.6b"], "one --models and one --scenarios at a time"),
         (["--providers", "hf,axolotl"], "unknown provider 'axolotl'"),
+        (["--providers", "hf@8"], "only fuselm has variants"),
+        (["--providers", "fuselm@x"], "'x' is not a number of GiB"),
     ],
 )
 def test_usage_errors(args, message, tmp_path, capsys):
@@ -89,13 +91,16 @@ def test_caps_parse_on_a_gpu_and_are_none_on_the_cpu():
 
 
 def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
-    """Two providers, no cap on the CPU: HI (32 tokens) fits at once for both; the report says so."""
+    """Three providers (fuselm under a memory budget too), no cap on the CPU: HI (32 tokens) fits at once
+    for each; the report says so, the budget's probe ran checkpointing="auto"."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = ["bench", "max-context", "--device", "cpu", "--scenarios", "lora", "--providers", "fuselm,hf"]
+    args[-1] += ",fuselm@1"
     assert main([*args, "--seq-range", "16:32", "--rank", "4", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "max_context.json").read_text())
     found = {s["provider"]: s for s in data["searches"]}
-    assert set(found) == {"fuselm", "hf"}
+    assert set(found) == {"fuselm", "hf", "fuselm@1"}
+    assert "checkpointing='auto', memory_budget=1" in found["fuselm@1"]["best"]["checkpointing"]
     for s in found.values():
         assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
         assert [p[0] for p in s["probes"]] == [32]
