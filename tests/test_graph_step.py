@@ -249,15 +249,11 @@ def _checkpointed_loss(model, checkpoint):
     return loss_fn
 
 
-def test_fuselms_recompute_checkpoint_is_captured(graph_device):
-    """A step checkpointed by recompute_checkpoint replays the eager non-checkpointed step's loss and
-    gradients bit for bit (the recompute runs the same operations on the same inputs)."""
-    graphed, eager = _model(graph_device), _model(graph_device)
-    step = CapturedStep(
-        _checkpointed_loss(graphed, recompute_checkpoint), _trained(graphed), _batch(0, graph_device)
-    )
+def _replays_match_eager(step, graphed, eager, device):
+    """Two replays of ``step`` (on ``graphed``) on new batches: the eager non-checkpointed step's loss and
+    gradients (on ``eager``) bit for bit."""
     for seed in (1, 2):
-        x, t = _batch(seed, graph_device)
+        x, t = _batch(seed, device)
         for m in (graphed, eager):
             m.zero_grad(set_to_none=True)
         loss = step(x, t)
@@ -267,6 +263,16 @@ def test_fuselms_recompute_checkpoint_is_captured(graph_device):
         for p, pe in zip(_trained(graphed), _trained(eager), strict=True):
             assert torch.equal(p.grad, pe.grad)
     assert step.graphs.replays == 2 and step.graphs.eager == 0
+
+
+def test_fuselms_recompute_checkpoint_is_captured(graph_device):
+    """A step checkpointed by recompute_checkpoint replays the eager non-checkpointed step's loss and
+    gradients bit for bit (the recompute runs the same operations on the same inputs)."""
+    graphed, eager = _model(graph_device), _model(graph_device)
+    step = CapturedStep(
+        _checkpointed_loss(graphed, recompute_checkpoint), _trained(graphed), _batch(0, graph_device)
+    )
+    _replays_match_eager(step, graphed, eager, graph_device)
 
 
 def test_an_offloaded_checkpoint_is_captured_with_its_host_copies(graph_device):
@@ -288,17 +294,7 @@ def test_an_offloaded_checkpoint_is_captured_with_its_host_copies(graph_device):
     owned = {id(entry[2]) for graphs in step.graphs._graphs.values() for _, entry in graphs.host_buffers}
     assert len(owned) == 1, "one input offloaded: the two passes captured (write, add) share its buffer"
     assert not owned & free(), "the graphs own their host buffers"
-    for seed in (1, 2):
-        x, t = _batch(seed, graph_device)
-        for m in (graphed, eager):
-            m.zero_grad(set_to_none=True)
-        loss = step(x, t)
-        loss_eager = _loss(eager)(x, t)
-        loss_eager.backward()
-        assert torch.equal(loss, loss_eager.detach())
-        for p, pe in zip(_trained(graphed), _trained(eager), strict=True):
-            assert torch.equal(p.grad, pe.grad)
-    assert step.graphs.replays == 2 and step.graphs.eager == 0
+    _replays_match_eager(step, graphed, eager, graph_device)
     stash = offload._Stash([torch.ones(64, 16, device=graph_device)])
     assert stash.held and all(id(held[0]) not in owned for held in stash.held)
     del stash, step
