@@ -7,6 +7,7 @@ tests/test_offload.py: two test modules cannot share a basename, tests/ has no _
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import doctest
 import functools
@@ -309,10 +310,44 @@ def test_no_positional_tensor_warns():
 def test_signature_is_torch_checkpoints(name):
     ours = inspect.signature(getattr(offload, name)).parameters
     theirs = inspect.signature(torch_checkpoint.checkpoint).parameters
-    extra = ("preserve_rng_state", "kept_per_input", "prefetch")
+    extra = ("preserve_rng_state", "kept_per_input", "prefetch", "backward_context")
     assert list(theirs) == [p for p in ours if p not in extra]
-    for option in extra if name == "offloaded_checkpoint" else extra[:1]:
+    both = ("preserve_rng_state", "backward_context")
+    for option in extra if name == "offloaded_checkpoint" else both:
         assert ours[option].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize("checkpoint", [offload.offloaded_checkpoint, offload.recompute_checkpoint])
+def test_backward_context_wraps_the_recompute_and_the_backward(checkpoint):
+    """backward_context: entered once per call's backward, around its recompute (the function runs again
+    inside) and the gradients of its inside (a hook on an inner tensor fires inside); the same gradients
+    as without; anything but None or a callable raises ValueError naming it."""
+    events = []
+
+    @contextlib.contextmanager
+    def scope():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    layer = torch.nn.Linear(8, 8)
+
+    def f(h):
+        events.append("run")
+        y = layer(h).tanh()
+        if y.requires_grad:
+            y.register_hook(lambda g: events.append("grad"))
+        return y
+
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(f, x, backward_context=scope).sum().backward()
+    assert events == ["run", "enter", "run", "grad", "exit"]
+    got = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    layer(x).tanh().sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
+    with pytest.raises(ValueError, match="backward_context must be None or callable, got 3"):
+        checkpoint(f, x, backward_context=3)
 
 
 def test_checkpoint_fn_binds_checked_options():

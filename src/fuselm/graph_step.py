@@ -23,6 +23,7 @@ shapes, CUDA tensors) works, fuselm-patched or not.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +33,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["CapturedStep", "GraphCache"]
+
+# fuselm's activation offloading, looked up (not imported: this module needs torch only) where a capture
+# may hold its calls: the host buffers their captured copies use are the graphs' while they live
+_OFFLOAD = "fuselm.offload"
 
 # the device types a graph holds work of (tests emulate graphs on the CPU by adding "cpu")
 CAPTURE_DEVICES = ("cuda",)
@@ -125,9 +130,7 @@ class _Graphs:
         # (fuselm.offload.captured_host_buffers): the pool's again once these graphs are gone
         self.host_buffers = host_buffers
         if host_buffers:
-            from .offload import give_back_host_buffers
-
-            weakref.finalize(self, give_back_host_buffers, host_buffers)
+            weakref.finalize(self, sys.modules[_OFFLOAD].give_back_host_buffers, host_buffers)
 
     def pass_for_grads(self) -> _Pass:
         """The write pass when there is one and no parameter has a ``.grad``, else the add pass."""
@@ -301,9 +304,8 @@ class GraphCache:
             self._pool = torch.cuda.graph_pool_handle()
         stash = [p.grad for p in reached]
         write = None
-        from . import offload  # (imported by the first capture: `import fuselm` does not import it)
-
-        with offload.captured_host_buffers() as host_buffers:
+        offload = sys.modules.get(_OFFLOAD)  # offloaded calls exist only where it was imported
+        with offload.captured_host_buffers() if offload else contextlib.nullcontext([]) as host_buffers:
             try:
                 if not self._buffers.has_any(reached):
                     for (

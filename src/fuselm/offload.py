@@ -799,6 +799,7 @@ class _Call:
     offload: bool = True  # the positional tensors wait in host memory (else on their device)
     kept_per_input: float = 0.0  # outputs kept for the recompute, bytes per byte of offloaded inputs
     prefetch: int = 1  # calls made before this one whose inputs its backward starts bringing back
+    backward_context: Callable | None = None  # entered around the recompute and the backward
     kind: Any = None  # see _kind
     join_outputs: Callable | None = None  # set by the forward
 
@@ -846,26 +847,27 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 "backward(inputs=...): the recompute accumulates into .grad (use .backward())"
             )
         call = ctx.call
-        tensors, kept = ctx.stash.take()
-        tensors += ctx.saved_tensors
-        ctx.memo.update({(_KEPT_KEY, key): t for key, t in kept.items()})
-        del kept  # (the memo holds them through the recompute only: what it does not save goes then)
-        allow = call.kind not in _OUTPUTS_READ
-        inputs, outputs, saved_after, spare = _recompute(ctx, tensors, allow)
-        if allow and saved_after:
-            _OUTPUTS_READ.add(call.kind)
-            _warn_once(
-                f"unread:{call.kind!r}",
-                f"fuselm.offload: the recompute of {_kind_name(call.kind)} saves a "
-                "tensor after an output it skipped: recomputed in full (from now on every time)",
-            )
-            inputs, outputs, _, spare = _recompute(ctx, tensors, False)
-        for o in spare:  # (a decoder layer's output when its MLP skipped the down projection)
-            o.untyped_storage().resize_(0)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
-        ctx.memo = None  # the recompute is done
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with call.backward_context() if call.backward_context else contextlib.nullcontext():
+            tensors, kept = ctx.stash.take()
+            tensors += ctx.saved_tensors
+            ctx.memo.update({(_KEPT_KEY, key): t for key, t in kept.items()})
+            del kept  # (the memo holds them through the recompute only: what it does not save goes then)
+            allow = call.kind not in _OUTPUTS_READ
+            inputs, outputs, saved_after, spare = _recompute(ctx, tensors, allow)
+            if allow and saved_after:
+                _OUTPUTS_READ.add(call.kind)
+                _warn_once(
+                    f"unread:{call.kind!r}",
+                    f"fuselm.offload: the recompute of {_kind_name(call.kind)} saves a "
+                    "tensor after an output it skipped: recomputed in full (from now on every time)",
+                )
+                inputs, outputs, _, spare = _recompute(ctx, tensors, False)
+            for o in spare:  # (a decoder layer's output when its MLP skipped the down projection)
+                o.untyped_storage().resize_(0)
+            pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+            ctx.memo = None  # the recompute is done
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         needs = ctx.needs_input_grad[2:]
         return (None, None, *[x.grad if need else None for x, need in zip(inputs, needs, strict=True)])
 
@@ -960,6 +962,7 @@ def offloaded_checkpoint(
     early_stop: bool = True,
     kept_per_input: float = KEPT_PER_INPUT,
     prefetch: int = 1,
+    backward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)`` checkpointed, its tensor ``args`` kept in host memory until the backward.
@@ -992,6 +995,9 @@ def offloaded_checkpoint(
             (each waits on the device for its own backward): an int >= 1 (default 1). More gives each
             copy back more time when the host link is busy, for one more call's inputs and kept outputs
             of device memory each.
+        backward_context: None, or a callable that returns a context manager entered around the call's
+            recompute and backward (e.g. :func:`fuselm.lora.holding_dense`: the backward reuses the dense
+            base weights the recompute made).
         **kwargs: keyword arguments of ``function``.
 
     Returns:
@@ -1017,18 +1023,26 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    _check_offload_options(kept_per_input=kept_per_input, prefetch=prefetch)
-    return _checkpoint(function, args, kwargs, preserve_rng_state, True, kept_per_input, prefetch)
+    _check_offload_options(
+        kept_per_input=kept_per_input, prefetch=prefetch, backward_context=backward_context
+    )
+    return _checkpoint(
+        function, args, kwargs, preserve_rng_state, True, kept_per_input, prefetch, backward_context
+    )
 
 
 def _check_offload_options(**options: Any) -> None:
-    """ValueError naming ``kept_per_input`` (not a finite number >= 0) or ``prefetch`` (not an int >= 1)."""
+    """ValueError naming ``kept_per_input`` (not a finite number >= 0), ``prefetch`` (not an int >= 1) or
+    ``backward_context`` (neither None nor callable)."""
     x = options.get("kept_per_input", 0.0)
     if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0):
         raise ValueError(f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {x!r}")
     n = options.get("prefetch", 1)
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
         raise ValueError(f"offloaded_checkpoint: prefetch must be an int >= 1, got {n!r}")
+    context = options.get("backward_context")
+    if context is not None and not callable(context):
+        raise ValueError(f"offloaded_checkpoint: backward_context must be None or callable, got {context!r}")
 
 
 @torch.compiler.disable  # see offloaded_checkpoint
@@ -1041,11 +1055,13 @@ def recompute_checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    backward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     **kwargs: Any,
 ) -> Any:
     """:func:`offloaded_checkpoint` with the tensor ``args`` kept on their device: plain gradient
-    checkpointing (same arguments, same recompute), where the recompute may leave an output of the
-    function unread (:func:`output_may_go_unread`: a decoder layer's MLP skips its down projection).
+    checkpointing (same arguments, same recompute, the same ``backward_context``), where the recompute may
+    leave an output of the function unread (:func:`output_may_go_unread`: a decoder layer's MLP skips its
+    down projection).
 
     Example:
         >>> import torch
@@ -1057,7 +1073,8 @@ def recompute_checkpoint(
         True
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    return _checkpoint(function, args, kwargs, preserve_rng_state, offload=False)
+    _check_offload_options(backward_context=backward_context)
+    return _checkpoint(function, args, kwargs, preserve_rng_state, False, backward_context=backward_context)
 
 
 def _checkpoint(
@@ -1068,6 +1085,7 @@ def _checkpoint(
     offload: bool,
     share: float = 0.0,
     prefetch: int = 1,
+    backward_context: Callable | None = None,
 ):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
@@ -1089,7 +1107,9 @@ def _checkpoint(
         bound, keywords = join_keywords(lifted)
         return base(*bound, *join_args(offloaded), **keywords)
 
-    call = _Call(run, len(offloaded), preserve_rng_state, offload, share, prefetch, _kind(base))
+    call = _Call(
+        run, len(offloaded), preserve_rng_state, offload, share, prefetch, backward_context, _kind(base)
+    )
     outputs = _OffloadedCheckpoint.apply(call, _DUMMY, *offloaded, *lifted)
     return call.join_outputs(outputs)  # (set by the forward)
 
@@ -1263,7 +1283,7 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
     unsupported): for frameworks that take a checkpointing function and its options apart (HF's
     ``gradient_checkpointing_kwargs``). ``options`` are the keyword options of
     :func:`offloaded_checkpoint` (those of :func:`torch.utils.checkpoint.checkpoint`, and
-    ``kept_per_input`` and ``prefetch`` when ``offload``).
+    ``kept_per_input`` and ``prefetch`` when ``offload``, ``backward_context`` either way).
 
     Example:
         >>> from fuselm.offload import checkpoint_fn
@@ -1273,12 +1293,12 @@ def checkpoint_fn(offload: bool = True, **options: Any) -> functools.partial:
         'recompute_checkpoint'
     """
     offloading = {"kept_per_input", "prefetch"}
-    known = _OPTIONS | (offloading if offload is True else set())  # recompute_checkpoint has neither
+    known = _OPTIONS | {"backward_context"} | (offloading if offload is True else set())
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"offloaded_checkpoint: options {unknown} not supported (known: {sorted(known)})")
     if not isinstance(offload, bool):
         raise ValueError(f"checkpoint_fn: offload must be a bool, got {offload!r}")
     _check_options(**{k: v for k, v in options.items() if k in _OPTIONS})
-    _check_offload_options(**{k: v for k, v in options.items() if k in offloading})
+    _check_offload_options(**{k: v for k, v in options.items() if k in offloading | {"backward_context"}})
     return functools.partial(offloaded_checkpoint if offload else recompute_checkpoint, **options)

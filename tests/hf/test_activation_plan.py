@@ -5,6 +5,7 @@ masks included). On the CPU the device holds the model's own tensors, so budgets
 
 from __future__ import annotations
 
+import collections
 import doctest
 
 import pytest
@@ -470,3 +471,68 @@ def test_kept_shares_take_the_largest_share_the_host_link_copies_in_time():
     assert shares(off + keep, three, 100, host=4 * 15 + 25) == (1.5, 1.5, 1.5, 4.0, 0.0)  # the host's room
     assert shares(off, {1.5: (15, 0.1)}, 10**6) == (1.5,) * 4
     assert shares(keep, two, 10**6) == (0.0,)
+
+
+def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monkeypatch, tmp_path):
+    """A QLoRA model (NF4 base, bitsandbytes' CPU backend): where the budget holds a layer's dense base
+    weights besides the plan's layers, each checkpointed layer's backward reuses the dense weights its
+    recompute made (every weight dequantized twice a step: forward, recompute), the plan says so and counts
+    them in its peak; 64 bytes less and the backward dequantizes again. The same loss and gradients either
+    way."""
+    pytest.importorskip("bitsandbytes")
+    from kit.hf_models import model_class, nf4_config, tiny_config
+
+    from fuselm.lora import frozen
+
+    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
+    torch.manual_seed(0)
+    src = model_class("llama")(tiny_config("llama", layers=LAYERS))
+    src.save_pretrained(tmp_path)
+
+    def qlora():
+        try:
+            base = type(src).from_pretrained(tmp_path, quantization_config=nf4_config(), dtype=torch.float32)
+        except Exception as e:  # bitsandbytes without a CPU 4-bit backend
+            pytest.skip(f"bitsandbytes 4-bit on CPU: {e}")
+        torch.manual_seed(0)
+        return _peft(base, dropout=0.0)
+
+    ids = _batch(256)
+    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
+    _step(probe, ids)
+    f = activation_plan.current(probe)
+    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    transient = kept + f.remade_bytes_per_token * f.tokens
+    layer = probe.base_model.model.model.layers[0]
+    held = activation_plan._dense_bytes(layer, torch.float32)
+    config = src.config
+    h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    assert held == 4 * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down in fp32
+    assert kept > 4 * inp + held  # the budgets below keep no layer
+    calls: list[int] = []
+    real = frozen.Bnb4bitWeight.dense
+
+    def counting(self, dtype=None):
+        calls.append(self.identity())
+        return real(self, dtype)
+
+    monkeypatch.setattr(frozen.Bnb4bitWeight, "dense", counting)
+    results = {}
+    for budget, hold in ((f.base + transient + 4 * inp + held, True), (f.base + transient + 4 * inp, False)):
+        model = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=_gib(budget - 64 * (not hold)))
+        _step(model, ids)  # planned
+        plan = activation_plan.current(model)
+        assert plan.modes == ("recompute",) * LAYERS and plan.estimated_peak <= budget
+        assert plan.held_dense_bytes == (held if hold else 0)
+        assert ("dense base weights" in str(plan)) == hold
+        calls.clear()
+        loss = _step(model, ids)
+        counts = sorted(collections.Counter(calls).values())
+        assert len(counts) == 7 * LAYERS
+        # without: a third time in the backward, but the down projections (their recompute is skipped) and
+        # the first layer's q, k and v (the embeddings need no gradient: no backward GEMM of theirs)
+        assert counts == ([2] * 7 * LAYERS if hold else [2] * (LAYERS + 3) + [3] * (6 * LAYERS - 3))
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results[hold] = (loss.detach(), grads)
+    assert torch.equal(results[True][0], results[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1], strict=True))

@@ -27,7 +27,9 @@ backward runs, brought back early; what the first layer's forward offers, counte
 plan recomputes less (:meth:`_Planner._keep_outputs`): in
 the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
 quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
-back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`).
+back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`). Where the
+budget then still holds a layer's dense base weights (a quantized model's), the checkpointed layers' backward
+reuses the ones their recompute dequantized (:func:`fuselm.lora.holding_dense`) instead of dequantizing again.
 Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the
 rest stay on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers
 are the first ones (their inputs come back last in the backward: the most time for the copies), the kept ones
@@ -43,17 +45,18 @@ checkpointing recomputes exactly (the forward's RNG states are restored).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import offload as checkpoints
+from ..lora import frozen
 from . import offload
 
 MODES = ("keep", "recompute", "offload")
@@ -68,7 +71,7 @@ _PLANNER = "_fuselm_activation_planner"  # on the top PreTrainedModel: its _Plan
 _log = logging.getLogger("fuselm.hf")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ActivationPlan:
     """The modes of the decoder layers (first to last) for batches of up to ``tokens`` tokens, with the
     figures they were chosen from (bytes)."""
@@ -82,16 +85,21 @@ class ActivationPlan:
     remade_bytes_per_token: int = 0  # the norm outputs a kept layer makes again in its backward
     kept_output_bytes: int = 0  # reserved for the outputs offloaded layers keep for their recomputes
     kept_per_input: tuple[float, ...] = ()  # per layer: the offloaded call's kept_per_input (0: none kept)
+    held_dense_bytes: int = 0  # a checkpointed layer's dense base weights, held from recompute to backward
 
     @property
     def estimated_peak(self) -> int:
-        return self.kept_output_bytes + _peak(
-            self.modes,
-            self.tokens,
-            self.base,
-            self.keep_bytes_per_token,
-            self.input_bytes_per_token,
-            self.remade_bytes_per_token,
+        return (
+            self.kept_output_bytes
+            + self.held_dense_bytes
+            + _peak(
+                self.modes,
+                self.tokens,
+                self.base,
+                self.keep_bytes_per_token,
+                self.input_bytes_per_token,
+                self.remade_bytes_per_token,
+            )
         )
 
     @property
@@ -107,6 +115,9 @@ class ActivationPlan:
             each = ", ".join(f"{n} at {s:.3g} inputs" for s, n in sorted(shares.items()))
             reserved = _size(self.kept_output_bytes)
             host += f"; offloaded layers keep their projections' outputs: {each} ({reserved} reserved)"
+        if self.held_dense_bytes:
+            held = _size(self.held_dense_bytes)
+            host += f"; recomputes keep their dense base weights for the backward ({held})"
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
@@ -284,6 +295,17 @@ def _forward_flops(layer: torch.nn.Module, tokens: int) -> int:
     return 2 * macs * tokens
 
 
+def _dense_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``layer``'s quantized linear weights (bitsandbytes 4-bit and 8-bit) made dense in
+    ``dtype``: what :func:`fuselm.lora.holding_dense` holds through a checkpointed layer's backward."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        m.in_features * m.out_features * size
+        for m in layer.modules()
+        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ in ("Params4bit", "Int8Params")
+    )
+
+
 def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes a layer holds from its forward to its backward in any mode besides activations: its trainable
     parameters of another dtype cast to the compute dtype (fp32 LoRA adapters in bf16: kept for the
@@ -349,7 +371,7 @@ class _Planner:
         if not (module.training and torch.is_grad_enabled()):
             return
         if self.every_layer is not None:
-            self.apply((self.every_layer,) * len(self.layers))
+            self.apply(ActivationPlan(0, (self.every_layer,) * len(self.layers), 0, 0, 0, 0))
             return
         tokens = _tokens(args, kwargs)
         if tokens is not None and (self.plan is None or tokens > self.plan.tokens):
@@ -358,7 +380,7 @@ class _Planner:
             own = _allocated(module)
             self.pending = (tokens, own, _pending_grads(module))
         elif self.plan is not None:
-            self.apply(self.plan.modes, self.plan.kept_per_input)  # again: HF's switches set all layers alike
+            self.apply(self.plan)  # again: HF's switches set all layers alike
 
     def before_first_layer(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.pending is None:
@@ -384,6 +406,9 @@ class _Planner:
         self.plan = ActivationPlan(tokens, modes, budget, base, kept, inp, remade)
         if host is not None:
             self._keep_outputs(figures, host, probe, _forward_flops(layer, tokens), hidden.shape[-1])
+        held = _dense_bytes(layer, hidden.dtype)  # recomputes dequantize once where the budget holds it
+        if held and set(self.plan.modes) - {"keep"} and self.plan.estimated_peak + held <= budget:
+            self.plan = dataclasses.replace(self.plan, held_dense_bytes=held)
         room = self.plan.kept_output_bytes and max(0, host - self.plan.host_bytes)
         checkpoints.set_kept_output_room(room)
         modes = self.plan.modes
@@ -400,7 +425,7 @@ class _Planner:
             _log.warning("fuselm.hf: %s: over memory_budget even with every layer offloaded", self.plan)
         else:
             _log.info("fuselm.hf: activation plan: %s", self.plan)
-        self.apply(modes, self.plan.kept_per_input)
+        self.apply(self.plan)
 
     def _keep_outputs(self, figures: tuple, host: int, probe: Any, flops: int, width: int) -> None:
         """Offloaded layers keep their projections' outputs in host memory for their recomputes
@@ -433,14 +458,18 @@ class _Planner:
                 best = plan, cost
         self.plan = best[0]
 
-    def apply(self, modes: tuple[str, ...], shares: tuple[float, ...] = ()) -> None:
-        """Set each layer's checkpointing function to its mode's; ``shares``: the offloaded layers'
-        ``kept_per_input`` (none: the default, within the kept-output room)."""
-        for i, (layer, mode) in enumerate(zip(self.layers, modes, strict=True)):
+    def apply(self, plan: ActivationPlan) -> None:
+        """Set each layer's checkpointing function to its mode's, with the offloaded layers'
+        ``kept_per_input`` (none: the default, within the kept-output room) and the recomputes holding
+        their dense base weights for the backward where the plan does."""
+        shares = plan.kept_per_input
+        for i, (layer, mode) in enumerate(zip(self.layers, plan.modes, strict=True)):
             layer.gradient_checkpointing = True  # a kept layer's function: the selective one
             want = _FUNCTIONS[mode]
             kept = mode == "offload" and shares
             options = {"kept_per_input": shares[i], "prefetch": PREFETCH} if kept else {}
+            if plan.held_dense_bytes and mode != "keep":
+                options["backward_context"] = frozen.holding_dense
             func, keywords = offload._unpartial(layer.__dict__.get("_gradient_checkpointing_func"))
             if func is not want or any(keywords.get(k) != v for k, v in options.items()):
                 hf_func = layer.__dict__.get(offload._HF_FUNC)

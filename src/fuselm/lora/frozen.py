@@ -13,7 +13,10 @@ and grown to the largest weight asked for: a model never holds a persistent 16-b
 quantized layers. The tensor :func:`dense` returns for a quantized weight is therefore valid only
 until the next dequantization on the same (device, dtype): use it at once, never save it for
 backward (backward dequantizes again). On CUDA the reuse is safe without synchronization because
-every dequantization and every GEMM reading its result run in order on the current stream.
+every dequantization and every GEMM reading its result run in order on the current stream. Inside
+:func:`holding_dense` (a checkpointed layer's recompute and backward, where a memory budget has room) each
+weight is made once, in a tensor of its own, and every later :func:`dense` of it in the scope returns that
+tensor: the backward does not dequantize again what the recompute just did.
 
 A 4-bit weight dequantizes in one launch of :func:`fuselm.ops.dequantize_4bit.dequantize_4bit` (bit-equal
 to bitsandbytes' ``dequantize_4bit``; a double-quantized weight's block scales are made inside that launch,
@@ -23,6 +26,9 @@ bitsandbytes is imported lazily, in this module only, when a quantized weight is
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -37,6 +43,41 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 # Device types whose bitsandbytes backend has no ``dequantize_4bit.out`` kernel (CPU in 0.50): there
 # ``dequantize_4bit`` returns a fresh tensor per call instead (still no persistent copy).
 _NO_OUT_KERNEL: set[str] = set()
+
+
+class _Holding(threading.local):
+    def __init__(self) -> None:
+        self.weights: dict | None = None  # inside holding_dense: (weight's identity, dtype) -> its dense
+
+
+_HOLDING = _Holding()
+
+
+@contextlib.contextmanager
+def holding_dense():
+    """Inside this scope :func:`dense` makes each quantized weight's dense matrix once, in a tensor of its
+    own (not the shared scratch), and returns that tensor to every later call for the same weight and
+    dtype until the scope ends (nested scopes share the outermost one's). A checkpointed layer's recompute
+    and backward in one scope dequantize its weights once instead of twice, for the memory of the layer's
+    dense weights while its backward runs.
+
+    Example:
+        >>> w = Bnb8bitWeight(torch.ones(2, 3, dtype=torch.int8), torch.full((2,), 127.0))
+        >>> with holding_dense():
+        ...     dense(w) is dense(w)
+        True
+        >>> dense(w).data_ptr() == scratch(6, "cpu", torch.float32).data_ptr()   # outside: the scratch
+        True
+    """
+    outer = _HOLDING.weights
+    if outer is None:
+        _HOLDING.weights = {}
+    try:
+        yield
+    finally:
+        _HOLDING.weights = outer
+
+
 _OWN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what fuselm's 4-bit kernel writes
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}  # the 16 values of each 4-bit code, per device
 _OFFSET = "_fuselm_offset"  # on a QuantState: its offset as the fp32 device tensor the kernel reads
@@ -79,6 +120,8 @@ def scratch(numel: int, device: torch.device | str, dtype: torch.dtype) -> torch
     device = torch.device(device)
     if device.index is None and device.type == "cuda":  # "cuda" and "cuda:0" are one buffer
         device = torch.device("cuda", torch.cuda.current_device())
+    if _HOLDING.weights is not None:  # a dense weight held for the scope: a tensor of its own
+        return torch.empty(numel, dtype=dtype, device=device)
     key = (device, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
@@ -124,6 +167,11 @@ class FrozenWeight:
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense ``[out, in]`` weight in ``dtype`` (default ``self.dtype``); see the module docstring
         for how long it stays valid."""
+        raise NotImplementedError
+
+    def identity(self) -> int:
+        """What tells this weight from another while both live (:func:`holding_dense` keys on it): the
+        address of the stored data (two objects over the same parameter are one weight)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -174,6 +222,9 @@ class Bnb4bitWeight(FrozenWeight):
     @property
     def quant_state(self):
         return self._quant_state if self._quant_state is not None else self.param.quant_state
+
+    def identity(self) -> int:
+        return self.param.data_ptr()
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         qs = self.quant_state
@@ -242,6 +293,9 @@ class Bnb8bitWeight(FrozenWeight):
         self.device = CB.device
         self.dtype = torch.promote_types(CB.dtype, SCB.dtype)  # bitsandbytes' result dtype (fp32)
 
+    def identity(self) -> int:
+        return self.CB.data_ptr()
+
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         out, inp = self.shape
@@ -277,4 +331,10 @@ def dense(weight: torch.Tensor | FrozenWeight, dtype: torch.dtype | None = None)
     """
     if isinstance(weight, torch.Tensor):
         return weight if dtype is None or weight.dtype == dtype else weight.to(dtype)
-    return weight.dense(dtype)
+    held = _HOLDING.weights
+    if held is None:
+        return weight.dense(dtype)
+    key = (type(weight), weight.identity(), dtype)
+    if key not in held:
+        held[key] = weight.dense(dtype)
+    return held[key]
