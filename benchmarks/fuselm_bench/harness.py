@@ -290,55 +290,33 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
     return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
 
 
-def capture_graph(fn: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
-    """``fn()`` captured in a CUDA graph (after two calls on the capture's side stream)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:
-        _leave_failed_capture(device)
-        raise
-    return graph
-
-
-def capture_backward_graph(
-    forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device
+def capture_graph(
+    call: Callable[..., Any], device: torch.device, forward: Callable[[], Any] | None = None
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """The backward alone captured in a CUDA graph: ``forward()`` runs eagerly on the capture's side stream
-    (so autograd runs the backward there too), then ``backward(outs)`` (which must pass ``retain_graph=True``)
-    is captured."""
+    """``call()`` captured in a CUDA graph, after two calls on the capture's side stream: ``(graph, None)``.
+    With ``forward``, the backward alone: ``outs = forward()`` runs eagerly on the side stream (so autograd
+    runs the backward there too), ``call(outs)`` (which must pass ``retain_graph=True``) is captured on that
+    stream: ``(graph, outs)``."""
+    run = call if forward is None else lambda: call(forward())
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
-            backward(forward())
-        outs = forward()
+            run()
+        outs = None if forward is None else forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, stream=stream):
-            backward(outs)
+        with torch.cuda.graph(graph, stream=None if forward is None else stream):
+            call() if forward is None else call(outs)
     except Exception:
-        _leave_failed_capture(device)
+        # a failed capture (a host sync in the call, say) leaves the default CUDA generator in capture mode:
+        # every later random op would raise "Offset increment outside graph capture"
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.zeros(1, device=device)
         raise
     return graph, outs
-
-
-def _leave_failed_capture(device: torch.device) -> None:
-    """A capture that failed (a host sync in the call, say) leaves the default CUDA generator in capture mode:
-    every later random op raises "Offset increment outside graph capture"."""
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.zeros(1, device=device)
-    del graph
 
 
 BWD_FLUSH_BYTES = 256 << 20  # the L2 flush before each timed backward (do_bench's size)
@@ -411,16 +389,6 @@ def fresh_bytes(tensors: Iterable[torch.Tensor | None], inputs: Iterable[torch.T
         taken.add(st.data_ptr())
         total += st.nbytes()
     return total
-
-
-def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, Any]:
-    """Run ``fn()`` once: (peak allocated minus allocated before, allocated before, the result, alive)."""
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    result = fn()
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - before, before, result
 
 
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
@@ -500,11 +468,26 @@ def _measure(
     for _ in range(2):  # compile, autotune, allocator warmup
         call()
     sync(device)
-    if mode == "bwd":
-        return _measure_bwd(suite, row, lambda: _tensors(fn(inputs)), wrt, grad_outputs, device, quick)
+    graphed = suite.cuda_graph and device.type == "cuda"
+    if mode == "bwd":  # the backward alone (with suite.cuda_graph, a graph of the backward)
+
+        def forward() -> list[torch.Tensor]:
+            return _tensors(fn(inputs))
+
+        def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
+            return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
+
+        row.ms = time_backward_ms(forward, backward, device, quick=quick)
+        if graphed:
+            _replay_time(row, lambda o: backward(o, True), device, quick, forward)
+        return row
     if device.type == "cuda":
-        extra, _, result = peak_extra_bytes(call, device)
-        row.peak_bytes = extra
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = call()
+        sync(device)
+        extra = row.peak_bytes = torch.cuda.max_memory_allocated(device) - before
         if mode == "full":
             inputs_list = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
             row.grad_bytes = fresh_bytes(result, inputs_list)
@@ -512,51 +495,23 @@ def _measure(
         row.extra_bytes = max(extra, 0)
         del result
     row.ms = time_ms(call, device, quick=quick)
-    if suite.cuda_graph and device.type == "cuda":
-        _replay_time(row, lambda: capture_graph(call, device), device, quick)
+    if graphed:
+        _replay_time(row, call, device, quick)
     return row
 
 
-def _measure_bwd(
-    suite: Suite,
-    row: OpRow,
-    forward: Callable[[], list[torch.Tensor]],
-    wrt: list[torch.Tensor],
-    grad_outputs: list[torch.Tensor | None],
-    device: torch.device,
-    quick: bool,
-) -> OpRow:
-    """The ``bwd`` row (:func:`time_backward_ms`; with ``suite.cuda_graph``, a graph of the backward)."""
-
-    def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
-        return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
-
-    row.ms = time_backward_ms(forward, backward, device, quick=quick)
-    if suite.cuda_graph and device.type == "cuda":
-        _replay_time(
-            row, lambda: capture_backward_graph(forward, lambda o: backward(o, True), device), device, quick
-        )
-    return row
-
-
-def _replay_time(row: OpRow, capture: Callable[[], Any], device: torch.device, quick: bool) -> None:
-    """``row.ms``: the replays of ``capture()``'s graph, the eager time moved to ``ms_eager`` (kept, with a
-    note, when the capture fails: a host sync in the call, say)."""
+def _replay_time(
+    row: OpRow, call: Callable[..., Any], device: torch.device, quick: bool, forward: Callable | None = None
+) -> None:
+    """``row.ms``: the replays of :func:`capture_graph`'s graph, the eager time moved to ``ms_eager`` (kept,
+    with a note, when the capture fails: a host sync in the call, say)."""
     row.ms_eager = row.ms
     try:
-        captured = capture()  # a graph, or (graph, what it reads: kept alive while it replays)
+        graph, _outs = capture_graph(call, device, forward)  # _outs: read by the graph, kept alive
     except Exception as e:  # noqa: BLE001 - keep the eager time
         row.note = f"eager time: graph capture failed ({error_text(e)})"
         return
-    graph = captured[0] if isinstance(captured, tuple) else captured
     row.ms = time_ms(graph.replay, device, quick=quick)
-
-
-def _finish(row: OpRow, cost: Cost, ceilings: Ceilings) -> OpRow:
-    row.bytes, row.flops = cost.bytes, cost.flops
-    for k, v in compute_ratios(row.ms, cost, ceilings).items():
-        setattr(row, k, v)
-    return row
 
 
 def error_text(e: BaseException, limit: int = 120) -> str:
@@ -633,7 +588,11 @@ def run_suite(
         except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
             row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error_text(e))
         free_memory(device)
-        return _finish(row, suite.cost(case.shape, case.mode, dtype), report.ceilings)
+        cost = suite.cost(case.shape, case.mode, dtype)
+        row.bytes, row.flops = cost.bytes, cost.flops
+        for k, v in compute_ratios(row.ms, cost, report.ceilings).items():
+            setattr(row, k, v)
+        return row
 
     report.rows = run_cases(
         [Case(p.name, s, mode=m) for s in report.shapes for p in chosen for m in modes],

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, import_peer
+from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, compiled_setup, import_peer
 from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
 from .linear_cross_entropy import make_inputs as lce_make_inputs
 from .report import cell, md_table, package_versions, shape_label
@@ -128,25 +128,6 @@ def _torch(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str
     return torch_log_probs(x, w, t, "entropy" in outputs)
 
 
-_COMPILED: dict[str, Any] = {}
-
-
-def setup_torch_compile(device: torch.device) -> Callable[..., Any]:
-    """torch.compile of the eager function, once per (N, H, V, outputs) (Dynamo's cache reset when that
-    changes)."""
-    if device.type != "cuda":
-        raise SkipProvider("skipped on CPU (compile time would dominate a CPU smoke run)")
-
-    def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> Any:
-        key = (tuple(x.shape), tuple(w.shape), outputs, x.dtype)
-        if _COMPILED.get("key") != key:
-            torch._dynamo.reset()
-            _COMPILED.update(key=key, fn=torch.compile(torch_log_probs, dynamic=False))
-        return _COMPILED["fn"](x, w, t, "entropy" in outputs)
-
-    return run
-
-
 def trl_log_probs(
     chunked: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tuple
 ) -> tuple:
@@ -232,7 +213,7 @@ SUITE = Suite(
     ),
     providers=(
         _provider("torch", lambda device: _torch, "logits.float(), log_softmax, gather, entropy; eager"),
-        _provider("torch_compile", setup_torch_compile, "torch.compile of the eager function"),
+        _provider("torch_compile", compiled_setup(_torch), "torch.compile of the eager function"),
         _provider("trl", setup_trl, "TRL ChunkedLogProbFunction on the non-ignored rows (as TRL's head)"),
         _provider("liger_cute", setup_liger_cute, "Liger fused scaled CE, CuTe DSL SM90 kernel"),
         _provider("liger_fallback", setup_liger_fallback, "Liger fused scaled CE, portable fallback"),
