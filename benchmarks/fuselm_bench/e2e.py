@@ -118,35 +118,11 @@ DEFAULT_MODEL = "llama3.2-1b"
 Config = tuple[str, int, int]  # (model, batch, sequence length)
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A run plan: the GPU grid of full-size models, or tiny ones on a CPU."""
-
-    name: str
-    tiny: bool
-    grid: tuple[Config, ...]
-    warmup: int
-    steps: int
-    quick_warmup: int
-    quick_steps: int
-    fused_adamw: bool
-    profile_steps: int
-
-    @property
-    def model(self) -> dict[str, Any]:
-        """The default model's config (``grpo_step``'s)."""
-        return MODELS[DEFAULT_MODEL].settings(self.tiny)
-
-    @property
-    def models(self) -> list[str]:
-        return list(dict.fromkeys(m for m, _, _ in self.grid))
-
-
 GPU_GRID = (("llama3.2-1b", 1, 512), ("llama3.2-1b", 1, 2048), ("llama3.2-1b", 4, 2048))
 GPU_GRID += (("llama3.2-1b", 4, 4096), ("llama3.2-1b", 8, 4096), ("qwen3-0.6b", 1, 2048))
-GPU_PRESET = Preset("gpu", False, GPU_GRID, 3, 10, 2, 4, fused_adamw=True, profile_steps=3)
-CPU_PRESET = Preset("cpu", True, (("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64)), 2, 3, 1, 2, False, 1)
-PRESETS = {p.name: p for p in (GPU_PRESET, CPU_PRESET)}
+GPU_PRESET = fresh_process.Plan("gpu", False, GPU_GRID, 3, 10, 2, 4, fused_adamw=True, profile_steps=3)
+CPU_GRID = (("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64))
+CPU_PRESET = fresh_process.Plan("cpu", True, CPU_GRID, 2, 3, 1, 2, fused_adamw=False, profile_steps=1)
 
 
 # ---- the model and one training run (what a worker process does) ----
@@ -163,7 +139,7 @@ def apply_provider_before_build(provider: str, device: torch.device, family: str
 
 
 def build_model(
-    preset: Preset,
+    preset: fresh_process.Plan,
     provider: str,
     dtype: torch.dtype,
     device: torch.device,
@@ -189,7 +165,7 @@ def build_model(
 
 
 def train(
-    preset: Preset,
+    preset: fresh_process.Plan,
     provider: str,
     model: str,
     batch: int,
@@ -452,7 +428,7 @@ BENCH = fresh_process.Bench(
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=E2ERow,
     plan_flag="preset",
-    plans=PRESETS,
+    plans=(GPU_PRESET, CPU_PRESET),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
     seed=SEED,
@@ -477,14 +453,17 @@ BENCH = fresh_process.Bench(
 # ---- command line ----
 
 
-def grid(args: argparse.Namespace, preset: Preset, known: Sequence[str] = TRAINED_IN_FULL) -> list[Config]:
+def grid(
+    args: argparse.Namespace, preset: fresh_process.Plan, known: Sequence[str] = TRAINED_IN_FULL
+) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
     ``--models``."""
-    models = parse_list(getattr(args, "models", None), list(known), "model", default=preset.models)
+    in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))
+    models = parse_list(getattr(args, "models", None), list(known), "model", default=in_grid)
     if args.shapes:
         return [(m, b, t) for m in models for b, t in parse_shapes(args.shapes, 2)]
-    configs = [c for c in preset.grid if c[0] in models]
-    missing = [m for m in models if m not in preset.models]
+    configs = [c for c in preset.shapes if c[0] in models]
+    missing = [m for m in models if m not in in_grid]
     if missing:
         raise UsageError(f"--models {','.join(missing)}: not in the default grid; give --shapes BxT too")
     return configs
@@ -494,7 +473,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench e2e``; the exit code. Raises ``UsageError``."""
     if getattr(args, "repeats", None) is None:
         args.repeats = 3
-    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PRESET, CPU_PRESET), grid=grid)
+    c = fresh_process.start_cli(BENCH, args, argv, grid=grid)
     alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     c.metadata.update({k: os.environ[k] for k in alloc if os.environ.get(k)})
     return fresh_process.exit_code(fresh_process.run_cli(BENCH, c, progress=not args.no_progress))

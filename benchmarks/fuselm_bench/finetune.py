@@ -85,26 +85,10 @@ def provider_title(provider: str) -> str:
     return PROVIDER_TITLES[base] + (" (CUDA graphs)" if variant == GRAPH else f" @ {variant:g} GiB")
 
 
-@dataclass(frozen=True)
-class FinetuneDefaults:
-    """The defaults on a GPU (full-size models, bf16) or a CPU (tiny ones, fp32)."""
-
-    name: str
-    tiny: bool
-    models: tuple[str, ...]
-    scenarios: tuple[str, ...]
-    shapes: tuple[tuple[int, int], ...]
-    warmup: int
-    steps: int
-    quick_warmup: int
-    quick_steps: int
-    profile_steps: int
-    fused_adamw: bool
-
-
-GPU_PLAN = FinetuneDefaults("gpu", False, ("llama3-8b",), SCENARIOS, ((4, 2048),), 3, 10, 2, 4, 2, True)
-CPU_PLAN = FinetuneDefaults("cpu", True, ("llama3-8b",), SCENARIOS, ((2, 32),), 2, 2, 1, 1, 1, False)
-PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
+DEFAULT_MODELS = ("llama3-8b",)
+# shapes: (batch, sequence length), of each --models and --scenarios
+GPU_PLAN = fresh_process.Plan("gpu", False, ((4, 2048),), 3, 10, 2, 4, fused_adamw=True, profile_steps=2)
+CPU_PLAN = fresh_process.Plan("cpu", True, ((2, 32),), 2, 2, 1, 1, fused_adamw=False, profile_steps=1)
 
 
 # ---- the saved model and its tokenizer ----
@@ -497,7 +481,7 @@ def cap_memory(device: torch.device, gib: float) -> None:
 
 
 def train(
-    plan: FinetuneDefaults,
+    plan: fresh_process.Plan,
     provider: str,
     model: str,
     scenario: str,
@@ -921,7 +905,7 @@ BENCH = fresh_process.Bench(
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=FinetuneRow,
     plan_flag="plan",
-    plans=PLANS,
+    plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
     seed=SEED,
@@ -944,10 +928,10 @@ BENCH = fresh_process.Bench(
 # ---- command line ----
 
 
-def grid(args: argparse.Namespace, plan: FinetuneDefaults) -> list[tuple[str, str, int, int]]:
+def grid(args: argparse.Namespace, plan: fresh_process.Plan) -> list[tuple[str, str, int, int]]:
     """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``."""
-    models = parse_list(getattr(args, "models", None), list(e2e.MODELS), "model", default=plan.models)
-    scenarios = parse_list(getattr(args, "scenarios", None), SCENARIOS, "scenario", default=plan.scenarios)
+    models = parse_list(getattr(args, "models", None), list(e2e.MODELS), "model", default=DEFAULT_MODELS)
+    scenarios = parse_list(getattr(args, "scenarios", None), SCENARIOS, "scenario", default=SCENARIOS)
     shapes = parse_shapes(args.shapes, 2) if args.shapes else plan.shapes
     for m in models:
         if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:
@@ -974,7 +958,7 @@ def parse_budget(text: str) -> float:
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
-    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN), grid=grid, packages=VERSIONS)
+    c = fresh_process.start_cli(BENCH, args, argv, grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
     rank = getattr(args, "rank", None) or RANK
     alpha = float(getattr(args, "lora_alpha", None) or rank)

@@ -40,6 +40,22 @@ from .report import (
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
 
+
+@dataclass(frozen=True)
+class Plan:
+    """A benchmark's defaults on a GPU (full-size models, bf16) or a CPU (tiny ones, fp32)."""
+
+    name: str
+    tiny: bool
+    shapes: tuple[tuple[Any, ...], ...]
+    warmup: int
+    steps: int
+    quick_warmup: int
+    quick_steps: int
+    fused_adamw: bool
+    profile_steps: int | None = None  # steps under torch.profiler after the timed ones (e2e, finetune)
+
+
 Train = Callable[..., dict[str, Any]]
 """A worker's run: ``train(plan, provider, *shape, dtype=, device=, warmup=, steps=, seed=) -> result``."""
 
@@ -54,7 +70,7 @@ class Bench:
     provider_descriptions: dict[str, str]
     row_type: Any
     plan_flag: str
-    plans: dict[str, Any]
+    plans: tuple[Plan, Plan]  # the GPU's, the CPU's
     train: Train
     timeout_s: float
     seed: int
@@ -97,7 +113,7 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     p.add_argument("--provider", required=True)
     for size in sizes:
         p.add_argument(f"--{size}", type=str if size in bench.row_type.TEXT_FIELDS else int, required=True)
-    p.add_argument(f"--{bench.plan_flag}", choices=sorted(bench.plans), required=True)
+    p.add_argument(f"--{bench.plan_flag}", choices=[p.name for p in bench.plans], required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     for flag in ("--warmup", "--steps"):
@@ -117,7 +133,7 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
         if device.type == "cuda":  # waits for the GPU sleep: CPU time is host work (harness.blocking_sync)
             result["gpu_wait"] = blocking_sync()
-        plan = bench.plans[getattr(args, bench.plan_flag)]
+        plan = next(p for p in bench.plans if p.name == getattr(args, bench.plan_flag))
         options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, **json.loads(args.extra)}
         return bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
 
@@ -483,7 +499,7 @@ def markdown(bench: Bench, report: CaseReport) -> str:
     ``bench.facts``, steps, merged runs, command), ``bench.tables``, the ratio table, the notes, the
     skipped providers."""
     m = report.metadata
-    profiled = getattr(report.plan, "profile_steps", None)
+    profiled = report.plan.profile_steps
     facts = [
         f"device: {m.get('device')}",
         f"versions: {versions(bench, m)}",
@@ -628,7 +644,6 @@ def start_cli(
     args: Any,
     argv: list[str],
     *,
-    plans: tuple[Any, Any],
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
     packages: Sequence[str] = (),
 ) -> CliRun:
@@ -638,14 +653,14 @@ def start_cli(
     chosen = parse_list(args.providers, bench.providers, "provider", variants=True, default=default)
     device = pick_device(args.device)
     cuda = device.type == "cuda"
-    plan = plans[0] if cuda else plans[1]
+    plan = bench.plans[0] if cuda else bench.plans[1]
     if grid is not None:
         shapes = grid(args, plan)
     else:
         ndim = len(bench.row_type.SHAPE_FIELDS)
         shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
     extra = {}
-    if hasattr(plan, "profile_steps"):  # e2e, finetune: --profile-steps
+    if plan.profile_steps is not None:  # e2e, finetune: --profile-steps
         profile = getattr(args, "profile_steps", None)
         if profile is not None and profile < 0:
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")

@@ -33,27 +33,9 @@ CLIP_EPS = 0.2
 WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must not eat the whole run
 
 
-@dataclass(frozen=True)
-class GrpoDefaults:
-    """Shapes and step counts of a run; ``preset``: the e2e benchmark's (named as the plan)."""
-
-    preset: e2e.Preset
-    shapes: tuple[tuple[int, int, int], ...]  # (batch, prompt, completion)
-    warmup: int
-    steps: int
-    quick_warmup: int
-    quick_steps: int
-
-    @property
-    def name(self) -> str:
-        return self.preset.name
-
-
-GPU_PLAN = GrpoDefaults(
-    e2e.GPU_PRESET, ((8, 512, 1536), (16, 512, 1536)), warmup=3, steps=8, quick_warmup=2, quick_steps=3
-)
-CPU_PLAN = GrpoDefaults(e2e.CPU_PRESET, ((2, 16, 48),), warmup=1, steps=2, quick_warmup=1, quick_steps=1)
-PLANS = {p.name: p for p in (GPU_PLAN, CPU_PLAN)}
+# shapes: (batch, prompt, completion); the model: e2e's default (Llama-3.2-1B, tiny on a CPU)
+GPU_PLAN = fresh_process.Plan("gpu", False, ((8, 512, 1536), (16, 512, 1536)), 3, 8, 2, 3, fused_adamw=True)
+CPU_PLAN = fresh_process.Plan("cpu", True, ((2, 16, 48),), 1, 2, 1, 1, fused_adamw=False)
 
 
 # ---- the batch and the heads (what a worker runs) ----
@@ -117,7 +99,7 @@ def policy_loss(log_probs: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) 
 
 
 def train(
-    plan: GrpoDefaults,
+    plan: fresh_process.Plan,
     provider: str,
     batch: int,
     prompt: int,
@@ -131,7 +113,7 @@ def train(
 ) -> dict[str, Any]:
     """A worker's run: build the model, ``warmup`` + ``steps`` GRPO-shaped steps, the measurements."""
     model, figures = fresh_process.build_measured(
-        lambda: e2e.build_model(plan.preset, "hf", dtype, device, seed), device
+        lambda: e2e.build_model(plan, "hf", dtype, device, seed), device
     )
     head = make_head(provider, model)
     b = make_batch(model.config.vocab_size, batch, prompt, completion, device, seed)
@@ -152,7 +134,7 @@ def train(
         list(model.parameters()),
         [b] * (warmup + steps),
         lr=e2e.LR,
-        fused_adamw=plan.preset.fused_adamw and device.type == "cuda",
+        fused_adamw=plan.fused_adamw and device.type == "cuda",
         warmup=warmup,
     )
     return {
@@ -220,7 +202,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:
-    fused = "fused" if report.device_type == "cuda" and report.plan.preset.fused_adamw else "not fused"
+    fused = "fused" if report.device_type == "cuda" and report.plan.fused_adamw else "not fused"
     return [
         "One step: backbone forward (plain transformers, SDPA), the provider's head on the completion "
         f"positions, PPO-clip loss (clip {CLIP_EPS}, old log-probs = detached current ones, random "
@@ -242,7 +224,7 @@ BENCH = fresh_process.Bench(
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=StepRow,
     plan_flag="plan",
-    plans=PLANS,
+    plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
     seed=e2e.SEED,
@@ -250,12 +232,12 @@ BENCH = fresh_process.Bench(
     peers={"trl": "TRL", "hf": "HF"},
     metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
     facts=lambda report: [
-        f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.preset.tiny)}",
+        f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.tiny)}",
         e2e.BUILT,
     ],
     tables=markdown_table,
     notes=notes,
-    plan_json=lambda report: {"model": report.plan.preset.model},
+    plan_json=lambda report: {"model": e2e.MODELS[e2e.DEFAULT_MODEL].settings(report.plan.tiny)},
 )
 
 
@@ -264,7 +246,7 @@ BENCH = fresh_process.Bench(
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench grpo_step`` (``--shapes BxPxC``); the exit code. Raises ``UsageError``."""
-    c = fresh_process.start_cli(BENCH, args, argv, plans=(GPU_PLAN, CPU_PLAN))
+    c = fresh_process.start_cli(BENCH, args, argv)
     for b, p, c_ in c.shapes:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")

@@ -124,7 +124,7 @@ def test_model_configs():
 
 
 def test_default_grid_is_the_small_batch_grid_next_to_the_large_batches():
-    assert e2e.GPU_PRESET.grid == (
+    assert e2e.GPU_PRESET.shapes == (
         ("llama3.2-1b", 1, 512),
         ("llama3.2-1b", 1, 2048),
         ("llama3.2-1b", 4, 2048),
@@ -132,16 +132,17 @@ def test_default_grid_is_the_small_batch_grid_next_to_the_large_batches():
         ("llama3.2-1b", 8, 4096),
         ("qwen3-0.6b", 1, 2048),
     )
-    assert e2e.GPU_PRESET.model == e2e.MODELS["llama3.2-1b"].config  # what grpo_step builds
-    assert e2e.CPU_PRESET.model["hidden_size"] == 64 and e2e.CPU_PRESET.model["rope_scaling"]
+    assert e2e.DEFAULT_MODEL == "llama3.2-1b" and not e2e.GPU_PRESET.tiny  # what grpo_step builds
+    tiny = e2e.MODELS[e2e.DEFAULT_MODEL].settings(e2e.CPU_PRESET.tiny)
+    assert tiny["hidden_size"] == 64 and tiny["rope_scaling"]
 
 
 def test_grid_from_models_and_shapes():
     def ns(models=None, shapes=None):
         return argparse.Namespace(models=models, shapes=shapes)
 
-    assert e2e.grid(ns(), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.grid)
-    assert e2e.grid(ns("llama3.2-1b"), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.grid[:5])
+    assert e2e.grid(ns(), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.shapes)
+    assert e2e.grid(ns("llama3.2-1b"), e2e.GPU_PRESET) == list(e2e.GPU_PRESET.shapes[:5])
     both = e2e.grid(ns(shapes="1x512,2x64"), e2e.GPU_PRESET)
     assert both == [
         ("llama3.2-1b", 1, 512),
@@ -294,14 +295,13 @@ def test_graph_provider_is_opt_in_and_needs_cuda():
     for and only on CUDA; on a CPU the parent skips it without a process, with the reason."""
     assert "fuselm-graph" in e2e.BENCH.providers and "fuselm-graph" not in e2e.DEFAULT_PROVIDERS
     assert e2e._precheck("fuselm-graph", CPU) == "needs CUDA (CUDA graphs)"
-    plans = (e2e.GPU_PRESET, e2e.CPU_PRESET)
     for extra, want in (
         ([], list(e2e.DEFAULT_PROVIDERS)),
         (["--providers", "fuselm-graph"], ["fuselm-graph"]),
     ):
         argv = ["e2e", "--device", "cpu", *extra]
         args = build_parser().parse_args(argv)
-        assert fresh_process.start_cli(e2e.BENCH, args, argv, plans=plans, grid=e2e.grid).providers == want
+        assert fresh_process.start_cli(e2e.BENCH, args, argv, grid=e2e.grid).providers == want
 
 
 @pytest.mark.gpu

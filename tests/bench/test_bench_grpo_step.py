@@ -4,6 +4,7 @@ bookkeeping (in process) and one CLI run (two worker processes, tiny fp32 model)
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,8 +38,7 @@ def test_registry_and_plans():
     assert "grpo_step" in registry.TRAINING_SUITES and "grpo_step" not in registry.suite_names()
     assert registry.get_training_runner("grpo_step") is grpo_step.run_cli
     gpu = grpo_step.GPU_PLAN
-    assert gpu.preset is e2e.GPU_PRESET  # the Llama-3.2-1B shape of the e2e benchmark
-    m = gpu.preset.model
+    m = grpo_step.BENCH.plan_json(SimpleNamespace(plan=gpu))["model"]  # e2e's Llama-3.2-1B shape
     assert (m["hidden_size"], m["num_hidden_layers"], m["num_attention_heads"], m["num_key_value_heads"]) == (
         2048,
         16,
@@ -47,7 +47,7 @@ def test_registry_and_plans():
     )
     assert (m["intermediate_size"], m["vocab_size"], m["tie_word_embeddings"]) == (8192, 128256, True)
     assert (8, 512, 1536) in gpu.shapes
-    assert grpo_step.PLANS == {"gpu": grpo_step.GPU_PLAN, "cpu": grpo_step.CPU_PLAN}
+    assert grpo_step.BENCH.plans == (grpo_step.GPU_PLAN, grpo_step.CPU_PLAN)
 
 
 def test_make_batch():

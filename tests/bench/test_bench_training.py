@@ -62,7 +62,7 @@ def test_build_llama_matches_transformers_own_build():
     from fuselm_bench import e2e
     from transformers import LlamaForCausalLM
 
-    config = training.llama_config(e2e.CPU_PRESET.model, "sdpa")
+    config = training.llama_config(e2e.MODELS[e2e.DEFAULT_MODEL].settings(tiny=True), "sdpa")
     torch.manual_seed(0)
     ours = training.build_llama(config, "cpu", torch.bfloat16)
     torch.manual_seed(0)
