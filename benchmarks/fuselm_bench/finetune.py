@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm.demo import training
 
@@ -370,39 +371,6 @@ def load_peft_model(
     return model.train(), checkpointing
 
 
-def _forward_name(fn: Any) -> tuple[str, str]:
-    """(module, qualified name) of a forward (bound methods and partials looked through)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    return getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or type(fn).__name__
-
-
-class CalledModules:
-    """The ids of the modules whose ``__call__`` ran while the context was open (a global forward pre-hook).
-    A LoRA layer that a fused parent computes from its weights is never called.
-
-    Example:
-        >>> inner = torch.nn.Linear(2, 2)
-        >>> with CalledModules() as called:
-        ...     _ = inner(torch.ones(2))
-        >>> id(inner) in called.ids
-        True
-    """
-
-    def __init__(self) -> None:
-        self.ids: set[int] = set()
-
-    def __enter__(self) -> CalledModules:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
-        self._handle = register_module_forward_pre_hook(lambda module, args: self.ids.add(id(module)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-
 def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
     """Which of ``model``'s modules run a forward of fuselm's (instance or class ``forward`` whose qualified
     name starts with ``fuselm`` or that a ``fuselm`` module defines): their count, the distinct names with
@@ -412,7 +380,11 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
     lora_ran = {"peft": 0, "fused": 0, "inside": 0}
     for module in model.modules():
         modules += 1
-        mod, qual = _forward_name(vars(module).get("forward") or type(module).forward)
+        fn = vars(module).get("forward") or type(module).forward
+        while isinstance(fn, functools.partial):  # bound methods and partials looked through
+            fn = fn.func
+        fn = getattr(fn, "__func__", fn)
+        mod, qual = getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or type(fn).__name__
         fused = qual.startswith("fuselm") or mod == "fuselm" or mod.startswith("fuselm.")
         if fused:
             counts[qual if qual.startswith("fuselm") else f"{mod}.{qual}"] += 1
@@ -546,7 +518,7 @@ def train(
             return loss, loss.detach()
 
         stepper = step_timing.graphed_optimizer_step if memory_budget == GRAPH else step_timing.optimizer_step
-        called = CalledModules()
+        called: set[int] = set()  # the modules the first (warmup, untimed) step calls
         profiled = plan.profile_steps if profile_steps is None else profile_steps
         fused = plan.fused_adamw and cuda
         if trainer:
@@ -560,8 +532,11 @@ def train(
             def first_step_watched(i: int) -> torch.Tensor:
                 if i != 0:
                     return step(i)
-                with called:  # which modules the first (warmup, untimed) step calls
+                hook = register_module_forward_pre_hook(lambda module, args: called.add(id(module)))
+                try:
                     return step(0)
+                finally:
+                    hook.remove()
 
             run = step_timing.run_steps(
                 first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
@@ -586,7 +561,7 @@ def train(
         "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": list(dict.fromkeys(messages))[:20],
         "activation_plan": None if plan_of is None else str(plan_of),
-        **fused_forwards(peft_model, None if trainer else called.ids),
+        **fused_forwards(peft_model, None if trainer else called),
     }
 
 

@@ -27,13 +27,12 @@ from .harness import blocking_sync, run_measured
 from .report import (
     CPU_FIGURES,
     DTYPE_NAMES,
-    bar_groups,
+    bar_chart,
     collect_metadata,
     document,
     dtype_name,
     md_table,
     print_written,
-    pyplot,
     ratio,
     write_files,
 )
@@ -569,44 +568,31 @@ def write_report(bench: Bench, report: CaseReport, out_dir: str | Path) -> dict[
 
 def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
     """A panel of grouped bars per ``bench.panels`` ``(row attribute, title, scale)`` (medians over the ok
-    repeats), one group per shape; OOM or error where a case has none, a note in an empty panel."""
-    plt = pyplot()
-    labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
+    repeats), one group per shape; OOM or error where a case has none."""
     providers = [p for p in report.providers if p not in report.skipped]
-    width = 0.8 / max(1, len(providers))
-    panels = bench.panels
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(8.0, 3.0 + 1.2 * len(panels) * len(labels)), 4))
-    for ax, (attr, panel_title, scale) in zip(axes, panels, strict=True):
-        series = []
-        for i, prov in enumerate(providers):
-            values = []
-            for j, shape in enumerate(report.shapes):
-                rows = report.rows_of(prov, shape)
-                v = median_of(rows, attr)
-                values.append(float("nan") if v is None else v * scale)
-                if rows and not any(r.status == "ok" for r in rows):
-                    x = j + (i - (len(providers) - 1) / 2) * width
-                    ax.text(x, 0, failed_cell(rows), ha="center", va="bottom", rotation=90, fontsize=8)
-            series.append((prov, values))
-        for bars, (_, values) in zip(bar_groups(ax, len(labels), series), series, strict=True):
-            ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in values], fontsize=7)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_title(panel_title)
-        ax.set_xlim(-0.5, len(labels) - 0.5)
-        ax.set_xlabel(bench.row_type.SHAPE_TITLE)
-        if all(v != v for _, values in series for v in values):
-            ax.set_yticks([])
-            text = "n/a (no CUDA)" if report.device_type != "cuda" else "no results"
-            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+    def value(rows: list[Any], attr: str, scale: float) -> float | str:
+        if rows and not any(r.status == "ok" for r in rows):
+            return failed_cell(rows)
+        v = median_of(rows, attr)
+        return float("nan") if v is None else v * scale
+
+    panels = [
+        (title, [(p, [value(report.rows_of(p, s), attr, scale) for s in report.shapes]) for p in providers])
+        for attr, title, scale in bench.panels
+    ]
+    labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
     title = f"fuselm bench {bench.name} ({report.plan.name} {bench.plan_flag}), {dtype_name(report.dtype)}"
-    fig.suptitle(f"{title}, {report.metadata.get('device')}", fontsize=10)
-    if providers:  # one legend for every panel, below them (a legend per panel hides bars)
-        handles, names = axes[0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="lower center", ncol=len(providers), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07 if providers else 0, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart(
+        path,
+        f"{title}, {report.metadata.get('device')}",
+        labels,
+        panels,
+        max(8.0, 3.0 + 1.2 * len(panels) * len(labels)),
+        xlabel=bench.row_type.SHAPE_TITLE,
+        values=True,
+        empty="n/a (no CUDA)" if report.device_type != "cuda" else "no results",
+    )
 
 
 # ---- command line ----

@@ -344,51 +344,74 @@ def pyplot():
     return plt
 
 
-def bar_groups(ax: Any, groups: int, series: Sequence[tuple[str, Sequence[float]]]) -> list[Any]:
-    """Grouped bars, one group per x position, one bar per ``(label, values)`` of ``series``; their bars."""
-    width = 0.8 / max(1, len(series))
-    return [
-        ax.bar(
-            [j + (i - (len(series) - 1) / 2) * width for j in range(groups)], values, width=width, label=name
-        )
-        for i, (name, values) in enumerate(series)
-    ]
-
-
-def write_png(report: Report, path: Path, metrics: Sequence[str] | None = None) -> None:
-    """Grouped bars per shape and provider, one panel per mode and metric (default: the suite's first ratio
-    column with values, else ms)."""
+def bar_chart(
+    path: Path,
+    title: str,
+    labels: Sequence[str],
+    panels: Sequence[tuple[str, list[tuple[str, list[Any]]]]],
+    width: float,
+    **options: Any,
+) -> None:
+    """A PNG of grouped bars, one legend below: a panel per ``(title, series)``, ``series`` a ``(name, a value
+    per label)`` per bar of each group: a number, NaN (no bar) or a text (no bar: the text at its foot).
+    ``options``: ``xlabel``, ``ylabel``, ``ratio_line`` (dashed, at 1.0), ``values`` (on the bars), ``empty``
+    (the text of a panel without bars)."""
     plt = pyplot()
-    default = [
-        c
-        for c in report.suite.columns
-        if c in PLOT_METRICS and any(getattr(r, c) is not None for r in report.rows)
-    ]
-    metrics = list(metrics or default[:1] or ["ms"])
-    providers = [p for p in report.providers if p not in report.skipped]
-    panels = [(metric, mode) for metric in metrics for mode in report.modes]
-    panel_width = min(8.0, max(4.0, 1.5 + 0.35 * len(report.shapes) * max(1, len(providers))))
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, panel_width * len(panels)), 4), squeeze=False)
-    axes = list(axes[0])
-    for ax, (metric, mode) in zip(axes, panels, strict=True):
-        series = []
-        for prov in providers:
-            rows = [report.row(s, prov, mode) for s in report.shapes]
-            values = [None if r is None else getattr(r, metric) for r in rows]
-            series.append((prov, [float("nan") if v is None else v for v in values]))
-        bar_groups(ax, len(report.shapes), series)
-        ax.set_xticks(range(len(report.shapes)))
-        ax.set_xticklabels([shape_label(s) for s in report.shapes], fontsize=8)
-        ax.set_title(mode if len(metrics) == 1 else f"{mode}: {COLUMN_TITLES[metric]}")
-        ax.set_ylabel(COLUMN_TITLES[metric])
-        if metric in PLOT_METRICS:
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4), squeeze=False)
+    names = [name for name, _ in panels[0][1]] if panels else []
+    bar_width = 0.8 / max(1, len(names))
+    for ax, (panel_title, series) in zip(axes[0], panels, strict=True):
+        for i, (name, ys) in enumerate(series):
+            xs = [j + (i - (len(names) - 1) / 2) * bar_width for j in range(len(labels))]
+            nums = [float("nan") if isinstance(y, str) else y for y in ys]
+            bars = ax.bar(xs, nums, width=bar_width, label=name)
+            if options.get("values"):
+                ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in nums], fontsize=7)
+            for x, y in zip(xs, ys, strict=True):
+                if isinstance(y, str):
+                    ax.text(x, 0, y, ha="center", va="bottom", rotation=90, fontsize=8)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set(xlim=(-0.5, len(labels) - 0.5), title=panel_title)
+        ax.set(xlabel=options.get("xlabel", ""), ylabel=options.get("ylabel", ""))
+        if options.get("ratio_line"):
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    axes[0].legend(fontsize=8)
-    title = f"fuselm bench {report.suite.name}, {dtype_name(report.dtype)}, {report.metadata.get('device')}"
+        if all(not v == v for _, ys in series for v in ys):  # NaN or text: no bar
+            ax.set_yticks([])
+            ax.text(
+                0.5, 0.5, options.get("empty", "no results"), ha="center", va="center", transform=ax.transAxes
+            )
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    if names:  # one legend for every panel, below them (a legend per panel hides bars)
+        handles, legend = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, legend, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07 if names else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_png(report: Report, path: Path) -> None:
+    """An op suite's bars per shape and provider, a panel per mode, of the suite's first ratio column with
+    values (else ms)."""
+    ratios = [c for c in report.suite.columns if c in PLOT_METRICS]
+    metric = next((c for c in ratios if any(getattr(r, c) is not None for r in report.rows)), "ms")
+    providers = [p for p in report.providers if p not in report.skipped]
+
+    def values(provider: str, mode: str) -> list[float]:
+        found = (getattr(report.row(s, provider, mode), metric, None) for s in report.shapes)
+        return [float("nan") if v is None else v for v in found]
+
+    panels = [(mode, [(p, values(p, mode)) for p in providers]) for mode in report.modes]
+    panel_width = min(8.0, max(4.0, 1.5 + 0.35 * len(report.shapes) * max(1, len(providers))))
+    bar_chart(
+        path,
+        f"fuselm bench {report.suite.name}, {dtype_name(report.dtype)}, {report.metadata.get('device')}",
+        [shape_label(s) for s in report.shapes],
+        panels,
+        max(6.0, panel_width * len(report.modes)),
+        ylabel=COLUMN_TITLES[metric],
+        ratio_line=metric in PLOT_METRICS,
+    )
 
 
 def write_files(
@@ -426,7 +449,6 @@ def write_report(
     *,
     extra_markdown: str = "",
     extra_json: dict[str, Any] | None = None,
-    plot_metrics: Sequence[str] | None = None,
 ) -> dict[str, Path]:
     """An op suite's :func:`write_files` (``extra_json``: merged into the JSON's top level)."""
     return write_files(
@@ -434,5 +456,5 @@ def write_report(
         out_dir,
         markdown(report, extra_markdown),
         {**to_json(report), **(extra_json or {})},
-        lambda path: write_png(report, path, plot_metrics),
+        lambda path: write_png(report, path),
     )
