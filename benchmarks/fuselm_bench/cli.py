@@ -28,10 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-progress", action="store_true", help="no progress bar")
     add("--steps", type=int, help="e2e, finetune: timed training steps per run (default 10; CPU 3)")
     add("--warmup", type=int, help="e2e, finetune: warmup steps before timing (default 3; CPU 2)")
-    add(
-        "--models",
-        help="e2e, finetune: comma-separated model shapes (default: the grid's; finetune llama3-8b)",
-    )
+    add("--models", help="e2e, finetune: comma-separated model shapes (default: the grid's, llama3-8b)")
     add("--repeats", type=positive_int, help="e2e, finetune: fresh-process runs per case (default: 3; 1)")
     add("--profile-steps", type=int, help="e2e, finetune: steps under torch.profiler after the timed ones")
     add(
@@ -52,12 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rank", type=positive_int, help="finetune: LoRA rank r (default 16)")
     add("--lora-alpha", type=float, help="finetune: LoRA alpha (default: the rank)")
     add("--lora-dropout", type=float, help="finetune: LoRA dropout (default 0)")
-    add(
-        "--offload",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="finetune: fuselm with checkpointing='offload' (default: on)",
-    )
+    add("--offload", action=argparse.BooleanOptionalAction, help="finetune: fuselm offloads (default: on)")
     add("--unsloth-compile", action="store_true", help="finetune: leave Unsloth's torch.compile on")
     add("--trainer", action="store_true", help="finetune: steps through transformers.Trainer.train()")
     add("--gpus", help="max-context: run the searches at once, on these GPUs in turn (e.g. 0,1)")

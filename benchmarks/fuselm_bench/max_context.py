@@ -84,14 +84,6 @@ def _why_stopped(tokens: int, row: Any) -> str:
     return f"{tokens} tokens: {row.status}" + (f" ({error.splitlines()[-1]})" if error else "")
 
 
-def search(
-    provider: str, cap_gib: float | None, probe: Callable[[int], Any], lo: int, hi: int, **options
-) -> Search:
-    longest, best, probes, stopped = longest_fitting(probe, lo, hi, **options)
-    rows = [(t, r.status, r.step_ms, r.peak_gib) for t, r in probes]
-    return Search(provider, cap_gib, longest, asdict(best) if best is not None else None, rows, stopped)
-
-
 def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
     head = ["provider", "cap GiB", "longest tokens", "step s at that length", "peak GiB", "probes", "note"]
     rows = []
@@ -222,7 +214,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
                 print(row.error.strip(), flush=True)
             return row
 
-        found = search(provider, cap, probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes)
+        longest, best, probes, stopped = longest_fitting(
+            probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes
+        )
+        rows = [(t, r.status, r.step_ms, r.peak_gib) for t, r in probes]
+        found = Search(provider, cap, longest, asdict(best) if best is not None else None, rows, stopped)
         print(f"{provider}, cap {cap} GiB: longest {found.longest} tokens", flush=True)
         return found
 

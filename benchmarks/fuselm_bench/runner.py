@@ -6,32 +6,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
 from .report import CPU_FIGURES, collect_metadata, markdown, markdown_table, print_written, write_report
-
-
-def plan_suite(
-    suite: Suite,
-    args: argparse.Namespace,
-    device: torch.device,
-    check_shape: Callable[[Shape], Any] | None = None,
-) -> tuple[list[Shape], list[str]]:
-    """The shapes (each through ``check_shape``, whose ValueError is a bad shape) and providers of a run of
-    ``suite``."""
-    if args.shapes:
-        shapes = parse_shapes(args.shapes, len(suite.shape_dims))
-    else:
-        shapes = list(suite.gpu_shapes if device.type == "cuda" else suite.cpu_shapes)
-    providers = parse_list(args.providers, suite.provider_names, "provider", default=suite.provider_names)
-    for shape in shapes if check_shape is not None else ():
-        try:
-            check_shape(shape)
-        except ValueError as e:
-            raise UsageError(f"bad shape {'x'.join(map(str, shape))}: {e}") from None
-    return shapes, providers
 
 
 def _said_once() -> Callable[[str], None]:
@@ -62,7 +39,19 @@ def run_op_suites(
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)
-    plans = [(suite, *plan_suite(suite, args, device, check_shape)) for suite in suites]
+    plans = []
+    for suite in suites:
+        if args.shapes:
+            shapes = parse_shapes(args.shapes, len(suite.shape_dims))
+        else:
+            shapes = list(suite.gpu_shapes if device.type == "cuda" else suite.cpu_shapes)
+        for shape in shapes if check_shape is not None else ():
+            try:
+                check_shape(shape)
+            except ValueError as e:
+                raise UsageError(f"bad shape {'x'.join(map(str, shape))}: {e}") from None
+        names = suite.provider_names
+        plans.append((suite, shapes, parse_list(args.providers, names, "provider", default=names)))
     cuda = device.type == "cuda"
     meta = {**collect_metadata(device, argv), **(metadata or {})}
     if not cuda:
