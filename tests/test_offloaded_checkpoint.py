@@ -846,3 +846,21 @@ def test_prefetch_brings_back_that_many_earlier_calls(prefetch):
     y.sum().backward()
     assert torch.equal(x0.grad, ref.grad)
     assert offload.host_memory_stats()["in_use_bytes"] == base
+
+
+def test_a_capture_scope_leaves_no_copy_waiting_and_gives_its_buffers_back():
+    """captured_host_buffers: the buffers taken for captured copies inside the scope are its list's (not the
+    pool's free ones) until give_back_host_buffers returns them; copies a failed capture left waiting to
+    be joined are dropped when the scope ends (a later capture must not wait on them)."""
+    offload.empty_host_cache()
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with offload.captured_host_buffers() as owned:
+            buf, _, _ = offload._POOL.acquire(1024, cpu, captured=True)
+            offload._UNJOINED.append((None, torch.ones(1)))  # a copy out that nothing joined
+            raise RuntimeError("capture failed")
+    assert offload._UNJOINED == []
+    free = {id(entry[2]) for bucket in offload._POOL.free.values() for entry in bucket}
+    assert [id(entry[2]) for _, entry in owned] == [id(buf)] and id(buf) not in free
+    offload.give_back_host_buffers(owned)
+    assert owned == [] and id(buf) in {id(e[2]) for bucket in offload._POOL.free.values() for e in bucket}

@@ -277,6 +277,7 @@ def captured_host_buffers():
     finally:
         with _POOL.lock:
             _POOL.scopes.remove(scope)
+        _UNJOINED.clear()  # none after a whole step's capture; a failed one leaves its copies behind
 
 
 class _Captured:
