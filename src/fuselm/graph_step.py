@@ -308,17 +308,14 @@ class GraphCache:
         with offload.captured_host_buffers() if offload else contextlib.nullcontext([]) as host_buffers:
             try:
                 if not self._buffers.has_any(reached):
-                    for (
-                        p
-                    ) in reached:  # AccumulateGrad takes a gradient as .grad where there is none: the buffers
+                    # AccumulateGrad takes a gradient as .grad where there is none: the buffers
+                    for p in reached:
                         p.grad = None
                     write = self._capture_pass(call, key, reached)
                     self._buffers.adopt(reached)
                 pairs = self._buffers.pairs(reached)
-                for (
-                    p,
-                    buffer,
-                ) in pairs:  # AccumulateGrad adds into an existing .grad in place: into the buffer
+                # AccumulateGrad adds into an existing .grad in place: into the buffer
+                for p, buffer in pairs:
                     p.grad = buffer
                 add = self._capture_pass(call, key, reached)
             except BaseException:

@@ -297,14 +297,14 @@ def test_recompute_checkpoints_every_layer_on_the_device_and_gives_hf_peft_resul
     def functions():
         return [vars(layer).get("_gradient_checkpointing_func").func for layer in layers]
 
-    assert functions() == [recompute_checkpoint] * LAYERS and activation_plan.recomputes_every_layer(model)
+    assert functions() == [recompute_checkpoint] * LAYERS and activation_plan.checkpoints_capturably(model)
     assert activation_plan.current(model) is None  # nothing planned
     _hf_checkpointing(model)
     offloads = host_memory_stats()["offloads"]
     _step(model, _batch(16))
     assert functions() == [recompute_checkpoint] * LAYERS and host_memory_stats()["offloads"] == offloads
     fuselm.hf.patch(model)
-    assert not activation_plan.recomputes_every_layer(model) and not offload.is_enabled(model)
+    assert not activation_plan.checkpoints_capturably(model) and not offload.is_enabled(model)
 
 
 def test_the_plan_is_reported_and_follows_the_patch():

@@ -118,6 +118,7 @@ def test_a_cpu_trainer_is_refused(tmp_path):
         ("flash_attention_2", "the model's attention is 'flash_attention_2': flash attention unpads"),
         ("torch_compile", "torch_compile=True"),
         ("checkpointed_model", "gradient checkpointing is on"),
+        ("planned_model", "gradient checkpointing is on"),
     ],
 )
 def test_setups_that_cannot_be_captured_are_refused(tmp_path, monkeypatch, setup, message):
@@ -126,6 +127,9 @@ def test_setups_that_cannot_be_captured_are_refused(tmp_path, monkeypatch, setup
     if setup in ("eager", "flash_attention_2"):
         model.config._attn_implementation = setup
     elif setup == "checkpointed_model":
+        model.gradient_checkpointing_enable()
+    elif setup == "planned_model":  # checkpointing="auto": a plan's kept layers are not checked in a graph
+        fuselm.hf.patch(model, checkpointing="auto", memory_budget=1.0)
         model.gradient_checkpointing_enable()
     else:
         kwargs[setup] = True

@@ -508,10 +508,15 @@ def disable(model: torch.nn.Module) -> None:
             planner.remove()
 
 
-def recomputes_every_layer(model: torch.nn.Module) -> bool:
-    """Whether ``model`` runs ``checkpointing="recompute"``: every decoder layer checkpointed by
-    :func:`fuselm.offload.recompute_checkpoint` (a step a CUDA graph can capture)."""
-    return any(getattr(m.__dict__.get(_PLANNER), "every_layer", None) == "recompute" for m in model.modules())
+def checkpoints_capturably(model: torch.nn.Module) -> bool:
+    """Whether ``model`` checkpoints its decoder layers as a CUDA graph captures them exactly: every layer
+    recomputed (``checkpointing="recompute"``: :func:`fuselm.offload.recompute_checkpoint`) or offloaded
+    (``checkpointing="offload"``: :func:`fuselm.offload.offloaded_checkpoint`), not by a plan
+    (``"auto"``, whose kept layers and re-planning a capture is not checked for)."""
+    planners = [m.__dict__[_PLANNER] for m in model.modules() if _PLANNER in m.__dict__]
+    if planners:
+        return all(p.every_layer == "recompute" for p in planners)
+    return offload.is_enabled(model)
 
 
 def current(model: torch.nn.Module) -> ActivationPlan | None:

@@ -194,15 +194,12 @@ def _refuse_checkpointing(owner, flags: tuple[str, str], model) -> None:
     """ValueError when gradient checkpointing is on and ``model`` does not run fuselm's recompute, offloading
     or not (which a graph captures): ``flags`` are its names in transformers 5.25 and 5.17 (the first one
     ``owner`` has is read: the old name warns in 5.25)."""
-    from ..hf import offload
-    from ..hf.activation_plan import recomputes_every_layer
+    from ..hf.activation_plan import checkpoints_capturably
 
     for flag in flags:
         on = getattr(owner, flag, None)
         if on is not None:
-            if on and not (
-                model is not None and (recomputes_every_layer(model) or offload.is_enabled(model))
-            ):
+            if on and not (model is not None and checkpoints_capturably(model)):
                 _refuse(
                     "gradient checkpointing is on: only fuselm's is checked to recompute exactly inside a "
                     "CUDA graph; patch the model with fuselm.hf.patch(model, checkpointing='recompute' or "
