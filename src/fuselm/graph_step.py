@@ -35,7 +35,8 @@ from torch.utils import _pytree as pytree
 __all__ = ["CapturedStep", "GraphCache"]
 
 # fuselm's activation offloading, looked up (not imported: this module needs torch only) where a capture
-# may hold its calls: the host buffers their captured copies use are the graphs' while they live
+# may hold its calls: the host buffers their captured copies use are the graphs' while they live, and their
+# copies out are joined before a forward's capture ends
 _OFFLOAD = "fuselm.offload"
 
 # the device types a graph holds work of (tests emulate graphs on the CPU by adding "cpu")
@@ -329,8 +330,11 @@ class GraphCache:
     def _capture_pass(self, call, key, reached) -> _Pass:
         """Capture a forward and its backward (into the parameters' ``.grad`` as they are now)."""
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        offload = sys.modules.get(_OFFLOAD)
         with self._capturing(forward, key):
             leaves, spec = pytree.tree_flatten(call())
+            if offload:  # the copies of offloaded inputs out to host memory: joined before the capture ends
+                offload.join_captured_copies()
         diff = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
         grad_outputs = [torch.empty_like(leaves[i]) for i in diff]
         with self._capturing(backward, key):  # (reaches no other leaf: _warm_up checked)

@@ -20,7 +20,8 @@ the recompute of an offloaded call may take outputs its forward kept in host mem
 Inside a CUDA graph capture (:class:`fuselm.CapturedStep`) the copies are captured too: the host buffers
 become the graphs' (:func:`captured_host_buffers`; every replay copies out and back), and instead of
 ``record_stream`` (under which the caching allocator would hold every offloaded input until the capture
-ends) the next checkpointed call makes the compute stream wait for the previous call's copies out.
+ends) the next checkpointed call makes the compute stream wait for the previous call's copies out, and the
+capture of a forward for the last call's (:func:`join_captured_copies`).
 :func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
 cheap to make again from a tensor the backward holds anyway). This module imports torch only
 (:mod:`fuselm.hf.offload` installs it in Hugging Face models).
@@ -232,9 +233,10 @@ def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, captu
 
     ``captured`` (inside a CUDA graph capture, where the caching allocator keeps a block another stream
     used until the capture ends, so ``record_stream`` would hold every offloaded input): a device source
-    waits in :data:`_UNJOINED` until :func:`_join_copies` (at the next checkpointed call, or the first
-    backward) makes the current stream wait for its copy and lets it go; a device destination is read
-    only after :meth:`_Stash.take` made the current stream wait for it."""
+    waits in :data:`_UNJOINED` until :func:`join_captured_copies` (at the next checkpointed call, or the
+    end of the captured forward: a capture ends with every stream's work joined) makes the current stream
+    wait for its copy and lets it go; a device destination is read only after :meth:`_Stash.take` made
+    the current stream wait for it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _POOL.lock:
         if index not in _SIDE_STREAMS:
@@ -255,9 +257,10 @@ def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, captu
 _UNJOINED: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # captured copies out not yet waited for
 
 
-def _join_copies() -> None:
+def join_captured_copies() -> None:
     """Make each device's current stream wait for the captured copies out (:func:`_side_copy`): their
-    sources' memory may be reused after that, and the side stream's work rejoins the capture."""
+    sources' memory may be reused after that, and the side stream's work rejoins the capture. A capture
+    of a forward with offloaded calls calls it before it ends (:mod:`fuselm.graph_step` does)."""
     while _UNJOINED:
         done, src = _UNJOINED.pop()
         torch.cuda.current_stream(src.device).wait_event(done)
@@ -366,7 +369,7 @@ class _Stash:
         self.prefetch = prefetch  # how many stashes made before this one its take fetches
         self.captured = captured  # inside a CUDA graph capture: its buffers are the graph's (_side_copy)
         if captured:
-            _join_copies()  # the previous call's copies out had its forward's time
+            join_captured_copies()  # the previous call's copies out had its forward's time
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes, False, False, captured)
@@ -435,7 +438,7 @@ class _Stash:
                 "freed); a second backward through it (retain_graph=True) is not supported"
             )
         if self.captured:
-            _join_copies()  # the last forward's copies out
+            join_captured_copies()  # the forward's copies out, where one capture holds both passes
         self.fetch()
         for t, done in self.fetched:
             if done is not None:

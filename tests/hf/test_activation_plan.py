@@ -491,7 +491,9 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
 
     def qlora():
         try:
-            base = type(src).from_pretrained(tmp_path, quantization_config=nf4_config(), dtype=torch.float32)
+            base = type(src).from_pretrained(  # on the CPU, as this file's other models: exact budgets
+                tmp_path, quantization_config=nf4_config(), dtype=torch.float32, device_map={"": "cpu"}
+            )
         except Exception as e:  # bitsandbytes without a CPU 4-bit backend
             pytest.skip(f"bitsandbytes 4-bit on CPU: {e}")
         torch.manual_seed(0)
