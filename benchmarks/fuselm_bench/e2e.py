@@ -183,28 +183,55 @@ def train(
     built, figures = fresh_process.build_measured(
         lambda: build_model(preset, provider, dtype, device, seed, model), device
     )
+    out = run_training(
+        preset, built, training.causal_lm_loss(built), list(built.parameters()), batch, seq, lr=LR,
+        device=device, warmup=warmup, steps=steps, seed=seed, profile_steps=profile_steps,
+        trainer=provider in TRAINER_PROVIDERS, graphs=provider in ("fuselm-graph", "fuselm-trainer"),
+    )  # fmt: skip
+    return {**out, **figures, "final_loss": out["losses"][-1]}
+
+
+def run_training(
+    plan: fresh_process.Plan,
+    model: Any,
+    forward: training.Forward,
+    params: list[torch.nn.Parameter],
+    batch: int,
+    seq: int,
+    *,
+    lr: float,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    seed: int,
+    profile_steps: int | None,
+    trainer: bool = False,
+    graphs: bool = False,
+    called: set[int] | None = None,
+) -> dict[str, Any]:
+    """``warmup`` + ``steps`` + ``profile_steps`` (default: the plan's) steps of ``model`` on one random batch
+    (labels = ids), through ``Trainer.train()`` (``trainer``) or an AdamW loop on ``forward``; ``graphs``:
+    replayed from CUDA graphs; ``called`` gets the ids of the modules the loop's first step calls. The steps'
+    figures, peak memory and losses (exceptions, OOM included, propagate)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
-    fused = preset.fused_adamw and device.type == "cuda"
-    profiled = preset.profile_steps if profile_steps is None else profile_steps
-    if provider in TRAINER_PROVIDERS:
-        run = step_timing.run_trainer(
-            built, ids, graphs=provider == "fuselm-trainer", lr=LR, fused=fused, warmup=warmup, steps=steps,
-            profiled=profiled, device=device, seed=seed,
-        )  # fmt: skip
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
+    fused = plan.fused_adamw and device.type == "cuda"
+    profiled = plan.profile_steps if profile_steps is None else profile_steps
+    timing = {"warmup": warmup, "steps": steps, "profiled": profiled, "device": device}
+    if trainer:
+        run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=seed, **timing)
     else:
-        graphed = provider == "fuselm-graph"
-        make_step = step_timing.graphed_optimizer_step if graphed else step_timing.optimizer_step
-        step = make_step(training.causal_lm_loss(built), list(built.parameters()), [ids], lr=LR, fused=fused)
-        run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
+        make_step = step_timing.graphed_optimizer_step if graphs else step_timing.optimizer_step
+        step = make_step(forward, params, [ids], lr=lr, fused=fused)
+        if called is not None:
+            step = step_timing.watch_first_step(step, called)
+        run = step_timing.run_steps(step, **timing)
     return {
         "status": "ok",
         **step_figures(run, batch * seq, device),
         **fresh_process.memory_figures(device),
-        **figures,
         "losses": run.logged,
-        "first_loss": run.logged[0],
-        "final_loss": run.logged[-1],
+        "first_loss": run.logged[0] if run.logged else None,
     }
 
 

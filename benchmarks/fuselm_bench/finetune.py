@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm.demo import training
 
-from . import e2e, fresh_process, step_timing
+from . import e2e, fresh_process
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import GIB
 from .fresh_process import CaseReport, median_of
@@ -55,8 +54,6 @@ FIRST_LOSSES = 5
 WORKER_TIMEOUT_S = 900.0  # also a build's
 MARKER = "fuselm_bench_model.json"
 HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
-
-
 GRAPH = "graph"  # fuselm@graph: checkpointing "offload" (--no-offload: "recompute") in CUDA graphs
 
 
@@ -199,19 +196,19 @@ def ensure_saved_model(
     if folder.exists():
         shutil.rmtree(folder)
     if device.type != "cuda":
-        marker = save_model(model, tiny, folder, device, dtype, seed)
-        return folder, {"reused": False, "bytes": marker["bytes"], "build_s": marker["build_s"]}
-    args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
-    command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
-    data = fresh_process.run_worker(
-        lambda result: [*command, f"--result={result}"],
-        timeout=WORKER_TIMEOUT_S,
-        prefix="fuselm-finetune-build-",
-        env=base_env(),
-    )
-    if data.get("status") != "ok":
-        raise RuntimeError(f"saving {model} to {folder} failed: {data.get('error')}")
-    return folder, {"reused": False, "bytes": data.get("bytes"), "build_s": data.get("build_s")}
+        saved = save_model(model, tiny, folder, device, dtype, seed)
+    else:
+        args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
+        command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
+        saved = fresh_process.run_worker(
+            lambda result: [*command, f"--result={result}"],
+            timeout=WORKER_TIMEOUT_S,
+            prefix="fuselm-finetune-build-",
+            env=base_env(),
+        )
+        if saved.get("status") != "ok":
+            raise RuntimeError(f"saving {model} to {folder} failed: {saved.get('error')}")
+    return folder, {"reused": False, "bytes": saved.get("bytes"), "build_s": saved.get("build_s")}
 
 
 def build_main(argv: list[str]) -> int:
@@ -285,23 +282,20 @@ def apply_fuselm(
     :data:`GRAPH`); returns how the model checkpoints."""
     import fuselm.hf
 
-    how = HF_CHECKPOINTING
-    chunks = {}
+    how, options = HF_CHECKPOINTING, {}
     if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
-        chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
-        how = f"{how}, MLP in chunks of {mlp_chunk_tokens} tokens"
-    if memory_budget == GRAPH:
-        mode = "offload" if offload else "recompute"
-        fuselm.hf.patch(model, checkpointing=mode, **chunks)
-        return f"{how} + fuselm.hf.patch(checkpointing='{mode}')"
-    if memory_budget is not None:
-        fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
-        return f"{how} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
-    if not offload:
-        fuselm.hf.patch(model, **chunks)
-        return f"{how}; --no-offload"
-    fuselm.hf.patch(model, checkpointing="offload", **chunks)
-    return f"{how} + fuselm.hf.patch(checkpointing='offload')"
+        options["mlp_chunk_tokens"] = mlp_chunk_tokens
+        how += f", MLP in chunks of {mlp_chunk_tokens} tokens"
+    if memory_budget == GRAPH or (memory_budget is None and offload):
+        options["checkpointing"] = "offload" if offload else "recompute"
+        how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
+    elif memory_budget is not None:
+        options.update(checkpointing="auto", memory_budget=memory_budget)
+        how += f" + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
+    else:
+        how += "; --no-offload"
+    fuselm.hf.patch(model, **options)
+    return how
 
 
 def load_peft_model(
@@ -321,9 +315,6 @@ def load_peft_model(
     memory_budget: float | str | None = None,
 ) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
-    cuda = device.type == "cuda"
-    if provider in ("liger", "unsloth") and not cuda:
-        raise SkipProvider("needs CUDA")
     marker = json.loads((folder / MARKER).read_text())
     prequantized = marker["dtype"] == "nf4"  # the checkpoint's own 4-bit layers and quantization_config
     if prequantized and scenario != "qlora":
@@ -349,7 +340,7 @@ def load_peft_model(
         family = e2e.MODELS[marker["model"]].family
         e2e.apply_provider_before_build("liger", device, family)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
-    kwargs["device_map"] = {"": device.index or 0} if cuda else {"": "cpu"}
+    kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     if scenario == "qlora" and not prequantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -510,45 +501,23 @@ def train(
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
         params = [p for p in peft_model.parameters() if p.requires_grad]
-        gen = torch.Generator().manual_seed(seed + 1)
-        ids = torch.randint(0, peft_model.config.vocab_size, (batch, seq), generator=gen).to(device)
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             loss = peft_model(input_ids=x, labels=x).loss
             return loss, loss.detach()
 
-        stepper = step_timing.graphed_optimizer_step if memory_budget == GRAPH else step_timing.optimizer_step
         called: set[int] = set()  # the modules the first (warmup, untimed) step calls
-        profiled = plan.profile_steps if profile_steps is None else profile_steps
-        fused = plan.fused_adamw and cuda
-        if trainer:
-            run = step_timing.run_trainer(
-                peft_model, ids, graphs=memory_budget == GRAPH, lr=LR, fused=fused, warmup=warmup,
-                steps=steps, profiled=profiled, device=device, seed=seed,
-            )  # fmt: skip
-        else:
-            step = stepper(forward, params, [ids], lr=LR, fused=fused)
-
-            def first_step_watched(i: int) -> torch.Tensor:
-                if i != 0:
-                    return step(i)
-                hook = register_module_forward_pre_hook(lambda module, args: called.add(id(module)))
-                try:
-                    return step(0)
-                finally:
-                    hook.remove()
-
-            run = step_timing.run_steps(
-                first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
-            )
+        figures = e2e.run_training(
+            plan, peft_model, forward, params, batch, seq, lr=LR, device=device, warmup=warmup, steps=steps,
+            seed=seed, profile_steps=profile_steps, trainer=trainer, graphs=memory_budget == GRAPH,
+            called=None if trainer else called,
+        )  # fmt: skip
     messages = (str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename)
     from fuselm.hf import activation_plan
 
     plan_of = activation_plan.current(peft_model)
     return {
-        "status": "ok",
-        **e2e.step_figures(run, batch * seq, device),
-        **fresh_process.memory_figures(device),
+        **figures,
         **host_memory(device, rss_before),
         "weights_bytes": weights,
         "params": sum(p.numel() for p in peft_model.parameters()),
@@ -557,8 +526,6 @@ def train(
         "load_s": load_s,
         "checkpointing": checkpointing,
         "memory_cap_gib": memory_cap_gib,
-        "losses": run.logged,
-        "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": list(dict.fromkeys(messages))[:20],
         "activation_plan": None if plan_of is None else str(plan_of),
         **fused_forwards(peft_model, None if trainer else called),

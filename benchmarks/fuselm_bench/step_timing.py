@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm import CapturedStep
 from fuselm.demo.training import Forward, sync
@@ -57,6 +58,21 @@ def graphed_optimizer_step(
         return loss
 
     return step
+
+
+def watch_first_step(step: Step, called: set[int]) -> Step:
+    """``step``, its first call adding the id of every module it calls to ``called``."""
+
+    def watched(i: int) -> torch.Tensor:
+        if i != 0:
+            return step(i)
+        hook = register_module_forward_pre_hook(lambda module, args: called.add(id(module)))
+        try:
+            return step(0)
+        finally:
+            hook.remove()
+
+    return watched
 
 
 @dataclass
