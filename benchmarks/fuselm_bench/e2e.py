@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -480,13 +479,11 @@ BENCH = fresh_process.Bench(
 # ---- command line ----
 
 
-def grid(
-    args: argparse.Namespace, preset: fresh_process.Plan, known: Sequence[str] = TRAINED_IN_FULL
-) -> list[Config]:
+def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
     ``--models``."""
     in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))
-    models = parse_list(getattr(args, "models", None), list(known), "model", default=in_grid)
+    models = parse_list(args.models, TRAINED_IN_FULL, "model", default=in_grid)
     if args.shapes:
         return [(m, b, t) for m in models for b, t in parse_shapes(args.shapes, 2)]
     configs = [c for c in preset.shapes if c[0] in models]
@@ -498,7 +495,7 @@ def grid(
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench e2e``; the exit code. Raises ``UsageError``."""
-    if getattr(args, "repeats", None) is None:
+    if args.repeats is None:
         args.repeats = 3
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid)
     alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -872,8 +872,8 @@ BENCH = fresh_process.Bench(
 
 def grid(args: argparse.Namespace, plan: fresh_process.Plan) -> list[tuple[str, str, int, int]]:
     """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``."""
-    models = parse_list(getattr(args, "models", None), list(e2e.MODELS), "model", default=DEFAULT_MODELS)
-    scenarios = parse_list(getattr(args, "scenarios", None), SCENARIOS, "scenario", default=SCENARIOS)
+    models = parse_list(args.models, list(e2e.MODELS), "model", default=DEFAULT_MODELS)
+    scenarios = parse_list(args.scenarios, SCENARIOS, "scenario", default=SCENARIOS)
     shapes = parse_shapes(args.shapes, 2) if args.shapes else plan.shapes
     for m in models:
         if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:
@@ -902,17 +902,15 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
-    rank = getattr(args, "rank", None) or RANK
-    alpha = float(getattr(args, "lora_alpha", None) or rank)
-    dropout = getattr(args, "lora_dropout", None) or 0.0
-    if not 0.0 <= dropout < 1.0:
-        raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
-    offload = True if getattr(args, "offload", None) is None else bool(args.offload)
-    unsloth_compile = bool(getattr(args, "unsloth_compile", False))
-    trainer = bool(getattr(args, "trainer", False))
-    budgets = getattr(args, "memory_budgets", None)
-    if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
-        named = [f"fuselm@{parse_budget(b):g}" for b in budgets.split(",")]
+    rank = args.rank or RANK
+    options = {"rank": rank, "alpha": float(args.lora_alpha or rank), "dropout": args.lora_dropout or 0.0}
+    if not 0.0 <= options["dropout"] < 1.0:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {options['dropout']}")
+    options.update(
+        offload=args.offload is not False, unsloth_compile=args.unsloth_compile, trainer=args.trainer
+    )
+    if args.memory_budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
+        named = [f"fuselm@{parse_budget(b):g}" for b in args.memory_budgets.split(",")]
         c.providers = [*c.providers, *(p for p in named if p not in c.providers)]
     for provider in c.providers:  # fuselm@<GiB> and fuselm@graph named in --providers: checked
         split_provider(provider)
@@ -926,7 +924,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             if not c.shapes:
                 raise UsageError(scenario_note)
     save_dtype = torch.bfloat16 if cuda else torch.float32
-    env = base_env(unsloth_compile)
+    env = base_env(args.unsloth_compile)
     with models_folder(args.model_dir, "fuselm-finetune-models-") as model_dir:
         folders = {}
         for model in dict.fromkeys(s[0] for s in c.shapes):
@@ -935,12 +933,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, c.device)
             folders[model] = {"folder": str(folder), **info}
             print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
-        options = {"rank": rank, "alpha": alpha, "dropout": dropout, "offload": offload}
-        c.extra.update(model_dir=str(model_dir), **options, unsloth_compile=unsloth_compile, trainer=trainer)
+        c.extra.update(model_dir=str(model_dir), **options)
         c.metadata["finetune"] = {
             **options,
-            "unsloth_compile": unsloth_compile,
-            "trainer": trainer,
             "profile_steps": c.plan.profile_steps,
             "env": " ".join(f"{k}={v}" for k, v in env.items()),
             "model_folders": folders,
