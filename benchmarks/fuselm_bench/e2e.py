@@ -4,6 +4,7 @@ initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MOD
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -325,16 +326,22 @@ class E2ERow(TrainingRow):
         return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
 
 
+def peer_missing(package: str, device: torch.device, no_cuda: str = "needs CUDA") -> str | None:
+    """Why a peer's provider cannot run here (no CUDA, ``package`` not importable); None when it can."""
+    if device.type != "cuda":
+        return no_cuda
+    if importlib.util.find_spec(package) is None:
+        return f"{package} not importable (pip install {package.replace('_', '-')}, or put it on PYTHONPATH)"
+    return None
+
+
 def _precheck(provider: str, device: torch.device) -> str | None:
     if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
         return "needs CUDA (CUDA graphs)"
     if provider == "liger":
-        if device.type != "cuda":
-            return "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
-        import importlib.util
-
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "liger_kernel not importable (pip install liger-kernel, or put it on PYTHONPATH)"
+        return peer_missing(
+            "liger_kernel", device, "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
+        )
     return None
 
 

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -599,13 +598,8 @@ class FinetuneRow(e2e.TrainingRow):
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
-    if provider in ("liger", "unsloth"):
-        if device.type != "cuda":
-            return "needs CUDA"
-        package = {"liger": "liger_kernel", "unsloth": "unsloth"}[provider]
-        if importlib.util.find_spec(package) is None:
-            return f"{package} not importable (pip install it, or put it on PYTHONPATH)"
-    return None
+    packages = {"liger": "liger_kernel", "unsloth": "unsloth"}
+    return e2e.peer_missing(packages[provider], device) if provider in packages else None
 
 
 def bnb_cpu_4bit_works() -> str | None:
@@ -809,7 +803,7 @@ def plot(report: CaseReport, path: Path) -> None:
     for ax, shape in zip(axes[0], report.shapes, strict=True):
         budgets = []
         for provider in report.providers:
-            rows = _ok(report.rows_of(provider, shape))
+            rows = report.rows_of(provider, shape)
             ms, gib = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
             if ms is None or gib is None:
                 continue
