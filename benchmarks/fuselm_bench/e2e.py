@@ -209,10 +209,8 @@ def run_training(
     graphs: bool = False,
     called: set[int] | None = None,
 ) -> dict[str, Any]:
-    """``warmup`` + ``steps`` + ``profile_steps`` (default: the plan's) steps of ``model`` on one random batch
-    (labels = ids), through ``Trainer.train()`` (``trainer``) or an AdamW loop on ``forward``; ``graphs``:
-    replayed from CUDA graphs; ``called`` gets the ids of the modules the loop's first step calls. The steps'
-    figures, peak memory and losses (exceptions, OOM included, propagate)."""
+    """The steps of a worker on one random batch, through ``Trainer.train()`` or an AdamW loop on ``forward``
+    (``called``: :func:`step_timing.watch_first_step`): their figures, peak memory and losses."""
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
     fused = plan.fused_adamw and device.type == "cuda"

@@ -472,9 +472,7 @@ def all_notes(bench: Bench, report: CaseReport) -> list[str]:
 
 
 def markdown(bench: Bench, report: CaseReport) -> str:
-    """The whole report: title, the CPU figures' warning (off CUDA), the facts (device, versions, date,
-    ``bench.facts``, steps, merged runs, command), ``bench.tables``, the ratio table, the notes, the
-    skipped providers."""
+    """The whole report: facts, ``bench.tables``, the ratio table, notes and skipped providers."""
     m = report.metadata
     profiled = report.plan.profile_steps
     facts = [
