@@ -107,10 +107,8 @@ def results_dir(out: str | None, device_name: str | None) -> Path:
 def warmup_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
     """``(warmup, steps, dtype)``: ``--warmup`` / ``--steps`` or the ``plan``'s (its quick ones with
     ``--quick``), ``--dtype`` on CUDA, fp32 otherwise."""
-    warmup = getattr(args, "warmup", None)
-    steps = getattr(args, "steps", None)
-    warmup = (plan.quick_warmup if args.quick else plan.warmup) if warmup is None else warmup
-    steps = (plan.quick_steps if args.quick else plan.steps) if steps is None else steps
+    warmup = (plan.quick_warmup if args.quick else plan.warmup) if args.warmup is None else args.warmup
+    steps = (plan.quick_steps if args.quick else plan.steps) if args.steps is None else args.steps
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}")
     if warmup < 0:

@@ -4,9 +4,9 @@ initialised Llama-3.2-1B / Qwen3-0.6B / Llama-3-8B-shaped causal LMs (:data:`MOD
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -183,28 +183,53 @@ def train(
     built, figures = fresh_process.build_measured(
         lambda: build_model(preset, provider, dtype, device, seed, model), device
     )
+    out = run_training(
+        preset, built, training.causal_lm_loss(built), list(built.parameters()), batch, seq, lr=LR,
+        device=device, warmup=warmup, steps=steps, seed=seed, profile_steps=profile_steps,
+        trainer=provider in TRAINER_PROVIDERS, graphs=provider in ("fuselm-graph", "fuselm-trainer"),
+    )  # fmt: skip
+    return {**out, **figures, "final_loss": out["losses"][-1]}
+
+
+def run_training(
+    plan: fresh_process.Plan,
+    model: Any,
+    forward: training.Forward,
+    params: list[torch.nn.Parameter],
+    batch: int,
+    seq: int,
+    *,
+    lr: float,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    seed: int,
+    profile_steps: int | None,
+    trainer: bool = False,
+    graphs: bool = False,
+    called: set[int] | None = None,
+) -> dict[str, Any]:
+    """The steps of a worker on one random batch, through ``Trainer.train()`` or an AdamW loop on ``forward``
+    (``called``: :func:`step_timing.watch_first_step`): their figures, peak memory and losses."""
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, built.config.vocab_size, (batch, seq), generator=gen).to(device)
-    fused = preset.fused_adamw and device.type == "cuda"
-    profiled = preset.profile_steps if profile_steps is None else profile_steps
-    if provider in TRAINER_PROVIDERS:
-        run = step_timing.run_trainer(
-            built, ids, graphs=provider == "fuselm-trainer", lr=LR, fused=fused, warmup=warmup, steps=steps,
-            profiled=profiled, device=device, seed=seed,
-        )  # fmt: skip
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
+    fused = plan.fused_adamw and device.type == "cuda"
+    profiled = plan.profile_steps if profile_steps is None else profile_steps
+    timing = {"warmup": warmup, "steps": steps, "profiled": profiled, "device": device}
+    if trainer:
+        run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=seed, **timing)
     else:
-        graphed = provider == "fuselm-graph"
-        make_step = step_timing.graphed_optimizer_step if graphed else step_timing.optimizer_step
-        step = make_step(training.causal_lm_loss(built), list(built.parameters()), [ids], lr=LR, fused=fused)
-        run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=profiled, device=device)
+        make_step = step_timing.graphed_optimizer_step if graphs else step_timing.optimizer_step
+        step = make_step(forward, params, [ids], lr=lr, fused=fused)
+        if called is not None:
+            step = step_timing.watch_first_step(step, called)
+        run = step_timing.run_steps(step, **timing)
     return {
         "status": "ok",
         **step_figures(run, batch * seq, device),
         **fresh_process.memory_figures(device),
-        **figures,
         "losses": run.logged,
-        "first_loss": run.logged[0],
-        "final_loss": run.logged[-1],
+        "first_loss": run.logged[0] if run.logged else None,
     }
 
 
@@ -299,16 +324,22 @@ class E2ERow(TrainingRow):
         return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
 
 
+def peer_missing(package: str, device: torch.device, no_cuda: str = "needs CUDA") -> str | None:
+    """Why a peer's provider cannot run here (no CUDA, ``package`` not importable); None when it can."""
+    if device.type != "cuda":
+        return no_cuda
+    if importlib.util.find_spec(package) is None:
+        return f"{package} not importable (pip install {package.replace('_', '-')}, or put it on PYTHONPATH)"
+    return None
+
+
 def _precheck(provider: str, device: torch.device) -> str | None:
     if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
         return "needs CUDA (CUDA graphs)"
     if provider == "liger":
-        if device.type != "cuda":
-            return "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
-        import importlib.util
-
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "liger_kernel not importable (pip install liger-kernel, or put it on PYTHONPATH)"
+        return peer_missing(
+            "liger_kernel", device, "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
+        )
     return None
 
 
@@ -453,13 +484,11 @@ BENCH = fresh_process.Bench(
 # ---- command line ----
 
 
-def grid(
-    args: argparse.Namespace, preset: fresh_process.Plan, known: Sequence[str] = TRAINED_IN_FULL
-) -> list[Config]:
+def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[Config]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
     ``--models``."""
     in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))
-    models = parse_list(getattr(args, "models", None), list(known), "model", default=in_grid)
+    models = parse_list(args.models, TRAINED_IN_FULL, "model", default=in_grid)
     if args.shapes:
         return [(m, b, t) for m in models for b, t in parse_shapes(args.shapes, 2)]
     configs = [c for c in preset.shapes if c[0] in models]
@@ -471,7 +500,7 @@ def grid(
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench e2e``; the exit code. Raises ``UsageError``."""
-    if getattr(args, "repeats", None) is None:
+    if args.repeats is None:
         args.repeats = 3
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid)
     alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -22,11 +21,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm.demo import training
 
-from . import e2e, fresh_process, step_timing
+from . import e2e, fresh_process
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import GIB
 from .fresh_process import CaseReport, median_of
@@ -55,8 +53,6 @@ FIRST_LOSSES = 5
 WORKER_TIMEOUT_S = 900.0  # also a build's
 MARKER = "fuselm_bench_model.json"
 HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
-
-
 GRAPH = "graph"  # fuselm@graph: checkpointing "offload" (--no-offload: "recompute") in CUDA graphs
 
 
@@ -199,19 +195,19 @@ def ensure_saved_model(
     if folder.exists():
         shutil.rmtree(folder)
     if device.type != "cuda":
-        marker = save_model(model, tiny, folder, device, dtype, seed)
-        return folder, {"reused": False, "bytes": marker["bytes"], "build_s": marker["build_s"]}
-    args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
-    command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
-    data = fresh_process.run_worker(
-        lambda result: [*command, f"--result={result}"],
-        timeout=WORKER_TIMEOUT_S,
-        prefix="fuselm-finetune-build-",
-        env=base_env(),
-    )
-    if data.get("status") != "ok":
-        raise RuntimeError(f"saving {model} to {folder} failed: {data.get('error')}")
-    return folder, {"reused": False, "bytes": data.get("bytes"), "build_s": data.get("build_s")}
+        saved = save_model(model, tiny, folder, device, dtype, seed)
+    else:
+        args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
+        command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
+        saved = fresh_process.run_worker(
+            lambda result: [*command, f"--result={result}"],
+            timeout=WORKER_TIMEOUT_S,
+            prefix="fuselm-finetune-build-",
+            env=base_env(),
+        )
+        if saved.get("status") != "ok":
+            raise RuntimeError(f"saving {model} to {folder} failed: {saved.get('error')}")
+    return folder, {"reused": False, "bytes": saved.get("bytes"), "build_s": saved.get("build_s")}
 
 
 def build_main(argv: list[str]) -> int:
@@ -285,23 +281,20 @@ def apply_fuselm(
     :data:`GRAPH`); returns how the model checkpoints."""
     import fuselm.hf
 
-    how = HF_CHECKPOINTING
-    chunks = {}
+    how, options = HF_CHECKPOINTING, {}
     if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
-        chunks = {"mlp_chunk_tokens": mlp_chunk_tokens}
-        how = f"{how}, MLP in chunks of {mlp_chunk_tokens} tokens"
-    if memory_budget == GRAPH:
-        mode = "offload" if offload else "recompute"
-        fuselm.hf.patch(model, checkpointing=mode, **chunks)
-        return f"{how} + fuselm.hf.patch(checkpointing='{mode}')"
-    if memory_budget is not None:
-        fuselm.hf.patch(model, checkpointing="auto", memory_budget=memory_budget, **chunks)
-        return f"{how} + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
-    if not offload:
-        fuselm.hf.patch(model, **chunks)
-        return f"{how}; --no-offload"
-    fuselm.hf.patch(model, checkpointing="offload", **chunks)
-    return f"{how} + fuselm.hf.patch(checkpointing='offload')"
+        options["mlp_chunk_tokens"] = mlp_chunk_tokens
+        how += f", MLP in chunks of {mlp_chunk_tokens} tokens"
+    if memory_budget == GRAPH or (memory_budget is None and offload):
+        options["checkpointing"] = "offload" if offload else "recompute"
+        how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
+    elif memory_budget is not None:
+        options.update(checkpointing="auto", memory_budget=memory_budget)
+        how += f" + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
+    else:
+        how += "; --no-offload"
+    fuselm.hf.patch(model, **options)
+    return how
 
 
 def load_peft_model(
@@ -321,9 +314,6 @@ def load_peft_model(
     memory_budget: float | str | None = None,
 ) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
-    cuda = device.type == "cuda"
-    if provider in ("liger", "unsloth") and not cuda:
-        raise SkipProvider("needs CUDA")
     marker = json.loads((folder / MARKER).read_text())
     prequantized = marker["dtype"] == "nf4"  # the checkpoint's own 4-bit layers and quantization_config
     if prequantized and scenario != "qlora":
@@ -349,7 +339,7 @@ def load_peft_model(
         family = e2e.MODELS[marker["model"]].family
         e2e.apply_provider_before_build("liger", device, family)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
-    kwargs["device_map"] = {"": device.index or 0} if cuda else {"": "cpu"}
+    kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     if scenario == "qlora" and not prequantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -510,45 +500,23 @@ def train(
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
         params = [p for p in peft_model.parameters() if p.requires_grad]
-        gen = torch.Generator().manual_seed(seed + 1)
-        ids = torch.randint(0, peft_model.config.vocab_size, (batch, seq), generator=gen).to(device)
 
         def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             loss = peft_model(input_ids=x, labels=x).loss
             return loss, loss.detach()
 
-        stepper = step_timing.graphed_optimizer_step if memory_budget == GRAPH else step_timing.optimizer_step
         called: set[int] = set()  # the modules the first (warmup, untimed) step calls
-        profiled = plan.profile_steps if profile_steps is None else profile_steps
-        fused = plan.fused_adamw and cuda
-        if trainer:
-            run = step_timing.run_trainer(
-                peft_model, ids, graphs=memory_budget == GRAPH, lr=LR, fused=fused, warmup=warmup,
-                steps=steps, profiled=profiled, device=device, seed=seed,
-            )  # fmt: skip
-        else:
-            step = stepper(forward, params, [ids], lr=LR, fused=fused)
-
-            def first_step_watched(i: int) -> torch.Tensor:
-                if i != 0:
-                    return step(i)
-                hook = register_module_forward_pre_hook(lambda module, args: called.add(id(module)))
-                try:
-                    return step(0)
-                finally:
-                    hook.remove()
-
-            run = step_timing.run_steps(
-                first_step_watched, warmup=warmup, steps=steps, profiled=profiled, device=device
-            )
+        figures = e2e.run_training(
+            plan, peft_model, forward, params, batch, seq, lr=LR, device=device, warmup=warmup, steps=steps,
+            seed=seed, profile_steps=profile_steps, trainer=trainer, graphs=memory_budget == GRAPH,
+            called=None if trainer else called,
+        )  # fmt: skip
     messages = (str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename)
     from fuselm.hf import activation_plan
 
     plan_of = activation_plan.current(peft_model)
     return {
-        "status": "ok",
-        **e2e.step_figures(run, batch * seq, device),
-        **fresh_process.memory_figures(device),
+        **figures,
         **host_memory(device, rss_before),
         "weights_bytes": weights,
         "params": sum(p.numel() for p in peft_model.parameters()),
@@ -557,8 +525,6 @@ def train(
         "load_s": load_s,
         "checkpointing": checkpointing,
         "memory_cap_gib": memory_cap_gib,
-        "losses": run.logged,
-        "first_loss": run.logged[0] if run.logged else None,
         "fuselm_warnings": list(dict.fromkeys(messages))[:20],
         "activation_plan": None if plan_of is None else str(plan_of),
         **fused_forwards(peft_model, None if trainer else called),
@@ -632,13 +598,8 @@ class FinetuneRow(e2e.TrainingRow):
 
 
 def _precheck(provider: str, device: torch.device) -> str | None:
-    if provider in ("liger", "unsloth"):
-        if device.type != "cuda":
-            return "needs CUDA"
-        package = {"liger": "liger_kernel", "unsloth": "unsloth"}[provider]
-        if importlib.util.find_spec(package) is None:
-            return f"{package} not importable (pip install it, or put it on PYTHONPATH)"
-    return None
+    packages = {"liger": "liger_kernel", "unsloth": "unsloth"}
+    return e2e.peer_missing(packages[provider], device) if provider in packages else None
 
 
 def bnb_cpu_4bit_works() -> str | None:
@@ -842,7 +803,7 @@ def plot(report: CaseReport, path: Path) -> None:
     for ax, shape in zip(axes[0], report.shapes, strict=True):
         budgets = []
         for provider in report.providers:
-            rows = _ok(report.rows_of(provider, shape))
+            rows = report.rows_of(provider, shape)
             ms, gib = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
             if ms is None or gib is None:
                 continue
@@ -905,8 +866,8 @@ BENCH = fresh_process.Bench(
 
 def grid(args: argparse.Namespace, plan: fresh_process.Plan) -> list[tuple[str, str, int, int]]:
     """``--models`` x ``--scenarios`` x ``--shapes`` (defaults: the plan's). Raises ``UsageError``."""
-    models = parse_list(getattr(args, "models", None), list(e2e.MODELS), "model", default=DEFAULT_MODELS)
-    scenarios = parse_list(getattr(args, "scenarios", None), SCENARIOS, "scenario", default=SCENARIOS)
+    models = parse_list(args.models, list(e2e.MODELS), "model", default=DEFAULT_MODELS)
+    scenarios = parse_list(args.scenarios, SCENARIOS, "scenario", default=SCENARIOS)
     shapes = parse_shapes(args.shapes, 2) if args.shapes else plan.shapes
     for m in models:
         if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:
@@ -935,17 +896,15 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid, packages=VERSIONS)
     cuda = c.device.type == "cuda"
-    rank = getattr(args, "rank", None) or RANK
-    alpha = float(getattr(args, "lora_alpha", None) or rank)
-    dropout = getattr(args, "lora_dropout", None) or 0.0
-    if not 0.0 <= dropout < 1.0:
-        raise UsageError(f"--lora-dropout must be in [0, 1), got {dropout}")
-    offload = True if getattr(args, "offload", None) is None else bool(args.offload)
-    unsloth_compile = bool(getattr(args, "unsloth_compile", False))
-    trainer = bool(getattr(args, "trainer", False))
-    budgets = getattr(args, "memory_budgets", None)
-    if budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
-        named = [f"fuselm@{parse_budget(b):g}" for b in budgets.split(",")]
+    rank = args.rank or RANK
+    options = {"rank": rank, "alpha": float(args.lora_alpha or rank), "dropout": args.lora_dropout or 0.0}
+    if not 0.0 <= options["dropout"] < 1.0:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {options['dropout']}")
+    options.update(
+        offload=args.offload is not False, unsloth_compile=args.unsloth_compile, trainer=args.trainer
+    )
+    if args.memory_budgets:  # fuselm once per budget: fuselm@<GiB> providers (checkpointing="auto")
+        named = [f"fuselm@{parse_budget(b):g}" for b in args.memory_budgets.split(",")]
         c.providers = [*c.providers, *(p for p in named if p not in c.providers)]
     for provider in c.providers:  # fuselm@<GiB> and fuselm@graph named in --providers: checked
         split_provider(provider)
@@ -959,7 +918,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             if not c.shapes:
                 raise UsageError(scenario_note)
     save_dtype = torch.bfloat16 if cuda else torch.float32
-    env = base_env(unsloth_compile)
+    env = base_env(args.unsloth_compile)
     with models_folder(args.model_dir, "fuselm-finetune-models-") as model_dir:
         folders = {}
         for model in dict.fromkeys(s[0] for s in c.shapes):
@@ -968,12 +927,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, c.device)
             folders[model] = {"folder": str(folder), **info}
             print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
-        options = {"rank": rank, "alpha": alpha, "dropout": dropout, "offload": offload}
-        c.extra.update(model_dir=str(model_dir), **options, unsloth_compile=unsloth_compile, trainer=trainer)
+        c.extra.update(model_dir=str(model_dir), **options)
         c.metadata["finetune"] = {
             **options,
-            "unsloth_compile": unsloth_compile,
-            "trainer": trainer,
             "profile_steps": c.plan.profile_steps,
             "env": " ".join(f"{k}={v}" for k, v in env.items()),
             "model_folders": folders,

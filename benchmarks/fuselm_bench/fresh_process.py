@@ -76,11 +76,11 @@ class Bench:
     versions: tuple[str, ...]
     peers: dict[str, str]
     metrics: dict[str, tuple[str, str]]
-    precheck: Callable[[str, torch.device], str | None] | None = None
+    precheck: Callable[[str, torch.device], str | None] = lambda provider, device: None  # a skip's reason
     default_providers: tuple[str, ...] | None = None
-    worker_prefix: Callable[[str], list[str]] | None = None
+    worker_prefix: Callable[[str], list[str] | None] = lambda provider: None  # None: python -m <module>
     variant_description: Callable[[str], str] = "variant @{}".format  # of <provider>@<setting>
-    worker_env: Callable[[str, dict[str, Any] | None], dict[str, str]] | None = None
+    worker_env: Callable[[str, dict[str, Any] | None], dict[str, str] | None] = lambda provider, extra: None
     # the report (:func:`markdown`, :func:`report_json`, :func:`write_report`)
     facts: Callable[[CaseReport], list[str]] = lambda report: []
     tables: Callable[[CaseReport], str] = lambda report: ""
@@ -164,23 +164,6 @@ def memory_figures(device: torch.device) -> dict[str, int | None]:
 # ---- the parent: one fresh process per case ----
 
 
-def worker_command(
-    module: str, provider: str, case: dict[str, Any], *, prefix: list[str] | None = None, **options: Any
-) -> list[str]:
-    """``python -m <module> --worker --provider=<provider>`` (``prefix`` instead of ``python -m <module>``
-    when given) with ``--<key>=<value>`` for each entry of ``case`` then of ``options``.
-
-    Example:
-        >>> worker_command("fuselm_bench.e2e", "hf", {"batch": 2}, steps=3)[2:]
-        ['fuselm_bench.e2e', '--worker', '--provider=hf', '--batch=2', '--steps=3']
-        >>> worker_command("m", "hf", {"batch": 2}, prefix=["python", "-c", "..."])
-        ['python', '-c', '...', '--worker', '--provider=hf', '--batch=2']
-    """
-    flags = [f"--{key}={value}" for key, value in {**case, **options}.items()]
-    start = [sys.executable, "-m", module] if prefix is None else list(prefix)
-    return [*start, "--worker", f"--provider={provider}", *flags]
-
-
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment and ``extra``, this lab's and this fuselm's folders first on PYTHONPATH (the
     worker runs the same code, whether fuselm is installed or run from ``src``)."""
@@ -229,16 +212,16 @@ def run_case(
 ) -> Any:
     """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
     case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
-    options: dict[str, Any] = {"dtype": DTYPE_NAMES[dtype], "device": device.type, "warmup": warmup}
-    options["steps"] = steps
+    case.update(dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
     if extra:
-        options["extra"] = json.dumps(extra, separators=(",", ":"))
-    prefix = bench.worker_prefix(provider) if bench.worker_prefix is not None else None
+        case["extra"] = json.dumps(extra, separators=(",", ":"))
+    start = bench.worker_prefix(provider) or [sys.executable, "-m", bench.module]
+    flags = [f"--{key}={value}" for key, value in case.items()]
     data = run_worker(
-        lambda result: worker_command(bench.module, provider, case, prefix=prefix, **options, result=result),
+        lambda result: [*start, "--worker", f"--provider={provider}", *flags, f"--result={result}"],
         timeout=bench.timeout_s,
         prefix=f"fuselm-{bench.name}-",
-        env=bench.worker_env(provider, extra) if bench.worker_env is not None else None,
+        env=bench.worker_env(provider, extra),
     )
     return make_row(bench, provider, shape, data, repeat)
 
@@ -320,11 +303,6 @@ def run(
     """Every (shape, repeat, provider) of ``c``, each in its own worker (:func:`run_case`); ``on_row(report so
     far)`` after each row."""
     providers, repeats = c.providers, c.repeats
-    for p in providers:
-        if p.partition("@")[0] not in bench.providers:  # <provider>@<setting>: finetune's memory budgets
-            raise ValueError(f"unknown provider {p!r}; known: {', '.join(bench.providers)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     fields, text = bench.row_type.SHAPE_FIELDS, bench.row_type.TEXT_FIELDS
     report = new_report(c)
     report.shapes = tuple(
@@ -332,7 +310,7 @@ def run(
     )
     device = c.device
     for p in providers:
-        reason = bench.precheck(p, device) if bench.precheck is not None else None
+        reason = bench.precheck(p, device)
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
@@ -494,9 +472,7 @@ def all_notes(bench: Bench, report: CaseReport) -> list[str]:
 
 
 def markdown(bench: Bench, report: CaseReport) -> str:
-    """The whole report: title, the CPU figures' warning (off CUDA), the facts (device, versions, date,
-    ``bench.facts``, steps, merged runs, command), ``bench.tables``, the ratio table, the notes, the
-    skipped providers."""
+    """The whole report: facts, ``bench.tables``, the ratio table, notes and skipped providers."""
     m = report.metadata
     profiled = report.plan.profile_steps
     facts = [
@@ -647,12 +623,11 @@ def start_cli(
         shapes = parse_shapes(args.shapes, ndim) if args.shapes else list(plan.shapes)
     extra = {}
     if plan.profile_steps is not None:  # e2e, finetune: --profile-steps
-        profile = getattr(args, "profile_steps", None)
+        profile = args.profile_steps
         if profile is not None and profile < 0:
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")
         plan = dataclasses.replace(plan, profile_steps=plan.profile_steps if profile is None else profile)
         extra["profile_steps"] = plan.profile_steps
-    repeats = getattr(args, "repeats", None) or 1
     warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
     meta = collect_metadata(device, argv, packages)
     try:
@@ -662,7 +637,7 @@ def start_cli(
     except ImportError:
         raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
-    merge = getattr(args, "merge", None) or False
+    repeats, merge = args.repeats or 1, args.merge or False
     return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, extra, merge)
 
 

@@ -16,8 +16,7 @@ from fuselm.demo import training
 
 from . import e2e, fresh_process
 from .arguments import UsageError
-from .harness import import_peer
-from .linear_log_probs import peer_versions, trl_log_probs
+from .linear_log_probs import peer_versions, setup_trl
 from .report import md_table
 
 NAME = "grpo_step"
@@ -75,9 +74,8 @@ def make_head(provider: str, model: Any) -> Head:
 
         return hf_head
     if provider == "trl":
-        trl = "trl.kernels.chunked_logprob"
-        chunked = import_peer(weight.device, trl, "ChunkedLogProbFunction", trl, cuda=False)
-        return lambda h, t: trl_log_probs(chunked, h, weight, t, ("log_probs", "entropy"))  # type: ignore[return-value]
+        trl = setup_trl(weight.device)
+        return lambda h, t: trl(h, weight, t, ("log_probs", "entropy"))
     if provider == "fuselm":
         import fuselm
 

@@ -28,13 +28,9 @@ _SOLVE_CHUNK = 1024  # rows per batched solve when building peaked hidden states
 
 def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
     """``(N, H, V[, inputs, k])`` -> ``(N, H, V, inputs, k)`` (defaults: random, 1/7)."""
-    if len(shape) == 3:
-        n, h, v = shape
-        inputs, k = RANDOM, DEFAULT_IGNORE_K
-    elif len(shape) == 5:
-        n, h, v, inputs, k = shape
-    else:
+    if len(shape) not in (3, 5):
         raise ValueError(f"expected (N, H, V, inputs, k), got {tuple(shape)}")
+    n, h, v, inputs, k = (*shape, RANDOM, DEFAULT_IGNORE_K) if len(shape) == 3 else shape
     if inputs not in INPUT_NAMES:
         raise ValueError(f"inputs must be {RANDOM} (random) or {PEAKED} (peaked), got {inputs}")
     if k < 1:

@@ -114,18 +114,14 @@ def _provider(name: str, setup: Callable[[torch.device], Callable[..., Any]], de
 # ---- providers: fn(x, w, target, outputs) -> (log_probs,) or (log_probs, entropy), [N] fp32 ----
 
 
-def torch_log_probs(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, entropy: bool) -> tuple:
+def _torch(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
     """Eager reference: fp32 logits, log_softmax, gather, entropy; 0 at ignored targets."""
     logp = torch.log_softmax((x @ w.T).float(), dim=-1)
     keep = target != IGNORE_INDEX
     lp = torch.where(keep, logp.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1), 0.0)
-    if not entropy:
+    if "entropy" not in outputs:
         return (lp,)
     return lp, torch.where(keep, -(logp.exp() * logp).sum(dim=-1), 0.0)
-
-
-def _torch(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
-    return torch_log_probs(x, w, t, "entropy" in outputs)
 
 
 def trl_log_probs(

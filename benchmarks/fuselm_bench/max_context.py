@@ -197,11 +197,10 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         metadata["gpus"] = ", ".join(f"{p} cap {c}: GPU {g}" for p, c, g in jobs)
 
     def run_search(provider: str, cap: float | None, gpu: int | None, model_dir: Path) -> Search:
-        extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0}
-        extra.update({"memory_cap_gib": cap} if cap is not None else {})
-        fuselm = finetune.split_provider(provider)[0] == "fuselm"
-        extra.update({"mlp_chunk_tokens": chunk} if chunk is not None and fuselm else {})
-        extra.update({"gpu": gpu} if gpu is not None else {})
+        extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0, "memory_cap_gib": cap}
+        if finetune.split_provider(provider)[0] == "fuselm":
+            extra["mlp_chunk_tokens"] = chunk
+        extra = {k: v for k, v in {**extra, "gpu": gpu}.items() if v is not None}
 
         def probe(seq: int):
             shape = (model, scenario, 1, seq)

@@ -3,6 +3,7 @@ report document, and the one writer of ``<name>.md``, ``.json`` and ``.png`` (:f
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -114,13 +115,9 @@ def package_versions(packages: Sequence[str]) -> dict[str, str]:
 
     out = {}
     for package in packages:
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[package] = version(package)
-        except PackageNotFoundError:
-            continue
-        if not out[package]:
-            del out[package]
-    return out
+    return {package: v for package, v in out.items() if v}
 
 
 def host_cpu() -> str:
@@ -155,13 +152,12 @@ def collect_metadata(
     """Device, versions (the peers' and ``packages``' too), commit, date and hub settings of this run."""
     import fuselm
 
-    triton_version = None
     try:
         import triton
 
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
-        pass
+        triton_version = None
     meta: dict[str, Any] = {
         "device": device_name(device),
         "device_type": device.type,

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .harness import MODES, Report, Shape, Suite, measure_ceilings, run_suite
 from .report import CPU_FIGURES, collect_metadata, markdown, markdown_table, print_written, write_report
-
-
-def _said_once() -> Callable[[str], None]:
-    """``print``, each distinct message once."""
-    seen: set[str] = set()
-
-    def log(msg: str) -> None:
-        if msg not in seen:
-            seen.add(msg)
-            print(msg)
-
-    return log
 
 
 def run_op_suites(
@@ -69,7 +58,7 @@ def run_op_suites(
     options.update(metadata=meta, progress=not args.no_progress)
     status = 0
     for suite, shapes, providers in plans:
-        log = _said_once()  # a provider's skip once (its setup runs at every shape)
+        log = functools.cache(print)  # each distinct message once (a provider's setup runs at every shape)
         report: Report | None = None
         for i, shape in enumerate(shapes):
             part = run_suite(suite, shapes=[shape], providers=providers, log=log, **options)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm import CapturedStep
 from fuselm.demo.training import Forward, sync
@@ -36,18 +37,12 @@ def optimizer_step(
 
 
 def graphed_optimizer_step(
-    forward: Forward,
-    params: Sequence[torch.nn.Parameter],
-    batches: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    fused: bool,
-    warmup: int = 3,
+    forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
 ) -> Step:
     """A :data:`Step` whose forward and backward replay one CUDA graph (:class:`fuselm.CapturedStep`, captured
-    here after ``warmup`` passes), ``AdamW.step()`` outside it; the loss of each step."""
+    here after 3 warmup passes), ``AdamW.step()`` outside it; the loss of each step."""
     params = list(params)
-    captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=warmup)
+    captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=3)
     optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
 
     def step(i: int) -> torch.Tensor:
@@ -57,6 +52,21 @@ def graphed_optimizer_step(
         return loss
 
     return step
+
+
+def watch_first_step(step: Step, called: set[int]) -> Step:
+    """``step``, its first call adding the id of every module it calls to ``called``."""
+
+    def watched(i: int) -> torch.Tensor:
+        if i != 0:
+            return step(i)
+        hook = register_module_forward_pre_hook(lambda module, args: called.add(id(module)))
+        try:
+            return step(0)
+        finally:
+            hook.remove()
+
+    return watched
 
 
 @dataclass
@@ -236,7 +246,32 @@ def run_trainer(
 
     rows = [{"input_ids": r, "labels": r} for r in ids.cpu()]
     total = warmup + steps + profiled
-    clock = _TrainerClock(warmup, steps, profiled, device)
+    run = StepRun([], 0.0, [], 0.0, None)
+
+    class Clock(trainer_callback.TrainerCallback):
+        """The figures of :func:`run_steps`, read at the end of every optimizer step."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            sync(device)
+            self.wall, self.cpu, self.profiler = time.perf_counter(), time.process_time(), None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            cpu = time.process_time() - self.cpu  # before the synchronization: host work only
+            sync(device)
+            wall, step = time.perf_counter() - self.wall, state.global_step
+            if step <= warmup:
+                run.warmup_s += wall
+            elif step <= warmup + steps:
+                run.step_s.append(wall)
+                run.cpu_s += cpu
+            if step == warmup + steps and profiled:
+                self.profiler = device_profiler(device)
+                self.profiler.start()
+            if step == total and self.profiler is not None:
+                self.profiler.stop()
+                run.profile = KernelProfile.from_events(self.profiler.events(), profiled)
+            self.wall, self.cpu = time.perf_counter(), time.process_time()
+
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             out,
@@ -254,7 +289,7 @@ def run_trainer(
             seed=seed,
         )
         trainer = transformers.Trainer(
-            model=model, args=args, train_dataset=rows * total, callbacks=[clock.callback(trainer_callback)]
+            model=model, args=args, train_dataset=rows * total, callbacks=[Clock()]
         )
         for quiet in (trainer_callback.PrinterCallback, trainer_callback.ProgressCallback):
             trainer.remove_callback(quiet)
@@ -263,46 +298,5 @@ def run_trainer(
 
             capture_training_steps(trainer)
         trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return StepRun(losses, clock.warmup_s, clock.step_s, clock.cpu_s, clock.profile)
-
-
-class _TrainerClock:
-    """The figures of :func:`run_steps`, read in a ``TrainerCallback`` at the end of every optimizer step."""
-
-    def __init__(self, warmup: int, steps: int, profiled: int, device: torch.device) -> None:
-        self.warmup, self.steps, self.profiled, self.device = warmup, steps, profiled, device
-        self.warmup_s, self.step_s, self.cpu_s = 0.0, [], 0.0
-        self.profile: KernelProfile | None = None
-        self._profiler = None
-        self._wall = self._cpu = 0.0
-
-    def callback(self, trainer_callback):
-        clock = self
-
-        class Clock(trainer_callback.TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                sync(clock.device)
-                clock._wall, clock._cpu = time.perf_counter(), time.process_time()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                clock.step_ended(state.global_step)
-
-        return Clock()
-
-    def step_ended(self, step: int) -> None:
-        cpu = time.process_time() - self._cpu  # before the synchronization: host work only
-        sync(self.device)
-        wall = time.perf_counter() - self._wall
-        if step <= self.warmup:
-            self.warmup_s += wall
-        elif step <= self.warmup + self.steps:
-            self.step_s.append(wall)
-            self.cpu_s += cpu
-        if step == self.warmup + self.steps and self.profiled:
-            self._profiler = device_profiler(self.device)
-            self._profiler.start()
-        if step == self.warmup + self.steps + self.profiled and self._profiler is not None:
-            self._profiler.stop()
-            self.profile = KernelProfile.from_events(self._profiler.events(), self.profiled)
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
+    run.logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return run

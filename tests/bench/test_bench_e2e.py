@@ -8,6 +8,7 @@ worker that fails. Everything else is checked in process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -351,12 +352,12 @@ def test_worker_error_is_reported(reference_path):
     assert "Traceback" in row.traceback
 
 
-def test_worker_without_result_is_reported(monkeypatch):
+def test_worker_without_result_is_reported():
     """A worker that dies before writing its result: the exit code and its last output are reported."""
     script = "import sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); sys.exit(3)"
-    monkeypatch.setattr(fresh_process, "worker_command", lambda *a, **k: [sys.executable, "-c", script])
+    bench = dataclasses.replace(e2e.BENCH, worker_prefix=lambda provider: [sys.executable, "-c", script])
     row = fresh_process.run_case(
-        e2e.BENCH,
+        bench,
         "hf",
         ("llama3.2-1b", 2, 16),
         plan=e2e.CPU_PRESET,
