@@ -642,10 +642,9 @@ def loss_gap(report: CaseReport, provider: str, shape: tuple[Any, ...]) -> float
 
 
 def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
-    """Scenarios x providers of one (model, B x T): ``ms, GiB`` (medians), then fuselm / Unsloth and / HF."""
+    """Scenarios x providers of one (model, B x T): ``ms, GiB`` (medians); under it, per peer that ran, the
+    time and peak of each fuselm column over the peer's."""
     providers = [p for p in report.providers if p not in report.skipped]
-    head = ["scenario", *(provider_title(p) for p in providers)]
-    head += ["fuselm / Unsloth (time, memory)", "fuselm / HF (time, memory)"]
     lines = []
     for scenario in SCENARIOS:
         shape = (model, scenario, batch, seq)
@@ -661,12 +660,18 @@ def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
                 cells.append(
                     "—" if ms is None else f"{ms:.0f} ms, " + ("n/a" if peak is None else f"{peak:.2f} GiB")
                 )
-        for peer in ("unsloth", "hf"):
-            mine, other = report.rows_of("fuselm", shape), report.rows_of(peer, shape)
-            t, m = (ratio(median_of(mine, a), median_of(other, a)) for a in ("step_ms", "peak_bytes"))
-            cells.append("—" if t is None else f"{t:.2f}x, " + ("—" if m is None else f"{m:.2f}x"))
         lines.append(cells)
-    return md_table(head, lines)
+        for peer in ("unsloth", "hf"):
+            other = _ok(report.rows_of(peer, shape))
+            if peer not in providers or not other:
+                continue
+            ratios = [SCENARIO_TITLES[scenario] + " / " + PROVIDER_TITLES[peer] + " (time, peak)"]
+            for p in providers:
+                mine = _ok(report.rows_of(p, shape)) if split_provider(p)[0] == "fuselm" else []
+                t, m = (ratio(median_of(mine, a), median_of(other, a)) for a in ("step_ms", "peak_bytes"))
+                ratios.append("" if t is None else f"{t:.2f}x, " + ("—" if m is None else f"{m:.2f}x"))
+            lines.append(ratios)
+    return md_table(["scenario", *(provider_title(p) for p in providers)], lines)
 
 
 def detail_table(report: CaseReport) -> str:
