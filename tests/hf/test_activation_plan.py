@@ -473,18 +473,12 @@ def test_kept_shares_take_the_largest_share_the_host_link_copies_in_time():
     assert shares(keep, two, 10**6) == (0.0,)
 
 
-def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monkeypatch, tmp_path):
-    """A QLoRA model (NF4 base, bitsandbytes' CPU backend): where the budget holds a layer's dense base
-    weights besides the plan's layers, each checkpointed layer's backward reuses the dense weights its
-    recompute made (every weight dequantized twice a step: forward, recompute), the plan says so and counts
-    them in its peak; 64 bytes less and the backward dequantizes again. The same loss and gradients either
-    way."""
+def _qlora_maker(tmp_path):
+    """(config, a function making the same tiny QLoRA model on every call: an NF4 base through bitsandbytes'
+    CPU backend, LoRA r=4 without dropout); skips where bitsandbytes has no CPU 4-bit backend."""
     pytest.importorskip("bitsandbytes")
     from kit.hf_models import model_class, nf4_config, tiny_config
 
-    from fuselm.lora import frozen
-
-    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
     torch.manual_seed(0)
     src = model_class("llama")(tiny_config("llama", layers=LAYERS))
     src.save_pretrained(tmp_path)
@@ -499,18 +493,13 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
         torch.manual_seed(0)
         return _peft(base, dropout=0.0)
 
-    ids = _batch(256)
-    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
-    _step(probe, ids)
-    f = activation_plan.current(probe)
-    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
-    transient = kept + f.remade_bytes_per_token * f.tokens
-    layer = probe.base_model.model.model.layers[0]
-    held = activation_plan._dense_bytes(layer, torch.float32)
-    config = src.config
-    h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
-    assert held == 4 * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down in fp32
-    assert kept > 4 * inp + held  # the budgets below keep no layer
+    return src.config, qlora
+
+
+def _counting_dequantizations(monkeypatch) -> list[int]:
+    """The identities of the 4-bit weights dequantized from now on, one entry per dequantization."""
+    from fuselm.lora import frozen
+
     calls: list[int] = []
     real = frozen.Bnb4bitWeight.dense
 
@@ -519,6 +508,29 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
         return real(self, dtype)
 
     monkeypatch.setattr(frozen.Bnb4bitWeight, "dense", counting)
+    return calls
+
+
+def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monkeypatch, tmp_path):
+    """A QLoRA model (NF4 base, bitsandbytes' CPU backend): where the budget holds a layer's dense base
+    weights besides the plan's layers, each checkpointed layer's backward reuses the dense weights its
+    recompute made (every weight dequantized twice a step: forward, recompute), the plan says so and counts
+    them in its peak; 64 bytes less and the backward dequantizes again. The same loss and gradients either
+    way."""
+    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
+    config, qlora = _qlora_maker(tmp_path)
+    ids = _batch(256)
+    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
+    _step(probe, ids)
+    f = activation_plan.current(probe)
+    kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
+    transient = kept + f.remade_bytes_per_token * f.tokens
+    layer = probe.base_model.model.model.layers[0]
+    held = activation_plan._dense_bytes(layer, torch.float32)
+    h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    assert held == 4 * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down in fp32
+    assert kept > 4 * inp + held  # the budgets below keep no layer
+    calls = _counting_dequantizations(monkeypatch)
     results = {}
     for budget, hold in ((f.base + transient + 4 * inp + held, True), (f.base + transient + 4 * inp, False)):
         model = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=_gib(budget - 64 * (not hold)))
@@ -538,3 +550,43 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
         results[hold] = (loss.detach(), grads)
     assert torch.equal(results[True][0], results[False][0])
     assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1], strict=True))
+
+
+def test_a_budget_with_room_to_spare_keeps_4bit_base_weights_dense_across_steps(monkeypatch, tmp_path):
+    """What the budget holds beyond the plan (and the recomputes' held weights) keeps whole layers' 4-bit
+    base weights dense across steps, checkpointed layers first: those are not dequantized again in later
+    steps, the plan counts them in its peak and says so, the loss and gradients are those of a budget
+    without the room, and taking the plan out (unpatch) gives the memory back."""
+    from fuselm.lora import frozen
+
+    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
+    _, qlora = _qlora_maker(tmp_path)
+    ids = _batch(256)
+    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
+    _step(probe, ids)
+    f = activation_plan.current(probe)
+    each = activation_plan._dense_bytes(probe.base_model.model.model.layers[0], torch.float32)
+    assert f.resident_layers == tuple(range(LAYERS)) and f.resident_bytes == LAYERS * each  # room for all
+    assert f"{LAYERS} layers keep their 4-bit base weights dense across steps" in str(f)
+    all_recomputed = f.base + (f.keep_bytes_per_token + f.remade_bytes_per_token) * f.tokens
+    all_recomputed += LAYERS * f.input_bytes_per_token * f.tokens + each  # + the recomputes' held weights
+    calls = _counting_dequantizations(monkeypatch)
+    results = {}
+    for resident in (2, 0):
+        budget = (all_recomputed + resident * each) / (1 - activation_plan.RESIDENT_SPARE)  # the spare left
+        model = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=_gib(int(budget)))
+        _step(model, ids)  # planned; the resident weights made as the layers first ask for them
+        plan = activation_plan.current(model)
+        assert plan.modes == ("recompute",) * LAYERS and plan.held_dense_bytes == each
+        assert plan.resident_layers == tuple(range(resident)) and plan.estimated_peak <= plan.budget
+        calls.clear()
+        losses = [_step(model, ids).detach() for _ in range(2)]
+        counts = collections.Counter(calls)
+        assert len(counts) == 7 * (LAYERS - resident) and set(counts.values()) == {4}  # 2 a step, held
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results[resident] = (losses, grads)
+        if resident:
+            fuselm.hf.unpatch(model)
+            assert not any(frozen._RESIDENT in p.__dict__ for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(results[2][0], results[0][0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[2][1], results[0][1], strict=True))

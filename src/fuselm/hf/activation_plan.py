@@ -29,7 +29,9 @@ the forward's order, at least q, k and v, and up to every projection's output (o
 quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
 back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`). Where the
 budget then still holds a layer's dense base weights (a quantized model's), the checkpointed layers' backward
-reuses the ones their recompute dequantized (:func:`fuselm.lora.holding_dense`) instead of dequantizing again.
+reuses the ones their recompute dequantized (:func:`fuselm.lora.holding_dense`) instead of dequantizing again,
+and what it holds beyond that (less :data:`RESIDENT_SPARE`) keeps whole layers' 4-bit base weights dense
+across steps (:func:`fuselm.lora.keep_resident`, checkpointed layers first).
 Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the
 rest stay on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers
 are the first ones (their inputs come back last in the backward: the most time for the copies), the kept ones
@@ -67,6 +69,9 @@ _FUNCTIONS = {
 }
 GIB = 1 << 30
 DEFAULT_DEVICE_FRACTION = 0.9  # checkpointing="auto" without memory_budget: this much of the GPU's memory
+# The share of the budget dense weights kept across steps leave unspent: the estimate leaves out the loss's
+# and the dequantization's transient buffers (a kept 8B plan at 8192 tokens peaked 0.6 GiB over it).
+RESIDENT_SPARE = 0.05
 _PLANNER = "_fuselm_activation_planner"  # on the top PreTrainedModel: its _Planner
 _log = logging.getLogger("fuselm.hf")
 
@@ -86,12 +91,15 @@ class ActivationPlan:
     kept_output_bytes: int = 0  # reserved for the outputs offloaded layers keep for their recomputes
     kept_per_input: tuple[float, ...] = ()  # per layer: the offloaded call's kept_per_input (0: none kept)
     held_dense_bytes: int = 0  # a checkpointed layer's dense base weights, held from recompute to backward
+    resident_layers: tuple[int, ...] = ()  # the layers whose 4-bit base weights stay dense across steps
+    resident_bytes: int = 0  # their dense weights
 
     @property
     def estimated_peak(self) -> int:
         return (
             self.kept_output_bytes
             + self.held_dense_bytes
+            + self.resident_bytes
             + _peak(
                 self.modes,
                 self.tokens,
@@ -118,6 +126,9 @@ class ActivationPlan:
         if self.held_dense_bytes:
             held = _size(self.held_dense_bytes)
             host += f"; recomputes keep their dense base weights for the backward ({held})"
+        if self.resident_layers:
+            n, size = len(self.resident_layers), _size(self.resident_bytes)
+            host += f"; {n} layers keep their 4-bit base weights dense across steps ({size})"
         return (
             f"{len(self.modes)} decoder layers at {self.tokens} tokens: {counts} (estimated peak "
             f"{_size(self.estimated_peak)} of {_size(self.budget)}; a kept layer "
@@ -306,6 +317,16 @@ def _dense_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
     )
 
 
+def _linears_4bit(layer: torch.nn.Module) -> list[torch.nn.Linear]:
+    """``layer``'s linear layers over bitsandbytes 4-bit base weights (``Params4bit``): those whose dense
+    weights :func:`fuselm.lora.keep_resident` may keep."""
+    return [
+        m
+        for m in layer.modules()
+        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ == "Params4bit"
+    ]
+
+
 def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes a layer holds from its forward to its backward in any mode besides activations: its trainable
     parameters of another dtype cast to the compute dtype (fp32 LoRA adapters in bf16: kept for the
@@ -376,7 +397,9 @@ class _Planner:
         tokens = _tokens(args, kwargs)
         if tokens is not None and (self.plan is None or tokens > self.plan.tokens):
             # measured and planned when the first layer sees its inputs; the model's tensors counted now,
-            # before its forward (the fused loss lends the lm_head out during it)
+            # before its forward (the fused loss lends the lm_head out during it), without the dense
+            # weights the last plan kept
+            self._keep_resident(())
             own = _allocated(module)
             self.pending = (tokens, own, _pending_grads(module))
         elif self.plan is not None:
@@ -409,6 +432,7 @@ class _Planner:
         held = _dense_bytes(layer, hidden.dtype)  # recomputes dequantize once where the budget holds it
         if held and set(self.plan.modes) - {"keep"} and self.plan.estimated_peak + held <= budget:
             self.plan = dataclasses.replace(self.plan, held_dense_bytes=held)
+        self._plan_resident(budget, hidden.dtype)
         room = self.plan.kept_output_bytes and max(0, host - self.plan.host_bytes)
         checkpoints.set_kept_output_room(room)
         modes = self.plan.modes
@@ -458,6 +482,30 @@ class _Planner:
                 best = plan, cost
         self.plan = best[0]
 
+    def _plan_resident(self, budget: int, dtype: torch.dtype) -> None:
+        """Spend what the budget still holds (but :data:`RESIDENT_SPARE` of it) on 4-bit base weights kept
+        dense across steps (each layer's saves its dequantizations: two a step where it is kept, three
+        where it is checkpointed, which go first), and keep them (:func:`fuselm.lora.keep_resident`)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        each = [sum(m.in_features * m.out_features * size for m in _linears_4bit(x)) for x in self.layers]
+        order = sorted(range(len(self.layers)), key=lambda i: self.plan.modes[i] == "keep")
+        room, chosen = int((1 - RESIDENT_SPARE) * budget) - self.plan.estimated_peak, []
+        for i in order:
+            if 0 < each[i] <= room:
+                chosen.append(i)
+                room -= each[i]
+        if chosen:
+            total = sum(each[i] for i in chosen)
+            self.plan = dataclasses.replace(
+                self.plan, resident_layers=tuple(sorted(chosen)), resident_bytes=total
+            )
+        self._keep_resident(self.plan.resident_layers)
+
+    def _keep_resident(self, layers: tuple[int, ...]) -> None:
+        for i, layer in enumerate(self.layers):
+            for m in _linears_4bit(layer):
+                frozen.keep_resident(m.weight, i in layers)
+
     def apply(self, plan: ActivationPlan) -> None:
         """Set each layer's checkpointing function to its mode's, with the offloaded layers'
         ``kept_per_input`` (none: the default, within the kept-output room) and the recomputes holding
@@ -479,6 +527,7 @@ class _Planner:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self._keep_resident(())
 
 
 def enable(

@@ -16,7 +16,8 @@ backward (backward dequantizes again). On CUDA the reuse is safe without synchro
 every dequantization and every GEMM reading its result run in order on the current stream. Inside
 :func:`holding_dense` (a checkpointed layer's recompute and backward, where a memory budget has room) each
 weight is made once, in a tensor of its own, and every later :func:`dense` of it in the scope returns that
-tensor: the backward does not dequantize again what the recompute just did.
+tensor: the backward does not dequantize again what the recompute just did. A 4-bit weight made
+:func:`keep_resident` keeps its dense matrix across steps (where a memory budget has room for it).
 
 A 4-bit weight dequantizes in one launch of :func:`fuselm.ops.dequantize_4bit.dequantize_4bit` (bit-equal
 to bitsandbytes' ``dequantize_4bit``; a double-quantized weight's block scales are made inside that launch,
@@ -76,6 +77,34 @@ def holding_dense():
         yield
     finally:
         _HOLDING.weights = outer
+
+
+_RESIDENT = "_fuselm_resident_dense"  # on a quantized parameter: {(dtype, data address): its dense matrix}
+
+
+def keep_resident(param: torch.Tensor, keep: bool = True) -> None:
+    """Keep (``keep=False``: stop keeping) the dense matrix of a bitsandbytes 4-bit weight (its
+    ``Params4bit``) on its device once :func:`dense` has made it: later calls return that tensor instead of
+    dequantizing again, for every step until this is undone (or the parameter is gone, or its data is
+    replaced). The matrix is the one dequantization makes, so results are bit for bit the same; it costs the
+    weight's dense size for as long as it is kept. A planner that has memory to spare spends it here
+    (:mod:`fuselm.hf.activation_plan`).
+
+    Example:
+        >>> import bitsandbytes as bnb
+        >>> layer = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4").to("cpu")  # quantizes
+        >>> keep_resident(layer.weight)
+        >>> w = Bnb4bitWeight(layer.weight)
+        >>> dense(w) is dense(w)
+        True
+        >>> keep_resident(layer.weight, False)
+        >>> dense(w) is dense(w)
+        False
+    """
+    if keep:
+        param.__dict__.setdefault(_RESIDENT, {})
+    else:
+        param.__dict__.pop(_RESIDENT, None)
 
 
 _OWN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what fuselm's 4-bit kernel writes
@@ -174,6 +203,10 @@ class FrozenWeight:
         address of the stored data (two objects over the same parameter are one weight)."""
         raise NotImplementedError
 
+    def resident(self) -> dict | None:
+        """The cache of this weight's dense matrix where :func:`keep_resident` keeps it, else None."""
+        return None
+
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.shape)
         return f"{type(self).__name__}({shape}, {self.dtype}, {self.device})"
@@ -225,6 +258,9 @@ class Bnb4bitWeight(FrozenWeight):
 
     def identity(self) -> int:
         return self.param.data_ptr()
+
+    def resident(self) -> dict | None:
+        return self.param.__dict__.get(_RESIDENT)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         qs = self.quant_state
@@ -331,6 +367,13 @@ def dense(weight: torch.Tensor | FrozenWeight, dtype: torch.dtype | None = None)
     """
     if isinstance(weight, torch.Tensor):
         return weight if dtype is None or weight.dtype == dtype else weight.to(dtype)
+    resident = weight.resident()
+    if resident is not None:
+        key = (dtype, weight.identity())
+        if key not in resident:  # one dense matrix per weight: another dtype or new data replaces it
+            resident.clear()
+            resident[key] = weight.dense(dtype).clone()
+        return resident[key]
     held = _HOLDING.weights
     if held is None:
         return weight.dense(dtype)
