@@ -12,9 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fuselm.demo import training
-
-from . import fresh_process, step_timing
+from . import fresh_process, step_timing, training
 from .arguments import UsageError, parse_list, parse_shapes
 from .harness import SkipProvider, import_peer
 from .report import fmt_num, md_table

@@ -22,9 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fuselm.demo import training
-
-from . import e2e, fresh_process
+from . import e2e, fresh_process, training
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import GIB
 from .fresh_process import CaseReport, median_of

@@ -12,9 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fuselm.demo import training
-
-from . import e2e, fresh_process
+from . import e2e, fresh_process, training
 from .arguments import UsageError
 from .linear_log_probs import peer_versions, setup_trl
 from .report import md_table

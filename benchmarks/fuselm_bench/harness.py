@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from fuselm.demo.training import free_memory, sync
-
 from .cases import Case, Row, run_cases
+from .training import free_memory, sync
 
 Shape = tuple[int, ...]
 Inputs = dict[str, torch.Tensor]

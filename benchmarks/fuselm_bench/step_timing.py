@@ -14,7 +14,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from fuselm import CapturedStep
-from fuselm.demo.training import Forward, sync
+
+from .training import Forward, sync
 
 Step = Callable[[int], torch.Tensor]
 """One whole training step (forward, backward, optimizer): step index -> the detached values to log."""

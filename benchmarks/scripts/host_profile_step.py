@@ -21,11 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+from fuselm_bench import e2e, step_timing, training
 from torch.profiler import ProfilerActivity, profile
-
-from fuselm_bench import e2e, step_timing
-
-from fuselm.demo import training
 
 
 def measure(provider: str, model: str, batch: int, seq: int, steps: int, top: int, out: Path | None) -> str:

@@ -21,11 +21,10 @@ import traceback
 import warnings
 
 import torch
-from fuselm_bench import e2e, step_timing
+from fuselm_bench import e2e, step_timing, training
 from fuselm_bench.harness import blocking_sync
 
 import fuselm.ops.linear_cross_entropy.op as lce_op
-from fuselm.demo import training
 
 
 def patched_step(provider: str, model: str):

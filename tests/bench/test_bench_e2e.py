@@ -16,12 +16,11 @@ import sys
 
 import pytest
 import torch
-from fuselm_bench import e2e, fresh_process, registry, step_timing
+from fuselm_bench import e2e, fresh_process, registry, step_timing, training
 from fuselm_bench.arguments import UsageError
 from fuselm_bench.cli import build_parser
 
 from fuselm.cli import main
-from fuselm.demo import training
 
 CPU = torch.device("cpu")
 GIB = 1 << 30

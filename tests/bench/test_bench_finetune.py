@@ -144,9 +144,7 @@ def test_saved_model_loads_back_with_its_tokenizer(tmp_path):
     assert tok.pad_token_id == settings["pad_token_id"] != tok.eos_token_id == settings["eos_token_id"]
     assert tok.pad_token == "<pad>" and tok("t7 t9")["input_ids"] == [7, 9]
     # the same seeded init as the in-process build
-    from fuselm_bench import e2e
-
-    from fuselm.demo import training
+    from fuselm_bench import e2e, training
 
     torch.manual_seed(0)
     config = training.causal_lm_config("qwen3", settings, "sdpa")

@@ -1,20 +1,13 @@
-"""The shared pieces of the benchmarks and the demo: the training loop, the argument parsers, the report
-helpers (their docstring examples), and the import direction (the command line sits on top)."""
+"""The shared pieces of the lab: its training loop, the argument parsers, the report helpers (their
+docstring examples)."""
 
 from __future__ import annotations
 
-import ast
 import doctest
-from pathlib import Path
 
 import pytest
 import torch
-from fuselm_bench import arguments, cases, fresh_process, harness, nf4_checkpoint, report
-
-import fuselm
-from fuselm.demo import training
-
-SRC = Path(fuselm.__file__).resolve().parent
+from fuselm_bench import arguments, cases, fresh_process, harness, nf4_checkpoint, report, training
 
 
 @pytest.mark.parametrize(
@@ -55,6 +48,17 @@ def test_train_times_the_steps_after_warmup_and_meters_the_first():
     )
 
 
+def test_saved_tensor_meter_counts_live_storages_once():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with training.SavedTensorMeter(exclude=[w]) as meter:
+        y = (x @ w).sin()  # mm saves x (w excluded), sin saves its [4, 8] input
+        z = (y * y).sum()  # saves y twice: one storage
+        assert meter.live_bytes() == 3 * 4 * 8 * 4
+        del y, z
+        assert meter.live_bytes() == 0  # the graph is gone: nothing is saved any more
+
+
 def test_build_llama_matches_transformers_own_build():
     """The shared build (default dtype set, then the constructor) gives the weights transformers' own
     ``_from_config(dtype=...)`` gives for the same seed: the e2e benchmark's init did not change."""
@@ -62,47 +66,12 @@ def test_build_llama_matches_transformers_own_build():
     from fuselm_bench import e2e
     from transformers import LlamaForCausalLM
 
-    config = training.llama_config(e2e.MODELS[e2e.DEFAULT_MODEL].settings(tiny=True), "sdpa")
+    config = training.causal_lm_config("llama", e2e.MODELS[e2e.DEFAULT_MODEL].settings(tiny=True), "sdpa")
     torch.manual_seed(0)
-    ours = training.build_llama(config, "cpu", torch.bfloat16)
+    ours = training.build_causal_lm(config, "cpu", torch.bfloat16)
     torch.manual_seed(0)
     theirs = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert ours.model.rotary_emb.inv_freq.dtype == torch.float32 and ours.training
     assert config._attn_implementation == "sdpa" and not config.use_cache
-
-
-def _imports(path: Path) -> list[str]:
-    module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
-    names = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = module.split(".")[: -node.level] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else []))
-            names += [target, *(f"{target}.{a.name}" for a in node.names)]
-    return names
-
-
-@pytest.mark.parametrize("folder", ["bench", "demo"])
-def test_nothing_below_the_command_line_imports_it(folder):
-    bad = [
-        f"{path.relative_to(SRC)} imports {name}"
-        for path in sorted((SRC / folder).rglob("*.py"))
-        for name in _imports(path)
-        if name == "fuselm.cli" or name.startswith("fuselm.cli.")
-    ]
-    assert not bad, bad
-
-
-def test_bench_does_not_import_demo():
-    """One direction between the two: the demo uses the bench's training loop, never the reverse."""
-    bad = [
-        f"{path.relative_to(SRC)} imports {name}"
-        for path in sorted((SRC / "bench").rglob("*.py"))
-        for name in _imports(path)
-        if name == "fuselm.demo" or name.startswith("fuselm.demo.")
-    ]
-    assert not bad, bad

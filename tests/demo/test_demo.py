@@ -16,7 +16,10 @@ from fuselm.demo import train as demo
 from fuselm.ops._common.testing import assert_numerics
 
 # A few seconds for both runs on 2 cores: GQA, tied embeddings, the 256-byte vocabulary, fp32.
-TINY = demo.ModelSize(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+TINY = dict(
+    hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=256,
+)  # fmt: skip
 
 
 def tiny_settings(steps: int = 8) -> demo.DemoSettings:
@@ -64,12 +67,31 @@ def test_default_settings():
     cpu = demo.default_settings("cpu")
     assert cpu.size == demo.CPU_SIZE and cpu.dtype == torch.float32
     gpu = demo.default_settings("cuda", steps=5, seq=512)
-    assert gpu.size.vocab == 128256 and gpu.size.hidden == 2048 and gpu.size.layers == 16
+    assert gpu.size["vocab_size"] == 128256 and gpu.size["hidden_size"] == 2048
+    assert gpu.size["num_hidden_layers"] == 16
     assert gpu.dtype == torch.bfloat16 and (gpu.steps, gpu.batch, gpu.seq) == (5, 2, 512)
     with pytest.raises(ValueError, match="device"):
         demo.default_settings("tpu")
     with pytest.raises(ValueError, match="steps"):
         demo.default_settings("cpu", steps=0)
+
+
+def test_build_model_matches_transformers_own_build():
+    """The demo's build (default dtype set, then the constructor) gives the weights transformers' own
+    ``_from_config(dtype=...)`` gives for the same seed, with fp32 rotary buffers, sdpa and no cache."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    settings = dataclasses.replace(tiny_settings(), dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    ours = demo.build_model(settings)
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM._from_config(ours.config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert ours.model.rotary_emb.inv_freq.dtype == torch.float32 and ours.training
+    assert ours.config._attn_implementation == "sdpa" and not ours.config.use_cache
+    assert ours.config.tie_word_embeddings and ours.config.vocab_size == 256
 
 
 def test_saved_tensor_meter_counts_live_storages_once():
@@ -127,12 +149,11 @@ def test_loss_curves_agree_by_the_numerics_rule(tiny_run):
     """The numerics rule of docs/design.md on the loss curve: the fuselm fp32 run must be as close to a
     float64 run (HF, unpatched, same init and batches) as the HF fp32 run is, up to fp32's atol."""
     settings, result, _ = tiny_run
-    config = demo.llama_config(settings)
-    state = demo.initial_state(settings, config)
+    state = demo.initial_state(settings)
     batches = demo.sample_batches(
         demo.load_corpus(), steps=settings.steps, batch=settings.batch, seq=settings.seq, seed=settings.seed
     )
-    model = demo.build_model(config, "cpu", torch.float64, state)
+    model = demo.build_model(settings, torch.float64, state)
     f64 = demo.train(model, batches, lr=settings.lr, name="fp64", warmup=settings.warmup, progress=False)
     assert_numerics(
         "loss curve",
@@ -150,7 +171,7 @@ def test_patch_is_undone_after_the_run(tiny_run):
     import fuselm.hf
 
     assert not fuselm.hf.is_patched("llama")
-    model = demo.build_model(demo.llama_config(tiny_run[0]), "cpu", torch.float32)
+    model = demo.build_model(tiny_run[0])
     assert not fuselm.hf.is_patched(model)
 
 

@@ -1,86 +1,47 @@
-"""Train a Llama-shaped model twice from the same init: Hugging Face eager, then patched with fuselm.
+"""Train a Llama-shaped model twice from the same init and batches: Hugging Face eager, then
+``fuselm.hf.patch``-ed (fuselm's RMSNorm, RoPE, SwiGLU and the loss from the hidden states, no logits).
 
-The job of ``fuselm demo``. Both runs see the same initial weights (one ``state_dict``, built once under
-``torch.manual_seed``) and the same batches in the same order (windows of the shipped corpus, tokenized
-as bytes, sampled with a seeded generator), with the same optimizer. What differs is only
-``fuselm.hf.patch(model)``: RMSNorm, RoPE and the SwiGLU MLP run fuselm's ops, and the loss comes from
-the hidden states through the fused linear cross-entropy (no ``[B, T, V]`` logits).
-
-Per run it records the loss of every step, tokens/s (after ``warmup`` steps), the peak allocated CUDA
-memory, and on every device the bytes of the activations autograd keeps for backward (measured with
-``torch.autograd.graph.saved_tensors_hooks`` during the first step, parameters excluded).
-
-Sizes: on CUDA the shape of Llama-3.2-1B (vocabulary 128256, bf16; the ids are still bytes, the large
-vocabulary is what makes the loss layer matter); on CPU a tiny model in fp32 with a 256-entry vocabulary
-that trains in seconds, where fuselm dispatches to its PyTorch reference paths.
+Per run: the loss of every step, tokens/s after the warmup, peak CUDA memory, and the activations autograd
+saves for backward in the first step (parameters excluded). CUDA: the Llama-3.2-1B shape in bf16 (ids are
+still bytes); CPU: a tiny fp32 model with the 256 byte values as vocabulary (fuselm's PyTorch paths).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import platform
+import time
+import weakref
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import metadata, resources, util
 from pathlib import Path
 
 import torch
 
-from . import training
-from .training import SavedTensorMeter as SavedTensorMeter  # the demo's meter, named here too
-from .training import free_memory
-
-CORPUS = "corpus.txt"
-PNG_NAME = "fuselm_demo.png"
-JSON_NAME = "fuselm_demo.json"
+PNG_NAME, JSON_NAME = "fuselm_demo.png", "fuselm_demo.json"
 INSTALL_HINT = 'fuselm demo needs transformers: pip install "fuselm[demo]"'
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    """The shape of the Llama model the demo trains (``LlamaConfig`` fields)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
-
-
-# Llama-3.2-1B (its rope scaling aside: the demo's sequences are short).
-GPU_SIZE = ModelSize(
-    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256
-)
-# Tiny, for a CPU: both runs in seconds. The vocabulary is just the 256 byte values.
-CPU_SIZE = ModelSize(hidden=128, intermediate=384, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=256)
+# The Llama shapes (``LlamaConfig`` keyword arguments): Llama-3.2-1B's on CUDA, a tiny one on CPU.
+GPU_SIZE = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, vocab_size=128256,
+)  # fmt: skip
+CPU_SIZE = dict(
+    hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, vocab_size=256,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Everything that defines a demo run. :func:`default_settings` gives the per-device defaults.
-
-    Attributes:
-        device: ``"cuda"`` or ``"cpu"``.
-        size: the model shape.
-        dtype: of the weights (and the optimizer state): bf16 on CUDA, fp32 on CPU.
-        steps: optimizer steps per run.
-        batch, seq: ``B`` sequences of ``T`` byte tokens per step.
-        lr: AdamW learning rate (constant).
-        warmup: the first steps left out of tokens/s (kernel compilation, allocator warm-up).
-        seed: of the initial weights and of the batch sampling.
-        attn_implementation: the Hugging Face attention of both runs.
-        threads: ``torch.set_num_threads`` during the runs (restored after), None to leave it. CPU: 1, as
-            the tiny model's ops are too small to gain from more, and on a busy machine more threads
-            make them many times slower (spinning OpenMP workers), which would make tokens/s noise.
-    """
+    """``steps`` AdamW steps of ``batch`` x ``seq`` bytes; tokens/s after ``warmup``; ``seed``: init, data."""
 
     device: str
-    size: ModelSize
+    size: dict  # LlamaConfig keyword arguments: GPU_SIZE, CPU_SIZE
     dtype: torch.dtype
     steps: int
     batch: int
@@ -88,51 +49,37 @@ class DemoSettings:
     lr: float
     warmup: int = 2
     seed: int = 0
-    attn_implementation: str = "sdpa"
-    threads: int | None = None
 
 
-def default_settings(
-    device: str, *, steps: int | None = None, batch: int | None = None, seq: int | None = None
-) -> DemoSettings:
-    """The demo's defaults for ``device`` (``"cuda"``: Llama-3.2-1B shape, bf16, 2 x 2048, 30 steps;
-    ``"cpu"``: the tiny model, fp32, 4 x 128, 100 steps, one thread), with ``steps``/``batch``/``seq``
-    overridden when given.
+def default_settings(device: str, *, steps=None, batch=None, seq=None) -> DemoSettings:
+    """CUDA: Llama-3.2-1B shape, bf16, 30 steps of 2 x 2048; CPU: the tiny model, fp32, 100 steps of
+    4 x 128; ``steps``/``batch``/``seq`` override.
 
     Example:
         >>> s = default_settings("cpu", steps=5)
-        >>> s.steps, s.batch, s.seq, s.size.vocab, s.dtype
+        >>> s.steps, s.batch, s.seq, s.size["vocab_size"], s.dtype
         (5, 4, 128, 256, torch.float32)
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
-        if value is not None and (not isinstance(value, int) or value <= 0):
+    overrides = {k: v for k, v in (("steps", steps), ("batch", batch), ("seq", seq)) if v is not None}
+    for name, value in overrides.items():
+        if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if device == "cuda":
         base = DemoSettings("cuda", GPU_SIZE, torch.bfloat16, steps=30, batch=2, seq=2048, lr=3e-4)
     else:
-        base = DemoSettings("cpu", CPU_SIZE, torch.float32, steps=100, batch=4, seq=128, lr=1e-3, threads=1)
-    overrides = {k: v for k, v in (("steps", steps), ("batch", batch), ("seq", seq)) if v is not None}
+        base = DemoSettings("cpu", CPU_SIZE, torch.float32, steps=100, batch=4, seq=128, lr=1e-3)
     return dataclasses.replace(base, **overrides)
 
 
-# ---- data ----
-
-
 def load_corpus() -> bytes:
-    """The text shipped with the package (``fuselm/demo/corpus.txt``), as bytes.
-
-    Example:
-        >>> len(load_corpus()) > 10_000
-        True
-    """
-    return resources.files(__package__).joinpath(CORPUS).read_bytes()
+    """The text shipped with the package (``fuselm/demo/corpus.txt``), as bytes."""
+    return resources.files(__package__).joinpath("corpus.txt").read_bytes()
 
 
 def sample_batches(data: bytes, *, steps: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
-    """``steps`` batches of token ids ``[batch, seq]`` (int64, token id = byte value): windows of ``data``
-    at offsets drawn by a ``torch.Generator`` seeded with ``seed`` (the same list for the same arguments).
+    """``steps`` int64 ``[batch, seq]`` batches (token id = byte value), windows at seeded offsets.
 
     Example:
         >>> b = sample_batches(b"abcdefgh" * 4, steps=2, batch=3, seq=5, seed=0)
@@ -141,81 +88,80 @@ def sample_batches(data: bytes, *, steps: int, batch: int, seq: int, seed: int) 
     """
     if len(data) < seq:
         raise ValueError(f"seq must be at most the corpus length ({len(data)} bytes), got {seq}")
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)  # [n]
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(data) - seq + 1, (steps, batch), generator=gen)  # [steps, B]
-    window = torch.arange(seq)
-    return [tokens[s[:, None] + window] for s in starts]
+    starts = torch.randint(0, len(data) - seq + 1, (steps, batch), generator=gen)
+    return [tokens[s[:, None] + torch.arange(seq)] for s in starts]
 
 
-# ---- model ----
+def build_model(settings: DemoSettings, dtype: torch.dtype | None = None, state=None):
+    """The ``LlamaForCausalLM`` of ``settings`` (from code: nothing downloaded; sdpa, no cache), built on
+    its device in ``dtype`` (default: the settings') as the default dtype, so the rotary buffers stay fp32
+    as with ``from_pretrained``; loaded from ``state`` if given; in training mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-
-def _transformers():
+    config = LlamaConfig(
+        **settings.size, max_position_embeddings=max(settings.seq, 2048), rms_norm_eps=1e-5, use_cache=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or settings.dtype)
     try:
-        import transformers
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
-    return transformers
+        with torch.device(settings.device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.train()
 
 
-def llama_config(settings: DemoSettings):
-    """The ``transformers.LlamaConfig`` of ``settings`` (built from code, nothing downloaded)."""
-    _transformers()
-    s = settings.size
-    model = {
-        "hidden_size": s.hidden,
-        "intermediate_size": s.intermediate,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "vocab_size": s.vocab,
-        "max_position_embeddings": max(settings.seq, 2048),
-        "rope_theta": s.rope_theta,
-        "rope_scaling": {"rope_type": "default"},
-        "rms_norm_eps": s.rms_norm_eps,
-        "tie_word_embeddings": s.tie_word_embeddings,
-    }
-    return training.llama_config(model, settings.attn_implementation)
-
-
-def build_model(config, device: str, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None):
-    """A ``LlamaForCausalLM`` of ``config`` on ``device`` in ``dtype``, loaded from ``state`` if given
-    (:func:`fuselm.demo.training.build_llama`)."""
-    _transformers()
-    return training.build_llama(config, device, dtype, state)
-
-
-def initial_state(settings: DemoSettings, config=None) -> dict[str, torch.Tensor]:
-    """The initial weights both runs start from: a model built under ``torch.manual_seed(settings.seed)``,
-    its ``state_dict`` copied to the CPU (so it takes no device memory during the runs)."""
-    config = config if config is not None else llama_config(settings)
+def initial_state(settings: DemoSettings) -> dict[str, torch.Tensor]:
+    """The weights both runs start from: a model built under ``torch.manual_seed(seed)``, copied to CPU."""
     torch.manual_seed(settings.seed)
-    model = build_model(config, settings.device, settings.dtype)
-    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    del model
-    free_memory(torch.device(settings.device))
-    return state
+    return {k: v.detach().to("cpu", copy=True) for k, v in build_model(settings).state_dict().items()}
 
 
-# ---- measurement ----
+class _Box(list):  # [tensor]: what autograd keeps for a saved tensor, it dies with the saved slot
+    pass
+
+
+class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the tensors autograd keeps for backward (unique storages, ``exclude``'s not counted) that
+    are still saved when :meth:`live_bytes` is called.
+
+    Example:
+        >>> w = torch.randn(8, 8, requires_grad=True)
+        >>> with SavedTensorMeter(exclude=[w]) as meter:
+        ...     y = (torch.randn(4, 8) @ w).sin().sum()
+        ...     meter.live_bytes()  # the [4, 8] fp32 inputs of the matmul and of sin
+        256
+    """
+
+    def __init__(self, exclude=()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._boxes: list[weakref.ref] = []
+        super().__init__(self._pack, lambda box: box[0])
+
+    def _pack(self, tensor: torch.Tensor) -> _Box:
+        self._boxes.append(weakref.ref(box := _Box([tensor])))
+        return box
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        storages = (box[0].untyped_storage() for ref in self._boxes if (box := ref()) is not None)
+        sizes = {s.data_ptr(): s.nbytes() for s in storages if s.data_ptr() not in self._exclude | {0}}
+        return sum(sizes.values())
+
+    def __enter__(self) -> SavedTensorMeter:
+        super().__enter__()
+        return self
 
 
 @dataclass
 class RunResult:
-    """What one training run measured.
-
-    Attributes:
-        name: the row label.
-        losses: the loss of every step (float).
-        tokens_per_s: tokens of the steps after the warmup divided by their wall time (None if there are
-            no such steps).
-        peak_bytes: ``torch.cuda.max_memory_allocated()`` over the run (weights, gradients, AdamW state,
-            activations); None on CPU.
-        saved_bytes: activations saved for backward during the first step (parameters excluded).
-        seconds: wall time of the whole run.
-    """
+    """One run: per-step losses, tokens/s after warmup, peak CUDA memory, first step's saved activations."""
 
     name: str
     losses: list[float] = field(default_factory=list)
@@ -225,76 +171,43 @@ class RunResult:
     seconds: float = 0.0
 
 
-def train(
-    model,
-    batches: list[torch.Tensor],
-    *,
-    lr: float,
-    name: str,
-    warmup: int = 2,
-    progress: bool = True,
-) -> RunResult:
-    """Train ``model`` on ``batches`` (labels = input_ids; Hugging Face shifts them) with AdamW at a fixed
-    ``lr``, one optimizer step per batch; returns the per-step losses and the measurements.
-
-    The loop is :func:`fuselm.demo.training.train`: the first step runs inside a :class:`SavedTensorMeter`
-    (the saved-activation figure); tokens/s counts the steps after ``warmup``; each step's loss is read as
-    it ends (the progress bar shows it). On CUDA the peak memory statistics are reset at the start.
-
-    Shapes: every batch is ``[B, T]`` int64 token ids below the model's vocabulary size.
-
-    Example:
-        >>> import torch
-        >>> from fuselm.demo.train import build_model, default_settings, llama_config, load_corpus
-        >>> from fuselm.demo.train import sample_batches, train
-        >>> s = default_settings("cpu", steps=3, batch=1, seq=16)
-        >>> batches = sample_batches(load_corpus(), steps=3, batch=1, seq=16, seed=0)
-        >>> model = build_model(llama_config(s), "cpu", torch.float32)
-        >>> run = train(model, batches, lr=1e-3, name="HF", warmup=1, progress=False)
-        >>> len(run.losses), run.saved_bytes > 0, run.tokens_per_s > 0, run.peak_bytes
-        (3, True, True, None)
-    """
+def train(model, batches: list[torch.Tensor], *, lr: float, name: str, warmup=2, progress=True) -> RunResult:
+    """One AdamW step per batch (labels = input_ids); the first forward metered, parameters excluded."""
     from tqdm.auto import tqdm
 
-    params = list(model.parameters())
-    device = params[0].device
-    cuda = device.type == "cuda"
+    params, run = list(model.parameters()), RunResult(name)
+    cuda = (device := params[0].device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    bar = tqdm(total=len(batches), desc=name, disable=not progress, leave=True, unit="step")
-
-    def show_loss(step: int, loss: torch.Tensor) -> None:
-        bar.set_postfix(loss=f"{loss.item():.4f}")  # syncs: the step is done
-        bar.update()
-
-    run = training.train(
-        training.causal_lm_loss(model),
-        params,
-        batches,
-        lr=lr,
-        fused_adamw=cuda,
-        warmup=warmup,
-        measure_saved=True,
-        on_step=show_loss,
-    )
-    bar.close()
-    return RunResult(
-        name=name,
-        losses=run.logged,
-        tokens_per_s=run.tokens_per_s(batches[0].numel()),
-        peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
-        saved_bytes=run.saved_bytes or 0,
-        seconds=run.seconds,
-    )
-
-
-# ---- the demo ----
+        torch.cuda.reset_peak_memory_stats()
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=cuda)
+    bar = tqdm(batches, desc=name, disable=not progress, unit="step")
+    sync()
+    start = timed = time.perf_counter()
+    for step, ids in enumerate(bar):
+        if step == warmup:
+            sync()
+            timed = time.perf_counter()
+        ids = ids.to(device)
+        with SavedTensorMeter(exclude=params) if step == 0 else contextlib.nullcontext() as meter:
+            loss = model(input_ids=ids, labels=ids).loss
+            run.saved_bytes = meter.live_bytes() if meter else run.saved_bytes
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.losses.append(loss.item())
+        bar.set_postfix(loss=f"{run.losses[-1]:.4f}")
+    sync()
+    end = time.perf_counter()
+    if len(batches) > warmup:
+        run.tokens_per_s = (len(batches) - warmup) * batches[0].numel() / (end - timed)
+    run.peak_bytes = torch.cuda.max_memory_allocated() if cuda else None
+    run.seconds = end - start
+    return run
 
 
 @dataclass
 class DemoResult:
-    """Both runs and their comparison (see :func:`compare`)."""
-
     settings: DemoSettings
     hf: RunResult
     fuselm: RunResult
@@ -304,9 +217,7 @@ class DemoResult:
 
 
 def compare(reference: list[float], other: list[float]) -> dict[str, float]:
-    """How far the ``other`` loss curve is from ``reference``: ``max_abs`` (max over steps of
-    ``|other - reference|``), ``max_rel`` (of that divided by ``|reference|``) and ``curve_rel``
-    (``||other - reference|| / ||reference||`` over all steps, the measure of the numerics rule).
+    """``max_abs`` and ``max_rel`` step differences of two loss curves, ``curve_rel`` the relative norm.
 
     Example:
         >>> c = compare([2.0, 1.0], [2.0, 1.001])
@@ -314,167 +225,78 @@ def compare(reference: list[float], other: list[float]) -> dict[str, float]:
         (0.001, 0.001)
     """
     if len(reference) != len(other) or not reference:
-        raise ValueError(
-            f"loss curves must have the same nonzero length, got {len(reference)} and {len(other)}"
-        )
+        raise ValueError(f"loss curves must have the same nonzero length, got {len(reference)}, {len(other)}")
     ref = torch.tensor(reference, dtype=torch.float64)
-    oth = torch.tensor(other, dtype=torch.float64)
-    diff = (oth - ref).abs()
-    return {
-        "max_abs": diff.max().item(),
-        "max_rel": (diff / ref.abs()).max().item(),
-        "curve_rel": (torch.linalg.vector_norm(oth - ref) / torch.linalg.vector_norm(ref)).item(),
-    }
+    diff = torch.tensor(other, dtype=torch.float64) - ref
+    rel = {"max_rel": (diff.abs() / ref.abs()).max().item(), "curve_rel": (diff.norm() / ref.norm()).item()}
+    return {"max_abs": diff.abs().max().item(), **rel}
 
 
-def _meta(settings: DemoSettings) -> dict[str, str]:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    transformers = _transformers()
-    if settings.device == "cuda":
-        device_name = torch.cuda.get_device_name()
-    else:
-        threads = torch.get_num_threads()
-        device_name = f"CPU ({platform.machine()}, {threads} thread{'s' if threads > 1 else ''})"
-    return {
-        "device": device_name,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "triton": triton_version,
-    }
-
-
-def run_demo(
-    settings: DemoSettings, out: str | Path | None = ".", *, progress: bool = True, log=print
-) -> DemoResult:
-    """Train the model of ``settings`` twice from the same init (Hugging Face eager, then
-    ``fuselm.hf.patch``-ed) and, when ``out`` is not None, write ``fuselm_demo.png`` and
-    ``fuselm_demo.json`` there.
-
-    Args:
-        settings: sizes, steps and device (:func:`default_settings`).
-        out: output folder (created if missing), or None to write nothing.
-        progress: show a tqdm bar per run.
-        log: where the status lines go (``print``; a no-op to silence them).
-
-    Returns:
-        a :class:`DemoResult`; ``result.paths`` holds the files written.
-
-    Raises:
-        ImportError: transformers is missing (``pip install "fuselm[demo]"``).
-        RuntimeError: the baseline model is already patched (``fuselm.hf.patch("llama")`` in force).
+def run_demo(settings: DemoSettings, out=".", *, progress: bool = True, log=print) -> DemoResult:
+    """Both runs; ``fuselm_demo.png`` and ``.json`` written into ``out`` unless None. CPU runs use one
+    thread (tiny ops gain nothing from more; on a busy machine, spinning workers make tokens/s noise).
 
     Example:
-        >>> from fuselm.demo import default_settings, run_demo
-        >>> result = run_demo(default_settings("cpu", steps=3), out=None, progress=False,
-        ...                   log=lambda *a: None)
-        >>> len(result.hf.losses), len(result.fuselm.losses), result.comparison["max_rel"] < 1e-4
-        (3, 3, True)
+        >>> result = run_demo(default_settings("cpu", steps=3), out=None, progress=False, log=lambda *a: None)
+        >>> len(result.fuselm.losses), result.comparison["max_rel"] < 1e-4
+        (3, True)
         >>> result.fuselm.saved_bytes < result.hf.saved_bytes
         True
     """
-    _transformers()
-    previous_threads = torch.get_num_threads()
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
+    import fuselm.hf
+
+    threads, cuda = torch.get_num_threads(), settings.device == "cuda"
+    torch.set_num_threads(threads if cuda else 1)
+    meta = {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, 1 thread)"}
+    for n in ("torch", "transformers", "triton"):
+        meta[n] = metadata.version(n) if util.find_spec(n) else "not installed"
+    log("; ".join(f"{k} {v}" for k, v in meta.items()))
+    s, runs = settings, []
+    log(f"model: Llama {s.size}, {s.dtype}; {s.steps} steps of {s.batch} x {s.seq} bytes, AdamW lr {s.lr:g}")
+    batches = sample_batches(load_corpus(), steps=s.steps, batch=s.batch, seq=s.seq, seed=s.seed)
     try:
-        result = _run_both(settings, progress=progress, log=log)
+        state = initial_state(s)
+        for name, patch in (("HF eager", False), ("fuselm", True)):
+            model = build_model(s, state=state)
+            if fuselm.hf.is_patched(model):
+                raise RuntimeError("the HF baseline is already patched: fuselm.hf.unpatch('llama') first")
+            try:
+                model = fuselm.hf.patch(model) if patch else model
+                runs.append(train(model, batches, lr=s.lr, name=name, warmup=s.warmup, progress=progress))
+            finally:
+                fuselm.hf.unpatch(model)  # also restores HF's rotary function; a no-op on the baseline
+                del model
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
     finally:
-        torch.set_num_threads(previous_threads)
+        torch.set_num_threads(threads)
+    result = DemoResult(s, *runs, compare(runs[0].losses, runs[1].losses), meta)
     if out is not None:
-        result.paths = write_outputs(result, out, log=log)
+        result.paths = write_outputs(result, Path(out), log)
     return result
 
 
-def _run_both(settings: DemoSettings, *, progress: bool, log) -> DemoResult:
-    import fuselm.hf
-
-    config = llama_config(settings)
-    meta = _meta(settings)
-    s = settings.size
-    log(
-        f"device: {meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}, "
-        f"triton {meta['triton']}"
-    )
-    log(
-        f"model: Llama, hidden {s.hidden}, intermediate {s.intermediate}, {s.layers} layers, "
-        f"{s.heads}/{s.kv_heads} heads, vocab {s.vocab}, {str(settings.dtype).removeprefix('torch.')}; "
-        f"{settings.steps} steps of {settings.batch} x {settings.seq} byte tokens, AdamW lr {settings.lr:g}"
-    )
-    corpus = load_corpus()
-    batches = sample_batches(
-        corpus, steps=settings.steps, batch=settings.batch, seq=settings.seq, seed=settings.seed
-    )
-    state = initial_state(settings, config)
-
-    model = build_model(config, settings.device, settings.dtype, state)
-    if fuselm.hf.is_patched(model):
-        raise RuntimeError(
-            "the Hugging Face baseline is already patched (fuselm.hf.patch('llama') is in force in this "
-            "process); fuselm.hf.unpatch('llama') before running the demo"
-        )
-    hf = train(model, batches, lr=settings.lr, name="HF eager", warmup=settings.warmup, progress=progress)
-    del model
-    free_memory(torch.device(settings.device))
-
-    model = fuselm.hf.patch(build_model(config, settings.device, settings.dtype, state))
-    try:
-        ours = train(model, batches, lr=settings.lr, name="fuselm", warmup=settings.warmup, progress=progress)
-    finally:
-        fuselm.hf.unpatch(model)
-        del model
-        free_memory(torch.device(settings.device))
-
-    return DemoResult(settings, hf, ours, compare(hf.losses, ours.losses), meta)
-
-
-# ---- report ----
-
-
-def _gib(n: int | None) -> str:
-    return "n/a (CPU)" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _rate(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:,.0f}"
-
-
 def format_table(result: DemoResult) -> str:
-    """The markdown table of both runs and the line on loss agreement.
-
-    Example:
-        >>> print(format_table(result))                                              # doctest: +SKIP
-        | run | final loss | max abs loss diff vs HF (rel) | tokens/s | peak memory | saved activations |
-        ...
-    """
+    """The markdown table of both runs, then the loss agreement."""
     hf, ours, c = result.hf, result.fuselm, result.comparison
-    saved_ratio = f" ({ours.saved_bytes / hf.saved_bytes:.2f}x)" if hf.saved_bytes else ""
-    peak_ratio = f" ({ours.peak_bytes / hf.peak_bytes:.2f}x)" if hf.peak_bytes and ours.peak_bytes else ""
-    speed = f" ({ours.tokens_per_s / hf.tokens_per_s:.2f}x)" if hf.tokens_per_s and ours.tokens_per_s else ""
-    rows = [
-        "| run | final loss | max abs loss diff vs HF (rel) | tokens/s | peak memory | saved activations |",
-        "|---|---|---|---|---|---|",
-        f"| HF transformers, eager | {hf.losses[-1]:.4f} | (reference) | {_rate(hf.tokens_per_s)} | "
-        f"{_gib(hf.peak_bytes)} | {_mib(hf.saved_bytes)} |",
-        f"| fuselm.hf.patch | {ours.losses[-1]:.4f} | {c['max_abs']:.2e} ({c['max_rel']:.2e}) | "
-        f"{_rate(ours.tokens_per_s)}{speed} | {_gib(ours.peak_bytes)}{peak_ratio} | "
-        f"{_mib(ours.saved_bytes)}{saved_ratio} |",
-    ]
-    n = len(hf.losses)
     lines = [
-        "\n".join(rows),
+        "| run | final loss | max abs loss diff vs HF (rel) | tokens/s | peak memory | saved activations |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    diff = f"{c['max_abs']:.2e} ({c['max_rel']:.2e})"
+    for label, run, gap in (("HF transformers, eager", hf, "(reference)"), ("fuselm.hf.patch", ours, diff)):
+        x = (lambda a, b: f" ({a / b:.2f}x)" if a and b else "") if run is ours else (lambda a, b: "")
+        rate = "n/a" if run.tokens_per_s is None else f"{run.tokens_per_s:,.0f}"
+        peak = "n/a (CPU)" if run.peak_bytes is None else f"{run.peak_bytes / 2**30:.2f} GiB"
+        rate, peak = rate + x(run.tokens_per_s, hf.tokens_per_s), peak + x(run.peak_bytes, hf.peak_bytes)
+        saved = f"{run.saved_bytes / 2**20:.1f} MiB{x(run.saved_bytes, hf.saved_bytes)}"
+        lines.append(f"| {label} | {run.losses[-1]:.4f} | {gap} | {rate} | {peak} | {saved} |")
+    lines += [
         "",
-        f"loss agreement: the fuselm loss curve is {c['curve_rel']:.2e} away from the HF curve "
-        f"(relative norm over {n} steps); largest step difference {c['max_abs']:.2e} "
-        f"(relative {c['max_rel']:.2e}).",
+        f"loss agreement: the fuselm loss curve is {c['curve_rel']:.2e} away from the HF curve (relative "
+        f"norm over {len(hf.losses)} steps); largest step difference {c['max_abs']:.2e} (relative "
+        f"{c['max_rel']:.2e}).",
         "saved activations: tensors autograd keeps for backward during one step, parameters excluded.",
     ]
     if result.settings.device == "cpu":
@@ -485,70 +307,39 @@ def format_table(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
-def to_json(result: DemoResult) -> dict:
-    """The numbers of ``result`` as a JSON-serializable dict."""
-    settings = dataclasses.asdict(result.settings)
-    settings["dtype"] = str(result.settings.dtype).removeprefix("torch.")
-    return {
-        "settings": settings,
-        "meta": result.meta,
-        "runs": {"hf": dataclasses.asdict(result.hf), "fuselm": dataclasses.asdict(result.fuselm)},
-        "comparison": result.comparison,
-    }
-
-
-def write_outputs(result: DemoResult, out: str | Path, *, log=print) -> dict[str, str]:
-    """Write ``fuselm_demo.json`` and (with matplotlib) ``fuselm_demo.png`` into ``out``; returns the
-    paths written by kind (``"json"``, ``"png"``)."""
-    out = Path(out)
+def write_outputs(result: DemoResult, out: Path, log=print) -> dict[str, str]:
+    """``fuselm_demo.json`` (settings, versions, both runs, comparison) and, with matplotlib, the plot."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    json_path = out / JSON_NAME
-    json_path.write_text(json.dumps(to_json(result), indent=2) + "\n")
-    paths["json"] = str(json_path)
+    record, dtype = dataclasses.asdict(result), str(result.settings.dtype).removeprefix("torch.")
+    record["settings"]["dtype"], record["runs"] = dtype, {r: record.pop(r) for r in ("hf", "fuselm")}
+    del record["paths"]
+    (out / JSON_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    paths = {"json": str(out / JSON_NAME)}
     try:
         import matplotlib
     except ImportError:
         log(f'matplotlib is not installed: no {PNG_NAME} (pip install "fuselm[demo]")')
         return paths
     matplotlib.use("Agg")
-    png_path = out / PNG_NAME
-    plot(result, png_path)
-    paths["png"] = str(png_path)
-    return paths
-
-
-def plot(result: DemoResult, path: str | Path) -> None:
-    """Loss curves of both runs on one axis, and bars of peak memory (CUDA) or saved activations (CPU)."""
     import matplotlib.pyplot as plt
 
-    hf, ours = result.hf, result.fuselm
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    hf, ours, s, c = result.hf, result.fuselm, result.settings, result.comparison
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
     steps = range(1, len(hf.losses) + 1)
-    ax_loss.plot(steps, hf.losses, color="tab:gray", linewidth=3.5, alpha=0.6, label="HF transformers, eager")
-    ax_loss.plot(steps, ours.losses, color="tab:blue", linewidth=1.4, linestyle="--", label="fuselm.hf.patch")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss")
-    c = result.comparison
-    ax_loss.set_title(f"loss (curves differ by {c['curve_rel']:.1e}, relative)")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-
-    if hf.peak_bytes is not None and ours.peak_bytes is not None:
-        values, unit, what = [hf.peak_bytes / 2**30, ours.peak_bytes / 2**30], "GiB", "peak memory"
-    else:
-        values, unit, what = [hf.saved_bytes / 2**20, ours.saved_bytes / 2**20], "MiB", "saved activations"
-    bars = ax_mem.bar(["HF eager", "fuselm"], values, color=["tab:gray", "tab:blue"])
-    ax_mem.bar_label(bars, labels=[f"{v:.2f} {unit}" if unit == "GiB" else f"{v:.1f} {unit}" for v in values])
-    ax_mem.set_ylabel(f"{what} ({unit})")
-    ax_mem.set_title(what)
-    ax_mem.set_ylim(0, max(values) * 1.18 if max(values) > 0 else 1)
-    s = result.settings
-    fig.suptitle(
-        f"Llama, hidden {s.size.hidden}, {s.size.layers} layers, vocab {s.size.vocab}; "
-        f"{s.batch} x {s.seq} tokens/step, {str(s.dtype).removeprefix('torch.')}, {result.meta['device']}",
-        fontsize=10,
-    )
+    ax.plot(steps, hf.losses, color="tab:gray", linewidth=3.5, alpha=0.6, label="HF transformers, eager")
+    ax.plot(steps, ours.losses, color="tab:blue", linewidth=1.4, linestyle="--", label="fuselm.hf.patch")
+    ax.set(xlabel="step", ylabel="training loss", title=f"loss (curves differ by {c['curve_rel']:.1e})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    cuda = hf.peak_bytes is not None
+    what, unit = ("peak memory", "GiB") if cuda else ("saved activations", "MiB")
+    values = [(r.peak_bytes if cuda else r.saved_bytes) / 2 ** (30 if cuda else 20) for r in (hf, ours)]
+    bx.bar_label(bx.bar(["HF eager", "fuselm"], values, color=["tab:gray", "tab:blue"]), fmt=f"%.2f {unit}")
+    bx.set(ylabel=f"{what} ({unit})", title=what, ylim=(0, max(values) * 1.18 or 1))
+    z = s.size
+    title = f"Llama, hidden {z['hidden_size']}, {z['num_hidden_layers']} layers, vocab {z['vocab_size']}; "
+    fig.suptitle(title + f"{s.batch} x {s.seq} tokens/step, {dtype}, {result.meta['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(out / PNG_NAME, dpi=120)
     plt.close(fig)
+    return {**paths, "png": str(out / PNG_NAME)}

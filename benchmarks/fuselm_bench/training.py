@@ -1,10 +1,10 @@
-"""Training a Hugging Face Llama and measuring it: the loop ``fuselm demo`` and ``fuselm bench e2e`` /
-``grpo_step`` share.
+"""Training a Hugging Face causal LM and measuring it: the loop of the lab's step benchmarks (``e2e``,
+``finetune``, ``grpo_step``). ``fuselm demo`` has its own, smaller loop in the package.
 
-- :func:`causal_lm_config` (:func:`llama_config`): a ``LlamaConfig`` or ``Qwen3Config`` from keyword
+- :func:`causal_lm_config`: a ``LlamaConfig`` or ``Qwen3Config`` from keyword
   arguments (no cache, the attention asked for), rope settings in whichever form the installed
   transformers takes.
-- :func:`build_causal_lm` (:func:`build_llama`): the model built on the device in the given dtype (the
+- :func:`build_causal_lm`: the model built on the device in the given dtype (the
   rotary buffers stay fp32, as ``from_pretrained(dtype=...)`` leaves them), optionally loaded from a state
   dict.
 - :class:`SavedTensorMeter`: the bytes of the activations autograd keeps for backward.
@@ -81,11 +81,6 @@ def causal_lm_config(family: str, model: dict[str, Any], attn_implementation: st
     return config
 
 
-def llama_config(model: dict[str, Any], attn_implementation: str = "sdpa"):
-    """:func:`causal_lm_config` of a ``LlamaConfig``."""
-    return causal_lm_config("llama", model, attn_implementation)
-
-
 def build_causal_lm(
     config, device: str | torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None
 ):
@@ -109,13 +104,6 @@ def build_causal_lm(
     if state is not None:
         model.load_state_dict(state)
     return model.train()
-
-
-def build_llama(
-    config, device: str | torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None
-):
-    """:func:`build_causal_lm` of a ``LlamaConfig`` (a ``LlamaForCausalLM``)."""
-    return build_causal_lm(config, device, dtype, state)
 
 
 class _Packed:
