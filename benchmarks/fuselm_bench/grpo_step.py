@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import e2e, fresh_process, training
+from . import e2e, fresh_process, step_timing
 from .arguments import UsageError
 from .linear_log_probs import peer_versions, setup_trl
 from .report import md_table
@@ -125,18 +125,13 @@ def train(
             mean_lp, mean_ent = ((x.detach() * m).sum() / n_tokens for x in (log_probs, entropy))
             return loss, torch.stack([loss.detach().float(), mean_lp, mean_ent])
 
-    run = training.train(
-        forward,
-        list(model.parameters()),
-        [b] * (warmup + steps),
-        lr=e2e.LR,
-        fused_adamw=plan.fused_adamw and device.type == "cuda",
-        warmup=warmup,
-    )
+    fused = plan.fused_adamw and device.type == "cuda"
+    step = step_timing.optimizer_step(forward, list(model.parameters()), [b], lr=e2e.LR, fused=fused)
+    run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=0, device=device)
     return {
         "status": "ok",
-        "step_ms": run.timed_s / steps * 1e3,
-        "tokens_per_s": run.tokens_per_s(batch * (prompt + completion)),
+        "step_ms": run.median_step_s * 1e3,
+        "tokens_per_s": batch * (prompt + completion) / run.median_step_s,
         "completion_tokens": int(n_tokens),
         "warmup_s": run.warmup_s,
         **fresh_process.memory_figures(device),
@@ -206,8 +201,8 @@ def notes(report: fresh_process.CaseReport) -> list[str]:
         "zero_grad(set_to_none=True); the same batch every step.",
         "Batch: random ids; completion lengths uniform in [C/2, C] (the rest is padding, target -100); "
         "entropy computed for every completion token and logged (no gradient through it).",
-        "ms/step: wall time of the timed steps (between two device synchronizations) / steps; tokens/s = "
-        "B * (P + C) * steps / that time.",
+        "ms/step: the median of the timed steps, each between two device synchronizations; tokens/s = "
+        "B * (P + C) / that median.",
         "logp / entropy: mean over the completion tokens of the first and the last step (same seed, weights "
         "and batch for every provider: step 1 must agree across providers).",
     ]
