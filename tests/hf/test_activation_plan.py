@@ -496,6 +496,17 @@ def _qlora_maker(tmp_path):
     return src.config, qlora
 
 
+def _probed_qlora(monkeypatch, tmp_path):
+    """(config, the QLoRA maker, a batch, a model planned on it with no limit, its plan); no host room
+    (no kept outputs)."""
+    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
+    config, qlora = _qlora_maker(tmp_path)
+    ids = _batch(256)
+    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
+    _step(probe, ids)
+    return config, qlora, ids, probe, activation_plan.current(probe)
+
+
 def _counting_dequantizations(monkeypatch) -> list[int]:
     """The identities of the 4-bit weights dequantized from now on, one entry per dequantization."""
     from fuselm.lora import frozen
@@ -517,12 +528,7 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
     recompute made (every weight dequantized twice a step: forward, recompute), the plan says so and counts
     them in its peak; 64 bytes less and the backward dequantizes again. The same loss and gradients either
     way."""
-    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
-    config, qlora = _qlora_maker(tmp_path)
-    ids = _batch(256)
-    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
-    _step(probe, ids)
-    f = activation_plan.current(probe)
+    config, qlora, ids, probe, f = _probed_qlora(monkeypatch, tmp_path)
     kept, inp = f.keep_bytes_per_token * f.tokens, f.input_bytes_per_token * f.tokens
     transient = kept + f.remade_bytes_per_token * f.tokens
     layer = probe.base_model.model.model.layers[0]
@@ -559,12 +565,7 @@ def test_a_budget_with_room_to_spare_keeps_4bit_base_weights_dense_across_steps(
     without the room, and taking the plan out (unpatch) gives the memory back."""
     from fuselm.lora import frozen
 
-    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
-    _, qlora = _qlora_maker(tmp_path)
-    ids = _batch(256)
-    probe = fuselm.hf.patch(qlora(), checkpointing="auto", memory_budget=1e6)
-    _step(probe, ids)
-    f = activation_plan.current(probe)
+    _, qlora, ids, probe, f = _probed_qlora(monkeypatch, tmp_path)
     each = activation_plan._dense_bytes(probe.base_model.model.model.layers[0], torch.float32)
     assert f.resident_layers == tuple(range(LAYERS)) and f.resident_bytes == LAYERS * each  # room for all
     assert f"{LAYERS} layers keep their 4-bit base weights dense across steps" in str(f)
