@@ -503,7 +503,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid)
     alloc = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     c.metadata.update({k: os.environ[k] for k in alloc if os.environ.get(k)})
-    return fresh_process.exit_code(fresh_process.run_cli(BENCH, c, progress=not args.no_progress))
+    return fresh_process.run_cli(BENCH, c, progress=not args.no_progress)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.e2e --worker ... (the benchmark: fuselm bench)

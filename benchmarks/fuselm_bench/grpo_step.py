@@ -242,10 +242,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")
     c.metadata.update({k: v for k, v in peer_versions().items() if k == "trl"})
-    report = fresh_process.run_cli(BENCH, c, progress=False)
-    print()
-    print(markdown_table(report))
-    return fresh_process.exit_code(report)
+    return fresh_process.run_cli(BENCH, c, progress=False, summary=markdown_table)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.grpo_step --worker ...
