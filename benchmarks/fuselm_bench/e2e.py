@@ -148,8 +148,6 @@ def build_model(
     ``fuselm`` get identical weights for the same seed."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     shape = MODELS[model]
     apply_provider_before_build(provider, device, shape.family)
     config = training.causal_lm_config(shape.family, shape.settings(preset.tiny), "sdpa")

@@ -467,8 +467,6 @@ def train(
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
-    if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     if provider == "unsloth" and unsloth_failed:
         raise SkipProvider(f"unsloth not importable ({unsloth_failed})")
     cuda = device.type == "cuda"

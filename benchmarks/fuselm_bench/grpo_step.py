@@ -130,10 +130,8 @@ def train(
     run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=0, device=device)
     return {
         "status": "ok",
-        "step_ms": run.median_step_s * 1e3,
-        "tokens_per_s": batch * (prompt + completion) / run.median_step_s,
+        **e2e.step_figures(run, batch * (prompt + completion), device),
         "completion_tokens": int(n_tokens),
-        "warmup_s": run.warmup_s,
         **fresh_process.memory_figures(device),
         **figures,
         "losses": [v[0] for v in run.logged],
