@@ -87,26 +87,15 @@ def run_cases(
     larger of the same other sizes: ``not_run(case, why)`` is its row. ``on_row(rows so far)`` after each.
 
     Example:
-        >>> from dataclasses import dataclass
-        >>> @dataclass
-        ... class R(Row):
-        ...     SHAPE_FIELDS = ("batch",)
-        ...     SHAPE_FORMAT = "B{}"
-        ...     provider: str
-        ...     batch: int
-        ...     status: str = "ok"
-        ...     error: str | None = None
-        ...     peak_bytes: int | None = None
-        ...     def figures(self):
-        ...         return "fine", "1 step"
-        >>> def execute(case):
-        ...     return R(case.provider, case.shape[0], "oom" if case.shape[0] >= 4 else "ok", "too big")
+        >>> from fuselm_bench.harness import OpRow
+        >>> def row(case, oom=None):
+        ...     return OpRow(case.shape, case.provider, "fwd", 1.0, error=oom and f"OutOfMemoryError: {oom}")
+        >>> execute = lambda case: row(case, "too big" if case.shape[0] >= 4 else None)
         >>> rows = run_cases([Case("p", (b,)) for b in (2, 4, 8)], execute, desc="demo", describe=str,
-        ...                  skipped={}, batch_at=0, progress=False,
-        ...                  not_run=lambda c, why: R(c.provider, c.shape[0], "oom", why))
-        p B2: fine, 1 step
-        p B4: oom: too big
-        p B8: oom: not run: out of memory at batch 4 already
+        ...                  skipped={}, batch_at=0, progress=False, not_run=row)
+        p 2: 1 ms, fwd
+        p 4: oom: OutOfMemoryError: too big
+        p 8: oom: OutOfMemoryError: not run: out of memory at batch 4 already
     """
     from tqdm.auto import tqdm
 
@@ -122,7 +111,6 @@ def run_cases(
             batch = case.shape[batch_at]
             key = (case.provider, case.shape[:batch_at] + case.shape[batch_at + 1 :])
         if key in oom_at and batch >= oom_at[key]:
-            assert not_run is not None, "run_cases: batch_at needs not_run"
             row = not_run(case, f"not run: out of memory at batch {oom_at[key]} already")
         else:
             row = execute(case)

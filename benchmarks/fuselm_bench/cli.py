@@ -31,14 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--models", help="e2e, finetune: comma-separated model shapes (default: the grid's, llama3-8b)")
     add("--repeats", type=positive_int, help="e2e, finetune: fresh-process runs per case (default: 3; 1)")
     add("--profile-steps", type=int, help="e2e, finetune: steps under torch.profiler after the timed ones")
-    add(
-        "--merge",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="PATH",
-        help="e2e, finetune: join the rows of an earlier report (<out>/<suite>.json, or PATH) to this run",
-    )
+    merge = "e2e, finetune: join the rows of an earlier report (<out>/<suite>.json, or PATH) to this run"
+    add("--merge", nargs="?", const=True, metavar="PATH", help=merge)
     add("--scenarios", help="finetune: comma-separated from qlora,lora (default: both)")
     add("--caps", help="max-context: GPU memory caps in GiB, comma-separated (default 16,40,80)")
     add("--seq-range", help="max-context: LO:HI tokens to search (default 1024:524288)")

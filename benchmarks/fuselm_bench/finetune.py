@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -171,18 +170,15 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     return all(marker.get(k) == v for k, v in want.items()) and marker.get("settings") == settings
 
 
-@contextlib.contextmanager
-def models_folder(model_dir: str | None, prefix: str) -> Iterator[Path]:
+def models_folder(model_dir: str | None, prefix: str) -> contextlib.AbstractContextManager[str]:
     """``--model-dir`` (kept), else a temporary folder removed at the end: where the models are saved."""
     if model_dir is not None:
-        yield Path(model_dir)
-        return
-    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
-        yield Path(folder)
+        return contextlib.nullcontext(model_dir)
+    return tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)
 
 
 def ensure_saved_model(
-    model_dir: Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
+    model_dir: str | Path, model: str, tiny: bool, dtype: torch.dtype, device: torch.device, seed: int = SEED
 ) -> tuple[Path, dict[str, Any]]:
     """The folder of ``model`` under ``model_dir``, saved now unless it holds it already: on CUDA in a worker
     process (``--build``: this process holds no GPU memory), on a CPU here."""
@@ -195,10 +191,15 @@ def ensure_saved_model(
     if device.type != "cuda":
         saved = save_model(model, tiny, folder, device, dtype, seed)
     else:
-        args = [f"--model={model}", f"--folder={folder}", f"--dtype={DTYPE_NAMES[dtype]}", f"--seed={seed}"]
-        command = [sys.executable, "-m", __name__, "--build", *args, *["--tiny"] * tiny]
+        spec = {
+            "model": model,
+            "tiny": tiny,
+            "folder": str(folder),
+            "dtype": DTYPE_NAMES[dtype],
+            "seed": seed,
+        }
         saved = fresh_process.run_worker(
-            lambda result: [*command, f"--result={result}"],
+            lambda result: [sys.executable, "-m", __name__, "--build", json.dumps(spec), str(result)],
             timeout=WORKER_TIMEOUT_S,
             prefix="fuselm-finetune-build-",
             env=base_env(),
@@ -209,23 +210,17 @@ def ensure_saved_model(
 
 
 def build_main(argv: list[str]) -> int:
-    """``python -m fuselm_bench.finetune --build ...``: :func:`save_model` on CUDA, the result as JSON."""
-    p = argparse.ArgumentParser(prog="python -m fuselm_bench.finetune --build")
-    p.add_argument("--build", action="store_true", required=True)
-    p.add_argument("--model", choices=sorted(e2e.MODELS), required=True)
-    p.add_argument("--dtype", choices=sorted(fresh_process.DTYPES), required=True)
-    p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--tiny", action="store_true")
-    for flag in ("--folder", "--result"):
-        p.add_argument(flag, required=True)
-    args = p.parse_args(argv)
+    """``python -m fuselm_bench.finetune --build <JSON: model, tiny, folder, dtype, seed> <result file>``:
+    :func:`save_model` on CUDA, the result as JSON."""
+    _, spec, result_file = argv
+    s = json.loads(spec)
     try:
-        dtype = fresh_process.DTYPES[args.dtype]
-        marker = save_model(args.model, args.tiny, Path(args.folder), torch.device("cuda"), dtype, args.seed)
+        dtype, folder = fresh_process.DTYPES[s["dtype"]], Path(s["folder"])
+        marker = save_model(s["model"], s["tiny"], folder, torch.device("cuda"), dtype, s["seed"])
         result = {"status": "ok", "bytes": marker["bytes"], "build_s": marker["build_s"]}
     except Exception as e:  # noqa: BLE001 - reported to the parent
         result = {"status": "error", "error": error_text(e, 300)}
-    Path(args.result).write_text(json.dumps(result) + "\n")
+    Path(result_file).write_text(json.dumps(result) + "\n")
     return 0 if result["status"] == "ok" else 1
 
 
@@ -472,8 +467,6 @@ def train(
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
-    if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     if provider == "unsloth" and unsloth_failed:
         raise SkipProvider(f"unsloth not importable ({unsloth_failed})")
     cuda = device.type == "cuda"
@@ -946,9 +939,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
             return fresh_process.write_report(BENCH, report, out)
 
-        report = fresh_process.run_cli(BENCH, c, progress=not args.no_progress, write=write)
-    return fresh_process.exit_code(report)
+        return fresh_process.run_cli(BENCH, c, progress=not args.no_progress, write=write)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.finetune --worker ... (or --build ...)
-    sys.exit(build_main(sys.argv[1:]) if "--build" in sys.argv[1:] else worker(sys.argv[1:]))
+    sys.exit(build_main(sys.argv[1:]) if sys.argv[1:2] == ["--build"] else worker(sys.argv[1:]))

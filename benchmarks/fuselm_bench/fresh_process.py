@@ -302,20 +302,14 @@ def run(
 ) -> CaseReport:
     """Every (shape, repeat, provider) of ``c``, each in its own worker (:func:`run_case`); ``on_row(report so
     far)`` after each row."""
-    providers, repeats = c.providers, c.repeats
-    fields, text = bench.row_type.SHAPE_FIELDS, bench.row_type.TEXT_FIELDS
     report = new_report(c)
-    report.shapes = tuple(
-        tuple(v if f in text else int(v) for f, v in zip(fields, s, strict=True)) for s in c.shapes
-    )
-    device = c.device
-    for p in providers:
-        reason = bench.precheck(p, device)
+    for p in c.providers:
+        reason = bench.precheck(p, c.device)
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
-    options = {"plan": c.plan, "dtype": c.dtype, "device": device, "warmup": c.warmup, "steps": c.steps}
-    batch = bench.row_type.BATCH_FIELD
+    options = {"plan": c.plan, "dtype": c.dtype, "device": c.device, "warmup": c.warmup, "steps": c.steps}
+    fields, batch = bench.row_type.SHAPE_FIELDS, bench.row_type.BATCH_FIELD
 
     def on_rows(rows: list[Row]) -> None:
         report.rows[:] = rows
@@ -323,26 +317,19 @@ def run(
             on_row(report)
 
     report.rows[:] = run_cases(
-        [Case(p, s, repeat=r) for s in report.shapes for r in range(repeats) for p in providers],
+        [Case(p, s, repeat=r) for s in report.shapes for r in range(c.repeats) for p in c.providers],
         lambda case: run_case(bench, case.provider, case.shape, extra=c.extra, repeat=case.repeat, **options),
         desc=bench.name,
         describe=lambda c: f"{c.provider} {bench.row_type.label(c.shape)} #{c.repeat + 1}",
         skipped=report.skipped,
-        repeats=repeats,
+        repeats=c.repeats,
         batch_at=fields.index(batch) if batch in fields else None,
-        not_run=lambda c, why: make_row(
-            bench, c.provider, c.shape, {"status": "oom", "error": why}, c.repeat
-        ),
+        not_run=lambda k, why: make_row(bench, k.provider, k.shape, dict(status="oom", error=why), k.repeat),
         progress=progress,
         log=log,
         on_row=on_rows,
     )
     return report
-
-
-def exit_code(report: CaseReport) -> int:
-    """0 when some case ran, 1 when none did."""
-    return 0 if any(r.status == "ok" for r in report.rows) else 1
 
 
 # ---- ratios, tables and report files ----
@@ -354,9 +341,8 @@ def pair_ratio(
     """``mine``'s figure over ``other``'s at ``shape``, each the median over its ok repeats, and with several
     repeats the ratio within each repeat (its providers ran back to back)."""
     a, b = report.rows_of(mine, shape), report.rows_of(other, shape)
-    each = [
-        ratio(median_of(_repeat(a, i), attr), median_of(_repeat(b, i), attr)) for i in range(report.repeats)
-    ]
+    at = [([r for r in a if r.repeat == i], [r for r in b if r.repeat == i]) for i in range(report.repeats)]
+    each = [ratio(median_of(x, attr), median_of(y, attr)) for x, y in at]
     return ratio(median_of(a, attr), median_of(b, attr)), each if report.repeats > 1 else []
 
 
@@ -383,10 +369,6 @@ def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
                     entry[f"{key}_vs_{peer}_repeats"] = each
         out.append(entry)
     return out
-
-
-def _repeat(rows: Sequence[Any], i: int) -> list[Any]:
-    return [r for r in rows if r.repeat == i]
 
 
 def ratio_table(bench: Bench, report: CaseReport) -> str:
@@ -594,8 +576,7 @@ class CliRun:
 
 def new_report(c: CliRun) -> CaseReport:
     """The report of ``c`` before any row."""
-    shapes, providers = tuple(map(tuple, c.shapes)), tuple(c.providers)
-    meta = dict(c.metadata)
+    shapes, providers, meta = tuple(map(tuple, c.shapes)), tuple(c.providers), dict(c.metadata)
     return CaseReport(
         c.plan, c.dtype, c.device.type, shapes, providers, c.warmup, c.steps, meta, repeats=c.repeats
     )
@@ -647,9 +628,11 @@ def run_cli(
     *,
     progress: bool,
     write: Callable[[CaseReport, Path], dict[str, Path]] | None = None,
-) -> CaseReport:
+    summary: Callable[[CaseReport], str] | None = None,
+) -> int:
     """Run the cases, the report's files written after every row (a run stopped part-way keeps what it
-    measured; ``write``: instead of :func:`write_report`), and print the report."""
+    measured; ``write``: instead of :func:`write_report`), and print the report (``summary(report)``: a table
+    printed last); the exit code (1: no case ran)."""
     write = write or functools.partial(write_report, bench)
     if c.device.type != "cuda":
         print(CPU_FIGURES)
@@ -668,7 +651,9 @@ def run_cli(
     finish(new_report(c))  # a bad --merge fails before anything runs
     report = finish(run(bench, c, progress, lambda r: write(finish(r), c.out_dir)))
     print_written(markdown(bench, report), write(report, c.out_dir))
-    return report
+    if summary is not None:
+        print(f"\n{summary(report)}")
+    return 0 if any(r.status == "ok" for r in report.rows) else 1
 
 
 def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
@@ -685,22 +670,16 @@ def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
     """``report`` joined with the rows of ``previous`` (an earlier run's JSON) that this run did not run
     again, ``merged`` recording its command."""
-    if previous.get("suite") != bench.name:
-        raise UsageError(f"--merge: the earlier report is of {previous.get('suite')!r}, not {bench.name!r}")
-    meta = previous.get("metadata", {})
-    if meta.get("device") != report.metadata.get("device"):
-        raise UsageError(
-            f"--merge: the earlier report ran on {meta.get('device')!r}, this run on "
-            f"{report.metadata.get('device')!r}; write to another --out"
-        )
-    if previous.get("dtype") != DTYPE_NAMES.get(report.dtype):
-        raise UsageError(f"--merge: the earlier report is {previous.get('dtype')}, this run is not")
-    fields = bench.row_type.SHAPE_FIELDS
-    if previous.get("shape_fields") != list(fields):
-        raise UsageError(
-            f"--merge: the earlier report's configurations are {previous.get('shape_fields')}, this "
-            f"version's {list(fields)} (an older fuselm bench {bench.name} wrote it): run without --merge"
-        )
+    meta, fields = previous.get("metadata", {}), bench.row_type.SHAPE_FIELDS
+    older = f"an older fuselm bench {bench.name} wrote it: run without --merge"
+    for what, theirs, mine, hint in (
+        ("is of", previous.get("suite"), bench.name, "another benchmark"),
+        ("ran on", meta.get("device"), report.metadata.get("device"), "write to another --out"),
+        ("is in", previous.get("dtype"), DTYPE_NAMES.get(report.dtype), "another --dtype"),
+        ("has configurations", previous.get("shape_fields"), list(fields), older),
+    ):
+        if theirs != mine:
+            raise UsageError(f"--merge: the earlier report {what} {theirs!r}, this run {mine!r} ({hint})")
     ran = {(r.provider, r.shape) for r in report.rows} | {
         (p, s) for p in report.providers for s in report.shapes
     }

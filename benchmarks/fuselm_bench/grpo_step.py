@@ -130,10 +130,8 @@ def train(
     run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=0, device=device)
     return {
         "status": "ok",
-        "step_ms": run.median_step_s * 1e3,
-        "tokens_per_s": batch * (prompt + completion) / run.median_step_s,
+        **e2e.step_figures(run, batch * (prompt + completion), device),
         "completion_tokens": int(n_tokens),
-        "warmup_s": run.warmup_s,
         **fresh_process.memory_figures(device),
         **figures,
         "losses": [v[0] for v in run.logged],
@@ -242,10 +240,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         if p < 1:
             raise UsageError(f"bad shape {b}x{p}x{c_}: the prompt needs at least 1 token")
     c.metadata.update({k: v for k, v in peer_versions().items() if k == "trl"})
-    report = fresh_process.run_cli(BENCH, c, progress=False)
-    print()
-    print(markdown_table(report))
-    return fresh_process.exit_code(report)
+    return fresh_process.run_cli(BENCH, c, progress=False, summary=markdown_table)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.grpo_step --worker ...

@@ -73,15 +73,13 @@ def watch_first_step(step: Step, called: set[int]) -> Step:
 @dataclass
 class KernelProfile:
     """What the device did during a ``torch.profiler`` window of ``steps`` steps: CUDA kernels (count and
-    summed device time), memory copies and memsets (count and time), each over the whole window."""
+    summed device time) and memory copies (count and time), each over the whole window."""
 
     steps: int
     kernels: int = 0
     kernel_s: float = 0.0
     memcpys: int = 0
     memcpy_s: float = 0.0
-    memsets: int = 0
-    memset_s: float = 0.0
     by_name: dict[str, list[float]] = field(default_factory=dict)  # kernel name: [seconds, launches]
     idle_s: float = 0.0  # the device running nothing between its first event's start and its last's end
     idle_before: dict[str, list[float]] = field(default_factory=dict)  # next event's name: [idle s, gaps]
@@ -89,8 +87,8 @@ class KernelProfile:
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
         """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA; a
-        name starting with ``Memcpy`` or ``Memset`` is a copy or a memset, anything else a kernel, each
-        lasting ``time_range.elapsed_us()``."""
+        name starting with ``Memcpy`` is a copy, ``Memset`` a memset (not counted), anything else a kernel,
+        each lasting ``time_range.elapsed_us()``."""
         from torch.autograd import DeviceType
 
         out = cls(steps=steps)
@@ -105,10 +103,7 @@ class KernelProfile:
             if event.name.startswith("Memcpy"):
                 out.memcpys += 1
                 out.memcpy_s += seconds
-            elif event.name.startswith("Memset"):
-                out.memsets += 1
-                out.memset_s += seconds
-            else:
+            elif not event.name.startswith("Memset"):
                 out.kernels += 1
                 out.kernel_s += seconds
                 entry = out.by_name.setdefault(event.name, [0.0, 0])

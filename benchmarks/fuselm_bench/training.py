@@ -80,10 +80,7 @@ def build_causal_lm(
     seed it first for a given init."""
     import transformers
 
-    family = config.model_type
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
-    model_class = getattr(transformers, FAMILIES[family][1])
+    model_class = getattr(transformers, FAMILIES[config.model_type][1])
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
