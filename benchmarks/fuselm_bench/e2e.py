@@ -303,7 +303,6 @@ class E2ERow(TrainingRow):
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "B", "T")
     SHAPE_TITLE: ClassVar[str] = "model B x T"
     SHAPE_FORMAT: ClassVar[str] = "{} {}x{}"
-    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ("model",)
 
     provider: str
     model: str
@@ -454,7 +453,6 @@ BENCH = fresh_process.Bench(
     default_providers=DEFAULT_PROVIDERS,
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=E2ERow,
-    plan_flag="preset",
     plans=(GPU_PRESET, CPU_PRESET),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,

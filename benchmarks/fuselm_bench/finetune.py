@@ -542,7 +542,6 @@ class FinetuneRow(e2e.TrainingRow):
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ("model", "scenario", "B", "T")
     SHAPE_TITLE: ClassVar[str] = "model scenario B x T"
     SHAPE_FORMAT: ClassVar[str] = "{} {} {}x{}"
-    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario")
 
     provider: str
     model: str
@@ -836,7 +835,6 @@ BENCH = fresh_process.Bench(
     providers=PROVIDERS,
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=FinetuneRow,
-    plan_flag="plan",
     plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -68,7 +67,6 @@ class Bench:
     providers: tuple[str, ...]
     provider_descriptions: dict[str, str]
     row_type: Any
-    plan_flag: str
     plans: tuple[Plan, Plan]  # the GPU's, the CPU's
     train: Train
     timeout_s: float
@@ -104,26 +102,15 @@ class Bench:
 
 
 def worker_main(bench: Bench, argv: Sequence[str]) -> int:
-    """The worker process: one (provider, shape) run of ``bench.train``, its result as JSON to ``--result``;
-    exit code 1 for an ``error``, else 0."""
+    """The worker process, ``--worker <case as JSON> <result file>`` (:func:`run_case` writes both): one
+    (provider, shape) run of ``bench.train``, its result as JSON in the result file; exit code 1 for an
+    ``error``, else 0."""
+    _, spec, result_file = argv
+    case = json.loads(spec)
     sizes = bench.row_type.SHAPE_FIELDS
-    p = argparse.ArgumentParser(prog=f"python -m {bench.module} --worker")
-    p.add_argument("--worker", action="store_true", required=True)
-    p.add_argument("--provider", required=True)
-    for size in sizes:
-        p.add_argument(f"--{size}", type=str if size in bench.row_type.TEXT_FIELDS else int, required=True)
-    p.add_argument(f"--{bench.plan_flag}", choices=[p.name for p in bench.plans], required=True)
-    p.add_argument("--dtype", choices=sorted(DTYPES), required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    for flag in ("--warmup", "--steps"):
-        p.add_argument(flag, type=int, required=True)
-    p.add_argument("--seed", type=int, default=bench.seed)
-    p.add_argument("--extra", default="{}", help="JSON object of more keyword arguments of bench.train")
-    p.add_argument("--result", required=True, help="file the JSON result is written to")
-    args = p.parse_args(argv)
-    shape = [getattr(args, size) for size in sizes]
-    result: dict[str, Any] = {"provider": args.provider, **dict(zip(sizes, shape, strict=True))}
-    device = torch.device(args.device)
+    shape = [case[size] for size in sizes]
+    result: dict[str, Any] = {"provider": case["provider"], **dict(zip(sizes, shape, strict=True))}
+    device = torch.device(case["device"])
     if device.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: OpenMP thread wake-ups would cost more than the math
 
@@ -132,12 +119,13 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
             raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
         if device.type == "cuda":  # waits for the GPU sleep: CPU time is host work (harness.blocking_sync)
             result["gpu_wait"] = blocking_sync()
-        plan = next(p for p in bench.plans if p.name == getattr(args, bench.plan_flag))
-        options = {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, **json.loads(args.extra)}
-        return bench.train(plan, args.provider, *shape, dtype=DTYPES[args.dtype], device=device, **options)
+        plan = next(p for p in bench.plans if p.name == case["plan"])
+        options = {"warmup": case["warmup"], "steps": case["steps"], "seed": case["seed"], **case["extra"]}
+        dtype = DTYPES[case["dtype"]]
+        return bench.train(plan, case["provider"], *shape, dtype=dtype, device=device, **options)
 
     result.update(run_measured(measure, device))
-    Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
+    Path(result_file).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "traceback")}))
     return 1 if result["status"] == "error" else 0
 
@@ -211,14 +199,12 @@ def run_case(
     repeat: int = 0,
 ) -> Any:
     """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
-    case = {**dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True)), bench.plan_flag: plan.name}
-    case.update(dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
-    if extra:
-        case["extra"] = json.dumps(extra, separators=(",", ":"))
+    case = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
+    case.update(plan=plan.name, dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
+    case.update(seed=bench.seed, extra=extra or {})
     start = bench.worker_prefix(provider) or [sys.executable, "-m", bench.module]
-    flags = [f"--{key}={value}" for key, value in case.items()]
     data = run_worker(
-        lambda result: [*start, "--worker", f"--provider={provider}", *flags, f"--result={result}"],
+        lambda result: [*start, "--worker", json.dumps(case), str(result)],
         timeout=bench.timeout_s,
         prefix=f"fuselm-{bench.name}-",
         env=bench.worker_env(provider, extra),
@@ -540,7 +526,7 @@ def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
         for attr, title, scale in bench.panels
     ]
     labels = [bench.row_type.label(s).replace(" ", "\n") for s in report.shapes]
-    title = f"fuselm bench {bench.name} ({report.plan.name} {bench.plan_flag}), {dtype_name(report.dtype)}"
+    title = f"fuselm bench {bench.name} ({report.plan.name} plan), {dtype_name(report.dtype)}"
     bar_chart(
         path,
         f"{title}, {report.metadata.get('device')}",

@@ -212,7 +212,6 @@ BENCH = fresh_process.Bench(
     providers=PROVIDERS,
     provider_descriptions=PROVIDER_DESCRIPTIONS,
     row_type=StepRow,
-    plan_flag="plan",
     plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
