@@ -37,7 +37,7 @@ Setup = Callable[[torch.device], Callable[[Inputs], Any]]
 
 def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None = None) -> Setup:
     """A ``torch_compile`` provider's setup: ``torch.compile(fn, dynamic=False)`` afresh per case (Dynamo's
-    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))``."""
+    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))`` (no ``args``: ``fn(inputs)``)."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         if device.type != "cuda":
@@ -50,11 +50,13 @@ def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | Non
 
 
 def torch_providers(
-    fn: Callable[..., Any], args: Callable[[Inputs], tuple], description: str
+    fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None, description: str
 ) -> tuple[Provider, Provider]:
-    """The ``torch`` provider, eager ``fn(*args(inputs))``, and its ``torch_compile`` one."""
+    """The ``torch`` provider, eager ``fn(*args(inputs))`` (without ``args``: ``fn(inputs)``), and its
+    ``torch_compile`` one."""
+    eager = fn if args is None else lambda x: fn(*args(x))
     return (
-        Provider("torch", lambda device: lambda x: fn(*args(x)), description),
+        Provider("torch", lambda device: eager, description),
         Provider("torch_compile", compiled_setup(fn, args), "torch.compile of the eager function"),
     )
 
@@ -73,14 +75,21 @@ def import_peer(
         raise SkipProvider(f"{package} not importable ({type(e).__name__}: {e})") from None
 
 
-def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup:
-    """A peer's autograd Function (CUDA only) as a setup: ``Function.apply(*args(inputs))``."""
+def liger_provider(module: str, name: str, args: Callable[[Inputs], tuple]) -> Provider:
+    """The ``liger`` provider: Liger-Kernel's autograd Function ``module.name`` (CUDA only), called as
+    ``Function.apply(*args(inputs))``."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         function = import_peer(device, module, name)
         return lambda x: function.apply(*args(x))
 
-    return setup
+    return Provider("liger", setup, f"liger_kernel {name}")
+
+
+def bytes_cost(accesses: dict[str, int], elements: Callable[[Shape], int] = math.prod) -> CostFn:
+    """A suite's ``cost``: ``accesses[mode]`` reads or writes of ``dtype.itemsize`` bytes per element, of
+    ``elements(shape)`` elements."""
+    return lambda shape, mode, dtype: Cost(bytes=float(elements(shape) * accesses[mode] * dtype.itemsize))
 
 
 @dataclass(frozen=True)
@@ -91,18 +100,23 @@ class Cost:
     flops: float | None = None
 
 
+CostFn = Callable[[Shape, str, torch.dtype], Cost]
+
+
 @dataclass(frozen=True)
 class Provider:
     """One implementation to time. ``setup(device)`` returns ``fn(inputs) -> Tensor | tuple``."""
 
     name: str
-    setup: Callable[[torch.device], Callable[[Inputs], Any]]
+    setup: Setup
     description: str = ""
 
 
 @dataclass(frozen=True)
 class Suite:
-    """An op to benchmark; see the module docstring for the contract of each field."""
+    """An op to benchmark: ``make_inputs(shape, dtype, device)``, each provider's ``setup(device)(inputs)``,
+    ``cost(shape, mode, dtype)``; ``forward_grad``: fwd records autograd (else ``no_grad``); ``cuda_graph``:
+    on CUDA, ms from replays of a CUDA graph of the call."""
 
     name: str
     description: str
@@ -111,7 +125,7 @@ class Suite:
     cpu_shapes: tuple[Shape, ...]
     providers: tuple[Provider, ...]
     make_inputs: Callable[[Shape, torch.dtype, torch.device], Inputs]
-    cost: Callable[[Shape, str, torch.dtype], Cost]
+    cost: CostFn
     columns: tuple[str, ...] = ("ms", "tbps", "x_copy", "extra_mib")
     forward_grad: bool = False
     cuda_graph: bool = False

@@ -6,7 +6,7 @@ import torch
 
 from fuselm.ops.rope import apply_rotary
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, peer_apply, torch_providers
+from .harness import Inputs, Provider, Shape, Suite, bytes_cost, liger_provider, torch_providers
 
 ROPE_THETA = 500000.0  # Llama 3
 
@@ -32,17 +32,12 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Input
     return {"q": q, "k": k, "cos": cos, "sin": sin}
 
 
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: fwd reads q, k and writes the outputs; bwd the same for the gradients; full both."""
-    b, t, hq, hk, d = shape
-    per_element = {"fwd": 2, "bwd": 2, "full": 4}[mode] * dtype.itemsize
-    return Cost(bytes=float(b * t * (hq + hk) * d * per_element))
+# fwd reads q, k and writes the outputs; bwd the same for the gradients; full both (cos/sin not counted)
+cost = bytes_cost({"fwd": 2, "bwd": 2, "full": 4}, lambda s: s[0] * s[1] * (s[2] + s[3]) * s[4])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 def hf_apply_rotary_pos_emb(
@@ -67,11 +62,7 @@ SUITE = Suite(
     providers=(
         *torch_providers(hf_apply_rotary_pos_emb, _args, "Hugging Face apply_rotary_pos_emb, eager"),
         Provider("fuselm", lambda device: lambda x: apply_rotary(*_args(x)), "fuselm.apply_rotary"),
-        Provider(
-            "liger",
-            peer_apply("liger_kernel.ops.rope", "LigerRopeFunction", _args),
-            "liger_kernel LigerRopeFunction",
-        ),
+        liger_provider("liger_kernel.ops.rope", "LigerRopeFunction", _args),
     ),
     make_inputs=make_inputs,
     cost=cost,
