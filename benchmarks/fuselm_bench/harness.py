@@ -22,10 +22,8 @@ Inputs = dict[str, torch.Tensor]
 MODES: tuple[str, ...] = ("fwd", "bwd", "full")
 MIB = 1 << 20
 
-# Timing parameters (triton.testing.do_bench: milliseconds of warmup / repetition; CPU: call counts).
-CUDA_WARMUP_MS, CUDA_REP_MS = 25, 100
-CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK = 5, 20
-CPU_REPS, CPU_REPS_QUICK = 5, 3
+CUDA_BUDGET_MS = {False: (25, 100), True: (5, 20)}  # by quick: triton.testing.do_bench's warmup and rep
+CPU_REPS, CPU_REPS_QUICK = 5, 3  # calls timed on a CPU
 
 
 class SkipProvider(Exception):
@@ -152,6 +150,12 @@ class Ceilings:
     copy_what: str = ""
     gemm_what: str = ""
 
+    def describe(self, missing: str) -> str:
+        """'copy 3.10 TB/s (what); GEMM 700.0 TFLOP/s (what)', ``missing`` for a ceiling not measured."""
+        copy = f"{self.copy_tbps:.2f} TB/s ({self.copy_what})" if self.copy_tbps else missing
+        gemm = f"{self.gemm_tflops:.1f} TFLOP/s ({self.gemm_what})" if self.gemm_tflops else missing
+        return f"copy {copy}; GEMM {gemm}"
+
 
 @dataclass
 class OpRow(Row):
@@ -264,10 +268,6 @@ def blocking_sync(ordinal: int = 0) -> str:
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 
-def _budget(quick: bool) -> tuple[int, int]:
-    return (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
-
-
 def call_times_ms(
     call: Callable[[Any], Any], n: int, device: torch.device, prepare: Callable[[], Any] = lambda: None
 ) -> list[float]:
@@ -298,7 +298,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
     if device.type == "cuda":
         import triton.testing
 
-        warmup, rep = _budget(quick)
+        warmup, rep = CUDA_BUDGET_MS[quick]
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
 
@@ -352,7 +352,7 @@ def time_backward_ms(
         return statistics.median(
             call_times_ms(backward, CPU_REPS_QUICK if quick else CPU_REPS, device, forward)
         )
-    warmup_ms, rep_ms = _budget(quick)
+    warmup_ms, rep_ms = CUDA_BUDGET_MS[quick]
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
     def prepare() -> Any:
@@ -369,13 +369,11 @@ def time_backward_ms(
 
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     if device.type == "cuda":
-        warmup, rep = _budget(quick)
-        how = (
+        warmup, rep = CUDA_BUDGET_MS[quick]
+        graph = "; ms: replays of a CUDA graph of the call, eager ms: the plain call" if cuda_graph else ""
+        return (
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
-            "after an untimed forward, between CUDA events, L2 flushed, median"
-        )
-        return how + (
-            "; ms: replays of a CUDA graph of the call, eager ms: the plain call" if cuda_graph else ""
+            f"after an untimed forward, between CUDA events, L2 flushed, median{graph}"
         )
     reps = CPU_REPS_QUICK if quick else CPU_REPS
     return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
@@ -393,33 +391,27 @@ def fresh_bytes(tensors: Iterable[torch.Tensor | None], inputs: Iterable[torch.T
     """Bytes of the distinct storages of ``tensors`` that do not alias any of ``inputs``."""
     taken = {t.untyped_storage().data_ptr() for t in inputs}
     total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in taken:
-            continue
-        taken.add(st.data_ptr())
-        total += st.nbytes()
+    for st in (t.untyped_storage() for t in tensors if t is not None):
+        if st.data_ptr() not in taken:
+            taken.add(st.data_ptr())
+            total += st.nbytes()
     return total
 
 
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
     """Copy bandwidth (bytes read + written) and GEMM rate, measured now: CUDA 1 GiB copy, bf16 8192^3 GEMM;
     CPU 64 MiB copy, fp32 1024^3 GEMM (so a CPU smoke run has ratios)."""
-    if device.type == "cuda":
-        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
-    else:
-        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 64 * MIB, torch.float32, 1024, torch.float32
+    cuda = device.type == "cuda"
+    copy_bytes, dtype, gemm_n = (1 << 30, torch.bfloat16, 8192) if cuda else (64 * MIB, torch.float32, 1024)
 
     def copy_tbps() -> float:
-        src = torch.randn(copy_bytes // copy_dtype.itemsize, device=device, dtype=copy_dtype)
+        src = torch.randn(copy_bytes // dtype.itemsize, device=device, dtype=dtype)
         dst = torch.empty_like(src)
         dst.copy_(src)
         return 2 * copy_bytes / time_ms(lambda: dst.copy_(src), device, quick=quick) / 1e9
 
     def gemm_tflops() -> float:
-        a, b = (torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype) for _ in range(2))
+        a, b = (torch.randn(gemm_n, gemm_n, device=device, dtype=dtype) for _ in range(2))
         a @ b
         return 2 * gemm_n**3 / time_ms(lambda: a @ b, device, quick=quick) / 1e9
 
@@ -430,12 +422,11 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
         except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
             print(f"could not measure {what}: {type(e).__name__}: {e}")
         free_memory(device)
-    gemm_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[gemm_dtype]
     return Ceilings(
         copy_tbps=rates.get("copy bandwidth"),
         gemm_tflops=rates.get("GEMM rate"),
         copy_what=f"dst.copy_(src), {copy_bytes // MIB} MiB, bytes read + written",
-        gemm_what=f"{gemm_name} GEMM {gemm_n}^3",
+        gemm_what=f"{'bf16' if cuda else 'fp32'} GEMM {gemm_n}^3",
     )
 
 
