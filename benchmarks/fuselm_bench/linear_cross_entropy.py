@@ -63,14 +63,6 @@ def ignore_targets(target: torch.Tensor, k: int) -> torch.Tensor:
     return target
 
 
-def _runner_ups(target: torch.Tensor, v: int, k: int) -> torch.Tensor:
-    """``[N, k]`` classes, distinct per row and different from the row's target (uniform offsets)."""
-    n = target.shape[0]
-    offsets = torch.randint(0, v - k, (n, k), device=target.device).sort(dim=1).values
-    offsets = offsets + torch.arange(k, device=target.device)  # distinct, in [0, v - 2]
-    return (target[:, None] + 1 + offsets) % v
-
-
 def _target_probs(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """softmax(z)[i, target_i] for fp32 logits z [M, V]."""
     return torch.exp(z.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(z, dim=1))
@@ -101,7 +93,10 @@ def peaked_hidden(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if v < k + 2:
         raise ValueError(f"peaked inputs need V >= {k + 2}, got {v}")
     dev = weight.device
-    classes = torch.cat([target[:, None], _runner_ups(target, v, k)], dim=1)  # [N, k + 1]
+    # the runner-ups: k classes per row, distinct and different from the target (uniform shifts)
+    shifts = torch.randint(0, v - k, (n, k), device=target.device).sort(dim=1).values
+    shifts = shifts + torch.arange(k, device=target.device)  # distinct, in [0, v - 2]
+    classes = torch.cat([target[:, None], (target[:, None] + 1 + shifts) % v], dim=1)  # [N, k + 1]
     offsets = torch.tensor([0.0, *(-g for g in PEAKED_GAPS)], device=dev)  # logit - A, per class
     row_norm = weight[: min(v, 4096)].float().norm(dim=1).pow(2).mean().sqrt()
     noise = torch.randn(n, h, device=dev) * (PEAKED_TAIL_STD / row_norm)

@@ -236,15 +236,6 @@ SUITE = Suite(
 # ---- the accuracy and summary tables ----
 
 
-def accuracy_rows(report: Report) -> list[dict[str, Any]]:
-    return [
-        {"shape": list(shape), "provider": p, **ACCURACY[(split_shape(shape), p)]}
-        for shape in report.shapes
-        for p in report.providers
-        if (split_shape(shape), p) in ACCURACY
-    ]
-
-
 def summary_table(report: Report) -> str:
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
@@ -298,7 +289,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     from .runner import run_op_suites
 
     def extras(report: Report) -> dict[str, Any]:
-        return {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
+        cases = [(s, p, (split_shape(s), p)) for s in report.shapes for p in report.providers]
+        accuracy = [
+            {"shape": list(s), "provider": p, **ACCURACY[key]} for s, p, key in cases if key in ACCURACY
+        ]
+        return {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy}}
 
     ACCURACY.clear()
     try:

@@ -11,25 +11,16 @@ from .harness import Inputs, Provider, Shape, Suite, bytes_cost, liger_provider,
 ROPE_THETA = 500000.0  # Llama 3
 
 
-def hf_cos_sin(
-    batch: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[B, T, D]`` as Hugging Face's (default) rotary embedding returns them, in ``dtype``."""
-    inv_freq = 1.0 / ROPE_THETA ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )
-    freqs = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq_len, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """q ``[B, Hq, T, D]``, k ``[B, Hkv, T, D]`` random normal (require grad); cos/sin ``[B, T, D]``."""
+    """q ``[B, Hq, T, D]``, k ``[B, Hkv, T, D]`` random normal (require grad); cos/sin ``[B, T, D]`` as
+    Hugging Face's (default) rotary embedding returns them, in ``dtype``."""
     b, t, hq, hk, d = shape
     q = torch.randn(b, hq, t, d, device=device, dtype=dtype).requires_grad_(True)
     k = torch.randn(b, hk, t, d, device=device, dtype=dtype).requires_grad_(True)
-    cos, sin = hf_cos_sin(b, t, d, dtype, device)
-    return {"q": q, "k": k, "cos": cos, "sin": sin}
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    freqs = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(b, t, d)
+    return {"q": q, "k": k, "cos": emb.cos().to(dtype), "sin": emb.sin().to(dtype)}
 
 
 # fwd reads q, k and writes the outputs; bwd the same for the gradients; full both (cos/sin not counted)
