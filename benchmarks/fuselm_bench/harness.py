@@ -493,8 +493,7 @@ def _measure(
         sync(device)
         extra = row.peak_bytes = torch.cuda.max_memory_allocated(device) - before
         if mode == "full":
-            inputs_list = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-            row.grad_bytes = fresh_bytes(result, inputs_list)
+            row.grad_bytes = fresh_bytes(result, [t for t in inputs.values() if isinstance(t, torch.Tensor)])
             extra -= row.grad_bytes
         row.extra_bytes = max(extra, 0)
         del result
@@ -558,8 +557,7 @@ def run_suite(
     log: Callable[[str], None] = print,
 ) -> Report:
     """Every (shape, provider, mode) of ``suite``: the report (nothing written)."""
-    bad = [m for m in modes if m not in MODES]
-    if bad:
+    if bad := [m for m in modes if m not in MODES]:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
     modes = tuple(m for m in MODES if m in modes)
     chosen = [suite.provider(name) for name in providers]

@@ -246,9 +246,8 @@ def summary_table(report: Report) -> str:
             cells = [shape_label(shape), p, *("—" if r is None else cell(r, "ms") for r in (fwd, bwd, full))]
             cells += ["—" if full is None else cell(full, col) for col in ("x_floor", "extra_mib")]
             acc = ACCURACY.get((split_shape(shape), p)) or {}
-            lines.append(
-                [*cells, *("—" if acc.get(k) is None else f"{acc[k]:.1e}" for k in ("log_probs", "entropy"))]
-            )
+            cells += ["—" if acc.get(k) is None else f"{acc[k]:.1e}" for k in ("log_probs", "entropy")]
+            lines.append(cells)
     return md_table(head, lines)
 
 
@@ -262,9 +261,8 @@ def extra_markdown(report: Report) -> str:
         "",
         f"Accuracy: max abs error over the first {ACCURACY_TOKENS} non-ignored tokens of each shape, against "
         "log_softmax of fp64 logits of the same (rounded) x and W; measured on each provider's first call.",
+        *([f"Peers in this run: {peers}."] if peers else []),
     ]
-    if peers:
-        lines.append(f"Peers in this run: {peers}.")
     return "\n".join(lines) + "\n"
 
 

@@ -243,14 +243,13 @@ def notes(report: Report) -> list[str]:
             "measured on its own, the same for every provider (no memory figure); a design that computes the "
             "gradient in its forward does that work in full, not in bwd."
         )
-    if "fwd" in report.modes:
-        if report.suite.forward_grad:
-            out.append("fwd records autograd, as the forward of a training step.")
-        else:
-            out.append(
-                "fwd runs under torch.no_grad() on inputs that do not require grad (outputs only, the "
-                "same work for every provider)."
-            )
+    if "fwd" in report.modes and report.suite.forward_grad:
+        out.append("fwd records autograd, as the forward of a training step.")
+    elif "fwd" in report.modes:
+        out.append(
+            "fwd runs under torch.no_grad() on inputs that do not require grad (outputs only, the same work "
+            "for every provider)."
+        )
     out.append(
         "full = forward + torch.autograd.grad w.r.t. the inputs that require grad (no .grad accumulation)."
     )
