@@ -10,22 +10,18 @@ import torch.nn.functional as F
 
 import fuselm
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, import_peer, torch_providers
+from .harness import Inputs, Provider, Shape, Suite, bytes_cost, import_peer, torch_providers
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
     """Random normal logits ``[N, V]`` (requires grad) and targets uniform in ``[0, V)``."""
     n, v = shape
     logits = torch.randn(n, v, device=device, dtype=dtype).requires_grad_(True)
-    target = torch.randint(0, v, (n,), device=device)
-    return {"logits": logits, "target": target}
+    return {"logits": logits, "target": torch.randint(0, v, (n,), device=device)}
 
 
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: fwd reads the logits, full also writes the gradient, bwd is the difference."""
-    n, v = shape
-    per_logit = {"fwd": 1, "bwd": 1, "full": 2}[mode] * dtype.itemsize
-    return Cost(bytes=float(n * v * per_logit))
+# fwd reads the logits, full also writes the gradient, bwd is the difference
+cost = bytes_cost({"fwd": 1, "bwd": 1, "full": 2})
 
 
 def _torch_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -66,7 +62,6 @@ SUITE = Suite(
     ),
     make_inputs=make_inputs,
     cost=cost,
-    columns=("ms", "tbps", "x_copy", "extra_mib"),
     notes=(
         "Bytes counted: fwd reads each logit once (2 B in bf16), full also writes its gradient once "
         "(4 B in bf16), bwd the difference.",

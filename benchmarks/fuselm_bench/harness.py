@@ -22,10 +22,8 @@ Inputs = dict[str, torch.Tensor]
 MODES: tuple[str, ...] = ("fwd", "bwd", "full")
 MIB = 1 << 20
 
-# Timing parameters (triton.testing.do_bench: milliseconds of warmup / repetition; CPU: call counts).
-CUDA_WARMUP_MS, CUDA_REP_MS = 25, 100
-CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK = 5, 20
-CPU_REPS, CPU_REPS_QUICK = 5, 3
+CUDA_BUDGET_MS = {False: (25, 100), True: (5, 20)}  # by quick: triton.testing.do_bench's warmup and rep
+CPU_REPS, CPU_REPS_QUICK = 5, 3  # calls timed on a CPU
 
 
 class SkipProvider(Exception):
@@ -37,7 +35,7 @@ Setup = Callable[[torch.device], Callable[[Inputs], Any]]
 
 def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None = None) -> Setup:
     """A ``torch_compile`` provider's setup: ``torch.compile(fn, dynamic=False)`` afresh per case (Dynamo's
-    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))``."""
+    cache reset: no cache-limit surprises), called as ``fn(*args(inputs))`` (no ``args``: ``fn(inputs)``)."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         if device.type != "cuda":
@@ -50,11 +48,13 @@ def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | Non
 
 
 def torch_providers(
-    fn: Callable[..., Any], args: Callable[[Inputs], tuple], description: str
+    fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None, description: str
 ) -> tuple[Provider, Provider]:
-    """The ``torch`` provider, eager ``fn(*args(inputs))``, and its ``torch_compile`` one."""
+    """The ``torch`` provider, eager ``fn(*args(inputs))`` (without ``args``: ``fn(inputs)``), and its
+    ``torch_compile`` one."""
+    eager = fn if args is None else lambda x: fn(*args(x))
     return (
-        Provider("torch", lambda device: lambda x: fn(*args(x)), description),
+        Provider("torch", lambda device: eager, description),
         Provider("torch_compile", compiled_setup(fn, args), "torch.compile of the eager function"),
     )
 
@@ -73,14 +73,21 @@ def import_peer(
         raise SkipProvider(f"{package} not importable ({type(e).__name__}: {e})") from None
 
 
-def peer_apply(module: str, name: str, args: Callable[[Inputs], tuple]) -> Setup:
-    """A peer's autograd Function (CUDA only) as a setup: ``Function.apply(*args(inputs))``."""
+def liger_provider(module: str, name: str, args: Callable[[Inputs], tuple]) -> Provider:
+    """The ``liger`` provider: Liger-Kernel's autograd Function ``module.name`` (CUDA only), called as
+    ``Function.apply(*args(inputs))``."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         function = import_peer(device, module, name)
         return lambda x: function.apply(*args(x))
 
-    return setup
+    return Provider("liger", setup, f"liger_kernel {name}")
+
+
+def bytes_cost(accesses: dict[str, int], elements: Callable[[Shape], int] = math.prod) -> CostFn:
+    """A suite's ``cost``: ``accesses[mode]`` reads or writes of ``dtype.itemsize`` bytes per element, of
+    ``elements(shape)`` elements."""
+    return lambda shape, mode, dtype: Cost(bytes=float(elements(shape) * accesses[mode] * dtype.itemsize))
 
 
 @dataclass(frozen=True)
@@ -91,18 +98,23 @@ class Cost:
     flops: float | None = None
 
 
+CostFn = Callable[[Shape, str, torch.dtype], Cost]
+
+
 @dataclass(frozen=True)
 class Provider:
     """One implementation to time. ``setup(device)`` returns ``fn(inputs) -> Tensor | tuple``."""
 
     name: str
-    setup: Callable[[torch.device], Callable[[Inputs], Any]]
+    setup: Setup
     description: str = ""
 
 
 @dataclass(frozen=True)
 class Suite:
-    """An op to benchmark; see the module docstring for the contract of each field."""
+    """An op to benchmark: ``make_inputs(shape, dtype, device)``, each provider's ``setup(device)(inputs)``,
+    ``cost(shape, mode, dtype)``; ``forward_grad``: fwd records autograd (else ``no_grad``); ``cuda_graph``:
+    on CUDA, ms from replays of a CUDA graph of the call."""
 
     name: str
     description: str
@@ -111,7 +123,7 @@ class Suite:
     cpu_shapes: tuple[Shape, ...]
     providers: tuple[Provider, ...]
     make_inputs: Callable[[Shape, torch.dtype, torch.device], Inputs]
-    cost: Callable[[Shape, str, torch.dtype], Cost]
+    cost: CostFn
     columns: tuple[str, ...] = ("ms", "tbps", "x_copy", "extra_mib")
     forward_grad: bool = False
     cuda_graph: bool = False
@@ -137,6 +149,12 @@ class Ceilings:
     gemm_tflops: float | None = None
     copy_what: str = ""
     gemm_what: str = ""
+
+    def describe(self, missing: str) -> str:
+        """'copy 3.10 TB/s (what); GEMM 700.0 TFLOP/s (what)', ``missing`` for a ceiling not measured."""
+        copy = f"{self.copy_tbps:.2f} TB/s ({self.copy_what})" if self.copy_tbps else missing
+        gemm = f"{self.gemm_tflops:.1f} TFLOP/s ({self.gemm_what})" if self.gemm_tflops else missing
+        return f"copy {copy}; GEMM {gemm}"
 
 
 @dataclass
@@ -250,10 +268,6 @@ def blocking_sync(ordinal: int = 0) -> str:
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 
-def _budget(quick: bool) -> tuple[int, int]:
-    return (CUDA_WARMUP_MS_QUICK, CUDA_REP_MS_QUICK) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
-
-
 def call_times_ms(
     call: Callable[[Any], Any], n: int, device: torch.device, prepare: Callable[[], Any] = lambda: None
 ) -> list[float]:
@@ -284,7 +298,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
     if device.type == "cuda":
         import triton.testing
 
-        warmup, rep = _budget(quick)
+        warmup, rep = CUDA_BUDGET_MS[quick]
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
 
@@ -338,7 +352,7 @@ def time_backward_ms(
         return statistics.median(
             call_times_ms(backward, CPU_REPS_QUICK if quick else CPU_REPS, device, forward)
         )
-    warmup_ms, rep_ms = _budget(quick)
+    warmup_ms, rep_ms = CUDA_BUDGET_MS[quick]
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
     def prepare() -> Any:
@@ -355,13 +369,11 @@ def time_backward_ms(
 
 def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -> str:
     if device.type == "cuda":
-        warmup, rep = _budget(quick)
-        how = (
+        warmup, rep = CUDA_BUDGET_MS[quick]
+        graph = "; ms: replays of a CUDA graph of the call, eager ms: the plain call" if cuda_graph else ""
+        return (
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
-            "after an untimed forward, between CUDA events, L2 flushed, median"
-        )
-        return how + (
-            "; ms: replays of a CUDA graph of the call, eager ms: the plain call" if cuda_graph else ""
+            f"after an untimed forward, between CUDA events, L2 flushed, median{graph}"
         )
     reps = CPU_REPS_QUICK if quick else CPU_REPS
     return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
@@ -379,33 +391,27 @@ def fresh_bytes(tensors: Iterable[torch.Tensor | None], inputs: Iterable[torch.T
     """Bytes of the distinct storages of ``tensors`` that do not alias any of ``inputs``."""
     taken = {t.untyped_storage().data_ptr() for t in inputs}
     total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in taken:
-            continue
-        taken.add(st.data_ptr())
-        total += st.nbytes()
+    for st in (t.untyped_storage() for t in tensors if t is not None):
+        if st.data_ptr() not in taken:
+            taken.add(st.data_ptr())
+            total += st.nbytes()
     return total
 
 
 def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
     """Copy bandwidth (bytes read + written) and GEMM rate, measured now: CUDA 1 GiB copy, bf16 8192^3 GEMM;
     CPU 64 MiB copy, fp32 1024^3 GEMM (so a CPU smoke run has ratios)."""
-    if device.type == "cuda":
-        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 1 << 30, torch.bfloat16, 8192, torch.bfloat16
-    else:
-        copy_bytes, copy_dtype, gemm_n, gemm_dtype = 64 * MIB, torch.float32, 1024, torch.float32
+    cuda = device.type == "cuda"
+    copy_bytes, dtype, gemm_n = (1 << 30, torch.bfloat16, 8192) if cuda else (64 * MIB, torch.float32, 1024)
 
     def copy_tbps() -> float:
-        src = torch.randn(copy_bytes // copy_dtype.itemsize, device=device, dtype=copy_dtype)
+        src = torch.randn(copy_bytes // dtype.itemsize, device=device, dtype=dtype)
         dst = torch.empty_like(src)
         dst.copy_(src)
         return 2 * copy_bytes / time_ms(lambda: dst.copy_(src), device, quick=quick) / 1e9
 
     def gemm_tflops() -> float:
-        a, b = (torch.randn(gemm_n, gemm_n, device=device, dtype=gemm_dtype) for _ in range(2))
+        a, b = (torch.randn(gemm_n, gemm_n, device=device, dtype=dtype) for _ in range(2))
         a @ b
         return 2 * gemm_n**3 / time_ms(lambda: a @ b, device, quick=quick) / 1e9
 
@@ -416,12 +422,11 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
         except Exception as e:  # noqa: BLE001 - a ceiling that cannot be measured is reported missing
             print(f"could not measure {what}: {type(e).__name__}: {e}")
         free_memory(device)
-    gemm_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[gemm_dtype]
     return Ceilings(
         copy_tbps=rates.get("copy bandwidth"),
         gemm_tflops=rates.get("GEMM rate"),
         copy_what=f"dst.copy_(src), {copy_bytes // MIB} MiB, bytes read + written",
-        gemm_what=f"{gemm_name} GEMM {gemm_n}^3",
+        gemm_what=f"{'bf16' if cuda else 'fp32'} GEMM {gemm_n}^3",
     )
 
 
@@ -488,8 +493,7 @@ def _measure(
         sync(device)
         extra = row.peak_bytes = torch.cuda.max_memory_allocated(device) - before
         if mode == "full":
-            inputs_list = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-            row.grad_bytes = fresh_bytes(result, inputs_list)
+            row.grad_bytes = fresh_bytes(result, [t for t in inputs.values() if isinstance(t, torch.Tensor)])
             extra -= row.grad_bytes
         row.extra_bytes = max(extra, 0)
         del result
@@ -553,8 +557,7 @@ def run_suite(
     log: Callable[[str], None] = print,
 ) -> Report:
     """Every (shape, provider, mode) of ``suite``: the report (nothing written)."""
-    bad = [m for m in modes if m not in MODES]
-    if bad:
+    if bad := [m for m in modes if m not in MODES]:
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
     modes = tuple(m for m in MODES if m in modes)
     chosen = [suite.provider(name) for name in providers]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fuselm.ops.layer_norm import layer_norm
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, compiled_setup, peer_apply
+from .harness import Inputs, Provider, Shape, Suite, bytes_cost, liger_provider, torch_providers
 
 EPS = 1e-5
 
@@ -22,14 +22,11 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Input
     }
 
 
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: fwd 2, bwd 3, full 5 times itemsize per element."""
-    n, h = shape
-    return Cost(bytes=float(n * h * {"fwd": 2, "bwd": 3, "full": 5}[mode] * dtype.itemsize))
+cost = bytes_cost({"fwd": 2, "bwd": 3, "full": 5})
 
 
-def _torch_fn(x: Inputs) -> torch.Tensor:
-    return F.layer_norm(x["x"], (x["x"].shape[-1],), x["weight"], x["bias"], EPS)
+def _torch_ln(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def _args(x: Inputs) -> tuple[torch.Tensor, ...]:
@@ -43,14 +40,9 @@ SUITE = Suite(
     gpu_shapes=((16384, 4096), (32768, 8192)),
     cpu_shapes=((256, 256),),
     providers=(
-        Provider("torch", lambda device: _torch_fn, "F.layer_norm, eager"),
-        Provider("torch_compile", compiled_setup(_torch_fn), "torch.compile of F.layer_norm"),
+        *torch_providers(_torch_ln, _args, "F.layer_norm, eager"),
         Provider("fuselm", lambda device: lambda x: layer_norm(*_args(x)), "fuselm.layer_norm"),
-        Provider(
-            "liger",
-            peer_apply("liger_kernel.ops.layer_norm", "LigerLayerNormFunction", _args),
-            "liger_kernel LigerLayerNormFunction",
-        ),
+        liger_provider("liger_kernel.ops.layer_norm", "LigerLayerNormFunction", _args),
     ),
     make_inputs=make_inputs,
     cost=cost,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+import fuselm
 
 from .harness import Cost, Inputs, Provider, Shape, Suite, import_peer, torch_providers
 
@@ -61,38 +63,22 @@ def ignore_targets(target: torch.Tensor, k: int) -> torch.Tensor:
     return target
 
 
-def _runner_ups(target: torch.Tensor, v: int, k: int) -> torch.Tensor:
-    """``[N, k]`` classes, distinct per row and different from the row's target (uniform offsets)."""
-    n = target.shape[0]
-    offsets = torch.randint(0, v - k, (n, k), device=target.device).sort(dim=1).values
-    offsets = offsets + torch.arange(k, device=target.device)  # distinct, in [0, v - 2]
-    return (target[:, None] + 1 + offsets) % v
-
-
 def _target_probs(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """softmax(z)[i, target_i] for fp32 logits z [M, V]."""
     return torch.exp(z.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(z, dim=1))
 
 
-def peaked_hidden(
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    tail_std: float = PEAKED_TAIL_STD,
-    gaps: Sequence[float] = PEAKED_GAPS,
-    target_prob: float = PEAKED_TARGET_PROB,
-    calibration_rows: int = CALIBRATION_ROWS,
-) -> torch.Tensor:
+def peaked_hidden(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Hidden states ``x [N, H]`` (fp32) whose logits ``x @ weight.T`` look like a trained model's.
 
-    Row i is ``noise_i + B_i^T alpha_i`` with ``noise_i ~ N(0, tail_std^2 / |W_j|^2)`` (tail logits
-    about N(0, tail_std^2)) and ``B_i`` the rows of ``weight`` of the target and of ``len(gaps)``
-    runner-up classes; ``alpha_i`` solves the small Gram system so that these logits are exactly
-    ``A`` (target) and ``A - gaps`` (runner-ups). ``A`` is one number for all rows, found by
-    bisection on the first ``calibration_rows`` rows so that the mean softmax of the target is
-    ``target_prob``. Targets must lie in ``[0, V)`` (ignore some afterwards). The other logits get
-    cross-talk of std about ``A * sqrt((len(gaps) + 1) / H)`` from the aligned part, so the target
-    is reached for H >= 128 or so; at smaller H the ``A`` (up to 64) with the highest mean is taken.
+    Row i is ``noise_i + B_i^T alpha_i`` with ``noise_i ~ N(0, PEAKED_TAIL_STD^2 / |W_j|^2)`` (tail logits
+    about N(0, PEAKED_TAIL_STD^2)) and ``B_i`` the rows of ``weight`` of the target and of the runner-up
+    classes; ``alpha_i`` solves the small Gram system so that these logits are exactly ``A`` (target) and
+    ``A - PEAKED_GAPS`` (runner-ups). ``A`` is one number for all rows, found by bisection on the first
+    ``CALIBRATION_ROWS`` rows so that the mean softmax of the target is ``PEAKED_TARGET_PROB``. Targets must
+    lie in ``[0, V)`` (ignore some afterwards). The other logits get cross-talk of std about
+    ``A * sqrt((len(PEAKED_GAPS) + 1) / H)`` from the aligned part, so the target is reached for H >= 128 or
+    so; at smaller H the ``A`` (up to 64) with the highest mean is taken.
 
     Example:
         >>> w = torch.randn(500, 128) / 128**0.5
@@ -103,14 +89,17 @@ def peaked_hidden(
     """
     v, h = weight.shape
     n = target.shape[0]
-    k = len(gaps)
+    k = len(PEAKED_GAPS)
     if v < k + 2:
         raise ValueError(f"peaked inputs need V >= {k + 2}, got {v}")
     dev = weight.device
-    classes = torch.cat([target[:, None], _runner_ups(target, v, k)], dim=1)  # [N, k + 1]
-    offsets = torch.tensor([0.0, *(-g for g in gaps)], device=dev)  # logit - A, per class
+    # the runner-ups: k classes per row, distinct and different from the target (uniform shifts)
+    shifts = torch.randint(0, v - k, (n, k), device=target.device).sort(dim=1).values
+    shifts = shifts + torch.arange(k, device=target.device)  # distinct, in [0, v - 2]
+    classes = torch.cat([target[:, None], (target[:, None] + 1 + shifts) % v], dim=1)  # [N, k + 1]
+    offsets = torch.tensor([0.0, *(-g for g in PEAKED_GAPS)], device=dev)  # logit - A, per class
     row_norm = weight[: min(v, 4096)].float().norm(dim=1).pow(2).mean().sqrt()
-    noise = torch.randn(n, h, device=dev) * (tail_std / row_norm)
+    noise = torch.randn(n, h, device=dev) * (PEAKED_TAIL_STD / row_norm)
     # x = x0 + A * u, where B x0 = offsets and B u = 1 (B: the k + 1 classes' rows of weight)
     x0 = torch.empty(n, h, device=dev)
     u = torch.empty(n, h, device=dev)
@@ -124,7 +113,7 @@ def peaked_hidden(
         both = alpha.transpose(1, 2) @ rows  # [c, 2, H]
         x0[s:e] = noise[s:e] + both[:, 0]
         u[s:e] = both[:, 1]
-    m = min(n, calibration_rows)
+    m = min(n, CALIBRATION_ROWS)
     z0 = x0[:m].to(weight.dtype) @ weight.t()
     z1 = u[:m].to(weight.dtype) @ weight.t()
     z0, z1 = z0.float(), z1.float()
@@ -133,11 +122,11 @@ def peaked_hidden(
     def mean_prob(a: float) -> float:
         return float(_target_probs(z0 + a * z1, t).mean())
 
-    # the first A on a coarse grid that reaches target_prob, refined by bisection; if none does (a very
-    # small H, whose cross-talk widens the tail as A grows), the A with the highest mean probability
+    # the first A on a coarse grid that reaches the target probability, refined by bisection; if none does
+    # (a very small H, whose cross-talk widens the tail as A grows), the A with the highest mean probability
     grid = [float(a) for a in range(0, MAX_TARGET_LOGIT + 1, 4)]
     probs = [mean_prob(a) for a in grid]
-    hit = next((i for i, p in enumerate(probs) if p >= target_prob), None)
+    hit = next((i for i, p in enumerate(probs) if p >= PEAKED_TARGET_PROB), None)
     if hit is None:
         lo = hi = grid[max(range(len(grid)), key=probs.__getitem__)]
     elif hit == 0:
@@ -146,7 +135,7 @@ def peaked_hidden(
         lo, hi = grid[hit - 1], grid[hit]
         for _ in range(14):  # to 4 / 2^14 nats
             mid = (lo + hi) / 2
-            if mean_prob(mid) < target_prob:
+            if mean_prob(mid) < PEAKED_TARGET_PROB:
                 lo = mid
             else:
                 hi = mid
@@ -158,13 +147,12 @@ def mean_target_prob(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    ignore_index: int = IGNORE_INDEX,
     max_rows: int | None = 2048,
     chunk_rows: int = 256,
 ) -> float:
     """Mean ``softmax(x @ weight.T)[i, target_i]`` over the first ``max_rows`` non-ignored rows (logits in
     ``weight``'s dtype, as the providers compute them; softmax in fp32)."""
-    keep = (target != ignore_index).nonzero().squeeze(1)
+    keep = (target != IGNORE_INDEX).nonzero().squeeze(1)
     if max_rows is not None:
         keep = keep[:max_rows]
     if keep.numel() == 0:
@@ -226,29 +214,20 @@ def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
 def setup_cce(device: torch.device) -> Callable[[Inputs], Any]:
     """Cut Cross-Entropy (needs CUDA and an importable cut_cross_entropy)."""
     cce_lce = import_peer(device, "cut_cross_entropy", "linear_cross_entropy", "cut_cross_entropy")
+    return lambda x: cce_lce(*_args(x), ignore_index=IGNORE_INDEX, reduction="mean", shift=False)
 
+
+def _fuselm(memory: str) -> Provider:
     def run(x: Inputs) -> torch.Tensor:
-        e, c, targets = _args(x)
-        return cce_lce(e, c, targets, ignore_index=IGNORE_INDEX, reduction="mean", shift=False)
+        return fuselm.linear_cross_entropy(*_args(x), memory=memory)
 
-    return run
-
-
-def _fuselm(memory: str) -> Callable[[torch.device], Callable[[Inputs], Any]]:
-    import fuselm
-
-    return lambda device: lambda x: fuselm.linear_cross_entropy(*_args(x), memory=memory)
+    name = "fuselm" if memory == "auto" else f"fuselm_{memory}"
+    return Provider(name, lambda device: run, f'fuselm.linear_cross_entropy(memory="{memory}")')
 
 
-setup_fuselm, setup_fuselm_min = _fuselm("auto"), _fuselm("min")
-
-
-_LLAMA3_8B, _GEMMA2_2B, _LLAMA3_8B_2X, _QWEN2_7B = (
-    (8192, 4096, 128256),
-    (8192, 2304, 256000),
-    (16384, 4096, 128256),
-    (4096, 3584, 152064),
-)
+# N, H, V of Llama-3-8B, Gemma-2-2B, Llama-3-8B at twice the tokens, Qwen2-7B
+_LLAMA3_8B = (8192, 4096, 128256)
+_MODELS = (_LLAMA3_8B, (8192, 2304, 256000), (16384, 4096, 128256), (4096, 3584, 152064))
 _K = DEFAULT_IGNORE_K
 
 SUITE = Suite(
@@ -259,23 +238,16 @@ SUITE = Suite(
     ),
     shape_dims=("N", "H", "V", "inputs (1 random, 2 peaked)", "1/k ignored"),
     gpu_shapes=(
-        (*_LLAMA3_8B, RANDOM, _K),
-        (*_LLAMA3_8B, PEAKED, _K),
+        *((*nhv, inputs, _K) for nhv in _MODELS for inputs in (RANDOM, PEAKED)),
         (*_LLAMA3_8B, RANDOM, 2),
-        (*_GEMMA2_2B, RANDOM, _K),
-        (*_GEMMA2_2B, PEAKED, _K),
-        (*_LLAMA3_8B_2X, RANDOM, _K),
-        (*_LLAMA3_8B_2X, PEAKED, _K),
-        (*_QWEN2_7B, RANDOM, _K),
-        (*_QWEN2_7B, PEAKED, _K),
     ),
     cpu_shapes=((256, 128, 1000, RANDOM, _K), (256, 128, 1000, PEAKED, _K), (256, 128, 1000, RANDOM, 2)),
     providers=(
         *torch_providers(_torch_lce, _args, "F.cross_entropy((x @ W.T).float(), target), eager"),
         Provider("liger", setup_liger, "Liger-Kernel LigerFusedLinearCrossEntropyFunction"),
         Provider("cce", setup_cce, "Cut Cross-Entropy linear_cross_entropy"),
-        Provider("fuselm", setup_fuselm, 'fuselm.linear_cross_entropy(memory="auto")'),
-        Provider("fuselm_min", setup_fuselm_min, 'fuselm.linear_cross_entropy(memory="min")'),
+        _fuselm("auto"),
+        _fuselm("min"),
     ),
     make_inputs=make_inputs,
     cost=cost,
@@ -292,31 +264,3 @@ SUITE = Suite(
         "Liger accumulates dW in the input dtype (its default), CCE filters gradient tiles (its default).",
     ),
 )
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    """Print the mean softmax of the target for the suite's shapes (or --shapes) on one device."""
-    import argparse
-
-    from .arguments import parse_dtype, parse_shapes, pick_device
-
-    parser = argparse.ArgumentParser(description=_main.__doc__)
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    parser.add_argument("--shapes", help="like the CLI's, e.g. 8192x4096x128256x2x7")
-    args = parser.parse_args(argv)
-    device, dtype = pick_device(args.device), parse_dtype(args.dtype)
-    cuda = device.type == "cuda"
-    shapes = parse_shapes(args.shapes) if args.shapes else (SUITE.gpu_shapes if cuda else SUITE.cpu_shapes)
-    for shape in shapes:
-        torch.manual_seed(0)
-        x = make_inputs(shape, dtype, device)
-        p = mean_target_prob(x["input"], x["linear_weight"], x["target"])
-        ignored = float((x["target"] == IGNORE_INDEX).float().mean())
-        print(f"{describe(shape)}: mean target softmax {p:.3f}, ignored fraction {ignored:.3f}")
-        del x
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+import fuselm
+
 from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, compiled_setup, import_peer
 from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
 from .linear_cross_entropy import make_inputs as lce_make_inputs
@@ -124,20 +126,18 @@ def _torch(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tupl
     return lp, torch.where(keep, -(logp.exp() * logp).sum(dim=-1), 0.0)
 
 
-def trl_log_probs(
-    chunked: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tuple
-) -> tuple:
+def setup_trl(device: torch.device) -> Callable[..., Any]:
     """TRL's ``ChunkedLogProbFunction`` as TRL's fused LM head calls it: on the non-ignored rows only, the
     results scattered back (0 at ignored targets)."""
-    keep = target != IGNORE_INDEX
-    res = chunked.apply(x[keep], w, None, target[keep], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
-    return tuple(r.new_zeros(target.shape).masked_scatter(keep, r) for r in res[: len(outputs)])
-
-
-def setup_trl(device: torch.device) -> Callable[..., Any]:
     trl = "trl.kernels.chunked_logprob"
     chunked = import_peer(device, trl, "ChunkedLogProbFunction", trl, cuda=False)
-    return lambda *args: trl_log_probs(chunked, *args)
+
+    def run(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
+        keep = target != IGNORE_INDEX
+        res = chunked.apply(x[keep], w, None, target[keep], 1.0, TRL_CHUNK_SIZE, None, 1.0, outputs)
+        return tuple(r.new_zeros(target.shape).masked_scatter(keep, r) for r in res[: len(outputs)])
+
+    return run
 
 
 def setup_liger_cute(device: torch.device) -> Callable[..., Any]:
@@ -175,16 +175,11 @@ def _liger(apply: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _setup_fuselm(memory: str) -> Callable[[torch.device], Callable[..., Any]]:
-    def setup(device: torch.device) -> Callable[..., Any]:
-        import fuselm
+    def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
+        r = fuselm.linear_log_probs(x, w, t, outputs=outputs, memory=memory)
+        return (r.log_probs, r.entropy) if "entropy" in outputs else (r.log_probs,)
 
-        def run(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, outputs: tuple[str, ...]) -> tuple:
-            r = fuselm.linear_log_probs(x, w, t, outputs=outputs, memory=memory)
-            return (r.log_probs, r.entropy) if "entropy" in outputs else (r.log_probs,)
-
-        return run
-
-    return setup
+    return lambda device: run
 
 
 _LLAMA3_8B, _QWEN2_7B_2X, _GEMMA2_2B = (8192, 4096, 128256), (16384, 4096, 151936), (8192, 2304, 256000)
@@ -241,15 +236,6 @@ SUITE = Suite(
 # ---- the accuracy and summary tables ----
 
 
-def accuracy_rows(report: Report) -> list[dict[str, Any]]:
-    return [
-        {"shape": list(shape), "provider": p, **ACCURACY[(split_shape(shape), p)]}
-        for shape in report.shapes
-        for p in report.providers
-        if (split_shape(shape), p) in ACCURACY
-    ]
-
-
 def summary_table(report: Report) -> str:
     head = ["N x H x V x k x outputs", "provider", "fwd ms", "bwd ms", "fwd+bwd ms", "x floor", "extra MiB"]
     head += ["max err log_probs", "max err entropy"]
@@ -260,9 +246,8 @@ def summary_table(report: Report) -> str:
             cells = [shape_label(shape), p, *("—" if r is None else cell(r, "ms") for r in (fwd, bwd, full))]
             cells += ["—" if full is None else cell(full, col) for col in ("x_floor", "extra_mib")]
             acc = ACCURACY.get((split_shape(shape), p)) or {}
-            lines.append(
-                [*cells, *("—" if acc.get(k) is None else f"{acc[k]:.1e}" for k in ("log_probs", "entropy"))]
-            )
+            cells += ["—" if acc.get(k) is None else f"{acc[k]:.1e}" for k in ("log_probs", "entropy")]
+            lines.append(cells)
     return md_table(head, lines)
 
 
@@ -276,9 +261,8 @@ def extra_markdown(report: Report) -> str:
         "",
         f"Accuracy: max abs error over the first {ACCURACY_TOKENS} non-ignored tokens of each shape, against "
         "log_softmax of fp64 logits of the same (rounded) x and W; measured on each provider's first call.",
+        *([f"Peers in this run: {peers}."] if peers else []),
     ]
-    if peers:
-        lines.append(f"Peers in this run: {peers}.")
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +287,11 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     from .runner import run_op_suites
 
     def extras(report: Report) -> dict[str, Any]:
-        return {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy_rows(report)}}
+        cases = [(s, p, (split_shape(s), p)) for s in report.shapes for p in report.providers]
+        accuracy = [
+            {"shape": list(s), "provider": p, **ACCURACY[key]} for s, p, key in cases if key in ACCURACY
+        ]
+        return {"extra_markdown": extra_markdown(report), "extra_json": {"accuracy": accuracy}}
 
     ACCURACY.clear()
     try:

@@ -243,14 +243,13 @@ def notes(report: Report) -> list[str]:
             "measured on its own, the same for every provider (no memory figure); a design that computes the "
             "gradient in its forward does that work in full, not in bwd."
         )
-    if "fwd" in report.modes:
-        if report.suite.forward_grad:
-            out.append("fwd records autograd, as the forward of a training step.")
-        else:
-            out.append(
-                "fwd runs under torch.no_grad() on inputs that do not require grad (outputs only, the "
-                "same work for every provider)."
-            )
+    if "fwd" in report.modes and report.suite.forward_grad:
+        out.append("fwd records autograd, as the forward of a training step.")
+    elif "fwd" in report.modes:
+        out.append(
+            "fwd runs under torch.no_grad() on inputs that do not require grad (outputs only, the same work "
+            "for every provider)."
+        )
     out.append(
         "full = forward + torch.autograd.grad w.r.t. the inputs that require grad (no .grad accumulation)."
     )
@@ -282,18 +281,16 @@ def document(
 
 def markdown(report: Report, extra: str = "") -> str:
     """An op suite's markdown report (``extra``: more sections after the table)."""
-    m, c = report.metadata, report.ceilings
+    m = report.metadata
     versions = (
         f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
     )
     peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
-    copy = f"{c.copy_tbps:.2f} TB/s ({c.copy_what})" if c.copy_tbps else "not measured"
-    gemm = f"{c.gemm_tflops:.1f} TFLOP/s ({c.gemm_what})" if c.gemm_tflops else "not measured"
     facts = [
         f"device: {m.get('device')}",
         f"versions: {versions}" + (f"; peers: {peers}" if peers else ""),
         f"date: {m.get('date')}",
-        f"ceilings (measured in this run): device copy {copy}; GEMM {gemm}",
+        f"ceilings (measured in this run): device {report.ceilings.describe('not measured')}",
         f"timing: {m.get('timing')}",
         f"command: `{m.get('command')}`",
     ]

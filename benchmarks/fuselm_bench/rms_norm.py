@@ -10,7 +10,7 @@ import torch
 
 from fuselm.ops.rms_norm import rms_norm
 
-from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite, compiled_setup, import_peer
+from .harness import Cost, Inputs, Provider, Shape, SkipProvider, Suite, import_peer, torch_providers
 
 EPS = 1e-6
 
@@ -40,7 +40,7 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Input
 
 
 def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: see the module docstring (5 * itemsize per element for fwd + bwd, 8 with S = 2)."""
+    """Bytes per call, as the notes count them."""
     n, h, summed = split_shape(shape)
     per_element = ({"fwd": 4, "bwd": 4, "full": 8} if summed == 2 else {"fwd": 2, "bwd": 3, "full": 5})[mode]
     return Cost(bytes=float(n * h * per_element * dtype.itemsize))
@@ -76,26 +76,21 @@ def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     return run
 
 
-def _only(name: str, residual: bool, fn: Callable[[Inputs], Any]) -> Callable[[torch.device], Any]:
-    """The setup of a provider of the S = 2 (``residual``) or the S = 1 shapes (skipped at the others)."""
+def _only(name: str, residual: bool, fn: Callable[[Inputs], Any], description: str) -> Provider:
+    """A provider of the S = 2 (``residual``) or the S = 1 shapes (skipped at the others)."""
 
     def run(x: Inputs) -> Any:
         if ("residual" in x) != residual:
             raise SkipProvider(f"{name} runs the S = {1 + int(residual)} shapes")
         return fn(x)
 
-    return lambda device: run
+    return Provider(name, lambda device: run, description)
 
 
 def _add_then_fuselm(x: Inputs) -> Any:
     s = x["x"] + x["residual"]
     return rms_norm(s, x["weight"], EPS), s
 
-
-setup_fuselm = _only("fuselm", False, lambda x: rms_norm(x["x"], x["weight"], EPS))
-setup_fuselm_residual = _only(
-    "fuselm_residual", True, lambda x: rms_norm(x["x"], x["weight"], EPS, residual=x["residual"])
-)
 
 SUITE = Suite(
     name="rms_norm",
@@ -104,16 +99,16 @@ SUITE = Suite(
     gpu_shapes=((16384, 4096, 1), (32768, 8192, 1), (16384, 4096, 2), (32768, 8192, 2)),
     cpu_shapes=((256, 256, 1), (256, 256, 2)),
     providers=(
-        Provider("torch", lambda device: _torch_fn, "Hugging Face LlamaRMSNorm code, eager"),
-        Provider("torch_compile", compiled_setup(_torch_fn), "torch.compile of the eager function"),
+        *torch_providers(_torch_fn, None, "Hugging Face LlamaRMSNorm code, eager"),
         Provider("liger", setup_liger, "liger_kernel LigerRMSNormFunction (in_place=False)"),
-        Provider("fuselm", setup_fuselm, "fuselm.rms_norm (S = 1)"),
-        Provider("fuselm_residual", setup_fuselm_residual, "fuselm.rms_norm(..., residual=) (S = 2)"),
-        Provider(
-            "torch_add_then_fuselm",
-            _only("torch_add_then_fuselm", True, _add_then_fuselm),
-            "x + residual, then fuselm.rms_norm",
+        _only("fuselm", False, lambda x: rms_norm(x["x"], x["weight"], EPS), "fuselm.rms_norm (S = 1)"),
+        _only(
+            "fuselm_residual",
+            True,
+            lambda x: rms_norm(x["x"], x["weight"], EPS, residual=x["residual"]),
+            "fuselm.rms_norm(..., residual=) (S = 2)",
         ),
+        _only("torch_add_then_fuselm", True, _add_then_fuselm, "x + residual, then fuselm.rms_norm"),
     ),
     make_inputs=make_inputs,
     cost=cost,

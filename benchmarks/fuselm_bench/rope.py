@@ -6,43 +6,29 @@ import torch
 
 from fuselm.ops.rope import apply_rotary
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, peer_apply, torch_providers
+from .harness import Inputs, Provider, Shape, Suite, bytes_cost, liger_provider, torch_providers
 
 ROPE_THETA = 500000.0  # Llama 3
 
 
-def hf_cos_sin(
-    batch: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[B, T, D]`` as Hugging Face's (default) rotary embedding returns them, in ``dtype``."""
-    inv_freq = 1.0 / ROPE_THETA ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )
-    freqs = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq_len, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
-    """q ``[B, Hq, T, D]``, k ``[B, Hkv, T, D]`` random normal (require grad); cos/sin ``[B, T, D]``."""
+    """q ``[B, Hq, T, D]``, k ``[B, Hkv, T, D]`` random normal (require grad); cos/sin ``[B, T, D]`` as
+    Hugging Face's (default) rotary embedding returns them, in ``dtype``."""
     b, t, hq, hk, d = shape
     q = torch.randn(b, hq, t, d, device=device, dtype=dtype).requires_grad_(True)
     k = torch.randn(b, hk, t, d, device=device, dtype=dtype).requires_grad_(True)
-    cos, sin = hf_cos_sin(b, t, d, dtype, device)
-    return {"q": q, "k": k, "cos": cos, "sin": sin}
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    freqs = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(b, t, d)
+    return {"q": q, "k": k, "cos": emb.cos().to(dtype), "sin": emb.sin().to(dtype)}
 
 
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: fwd reads q, k and writes the outputs; bwd the same for the gradients; full both."""
-    b, t, hq, hk, d = shape
-    per_element = {"fwd": 2, "bwd": 2, "full": 4}[mode] * dtype.itemsize
-    return Cost(bytes=float(b * t * (hq + hk) * d * per_element))
+# fwd reads q, k and writes the outputs; bwd the same for the gradients; full both (cos/sin not counted)
+cost = bytes_cost({"fwd": 2, "bwd": 2, "full": 4}, lambda s: s[0] * s[1] * (s[2] + s[3]) * s[4])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 def hf_apply_rotary_pos_emb(
@@ -67,11 +53,7 @@ SUITE = Suite(
     providers=(
         *torch_providers(hf_apply_rotary_pos_emb, _args, "Hugging Face apply_rotary_pos_emb, eager"),
         Provider("fuselm", lambda device: lambda x: apply_rotary(*_args(x)), "fuselm.apply_rotary"),
-        Provider(
-            "liger",
-            peer_apply("liger_kernel.ops.rope", "LigerRopeFunction", _args),
-            "liger_kernel LigerRopeFunction",
-        ),
+        liger_provider("liger_kernel.ops.rope", "LigerRopeFunction", _args),
     ),
     make_inputs=make_inputs,
     cost=cost,

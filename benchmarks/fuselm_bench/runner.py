@@ -28,12 +28,11 @@ def run_op_suites(
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)
+    cuda = device.type == "cuda"
     plans = []
     for suite in suites:
-        if args.shapes:
-            shapes = parse_shapes(args.shapes, len(suite.shape_dims))
-        else:
-            shapes = list(suite.gpu_shapes if device.type == "cuda" else suite.cpu_shapes)
+        default = suite.gpu_shapes if cuda else suite.cpu_shapes
+        shapes = parse_shapes(args.shapes, len(suite.shape_dims)) if args.shapes else list(default)
         for shape in shapes if check_shape is not None else ():
             try:
                 check_shape(shape)
@@ -41,7 +40,6 @@ def run_op_suites(
                 raise UsageError(f"bad shape {'x'.join(map(str, shape))}: {e}") from None
         names = suite.provider_names
         plans.append((suite, shapes, parse_list(args.providers, names, "provider", default=names)))
-    cuda = device.type == "cuda"
     meta = {**collect_metadata(device, argv), **(metadata or {})}
     if not cuda:
         print(CPU_FIGURES)
@@ -51,9 +49,7 @@ def run_op_suites(
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
     print("measuring ceilings ...", flush=True)
     ceilings = measure_ceilings(device, quick=args.quick)
-    copy = f"{ceilings.copy_tbps:.2f} TB/s" if ceilings.copy_tbps else "n/a"
-    gemm = f"{ceilings.gemm_tflops:.1f} TFLOP/s" if ceilings.gemm_tflops else "n/a"
-    print(f"ceilings: copy {copy} ({ceilings.copy_what}); GEMM {gemm} ({ceilings.gemm_what})", flush=True)
+    print(f"ceilings: {ceilings.describe('n/a')}", flush=True)
     options = {"dtype": dtype, "modes": modes, "device": device, "quick": args.quick, "ceilings": ceilings}
     options.update(metadata=meta, progress=not args.no_progress)
     status = 0
@@ -62,19 +58,16 @@ def run_op_suites(
         report: Report | None = None
         for i, shape in enumerate(shapes):
             part = run_suite(suite, shapes=[shape], providers=providers, log=log, **options)
-            if report is None:
-                report = part
-            else:
-                report.shapes = (*report.shapes, *part.shapes)
-                report.rows.extend(part.rows)
-                report.skipped.update(part.skipped)
+            if report is not None:  # the shapes so far, then this one
+                part.shapes, part.rows = (*report.shapes, *part.shapes), [*report.rows, *part.rows]
+                part.skipped = {**report.skipped, **part.skipped}
+            report = part
             more = extras(report) if extras is not None else {}
             paths = write_report(report, out_dir, **more)
             print(f"{suite.name}: {i + 1}/{len(shapes)} shapes done, written to {out_dir}", flush=True)
         text = markdown(report, more.get("extra_markdown", "")) if len(plans) == 1 else markdown_table(report)
         print_written(text, paths)
         if summary is not None:
-            print()
-            print(summary(report))
+            print(f"\n{summary(report)}")
         status = max(status, 0 if any(r.ms is not None for r in report.rows) else 1)
     return status

@@ -7,27 +7,15 @@ import torch.nn.functional as F
 
 from fuselm.ops.swiglu import swiglu
 
-from .harness import Cost, Inputs, Provider, Shape, Suite, peer_apply, torch_providers
+from .harness import Inputs, Provider, Shape, Suite, bytes_cost, liger_provider, torch_providers
 
 ACCESSES = {"fwd": 3, "bwd": 5, "full": 8}  # element reads + writes per mode
+cost = bytes_cost(ACCESSES)
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:
     """gate and up ``[N, I]``, random normal, both requiring grad."""
-    n, i = shape
-    gate = torch.randn(n, i, device=device, dtype=dtype).requires_grad_(True)
-    up = torch.randn(n, i, device=device, dtype=dtype).requires_grad_(True)
-    return {"gate": gate, "up": up}
-
-
-def cost(shape: Shape, mode: str, dtype: torch.dtype) -> Cost:
-    """Bytes per call: 3 (fwd), 5 (bwd) or 8 (full) accesses of ``itemsize`` bytes per element."""
-    n, i = shape
-    return Cost(bytes=float(n * i * ACCESSES[mode] * dtype.itemsize))
-
-
-def _torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    return {k: torch.randn(*shape, device=device, dtype=dtype).requires_grad_(True) for k in ("gate", "up")}
 
 
 def _args(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,13 +29,9 @@ SUITE = Suite(
     gpu_shapes=((16384, 14336), (8192, 14336), (16384, 11008)),
     cpu_shapes=((128, 512), (33, 1000)),
     providers=(
-        *torch_providers(_torch_swiglu, _args, "F.silu(gate) * up, eager"),
+        *torch_providers(lambda gate, up: F.silu(gate) * up, _args, "F.silu(gate) * up, eager"),
         Provider("fuselm", lambda device: lambda x: swiglu(*_args(x)), "fuselm.swiglu"),
-        Provider(
-            "liger",
-            peer_apply("liger_kernel.ops.swiglu", "LigerSiLUMulFunction", _args),
-            "liger_kernel LigerSiLUMulFunction",
-        ),
+        liger_provider("liger_kernel.ops.swiglu", "LigerSiLUMulFunction", _args),
     ),
     make_inputs=make_inputs,
     cost=cost,

@@ -145,16 +145,6 @@ def test_mean_target_prob_matches_a_direct_computation():
     assert math.isnan(lce.mean_target_prob(x, w, torch.full((40,), -100)))
 
 
-def test_module_main_reports_target_prob(capsys):
-    assert lce._main(["--device", "cpu", "--shapes", "128x128x500x2x7,128x128x500x1x2"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert len(out) == 2
-    head, prob = out[0].split(": mean target softmax ")
-    assert head == "N=128 H=128 V=500, peaked, 1/7 ignored"
-    assert float(prob.split(",")[0]) == pytest.approx(0.9, abs=0.03)  # the calibration target
-    assert "random, half ignored" in out[1] and "ignored fraction 0.500" in out[1]
-
-
 # ---- providers ----
 
 
