@@ -21,7 +21,6 @@ class Row:
     SHAPE_DIMS: ClassVar[tuple[str, ...]] = ()
     SHAPE_TITLE: ClassVar[str] = ""
     SHAPE_FORMAT: ClassVar[str] = ""
-    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()
     BATCH_FIELD: ClassVar[str | None] = "batch"
     provider: str
     status: str

@@ -13,7 +13,6 @@ from fuselm_bench.cases import Case, Row, run_cases
 class _Row(Row):
     SHAPE_FIELDS = ("model", "batch")
     SHAPE_FORMAT = "{} B{}"
-    TEXT_FIELDS = ("model",)
     provider: str
     model: str
     batch: int
