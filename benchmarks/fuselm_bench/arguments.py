@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -82,9 +80,6 @@ def parse_dtype(text: str) -> torch.dtype:
     return getattr(torch, DTYPES[text.lower()])
 
 
-CPU_RESULTS_DIR = Path("bench-out") / "cpu"
-
-
 def results_dir(out: str | None, device_name: str | None) -> Path:
     """``--out``, else ``benchmarks/results/<gpu>`` (the committed GPU results), else (a CPU run)
     ``bench-out/cpu``: CPU figures are smoke runs, never committed (``bench-out/`` is git-ignored).
@@ -100,17 +95,5 @@ def results_dir(out: str | None, device_name: str | None) -> Path:
     if out:
         return Path(out)
     if device_name is None or gpu_slug(device_name) == "cpu":
-        return CPU_RESULTS_DIR
+        return Path("bench-out") / "cpu"
     return Path("benchmarks") / "results" / gpu_slug(device_name)
-
-
-def warmup_steps_dtype(args: argparse.Namespace, plan: Any, cuda: bool) -> tuple[int, int, torch.dtype]:
-    """``(warmup, steps, dtype)``: ``--warmup`` / ``--steps`` or the ``plan``'s (its quick ones with
-    ``--quick``), ``--dtype`` on CUDA, fp32 otherwise."""
-    warmup = (plan.quick_warmup if args.quick else plan.warmup) if args.warmup is None else args.warmup
-    steps = (plan.quick_steps if args.quick else plan.steps) if args.steps is None else args.steps
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {steps}")
-    if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
-    return warmup, steps, parse_dtype(args.dtype) if cuda else torch.float32

@@ -51,24 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     return bench
 
 
-def _list_suites() -> None:
-    from .registry import SUITES, TRAINING_SUITES
-
-    print("benchmark suites (fuselm bench <suite>):")
-    width = max(len(n) for n in [*SUITES, *TRAINING_SUITES])
-    for name, (_, desc) in SUITES.items():
-        print(f"  {name:<{width}}  {desc}")
-    print(f"  {'all':<{width}}  every suite above")
-    for name, (_, desc) in TRAINING_SUITES.items():
-        print(f"  {name:<{width}}  {desc}; not part of 'all'")
-
-
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from .registry import TRAINING_SUITES, get_suite, get_training_runner, suite_names
+    from .registry import SUITES, TRAINING_SUITES, get_suite, get_training_runner, suite_names
     from .runner import run_op_suites
 
-    if args.suite is None:
-        _list_suites()
+    if args.suite is None:  # list the suites
+        print("benchmark suites (fuselm bench <suite>):")
+        width = max(len(n) for n in [*SUITES, *TRAINING_SUITES])
+        for name, (_, desc) in SUITES.items():
+            print(f"  {name:<{width}}  {desc}")
+        print(f"  {'all':<{width}}  every suite above")
+        for name, (_, desc) in TRAINING_SUITES.items():
+            print(f"  {name:<{width}}  {desc}; not part of 'all'")
         return 0
     if args.suite in TRAINING_SUITES:  # whole training runs (e2e): their own runner, not the op harness
         return get_training_runner(args.suite)(args, argv)

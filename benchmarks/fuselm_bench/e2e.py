@@ -33,7 +33,7 @@ PROVIDER_DESCRIPTIONS = {
     "fuselm-trainer": "Trainer.train() of fuselm's model under capture_training_steps (opt-in; CUDA)",
 }
 TRAINER_PROVIDERS = ("hf-trainer", "fuselm-trainer")
-SEED = 0
+SEED = fresh_process.SEED
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
 BUILT = "random init, SDPA attention, no activation checkpointing"  # the models of e2e and grpo_step
@@ -112,9 +112,6 @@ MODELS: dict[str, ModelShape] = {
 }
 TRAINED_IN_FULL = [m for m in MODELS if not MODELS[m].nf4_only]  # what this suite (full training) runs
 DEFAULT_MODEL = "llama3.2-1b"
-
-Config = tuple[str, int, int]  # (model, batch, sequence length)
-
 
 GPU_GRID = (("llama3.2-1b", 1, 512), ("llama3.2-1b", 1, 2048), ("llama3.2-1b", 4, 2048))
 GPU_GRID += (("llama3.2-1b", 4, 4096), ("llama3.2-1b", 8, 4096), ("qwen3-0.6b", 1, 2048))
@@ -257,9 +254,8 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
 
 
 def bound_by(gpu_ms: float | None, step_ms: float | None, cuda: bool = True) -> str | None:
-    """``GPU`` when the step's kernels keep the GPU busy ``>= HOST_BOUND`` of its wall time, else ``host``
-    (the GPU waits: for Python and the launches, or for a host-device synchronization); None when either is
-    missing or off CUDA (there the host does everything)."""
+    """``GPU`` when its kernels keep the GPU busy ``>= HOST_BOUND`` of the step, else ``host`` (the GPU waits
+    for Python, the launches or a synchronization); None without both figures, or off CUDA."""
     if gpu_ms is None or not step_ms or not cuda:
         return None
     return "GPU" if gpu_ms >= HOST_BOUND * step_ms else "host"
@@ -271,7 +267,6 @@ def rows_bound_by(rows: list[Any], cuda: bool) -> str | None:
 
 
 def bound_cell(rows: list[Any], cuda: bool) -> str:
-    """:func:`rows_bound_by` as a table writes it: ``n/a`` without it, ``—`` without an ok row."""
     return (rows_bound_by(rows, cuda) or "n/a") if any(r.status == "ok" for r in rows) else "—"
 
 
@@ -294,6 +289,13 @@ class TrainingRow(fresh_process.WorkerRow):
     # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
     gpu_wait: str | None = None
 
+    def figures(self) -> tuple[str, str]:
+        cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""
+        gpu = f", GPU {self.gpu_ms:.1f} ms, {self.launches:.0f} launches" if self.gpu_ms is not None else ""
+        loss = "—" if self.first_loss is None else f"{self.first_loss:.4f}"
+        step = "—" if self.step_ms is None else f"{self.step_ms:.1f}"
+        return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
+
 
 @dataclass
 class E2ERow(TrainingRow):
@@ -311,18 +313,14 @@ class E2ERow(TrainingRow):
     status: str
     final_loss: float | None = None
 
-    def figures(self) -> tuple[str, str]:
-        cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""
-        gpu = f", GPU {self.gpu_ms:.1f} ms, {self.launches:.0f} launches" if self.gpu_ms is not None else ""
-        loss = "—" if self.first_loss is None else f"{self.first_loss:.4f}"
-        step = "—" if self.step_ms is None else f"{self.step_ms:.1f}"
-        return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
 
-
-def peer_missing(package: str, device: torch.device, no_cuda: str = "needs CUDA") -> str | None:
-    """Why a peer's provider cannot run here (no CUDA, ``package`` not importable); None when it can."""
+def peer_missing(provider: str, device: torch.device) -> str | None:
+    """Why a peer's provider (liger, unsloth) cannot run here (no CUDA, not importable); else None."""
+    package = {"liger": "liger_kernel", "unsloth": "unsloth"}.get(provider)
+    if package is None:
+        return None
     if device.type != "cuda":
-        return no_cuda
+        return "needs CUDA"
     if importlib.util.find_spec(package) is None:
         return f"{package} not importable (pip install {package.replace('_', '-')}, or put it on PYTHONPATH)"
     return None
@@ -331,11 +329,7 @@ def peer_missing(package: str, device: torch.device, no_cuda: str = "needs CUDA"
 def _precheck(provider: str, device: torch.device) -> str | None:
     if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
         return "needs CUDA (CUDA graphs)"
-    if provider == "liger":
-        return peer_missing(
-            "liger_kernel", device, "needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)"
-        )
-    return None
+    return peer_missing(provider, device)
 
 
 def fmt_tokens(x: float | None) -> str:
@@ -456,7 +450,6 @@ BENCH = fresh_process.Bench(
     plans=(GPU_PRESET, CPU_PRESET),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
-    seed=SEED,
     versions=("torch", "triton", "transformers", "liger-kernel"),
     peers={"liger": "Liger", "hf": "HF"},
     metrics={"tokens": ("tokens_per_s", "tokens/s"), "peak": ("peak_bytes", "peak")},
@@ -478,7 +471,7 @@ BENCH = fresh_process.Bench(
 # ---- command line ----
 
 
-def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[Config]:
+def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[tuple[str, int, int]]:
     """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
     ``--models``."""
     in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))

@@ -43,7 +43,7 @@ PROVIDER_DESCRIPTIONS = {
 SCENARIOS: tuple[str, ...] = ("qlora", "lora")
 SCENARIO_TITLES = {"qlora": "QLoRA (NF4 base)", "lora": "bf16 LoRA"}
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SEED = 0
+SEED = fresh_process.SEED
 LR = 1e-4
 RANK = 16
 FIRST_LOSSES = 5
@@ -191,13 +191,7 @@ def ensure_saved_model(
     if device.type != "cuda":
         saved = save_model(model, tiny, folder, device, dtype, seed)
     else:
-        spec = {
-            "model": model,
-            "tiny": tiny,
-            "folder": str(folder),
-            "dtype": DTYPE_NAMES[dtype],
-            "seed": seed,
-        }
+        spec = dict(model=model, tiny=tiny, folder=str(folder), dtype=DTYPE_NAMES[dtype], seed=seed)
         saved = fresh_process.run_worker(
             lambda result: [sys.executable, "-m", __name__, "--build", json.dumps(spec), str(result)],
             timeout=WORKER_TIMEOUT_S,
@@ -580,17 +574,6 @@ class FinetuneRow(e2e.TrainingRow):
     def pinned_gib(self) -> float | None:
         return None if self.host_pinned_bytes is None else self.host_pinned_bytes / GIB
 
-    def figures(self) -> tuple[str, str]:
-        step = "—" if self.step_ms is None else f"{self.step_ms:.0f} ms"
-        cpu = "" if self.cpu_ms is None else f" (CPU {self.cpu_ms:.0f} ms)"
-        losses = ", ".join(f"{x:.4f}" for x in self.losses[:3])
-        return f"{step}{cpu}, {e2e.fmt_tokens(self.tokens_per_s)} tok/s", f"losses {losses}"
-
-
-def _precheck(provider: str, device: torch.device) -> str | None:
-    packages = {"liger": "liger_kernel", "unsloth": "unsloth"}
-    return e2e.peer_missing(packages[provider], device) if provider in packages else None
-
 
 def bnb_cpu_4bit_works() -> str | None:
     """None when a bitsandbytes NF4 layer runs forward and backward on this CPU, else why not."""
@@ -644,12 +627,8 @@ def headline_table(report: CaseReport, model: str, batch: int, seq: int) -> str:
         for p in providers:
             rows = report.rows_of(p, shape)
             ms, peak = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
-            if not _ok(rows):
-                cells.append(fresh_process.failed_cell(rows))
-            else:
-                cells.append(
-                    "—" if ms is None else f"{ms:.0f} ms, " + ("n/a" if peak is None else f"{peak:.2f} GiB")
-                )
+            cell = "—" if ms is None else f"{ms:.0f} ms, " + ("n/a" if peak is None else f"{peak:.2f} GiB")
+            cells.append(cell if _ok(rows) else fresh_process.failed_cell(rows))
         lines.append(cells)
         for peer in ("unsloth", "hf"):
             other = _ok(report.rows_of(peer, shape))
@@ -838,11 +817,9 @@ BENCH = fresh_process.Bench(
     plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
-    seed=SEED,
     versions=("torch", "triton", "transformers", "liger-kernel", *VERSIONS),
     peers={"unsloth": "Unsloth", "hf": "HF"},
-    metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
-    precheck=_precheck,
+    precheck=e2e.peer_missing,
     worker_prefix=worker_prefix,
     worker_env=worker_env,
     variant_description=describe_variant,

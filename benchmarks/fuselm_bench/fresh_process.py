@@ -20,7 +20,7 @@ import torch
 
 import fuselm
 
-from .arguments import UsageError, parse_list, parse_shapes, pick_device, results_dir, warmup_steps_dtype
+from .arguments import UsageError, parse_dtype, parse_list, parse_shapes, pick_device, results_dir
 from .cases import Case, Row, run_cases
 from .harness import blocking_sync, run_measured
 from .report import (
@@ -37,6 +37,7 @@ from .report import (
 )
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # the worker's --dtype
+SEED = 0  # every worker's (weights, batch)
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,11 @@ class Bench:
     plans: tuple[Plan, Plan]  # the GPU's, the CPU's
     train: Train
     timeout_s: float
-    seed: int
     versions: tuple[str, ...]
     peers: dict[str, str]
-    metrics: dict[str, tuple[str, str]]
+    metrics: dict[str, tuple[str, str]] = field(
+        default_factory=lambda: {"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")}
+    )  # <key>_vs_<peer> in ratios: (row attribute, title)
     precheck: Callable[[str, torch.device], str | None] = lambda provider, device: None  # a skip's reason
     default_providers: tuple[str, ...] | None = None
     worker_prefix: Callable[[str], list[str] | None] = lambda provider: None  # None: python -m <module>
@@ -102,9 +104,8 @@ class Bench:
 
 
 def worker_main(bench: Bench, argv: Sequence[str]) -> int:
-    """The worker process, ``--worker <case as JSON> <result file>`` (:func:`run_case` writes both): one
-    (provider, shape) run of ``bench.train``, its result as JSON in the result file; exit code 1 for an
-    ``error``, else 0."""
+    """``--worker <case as JSON> <result file>`` (from :func:`run_case`): one run of ``bench.train``, its
+    result written as JSON; exit code 1 for an ``error``."""
     _, spec, result_file = argv
     case = json.loads(spec)
     sizes = bench.row_type.SHAPE_FIELDS
@@ -201,7 +202,7 @@ def run_case(
     """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
     case = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
     case.update(plan=plan.name, dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
-    case.update(seed=bench.seed, extra=extra or {})
+    case.update(seed=SEED, extra=extra or {})
     start = bench.worker_prefix(provider) or [sys.executable, "-m", bench.module]
     data = run_worker(
         lambda result: [*start, "--worker", json.dumps(case), str(result)],
@@ -238,7 +239,7 @@ class WorkerRow(Row):
 
 
 def _ok_values(rows: Sequence[Any], attr: str) -> list[Any]:
-    return [getattr(r, attr) for r in rows if r.status == "ok" and getattr(r, attr) is not None]
+    return [v for r in rows if r.status == "ok" and (v := getattr(r, attr)) is not None]
 
 
 def median_of(rows: Sequence[Any], attr: str) -> float | None:
@@ -333,8 +334,7 @@ def pair_ratio(
 
 
 def ratio_text(value: float | None, each: Sequence[float | None]) -> str:
-    """``1.23x`` (``—`` if None), followed by the range of the per-repeat ratios when it is one,
-    ``1.23x (1.20-1.25)``."""
+    """``1.23x`` (``—`` if None), with the per-repeat ratios' range where they differ: ``(1.20-1.25)``."""
     if value is None:
         return "—"
     each = [x for x in each if x is not None]
@@ -359,22 +359,15 @@ def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
 
 def ratio_table(bench: Bench, report: CaseReport) -> str:
     """:func:`ratios` as a markdown table of :func:`ratio_text`."""
-    head = [bench.row_type.SHAPE_TITLE]
-    head += [
+    keys = [f"{key}_vs_{peer}" for peer in bench.peers for key in bench.metrics]
+    head = [
         f"{title} fuselm / {name}" for name in bench.peers.values() for _, title in bench.metrics.values()
     ]
     rows = [
-        [
-            bench.row_type.label(shape),
-            *(
-                ratio_text(entry[f"{key}_vs_{peer}"], entry.get(f"{key}_vs_{peer}_repeats", []))
-                for peer in bench.peers
-                for key in bench.metrics
-            ),
-        ]
+        [bench.row_type.label(shape), *(ratio_text(entry[k], entry.get(f"{k}_repeats", [])) for k in keys)]
         for shape, entry in zip(report.shapes, ratios(bench, report), strict=True)
     ]
-    return md_table(head, rows)
+    return md_table([bench.row_type.SHAPE_TITLE, *head], rows)
 
 
 def failed_cell(rows: Sequence[Row]) -> str:
@@ -391,19 +384,17 @@ def summary_cell(rows: Sequence[Any], attr: str, fmt: Callable[[float], str] = "
         >>> summary_cell([R(status="ok", x=2.0), R(status="ok", x=1.0), R(status="ok", x=4.0)], "x")
         '2.0 (1.0-4.0)'
     """
-    ok = [r for r in rows if r.status == "ok"]
-    if not ok:
+    if not any(r.status == "ok" for r in rows):
         return "—"
-    median = median_of(ok, attr)
-    if median is None:
+    values = _ok_values(rows, attr)
+    if not values:
         return "n/a"
-    low, high = min(_ok_values(ok, attr)), max(_ok_values(ok, attr))
-    return fmt(median) + (f" ({fmt(low)}-{fmt(high)})" if len(ok) > 1 and fmt(low) != fmt(high) else "")
+    median, low, high = (fmt(f(values)) for f in (statistics.median, min, max))
+    return median + (f" ({low}-{high})" if len(values) > 1 and low != high else "")
 
 
 def first_cell(rows: Sequence[Any], attr: str, fmt: Callable[[float], str] = "{:.1f}".format) -> str:
-    """A table's first figure: :func:`summary_cell` and how many repeats failed, OOM or error without an ok
-    row."""
+    """:func:`summary_cell` and how many repeats failed; OOM or error without an ok row."""
     failed = sum(r.status != "ok" for r in rows)
     if failed == len(rows):
         return failed_cell(rows)
@@ -502,8 +493,7 @@ def report_json(bench: Bench, report: CaseReport) -> dict[str, Any]:
 
 
 def write_report(bench: Bench, report: CaseReport, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``<name>.md``, ``.json`` and ``.png`` (``bench.plot``, else :func:`write_bars`) into ``out_dir``;
-    their paths."""
+    """Write ``<name>.md``, ``.json`` and ``.png`` (``bench.plot``, else :func:`write_bars`); their paths."""
     plot = bench.plot or functools.partial(write_bars, bench)
     return write_files(
         bench.name, out_dir, markdown(bench, report), report_json(bench, report), lambda p: plot(report, p)
@@ -562,9 +552,9 @@ class CliRun:
 
 def new_report(c: CliRun) -> CaseReport:
     """The report of ``c`` before any row."""
-    shapes, providers, meta = tuple(map(tuple, c.shapes)), tuple(c.providers), dict(c.metadata)
+    shapes, providers, device = tuple(map(tuple, c.shapes)), tuple(c.providers), c.device.type
     return CaseReport(
-        c.plan, c.dtype, c.device.type, shapes, providers, c.warmup, c.steps, meta, repeats=c.repeats
+        c.plan, c.dtype, device, shapes, providers, c.warmup, c.steps, dict(c.metadata), repeats=c.repeats
     )
 
 
@@ -595,7 +585,13 @@ def start_cli(
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")
         plan = dataclasses.replace(plan, profile_steps=plan.profile_steps if profile is None else profile)
         extra["profile_steps"] = plan.profile_steps
-    warmup, steps, dtype = warmup_steps_dtype(args, plan, cuda)
+    warmup = (plan.quick_warmup if args.quick else plan.warmup) if args.warmup is None else args.warmup
+    steps = (plan.quick_steps if args.quick else plan.steps) if args.steps is None else args.steps
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}")
+    if warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+    dtype = parse_dtype(args.dtype) if cuda else torch.float32
     meta = collect_metadata(device, argv, packages)
     try:
         import transformers
@@ -629,7 +625,14 @@ def run_cli(
         f"warmup + {c.steps} timed steps, one fresh process each",
         flush=True,
     )
-    previous = _previous_report(bench, c.out_dir if c.merge is True else Path(c.merge)) if c.merge else None
+    previous = None
+    if c.merge:  # the JSON of an earlier report: --merge PATH (a file, or <folder>/<suite>.json), or <out>'s
+        path = c.out_dir if c.merge is True else Path(c.merge)
+        path = path if path.is_file() else path / f"{bench.name}.json"
+        if path.is_file():
+            previous = json.loads(path.read_text())
+        else:
+            print(f"--merge: no {path} yet; nothing to merge")
 
     def finish(report: CaseReport) -> CaseReport:
         return merge_previous(bench, report, previous) if previous is not None else report
@@ -640,17 +643,6 @@ def run_cli(
     if summary is not None:
         print(f"\n{summary(report)}")
     return 0 if any(r.status == "ok" for r in report.rows) else 1
-
-
-def _previous_report(bench: Bench, where: Path) -> dict[str, Any] | None:
-    """The JSON of an earlier report, ``where`` or ``where/<suite>.json``; None (said) when there is none."""
-    path = Path(where)
-    if not path.is_file():
-        path = path / f"{bench.name}.json"
-    if not path.is_file():
-        print(f"--merge: no {path} yet; nothing to merge")
-        return None
-    return json.loads(path.read_text())
 
 
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:

@@ -215,10 +215,8 @@ BENCH = fresh_process.Bench(
     plans=(GPU_PLAN, CPU_PLAN),
     train=train,
     timeout_s=WORKER_TIMEOUT_S,
-    seed=e2e.SEED,
     versions=("torch", "triton", "transformers", "trl"),
     peers={"trl": "TRL", "hf": "HF"},
-    metrics={"time": ("step_ms", "time"), "peak": ("peak_bytes", "peak")},
     facts=lambda report: [
         f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.tiny)}",
         e2e.BUILT,

@@ -37,11 +37,6 @@ class Search:
     stopped: str | None = None
 
 
-def on_grain(tokens: float) -> int:
-    """``tokens`` rounded to a multiple of :data:`GRAIN` (at least GRAIN)."""
-    return max(GRAIN, int(round(tokens / GRAIN)) * GRAIN)
-
-
 def longest_fitting(
     probe: Callable[[int], Any], lo: int, hi: int, *, rel_tol: float = 0.05, max_probes: int = 12
 ) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
@@ -65,7 +60,7 @@ def longest_fitting(
         return None, None, probes, None if low.status == "oom" else _why_stopped(lo, low)
     best = low
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:
-        mid = max(on_grain(math.sqrt(lo * hi)), lo + GRAIN)  # the grain is the search's resolution
+        mid = max(round(math.sqrt(lo * hi) / GRAIN) * GRAIN, lo + GRAIN)  # the grain: the search's resolution
         if mid >= hi:
             break
         row = run(mid)

@@ -42,11 +42,6 @@ BLOCKSIZE = 64
 SHARD_BYTES = 4 << 30
 
 
-def _quantized(name: str, module: torch.nn.Module, lm_head: torch.nn.Module | None) -> bool:
-    """Does ``load_in_4bit`` quantize this weight? The linear layers' weights but the output head's."""
-    return isinstance(module, torch.nn.Linear) and module is not lm_head and name.endswith(".weight")
-
-
 class _Shards:
     """Tensors gathered on the host and written as ``model-0000i.safetensors`` once ``limit`` bytes are held;
     :meth:`finish` writes the rest and the index ``from_pretrained`` reads."""
@@ -110,7 +105,8 @@ def save_nf4_checkpoint(
             weight = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(
                 0.0, std, generator=generator
             )
-            if _quantized(name, module, lm_head):
+            # what load_in_4bit quantizes: the linear layers' weights but the output head's
+            if isinstance(module, torch.nn.Linear) and module is not lm_head and name.endswith(".weight"):
                 packed, state = bnb_functional.quantize_4bit(
                     weight, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4"
                 )

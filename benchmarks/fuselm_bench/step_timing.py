@@ -40,8 +40,8 @@ def optimizer_step(
 def graphed_optimizer_step(
     forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
 ) -> Step:
-    """A :data:`Step` whose forward and backward replay one CUDA graph (:class:`fuselm.CapturedStep`, captured
-    here after 3 warmup passes), ``AdamW.step()`` outside it; the loss of each step."""
+    """A :data:`Step` replaying forward and backward from one CUDA graph (:class:`fuselm.CapturedStep`, 3
+    warmup passes), ``AdamW.step()`` outside it; logs the loss."""
     params = list(params)
     captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=3)
     optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
@@ -72,8 +72,7 @@ def watch_first_step(step: Step, called: set[int]) -> Step:
 
 @dataclass
 class KernelProfile:
-    """What the device did during a ``torch.profiler`` window of ``steps`` steps: CUDA kernels (count and
-    summed device time) and memory copies (count and time), each over the whole window."""
+    """The CUDA kernels and memory copies (count, summed device time) of a profiled window of ``steps``."""
 
     steps: int
     kernels: int = 0
@@ -86,9 +85,8 @@ class KernelProfile:
 
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
-        """Sum the device-side events of a profile (``prof.events()``): those whose ``device_type`` is CUDA; a
-        name starting with ``Memcpy`` is a copy, ``Memset`` a memset (not counted), anything else a kernel,
-        each lasting ``time_range.elapsed_us()``."""
+        """Sum the CUDA events of ``prof.events()``: ``Memcpy*`` copies, ``Memset*`` not counted, the rest
+        kernels."""
         from torch.autograd import DeviceType
 
         out = cls(steps=steps)
@@ -109,44 +107,36 @@ class KernelProfile:
                 entry = out.by_name.setdefault(event.name, [0.0, 0])
                 entry[0] += seconds
                 entry[1] += 1
-        out._add_idle(spans)
-        return out
-
-    def _add_idle(self, spans: list[tuple[float, float, str]]) -> None:
-        """Idle time between the device's events (start and end in us, any stream), each gap charged to the
-        event that ends it: what the device waited for (the host launching it, a synchronization)."""
+        # idle: the gaps between events (any stream), each charged to the event that ends it: what the device
+        # waited for (the host launching it, a synchronization)
         busy_until = None
         for start, end, name in sorted(spans):
             if busy_until is not None and start > busy_until:
                 gap = (start - busy_until) * 1e-6
-                self.idle_s += gap
-                entry = self.idle_before.setdefault(name, [0.0, 0])
+                out.idle_s += gap
+                entry = out.idle_before.setdefault(name, [0.0, 0])
                 entry[0] += gap
                 entry[1] += 1
             busy_until = end if busy_until is None else max(busy_until, end)
+        return out
 
-    def top(self, n: int = 25) -> list[tuple[str, float, float]]:
-        """The ``n`` kernels of most device time: (name, ms per step, launches per step)."""
-        return self._ranked(self.by_name, n)
-
-    def top_idle(self, n: int = 10) -> list[tuple[str, float, float]]:
-        """The ``n`` events the device waited longest before: (name, idle ms per step, gaps per step)."""
-        return self._ranked(self.idle_before, n)
-
-    def _ranked(self, table: dict[str, list[float]], n: int) -> list[tuple[str, float, float]]:
+    def top(self, n: int = 25, table: str = "by_name") -> list[tuple[str, float, float]]:
+        """The ``n`` kernels of most device time (``table="idle_before"``: the events the device waited
+        longest before): (name, ms per step, launches or gaps per step)."""
         steps = max(self.steps, 1)
-        ranked = sorted(table.items(), key=lambda kv: -kv[1][0])[:n]
+        ranked = sorted(getattr(self, table).items(), key=lambda kv: -kv[1][0])[:n]
         return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
 
+    def top_idle(self, n: int = 10) -> list[tuple[str, float, float]]:
+        return self.top(n, "idle_before")
+
     def per_step(self, field_name: str) -> float | None:
-        """``field_name``'s total over the window / its steps (None without steps)."""
         return getattr(self, field_name) / self.steps if self.steps else None
 
 
 @dataclass
 class StepRun:
-    """What :func:`run_steps` measured: every step's logged values, the warmup's wall time, each timed step's
-    wall time, the timed steps' summed CPU time, the profiled steps' kernels (None without)."""
+    """What :func:`run_steps` measured (``cpu_s``: the timed steps' summed CPU time)."""
 
     logged: list[Any]
     warmup_s: float
@@ -160,13 +150,11 @@ class StepRun:
 
     @property
     def cpu_step_s(self) -> float | None:
-        """CPU time per timed step."""
         return self.cpu_s / len(self.step_s) if self.step_s else None
 
 
 def device_profiler(device: torch.device) -> Any:
-    """A ``torch.profiler.profile`` of CPU and, on CUDA, CUDA activity; no shapes, stacks or memory
-    recorded."""
+    """A ``torch.profiler.profile`` of CPU and (on CUDA) CUDA activity; no shapes, stacks or memory."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []

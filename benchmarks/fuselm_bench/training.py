@@ -1,14 +1,5 @@
-"""Building and training a Hugging Face causal LM: what the lab's step benchmarks (``e2e``, ``finetune``,
-``grpo_step``) share. ``fuselm demo`` has its own, smaller loop in the package; the steps are timed by
-:mod:`fuselm_bench.step_timing`.
-
-- :func:`causal_lm_config`: a ``LlamaConfig`` or ``Qwen3Config`` from keyword arguments (no cache, the
-  attention asked for), rope settings in whichever form the installed transformers takes.
-- :func:`build_causal_lm`: the model built on the device in the given dtype (the rotary buffers stay fp32,
-  as ``from_pretrained(dtype=...)`` leaves them), optionally loaded from a state dict.
-- :func:`causal_lm_loss`: the step's forward of a causal LM, ``labels = input_ids``.
-- :func:`sync`, :func:`free_memory`: wait for the device; hand cached memory back between runs.
-"""
+"""Building a Hugging Face causal LM and its step's forward: what ``e2e``, ``finetune`` and ``grpo_step``
+share (:mod:`fuselm_bench.step_timing` times the steps)."""
 
 from __future__ import annotations
 
@@ -37,18 +28,12 @@ Forward = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 """One step's forward: batch -> (the loss to backpropagate, the detached values to log for the step)."""
 
 
-FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
-"""model family -> (config class, causal LM class) in ``transformers``."""
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def causal_lm_config(family: str, model: dict[str, Any], attn_implementation: str = "sdpa"):
-    """A ``transformers`` config of ``family`` (a key of :data:`FAMILIES`) from keyword arguments with
-    ``rope_theta`` and optionally ``rope_scaling`` (None or absent: default rope), no cache. transformers 5
-    takes the rope settings as ``rope_parameters`` (theta inside); older versions as ``rope_theta`` and
-    ``rope_scaling``: whichever the installed config class accepts is used.
+    """A ``transformers`` config of ``family`` (no cache) from keyword arguments with ``rope_theta`` and
+    optionally ``rope_scaling``, given as ``rope_parameters`` where the installed config takes them (5.x).
 
     Example:
         >>> c = causal_lm_config("qwen3", {"vocab_size": 64, "hidden_size": 16, "rope_theta": 1e6})
@@ -74,10 +59,9 @@ def causal_lm_config(family: str, model: dict[str, Any], attn_implementation: st
 def build_causal_lm(
     config, device: str | torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None
 ):
-    """The causal LM of ``config`` (a config of one of :data:`FAMILIES`) on ``device`` in ``dtype`` (built
-    with that default dtype, as ``from_pretrained(dtype=...)`` does, so the rotary buffers stay fp32),
-    loaded from ``state`` if given, in training mode. Its initial weights come from the global torch RNG:
-    seed it first for a given init."""
+    """The causal LM of ``config`` on ``device``, built under the default dtype ``dtype`` as
+    ``from_pretrained(dtype=...)`` does (the rotary buffers stay fp32), loaded from ``state`` if given, in
+    training mode; its init draws from the global torch RNG."""
     import transformers
 
     model_class = getattr(transformers, FAMILIES[config.model_type][1])
@@ -94,9 +78,8 @@ def build_causal_lm(
 
 
 def causal_lm_loss(model) -> Forward:
-    """The forward of a causal LM step: ``model(input_ids=ids, labels=ids).loss`` (Hugging Face shifts the
-    labels), the ids moved to the model's device; logs the detached loss. The output (with its logits) is
-    dropped at once, so the logits do not outlive the forward."""
+    """A step's forward: ``model(input_ids=ids, labels=ids).loss``, logging it detached; the output (its
+    logits) is dropped at once, so the logits do not outlive the forward."""
     device = next(model.parameters()).device
 
     def forward(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
