@@ -566,14 +566,6 @@ class FinetuneRow(e2e.TrainingRow):
     memory_cap_gib: float | None = None  # set_per_process_memory_fraction's cap (max-context)
     activation_plan: str | None = None  # fuselm@<GiB>: what each decoder layer kept, recomputed, offloaded
 
-    @property
-    def reserved_gib(self) -> float | None:
-        return None if self.reserved_bytes is None else self.reserved_bytes / GIB
-
-    @property
-    def pinned_gib(self) -> float | None:
-        return None if self.host_pinned_bytes is None else self.host_pinned_bytes / GIB
-
 
 def bnb_cpu_4bit_works() -> str | None:
     """None when a bitsandbytes NF4 layer runs forward and backward on this CPU, else why not."""
@@ -599,10 +591,6 @@ def bnb_cpu_4bit_works() -> str | None:
 
 def _ok(rows: list[Any]) -> list[Any]:
     return [r for r in rows if r.status == "ok"]
-
-
-def _cell(rows: list[Any], attr: str, digits: int = 0) -> str:
-    return fresh_process.summary_cell(rows, attr, f"{{:.{digits}f}}".format)
 
 
 def loss_gap(report: CaseReport, provider: str, shape: tuple[Any, ...]) -> float | None:
@@ -649,6 +637,7 @@ def detail_table(report: CaseReport) -> str:
     head += ["host pinned GiB", f"first {FIRST_LOSSES} losses", "max abs diff vs HF"]
     head += ["fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
+    cell = fresh_process.summary_cell
     lines = []
     for shape, p, rows in report.groups():
         model, scenario, b, t = shape
@@ -665,10 +654,13 @@ def detail_table(report: CaseReport) -> str:
                 f"{b}x{t}",
                 p,
                 fresh_process.first_cell(rows, "step_ms", "{:.0f}".format),
-                fresh_process.summary_cell(rows, "tokens_per_s", e2e.fmt_tokens),
-                *(_cell(rows, a) for a in ("cpu_ms", "gpu_ms", "launches")),
+                cell(rows, "tokens_per_s", e2e.fmt_tokens),
+                *(cell(rows, a, "{:.0f}".format) for a in ("cpu_ms", "gpu_ms", "launches")),
                 e2e.bound_cell(rows, cuda),
-                *(_cell(rows, a, 2) for a in ("peak_gib", "reserved_gib", "pinned_gib")),
+                *(
+                    cell(rows, a, lambda x: f"{x / GIB:.2f}")
+                    for a in ("peak_bytes", "reserved_bytes", "host_pinned_bytes")
+                ),
                 "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES]),
                 "—" if gap is None else f"{gap:.1e}",
                 fused,

@@ -153,26 +153,22 @@ def memory_figures(device: torch.device) -> dict[str, int | None]:
 # ---- the parent: one fresh process per case ----
 
 
-def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment and ``extra``, this lab's and this fuselm's folders first on PYTHONPATH (the
-    worker runs the same code, whether fuselm is installed or run from ``src``)."""
-    env = dict(os.environ)
-    lab = str(Path(__file__).resolve().parents[1])
-    library = str(Path(fuselm.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (lab, library, env.get("PYTHONPATH", "")) if p)
-    return {**env, **(extra or {})}
-
-
 def run_worker(
     command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run ``command(result file)`` in a fresh process; the worker's result with ``wall_s``."""
+    """Run ``command(result file)`` in a fresh process with the parent's environment and ``env``; the
+    worker's result with ``wall_s``."""
+    # this lab's and this fuselm's folders first on PYTHONPATH: the worker runs the same code, whether fuselm
+    # is installed or run from src
+    folders = (Path(__file__).resolve().parents[1], Path(fuselm.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (*map(str, folders), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         result_path = Path(tmp) / "result.json"
         try:
             proc = subprocess.run(
-                command(result_path), capture_output=True, text=True, env=worker_env(env), timeout=timeout
+                command(result_path), capture_output=True, text=True, env=env, timeout=timeout
             )
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"worker timed out after {timeout:.0f} s", "wall_s": timeout}
