@@ -15,7 +15,7 @@ import torch
 from . import fresh_process, step_timing, training
 from .arguments import UsageError, parse_list, parse_shapes
 from .harness import SkipProvider, import_peer
-from .report import fmt_num, md_table
+from .report import md_table
 
 NAME = "e2e"
 DESCRIPTION = "end-to-end training steps of Llama-3.2-1B / Qwen3-0.6B shapes (HF transformers), host vs GPU"
@@ -115,9 +115,9 @@ DEFAULT_MODEL = "llama3.2-1b"
 
 GPU_GRID = (("llama3.2-1b", 1, 512), ("llama3.2-1b", 1, 2048), ("llama3.2-1b", 4, 2048))
 GPU_GRID += (("llama3.2-1b", 4, 4096), ("llama3.2-1b", 8, 4096), ("qwen3-0.6b", 1, 2048))
-GPU_PRESET = fresh_process.Plan("gpu", False, GPU_GRID, 3, 10, 2, 4, fused_adamw=True, profile_steps=3)
+GPU_PRESET = fresh_process.Plan("gpu", GPU_GRID, 3, 10, 2, 4, profile_steps=3)
 CPU_GRID = (("llama3.2-1b", 2, 64), ("qwen3-0.6b", 2, 64))
-CPU_PRESET = fresh_process.Plan("cpu", True, CPU_GRID, 2, 3, 1, 2, fused_adamw=False, profile_steps=1)
+CPU_PRESET = fresh_process.Plan("cpu", CPU_GRID, 2, 3, 1, 2, profile_steps=1)
 
 
 # ---- the model and one training run (what a worker process does) ----
@@ -206,7 +206,7 @@ def run_training(
     (``called``: :func:`step_timing.watch_first_step`): their figures, peak memory and losses."""
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
-    fused = plan.fused_adamw and device.type == "cuda"
+    fused = device.type == "cuda"  # fused AdamW: CUDA only
     profiled = plan.profile_steps if profile_steps is None else profile_steps
     timing = {"warmup": warmup, "steps": steps, "profiled": profiled, "device": device}
     if trainer:
@@ -273,32 +273,8 @@ def bound_cell(rows: list[Any], cuda: bool) -> str:
 # ---- the parent: one fresh process per (configuration, repeat, provider) ----
 
 
-@dataclass(kw_only=True)
-class TrainingRow(fresh_process.WorkerRow):
-    """The figures of one run of training steps (``e2e``, ``finetune``): :func:`step_figures`, memory, losses;
-    ``step_ms`` is the median of ``step_ms_all``."""
-
-    step_ms_all: list[float] = field(default_factory=list)
-    cpu_ms: float | None = None
-    gpu_ms: float | None = None
-    launches: float | None = None
-    memcpy_ms: float | None = None
-    memcpys: float | None = None
-    profile_steps: int | None = None
-    first_loss: float | None = None
-    # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
-    gpu_wait: str | None = None
-
-    def figures(self) -> tuple[str, str]:
-        cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""
-        gpu = f", GPU {self.gpu_ms:.1f} ms, {self.launches:.0f} launches" if self.gpu_ms is not None else ""
-        loss = "—" if self.first_loss is None else f"{self.first_loss:.4f}"
-        step = "—" if self.step_ms is None else f"{self.step_ms:.1f}"
-        return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
-
-
 @dataclass
-class E2ERow(TrainingRow):
+class E2ERow(fresh_process.WorkerRow):
     """One (provider, model, B, T, repeat) result."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "batch", "seq")
@@ -332,13 +308,6 @@ def _precheck(provider: str, device: torch.device) -> str | None:
     return peer_missing(provider, device)
 
 
-def fmt_tokens(x: float | None) -> str:
-    """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
-    if x is None:
-        return "—"
-    return f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
-
-
 # ---- report files ----
 
 
@@ -353,7 +322,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
             model,
             f"{b}x{t}",
             provider,
-            fresh_process.first_cell(rows, "tokens_per_s", fmt_tokens),
+            fresh_process.first_cell(rows, "tokens_per_s", fresh_process.fmt_tokens),
             *(cell(rows, a) for a in ("step_ms", "cpu_ms", "gpu_ms")),
             cell(rows, "launches", "{:.0f}".format),
             bound_cell(rows, cuda),
@@ -367,7 +336,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
 
 
 def step_notes(report: fresh_process.CaseReport) -> list[str]:
-    """How the figures of a :class:`TrainingRow` are measured (``e2e``, ``finetune``)."""
+    """How the step figures of a row are measured (``e2e``, ``finetune``)."""
     waits = {r.gpu_wait for r in report.rows if r.status == "ok"} - {None}
     if waits == {"blocking"}:
         wait = "; a wait for the GPU inside a step sleeps (CUDA blocking sync): this is host work alone."
@@ -391,7 +360,7 @@ def step_notes(report: fresh_process.CaseReport) -> list[str]:
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:
-    fused = "fused" if report.device_type == "cuda" and report.plan.fused_adamw else "not fused"
+    fused = "fused" if report.device_type == "cuda" else "not fused"
     out = [
         "One step: forward with labels = input_ids (random ids, the same batch every step), backward, "
         f"AdamW.step() ({fused}), zero_grad(set_to_none=True).",

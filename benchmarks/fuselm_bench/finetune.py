@@ -81,8 +81,8 @@ def provider_title(provider: str) -> str:
 
 DEFAULT_MODELS = ("llama3-8b",)
 # shapes: (batch, sequence length), of each --models and --scenarios
-GPU_PLAN = fresh_process.Plan("gpu", False, ((4, 2048),), 3, 10, 2, 4, fused_adamw=True, profile_steps=2)
-CPU_PLAN = fresh_process.Plan("cpu", True, ((2, 32),), 2, 2, 1, 1, fused_adamw=False, profile_steps=1)
+GPU_PLAN = fresh_process.Plan("gpu", ((4, 2048),), 3, 10, 2, 4, profile_steps=2)
+CPU_PLAN = fresh_process.Plan("cpu", ((2, 32),), 2, 2, 1, 1, profile_steps=1)
 
 
 # ---- the saved model and its tokenizer ----
@@ -159,15 +159,17 @@ def save_model(
     return marker
 
 
-def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, seed: int) -> bool:
-    """Does ``folder`` hold this model (same shape, dtype and seed)?"""
+def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, seed: int) -> dict | None:
+    """The marker of ``folder`` if it holds this model (same shape, dtype and seed), else None."""
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    settings = json.loads(json.dumps(model_settings(model, tiny)))  # tuples -> lists, as in the marker
-    return all(marker.get(k) == v for k, v in want.items()) and marker.get("settings") == settings
+    want["settings"] = json.loads(
+        json.dumps(model_settings(model, tiny))
+    )  # tuples -> lists, as in the marker
+    return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
 def models_folder(model_dir: str | None, prefix: str) -> contextlib.AbstractContextManager[str]:
@@ -183,8 +185,7 @@ def ensure_saved_model(
     """The folder of ``model`` under ``model_dir``, saved now unless it holds it already: on CUDA in a worker
     process (``--build``: this process holds no GPU memory), on a CPU here."""
     folder = model_folder(model_dir, model, tiny, dtype)
-    if saved_model_ok(folder, model, tiny, dtype, seed):
-        marker = json.loads((folder / MARKER).read_text())
+    if marker := saved_model_ok(folder, model, tiny, dtype, seed):
         return folder, {"reused": True, "bytes": marker.get("bytes"), "build_s": None}
     if folder.exists():
         shutil.rmtree(folder)
@@ -529,7 +530,7 @@ def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
 
 
 @dataclass
-class FinetuneRow(e2e.TrainingRow):
+class FinetuneRow(fresh_process.WorkerRow):
     """One (provider, model, scenario, B, T, repeat) result; ``status`` ok, oom, error or skipped."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "scenario", "batch", "seq")
@@ -543,9 +544,6 @@ class FinetuneRow(e2e.TrainingRow):
     batch: int
     seq: int
     status: str
-    top_kernels: list | None = None  # (name, ms/step, launches/step) of the profiled steps, most time first
-    idle_ms: float | None = None  # the GPU idle between its kernels and copies, per profiled step
-    top_idle: list | None = None  # (next event's name, idle ms/step, gaps/step), most idle first
     host_pinned_bytes: int | None = None
     host_pinned_source: str | None = None
     rss_delta_bytes: int | None = None
@@ -654,7 +652,7 @@ def detail_table(report: CaseReport) -> str:
                 f"{b}x{t}",
                 p,
                 fresh_process.first_cell(rows, "step_ms", "{:.0f}".format),
-                cell(rows, "tokens_per_s", e2e.fmt_tokens),
+                cell(rows, "tokens_per_s", fresh_process.fmt_tokens),
                 *(cell(rows, a, "{:.0f}".format) for a in ("cpu_ms", "gpu_ms", "launches")),
                 e2e.bound_cell(rows, cuda),
                 *(
@@ -715,7 +713,7 @@ def notes(report: CaseReport) -> list[str]:
         "not quantized; lora: the base in the run's dtype.",
         *e2e.step_notes(report),
         "peak reserved GiB = torch.cuda.max_memory_reserved(); host pinned GiB: "
-        + (extra.get("host_pinned_source") or "see host_pinned_source in the JSON")
+        + (pinned_source(report) or "see host_pinned_source in the JSON")
         + "; the JSON also has the resident set's growth (rss_delta_bytes).",
         f"first {FIRST_LOSSES} losses: the first ok repeat; max abs diff vs HF: over those steps (the LoRA "
         "B matrices start at zero: step 1 is the base model's loss).",
@@ -735,28 +733,28 @@ def facts(report: CaseReport) -> list[str]:
     extra = report.metadata.get("finetune", {})
     compile_ = "on" if extra.get("unsloth_compile") else "off (UNSLOTH_COMPILE_DISABLE=1)"
     offload = "on" if extra.get("offload") else "off"
-    steps = (
-        ["steps: transformers.Trainer.train() (its data loader, clipping at 1.0, a log line a step), "
-         "fuselm@graph under fuselm.integrations.trainer.capture_training_steps"]
-        if extra.get("trainer") else []
-    )  # fmt: skip
-    return [
-        *e2e.model_facts(report),
-        f"fuselm: offload {offload}; Unsloth: per-block compile {compile_}",
-        *steps,
-    ]
+    out = [*e2e.model_facts(report), f"fuselm: offload {offload}; Unsloth: per-block compile {compile_}"]
+    if extra.get("trainer"):
+        out.append(
+            "steps: transformers.Trainer.train() (its data loader, clipping at 1.0, a log line a step), "
+            "fuselm@graph under fuselm.integrations.trainer.capture_training_steps"
+        )
+    return out
+
+
+def pinned_source(report: CaseReport) -> str | None:
+    """How the rows measured host pinned memory."""
+    return "; ".join(sorted({r.host_pinned_source for r in report.rows if r.host_pinned_source})) or None
 
 
 def plan_json(report: CaseReport) -> dict[str, Any]:
+    fields = FinetuneRow.SHAPE_FIELDS
     gaps = [
-        {
-            **dict(zip(FinetuneRow.SHAPE_FIELDS, s, strict=True)),
-            "provider": p,
-            "max_abs_diff_vs_hf": loss_gap(report, p, s),
-        }
+        {**dict(zip(fields, s, strict=True)), "provider": p, "max_abs_diff_vs_hf": loss_gap(report, p, s)}
         for s, p, _ in report.groups()
     ]
-    return {"plan": report.plan.name, "finetune": report.metadata.get("finetune", {}), "loss_gaps": gaps}
+    extra = {**report.metadata.get("finetune", {}), "host_pinned_source": pinned_source(report)}
+    return {"plan": report.plan.name, "finetune": extra, "loss_gaps": gaps}
 
 
 def plot(report: CaseReport, path: Path) -> None:
@@ -898,15 +896,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             "model_folders": folders,
             "model_dir_kept": args.model_dir is not None,
             "scenario_note": scenario_note,
-            "host_pinned_source": None,
         }
-
-        def write(report: CaseReport, out: Path) -> dict[str, Path]:
-            sources = {r.host_pinned_source for r in report.rows if r.host_pinned_source}
-            report.metadata["finetune"]["host_pinned_source"] = "; ".join(sorted(sources)) or None
-            return fresh_process.write_report(BENCH, report, out)
-
-        return fresh_process.run_cli(BENCH, c, progress=not args.no_progress, write=write)
+        return fresh_process.run_cli(BENCH, c, progress=not args.no_progress)
 
 
 if __name__ == "__main__":  # a worker: python -m fuselm_bench.finetune --worker ... (or --build ...)

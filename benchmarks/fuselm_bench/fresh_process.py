@@ -30,6 +30,7 @@ from .report import (
     collect_metadata,
     document,
     dtype_name,
+    fmt_num,
     md_table,
     print_written,
     ratio,
@@ -42,17 +43,19 @@ SEED = 0  # every worker's (weights, batch)
 
 @dataclass(frozen=True)
 class Plan:
-    """A benchmark's defaults on a GPU (full-size models, bf16) or a CPU (tiny ones, fp32)."""
+    """A benchmark's defaults on a GPU (full-size models, bf16, fused AdamW) or a CPU (tiny ones, fp32)."""
 
-    name: str
-    tiny: bool
+    name: str  # "gpu" or "cpu"
     shapes: tuple[tuple[Any, ...], ...]
     warmup: int
     steps: int
     quick_warmup: int
     quick_steps: int
-    fused_adamw: bool
     profile_steps: int | None = None  # steps under torch.profiler after the timed ones (e2e, finetune)
+
+    @property
+    def tiny(self) -> bool:
+        return self.name == "cpu"
 
 
 Train = Callable[..., dict[str, Any]]
@@ -218,7 +221,8 @@ def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, 
 
 @dataclass(kw_only=True)
 class WorkerRow(Row):
-    """What every worker's row has: time, memory and losses of its steps, or why it failed."""
+    """What every worker's row has: the figures of its steps (``e2e.step_figures``; ``step_ms`` is the median
+    of ``step_ms_all``), memory and losses, or why it failed."""
 
     repeat: int = 0
     step_ms: float | None = None
@@ -232,6 +236,33 @@ class WorkerRow(Row):
     wall_s: float | None = None
     error: str | None = None
     traceback: str | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+    cpu_ms: float | None = None
+    gpu_ms: float | None = None
+    launches: float | None = None
+    memcpy_ms: float | None = None
+    memcpys: float | None = None
+    profile_steps: int | None = None
+    top_kernels: list | None = None  # (name, ms/step, launches/step) of the profiled steps, most time first
+    idle_ms: float | None = None  # the GPU idle between its kernels and copies, per profiled step
+    top_idle: list | None = None  # (next event's name, idle ms/step, gaps/step), most idle first
+    first_loss: float | None = None
+    # "blocking" (a wait for the GPU sleeps) or "spin (why)": harness.blocking_sync
+    gpu_wait: str | None = None
+
+    def figures(self) -> tuple[str, str]:
+        cpu = f", CPU {self.cpu_ms:.1f} ms" if self.cpu_ms is not None else ""
+        gpu = f", GPU {self.gpu_ms:.1f} ms, {self.launches:.0f} launches" if self.gpu_ms is not None else ""
+        loss = "—" if self.first_loss is None else f"{self.first_loss:.4f}"
+        step = "—" if self.step_ms is None else f"{self.step_ms:.1f}"
+        return f"{fmt_tokens(self.tokens_per_s)} tok/s, {step} ms{cpu}{gpu}", f"first loss {loss}"
+
+
+def fmt_tokens(x: float | None) -> str:
+    """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
+    if x is None:
+        return "—"
+    return f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
 
 
 def _ok_values(rows: Sequence[Any], attr: str) -> list[Any]:
@@ -605,13 +636,12 @@ def run_cli(
     c: CliRun,
     *,
     progress: bool,
-    write: Callable[[CaseReport, Path], dict[str, Path]] | None = None,
     summary: Callable[[CaseReport], str] | None = None,
 ) -> int:
     """Run the cases, the report's files written after every row (a run stopped part-way keeps what it
-    measured; ``write``: instead of :func:`write_report`), and print the report (``summary(report)``: a table
-    printed last); the exit code (1: no case ran)."""
-    write = write or functools.partial(write_report, bench)
+    measured), and print the report (``summary(report)``: a table printed last); the exit code (1: no case
+    ran)."""
+    write = functools.partial(write_report, bench)
     if c.device.type != "cuda":
         print(CPU_FIGURES)
     print(f"device: {c.metadata['device']}; versions: {versions(bench, c.metadata)}")

@@ -31,8 +31,8 @@ WORKER_TIMEOUT_S = 300.0  # a GPU worker takes about a minute; a hung one must n
 
 
 # shapes: (batch, prompt, completion); the model: e2e's default (Llama-3.2-1B, tiny on a CPU)
-GPU_PLAN = fresh_process.Plan("gpu", False, ((8, 512, 1536), (16, 512, 1536)), 3, 8, 2, 3, fused_adamw=True)
-CPU_PLAN = fresh_process.Plan("cpu", True, ((2, 16, 48),), 1, 2, 1, 1, fused_adamw=False)
+GPU_PLAN = fresh_process.Plan("gpu", ((8, 512, 1536), (16, 512, 1536)), 3, 8, 2, 3)
+CPU_PLAN = fresh_process.Plan("cpu", ((2, 16, 48),), 1, 2, 1, 1)
 
 
 # ---- the batch and the heads (what a worker runs) ----
@@ -125,7 +125,7 @@ def train(
             mean_lp, mean_ent = ((x.detach() * m).sum() / n_tokens for x in (log_probs, entropy))
             return loss, torch.stack([loss.detach().float(), mean_lp, mean_ent])
 
-    fused = plan.fused_adamw and device.type == "cuda"
+    fused = device.type == "cuda"  # fused AdamW: CUDA only
     step = step_timing.optimizer_step(forward, list(model.parameters()), [b], lr=e2e.LR, fused=fused)
     run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=0, device=device)
     return {
@@ -179,7 +179,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
                 StepRow.label(r.shape),
                 r.provider,
                 f"{r.step_ms:.1f}" if ok else fresh_process.failed_cell([r]),
-                e2e.fmt_tokens(r.tokens_per_s) if ok else "—",
+                fresh_process.fmt_tokens(r.tokens_per_s) if ok else "—",
                 ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
                 f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
                 f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
@@ -191,7 +191,7 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:
-    fused = "fused" if report.device_type == "cuda" and report.plan.fused_adamw else "not fused"
+    fused = "fused" if report.device_type == "cuda" else "not fused"
     return [
         "One step: backbone forward (plain transformers, SDPA), the provider's head on the completion "
         f"positions, PPO-clip loss (clip {CLIP_EPS}, old log-probs = detached current ones, random "
