@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -54,16 +55,15 @@ TINY = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A named model shape: its transformers family, full-size config and tiny (CPU) overrides."""
+    """A named model shape: its transformers family and full-size config (:data:`TINY` on a CPU)."""
 
     name: str
     family: str
     config: dict[str, Any]
-    tiny: dict[str, Any] = field(default_factory=lambda: dict(TINY))
     nf4_only: bool = False  # saved as a 4-bit checkpoint (its bf16 weights fit no one machine): QLoRA only
 
     def settings(self, tiny: bool = False) -> dict[str, Any]:
-        return {**self.config, **self.tiny} if tiny else dict(self.config)
+        return {**self.config, **TINY} if tiny else dict(self.config)
 
     def describe(self, tiny: bool = False) -> str:
         m = self.settings(tiny)
@@ -171,8 +171,7 @@ def train(
     seed: int = SEED,
     profile_steps: int | None = None,
 ) -> dict[str, Any]:
-    """A worker's run: build ``model``, ``warmup`` + ``steps`` + ``profile_steps`` (default: the preset's)
-    training steps, the measurements (exceptions, OOM included, propagate)."""
+    """A worker's run: build ``model`` and train it; the measurements (exceptions, OOM too, propagate)."""
     built, figures = fresh_process.build_measured(
         lambda: build_model(preset, provider, dtype, device, seed, model), device
     )
@@ -228,7 +227,7 @@ def run_training(
 
 def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.device) -> dict[str, Any]:
     """A worker's per-step figures of ``run`` (GPU figures None off CUDA)."""
-    median = run.median_step_s
+    median = statistics.median(run.step_s) if run.step_s else None
     # no CUDA, or a profile without device events (CUPTI unavailable): no GPU figures rather than zeros
     prof = run.profile if device.type == "cuda" and run.profile is not None and run.profile.kernels else None
 
@@ -240,7 +239,7 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
         "step_ms": None if median is None else median * 1e3,
         "step_ms_all": [s * 1e3 for s in run.step_s],
         "tokens_per_s": None if not median else tokens_per_step / median,
-        "cpu_ms": None if run.cpu_step_s is None else run.cpu_step_s * 1e3,
+        "cpu_ms": run.cpu_s / len(run.step_s) * 1e3 if run.step_s else None,
         "gpu_ms": per_step("kernel_s", 1e3),
         "launches": per_step("kernels", 1.0),
         "memcpy_ms": per_step("memcpy_s", 1e3),
@@ -441,8 +440,7 @@ BENCH = fresh_process.Bench(
 
 
 def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[tuple[str, int, int]]:
-    """``--models`` (default: the preset's grid's) at ``--shapes`` BxT, else the preset's grid limited to
-    ``--models``."""
+    """``--models`` at ``--shapes`` BxT, else the preset's grid limited to ``--models``."""
     in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))
     models = parse_list(args.models, TRAINED_IN_FULL, "model", default=in_grid)
     if args.shapes:

@@ -146,15 +146,9 @@ def save_model(
         del built
     ids = [settings.get("bos_token_id"), settings["eos_token_id"], settings["pad_token_id"]]
     make_tokenizer(settings["vocab_size"], *ids).save_pretrained(folder)
-    marker = {
-        "model": model,
-        "tiny": tiny,
-        "dtype": saved_dtype(model, dtype),
-        "seed": seed,
-        "settings": settings,
-        "bytes": sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),
-        "build_s": time.perf_counter() - t0,
-    }
+    marker = dict(model=model, tiny=tiny, dtype=saved_dtype(model, dtype), seed=seed, settings=settings)
+    marker.update(bytes=sum(p.stat().st_size for p in folder.iterdir() if p.is_file()))
+    marker.update(build_s=time.perf_counter() - t0)
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return marker
 
@@ -205,8 +199,7 @@ def ensure_saved_model(
 
 
 def build_main(argv: list[str]) -> int:
-    """``python -m fuselm_bench.finetune --build <JSON: model, tiny, folder, dtype, seed> <result file>``:
-    :func:`save_model` on CUDA, the result as JSON."""
+    """``--build <JSON: model, tiny, folder, dtype, seed> <result file>``: :func:`save_model` on CUDA."""
     _, spec, result_file = argv
     s = json.loads(spec)
     try:
@@ -260,29 +253,6 @@ def worker_prefix(provider: str) -> list[str]:
 
 
 # ---- one run (what a worker does) ----
-
-
-def apply_fuselm(
-    model, offload: bool, mlp_chunk_tokens: int | None = None, memory_budget: float | str | None = None
-) -> str:
-    """``fuselm.hf.patch(model)`` for the fuselm provider (``memory_budget``: its variant, GiB or
-    :data:`GRAPH`); returns how the model checkpoints."""
-    import fuselm.hf
-
-    how, options = HF_CHECKPOINTING, {}
-    if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
-        options["mlp_chunk_tokens"] = mlp_chunk_tokens
-        how += f", MLP in chunks of {mlp_chunk_tokens} tokens"
-    if memory_budget == GRAPH or (memory_budget is None and offload):
-        options["checkpointing"] = "offload" if offload else "recompute"
-        how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
-    elif memory_budget is not None:
-        options.update(checkpointing="auto", memory_budget=memory_budget)
-        how += f" + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
-    else:
-        how += "; --no-offload"
-    fuselm.hf.patch(model, **options)
-    return how
 
 
 def load_peft_model(
@@ -343,10 +313,23 @@ def load_peft_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(seed)  # the LoRA A matrices: the same init for every PEFT-based provider
     model = get_peft_model(model, LoraConfig(**lora, bias="none", task_type="CAUSAL_LM"))
-    checkpointing = HF_CHECKPOINTING
-    if provider == "fuselm":
-        checkpointing = apply_fuselm(model, offload, mlp_chunk_tokens, memory_budget)
-    return model.train(), checkpointing
+    how, options = HF_CHECKPOINTING, {}
+    if provider == "fuselm":  # fuselm.hf.patch(model); memory_budget: its variant, GiB or GRAPH
+        import fuselm.hf
+
+        if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
+            options["mlp_chunk_tokens"] = mlp_chunk_tokens
+            how += f", MLP in chunks of {mlp_chunk_tokens} tokens"
+        if memory_budget == GRAPH or (memory_budget is None and offload):
+            options["checkpointing"] = "offload" if offload else "recompute"
+            how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
+        elif memory_budget is not None:
+            options.update(checkpointing="auto", memory_budget=memory_budget)
+            how += f" + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"
+        else:
+            how += "; --no-offload"
+        fuselm.hf.patch(model, **options)
+    return model.train(), how
 
 
 def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
@@ -518,8 +501,7 @@ def train(
 
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
-    """A worker process: :func:`fresh_process.worker_main` of :data:`BENCH`; ``unsloth_failed``: why ``import
-    unsloth`` failed in Unsloth's boot script (the provider is then skipped with that reason)."""
+    """A worker; ``unsloth_failed``: why Unsloth's boot script could not import it (a skip's reason)."""
     bench = BENCH
     if unsloth_failed is not None:
         bench = dataclasses.replace(BENCH, train=functools.partial(train, unsloth_failed=unsloth_failed))

@@ -314,8 +314,7 @@ def run(
     on_row: Callable[[CaseReport], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> CaseReport:
-    """Every (shape, repeat, provider) of ``c``, each in its own worker (:func:`run_case`); ``on_row(report so
-    far)`` after each row."""
+    """Every (shape, repeat, provider) of ``c`` in its own worker; ``on_row(report so far)`` after each."""
     report = new_report(c)
     for p in c.providers:
         reason = bench.precheck(p, c.device)
@@ -593,8 +592,7 @@ def start_cli(
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
     packages: Sequence[str] = (),
 ) -> CliRun:
-    """What a run of ``bench`` runs, from the arguments (shapes: ``grid(args, plan)``, else ``--shapes``, else
-    the plan's)."""
+    """What a run of ``bench`` runs (shapes: ``grid(args, plan)``, else ``--shapes``, else the plan's)."""
     default = bench.default_providers or bench.providers
     chosen = parse_list(args.providers, bench.providers, "provider", variants=True, default=default)
     device = pick_device(args.device)
@@ -672,8 +670,7 @@ def run_cli(
 
 
 def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -> CaseReport:
-    """``report`` joined with the rows of ``previous`` (an earlier run's JSON) that this run did not run
-    again, ``merged`` recording its command."""
+    """``report`` with the rows of ``previous`` (an earlier run's JSON) that it did not run again."""
     meta, fields = previous.get("metadata", {}), bench.row_type.SHAPE_FIELDS
     older = f"an older fuselm bench {bench.name} wrote it: run without --merge"
     for what, theirs, mine, hint in (

@@ -171,23 +171,16 @@ class StepRow(fresh_process.WorkerRow):
 def markdown_table(report: fresh_process.CaseReport) -> str:
     head = ["B x (P + C)", "provider", "ms/step", "tokens/s", "peak GiB", "logp step 1", "entropy step 1"]
     head += ["entropy last", "note"]
-    rows = []
+    lines = []
     for r in report.rows:
-        ok = r.status == "ok"
-        rows.append(
-            [
-                StepRow.label(r.shape),
-                r.provider,
-                f"{r.step_ms:.1f}" if ok else fresh_process.failed_cell([r]),
-                fresh_process.fmt_tokens(r.tokens_per_s) if ok else "—",
-                ("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}") if ok else "—",
-                f"{r.mean_log_probs[0]:.4f}" if ok and r.mean_log_probs else "—",
-                f"{r.mean_entropy[0]:.4f}" if ok and r.mean_entropy else "—",
-                f"{r.mean_entropy[-1]:.4f}" if ok and r.mean_entropy else "—",
-                fresh_process.note_cell([r]),
-            ]
-        )
-    return md_table(head, rows)
+        cells = [fresh_process.failed_cell([r]), *["—"] * 5]
+        if r.status == "ok":
+            cells = [f"{r.step_ms:.1f}", fresh_process.fmt_tokens(r.tokens_per_s)]
+            cells.append("n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}")
+            firsts_last = ((r.mean_log_probs, 0), (r.mean_entropy, 0), (r.mean_entropy, -1))
+            cells += [f"{values[i]:.4f}" if values else "—" for values, i in firsts_last]
+        lines.append([StepRow.label(r.shape), r.provider, *cells, fresh_process.note_cell([r])])
+    return md_table(head, lines)
 
 
 def notes(report: fresh_process.CaseReport) -> list[str]:

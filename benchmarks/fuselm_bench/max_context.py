@@ -151,8 +151,7 @@ def _gpus(text: str | None, cuda: bool) -> list[int] | None:
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
-    """``fuselm bench max-context``: one model and scenario, each (provider, cap) searched (side by side with
-    ``--gpus``)."""
+    """``fuselm bench max-context``: each (provider, cap) searched, side by side with ``--gpus``."""
     device = pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -85,8 +84,7 @@ class KernelProfile:
 
     @classmethod
     def from_events(cls, events: Iterable[Any], steps: int) -> KernelProfile:
-        """Sum the CUDA events of ``prof.events()``: ``Memcpy*`` copies, ``Memset*`` not counted, the rest
-        kernels."""
+        """Sum the CUDA events of ``prof.events()`` (``Memcpy*``: copies; ``Memset*``: not counted)."""
         from torch.autograd import DeviceType
 
         out = cls(steps=steps)
@@ -143,14 +141,6 @@ class StepRun:
     step_s: list[float]
     cpu_s: float
     profile: KernelProfile | None
-
-    @property
-    def median_step_s(self) -> float | None:
-        return statistics.median(self.step_s) if self.step_s else None
-
-    @property
-    def cpu_step_s(self) -> float | None:
-        return self.cpu_s / len(self.step_s) if self.step_s else None
 
 
 def device_profiler(device: torch.device) -> Any:
