@@ -751,16 +751,15 @@ def plot(report: CaseReport, path: Path) -> None:
         for provider in report.providers:
             rows = report.rows_of(provider, shape)
             ms, gib = median_of(rows, "step_ms"), median_of(rows, "peak_gib")
+            base, budget = split_provider(provider)
             if ms is None or gib is None:
                 continue
-            base, budget = split_provider(provider)
             if isinstance(budget, float):
                 budgets.append((gib, ms, budget))
-                continue
-            marker = {"unsloth": "*", "hf": "x", "liger": "^"}.get(base, "o")
-            ax.scatter(
-                [gib], [ms], marker=marker, s=120 if marker == "*" else 50, label=provider_title(provider)
-            )
+            else:
+                marker = {"unsloth": "*", "hf": "x", "liger": "^"}.get(base, "o")
+                size = 120 if marker == "*" else 50
+                ax.scatter([gib], [ms], marker=marker, s=size, label=provider_title(provider))
         if budgets:
             budgets.sort()
             ax.plot([b[0] for b in budgets], [b[1] for b in budgets], "o-", label="fuselm, memory_budget=")
@@ -769,8 +768,7 @@ def plot(report: CaseReport, path: Path) -> None:
                     f"{budget:g} GiB", (gib, ms), textcoords="offset points", xytext=(4, 4), fontsize=8
                 )
         ax.set_title(BENCH.row_type.label(shape), fontsize=9)
-        ax.set_xlabel("peak allocated GiB")
-        ax.set_ylabel("ms per step")
+        ax.set(xlabel="peak allocated GiB", ylabel="ms per step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"fuselm bench {NAME}: step time against memory ({report.plan.name} plan)")

@@ -43,39 +43,29 @@ SHARD_BYTES = 4 << 30
 
 
 class _Shards:
-    """Tensors gathered on the host and written as ``model-0000i.safetensors`` once ``limit`` bytes are held;
-    :meth:`finish` writes the rest and the index ``from_pretrained`` reads."""
+    """Tensors gathered on the host, written as ``model-0000i.safetensors`` once ``limit`` bytes are held."""
 
     def __init__(self, folder: Path, limit: int) -> None:
         self.folder, self.limit = folder, limit
         self.pending: dict[str, torch.Tensor] = {}
-        self.held = 0
-        self.files: list[tuple[str, list[str]]] = []
-        self.total = 0
+        self.weight_map: dict[str, str] = {}  # what model.safetensors.index.json says
+        self.held = self.total = self.files = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        tensor = tensor.contiguous().cpu()
-        self.pending[name] = tensor
+        self.pending[name] = tensor = tensor.contiguous().cpu()
         self.held += tensor.numel() * tensor.element_size()
         if self.held >= self.limit:
-            self._write()
+            self.flush()
 
-    def _write(self) -> None:
+    def flush(self) -> None:
         from safetensors.torch import save_file
 
-        if not self.pending:
-            return
-        name = f"model-{len(self.files) + 1:05d}.safetensors"
-        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
-        self.files.append((name, list(self.pending)))
-        self.total += self.held
-        self.pending, self.held = {}, 0
-
-    def finish(self) -> None:
-        self._write()
-        weight_map = {key: name for name, keys in self.files for key in keys}
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if self.pending:
+            self.files += 1
+            name = f"model-{self.files:05d}.safetensors"
+            save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+            self.weight_map.update(dict.fromkeys(self.pending, name))
+            self.total, self.pending, self.held = self.total + self.held, {}, 0
 
 
 def save_nf4_checkpoint(
@@ -118,7 +108,9 @@ def save_nf4_checkpoint(
             else:
                 shards.add(name, weight)
         tensors += 1
-    shards.finish()
+    shards.flush()
+    index = {"metadata": {"total_size": shards.total}, "weight_map": shards.weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config stays unquantized
     config.quantization_config = dict(QUANTIZATION)
     config.save_pretrained(folder)
