@@ -110,7 +110,6 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama3-70b", "llama", LLAMA3_70B, nf4_only=True),
     )
 }
-TRAINED_IN_FULL = [m for m in MODELS if not MODELS[m].nf4_only]  # what this suite (full training) runs
 DEFAULT_MODEL = "llama3.2-1b"
 
 GPU_GRID = (("llama3.2-1b", 1, 512), ("llama3.2-1b", 1, 2048), ("llama3.2-1b", 4, 2048))
@@ -442,14 +441,14 @@ BENCH = fresh_process.Bench(
 def grid(args: argparse.Namespace, preset: fresh_process.Plan) -> list[tuple[str, int, int]]:
     """``--models`` at ``--shapes`` BxT, else the preset's grid limited to ``--models``."""
     in_grid = list(dict.fromkeys(m for m, _, _ in preset.shapes))
-    models = parse_list(args.models, TRAINED_IN_FULL, "model", default=in_grid)
+    trained_in_full = [m for m in MODELS if not MODELS[m].nf4_only]
+    models = parse_list(args.models, trained_in_full, "model", default=in_grid)
     if args.shapes:
         return [(m, b, t) for m in models for b, t in parse_shapes(args.shapes, 2)]
-    configs = [c for c in preset.shapes if c[0] in models]
     missing = [m for m in models if m not in in_grid]
     if missing:
         raise UsageError(f"--models {','.join(missing)}: not in the default grid; give --shapes BxT too")
-    return configs
+    return [c for c in preset.shapes if c[0] in models]
 
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:

@@ -6,7 +6,7 @@ state dict is drawn on ``device`` (HF's init: normal(0, ``initializer_range``) f
 weights, ones for norm weights), the decoder layers' linear weights quantized there by
 ``bitsandbytes.functional.quantize_4bit`` (NF4, blocks of 64, double quantization: what ``load_in_4bit`` with
 ``bnb_4bit_use_double_quant=True`` makes) and moved to the host, written in safetensors shards of at most
-``shard_bytes``. Nothing larger than one weight in bf16 and one shard is ever held. The folder's
+:data:`SHARD_BYTES`. Nothing larger than one weight in bf16 and one shard is ever held. The folder's
 ``config.json`` carries the ``quantization_config``, so ``from_pretrained(folder)`` loads the 4-bit layers
 as they were saved (no quantization at load; the embeddings, norms and lm_head stay bf16).
 
@@ -69,10 +69,10 @@ class _Shards:
 
 
 def save_nf4_checkpoint(
-    config: Any, folder: str | Path, device: torch.device, *, seed: int, shard_bytes: int | None = None
+    config: Any, folder: str | Path, device: torch.device, *, seed: int
 ) -> dict[str, Any]:
     """Write ``config``'s causal LM, random init (seeded), as an NF4 pre-quantized checkpoint into ``folder``
-    (see the module's docstring), in shards of ``shard_bytes`` (default :data:`SHARD_BYTES`)."""
+    (see the module's docstring)."""
     import bitsandbytes.functional as bnb_functional
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +84,7 @@ def save_nf4_checkpoint(
     modules = dict(skeleton.named_modules())
     std = float(getattr(config, "initializer_range", 0.02))
     generator = torch.Generator(device=device).manual_seed(seed)
-    shards = _Shards(folder, shard_bytes or SHARD_BYTES)
+    shards = _Shards(folder, SHARD_BYTES)
     quantized = tensors = 0
     for name, meta in skeleton.state_dict().items():  # tied weights appear once
         module = modules[name.rpartition(".")[0]]

@@ -56,12 +56,10 @@ def causal_lm_config(family: str, model: dict[str, Any], attn_implementation: st
     return config
 
 
-def build_causal_lm(
-    config, device: str | torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None
-):
+def build_causal_lm(config, device: str | torch.device, dtype: torch.dtype):
     """The causal LM of ``config`` on ``device``, built under the default dtype ``dtype`` as
-    ``from_pretrained(dtype=...)`` does (the rotary buffers stay fp32), loaded from ``state`` if given, in
-    training mode; its init draws from the global torch RNG."""
+    ``from_pretrained(dtype=...)`` does (the rotary buffers stay fp32), in training mode; its init draws
+    from the global torch RNG."""
     import transformers
 
     model_class = getattr(transformers, FAMILIES[config.model_type][1])
@@ -72,8 +70,6 @@ def build_causal_lm(
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
-    if state is not None:
-        model.load_state_dict(state)
     return model.train()
 
 
