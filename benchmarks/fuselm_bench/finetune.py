@@ -502,10 +502,8 @@ def train(
 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
     """A worker; ``unsloth_failed``: why Unsloth's boot script could not import it (a skip's reason)."""
-    bench = BENCH
-    if unsloth_failed is not None:
-        bench = dataclasses.replace(BENCH, train=functools.partial(train, unsloth_failed=unsloth_failed))
-    return fresh_process.worker_main(bench, argv)
+    run = functools.partial(train, unsloth_failed=unsloth_failed)
+    return fresh_process.worker_main(dataclasses.replace(BENCH, train=run), argv)
 
 
 # ---- rows ----
