@@ -54,8 +54,7 @@ GRAPH = "graph"  # fuselm@graph: checkpointing "offload" (--no-offload: "recompu
 
 
 def split_provider(provider: str) -> tuple[str, float | str | None]:
-    """``(provider, its variant: a memory budget in GiB, GRAPH, or None)``; UsageError for a variant of
-    another provider or a bad one."""
+    """``(provider, its variant: GiB budget, GRAPH or None)``; UsageError for a bad or misplaced variant."""
     base, at, setting = provider.partition("@")
     if not at:
         return provider, None
@@ -127,8 +126,7 @@ def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int
 def save_model(
     model: str, tiny: bool, folder: Path, device: torch.device, dtype: torch.dtype, seed: int
 ) -> dict:
-    """Save ``model`` (seeded random init; a 4-bit-only shape quantized tensor by tensor) with its tokenizer
-    into ``folder``, and the marker :func:`saved_model_ok` checks; returns the marker."""
+    """Save ``model`` (seeded init; 4-bit-only shapes quantized per tensor), its tokenizer and marker."""
     t0 = time.perf_counter()
     settings = model_settings(model, tiny)
     shape = e2e.MODELS[model]

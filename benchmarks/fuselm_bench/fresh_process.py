@@ -159,8 +159,7 @@ def memory_figures(device: torch.device) -> dict[str, int | None]:
 def run_worker(
     command: Callable[[Path], list[str]], *, timeout: float, prefix: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run ``command(result file)`` in a fresh process with the parent's environment and ``env``; the
-    worker's result with ``wall_s``."""
+    """Run ``command(result file)`` in a fresh process, ``env`` added to ours; its result, ``wall_s``."""
     # this lab's and this fuselm's folders first on PYTHONPATH: the worker runs the same code, whether fuselm
     # is installed or run from src
     folders = (Path(__file__).resolve().parents[1], Path(fuselm.__file__).resolve().parents[1])
@@ -527,8 +526,7 @@ def write_report(bench: Bench, report: CaseReport, out_dir: str | Path) -> dict[
 
 
 def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
-    """A panel of grouped bars per ``bench.panels`` ``(row attribute, title, scale)`` (medians over the ok
-    repeats), one group per shape; OOM or error where a case has none."""
+    """Grouped bars (medians) per ``bench.panels`` ``(attribute, title, scale)``; OOM or error if none."""
     providers = [p for p in report.providers if p not in report.skipped]
 
     def value(rows: list[Any], attr: str, scale: float) -> float | str:
