@@ -306,25 +306,20 @@ def _forward_flops(layer: torch.nn.Module, tokens: int) -> int:
     return 2 * macs * tokens
 
 
-def _dense_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of ``layer``'s quantized linear weights (bitsandbytes 4-bit and 8-bit) made dense in
-    ``dtype``: what :func:`fuselm.lora.holding_dense` holds through a checkpointed layer's backward."""
+def _quantized_linears(layer: torch.nn.Module, kinds: tuple[str, ...]) -> list[torch.nn.Linear]:
+    """``layer``'s linear layers whose weights are of the bitsandbytes parameter types named ``kinds``."""
+    return [m for m in layer.modules() if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ in kinds]
+
+
+QUANTIZED = ("Params4bit", "Int8Params")  # what fuselm.lora.holding_dense holds dense
+RESIDENT = ("Params4bit",)  # what fuselm.lora.keep_resident may keep dense
+
+
+def _dense_bytes(layer: torch.nn.Module, dtype: torch.dtype, kinds: tuple[str, ...] = QUANTIZED) -> int:
+    """Bytes of ``layer``'s quantized linear weights (of ``kinds``) made dense in ``dtype``: by default what
+    :func:`fuselm.lora.holding_dense` holds through a checkpointed layer's backward."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(
-        m.in_features * m.out_features * size
-        for m in layer.modules()
-        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ in ("Params4bit", "Int8Params")
-    )
-
-
-def _linears_4bit(layer: torch.nn.Module) -> list[torch.nn.Linear]:
-    """``layer``'s linear layers over bitsandbytes 4-bit base weights (``Params4bit``): those whose dense
-    weights :func:`fuselm.lora.keep_resident` may keep."""
-    return [
-        m
-        for m in layer.modules()
-        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ == "Params4bit"
-    ]
+    return sum(m.in_features * m.out_features * size for m in _quantized_linears(layer, kinds))
 
 
 def _cast_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -486,8 +481,7 @@ class _Planner:
         """Spend what the budget still holds (but :data:`RESIDENT_SPARE` of it) on 4-bit base weights kept
         dense across steps (each layer's saves its dequantizations: two a step where it is kept, three
         where it is checkpointed, which go first), and keep them (:func:`fuselm.lora.keep_resident`)."""
-        size = torch.empty((), dtype=dtype).element_size()
-        each = [sum(m.in_features * m.out_features * size for m in _linears_4bit(x)) for x in self.layers]
+        each = [_dense_bytes(layer, dtype, RESIDENT) for layer in self.layers]
         order = sorted(range(len(self.layers)), key=lambda i: self.plan.modes[i] == "keep")
         room, chosen = int((1 - RESIDENT_SPARE) * budget) - self.plan.estimated_peak, []
         for i in order:
@@ -503,7 +497,7 @@ class _Planner:
 
     def _keep_resident(self, layers: tuple[int, ...]) -> None:
         for i, layer in enumerate(self.layers):
-            for m in _linears_4bit(layer):
+            for m in _quantized_linears(layer, RESIDENT):
                 frozen.keep_resident(m.weight, i in layers)
 
     def apply(self, plan: ActivationPlan) -> None:
