@@ -158,9 +158,8 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     except (OSError, json.JSONDecodeError):
         return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    want["settings"] = json.loads(
-        json.dumps(model_settings(model, tiny))
-    )  # tuples -> lists, as in the marker
+    # tuples -> lists, as in the marker
+    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))
     return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
