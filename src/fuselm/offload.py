@@ -55,6 +55,7 @@ __all__ = [
     "call_memo",
     "keep_output",
     "kept_output",
+    "has_kept_output",
     "count_kept_outputs",
     "set_kept_output_room",
     "checkpoint_fn",
@@ -579,6 +580,13 @@ def kept_output(key: Any) -> torch.Tensor | None:
     (:func:`keep_output`), on its device, once (None the second time); None elsewhere."""
     memo = _MEMO.current
     return None if memo is None else memo.pop((_KEPT_KEY, key), None)
+
+
+def has_kept_output(key: Any) -> bool:
+    """Does the recompute running now hold a tensor kept under ``key`` that :func:`kept_output` has not
+    returned yet? (False elsewhere.)"""
+    memo = _MEMO.current
+    return memo is not None and (_KEPT_KEY, key) in memo
 
 
 _KEPT_KEY = "fuselm.offload.kept"

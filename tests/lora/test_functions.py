@@ -338,8 +338,9 @@ def test_lora_gated_mlp_chunks_refuse_down_dropout(gen):
 
 
 def test_lora_gated_mlp_without_output_saves_and_differentiates_the_same(gen):
-    """output=False (a recompute that reads no output): the tensors saved for backward and every gradient
-    are those of output=True, down's base is never read in the forward; chunked, or a non-bool, raises."""
+    """output=False (a recompute that reads no output) with down's LoRA dropout: the tensors saved for
+    backward and every gradient are those of output=True, down's base is never read in the forward; a
+    non-bool raises."""
     layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32)
     x = randn(gen, (*LEAD, H), torch.float32).requires_grad_()
     dy = randn(gen, (*LEAD, H), torch.float32)
@@ -370,11 +371,41 @@ def test_lora_gated_mlp_without_output_saves_and_differentiates_the_same(gen):
         torch.equal(a, b) for a, b in zip(saved_t, saved_f, strict=True)
     )
     assert all(torch.equal(a, b) for a, b in zip(grads_t, grads_f, strict=True))
-    layers["down"] = peft_linear(gen, I, H, 8, 0.0, torch.float32, torch.float32)
-    with pytest.raises(ValueError, match="^output=False needs the MLP whole"):
-        L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=4, output=False)
     with pytest.raises(ValueError, match="^output must be a bool, got 1"):
         L.lora_gated_mlp(x, *mlp_operands(layers), "silu", output=1)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 16], ids=["whole", "chunks16"])
+def test_lora_gated_mlp_without_output_leaves_its_work_to_the_backward(chunk_rows, gen):
+    """output=False, down without dropout: the forward computes nothing and saves x and the gate / up
+    masks alone (no [N, I] tensor); the backward makes gate, up and their product (whole, or chunked) and
+    every gradient is PEFT's under the numerics rule."""
+    dtype = torch.float32
+    layers = mlp_layers(gen, 8, 0.1, dtype, dtype, ("gate", "up"))
+    layers["down"] = peft_linear(gen, I, H, 8, 0.0, dtype, dtype)
+    ops = mlp_operands(layers)
+    x = randn(gen, (*LEAD, H), dtype).requires_grad_()
+    dy = randn(gen, (*LEAD, H), dtype)
+    wrt = (x, *adapter_params(ops))
+    torch.manual_seed(SEED)
+    masks = mlp_masks(x, layers, dtype)
+    torch.manual_seed(SEED)
+    with recording_saved_tensors() as saved:
+        y = L.lora_gated_mlp(x, *ops, "silu", chunk_rows=chunk_rows, output=False)
+    n = x.numel() // H
+    got = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not None)
+    assert got == sorted([((n, H), "torch.float32"), ((n, H), "torch.bool"), ((n, H), "torch.bool")])
+    g = torch.autograd.grad(y, wrt, dy)
+    torch.manual_seed(SEED)
+    y_e = layers["down"](F.silu(layers["gate"](x)) * layers["up"](x))
+    g_e = torch.autograd.grad(y_e, wrt, dy)
+    x64 = leaf64(x)
+    o64, leaves64 = ops64(ops)
+    y_r = L.lora_gated_mlp_reference(x64, *o64, "silu", masks=tuple(masks))
+    g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
+    names = ["dx"] + [f"d{w}_{n}" for n in ("gate", "up", "down") for w in "AB"]
+    for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
+        assert_numerics(name, t, e, ref, dtype)
 
 
 @pytest.mark.parametrize("needs", ["x", "adapters", "down_only", "gate_A_and_x"], ids=lambda s: f"grad_{s}")

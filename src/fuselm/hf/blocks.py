@@ -97,8 +97,9 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
     :func:`fuselm.lora.lora_gated_mlp` (the LoRA updates added in the GEMMs, only x, gate, up and the
     rank-r products saved); what it does not cover runs HF's projections after one warning naming the
     MLP and the reason. In the recompute of a checkpointed layer (:func:`fuselm.offload.recompute_checkpoint`,
-    :func:`fuselm.offload.offloaded_checkpoint`) the fused LoRA MLP skips its down projection when nothing
-    after it saves a tensor (:func:`fuselm.offload.output_may_go_unread`), unless it runs chunked.
+    :func:`fuselm.offload.offloaded_checkpoint`) the fused LoRA MLP computes nothing when nothing after it
+    saves a tensor (:func:`fuselm.offload.output_may_go_unread`): its backward makes gate, up and the
+    product (see :func:`fuselm.lora.lora_gated_mlp`'s ``output``).
 
     ``chunk_tokens`` (``patch(..., mlp_chunk_tokens=)``): the MLP runs over chunks of that many tokens
     (:func:`fuselm.ops.swiglu.swiglu_mlp` / :func:`fuselm.lora.lora_gated_mlp` ``chunk_rows``): no
@@ -119,9 +120,8 @@ def mlp_forward(spec: FamilySpec, original: Callable, chunk_tokens: int | None =
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         plain = all(is_plain_linear(p) for p in projections)
         if not plain and gate_attr is None:  # PEFT LoRA / quantized projections: the fused LoRA MLP
-            # in a recompute that reads no output of the layer, down's GEMM is skipped (not when chunked:
-            # the whole MLP would hold the [tokens, I] tensors the chunks avoid)
-            unread = chunk_tokens is None and output_may_go_unread()
+            # in a recompute that reads no output of the layer, the MLP leaves its work to the backward
+            unread = output_may_go_unread()
             out = lora_gated_mlp_forward(self, x, act, chunk_rows=chunk_tokens, output=not unread)
             if out is not None:  # (None: warned why not)
                 if unread:

@@ -148,7 +148,7 @@ def lora_gated_mlp_forward(
     the fused MLP cannot run: the caller then runs HF's MLP forward (whose PEFT layers may still run
     :func:`lora_linear_forward`). ``chunk_rows``: over chunks of that many tokens (refused, once, with
     LoRA dropout on down_proj: the MLP then runs whole). ``output=False``: the result's values are not
-    computed (see :func:`fuselm.lora.lora_gated_mlp`; not with ``chunk_rows``).
+    computed (see :func:`fuselm.lora.lora_gated_mlp`).
 
     Example:
         >>> class MLP(nn.Module):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..offload import call_memo, keep_output, kept_output
+from ..offload import call_memo, has_kept_output, keep_output, kept_output
 from ..ops.swiglu import ChunkedMLP, ChunkSums, check_chunk_rows, gated_backward, gated_forward
 from .frozen import FrozenWeight, dense
 
@@ -496,6 +496,11 @@ def _kept(a: torch.Tensor | None) -> torch.Tensor | None:
     return None if a is None else kept_output(("lora", id(a)))
 
 
+def _is_kept(a: torch.Tensor | None) -> bool:
+    """Does this recompute hold an output :func:`_keep` kept (not taken)?"""
+    return a is not None and has_kept_output(("lora", id(a)))
+
+
 def _stacked(pairs: list, masks: tuple) -> bool:
     """Can the projections' x A^T be one GEMM? Every adapter present, of one dtype, no dropout."""
     return not masks and all(a is not None for a, _ in pairs) and len({a.dtype for a, _ in pairs}) == 1
@@ -636,13 +641,17 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
     would not fit: only [chunk, I] ones are ever held. Saves x and the gate / up dropout masks alone; the
     backward recomputes each chunk's gate and up projections (with their rank-r products) and the down
     projection's low product, and sums the adapters' gradients over the chunks in fp32 (at least). down_proj's
-    dropout must be 0 (its mask would be an [N, I] tensor; the public function checks)."""
+    dropout must be 0 (its mask would be an [N, I] tensor; the public function checks). Without ``output``
+    the forward computes nothing: a recompute that reads no output (one chunk of every row, or more)."""
 
     @staticmethod
-    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows):
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows, output):
         adapters = (ag, bg, au, bu, ad, bd)
         casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
-        y = _LoraChunks(adapters, casts, (mg, mu), projs).forward(x, chunk_rows, activation)
+        if output:
+            y = _LoraChunks(adapters, casts, (mg, mu), projs).forward(x, chunk_rows, activation)
+        else:  # nothing computed: the backward makes all it needs
+            y = x.new_empty(x.shape)
         ctx.projs, ctx.activation, ctx.chunk_rows, ctx.casts = projs, activation, chunk_rows, casts
         ctx.adapters = adapters
         ctx.save_for_backward(x, mg, mu)
@@ -661,7 +670,7 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
             mlp = _LoraChunks(ctx.adapters, casts, (mg, mu), ctx.projs, needs, x)
             mlp.backward(x, dy, ctx.chunk_rows, ctx.activation, want_h)
         like = dict(zip(("ag", "bg", "au", "bu", "ad", "bd"), ctx.adapters, strict=True))
-        return mlp.dx, *mlp.sums.rounded(like), None, None, None, None, None
+        return mlp.dx, *mlp.sums.rounded(like), None, None, None, None, None, None
 
 
 def _rows_of(t: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
@@ -824,9 +833,13 @@ def lora_gated_mlp(
             saved; the backward recomputes each chunk's projections (the base GEMMs twice: for the
             longest sequences, where the ``[N, I]`` tensors decide what fits). down's adapter must have
             no dropout then (its mask would be an ``[N, I]`` tensor): ValueError otherwise.
-        output: False: the result's values are not computed (down's base GEMM is skipped; the tensor is
-            allocated only), while everything saved for backward is: for a recompute that never reads
-            the result (:func:`fuselm.offload.output_may_go_unread`). Not with ``chunk_rows`` splitting x.
+        output: False: the result's values are not computed (the tensor is allocated only): for a
+            recompute that never reads the result (:func:`fuselm.offload.output_may_go_unread`). With
+            down's dropout 0 and neither gate's nor up's output kept for the recompute
+            (:func:`fuselm.offload.keep_output`), the forward then computes nothing and saves x alone
+            (and the gate / up masks): the backward makes g and u (and h) as the chunked backward does,
+            whole or over ``chunk_rows``; otherwise it saves what ``output=True`` saves, skipping down's
+            base GEMM.
 
     Returns:
         ``[..., H]`` in the compute dtype.
@@ -880,13 +893,11 @@ def lora_gated_mlp(
     down_mask_dtype = (dadapter.mask_dtype or dadapter.A.dtype) if dadapter is not None else None
     x2 = _rows(x if x.dtype == cdt else x.to(cdt))
     projs = (pg, pu, pd)
-    if chunk_rows is not None and x2.shape[0] > chunk_rows:
-        if not output:
-            raise ValueError("output=False needs the MLP whole (x has more rows than chunk_rows)")
-        fn, args = (
-            ChunkedLoraGatedMLPFunction,
-            (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, chunk_rows),
-        )
+    chunked = chunk_rows is not None and x2.shape[0] > chunk_rows
+    if chunked or (not output and not down_p and not (_is_kept(ag) or _is_kept(au))):
+        rows = chunk_rows if chunked else x2.shape[0]
+        fn = ChunkedLoraGatedMLPFunction
+        args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, rows, output)
     else:
         fn = LoraGatedMLPFunction
         args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output)
