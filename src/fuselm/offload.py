@@ -37,7 +37,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -398,11 +398,13 @@ class _Stash:
             host.copy_(t)
         return t.device, host, False
 
-    def keep(self, key: Any, t: torch.Tensor) -> None:
-        """Keep ``t`` (an output of the call's forward, a CUDA or CPU tensor) in host memory with the
-        inputs, if this call and the host have room for it (see :func:`keep_output`)."""
-        nbytes = t.numel() * t.element_size()
-        if self.saved is None or t.device.type not in ("cuda", "cpu") or nbytes > self.room:
+    def keep(self, key: Any, tensors: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """Keep ``tensors`` (outputs of the call's forward, CUDA or CPU tensors: all or none) in host
+        memory with the inputs, if this call and the host have room for them (see :func:`keep_output`)."""
+        group = tensors if isinstance(tensors, tuple) else (tensors,)
+        nbytes = _nbytes(group)
+        devices = {t.device.type for t in group}
+        if self.saved is None or not devices <= {"cuda", "cpu"} or nbytes > self.room:
             return
         with _POOL.lock:
             if _KEPT.in_use + nbytes > _KEPT.limit():
@@ -410,8 +412,8 @@ class _Stash:
             _KEPT.in_use += nbytes
         self.kept_bytes[0] += nbytes
         self.room -= nbytes
-        self.saved.append(self._offload(t))
-        self.keys.append(key)
+        self.saved.extend(self._offload(t) for t in group)
+        self.keys.append((key, len(group) if isinstance(tensors, tuple) else None))
 
     def fetch(self, prefetch: bool = False) -> None:
         """Start the copies back to the device (on the side stream); the host buffers go back to the
@@ -451,8 +453,16 @@ class _Stash:
             if stash is None:
                 break
             stash.fetch(prefetch=True)
-        n = len(tensors) - len(self.keys)
-        return tensors[:n], dict(zip(self.keys, tensors[n:], strict=True))
+        kept, end = {}, len(tensors)
+        for key, n in reversed(self.keys):  # the tail of saved, in keep's order
+            start = end - (n or 1)
+            kept[key] = tuple(tensors[start:end]) if n is not None else tensors[start]
+            end = start
+        return tensors[:end], kept
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _release(
@@ -514,13 +524,14 @@ def set_kept_output_room(nbytes: int | None) -> None:
         _KEPT.room = nbytes
 
 
-def keep_output(key: Any, tensor: torch.Tensor) -> None:
+def keep_output(key: Any, tensor: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
     """In the forward of an :func:`offloaded_checkpoint` call: keep ``tensor`` for the recompute (in pinned
     host memory, copied on the side stream, back with the call's inputs), where :func:`kept_output` with the
-    same ``key`` returns it. For the forward of a ``torch.autograd.Function`` whose backward needs not the
-    output's history (the recompute gets a tensor without one): ``tensor`` must be what the recompute would
-    compute again, bit for bit (an output of the call's inputs and of parameters the backward checks are
-    unchanged), not modified afterwards. A no-op elsewhere (outside such a forward, or no room left).
+    same ``key`` returns it; a tuple of tensors is kept whole or not at all, and comes back a tuple. For the
+    forward of a ``torch.autograd.Function`` whose backward needs not the output's history (the recompute
+    gets a tensor without one): ``tensor`` must be what the recompute would compute again, bit for bit
+    (an output of the call's inputs and of parameters the backward checks are unchanged), not modified
+    afterwards. A no-op elsewhere (outside such a forward, or no room left).
     CPU tensors take the same path with plain host copies.
 
     Example:
@@ -541,12 +552,14 @@ class _KeptProbe:
     def __init__(self, input_bytes: int) -> None:
         self.input_bytes, self.offered = input_bytes, []
 
-    def keep(self, key: Any, t: torch.Tensor) -> None:
-        self.offered.append(t.numel() * t.element_size())
+    def keep(self, key: Any, tensors: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        self.offered.append(_nbytes(tensors if isinstance(tensors, tuple) else (tensors,)))
 
-    def kept(self, kept_per_input: float = KEPT_PER_INPUT) -> int:
-        """The bytes a call with this ``kept_per_input`` keeps of them (each kept if it fits what is left)."""
-        room, kept = kept_per_input * self.input_bytes, 0
+    def kept(self, kept_per_input: float | None = None) -> int:
+        """The bytes a call with this ``kept_per_input`` (None: :data:`KEPT_PER_INPUT`) keeps of them (each
+        kept if it fits what is left)."""
+        share = KEPT_PER_INPUT if kept_per_input is None else kept_per_input
+        room, kept = share * self.input_bytes, 0
         for nbytes in self.offered:
             if nbytes <= room - kept:
                 kept += nbytes
@@ -575,7 +588,7 @@ def count_kept_outputs(input_bytes: int):
         state.stash = outer
 
 
-def kept_output(key: Any) -> torch.Tensor | None:
+def kept_output(key: Any) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
     """In the recompute of an :func:`offloaded_checkpoint` call: the tensor its forward kept under ``key``
     (:func:`keep_output`), on its device, once (None the second time); None elsewhere."""
     memo = _MEMO.current
@@ -972,7 +985,7 @@ def offloaded_checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
-    kept_per_input: float = KEPT_PER_INPUT,
+    kept_per_input: float | None = None,
     prefetch: int = 1,
     backward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     **kwargs: Any,
@@ -1001,8 +1014,9 @@ def offloaded_checkpoint(
         debug, early_stop: accepted; ``debug=True`` warns once that it is ignored.
         kept_per_input: how many bytes of the outputs ``function`` offers to :func:`keep_output` stay in host
             memory for the recompute (which then skips making them), per byte of the offloaded inputs: a
-            finite number >= 0 (default :data:`KEPT_PER_INPUT`: a Llama layer's q, k and v projections; 0:
-            none). What comes back costs device memory in the backward (one call's, prefetched).
+            finite number >= 0, or None: :data:`KEPT_PER_INPUT` (a Llama layer's q, k and v projections
+            and its attention output; 0: none). What comes back costs device memory in the backward (one
+            call's, prefetched).
         prefetch: how many of the offloaded calls made before this one its backward starts bringing back
             (each waits on the device for its own backward): an int >= 1 (default 1). More gives each
             copy back more time when the host link is busy, for one more call's inputs and kept outputs
@@ -1035,6 +1049,8 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    if kept_per_input is None:
+        kept_per_input = KEPT_PER_INPUT
     _check_offload_options(
         kept_per_input=kept_per_input, prefetch=prefetch, backward_context=backward_context
     )
@@ -1044,11 +1060,15 @@ def offloaded_checkpoint(
 
 
 def _check_offload_options(**options: Any) -> None:
-    """ValueError naming ``kept_per_input`` (not a finite number >= 0), ``prefetch`` (not an int >= 1) or
-    ``backward_context`` (neither None nor callable)."""
-    x = options.get("kept_per_input", 0.0)
-    if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0):
-        raise ValueError(f"offloaded_checkpoint: kept_per_input must be a finite number >= 0, got {x!r}")
+    """ValueError naming ``kept_per_input`` (neither None nor a finite number >= 0), ``prefetch`` (not an
+    int >= 1) or ``backward_context`` (neither None nor callable)."""
+    x = options.get("kept_per_input")
+    if x is not None and not (
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    ):
+        raise ValueError(
+            f"offloaded_checkpoint: kept_per_input must be None or a finite number >= 0, got {x!r}"
+        )
     n = options.get("prefetch", 1)
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
         raise ValueError(f"offloaded_checkpoint: prefetch must be an int >= 1, got {n!r}")

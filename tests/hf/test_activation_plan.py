@@ -15,6 +15,7 @@ from kit.hf_models import build, clone
 import fuselm.hf
 from fuselm.hf import activation_plan, blocks, offload
 from fuselm.hf.activation_plan import GIB, plan_layers
+from fuselm.lora import functions as lora_functions
 from fuselm.offload import host_memory_stats, offloaded_checkpoint, recompute_checkpoint, selective_checkpoint
 from fuselm.ops._common.testing import assert_numerics
 
@@ -549,8 +550,10 @@ def test_recomputes_hold_their_dense_base_weights_where_the_budget_has_room(monk
         loss = _step(model, ids)
         counts = sorted(collections.Counter(calls).values())
         assert len(counts) == 7 * LAYERS
-        # without: a third time in the backward, but the down projections (their recompute is skipped) and
-        # the first layer's q, k and v (the embeddings need no gradient: no backward GEMM of theirs)
+        # without: a third time in the backward, but the down projections (the MLP's recompute runs
+        # nothing; its backward makes gate and up and reads down once) and the first layer's q, k and v
+        # (the embeddings need no gradient: no backward GEMM of theirs)
+        assert lora_functions.RECOMPUTE_MLP_CHUNKS == 1
         assert counts == ([2] * 7 * LAYERS if hold else [2] * (LAYERS + 3) + [3] * (6 * LAYERS - 3))
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
         results[hold] = (loss.detach(), grads)

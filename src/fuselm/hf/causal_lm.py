@@ -6,7 +6,6 @@ states (:func:`causal_lm_forward`). What the fused loss reads: the lm_head's ope
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -19,6 +18,7 @@ from torch import nn
 
 from ..nn.mlp import is_plain_linear
 from ._common import INSTANCE_MARK, peft_class, warn_once
+from .attention import training_attention
 from .hub_kernels import warn_shadowed
 from .loss import LossOptions, causal_lm_loss, causal_lm_loss_from_logits
 from .registry import FamilySpec
@@ -272,7 +272,7 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
             self._modules[name] = capture
         self.__dict__["_loss_function"] = loss_function
         try:
-            with causal_attention_while_capturing(self.config, call):
+            with training_attention(self.config, call):
                 out = original(self, *args, return_dict=True, **kwargs)
         finally:
             del self.__dict__["_loss_function"]
@@ -307,71 +307,6 @@ def causal_lm_forward(spec: FamilySpec, original: Callable, options: LossOptions
     owner = original.__qualname__.split(".")[0]
     forward.__qualname__ = f"fuselm_{owner}.forward" + ("[logits]" if from_logits else "")
     return forward
-
-
-# ---- attention inside a CUDA graph capture ----
-# transformers decides whether SDPA needs a mask by reading the batch (any padding? packed sequences, i.e.
-# positions that restart?); during a CUDA graph capture it cannot read data, so it builds the 4D causal
-# mask and SDPA runs its masked kernels (slower than the causal ones that the eager step gets). A call whose
-# only data are token ids and labels has neither padding nor packing whatever its values: its positions
-# are 0..T-1. Such a call, in a model whose every layer is plainly causal, runs with an attention
-# implementation that is SDPA itself under a name transformers has no mask function for - so it makes no
-# mask and SDPA gets is_causal=True, the eager step's kernels.
-CAUSAL_SDPA = "fuselm_causal_sdpa"
-# the arguments a plain call may have (any other, e.g. attention_mask or position_ids, keeps HF's mask)
-_PLAIN_CALL = frozenset(
-    {"self", "input_ids", "inputs_embeds", "labels", "shift_labels", "use_cache", "return_dict"}
-    | {"num_items_in_batch", "logits_to_keep", "kwargs"}
-)
-
-
-def plainly_causal(config, call: dict) -> bool:
-    """Whether a call of a model with ``config`` and arguments ``call`` (by name) needs only the causal
-    mask: SDPA attention, no sub-configs (multimodal masks), no sliding or chunked layers, and no
-    argument that carries a mask, positions or a cache."""
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
-        return False
-    types_ = getattr(config, "layer_types", None)
-    if types_ is not None and any(t != "full_attention" for t in types_):
-        return False
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return False
-    if getattr(config, "attention_chunk_size", None) is not None:
-        return False
-    given = {k for k, v in call.items() if v is not None and not (k == "kwargs" and not v)}
-    extra = call.get("kwargs") or {}
-    return given <= _PLAIN_CALL and set(extra) <= _PLAIN_CALL
-
-
-def _causal_sdpa(*args, **kwargs):
-    """transformers' SDPA attention, whatever is registered under "sdpa" when called."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
-
-
-def capturing() -> bool:
-    """Is a CUDA graph being captured on the current stream?"""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-@contextlib.contextmanager
-def causal_attention_while_capturing(config, call: dict):
-    """While a CUDA graph is captured and the call is :func:`plainly_causal`: the model's attention is
-    :data:`CAUSAL_SDPA` for the call (see above); otherwise nothing changes."""
-    if not (capturing() and plainly_causal(config, call)):
-        yield
-        return
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if CAUSAL_SDPA not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
-    config._attn_implementation = CAUSAL_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
 
 
 def _finish(out, loss, logits, return_dict: bool):

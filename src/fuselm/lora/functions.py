@@ -496,6 +496,13 @@ def _kept(a: torch.Tensor | None) -> torch.Tensor | None:
     return None if a is None else kept_output(("lora", id(a)))
 
 
+# A recompute's fused MLP (output=False) leaves its work to its backward, which runs over this many chunks
+# of rows unless chunk_rows asks for smaller ones: more divide its [N, I] buffers (g, u and dh, the
+# recompute's peak), for more launches and, with 4-bit bases, more dequantizations (gate's and up's twice a
+# chunk, down's once).
+RECOMPUTE_MLP_CHUNKS = 1
+
+
 def _is_kept(a: torch.Tensor | None) -> bool:
     """Does this recompute hold an output :func:`_keep` kept (not taken)?"""
     return a is not None and has_kept_output(("lora", id(a)))
@@ -838,8 +845,8 @@ def lora_gated_mlp(
             down's dropout 0 and neither gate's nor up's output kept for the recompute
             (:func:`fuselm.offload.keep_output`), the forward then computes nothing and saves x alone
             (and the gate / up masks): the backward makes g and u (and h) as the chunked backward does,
-            whole or over ``chunk_rows``; otherwise it saves what ``output=True`` saves, skipping down's
-            base GEMM.
+            over ``chunk_rows`` or :data:`RECOMPUTE_MLP_CHUNKS` chunks; otherwise it saves what
+            ``output=True`` saves, skipping down's base GEMM.
 
     Returns:
         ``[..., H]`` in the compute dtype.
@@ -895,7 +902,7 @@ def lora_gated_mlp(
     projs = (pg, pu, pd)
     chunked = chunk_rows is not None and x2.shape[0] > chunk_rows
     if chunked or (not output and not down_p and not (_is_kept(ag) or _is_kept(au))):
-        rows = chunk_rows if chunked else x2.shape[0]
+        rows = chunk_rows if chunked else -(-x2.shape[0] // RECOMPUTE_MLP_CHUNKS)
         fn = ChunkedLoraGatedMLPFunction
         args = (x2, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, rows, output)
     else:
