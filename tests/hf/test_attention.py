@@ -172,10 +172,11 @@ def test_anything_beyond_causal_attention_goes_to_hfs_sdpa(call, monkeypatch):
     assert len(calls) == 1
 
 
-def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attention(monkeypatch):
+def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attention(monkeypatch, device):
     """In an offloaded call the attention keeps its output and statistics; the recompute runs no attention
     forward, and every gradient is the one of the call whose recompute computed them again (bit for bit);
-    with nothing kept (kept_per_input=0) the recompute runs it."""
+    with nothing kept (kept_per_input=0) the recompute runs it. (GPU: bf16, cuDNN's kernels.)"""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     offload.set_kept_output_room(None)
     forwards = []
     real = attention._forward
@@ -186,23 +187,23 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
 
     monkeypatch.setattr(attention, "_forward", counted)
     module = torch.nn.Module()
-    proj = torch.nn.Linear(16, 16)
+    proj = torch.nn.Linear(16, 64).to(device, dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 33, 16, generator=gen)
+    x = torch.randn(2, 33, 16, generator=gen).to(device, dtype)
 
     def layer(x):
-        q = proj(x).view(2, 33, 4, 4).transpose(1, 2)
+        q = proj(x).view(2, 33, 4, 16).transpose(1, 2)
         out, _ = attention.sdpa_attention(module, q, q[:, :2], q[:, :2], None, scaling=0.5)
         return out.sum(-1).sum(-1)
 
     results = {}
-    for kept in (0.0, 4.0):
+    for kept in (0.0, 8.0):
         forwards.clear()
         proj.zero_grad(set_to_none=True)
         xg = x.clone().requires_grad_()
         y = offload.offloaded_checkpoint(layer, xg, kept_per_input=kept)
         y.backward(torch.ones_like(y))
         results[kept] = (len(forwards), xg.grad, proj.weight.grad)
-    assert results[0.0][0] == 2 and results[4.0][0] == 1
-    assert torch.equal(results[0.0][1], results[4.0][1])
-    assert torch.equal(results[0.0][2], results[4.0][2])
+    assert results[0.0][0] == 2 and results[8.0][0] == 1
+    assert torch.equal(results[0.0][1], results[8.0][1])
+    assert torch.equal(results[0.0][2], results[8.0][2])
