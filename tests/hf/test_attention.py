@@ -6,6 +6,8 @@ a call with token ids and labels only runs without a mask in a model whose layer
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,7 @@ def test_training_attention_runs_kept_attention_and_captures_causal(model_type, 
         monkeypatch.setattr(attention, "capturing", lambda: True)
         seen.clear()
         loss, grads = _loss_and_grads(model, ids)
-        assert model.config._attn_implementation == "sdpa"  # restored after the call
+        assert model.config._attn_implementation == attention.KEEPING_SDPA  # after the call: for recomputes
         assert torch.equal(loss, eager_loss)
         assert grads.keys() == eager_grads.keys()
         assert all(torch.equal(grads[n], eager_grads[n]) for n in grads)
@@ -78,6 +80,31 @@ def test_training_attention_runs_kept_attention_and_captures_causal(model_type, 
             assert {path for _, path in seen} == {"kept"}
     finally:
         fuselm.hf.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"  # unpatch gives SDPA back
+
+
+@pytest.mark.parametrize("checkpointing", ["hf", "offload"])
+def test_a_checkpointed_layers_recompute_runs_the_attention_its_forward_ran(checkpointing):
+    """The training attention stays the model's after the forward: the recompute of a layer (HF's
+    checkpoint, which compares the tensors both save, or fuselm's offloading) in the backward runs it
+    too. GQA Llama in fp32: loss and gradients against HF's checkpointed model (SDPA) under the numerics
+    rule, float64 the reference."""
+    base = build("llama")
+    base.config._attn_implementation = "sdpa"
+    ids = torch.randint(3, base.config.vocab_size - 5, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for dtype, ours in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        model = copy.deepcopy(base).to(dtype).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ours:
+            fuselm.hf.patch(model, checkpointing="offload" if checkpointing == "offload" else None)
+        results.append(_loss_and_grads(model, ids))
+    assert model.config._attn_implementation == attention.KEEPING_SDPA
+    (ref, ref_grads), (hf, hf_grads), (got, grads) = results
+    assert_numerics("loss", got, hf, ref, torch.float32)
+    assert grads.keys() == hf_grads.keys()
+    for name in grads:
+        assert_numerics(name, grads[name], hf_grads[name], ref_grads[name], torch.float32)
 
 
 def test_plainly_causal_needs_sdpa_full_layers_and_plain_arguments():
@@ -96,11 +123,13 @@ def test_plainly_causal_needs_sdpa_full_layers_and_plain_arguments():
     assert not attention.plainly_causal(mistral, {"input_ids": ids})
 
 
-def test_training_attention_swaps_sdpa_models_only():
+def test_training_attention_switches_sdpa_models_only_until_restored():
     config = transformers.LlamaConfig(num_hidden_layers=2)
     config._attn_implementation = "sdpa"
     with attention.training_attention(config, {"input_ids": torch.zeros(1, 4)}):
         assert config._attn_implementation == attention.KEEPING_SDPA
+    assert config._attn_implementation == attention.KEEPING_SDPA
+    attention.restore(config)
     assert config._attn_implementation == "sdpa"
     config._attn_implementation = "eager"
     with attention.training_attention(config, {"input_ids": torch.zeros(1, 4)}):

@@ -48,7 +48,9 @@ def plainly_causal(config, call: dict) -> bool:
     """Whether a call of a model with ``config`` and arguments ``call`` (by name) needs only the causal
     mask: SDPA attention, no sub-configs (multimodal masks), no sliding or chunked layers, and no
     argument that carries a mask, positions or a cache."""
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", KEEPING_SDPA):
+        return False
+    if getattr(config, "sub_configs", None):
         return False
     types_ = getattr(config, "layer_types", None)
     if types_ is not None and any(t != "full_attention" for t in types_):
@@ -212,16 +214,29 @@ def capturing() -> bool:
 @contextlib.contextmanager
 def training_attention(config: Any, call: dict):
     """Inside: a model with ``config`` whose attention is "sdpa" (and no sub-configs) runs
-    :func:`sdpa_attention`, under :data:`KEEPING_SDPA` (SDPA's masks), or under :data:`CAUSAL_SDPA` (no
-    mask) while a CUDA graph is captured and the call with arguments ``call`` (by name) is
-    :func:`plainly_causal`; other models as they are."""
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+    :func:`sdpa_attention`: from the first such call on it is :data:`KEEPING_SDPA` (SDPA's masks), which it
+    stays (the recompute of a checkpointed layer, in the backward, must run the attention its forward ran:
+    the tensors they save are compared) until :func:`restore`; :data:`CAUSAL_SDPA` (no mask) inside the
+    call while a CUDA graph is captured and the call with arguments ``call`` (by name) is
+    :func:`plainly_causal`. Other models run as they are."""
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", KEEPING_SDPA) or getattr(
+        config, "sub_configs", None
+    ):
         yield
         return
     _register()
-    causal = capturing() and plainly_causal(config, call)
-    config._attn_implementation = CAUSAL_SDPA if causal else KEEPING_SDPA
+    config._attn_implementation = KEEPING_SDPA
+    if not (capturing() and plainly_causal(config, call)):
+        yield
+        return
+    config._attn_implementation = CAUSAL_SDPA
     try:
         yield
     finally:
+        config._attn_implementation = KEEPING_SDPA
+
+
+def restore(config: Any) -> None:
+    """``config``'s attention back to "sdpa" if :func:`training_attention` made it :data:`KEEPING_SDPA`."""
+    if getattr(config, "_attn_implementation", None) == KEEPING_SDPA:
         config._attn_implementation = "sdpa"

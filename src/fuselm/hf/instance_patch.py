@@ -28,6 +28,7 @@ from ._common import (
     record_fallback,
     register_module_names,
 )
+from .attention import restore as restore_attention
 from .blocks import unreadable
 from .hub_kernels import give_back, kernelized, take_over
 from .installs import add_user, has_rope, remove_user
@@ -284,6 +285,7 @@ def unpatch_instance(model: nn.Module) -> None:
         patch = vars(sub).pop(INSTANCE_MARK, None)
         if patch is not None:
             remove_user(patch.spec, sub)
+        restore_attention(getattr(sub, "config", None))  # (a config the training attention switched)
 
 
 def class_spec(cls: type) -> FamilySpec | None:
