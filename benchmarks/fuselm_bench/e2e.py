@@ -140,8 +140,7 @@ def build_model(
     seed: int = SEED,
     model: str = DEFAULT_MODEL,
 ):
-    """Seeded random init of ``model`` (tiny on a CPU; SDPA, no cache) with the provider's patches: ``hf`` and
-    ``fuselm`` get identical weights for the same seed."""
+    """Seeded random init of ``model`` (tiny on a CPU), the provider's patches (same seed: same weights)."""
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     shape = MODELS[model]
@@ -210,8 +209,7 @@ def run_training(
     if trainer:
         run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=seed, **timing)
     else:
-        make_step = step_timing.graphed_optimizer_step if graphs else step_timing.optimizer_step
-        step = make_step(forward, params, [ids], lr=lr, fused=fused)
+        step = step_timing.optimizer_step(forward, params, [ids], lr=lr, fused=fused, graphed=graphs)
         if called is not None:
             step = step_timing.watch_first_step(step, called)
         run = step_timing.run_steps(step, **timing)
@@ -246,7 +244,7 @@ def step_figures(run: step_timing.StepRun, tokens_per_step: int, device: torch.d
         "profile_steps": 0 if run.profile is None else run.profile.steps,
         "top_kernels": None if prof is None else prof.top(),
         "idle_ms": per_step("idle_s", 1e3),
-        "top_idle": None if prof is None else prof.top_idle(),
+        "top_idle": None if prof is None else prof.top(10, "idle_before"),
         "warmup_s": run.warmup_s,
     }
 
@@ -315,21 +313,18 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
     head += ["launches/step", "bound by", "peak GiB", "first loss", "note"]
     cuda = report.device_type == "cuda"
     cell = fresh_process.summary_cell
-    lines = [
-        [
+    lines = []
+    for (model, b, t), provider, rows in report.groups():
+        tokens = fresh_process.first_cell(rows, "tokens_per_s", fresh_process.fmt_tokens)
+        cells = [
             model,
             f"{b}x{t}",
             provider,
-            fresh_process.first_cell(rows, "tokens_per_s", fresh_process.fmt_tokens),
+            tokens,
             *(cell(rows, a) for a in ("step_ms", "cpu_ms", "gpu_ms")),
-            cell(rows, "launches", "{:.0f}".format),
-            bound_cell(rows, cuda),
-            cell(rows, "peak_gib"),
-            cell(rows, "first_loss", "{:.4f}".format),
-            fresh_process.note_cell(rows),
         ]
-        for (model, b, t), provider, rows in report.groups()
-    ]
+        cells += [cell(rows, "launches", "{:.0f}".format), bound_cell(rows, cuda), cell(rows, "peak_gib")]
+        lines.append([*cells, cell(rows, "first_loss", "{:.4f}".format), fresh_process.note_cell(rows)])
     return md_table(head, lines)
 
 

@@ -105,9 +105,8 @@ def model_folder(model_dir: str | Path, model: str, tiny: bool, dtype: torch.dty
 
 
 def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int):
-    """A word-level ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens (``t<i>`` for id i;
-    ``<s>``, ``</s>``, ``<pad>`` and ``<unk>`` at their ids): what ``from_pretrained`` of a local folder
-    (Unsloth's included) needs beside the weights, built without a download."""
+    """A word-level ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens (``t<i>``, the specials at
+    their ids): what ``from_pretrained`` of a local folder (Unsloth's too) needs, built without a download."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -118,9 +117,8 @@ def make_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int, pad_id: int
     tokenizer = Tokenizer(models.WordLevel({specials.get(i, f"t{i}"): i for i in range(vocab_size)}, "<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     names = {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, **names, **({"bos_token": "<s>"} if bos_id is not None else {})
-    )
+    names.update({"bos_token": "<s>"} if bos_id is not None else {})
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names)
 
 
 def save_model(
@@ -158,8 +156,9 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     except (OSError, json.JSONDecodeError):
         return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    # tuples -> lists, as in the marker
-    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))
+    want["settings"] = json.loads(
+        json.dumps(model_settings(model, tiny))
+    )  # tuples -> lists, as in the marker
     return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
@@ -330,9 +329,8 @@ def load_peft_model(
 
 
 def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> dict[str, Any]:
-    """Which of ``model``'s modules run a forward of fuselm's (instance or class ``forward`` whose qualified
-    name starts with ``fuselm`` or that a ``fuselm`` module defines): their count, the distinct names with
-    their counts, and the LoRA layers (modules with ``lora_A``)."""
+    """The modules whose ``forward`` is fuselm's (qualified name ``fuselm*``, or defined in fuselm):
+    counts, distinct names with their counts, and the LoRA layers (modules with ``lora_A``)."""
     counts: collections.Counter[str] = collections.Counter()
     modules = lora = ran = 0
     lora_ran = {"peft": 0, "fused": 0, "inside": 0}
@@ -351,12 +349,8 @@ def fused_forwards(model: torch.nn.Module, called: set[int] | None = None) -> di
             lora += 1
             if called is not None:
                 lora_ran["inside" if id(module) not in called else "fused" if fused else "peft"] += 1
-    out: dict[str, Any] = {
-        "fused_modules": sum(counts.values()),
-        "modules": modules,
-        "fused_forwards": dict(sorted(counts.items())),
-        "lora_layers": lora,
-    }
+    out: dict[str, Any] = {"fused_modules": sum(counts.values()), "modules": modules}
+    out.update(fused_forwards=dict(sorted(counts.items())), lora_layers=lora)
     if called is not None:
         out["fused_modules_ran"] = ran
         out.update({f"lora_layers_{k}": v for k, v in lora_ran.items()})
@@ -405,7 +399,7 @@ def _rss() -> int | None:
 
 def cap_memory(device: torch.device, gib: float) -> None:
     """Make the CUDA ``device`` act as a GPU of ``gib`` GiB for this process (allocations past it OOM)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = torch.cuda.current_device() if device.index is None else device.index
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
 
@@ -436,9 +430,8 @@ def train(
     gpu: int | None = None,
     trainer: bool = False,
 ) -> dict[str, Any]:
-    """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA for ``warmup`` + ``steps`` +
-    ``profile_steps`` steps (``trainer``: through ``Trainer.train()``, fuselm@graph under
-    ``capture_training_steps``), the measurements (SkipProvider when the provider cannot run here)."""
+    """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA (``trainer``: through
+    ``Trainer.train()``, fuselm@graph under ``capture_training_steps``); the measurements."""
     provider, memory_budget = split_provider(provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
@@ -612,36 +605,23 @@ def detail_table(report: CaseReport) -> str:
     head += ["host pinned GiB", f"first {FIRST_LOSSES} losses", "max abs diff vs HF"]
     head += ["fuselm modules ran (PEFT LoRA)", "note"]
     cuda = report.device_type == "cuda"
-    cell = fresh_process.summary_cell
+    cell, in_gib = fresh_process.summary_cell, lambda x: f"{x / GIB:.2f}"
     lines = []
     for shape, p, rows in report.groups():
         model, scenario, b, t = shape
-        ok = _ok(rows)
-        first = ok[0] if ok else None
+        first = next(iter(_ok(rows)), None)
         gap = loss_gap(report, p, shape)
         fused = "—"
         if first is not None and first.fused_modules is not None and p == "fuselm":
             fused = f"{first.fused_modules_ran} (PEFT LoRA {first.lora_layers_peft}/{first.lora_layers})"
-        lines.append(
-            [
-                model,
-                scenario,
-                f"{b}x{t}",
-                p,
-                fresh_process.first_cell(rows, "step_ms", "{:.0f}".format),
-                cell(rows, "tokens_per_s", fresh_process.fmt_tokens),
-                *(cell(rows, a, "{:.0f}".format) for a in ("cpu_ms", "gpu_ms", "launches")),
-                e2e.bound_cell(rows, cuda),
-                *(
-                    cell(rows, a, lambda x: f"{x / GIB:.2f}")
-                    for a in ("peak_bytes", "reserved_bytes", "host_pinned_bytes")
-                ),
-                "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES]),
-                "—" if gap is None else f"{gap:.1e}",
-                fused,
-                fresh_process.note_cell(rows),
-            ]
-        )
+        cells = [model, scenario, f"{b}x{t}", p, fresh_process.first_cell(rows, "step_ms", "{:.0f}".format)]
+        cells.append(cell(rows, "tokens_per_s", fresh_process.fmt_tokens))
+        cells += [cell(rows, a, "{:.0f}".format) for a in ("cpu_ms", "gpu_ms", "launches")]
+        cells.append(e2e.bound_cell(rows, cuda))
+        gib = [cell(rows, a, in_gib) for a in ("peak_bytes", "reserved_bytes", "host_pinned_bytes")]
+        losses = "—" if first is None else ", ".join(f"{x:.4f}" for x in first.losses[:FIRST_LOSSES])
+        cells += [*gib, losses, "—" if gap is None else f"{gap:.1e}", fused, fresh_process.note_cell(rows)]
+        lines.append(cells)
     return md_table(head, lines)
 
 
@@ -808,13 +788,8 @@ def grid(args: argparse.Namespace, plan: fresh_process.Plan) -> list[tuple[str, 
     for m in models:
         if e2e.MODELS[m].nf4_only and "qlora" not in scenarios:
             raise UsageError(f"{m} is saved 4-bit only: it runs --scenarios qlora")
-    return [
-        (m, s, b, t)
-        for m in models
-        for s in scenarios
-        if s == "qlora" or not e2e.MODELS[m].nf4_only
-        for b, t in shapes
-    ]
+    full = [m for m in models if not e2e.MODELS[m].nf4_only]  # the others are saved 4-bit: qlora only
+    return [(m, s, b, t) for m in models for s in scenarios if s == "qlora" or m in full for b, t in shapes]
 
 
 def parse_budget(text: str) -> float:

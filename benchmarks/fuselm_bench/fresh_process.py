@@ -107,13 +107,11 @@ class Bench:
 
 
 def worker_main(bench: Bench, argv: Sequence[str]) -> int:
-    """``--worker <case as JSON> <result file>`` (from :func:`run_case`): one run of ``bench.train``, its
-    result written as JSON; exit code 1 for an ``error``."""
+    """``--worker <case JSON> <result file>`` (:func:`run_case`): ``bench.train``'s result as JSON."""
     _, spec, result_file = argv
     case = json.loads(spec)
-    sizes = bench.row_type.SHAPE_FIELDS
-    shape = [case[size] for size in sizes]
-    result: dict[str, Any] = {"provider": case["provider"], **dict(zip(sizes, shape, strict=True))}
+    shape = [case[size] for size in bench.row_type.SHAPE_FIELDS]
+    result: dict[str, Any] = {"provider": case["provider"], **shape_dict(bench, shape)}
     device = torch.device(case["device"])
     if device.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: OpenMP thread wake-ups would cost more than the math
@@ -198,7 +196,7 @@ def run_case(
     repeat: int = 0,
 ) -> Any:
     """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
-    case = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
+    case = {"provider": provider, **shape_dict(bench, shape)}
     case.update(plan=plan.name, dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
     case.update(seed=SEED, extra=extra or {})
     start = bench.worker_prefix(provider) or [sys.executable, "-m", bench.module]
@@ -212,10 +210,18 @@ def run_case(
 
 
 def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
-    """The row of (provider, shape) from a worker's result (unknown keys dropped)."""
-    key = {"provider": provider, **dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))}
-    known = set(bench.row_type.__dataclass_fields__) - {*key, "repeat"}
-    return bench.row_type(**key, **{k: v for k, v in data.items() if k in known}, repeat=repeat)
+    """The row of (provider, shape) from a worker's result."""
+    return row_of(bench, {**data, "provider": provider, **shape_dict(bench, shape), "repeat": repeat})
+
+
+def row_of(bench: Bench, data: dict[str, Any]) -> Any:
+    """A row of ``bench`` from a result or a report's JSON row (unknown keys dropped)."""
+    return bench.row_type(**{k: v for k, v in data.items() if k in bench.row_type.__dataclass_fields__})
+
+
+def shape_dict(bench: Bench, shape: Sequence[Any]) -> dict[str, Any]:
+    """``{size field: value}`` of a shape."""
+    return dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))
 
 
 @dataclass(kw_only=True)
@@ -259,9 +265,7 @@ class WorkerRow(Row):
 
 def fmt_tokens(x: float | None) -> str:
     """Tokens/s as docs/peers.md writes them: 49123.4 -> '49.1k', 812.0 -> '812'."""
-    if x is None:
-        return "—"
-    return f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
+    return "—" if x is None else f"{fmt_num(x / 1e3)}k" if x >= 1e3 else fmt_num(x)
 
 
 def _ok_values(rows: Sequence[Any], attr: str) -> list[Any]:
@@ -372,7 +376,7 @@ def ratios(bench: Bench, report: CaseReport) -> list[dict[str, Any]]:
     ``bench.peers`` and ``bench.metrics``, with several repeats also ``<key>_vs_<peer>_repeats``."""
     out = []
     for shape in report.shapes:
-        entry: dict[str, Any] = dict(zip(bench.row_type.SHAPE_FIELDS, shape, strict=True))
+        entry: dict[str, Any] = shape_dict(bench, shape)
         for peer in bench.peers:
             for key, (attr, _) in bench.metrics.items():
                 entry[f"{key}_vs_{peer}"], each = pair_ratio(report, shape, "fuselm", peer, attr)
@@ -441,7 +445,7 @@ def versions(bench: Bench, m: dict[str, Any]) -> str:
 def all_notes(bench: Bench, report: CaseReport) -> list[str]:
     """What every fresh-process report says of its runs, then ``bench.notes``, then the providers."""
     n = report.repeats
-    out = [
+    return [
         f"Each (configuration, provider) ran {n} time{'s' if n > 1 else ''}, each in a fresh process "
         f"(`python -m {bench.module} --worker`), the providers of one repeat back to back; cells are medians "
         "over the repeats, with their range (min-max) where they differ; the JSON keeps every repeat.",
@@ -451,8 +455,8 @@ def all_notes(bench: Bench, report: CaseReport) -> list[str]:
         if report.device_type == "cuda"
         else "No CUDA: one CPU thread per worker; no GPU or memory figures (n/a).",
         *bench.notes(report),
+        *(f"{p}: {bench.describe(p)}" for p in report.providers),
     ]
-    return out + [f"{p}: {bench.describe(p)}" for p in report.providers]
 
 
 def markdown(bench: Bench, report: CaseReport) -> str:
@@ -503,12 +507,7 @@ def report_json(bench: Bench, report: CaseReport) -> dict[str, Any]:
         "metadata": report.metadata,
         "merged": report.merged,
         "rows": [  # the configuration first (a row type's own fields follow those of its base)
-            {
-                "provider": r.provider,
-                **dict(zip(fields, r.shape, strict=True)),
-                **asdict(r),
-                "peak_gib": r.peak_gib,
-            }
+            {"provider": r.provider, **shape_dict(bench, r.shape), **asdict(r), "peak_gib": r.peak_gib}
             for r in report.rows
         ],
         "ratios": ratios(bench, report),
@@ -628,15 +627,10 @@ def start_cli(
 
 
 def run_cli(
-    bench: Bench,
-    c: CliRun,
-    *,
-    progress: bool,
-    summary: Callable[[CaseReport], str] | None = None,
+    bench: Bench, c: CliRun, *, progress: bool, summary: Callable[[CaseReport], str] | None = None
 ) -> int:
-    """Run the cases, the report's files written after every row (a run stopped part-way keeps what it
-    measured), and print the report (``summary(report)``: a table printed last); the exit code (1: no case
-    ran)."""
+    """Run the cases, writing the files after every row (a stopped run keeps them), print the report
+    (``summary(report)``: a table printed last); the exit code (1: no case ran)."""
     write = functools.partial(write_report, bench)
     if c.device.type != "cuda":
         print(CPU_FIGURES)
@@ -682,9 +676,8 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
     ran = {(r.provider, r.shape) for r in report.rows} | {
         (p, s) for p in report.providers for s in report.shapes
     }
-    known = set(bench.row_type.__dataclass_fields__)
     kept = [
-        bench.row_type(**{k: v for k, v in data.items() if k in known})
+        row_of(bench, data)
         for data in previous.get("rows", [])
         if (data["provider"], tuple(data[f] for f in fields)) not in ran
     ]

@@ -209,10 +209,7 @@ BENCH = fresh_process.Bench(
     timeout_s=WORKER_TIMEOUT_S,
     versions=("torch", "triton", "transformers", "trl"),
     peers={"trl": "TRL", "hf": "HF"},
-    facts=lambda report: [
-        f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.tiny)}",
-        e2e.BUILT,
-    ],
+    facts=lambda report: [f"model {e2e.MODELS[e2e.DEFAULT_MODEL].describe(report.plan.tiny)}", e2e.BUILT],
     tables=markdown_table,
     notes=notes,
     plan_json=lambda report: {"model": e2e.MODELS[e2e.DEFAULT_MODEL].settings(report.plan.tiny)},

@@ -24,6 +24,7 @@ MIB = 1 << 20
 
 CUDA_BUDGET_MS = {False: (25, 100), True: (5, 20)}  # by quick: triton.testing.do_bench's warmup and rep
 CPU_REPS, CPU_REPS_QUICK = 5, 3  # calls timed on a CPU
+CPU_REPS_BY_QUICK = {False: CPU_REPS, True: CPU_REPS_QUICK}
 
 
 class SkipProvider(Exception):
@@ -50,8 +51,7 @@ def compiled_setup(fn: Callable[..., Any], args: Callable[[Inputs], tuple] | Non
 def torch_providers(
     fn: Callable[..., Any], args: Callable[[Inputs], tuple] | None, description: str
 ) -> tuple[Provider, Provider]:
-    """The ``torch`` provider, eager ``fn(*args(inputs))`` (without ``args``: ``fn(inputs)``), and its
-    ``torch_compile`` one."""
+    """The ``torch`` provider, eager ``fn(*args(inputs))`` (else ``fn(inputs)``), and ``torch_compile``."""
     eager = fn if args is None else lambda x: fn(*args(x))
     return (
         Provider("torch", lambda device: eager, description),
@@ -74,8 +74,7 @@ def import_peer(
 
 
 def liger_provider(module: str, name: str, args: Callable[[Inputs], tuple]) -> Provider:
-    """The ``liger`` provider: Liger-Kernel's autograd Function ``module.name`` (CUDA only), called as
-    ``Function.apply(*args(inputs))``."""
+    """The ``liger`` provider: Liger-Kernel's ``module.name`` (CUDA only), as ``.apply(*args(inputs))``."""
 
     def setup(device: torch.device) -> Callable[[Inputs], Any]:
         function = import_peer(device, module, name)
@@ -85,8 +84,7 @@ def liger_provider(module: str, name: str, args: Callable[[Inputs], tuple]) -> P
 
 
 def bytes_cost(accesses: dict[str, int], elements: Callable[[Shape], int] = math.prod) -> CostFn:
-    """A suite's ``cost``: ``accesses[mode]`` reads or writes of ``dtype.itemsize`` bytes per element, of
-    ``elements(shape)`` elements."""
+    """A suite's ``cost``: ``accesses[mode]`` reads or writes of ``elements(shape)`` elements per call."""
     return lambda shape, mode, dtype: Cost(bytes=float(elements(shape) * accesses[mode] * dtype.itemsize))
 
 
@@ -252,8 +250,7 @@ CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 
 def blocking_sync(ordinal: int = 0) -> str:
-    """Make the CUDA primary context of GPU ``ordinal`` wait for the GPU by sleeping
-    (``CU_CTX_SCHED_BLOCKING_SYNC``), before anything initializes CUDA."""
+    """GPU ``ordinal``'s primary context waits by sleeping (``CU_CTX_SCHED_BLOCKING_SYNC``); call first."""
     import ctypes
 
     try:
@@ -300,16 +297,15 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
 
         warmup, rep = CUDA_BUDGET_MS[quick]
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_QUICK if quick else CPU_REPS, device))
+    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_BY_QUICK[quick], device))
 
 
 def capture_graph(
     call: Callable[..., Any], device: torch.device, forward: Callable[[], Any] | None = None
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``call()`` captured in a CUDA graph, after two calls on the capture's side stream: ``(graph, None)``.
-    With ``forward``, the backward alone: ``outs = forward()`` runs eagerly on the side stream (so autograd
-    runs the backward there too), ``call(outs)`` (which must pass ``retain_graph=True``) is captured on that
-    stream: ``(graph, outs)``."""
+    """``call()`` captured in a CUDA graph after two calls on a side stream: ``(graph, None)``. With
+    ``forward``, the backward alone: ``outs = forward()`` runs eagerly on that stream (autograd's backward
+    too), then ``call(outs)`` (with ``retain_graph=True``) is captured there: ``(graph, outs)``."""
     run = call if forward is None else lambda: call(forward())
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -349,9 +345,7 @@ def time_backward_ms(
         True
     """
     if device.type != "cuda":
-        return statistics.median(
-            call_times_ms(backward, CPU_REPS_QUICK if quick else CPU_REPS, device, forward)
-        )
+        return statistics.median(call_times_ms(backward, CPU_REPS_BY_QUICK[quick], device, forward))
     warmup_ms, rep_ms = CUDA_BUDGET_MS[quick]
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
@@ -375,7 +369,7 @@ def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
             f"after an untimed forward, between CUDA events, L2 flushed, median{graph}"
         )
-    reps = CPU_REPS_QUICK if quick else CPU_REPS
+    reps = CPU_REPS_BY_QUICK[quick]
     return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
 
 
@@ -506,8 +500,7 @@ def _measure(
 def _replay_time(
     row: OpRow, call: Callable[..., Any], device: torch.device, quick: bool, forward: Callable | None = None
 ) -> None:
-    """``row.ms``: the replays of :func:`capture_graph`'s graph, the eager time moved to ``ms_eager`` (kept,
-    with a note, when the capture fails: a host sync in the call, say)."""
+    """``row.ms`` from replays of :func:`capture_graph`, the eager time moved to ``ms_eager``."""
     row.ms_eager = row.ms
     try:
         graph, _outs = capture_graph(call, device, forward)  # _outs: read by the graph, kept alive
@@ -528,8 +521,7 @@ def error_text(e: BaseException, limit: int = 120) -> str:
 
 
 def run_measured(measure: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """``measure()``, or its failure as a result: ``skipped``, ``oom`` (with the peak so far) or ``error``
-    (with the tail of the traceback)."""
+    """``measure()``, or its failure: ``skipped``, ``oom`` (with the peak) or ``error`` (traceback tail)."""
     try:
         return measure()
     except SkipProvider as e:
@@ -561,15 +553,9 @@ def run_suite(
         raise ValueError(f"unknown modes {bad}; known: {list(MODES)}")
     modes = tuple(m for m in MODES if m in modes)
     chosen = [suite.provider(name) for name in providers]
-    report = Report(
-        suite=suite,
-        dtype=dtype,
-        modes=modes,
-        shapes=tuple(tuple(s) for s in shapes),
-        providers=tuple(providers),
-        metadata=dict(metadata or {}),
-        ceilings=measure_ceilings(device, quick=quick) if ceilings is None else ceilings,
-    )
+    ceilings = measure_ceilings(device, quick=quick) if ceilings is None else ceilings
+    shapes = tuple(tuple(s) for s in shapes)
+    report = Report(suite, dtype, modes, shapes, tuple(providers), dict(metadata or {}), ceilings)
     report.metadata.setdefault("timing", timing_method(device, quick, suite.cuda_graph))
     report.metadata.setdefault("quick", quick)
     for p in chosen:
@@ -585,10 +571,9 @@ def run_suite(
     def execute(case: Case) -> OpRow:
         try:
             row = _measure(suite, suite.provider(case.provider), case.shape, case.mode, dtype, device, quick)
-        except SkipProvider as e:
-            row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=f"skipped: {e}")
-        except Exception as e:  # noqa: BLE001 - OOM and friends: record and go on
-            row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error_text(e))
+        except Exception as e:  # noqa: BLE001 - a skip, OOM and friends: record and go on
+            error = f"skipped: {e}" if isinstance(e, SkipProvider) else error_text(e)
+            row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error)
         free_memory(device)
         cost = suite.cost(case.shape, case.mode, dtype)
         row.bytes, row.flops = cost.bytes, cost.flops

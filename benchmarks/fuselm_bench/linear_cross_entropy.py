@@ -101,8 +101,7 @@ def peaked_hidden(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     row_norm = weight[: min(v, 4096)].float().norm(dim=1).pow(2).mean().sqrt()
     noise = torch.randn(n, h, device=dev) * (PEAKED_TAIL_STD / row_norm)
     # x = x0 + A * u, where B x0 = offsets and B u = 1 (B: the k + 1 classes' rows of weight)
-    x0 = torch.empty(n, h, device=dev)
-    u = torch.empty(n, h, device=dev)
+    x0, u = torch.empty(n, h, device=dev), torch.empty(n, h, device=dev)
     ones = torch.ones(k + 1, device=dev)
     for s in range(0, n, _SOLVE_CHUNK):
         e = min(s + _SOLVE_CHUNK, n)
@@ -114,9 +113,7 @@ def peaked_hidden(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         x0[s:e] = noise[s:e] + both[:, 0]
         u[s:e] = both[:, 1]
     m = min(n, CALIBRATION_ROWS)
-    z0 = x0[:m].to(weight.dtype) @ weight.t()
-    z1 = u[:m].to(weight.dtype) @ weight.t()
-    z0, z1 = z0.float(), z1.float()
+    z0, z1 = ((y[:m].to(weight.dtype) @ weight.t()).float() for y in (x0, u))
     t = target[:m]
 
     def mean_prob(a: float) -> float:

@@ -84,17 +84,10 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
     rows = []
     for s in searches:
         step, peak = ((s.best or {}).get(k) for k in ("step_ms", "peak_bytes"))
-        rows.append(
-            [
-                s.provider,
-                str(s.cap_gib if s.cap_gib is not None else "none"),
-                str(s.longest if s.longest is not None else "none fits"),
-                "" if step is None else f"{step / 1e3:.1f}",
-                "" if peak is None else f"{peak / 2**30:.2f}",
-                str(len(s.probes)),
-                s.stopped or "",
-            ]
-        )
+        cells = [s.provider, str(s.cap_gib if s.cap_gib is not None else "none")]
+        cells.append(str(s.longest if s.longest is not None else "none fits"))
+        cells += ["" if step is None else f"{step / 1e3:.1f}", "" if peak is None else f"{peak / 2**30:.2f}"]
+        rows.append([*cells, str(len(s.probes)), s.stopped or ""])
     probes = [
         f"{s.provider}, cap {s.cap_gib}: "
         + "; ".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -94,16 +95,14 @@ def git_commit() -> str:
     copy of the tree without .git, e.g. on a remote GPU machine)."""
     if os.environ.get("FUSELM_COMMIT"):
         return os.environ["FUSELM_COMMIT"]
-    here = Path(__file__).resolve().parent
+    git = functools.partial(
+        subprocess.run, cwd=Path(__file__).resolve().parent, capture_output=True, timeout=10
+    )
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
+        sha = git(["git", "rev-parse", "--short", "HEAD"], text=True)
         if sha.returncode != 0 or not sha.stdout.strip():
             return "unknown"
-        dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--"], cwd=here, capture_output=True, timeout=10
-        ).returncode
+        dirty = git(["git", "diff", "--quiet", "HEAD", "--"]).returncode
         return sha.stdout.strip() + ("-dirty" if dirty == 1 else "")
     except Exception:  # noqa: BLE001 - no git, not a checkout, ...
         return "unknown"
@@ -116,20 +115,18 @@ def package_versions(packages: Sequence[str]) -> dict[str, str]:
     out = {}
     for package in packages:
         with contextlib.suppress(PackageNotFoundError):
-            out[package] = version(package)
-    return {package: v for package, v in out.items() if v}
+            if v := version(package):
+                out[package] = v
+    return out
 
 
 def host_cpu() -> str:
     """The host's CPU model and usable cores (the same step's CPU time differs by 1.7x between the hosts of
     two GPU machines)."""
     model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         model = names[0] if names else model
-    except OSError:
-        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{model}, {cores} cores"
 
@@ -384,8 +381,7 @@ def bar_chart(
 
 
 def write_png(report: Report, path: Path) -> None:
-    """An op suite's bars per shape and provider, a panel per mode, of the suite's first ratio column with
-    values (else ms)."""
+    """Op suite bars (shape x provider), a panel per mode: its first ratio column with values, else ms."""
     ratios = [c for c in report.suite.columns if c in PLOT_METRICS]
     metric = next((c for c in ratios if any(getattr(r, c) is not None for r in report.rows)), "ms")
     providers = [p for p in report.providers if p not in report.skipped]
@@ -417,31 +413,24 @@ def write_files(
     """Write ``<name>.md``, ``.json`` and (without matplotlib: not) ``.png`` into ``out_dir``; their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json", "png": out / f"{name}.png"}
+    paths = {"md": out / f"{name}.md", "json": out / f"{name}.json"}
     paths["md"].write_text(markdown)
     paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
-    png = paths.pop("png")
     try:
         if write_png is not None:
-            write_png(png)
-            paths["png"] = png
+            write_png(out / f"{name}.png")
+            paths["png"] = out / f"{name}.png"
     except ImportError as e:
         print(f"no plot written ({e}); pip install matplotlib")
     return paths
 
 
 def print_written(text: str, paths: dict[str, Path]) -> None:
-    print()
-    print(text)
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print(f"\n{text}\nwrote " + ", ".join(str(p) for p in paths.values()))
 
 
 def write_report(
-    report: Report,
-    out_dir: str | Path,
-    *,
-    extra_markdown: str = "",
-    extra_json: dict[str, Any] | None = None,
+    report: Report, out_dir: str | Path, *, extra_markdown: str = "", extra_json: dict[str, Any] | None = None
 ) -> dict[str, Path]:
     """An op suite's :func:`write_files` (``extra_json``: merged into the JSON's top level)."""
     return write_files(

@@ -21,10 +21,9 @@ def run_op_suites(
     extras: Callable[[Report], dict[str, Any]] | None = None,
     summary: Callable[[Report], str] | None = None,
 ) -> int:
-    """Measure the card's ceilings, then run each of ``suites`` one shape at a time, its files written after
-    each shape (a run stopped part-way keeps the shapes it finished); the exit code (1: a suite measured
-    nothing). ``extras(report)``: more keywords of :func:`write_report`; ``summary(report)``: a table printed
-    last. Raises ``UsageError`` before anything runs."""
+    """Measure the ceilings, run each suite a shape at a time, writing its files after each shape; the exit
+    code (1: a suite measured nothing). ``extras(report)``: more :func:`write_report` keywords;
+    ``summary(report)``: a table printed last. Raises ``UsageError`` before anything runs."""
     dtype = parse_dtype(args.dtype)
     modes = parse_list(args.modes, MODES, "mode")
     device = pick_device(args.device)

@@ -21,35 +21,31 @@ Step = Callable[[int], torch.Tensor]
 
 
 def optimizer_step(
-    forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
+    forward: Forward,
+    params: Sequence[torch.nn.Parameter],
+    batches: Sequence[Any],
+    *,
+    lr: float,
+    fused: bool,
+    graphed: bool = False,
 ) -> Step:
-    """A :data:`Step`: forward, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; ``logged``."""
-    optimizer = torch.optim.AdamW(list(params), lr=lr, fused=fused)
-
-    def step(i: int) -> torch.Tensor:
-        loss, logged = forward(batches[i % len(batches)])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return logged
-
-    return step
-
-
-def graphed_optimizer_step(
-    forward: Forward, params: Sequence[torch.nn.Parameter], batches: Sequence[Any], *, lr: float, fused: bool
-) -> Step:
-    """A :data:`Step` replaying forward and backward from one CUDA graph (:class:`fuselm.CapturedStep`, 3
-    warmup passes), ``AdamW.step()`` outside it; logs the loss."""
+    """A :data:`Step`: forward, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; ``logged``.
+    ``graphed``: forward and backward replayed from one CUDA graph (:class:`fuselm.CapturedStep`, 3 warmup
+    passes), AdamW outside it; logs the loss."""
     params = list(params)
-    captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=3)
+    if graphed:
+        captured = CapturedStep(lambda batch: forward(batch)[0], params, [batches[0]], warmup=3)
     optimizer = torch.optim.AdamW(params, lr=lr, fused=fused)
 
     def step(i: int) -> torch.Tensor:
-        loss = captured(batches[i % len(batches)])
+        if graphed:
+            logged = captured(batches[i % len(batches)])  # the replay adds into .grad
+        else:
+            loss, logged = forward(batches[i % len(batches)])
+            loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # the replay adds into .grad
-        return loss
+        optimizer.zero_grad(set_to_none=True)
+        return logged
 
     return step
 
@@ -103,8 +99,7 @@ class KernelProfile:
                 out.kernels += 1
                 out.kernel_s += seconds
                 entry = out.by_name.setdefault(event.name, [0.0, 0])
-                entry[0] += seconds
-                entry[1] += 1
+                entry[0], entry[1] = entry[0] + seconds, entry[1] + 1
         # idle: the gaps between events (any stream), each charged to the event that ends it: what the device
         # waited for (the host launching it, a synchronization)
         busy_until = None
@@ -113,8 +108,7 @@ class KernelProfile:
                 gap = (start - busy_until) * 1e-6
                 out.idle_s += gap
                 entry = out.idle_before.setdefault(name, [0.0, 0])
-                entry[0] += gap
-                entry[1] += 1
+                entry[0], entry[1] = entry[0] + gap, entry[1] + 1
             busy_until = end if busy_until is None else max(busy_until, end)
         return out
 
@@ -124,9 +118,6 @@ class KernelProfile:
         steps = max(self.steps, 1)
         ranked = sorted(getattr(self, table).items(), key=lambda kv: -kv[1][0])[:n]
         return [(name[:120], s * 1e3 / steps, count / steps) for name, (s, count) in ranked]
-
-    def top_idle(self, n: int = 10) -> list[tuple[str, float, float]]:
-        return self.top(n, "idle_before")
 
     def per_step(self, field_name: str) -> float | None:
         return getattr(self, field_name) / self.steps if self.steps else None
@@ -166,11 +157,9 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
         >>> len(run.logged), len(run.step_s), run.logged[0], run.profile.steps, run.profile.kernels
         (5, 3, 4.0, 1, 0)
     """
-    logged: list[torch.Tensor] = []
     sync(device)
     t0 = time.perf_counter()
-    for i in range(warmup):
-        logged.append(step(i))
+    logged = [step(i) for i in range(warmup)]
     sync(device)
     warmup_s = time.perf_counter() - t0
     step_s: list[float] = []
@@ -188,13 +177,8 @@ def run_steps(step: Step, *, warmup: int, steps: int, profiled: int, device: tor
                 logged.append(step(i))
             sync(device)
         profile = KernelProfile.from_events(prof.events(), profiled)
-    return StepRun(
-        logged=torch.stack([t.detach().double() for t in logged]).cpu().tolist() if logged else [],
-        warmup_s=warmup_s,
-        step_s=step_s,
-        cpu_s=cpu_s,
-        profile=profile,
-    )
+    values = torch.stack([t.detach().double() for t in logged]).cpu().tolist() if logged else []
+    return StepRun(values, warmup_s, step_s, cpu_s, profile)
 
 
 def run_trainer(
@@ -210,9 +194,8 @@ def run_trainer(
     device: torch.device,
     seed: int,
 ) -> StepRun:
-    """``Trainer.train()`` of ``model`` on ``ids`` (labels = ids), measured as :func:`run_steps` measures: a
-    step from the end of the previous optimizer step to the end of its own (data loader, forward, backward,
-    clipping at 1.0, AdamW, logging)."""
+    """``Trainer.train()`` of ``model`` on ``ids`` (labels = ids), timed as :func:`run_steps` does; a step:
+    one optimizer step's end to the next's (data loader, clipping, AdamW, logging)."""
     import tempfile
 
     import transformers

@@ -57,9 +57,8 @@ def causal_lm_config(family: str, model: dict[str, Any], attn_implementation: st
 
 
 def build_causal_lm(config, device: str | torch.device, dtype: torch.dtype):
-    """The causal LM of ``config`` on ``device``, built under the default dtype ``dtype`` as
-    ``from_pretrained(dtype=...)`` does (the rotary buffers stay fp32), in training mode; its init draws
-    from the global torch RNG."""
+    """The causal LM of ``config`` on ``device`` in training mode, built under the default dtype ``dtype`` as
+    ``from_pretrained(dtype=...)`` does (rotary buffers stay fp32); its init draws from the global RNG."""
     import transformers
 
     model_class = getattr(transformers, FAMILIES[config.model_type][1])
