@@ -25,8 +25,9 @@ its backward. Offloaded layers also keep their projections' outputs in host memo
 :data:`PREFETCH` layers' worth of them and of their inputs on the device (the layers before the one whose
 backward runs, brought back early; what the first layer's forward offers, counted when ``K`` is) and that
 plan recomputes less (:meth:`_Planner._keep_outputs`): in
-the forward's order, at least q, k and v, and up to every projection's output (o, gate and up too: three
-quarters of a Llama layer's recompute) where the host link copies them in time: out during the forward,
+the forward's order, at least q, k and v, and up to every projection's output and the attention's
+(:mod:`fuselm.hf.attention`; o, gate and up too: three quarters of a Llama layer's recompute) where the host
+link copies them in time: out during the forward,
 back while the next layer's backward runs (:func:`kept_shares`, :data:`HOST_COPY_BYTES_PER_FLOP`). Where the
 budget then still holds a layer's dense base weights (a quantized model's), the checkpointed layers' backward
 reuses the ones their recompute dequantized (:func:`fuselm.lora.holding_dense`) instead of dequantizing again,
@@ -456,7 +457,9 @@ class _Planner:
         n_layers, tokens, budget, base, kept, inp, remade = figures
         inp_bytes = inp * tokens
         # the shares that keep a prefix of the offered outputs; the share of a layer's recompute each saves:
-        # the kept outputs' GEMM multiply-adds (projections of the hidden states: width inputs an element)
+        # the kept outputs' GEMM multiply-adds (projections of the hidden states: width inputs an element;
+        # the attention's output, 2 T an element for T tokens of causal attention, counted alike: at T ~
+        # width, as the 2048-token steps planned for)
         prefixes = itertools.accumulate(probe.offered)
         shares = sorted({checkpoints.KEPT_PER_INPUT, *(n / inp_bytes for n in prefixes)})
         kept_at = {s: probe.kept(s) for s in shares if s >= checkpoints.KEPT_PER_INPUT}
