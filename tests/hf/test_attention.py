@@ -15,7 +15,7 @@ from kit.hf_models import FAMILY_CLASSES, build, tiny_config
 
 import fuselm.hf
 from fuselm import offload
-from fuselm.hf import attention
+from fuselm.hf import _common, attention
 from fuselm.ops._common.testing import assert_numerics
 
 transformers = pytest.importorskip("transformers")
@@ -236,3 +236,26 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
     assert results[0.0][0] == 2 and results[8.0][0] == 1
     assert torch.equal(results[0.0][1], results[8.0][1])
     assert torch.equal(results[0.0][2], results[8.0][2])
+
+
+def test_ops_that_fail_their_check_leave_the_attention_hfs_said_once(monkeypatch):
+    """The backend's ops are checked against SDPA once per device and dtype, eagerly: a call that raises
+    (or gives other values) makes the attention HF's SDPA after one warning; a working backend passes."""
+    monkeypatch.setattr(attention, "_CHECKED", {})
+    monkeypatch.setattr(_common, "_warned", set())
+    q = torch.randn(1, 4, 8, 16)
+    assert attention._backend(q, q[:, :2], 0.25) == "cpu"
+
+    def broken(*args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(attention, "_CHECKED", {})
+    monkeypatch.setattr(attention, "_backward", broken)
+    with pytest.warns(UserWarning, match=r"cpu SDPA ops failed their check .*no such kernel.*runs HF's SDPA"):
+        assert attention._backend(q, q[:, :2], 0.25) is None
+    assert attention._backend(q, q[:, :2], 0.25) is None  # checked once
+    monkeypatch.setattr(attention, "_CHECKED", {})
+    monkeypatch.setattr(attention, "capturing", lambda: True)  # no check mid-capture
+    assert (
+        attention._backend(q, q[:, :2], 0.25) is None and not attention._CHECKED
+    )  # never checked mid-capture

@@ -19,9 +19,11 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from ..offload import keep_output, kept_output
+from ._common import warn_once
 
 __all__ = ["KeptAttention", "plainly_causal", "sdpa_attention", "training_attention"]
 
@@ -71,8 +73,60 @@ def _backend(q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
     gqa = q.shape[1] != k.shape[1]
     choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=scale, enable_gqa=gqa)
     if q.device.type == "cuda":
-        return "cudnn" if choice == SDPBackend.CUDNN_ATTENTION.value else None
-    return "cpu" if choice == SDPBackend.FLASH_ATTENTION.value else None
+        backend = "cudnn" if choice == SDPBackend.CUDNN_ATTENTION.value else None
+    else:
+        backend = "cpu" if choice == SDPBackend.FLASH_ATTENTION.value else None
+    return backend if backend is not None and _works(backend, q) else None
+
+
+_CHECKED: dict[tuple, bool] = {}  # (backend, device, dtype) -> whether its ops gave SDPA's results
+
+
+def _works(backend: str, q: torch.Tensor) -> bool:
+    """Do the backend's forward and backward ops, called as KeptAttention calls them (torch's private
+    ops), give SDPA's output and gradients on this device and dtype? Checked once, eagerly (a call made
+    while a CUDA graph is captured before any check runs HF's SDPA); a failed check says so once and
+    leaves the attention HF's."""
+    key = (backend, q.device, q.dtype)
+    if key not in _CHECKED:
+        if capturing():
+            return False
+        _CHECKED[key] = _check(backend, q.device, q.dtype)
+    return _CHECKED[key]
+
+
+def _check(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(shape, generator=gen).to(device, dtype)
+        for shape in ((1, 4, 128, 64), (1, 2, 128, 64), (1, 2, 128, 64), (1, 4, 128, 64))
+    )
+    try:
+        with torch.no_grad():
+            out, lse = _forward(backend, q, k, v, 0.125)
+            ours = (out, *_backward(backend, dout, q, k, v, out, lse, 0.125))
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.125, enable_gqa=True)
+            theirs = (ref, *torch.autograd.grad(ref, leaves, dout))
+        bad = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if not _near(a, b)]
+        reason = f"its {', '.join('output dq dk dv'.split()[i] for i in bad)} differ" if bad else None
+    except (RuntimeError, TypeError, ValueError) as e:
+        reason = f"{type(e).__name__}: {e}"
+    if reason is not None:
+        warn_once(
+            f"kept-attention:{backend}:{device.type}:{dtype}",
+            f"fuselm.hf.attention: {backend} SDPA ops failed their check on {device.type} {dtype} "
+            f"({reason:.200}): attention runs HF's SDPA (its output is not kept for offloaded recomputes)",
+        )
+    return reason is None
+
+
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 2% of the norm: a sanity check of how the ops are called (a wrong call gives garbage), not
+    the numerics rule (tests hold KeptAttention to it)."""
+    a, b = a.double(), b.double()
+    return a.shape == b.shape and bool((a - b).norm() <= 0.02 * b.norm())
 
 
 def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
