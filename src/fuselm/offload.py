@@ -1014,9 +1014,9 @@ def offloaded_checkpoint(
         debug, early_stop: accepted; ``debug=True`` warns once that it is ignored.
         kept_per_input: how many bytes of the outputs ``function`` offers to :func:`keep_output` stay in host
             memory for the recompute (which then skips making them), per byte of the offloaded inputs: a
-            finite number >= 0, or None: :data:`KEPT_PER_INPUT` (a Llama layer's q, k and v projections
-            and its attention output; 0: none). What comes back costs device memory in the backward (one
-            call's, prefetched).
+            finite number >= 0, or None: :data:`KEPT_PER_INPUT`, read when called (a Llama layer's q, k
+            and v projections; 0: none). What comes back costs device memory in the backward (one call's,
+            prefetched).
         prefetch: how many of the offloaded calls made before this one its backward starts bringing back
             (each waits on the device for its own backward): an int >= 1 (default 1). More gives each
             copy back more time when the host link is busy, for one more call's inputs and kept outputs
