@@ -138,6 +138,17 @@ def test_setups_that_cannot_be_captured_are_refused(tmp_path, monkeypatch, setup
         capture_training_steps(trainer)
 
 
+def test_a_patched_model_that_trained_is_accepted(tmp_path, monkeypatch):
+    """A patched model's training forward switches its attention to fuselm's SDPA (fuselm.hf.attention):
+    still SDPA's kernels, so capturing its steps is allowed."""
+    emulate(monkeypatch)
+    model = fuselm.hf.patch(_model()).train()
+    ids = torch.randint(3, 50, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.config._attn_implementation == "fuselm_sdpa"
+    capture_training_steps(_trainer(tmp_path, model))
+
+
 def test_the_model_is_checked_again_at_its_first_step(tmp_path, monkeypatch):
     emulate(monkeypatch)
     trainer = capture_training_steps(_trainer(tmp_path, max_steps=1))

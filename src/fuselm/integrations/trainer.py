@@ -217,9 +217,11 @@ def check_model(model) -> None:
     text = getattr(config, "get_text_config", None)
     if callable(text):
         configs.append(text())
+    from ..hf.attention import KEEPING_SDPA  # (what a patched model's training steps switch "sdpa" to)
+
     for c in configs:
         attention = getattr(c, "_attn_implementation", None)
-        if attention not in (None, "sdpa"):
+        if attention not in (None, "sdpa", KEEPING_SDPA):
             why = _ATTENTION.get(attention, "only SDPA attention is known to capture")
             _refuse(f"the model's attention is {attention!r}: {why}; load it with attn_implementation='sdpa'")
     _refuse_checkpointing(model, ("is_activation_checkpointing", "is_gradient_checkpointing"), model)
