@@ -270,7 +270,9 @@ def training_attention(config: Any, call: dict):
     """Inside: a model with ``config`` whose attention is "sdpa" (and no sub-configs) runs
     :func:`sdpa_attention`: from the first such call on it is :data:`KEEPING_SDPA` (SDPA's masks), which it
     stays (the recompute of a checkpointed layer, in the backward, must run the attention its forward ran:
-    the tensors they save are compared) until :func:`restore`; :data:`CAUSAL_SDPA` (no mask) inside the
+    the tensors they save are compared) until :func:`restore` (``unpatch`` of the model; after a class
+    patch's unpatch, the models that trained keep it: SDPA's kernels either way); :data:`CAUSAL_SDPA` (no
+    mask) inside the
     call while a CUDA graph is captured and the call with arguments ``call`` (by name) is
     :func:`plainly_causal`. Other models run as they are."""
     if getattr(config, "_attn_implementation", None) not in ("sdpa", KEEPING_SDPA) or getattr(
