@@ -272,8 +272,7 @@ def training_attention(config: Any, call: dict):
     stays (the recompute of a checkpointed layer, in the backward, must run the attention its forward ran:
     the tensors they save are compared) until :func:`restore` (``unpatch`` of the model; after a class
     patch's unpatch, the models that trained keep it: SDPA's kernels either way); :data:`CAUSAL_SDPA` (no
-    mask) inside the
-    call while a CUDA graph is captured and the call with arguments ``call`` (by name) is
+    mask) inside the call while a CUDA graph is captured and the call with arguments ``call`` (by name) is
     :func:`plainly_causal`. Other models run as they are."""
     if getattr(config, "_attn_implementation", None) not in ("sdpa", KEEPING_SDPA) or getattr(
         config, "sub_configs", None
