@@ -266,19 +266,20 @@ def ops64(ops):
     return out, leaves
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 16], ids=["whole", "chunks16"])
+@pytest.mark.parametrize("mode", ["whole", "chunks16", "recompute"])
 @pytest.mark.parametrize("with_adapter", ["gate,up,down", "gate,down"], ids=["all3", "up_frozen"])
 @pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("r", [8, 16], ids=lambda r: f"r{r}")
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, chunk_rows, gen):
+def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, mode, gen):
     """Output and every gradient against PEFT's MLP (eager, same dtype, same dropout masks) and the float64
-    reference; chunks16: over chunks of 16 of the 74 rows (the last one short), down without dropout (a
-    chunked MLP refuses down's: its mask would be [N, I])."""
+    reference; chunks16: over chunks of 16 of the 74 rows (the last one short); recompute: output=False,
+    the backward making gate, up and their product (no output to check). Both with down without dropout
+    (a chunked MLP refuses down's: its mask would be [N, I])."""
     adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # PEFT's default
     layers = mlp_layers(gen, r, p, dtype, adapter_dtype, tuple(with_adapter.split(",")))
-    if chunk_rows is not None:
+    if mode != "whole":
         layers["down"] = peft_linear(gen, I, H, r, 0.0, dtype, adapter_dtype)
     ops = mlp_operands(layers)
     x = randn(gen, (*LEAD, H), dtype).requires_grad_()
@@ -288,7 +289,8 @@ def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, chunk_rows, gen
     torch.manual_seed(SEED)
     masks = mlp_masks(x, layers, adapter_dtype)
     torch.manual_seed(SEED)
-    y = L.lora_gated_mlp(x, *ops, act, chunk_rows=chunk_rows)
+    chunk_rows = 16 if mode == "chunks16" else None
+    y = L.lora_gated_mlp(x, *ops, act, chunk_rows=chunk_rows, output=mode != "recompute")
     g = torch.autograd.grad(y, wrt, dy)
     peft_layers = [layers[n] for n in ("gate", "up", "down") if isinstance(layers[n], PeftLinear)]
     torch.manual_seed(SEED)
@@ -307,21 +309,24 @@ def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, chunk_rows, gen
     o64, leaves64 = ops64(ops)
     y_r = L.lora_gated_mlp_reference(x64, *o64, act, masks=tuple(masks))
     g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
-    check("y", y, y_e, y_r, dtype)
-    with_down = with_adapter if chunk_rows is None else with_adapter + ",down"
+    if mode != "recompute":
+        check("y", y, y_e, y_r, dtype)
+    with_down = with_adapter if mode == "whole" else with_adapter + ",down"
     names = ["dx"] + [f"d{w}" for n in ("gate", "up", "down") if n in with_down for w in (f"A_{n}", f"B_{n}")]
     for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
         assert t.dtype == e.dtype, f"{name}: {t.dtype} != PEFT's {e.dtype}"
         assert_numerics(name, t, e, ref, dtype)
 
 
-def test_lora_gated_mlp_chunks_save_x_and_masks_alone(gen):
-    """Over chunks: x and the gate / up dropout masks are saved, no [N, I] tensor and no rank-r product."""
+@pytest.mark.parametrize("chunk_rows, output", [(10, True), (None, False)], ids=["chunks", "recompute"])
+def test_lora_gated_mlp_chunks_save_x_and_masks_alone(chunk_rows, output, gen):
+    """Over chunks, or without output (a recompute: the backward makes everything): x and the gate / up
+    dropout masks are saved, no [N, I] tensor and no rank-r product."""
     layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32, ("gate", "up"))
     layers["down"] = peft_linear(gen, I, H, 8, 0.0, torch.float32, torch.float32)
     x = randn(gen, (*LEAD, H), torch.float32).requires_grad_()
     with recording_saved_tensors() as saved:
-        y = L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=10)
+        y = L.lora_gated_mlp(x, *mlp_operands(layers), "silu", chunk_rows=chunk_rows, output=output)
     n = x.numel() // H
     got = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not None)
     assert got == sorted([((n, H), "torch.float32"), ((n, H), "torch.bool"), ((n, H), "torch.bool")])
@@ -373,39 +378,6 @@ def test_lora_gated_mlp_without_output_saves_and_differentiates_the_same(gen):
     assert all(torch.equal(a, b) for a, b in zip(grads_t, grads_f, strict=True))
     with pytest.raises(ValueError, match="^output must be a bool, got 1"):
         L.lora_gated_mlp(x, *mlp_operands(layers), "silu", output=1)
-
-
-@pytest.mark.parametrize("chunk_rows", [None, 16], ids=["whole", "chunks16"])
-def test_lora_gated_mlp_without_output_leaves_its_work_to_the_backward(chunk_rows, gen):
-    """output=False, down without dropout: the forward computes nothing and saves x and the gate / up
-    masks alone (no [N, I] tensor); the backward makes gate, up and their product (whole, or chunked) and
-    every gradient is PEFT's under the numerics rule."""
-    dtype = torch.float32
-    layers = mlp_layers(gen, 8, 0.1, dtype, dtype, ("gate", "up"))
-    layers["down"] = peft_linear(gen, I, H, 8, 0.0, dtype, dtype)
-    ops = mlp_operands(layers)
-    x = randn(gen, (*LEAD, H), dtype).requires_grad_()
-    dy = randn(gen, (*LEAD, H), dtype)
-    wrt = (x, *adapter_params(ops))
-    torch.manual_seed(SEED)
-    masks = mlp_masks(x, layers, dtype)
-    torch.manual_seed(SEED)
-    with recording_saved_tensors() as saved:
-        y = L.lora_gated_mlp(x, *ops, "silu", chunk_rows=chunk_rows, output=False)
-    n = x.numel() // H
-    got = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t is not None)
-    assert got == sorted([((n, H), "torch.float32"), ((n, H), "torch.bool"), ((n, H), "torch.bool")])
-    g = torch.autograd.grad(y, wrt, dy)
-    torch.manual_seed(SEED)
-    y_e = layers["down"](F.silu(layers["gate"](x)) * layers["up"](x))
-    g_e = torch.autograd.grad(y_e, wrt, dy)
-    x64 = leaf64(x)
-    o64, leaves64 = ops64(ops)
-    y_r = L.lora_gated_mlp_reference(x64, *o64, "silu", masks=tuple(masks))
-    g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
-    names = ["dx"] + [f"d{w}_{n}" for n in ("gate", "up", "down") for w in "AB"]
-    for name, t, e, ref in zip(names, g, g_e, g_r, strict=True):
-        assert_numerics(name, t, e, ref, dtype)
 
 
 @pytest.mark.parametrize("needs", ["x", "adapters", "down_only", "gate_A_and_x"], ids=lambda s: f"grad_{s}")
