@@ -84,11 +84,13 @@ def test_training_attention_runs_kept_attention_and_captures_causal(model_type, 
 
 
 @pytest.mark.parametrize("checkpointing", ["hf", "offload"])
-def test_a_checkpointed_layers_recompute_runs_the_attention_its_forward_ran(checkpointing):
+def test_a_checkpointed_layers_recompute_runs_the_attention_its_forward_ran(checkpointing, monkeypatch):
     """The training attention stays the model's after the forward: the recompute of a layer (HF's
     checkpoint, which compares the tensors both save, or fuselm's offloading) in the backward runs it
     too. GQA Llama in fp32: loss and gradients against HF's checkpointed model (SDPA) under the numerics
-    rule, float64 the reference."""
+    rule, float64 the reference. The backend's check runs inside the first checkpointed forward (it
+    saves no tensor there)."""
+    monkeypatch.setattr(attention, "_CHECKED", {})
     base = build("llama")
     base.config._attn_implementation = "sdpa"
     ids = torch.randint(3, base.config.vocab_size - 5, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -239,23 +241,30 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
 
 
 def test_ops_that_fail_their_check_leave_the_attention_hfs_said_once(monkeypatch):
-    """The backend's ops are checked against SDPA once per device and dtype, eagerly: a call that raises
-    (or gives other values) makes the attention HF's SDPA after one warning; a working backend passes."""
-    monkeypatch.setattr(attention, "_CHECKED", {})
-    monkeypatch.setattr(_common, "_warned", set())
+    """The backend's ops are checked against attention written out, once per device and dtype, eagerly:
+    ops that raise, or give other values, make the attention HF's SDPA after one warning; working ops
+    pass; no check runs while a CUDA graph is captured."""
     q = torch.randn(1, 4, 8, 16)
-    assert attention._backend(q, q[:, :2], 0.25) == "cpu"
+    backward = attention._backward
 
-    def broken(*args):
+    def raising(*args):
         raise RuntimeError("no such kernel")
 
+    def swapping(*args):
+        dq, dk, dv = backward(*args)
+        return dq, dv, dk
+
+    for ops, why in ((backward, None), (raising, "no such kernel"), (swapping, "its dk, dv differ")):
+        monkeypatch.setattr(attention, "_CHECKED", {})
+        monkeypatch.setattr(_common, "_warned", set())
+        monkeypatch.setattr(attention, "_backward", ops)
+        if why is None:
+            assert attention._backend(q, q[:, :2], 0.25) == "cpu"
+            continue
+        with pytest.warns(UserWarning, match=rf"cpu SDPA ops failed their check .*{why}.*runs HF's SDPA"):
+            assert attention._backend(q, q[:, :2], 0.25) is None
+        assert attention._backend(q, q[:, :2], 0.25) is None  # checked once (no second warning)
     monkeypatch.setattr(attention, "_CHECKED", {})
-    monkeypatch.setattr(attention, "_backward", broken)
-    with pytest.warns(UserWarning, match=r"cpu SDPA ops failed their check .*no such kernel.*runs HF's SDPA"):
-        assert attention._backend(q, q[:, :2], 0.25) is None
-    assert attention._backend(q, q[:, :2], 0.25) is None  # checked once
-    monkeypatch.setattr(attention, "_CHECKED", {})
-    monkeypatch.setattr(attention, "capturing", lambda: True)  # no check mid-capture
-    assert (
-        attention._backend(q, q[:, :2], 0.25) is None and not attention._CHECKED
-    )  # never checked mid-capture
+    monkeypatch.setattr(attention, "capturing", lambda: True)
+    assert attention._backend(q, q[:, :2], 0.25) is None
+    assert not attention._CHECKED
