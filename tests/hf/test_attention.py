@@ -185,12 +185,15 @@ def test_causal_attention_is_sdpas_under_the_numerics_rule(kv_heads, device):
         {"output_attentions": True},
         {"is_causal": False},
         {"kv_length": 12},
+        {"compiling": True},
     ],
     ids=lambda c: next(iter(c)),
 )
 def test_anything_beyond_causal_attention_goes_to_hfs_sdpa(call, monkeypatch):
     call = dict(call)
     kv = call.pop("kv_length", 8)
+    if call.pop("compiling", False):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, kv, 16)
     calls = []
     monkeypatch.setitem(

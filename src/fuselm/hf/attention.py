@@ -8,9 +8,10 @@ runs no attention forward, only the backward (an H100 Llama-3.2-1B layer at 4 x 
 cuDNN's forward for 33 MiB kept).
 
 A call goes to HF's SDPA function, unchanged, when anything makes it more than causal attention: a mask,
-dropout, a position bias, a softcap, attention weights asked for, queries and keys of different lengths,
-or a backend other than those two (SDPA's choice for the tensors: flash or memory-efficient kernels on
-other GPUs, the math kernel for fp32 on CUDA).
+dropout, a position bias, a softcap, attention weights asked for, queries and keys of different lengths;
+under ``torch.compile``'s tracing; or with a backend other than those two (SDPA's choice for the tensors:
+flash or memory-efficient kernels on other GPUs, the math kernel for fp32 on CUDA), or whose ops failed
+their check (:func:`_works`).
 """
 
 from __future__ import annotations
@@ -238,6 +239,7 @@ def sdpa_attention(
         and key.shape[2] == t
         and value.shape[-1] == dim
         and heads % kv_heads == 0
+        and not torch.compiler.is_compiling()  # (traced: SDPA, which dynamo knows)
     ):
         backend = _backend(query, key, scale)
     if backend is None:
