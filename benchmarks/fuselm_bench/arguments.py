@@ -80,6 +80,45 @@ def parse_dtype(text: str) -> torch.dtype:
     return getattr(torch, DTYPES[text.lower()])
 
 
+def parse_numbers(
+    text: str, kind: type, flag: str, what: str, sep: str = ",", count: int | None = None
+) -> list:
+    """``text`` split at ``sep``, each a ``kind`` (``count`` of them if given); UsageError otherwise."""
+    try:
+        values = [kind(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or (count is not None and len(values) != count):
+        raise UsageError(f"{flag} takes {what}, got {text!r}")
+    return values
+
+
+def parse_caps(text: str) -> list[float]:
+    """max-context's ``--caps``: GiB > 0."""
+    caps = parse_numbers(text, float, "--caps", "comma-separated GiB numbers")
+    if any(not c > 0 for c in caps):
+        raise UsageError(f"--caps must be > 0, got {text!r}")
+    return caps
+
+
+def parse_seq_range(text: str) -> tuple[int, int]:
+    """max-context's ``--seq-range``: ``LO:HI`` tokens, 0 < LO <= HI."""
+    lo, hi = parse_numbers(text, int, "--seq-range", "LO:HI (tokens)", ":", count=2)
+    if not 0 < lo <= hi:
+        raise UsageError(f"--seq-range must be 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def parse_gpus(text: str, cuda: bool) -> list[int]:
+    """max-context's ``--gpus``: indices of this machine's CUDA devices."""
+    if not cuda:
+        raise UsageError("--gpus runs the searches side by side on CUDA devices; this run has none")
+    gpus = parse_numbers(text, int, "--gpus", "comma-separated GPU indices")
+    if any(not 0 <= g < torch.cuda.device_count() for g in gpus):
+        raise UsageError(f"--gpus must name GPUs 0..{torch.cuda.device_count() - 1}, got {text!r}")
+    return gpus
+
+
 def results_dir(out: str | None, device_name: str | None) -> Path:
     """``--out``, else ``benchmarks/results/<gpu>`` (the committed GPU results), else (a CPU run)
     ``bench-out/cpu``: CPU figures are smoke runs, never committed (``bench-out/`` is git-ignored).

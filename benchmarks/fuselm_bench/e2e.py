@@ -155,59 +155,41 @@ def build_model(
     return built
 
 
-def train(
-    preset: fresh_process.Plan,
-    provider: str,
-    model: str,
-    batch: int,
-    seq: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    seed: int = SEED,
-    profile_steps: int | None = None,
-) -> dict[str, Any]:
-    """A worker's run: build ``model`` and train it; the measurements (exceptions, OOM too, propagate)."""
+def train(case: fresh_process.WorkerCase) -> dict[str, Any]:
+    """A worker's run: build the case's model, train it; the measurements (exceptions, OOM too, propagate)."""
+    provider, model = case.provider, case.shape[0]
     built, figures = fresh_process.build_measured(
-        lambda: build_model(preset, provider, dtype, device, seed, model), device
+        lambda: build_model(case.plan, provider, case.dtype, case.device, case.seed, model), case.device
     )
-    out = run_training(
-        preset, built, training.causal_lm_loss(built), list(built.parameters()), batch, seq, lr=LR,
-        device=device, warmup=warmup, steps=steps, seed=seed, profile_steps=profile_steps,
-        trainer=provider in TRAINER_PROVIDERS, graphs=provider in ("fuselm-graph", "fuselm-trainer"),
-    )  # fmt: skip
+    trainer, graphs = provider in TRAINER_PROVIDERS, provider in ("fuselm-graph", "fuselm-trainer")
+    forward = training.causal_lm_loss(built)
+    out = run_training(case, built, forward, list(built.parameters()), lr=LR, trainer=trainer, graphs=graphs)
     return {**out, **figures, "final_loss": out["losses"][-1]}
 
 
 def run_training(
-    plan: fresh_process.Plan,
+    case: fresh_process.WorkerCase,
     model: Any,
     forward: training.Forward,
     params: list[torch.nn.Parameter],
-    batch: int,
-    seq: int,
     *,
     lr: float,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    seed: int,
-    profile_steps: int | None,
     trainer: bool = False,
     graphs: bool = False,
     called: set[int] | None = None,
 ) -> dict[str, Any]:
-    """The steps of a worker on one random batch, through ``Trainer.train()`` or an AdamW loop on ``forward``
-    (``called``: :func:`step_timing.watch_first_step`): their figures, peak memory and losses."""
-    gen = torch.Generator().manual_seed(seed + 1)
+    """The steps of a worker on one random batch (the case's shape ends with B, T), through
+    ``Trainer.train()`` or an AdamW loop on ``forward`` (``called``: :func:`step_timing.watch_first_step`):
+    their figures, peak memory and losses. ``case.extra["profile_steps"]`` overrides the plan's."""
+    (batch, seq), device = case.shape[-2:], case.device
+    gen = torch.Generator().manual_seed(case.seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
     fused = device.type == "cuda"  # fused AdamW: CUDA only
-    profiled = plan.profile_steps if profile_steps is None else profile_steps
-    timing = {"warmup": warmup, "steps": steps, "profiled": profiled, "device": device}
+    profiled = case.extra.get("profile_steps")
+    profiled = case.plan.profile_steps if profiled is None else profiled
+    timing = {"warmup": case.warmup, "steps": case.steps, "profiled": profiled, "device": device}
     if trainer:
-        run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=seed, **timing)
+        run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=case.seed, **timing)
     else:
         step = step_timing.optimizer_step(forward, params, [ids], lr=lr, fused=fused, graphed=graphs)
         if called is not None:

@@ -251,29 +251,20 @@ def worker_prefix(provider: str) -> list[str]:
 # ---- one run (what a worker does) ----
 
 
-def load_peft_model(
-    provider: str,
-    folder: Path,
-    scenario: str,
-    seq: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    rank: int,
-    alpha: float,
-    dropout: float,
-    seed: int,
-    offload: bool,
-    mlp_chunk_tokens: int | None = None,
-    memory_budget: float | str | None = None,
-) -> tuple[Any, str]:
-    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints."""
+def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, str]:
+    """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints;
+    ``case.extra``: ``rank``, ``alpha``, ``dropout``, ``offload``, ``mlp_chunk_tokens`` (:func:`run_cli`)."""
+    (provider, memory_budget), (_, scenario, _, seq) = split_provider(case.provider), case.shape
+    device, seed, extra = case.device, case.seed, case.extra
+    rank, offload, chunk = extra.get("rank", RANK), extra.get("offload", True), extra.get("mlp_chunk_tokens")
+    alpha = float(rank if extra.get("alpha") is None else extra["alpha"])
     marker = json.loads((folder / MARKER).read_text())
     prequantized = marker["dtype"] == "nf4"  # the checkpoint's own 4-bit layers and quantization_config
     if prequantized and scenario != "qlora":
         raise SkipProvider(f"{marker['model']} is saved 4-bit only (QLoRA)")
-    alpha = int(alpha) if float(alpha).is_integer() else alpha  # LoraConfig's type: an int, as users pass it
-    lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(TARGET_MODULES)}
+    alpha = int(alpha) if alpha.is_integer() else alpha  # LoraConfig's type: an int, as users pass it
+    lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": extra.get("dropout", 0.0)}
+    lora["target_modules"] = list(TARGET_MODULES)
     if provider == "unsloth":
         from unsloth import FastLanguageModel
 
@@ -292,7 +283,7 @@ def load_peft_model(
     if provider == "liger":
         family = e2e.MODELS[marker["model"]].family
         e2e.apply_provider_before_build("liger", device, family)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    kwargs: dict[str, Any] = {"dtype": case.dtype, "attn_implementation": "sdpa"}
     kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     if scenario == "qlora" and not prequantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -313,9 +304,9 @@ def load_peft_model(
     if provider == "fuselm":  # fuselm.hf.patch(model); memory_budget: its variant, GiB or GRAPH
         import fuselm.hf
 
-        if mlp_chunk_tokens is not None:  # the MLP over chunks of tokens (long sequences)
-            options["mlp_chunk_tokens"] = mlp_chunk_tokens
-            how += f", MLP in chunks of {mlp_chunk_tokens} tokens"
+        if chunk is not None:  # the MLP over chunks of tokens (long sequences)
+            options["mlp_chunk_tokens"] = chunk
+            how += f", MLP in chunks of {chunk} tokens"
         if memory_budget == GRAPH or (memory_budget is None and offload):
             options["checkpointing"] = "offload" if offload else "recompute"
             how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
@@ -404,45 +395,25 @@ def cap_memory(device: torch.device, gib: float) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
 
 
-def train(
-    plan: fresh_process.Plan,
-    provider: str,
-    model: str,
-    scenario: str,
-    batch: int,
-    seq: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    seed: int = SEED,
-    model_dir: str,
-    rank: int = RANK,
-    alpha: float | None = None,
-    dropout: float = 0.0,
-    offload: bool = True,
-    profile_steps: int | None = None,
-    unsloth_compile: bool = False,
-    unsloth_failed: str | None = None,
-    memory_cap_gib: float | None = None,
-    mlp_chunk_tokens: int | None = None,
-    gpu: int | None = None,
-    trainer: bool = False,
-) -> dict[str, Any]:
-    """A worker's run: load the saved ``model`` as ``provider`` does, train LoRA (``trainer``: through
-    ``Trainer.train()``, fuselm@graph under ``capture_training_steps``); the measurements."""
-    provider, memory_budget = split_provider(provider)
+def train(case: fresh_process.WorkerCase, unsloth_failed: str | None = None) -> dict[str, Any]:
+    """A worker's run: load the saved model as the provider does, train LoRA (``extra["trainer"]``: through
+    ``Trainer.train()``, fuselm@graph under ``capture_training_steps``); the measurements. ``case.extra``:
+    ``model_dir``, ``memory_cap_gib`` and :func:`run_cli`'s settings."""
+    provider, memory_budget = split_provider(case.provider)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
     if provider == "unsloth" and unsloth_failed:
         raise SkipProvider(f"unsloth not importable ({unsloth_failed})")
+    device, extra, trainer = case.device, case.extra, bool(case.extra.get("trainer"))
     cuda = device.type == "cuda"
     if (provider in ("liger", "unsloth") or memory_budget == GRAPH) and not cuda:
         raise SkipProvider("needs CUDA")
-    folder = model_folder(model_dir, model, plan.tiny, torch.bfloat16 if cuda else torch.float32)
+    folder = model_folder(
+        extra["model_dir"], case.shape[0], case.plan.tiny, torch.bfloat16 if cuda else torch.float32
+    )
     if not (folder / MARKER).is_file():
         raise FileNotFoundError(f"no saved model in {folder} (the parent saves it before the workers run)")
+    memory_cap_gib = extra.get("memory_cap_gib")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         if memory_cap_gib is not None:
@@ -451,11 +422,7 @@ def train(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        peft_model, checkpointing = load_peft_model(
-            provider, folder, scenario, seq, dtype=dtype, device=device, rank=rank,
-            alpha=float(rank if alpha is None else alpha), dropout=dropout, seed=seed, offload=offload,
-            mlp_chunk_tokens=mlp_chunk_tokens, memory_budget=memory_budget,
-        )  # fmt: skip
+        peft_model, checkpointing = load_peft_model(case, folder)
         load_s = time.perf_counter() - t0
         weights = torch.cuda.memory_allocated(device) if cuda else None
         params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -465,11 +432,10 @@ def train(
             return loss, loss.detach()
 
         called: set[int] = set()  # the modules the first (warmup, untimed) step calls
+        graphs, watched = memory_budget == GRAPH, None if trainer else called
         figures = e2e.run_training(
-            plan, peft_model, forward, params, batch, seq, lr=LR, device=device, warmup=warmup, steps=steps,
-            seed=seed, profile_steps=profile_steps, trainer=trainer, graphs=memory_budget == GRAPH,
-            called=None if trainer else called,
-        )  # fmt: skip
+            case, peft_model, forward, params, lr=LR, trainer=trainer, graphs=graphs, called=watched
+        )
     messages = (str(w.message)[:300] for w in caught if "fuselm" in str(w.message) or "fuselm" in w.filename)
     from fuselm.hf import activation_plan
 

@@ -34,6 +34,7 @@ from .report import (
     md_table,
     print_written,
     ratio,
+    run_facts,
     write_files,
 )
 
@@ -58,8 +59,22 @@ class Plan:
         return self.name == "cpu"
 
 
-Train = Callable[..., dict[str, Any]]
-"""A worker's run: ``train(plan, provider, *shape, dtype=, device=, warmup=, steps=, seed=) -> result``."""
+@dataclass(frozen=True)
+class WorkerCase:
+    """What one worker runs (``bench.train(case) -> result``); ``extra``: the benchmark's own settings."""
+
+    provider: str
+    shape: tuple[Any, ...]
+    plan: Plan
+    dtype: torch.dtype
+    device: torch.device
+    warmup: int
+    steps: int
+    seed: int = SEED
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Train = Callable[[WorkerCase], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -110,7 +125,7 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
     """``--worker <case JSON> <result file>`` (:func:`run_case`): ``bench.train``'s result as JSON."""
     _, spec, result_file = argv
     case = json.loads(spec)
-    shape = [case[size] for size in bench.row_type.SHAPE_FIELDS]
+    shape = tuple(case[size] for size in bench.row_type.SHAPE_FIELDS)
     result: dict[str, Any] = {"provider": case["provider"], **shape_dict(bench, shape)}
     device = torch.device(case["device"])
     if device.type == "cpu":
@@ -122,9 +137,8 @@ def worker_main(bench: Bench, argv: Sequence[str]) -> int:
         if device.type == "cuda":  # waits for the GPU sleep: CPU time is host work (harness.blocking_sync)
             result["gpu_wait"] = blocking_sync()
         plan = next(p for p in bench.plans if p.name == case["plan"])
-        options = {"warmup": case["warmup"], "steps": case["steps"], "seed": case["seed"], **case["extra"]}
-        dtype = DTYPES[case["dtype"]]
-        return bench.train(plan, case["provider"], *shape, dtype=dtype, device=device, **options)
+        run = (case["provider"], shape, plan, DTYPES[case["dtype"]], device, case["warmup"], case["steps"])
+        return bench.train(WorkerCase(*run, case["seed"], case["extra"]))
 
     result.update(run_measured(measure, device))
     Path(result_file).write_text(json.dumps(result, indent=2) + "\n")
@@ -182,31 +196,19 @@ def run_worker(
     return {"status": "error", "error": error, "wall_s": wall}
 
 
-def run_case(
-    bench: Bench,
-    provider: str,
-    shape: Sequence[Any],
-    *,
-    plan: Any,
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    extra: dict[str, Any] | None = None,
-    repeat: int = 0,
-) -> Any:
-    """One (provider, shape) in a fresh worker process: its row. ``extra``: more ``bench.train`` keywords."""
-    case = {"provider": provider, **shape_dict(bench, shape)}
-    case.update(plan=plan.name, dtype=DTYPE_NAMES[dtype], device=device.type, warmup=warmup, steps=steps)
-    case.update(seed=SEED, extra=extra or {})
-    start = bench.worker_prefix(provider) or [sys.executable, "-m", bench.module]
+def run_case(bench: Bench, case: WorkerCase, repeat: int = 0) -> Any:
+    """One case in a fresh worker process (:func:`worker_main`): its row."""
+    spec = {"provider": case.provider, **shape_dict(bench, case.shape), "plan": case.plan.name}
+    spec.update(dtype=DTYPE_NAMES[case.dtype], device=case.device.type, warmup=case.warmup, steps=case.steps)
+    spec.update(seed=case.seed, extra=case.extra)
+    start = bench.worker_prefix(case.provider) or [sys.executable, "-m", bench.module]
     data = run_worker(
-        lambda result: [*start, "--worker", json.dumps(case), str(result)],
+        lambda result: [*start, "--worker", json.dumps(spec), str(result)],
         timeout=bench.timeout_s,
         prefix=f"fuselm-{bench.name}-",
-        env=bench.worker_env(provider, extra),
+        env=bench.worker_env(case.provider, case.extra),
     )
-    return make_row(bench, provider, shape, data, repeat)
+    return make_row(bench, case.provider, case.shape, data, repeat)
 
 
 def make_row(bench: Bench, provider: str, shape: Sequence[Any], data: dict[str, Any], repeat: int = 0) -> Any:
@@ -324,8 +326,11 @@ def run(
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
-    options = {"plan": c.plan, "dtype": c.dtype, "device": c.device, "warmup": c.warmup, "steps": c.steps}
     fields, batch = bench.row_type.SHAPE_FIELDS, bench.row_type.BATCH_FIELD
+
+    def execute(k: Case) -> Row:
+        case = WorkerCase(k.provider, k.shape, c.plan, c.dtype, c.device, c.warmup, c.steps, extra=c.extra)
+        return run_case(bench, case, k.repeat)
 
     def on_rows(rows: list[Row]) -> None:
         report.rows[:] = rows
@@ -334,7 +339,7 @@ def run(
 
     report.rows[:] = run_cases(
         [Case(p, s, repeat=r) for s in report.shapes for r in range(c.repeats) for p in c.providers],
-        lambda case: run_case(bench, case.provider, case.shape, extra=c.extra, repeat=case.repeat, **options),
+        execute,
         desc=bench.name,
         describe=lambda c: f"{c.provider} {bench.row_type.label(c.shape)} #{c.repeat + 1}",
         skipped=report.skipped,
@@ -461,22 +466,14 @@ def all_notes(bench: Bench, report: CaseReport) -> list[str]:
 
 def markdown(bench: Bench, report: CaseReport) -> str:
     """The whole report: facts, ``bench.tables``, the ratio table, notes and skipped providers."""
-    m = report.metadata
-    profiled = report.plan.profile_steps
-    facts = [
-        f"device: {m.get('device')}",
-        f"versions: {versions(bench, m)}",
-        f"date: {m.get('date')}",
-        *bench.facts(report),
-        f"steps per run: {report.warmup} warmup, {report.steps} timed"
-        + ("" if profiled is None else f", {profiled} profiled")
-        + f"; fresh-process repeats per configuration: {report.repeats}",
-        *(
-            f"merged rows of: `{r.get('command')}` ({r.get('date')}, {r.get('commit')})"
-            for r in report.merged
-        ),
-        f"command: `{m.get('command')}`",
+    m, profiled = report.metadata, report.plan.profile_steps
+    steps = f"steps per run: {report.warmup} warmup, {report.steps} timed"
+    steps += "" if profiled is None else f", {profiled} profiled"
+    merged = [
+        f"merged rows of: `{r.get('command')}` ({r.get('date')}, {r.get('commit')})" for r in report.merged
     ]
+    repeats = f"{steps}; fresh-process repeats per configuration: {report.repeats}"
+    facts = run_facts(m, versions(bench, m), *bench.facts(report), repeats, *merged)
     return document(
         bench.name,
         f"{bench.description}, {dtype_name(report.dtype)} weights.",

@@ -93,25 +93,14 @@ def policy_loss(log_probs: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) 
     return (per_token * m).sum() / m.sum().clamp(min=1)
 
 
-def train(
-    plan: fresh_process.Plan,
-    provider: str,
-    batch: int,
-    prompt: int,
-    completion: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    seed: int = e2e.SEED,
-) -> dict[str, Any]:
+def train(case: fresh_process.WorkerCase) -> dict[str, Any]:
     """A worker's run: build the model, ``warmup`` + ``steps`` GRPO-shaped steps, the measurements."""
+    (batch, prompt, completion), device = case.shape, case.device
     model, figures = fresh_process.build_measured(
-        lambda: e2e.build_model(plan, "hf", dtype, device, seed), device
+        lambda: e2e.build_model(case.plan, "hf", case.dtype, device, case.seed), device
     )
-    head = make_head(provider, model)
-    b = make_batch(model.config.vocab_size, batch, prompt, completion, device, seed)
+    head = make_head(case.provider, model)
+    b = make_batch(model.config.vocab_size, batch, prompt, completion, device, case.seed)
     n_tokens = b["mask"].sum()
     m = b["mask"].to(torch.float32)
 
@@ -126,7 +115,7 @@ def train(
 
     fused = device.type == "cuda"  # fused AdamW: CUDA only
     step = step_timing.optimizer_step(forward, list(model.parameters()), [b], lr=e2e.LR, fused=fused)
-    run = step_timing.run_steps(step, warmup=warmup, steps=steps, profiled=0, device=device)
+    run = step_timing.run_steps(step, warmup=case.warmup, steps=case.steps, profiled=0, device=device)
     return {
         "status": "ok",
         **e2e.step_figures(run, batch * (prompt + completion), device),

@@ -11,14 +11,13 @@ import torch
 import fuselm
 
 from .harness import Inputs, Provider, Report, Shape, SkipProvider, Suite, compiled_setup, import_peer
-from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost, ignored_share
+from .linear_cross_entropy import DEFAULT_IGNORE_K, IGNORE_INDEX, RANDOM, cost
 from .linear_cross_entropy import make_inputs as lce_make_inputs
 from .report import cell, md_table, package_versions, shape_label
 
 NAME = "linear_log_probs"
 LOG_PROBS, WITH_ENTROPY = 1, 2
 OUTPUTS = {LOG_PROBS: ("log_probs",), WITH_ENTROPY: ("log_probs", "entropy")}
-OUTPUT_LABELS = {LOG_PROBS: "log_probs", WITH_ENTROPY: "log_probs + entropy"}
 TRL_CHUNK_SIZE = 32768  # the vocabulary chunk TRL's fused LM head passes (trl.trainer.utils, TRL 1.16)
 ACCURACY_TOKENS = 256
 _REF_SLAB = 16384  # vocabulary rows per fp64 GEMM of the reference
@@ -36,12 +35,6 @@ def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
             f"outputs must be {LOG_PROBS} (log_probs) or {WITH_ENTROPY} (+ entropy), got {outputs}"
         )
     return int(n), int(h), int(v), int(k), int(outputs)
-
-
-def describe(shape: Shape) -> str:
-    """(8192, 4096, 128256, 2, 2) -> 'N=8192 H=4096 V=128256, half ignored, log_probs + entropy'."""
-    n, h, v, k, outputs = split_shape(shape)
-    return f"N={n} H={h} V={v}, {ignored_share(k)} ignored, {OUTPUT_LABELS[outputs]}"
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> Inputs:

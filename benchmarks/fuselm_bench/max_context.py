@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from . import finetune, fresh_process
-from .arguments import UsageError, parse_list, pick_device, results_dir
+from .arguments import (
+    UsageError,
+    parse_caps,
+    parse_gpus,
+    parse_list,
+    parse_seq_range,
+    pick_device,
+    results_dir,
+)
 from .report import collect_metadata, document, md_table, write_files
 
 NAME = "max-context"
@@ -112,37 +120,6 @@ def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -
     return [(p, c, gpus[i % len(gpus)] if gpus else None) for i, (p, c) in enumerate(jobs)]
 
 
-def _numbers(text: str, kind: type, flag: str, what: str, sep: str = ",", count: int | None = None) -> list:
-    """``text`` split at ``sep``, each a ``kind``; UsageError otherwise."""
-    try:
-        values = [kind(v) for v in text.split(sep)]
-    except ValueError:
-        values = []
-    if not values or (count is not None and len(values) != count):
-        raise UsageError(f"{flag} takes {what}, got {text!r}")
-    return values
-
-
-def _caps(text: str | None, cuda: bool) -> list[float | None]:
-    if not cuda:
-        return [None]  # no cap on the CPU
-    caps = _numbers(text, float, "--caps", "comma-separated GiB numbers") if text else list(DEFAULT_CAPS)
-    if any(not c > 0 for c in caps):
-        raise UsageError(f"--caps must be > 0, got {text!r}")
-    return caps
-
-
-def _gpus(text: str | None, cuda: bool) -> list[int] | None:
-    if not text:
-        return None
-    if not cuda:
-        raise UsageError("--gpus runs the searches side by side on CUDA devices; this run has none")
-    gpus = _numbers(text, int, "--gpus", "comma-separated GPU indices")
-    if any(not 0 <= g < torch.cuda.device_count() for g in gpus):
-        raise UsageError(f"--gpus must name GPUs 0..{torch.cuda.device_count() - 1}, got {text!r}")
-    return gpus
-
-
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench max-context``: each (provider, cap) searched, side by side with ``--gpus``."""
     device = pick_device(args.device)
@@ -162,13 +139,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     )
     for provider in providers:  # fuselm@<GiB> (checkpointing="auto": it offloads what the host holds)
         finetune.split_provider(provider)
-    caps = _caps(args.caps, cuda)
-    lo, hi = DEFAULT_SEQ_RANGE["cuda" if cuda else "cpu"]
-    if args.seq_range:
-        lo, hi = _numbers(args.seq_range, int, "--seq-range", "LO:HI (tokens)", ":", count=2)
-        if not 0 < lo <= hi:
-            raise UsageError(f"--seq-range must be 0 < LO <= HI, got {args.seq_range!r}")
-    gpus = _gpus(args.gpus, cuda)
+    caps = (parse_caps(args.caps) if args.caps else list(DEFAULT_CAPS)) if cuda else [None]  # no CPU cap
+    lo, hi = parse_seq_range(args.seq_range) if args.seq_range else DEFAULT_SEQ_RANGE[device.type]
+    gpus = parse_gpus(args.gpus, cuda) if args.gpus else None
     rel_tol = args.rel_tol or 0.05
     max_probes = args.max_probes or 12
     rank = args.rank or 32
@@ -191,10 +164,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
 
         def probe(seq: int):
             shape = (model, scenario, 1, seq)
-            row = fresh_process.run_case(
-                finetune.BENCH, provider, shape, plan=plan, dtype=dtype, device=device, warmup=0, steps=1,
-                extra=extra,
-            )  # fmt: skip
+            case = fresh_process.WorkerCase(provider, shape, plan, dtype, device, 0, 1, extra=extra)
+            row = fresh_process.run_case(finetune.BENCH, case)
             print(f"  {provider} cap {cap} GiB, {seq} tokens: {row.status}", flush=True)
             if row.status not in ("ok", "oom") and (row.error or "").strip():
                 print(row.error.strip(), flush=True)

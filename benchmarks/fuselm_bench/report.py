@@ -255,6 +255,13 @@ def notes(report: Report) -> list[str]:
     return out
 
 
+def run_facts(m: dict[str, Any], versions: str, *middle: str) -> list[str]:
+    """The facts of a run's metadata ``m`` every report opens with (device, versions, date), ``middle``, and
+    its command last."""
+    head = [f"device: {m.get('device')}", f"versions: {versions}", f"date: {m.get('date')}"]
+    return [*head, *middle, f"command: `{m.get('command')}`"]
+
+
 def document(
     name: str,
     intro: str,
@@ -283,19 +290,14 @@ def markdown(report: Report, extra: str = "") -> str:
         f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
     )
     peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
-    facts = [
-        f"device: {m.get('device')}",
-        f"versions: {versions}" + (f"; peers: {peers}" if peers else ""),
-        f"date: {m.get('date')}",
-        f"ceilings (measured in this run): device {report.ceilings.describe('not measured')}",
-        f"timing: {m.get('timing')}",
-        f"command: `{m.get('command')}`",
-    ]
+    ceilings = f"ceilings (measured in this run): device {report.ceilings.describe('not measured')}"
     return document(
         report.suite.name,
         f"{report.suite.description}, {dtype_name(report.dtype)}.",
         CPU_FIGURES if m.get("device_type") == "cpu" else None,
-        facts,
+        run_facts(
+            m, versions + (f"; peers: {peers}" if peers else ""), ceilings, f"timing: {m.get('timing')}"
+        ),
         [markdown_table(report), *([extra] if extra else [])],
         notes(report),
         report.skipped,

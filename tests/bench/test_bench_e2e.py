@@ -20,6 +20,7 @@ import torch
 from fuselm_bench import e2e, fresh_process, registry, step_timing, training
 from fuselm_bench.arguments import UsageError
 from fuselm_bench.cli import build_parser
+from fuselm_bench.fresh_process import WorkerCase
 
 from fuselm.cli import main
 
@@ -180,9 +181,7 @@ def test_trainer_providers_are_opt_in_and_train_as_the_step_loop():
     assert e2e._precheck("fuselm-trainer", CPU) == "needs CUDA (CUDA graphs)"
     assert e2e._precheck("hf-trainer", CPU) is None
     runs = {
-        p: e2e.train(
-            e2e.CPU_PRESET, p, "llama3.2-1b", 2, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
-        )
+        p: e2e.train(WorkerCase(p, ("llama3.2-1b", 2, 16), e2e.CPU_PRESET, torch.float32, CPU, 1, 2))
         for p in ("hf", "hf-trainer")
     }
     out = runs["hf-trainer"]
@@ -248,9 +247,7 @@ def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
     the CPU figures are there, the GPU ones are not (no CUDA)."""
     import fuselm.hf
 
-    out = e2e.train(
-        e2e.CPU_PRESET, "hf", "qwen3-0.6b", 1, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
-    )
+    out = e2e.train(WorkerCase("hf", ("qwen3-0.6b", 1, 16), e2e.CPU_PRESET, torch.float32, CPU, 1, 2))
     assert out["status"] == "ok" and len(out["losses"]) == 1 + 2 + e2e.CPU_PRESET.profile_steps
     assert out["step_ms"] == pytest.approx(statistics.median(out["step_ms_all"]))
     assert len(out["step_ms_all"]) == 2 and out["cpu_ms"] > 0 and out["profile_steps"] == 1
@@ -258,9 +255,7 @@ def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
     assert out["tokens_per_s"] == pytest.approx(16 / (out["step_ms"] / 1e3))
     assert out["params"] > 0 and all(math.isfinite(x) for x in out["losses"])
     try:
-        fl = e2e.train(
-            e2e.CPU_PRESET, "fuselm", "qwen3-0.6b", 1, 16, dtype=torch.float32, device=CPU, warmup=1, steps=2
-        )
+        fl = e2e.train(WorkerCase("fuselm", ("qwen3-0.6b", 1, 16), e2e.CPU_PRESET, torch.float32, CPU, 1, 2))
     finally:
         from transformers import Qwen3ForCausalLM
 
@@ -336,17 +331,8 @@ def test_graphed_step_trains_as_the_eager_step():
 
 def test_worker_error_is_reported(reference_path):
     """An exception inside the worker comes back as the row's error, with its traceback."""
-    row = fresh_process.run_case(
-        e2e.BENCH,
-        "bogus",
-        ("llama3.2-1b", 2, 16),
-        plan=e2e.CPU_PRESET,
-        dtype=torch.float32,
-        device=CPU,
-        warmup=0,
-        steps=1,
-        repeat=1,
-    )
+    case = WorkerCase("bogus", ("llama3.2-1b", 2, 16), e2e.CPU_PRESET, torch.float32, CPU, 0, 1)
+    row = fresh_process.run_case(e2e.BENCH, case, repeat=1)
     assert row.status == "error" and row.tokens_per_s is None and row.repeat == 1
     assert "ValueError: unknown provider 'bogus'" in row.error
     assert "Traceback" in row.traceback
@@ -356,16 +342,8 @@ def test_worker_without_result_is_reported():
     """A worker that dies before writing its result: the exit code and its last output are reported."""
     script = "import sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); sys.exit(3)"
     bench = dataclasses.replace(e2e.BENCH, worker_prefix=lambda provider: [sys.executable, "-c", script])
-    row = fresh_process.run_case(
-        bench,
-        "hf",
-        ("llama3.2-1b", 2, 16),
-        plan=e2e.CPU_PRESET,
-        dtype=torch.float32,
-        device=CPU,
-        warmup=0,
-        steps=1,
-    )
+    case = WorkerCase("hf", ("llama3.2-1b", 2, 16), e2e.CPU_PRESET, torch.float32, CPU, 0, 1)
+    row = fresh_process.run_case(bench, case)
     assert row.status == "error"
     assert "exited with code 3 and wrote no result" in row.error and "worker blew up" in row.error
 
@@ -531,8 +509,8 @@ def test_gpu_report_files(tmp_path):
 def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch, tmp_path):
     calls = []
 
-    def fake_run_case(bench, provider, shape, *, repeat=0, **kwargs):
-        model, batch, seq = shape
+    def fake_run_case(bench, case, repeat=0):
+        provider, (model, batch, seq) = case.provider, case.shape
         calls.append((provider, batch, repeat))
         if batch >= 8:
             return e2e.E2ERow(
@@ -608,8 +586,8 @@ def test_cli_merge_from_a_path_joins_a_split_grid(tmp_path, monkeypatch, capsys)
     first one's JSON with --merge PATH and writes one report with both parts; a JSON of the older layout
     (no model column) is refused with the reason."""
 
-    def fake_run_case(bench, provider, shape, *, repeat=0, **kwargs):
-        model, batch, seq = shape
+    def fake_run_case(bench, case, repeat=0):
+        provider, (model, batch, seq) = case.provider, case.shape
         return e2e.E2ERow(
             provider, model, batch, seq, "ok", repeat=repeat, tokens_per_s=100.0, step_ms=1.0, cpu_ms=0.5,
             first_loss=6.0, losses=[6.0],

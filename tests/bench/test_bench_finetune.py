@@ -103,10 +103,15 @@ def test_a_4bit_only_shape_is_saved_quantized_tensor_by_tensor_and_trains(tmp_pa
         json.loads((folder / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"]
         == "nf4"
     )
-    model, _ = finetune.load_peft_model(
-        "fuselm", folder, "qlora", 16, dtype=torch.float32, device=CPU, rank=4, alpha=8, dropout=0.0,
-        seed=0, offload=False,
-    )  # fmt: skip
+
+    def case(scenario: str) -> fresh_process.WorkerCase:
+        extra = {"rank": 4, "alpha": 8, "dropout": 0.0, "offload": False}
+        shape = ("llama3-70b", scenario, 1, 16)
+        return fresh_process.WorkerCase(
+            "fuselm", shape, finetune.CPU_PLAN, torch.float32, CPU, 0, 1, 0, extra
+        )
+
+    model, _ = finetune.load_peft_model(case("qlora"), folder)
     layer = model.base_model.model.model.layers[0]
     assert type(layer.mlp.down_proj.base_layer).__name__ == "Linear4bit"
     weight = layer.mlp.down_proj.base_layer.weight
@@ -120,10 +125,7 @@ def test_a_4bit_only_shape_is_saved_quantized_tensor_by_tensor_and_trains(tmp_pa
     assert math.isfinite(loss.item()) and abs(loss.item() - math.log(512)) < 1.0
     assert layer.mlp.down_proj.lora_B.default.weight.grad is not None
     with pytest.raises(finetune.SkipProvider, match="saved 4-bit only"):
-        finetune.load_peft_model(
-            "fuselm", folder, "lora", 16, dtype=torch.float32, device=CPU, rank=4, alpha=8, dropout=0.0,
-            seed=0, offload=False,
-        )  # fmt: skip
+        finetune.load_peft_model(case("lora"), folder)
 
 
 def test_saved_model_loads_back_with_its_tokenizer(tmp_path):
@@ -221,7 +223,8 @@ def test_cli_without_model_dir_removes_its_temporary_models_and_drops_qlora_with
 ):
     calls = []
 
-    def fake_run_case(bench, provider, shape, *, extra=None, repeat=0, **kw):
+    def fake_run_case(bench, case, repeat=0):
+        provider, shape, extra = case.provider, case.shape, case.extra
         folder = finetune.model_folder(extra["model_dir"], shape[0], True, torch.float32)
         assert (folder / finetune.MARKER).is_file()  # saved before any worker runs
         calls.append((provider, shape, extra))
@@ -337,8 +340,12 @@ def _fake_unsloth(tmp_path: Path, body: str, monkeypatch) -> Path:
     return tmp_path / "fake"
 
 
-def _unsloth_case(tmp_path) -> dict:
-    return {"model_dir": str(tmp_path / "models"), "profile_steps": 0}
+def _unsloth_case(tmp_path) -> fresh_process.WorkerCase:
+    extra = {"model_dir": str(tmp_path / "models"), "profile_steps": 0}
+    shape = ("llama3-8b", "lora", 1, 8)
+    return fresh_process.WorkerCase(
+        "unsloth", shape, finetune.CPU_PLAN, torch.float32, CPU, 0, 1, extra=extra
+    )
 
 
 def test_unsloth_worker_imports_unsloth_first(tmp_path, monkeypatch, reference_path):
@@ -348,20 +355,14 @@ def test_unsloth_worker_imports_unsloth_first(tmp_path, monkeypatch, reference_p
         f"import json, sys\njson.dump({{m: m in sys.modules for m in {names}}}, open({str(seen)!r}, 'w'))\n"
     )
     _fake_unsloth(tmp_path, body, monkeypatch)
-    row = fresh_process.run_case(
-        finetune.BENCH, "unsloth", ("llama3-8b", "lora", 1, 8), plan=finetune.CPU_PLAN, dtype=torch.float32,
-        device=CPU, warmup=0, steps=1, extra=_unsloth_case(tmp_path),
-    )  # fmt: skip
+    row = fresh_process.run_case(finetune.BENCH, _unsloth_case(tmp_path))
     assert json.loads(seen.read_text()) == {"transformers": False, "peft": False, "fuselm": False}
     assert row.status == "skipped" and row.error == "needs CUDA"  # the stand-in imported; no GPU here
 
 
 def test_unsloth_that_fails_to_import_is_skipped_with_the_reason(tmp_path, monkeypatch, reference_path):
     _fake_unsloth(tmp_path, "raise RuntimeError('Unsloth: no NVIDIA GPU found')\n", monkeypatch)
-    row = fresh_process.run_case(
-        finetune.BENCH, "unsloth", ("llama3-8b", "lora", 1, 8), plan=finetune.CPU_PLAN, dtype=torch.float32,
-        device=CPU, warmup=0, steps=1, extra=_unsloth_case(tmp_path),
-    )  # fmt: skip
+    row = fresh_process.run_case(finetune.BENCH, _unsloth_case(tmp_path))
     assert row.status == "skipped"
     assert row.error == "unsloth not importable (RuntimeError: Unsloth: no NVIDIA GPU found)"
 
@@ -411,10 +412,11 @@ def test_cli_cpu_end_to_end_and_fuselm_losses_match_hf(tmp_path, capsys, referen
     # fuselm's losses vs HF's under the numerics rule: an HF run in float64 is the reference, HF in
     # float32 the eager baseline (same saved weights, seed, LoRA init and batch)
     extra = {"model_dir": str(models), "rank": 16, "alpha": 16.0, "dropout": 0.0, "profile_steps": 1}
-    reference = fresh_process.run_case(
-        finetune.BENCH, "hf", ("llama3-8b", "lora", 2, 32), plan=plan, dtype=torch.float64, device=CPU,
-        warmup=plan.warmup, steps=plan.steps, extra=extra,
-    )  # fmt: skip
+    shape = ("llama3-8b", "lora", 2, 32)
+    case = fresh_process.WorkerCase(
+        "hf", shape, plan, torch.float64, CPU, plan.warmup, plan.steps, extra=extra
+    )
+    reference = fresh_process.run_case(finetune.BENCH, case)
     assert reference.status == "ok", reference.error
     assert reference.trainable_dtype == "float64"
 

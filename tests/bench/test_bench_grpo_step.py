@@ -127,7 +127,8 @@ def test_ratios_and_tables():
 def test_oom_at_a_batch_skips_larger_batches(monkeypatch, tmp_path):
     calls = []
 
-    def fake_run_case(bench, provider, shape, **kw):
+    def fake_run_case(bench, case, repeat=0):
+        provider, shape = case.provider, case.shape
         calls.append((provider, shape))
         if shape[0] >= 8:
             return grpo_step.StepRow(provider, *shape, "oom", error="OutOfMemoryError: CUDA out of memory.")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from fuselm_bench import max_context, registry
+from fuselm_bench.arguments import parse_caps, parse_gpus
 
 from fuselm.cli import main
 
@@ -82,12 +83,11 @@ def test_usage_errors(args, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_caps_parse_on_a_gpu_and_are_none_on_the_cpu():
-    assert max_context._caps(None, cuda=True) == list(max_context.DEFAULT_CAPS)
-    assert max_context._caps("16,40.5", cuda=True) == [16.0, 40.5]
-    assert max_context._caps("16", cuda=False) == [None]
-    with pytest.raises(max_context.UsageError, match="--caps"):
-        max_context._caps("16,big", cuda=True)
+def test_caps_parse_and_must_be_positive():
+    assert parse_caps("16,40.5") == [16.0, 40.5]
+    for bad in ("16,big", "0"):
+        with pytest.raises(max_context.UsageError, match="--caps"):
+            parse_caps(bad)
 
 
 def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
@@ -158,12 +158,12 @@ def test_gpus_put_the_searches_side_by_side(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert "CUDA_VISIBLE_DEVICES" not in finetune.worker_env("fuselm", {})
     with pytest.raises(max_context.UsageError, match="--gpus"):
-        max_context._gpus("0", cuda=False)
+        parse_gpus("0", cuda=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert max_context._gpus("0,1,1", cuda=True) == [0, 1, 1]
+    assert parse_gpus("0,1,1", cuda=True) == [0, 1, 1]
     for bad in ("0,2", "x"):
         with pytest.raises(max_context.UsageError, match="--gpus"):
-            max_context._gpus(bad, cuda=True)
+            parse_gpus(bad, cuda=True)
 
 
 def test_side_by_side_searches_run_at_once(tmp_path, monkeypatch):
@@ -182,11 +182,11 @@ def test_side_by_side_searches_run_at_once(tmp_path, monkeypatch):
     both_started = threading.Barrier(2, timeout=10)
     seen = []
 
-    def fake_case(bench, provider, shape, *, extra, **kwargs):
-        seen.append((provider, extra["gpu"], extra["memory_cap_gib"]))
+    def fake_case(bench, case, repeat=0):
+        seen.append((case.provider, case.extra["gpu"], case.extra["memory_cap_gib"]))
         both_started.wait()  # a timeout here: the searches ran one after the other
         result = {"status": "ok", "step_ms": 1.0, "peak_bytes": 1}
-        return fresh_process.make_row(bench, provider, shape, result)
+        return fresh_process.make_row(bench, case.provider, case.shape, result)
 
     monkeypatch.setattr(fresh_process, "run_case", fake_case)
     args = ["bench", "max-context", "--scenarios", "lora", "--providers", "fuselm,unsloth", "--caps", "16"]
