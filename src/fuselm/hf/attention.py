@@ -195,7 +195,7 @@ class KeptAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.backend, dout.contiguous(), q, k, v, out, lse, ctx.scale)
+        dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.scale)  # as autograd passes it
         return dq, dk, dv, None, None, None
 
 
