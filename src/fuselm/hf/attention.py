@@ -128,9 +128,7 @@ def _reference(q, k, v, dout, scale: float) -> tuple[torch.Tensor, ...]:
     p = (q @ k.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
     dp = dout @ v.transpose(-1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-    dk, dv = ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
-    if groups > 1:
-        dk, dv = (g.unflatten(1, (-1, groups)).sum(2) for g in (dk, dv))
+    dk, dv = _fold(ds.transpose(-1, -2) @ q, groups), _fold(p.transpose(-1, -2) @ dout, groups)
     return p @ v, ds @ k, dk, dv
 
 
@@ -142,7 +140,13 @@ def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each key / value head repeated for the ``groups`` query heads that read it."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`'s input: each head's, summed over its ``groups`` copies."""
+    return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(2)
 
 
 def _forward(backend: str, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +173,7 @@ def _backward(backend: str, dout, q, k, v, out, lse, scale: float) -> tuple[torc
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, _repeat(k, groups), _repeat(v, groups), out, lse, 0.0, True, scale=scale
     )
-    if groups > 1:  # each key / value head's gradient: the sum over the query heads that read it
-        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
-    return dq, dk, dv
+    return dq, _fold(dk, groups), _fold(dv, groups)
 
 
 class KeptAttention(torch.autograd.Function):
