@@ -138,7 +138,7 @@ def test_training_attention_switches_sdpa_models_only_until_restored():
         assert config._attn_implementation == "eager"
 
 
-def _qkv(gen, dtype, device, heads=4, kv_heads=2, t=33, d=16):
+def _qkv(gen, dtype, device, heads=4, kv_heads=2, t=129, d=64):
     q = torch.randn(2, heads, t, d, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
     k = torch.randn(2, kv_heads, t, d, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
     v = torch.randn(2, kv_heads, t, d, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
@@ -162,7 +162,7 @@ def test_causal_attention_is_sdpas_under_the_numerics_rule(kv_heads, device):
     module = torch.nn.Module()
     assert attention._backend(q, k, 0.25) == ("cudnn" if device == "cuda" else "cpu")
     out, none = attention.sdpa_attention(module, q, k, v, None, scaling=0.25)
-    assert none is None and out.shape == (2, 33, 4, 16) and out.is_contiguous()
+    assert none is None and out.shape == (2, 129, 4, 64) and out.is_contiguous()
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device, dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     eager = _sdpa(q, k, v, 0.25)
@@ -221,11 +221,11 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
 
     monkeypatch.setattr(attention, "_forward", counted)
     module = torch.nn.Module()
-    base = torch.nn.Linear(16, 64)
-    x = torch.randn(2, 33, 16, generator=torch.Generator().manual_seed(1))
+    base = torch.nn.Linear(16, 256)
+    x = torch.randn(2, 129, 16, generator=torch.Generator().manual_seed(1))
 
     def layer(proj, x):
-        q = proj(x).view(2, 33, 4, 16).transpose(1, 2)
+        q = proj(x).view(2, 129, 4, 64).transpose(1, 2)
         out, _ = attention.sdpa_attention(module, q, q[:, :2], q[:, :2], None, scaling=0.5)
         return out.sum(-1).sum(-1)
 
@@ -243,11 +243,11 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
     offload.set_kept_output_room(None)
     ref = grads(torch.float64, "cpu")
     results = {}
-    for kept in (0.0, 8.0):
+    for kept in (0.0, 32.0):
         forwards.clear()
         results[kept] = (grads(dtype, device, kept), len(forwards))
-    assert results[0.0][1] == 2 and results[8.0][1] == 1
-    for name, got, eager, r in zip(("dx", "dW"), results[8.0][0], results[0.0][0], ref, strict=True):
+    assert results[0.0][1] == 2 and results[32.0][1] == 1
+    for name, got, eager, r in zip(("dx", "dW"), results[32.0][0], results[0.0][0], ref, strict=True):
         assert_numerics(name, got, eager, r, dtype)
 
 
