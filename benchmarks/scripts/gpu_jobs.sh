@@ -8,8 +8,11 @@
 #   bash benchmarks/scripts/gpu_jobs.sh
 #
 # TESTS: pytest paths (TT seconds, default 200; each test's result is printed, so a stopped run keeps names).
-# JOBS: "outdir:model:scenario:provider[:BxT[:flag+flag]]" (flags: trainer, no-offload, ...; a provider
+# JOBS: "outdir:model:scenario:provider[:BxT[:flag+flag[:SETS]]]" (flags: trainer, no-offload, ...; a provider
 #   ending in +c runs Unsloth with its torch.compile); jobs sharing an outdir are merged into one report.
+#   SETS: "module.ATTR=value+..." set in each worker of the job before it runs (a sitecustomize on its
+#   PYTHONPATH), to compare a library constant's values, e.g. fuselm.offload.KEPT_PER_INPUT=2.6; give such
+#   jobs their own outdir.
 # MC: "cap:lo:hi:provider" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each.
 # DEMO=1: fuselm demo on CUDA. DEADLINE: seconds after which no further job starts.
 set -u
@@ -32,8 +35,22 @@ if [ -n "${TESTS:-}" ]; then
     grep -E "FAILED|ERROR" "$OUT/r/tests.log" | grep -v "^E " | head -30
     tail -3 "$OUT/r/tests.log"
 fi
+n_job=0
 for job in ${JOBS:-}; do
-    IFS=: read -r od model scen prov shape flags <<<"$job"
+    IFS=: read -r od model scen prov shape flags sets <<<"$job"
+    n_job=$((n_job + 1))
+    path="$PYTHONPATH"
+    if [ -n "${sets:-}" ]; then  # a sitecustomize that sets module attributes at the worker's start
+        site="/tmp/sets-$n_job"; mkdir -p "$site"
+        python3 - "$sets" >"$site/sitecustomize.py" <<'PY'
+import sys
+for item in sys.argv[1].split("+"):
+    target, value = item.split("=")
+    module, attr = target.rsplit(".", 1)
+    print(f"import {module}\n{module}.{attr} = type({module}.{attr})({value!r})")
+PY
+        path="$site:$PYTHONPATH"
+    fi
     if [ "$(left)" -lt 60 ]; then echo "SKIP (deadline) $job"; continue; fi
     extra=()
     case "$prov" in *+c) prov="${prov%+c}"; extra+=(--unsloth-compile) ;; esac
@@ -41,7 +58,8 @@ for job in ${JOBS:-}; do
     mkdir -p "$OUT/r/$od"
     merge=()
     [ -f "$OUT/r/$od/finetune.json" ] && merge=(--merge)
-    timeout "$(($(left) - 10))" python3 -m fuselm_bench finetune --models "$model" --shapes "${shape:-4x2048}" \
+    PYTHONPATH="$path" timeout "$(($(left) - 10))" python3 -m fuselm_bench finetune --models "$model" \
+        --shapes "${shape:-4x2048}" \
         --scenarios "$scen" --providers "$prov" --model-dir /tmp/fm --out "$OUT/r/$od" "${merge[@]}" \
         --no-progress "${extra[@]}" >>"$OUT/r/$od/log.txt" 2>&1
     echo "job $job rc=$? t=$((SECONDS - T0))"
