@@ -186,9 +186,11 @@ class KeptAttention(torch.autograd.Function):
         kept = kept_output(key)
         if kept is None:
             out, lse = _forward(backend, q, k, v, scale)
-            keep_output(key, (out, lse))
+            # kept [B, T, H, D]: back in the layout of the output's gradient (the caller's output is that
+            # transpose, made contiguous), as SDPA's kernels leave it
+            keep_output(key, (out.transpose(1, 2), lse))
         else:
-            out, lse = kept
+            out, lse = kept[0].transpose(1, 2), kept[1]
         ctx.scale, ctx.backend = scale, backend
         ctx.save_for_backward(q, k, v, out, lse)
         return out
