@@ -333,6 +333,41 @@ def test_lora_gated_mlp_chunks_save_x_and_masks_alone(chunk_rows, output, gen):
     y.sum().backward()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("chunk_rows", [None, 2048], ids=["one_chunk", "chunks"])
+def test_lora_gated_mlp_recompute_peaks_no_higher_than_whole(chunk_rows):
+    """output=False (a recompute: the backward makes gate, up and the product) peaks no higher over its
+    forward and backward than the whole MLP (output=True) does, and over chunks holds one chunk's [chunk, I]
+    buffers beside dx."""
+    torch.manual_seed(0)
+    n, h, i, r = 8192, 512, 8192, 16
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ops = []
+    for out_f, in_f in ((i, h), (i, h), (h, i)):
+        w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.05
+        a = (torch.randn(r, in_f, device="cuda") * 0.05).requires_grad_()
+        b = (torch.randn(out_f, r, device="cuda") * 0.05).requires_grad_()
+        ops.append((w, L.LoraAdapter(a, b, scaling=1.0)))
+    dy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    leaves = (x, *(t for _, ad in ops for t in (ad.A, ad.B)))
+
+    def peak(**kwargs) -> int:
+        torch.autograd.grad(L.lora_gated_mlp(x, *ops, "silu", **kwargs), leaves, dy)  # cuBLAS's workspaces
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(L.lora_gated_mlp(x, *ops, "silu", **kwargs), leaves, dy)
+        del grads
+        return torch.cuda.max_memory_allocated() - before
+
+    whole = peak()
+    recompute = peak(output=False, chunk_rows=chunk_rows)
+    if chunk_rows is None:
+        assert recompute <= whole
+    else:  # y, dx and one chunk's g, u, dh (+ the fp32 adapter gradients' sums, small)
+        assert recompute <= 2 * n * h * 2 + 3.5 * chunk_rows * i * 2
+
+
 def test_lora_gated_mlp_chunks_refuse_down_dropout(gen):
     layers = mlp_layers(gen, 8, 0.1, torch.float32, torch.float32)
     x = randn(gen, (*LEAD, H), torch.float32)

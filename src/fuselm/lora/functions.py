@@ -591,10 +591,9 @@ class _LoraChunks(ChunkedMLP):
     chunks): gate's and up's with their rank-r products (the lows kept for the adapters' gradients), then
     down's, whose dropout is 0 here. The adapters' gradients are summed over the chunks in fp32 (at least)."""
 
-    def __init__(self, adapters, casts, masks, projs, needs=(False,) * 7, x=None):
+    def __init__(self, adapters, casts, masks, projs, needs=(False,) * 7):
         self.adapters, self.casts, self.masks, self.projs = adapters, casts, masks, projs
         self.needs = needs
-        self.dx = torch.empty_like(x) if needs[0] else None
         self.sums = ChunkSums()
 
     def gate_up(self, xc, s, e):
@@ -636,7 +635,7 @@ class _LoraChunks(ChunkedMLP):
         del dg, dgb
         dub = torch.mm(du, bu_c) if au is not None and (nx or nau) else None
         if nx:
-            self.dx[s:e] = _grad_input(du, dub, au_c, self.muc, pu, acc=dxc)
+            self.put_dx(s, e, _grad_input(du, dub, au_c, self.muc, pu, acc=dxc))
         if au is not None:
             dau, dbu = _grad_adapter(du, dub, xc, self.low_u, self.muc, au, bu, pu, nau, nbu)
             self.sums.add("au", dau)
@@ -674,7 +673,7 @@ class ChunkedLoraGatedMLPFunction(torch.autograd.Function):
         want_h = ctx.adapters[4] is not None and (nad or nbd)
         with _no_autocast(dy.device.type):
             casts = _mlp_backward_casts(ctx, dy.dtype)
-            mlp = _LoraChunks(ctx.adapters, casts, (mg, mu), ctx.projs, needs, x)
+            mlp = _LoraChunks(ctx.adapters, casts, (mg, mu), ctx.projs, needs)
             mlp.backward(x, dy, ctx.chunk_rows, ctx.activation, want_h)
         like = dict(zip(("ag", "bg", "au", "bu", "ad", "bd"), ctx.adapters, strict=True))
         return mlp.dx, *mlp.sums.rounded(like), None, None, None, None, None, None

@@ -151,9 +151,23 @@ class ChunkedMLP:
     - ``gate_up(xc, s, e)`` -> ``(g, u)`` [chunk, I] of x's rows xc, in forward and again in backward;
     - ``down(h)`` -> the chunk's output rows (forward);
     - ``grad_h(dyc)`` -> dh [chunk, I], a fresh buffer (backward: the kernel writes dg over it);
-    - ``grads(s, e, xc, dyc, dg, du, h)`` takes the chunk's gradients: its rows of dx, the parameters' sums
-      over the chunks (:class:`ChunkSums`); h is None unless the backward was asked for it.
+    - ``grads(s, e, xc, dyc, dg, du, h)`` takes the chunk's gradients: its rows of dx (:meth:`put_dx`), the
+      parameters' sums over the chunks (:class:`ChunkSums`); h is None unless the backward was asked for it.
     """
+
+    dx: torch.Tensor | None = None  # [N, H] after the backward, if dx was asked for
+    rows = 0  # N, in the backward
+
+    def put_dx(self, s: int, e: int, rows: torch.Tensor) -> None:
+        """Rows [s, e) of dx: one chunk's rows are dx itself; with several, dx is allocated at the first
+        chunk's write, not before the first chunk's [chunk, I] buffers (so a single chunk, a recompute's
+        whole MLP, peaks no higher than the unchunked MLP)."""
+        if s == 0 and e == self.rows:
+            self.dx = rows
+            return
+        if self.dx is None:
+            self.dx = rows.new_empty((self.rows, rows.shape[1]))
+        self.dx[s:e] = rows
 
     def forward(self, x: torch.Tensor, chunk_rows: int, activation: str) -> torch.Tensor:
         """y [N, H]: per chunk g, u, then h = act(g) * u (g and u freed), then y's rows = down(h)."""
@@ -169,7 +183,8 @@ class ChunkedMLP:
     def backward(self, x: torch.Tensor, dy: torch.Tensor, chunk_rows: int, activation: str, want_h: bool):
         """Per chunk: g and u recomputed, dh, then one kernel writes dg over dh, du over u and (want_h) the
         product h over g; then grads."""
-        for s, e in row_chunks(x.shape[0], chunk_rows):
+        self.rows = x.shape[0]
+        for s, e in row_chunks(self.rows, chunk_rows):
             xc, dyc = x[s:e], dy[s:e]
             g, u = self.gate_up(xc, s, e)
             dh = self.grad_h(dyc)
@@ -184,12 +199,11 @@ class _DenseChunks(ChunkedMLP):
     """ChunkedGatedMLPFunction's projections on one chunk: F.linear forward, torch.mm backward, the weights'
     gradients summed over the chunks by the GEMMs in fp32 (fp64 for fp64 weights)."""
 
-    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down=None, needs=(False,) * 7, x=None):
+    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down=None, needs=(False,) * 7):
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
         self.b_gate, self.b_up, self.b_down = b_gate, b_up, b_down
         self.needs = needs
-        nx, nwg, nwu, nwd, nbg, nbu, nbd = needs
-        self.dx = torch.empty_like(x) if nx else None
+        _, nwg, nwu, nwd, nbg, nbu, nbd = needs
         self.acc_dtype = torch.float64 if w_gate.dtype == torch.float64 else torch.float32
         self.sums = ChunkSums()
         for name, shape, need in (
@@ -201,7 +215,7 @@ class _DenseChunks(ChunkedMLP):
             ("bd", w_down.shape[:1], nbd),
         ):
             if need:
-                self.sums.zeros(name, shape, self.acc_dtype, x.device)
+                self.sums.zeros(name, shape, self.acc_dtype, w_gate.device)
 
     def gate_up(self, xc, s, e):
         return F.linear(xc, self.w_gate, self.b_gate), F.linear(xc, self.w_up, self.b_up)
@@ -228,7 +242,7 @@ class _DenseChunks(ChunkedMLP):
         if nbu:
             sums.add("bu", du.sum(0, dtype=acc_dtype))
         if nx:
-            torch.mm(dg, self.w_gate, out=self.dx[s:e]).addmm_(du, self.w_up)
+            self.put_dx(s, e, torch.mm(dg, self.w_gate).addmm_(du, self.w_up))
 
 
 class ChunkedGatedMLPFunction(torch.autograd.Function):
@@ -249,7 +263,7 @@ class ChunkedGatedMLPFunction(torch.autograd.Function):
         x, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
         needs = ctx.needs_input_grad[:7]
         dy = rows_view(dy)
-        mlp = _DenseChunks(w_gate, w_up, w_down, b_gate, b_up, needs=needs, x=x)
+        mlp = _DenseChunks(w_gate, w_up, w_down, b_gate, b_up, needs=needs)
         mlp.backward(x, dy, ctx.chunk_rows, ctx.activation, want_h=needs[3])
         like = {"wg": w_gate, "wu": w_up, "wd": w_down, "bg": w_gate, "bu": w_up, "bd": w_down}
         return mlp.dx, *mlp.sums.rounded(like), None, None
