@@ -520,8 +520,8 @@ def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch, tmp_
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     shapes = [("llama3.2-1b", 4, 64), ("llama3.2-1b", 8, 64), ("llama3.2-1b", 16, 64), ("qwen3-0.6b", 8, 64)]
-    c = fresh_process.CliRun(
-        ["hf"], CPU, e2e.CPU_PRESET, shapes, 0, 1, torch.float32, {}, tmp_path, repeats=2
+    c = fresh_process.CaseReport(
+        e2e.CPU_PRESET, torch.float32, "cpu", shapes, ["hf"], 0, 1, {}, repeats=2, out_dir=tmp_path
     )
     report = fresh_process.run(e2e.BENCH, c, progress=False, log=lambda s: None)
     # batch 8 of llama ran once; its second repeat and batch 16 are not run; qwen3 is another model
