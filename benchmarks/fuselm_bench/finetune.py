@@ -156,9 +156,8 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     except (OSError, json.JSONDecodeError):
         return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    want["settings"] = json.loads(
-        json.dumps(model_settings(model, tiny))
-    )  # tuples -> lists, as in the marker
+    # tuples -> lists, as in the marker
+    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))
     return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
@@ -730,7 +729,7 @@ BENCH = fresh_process.Bench(
     timeout_s=WORKER_TIMEOUT_S,
     versions=("torch", "triton", "transformers", "liger-kernel", *VERSIONS),
     peers={"unsloth": "Unsloth", "hf": "HF"},
-    precheck=e2e.peer_missing,
+    precheck=e2e.precheck,
     worker_prefix=worker_prefix,
     worker_env=worker_env,
     variant_description=describe_variant,
