@@ -268,8 +268,11 @@ class E2ERow(fresh_process.WorkerRow):
     final_loss: float | None = None
 
 
-def peer_missing(provider: str, device: torch.device) -> str | None:
-    """Why a peer's provider (liger, unsloth) cannot run here (no CUDA, not importable); else None."""
+def precheck(provider: str, device: torch.device) -> str | None:
+    """Why a provider cannot run here, else None: fuselm-graph and fuselm-trainer (CUDA graphs) and the peers
+    (liger, unsloth) need CUDA, and a peer must be importable. Finetune's precheck too."""
+    if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
+        return "needs CUDA (CUDA graphs)"
     package = {"liger": "liger_kernel", "unsloth": "unsloth"}.get(provider)
     if package is None:
         return None
@@ -278,12 +281,6 @@ def peer_missing(provider: str, device: torch.device) -> str | None:
     if importlib.util.find_spec(package) is None:
         return f"{package} not importable (pip install {package.replace('_', '-')}, or put it on PYTHONPATH)"
     return None
-
-
-def _precheck(provider: str, device: torch.device) -> str | None:
-    if provider in ("fuselm-graph", "fuselm-trainer") and device.type != "cuda":
-        return "needs CUDA (CUDA graphs)"
-    return peer_missing(provider, device)
 
 
 # ---- report files ----
@@ -397,7 +394,7 @@ BENCH = fresh_process.Bench(
     versions=("torch", "triton", "transformers", "liger-kernel"),
     peers={"liger": "Liger", "hf": "HF"},
     metrics={"tokens": ("tokens_per_s", "tokens/s"), "peak": ("peak_bytes", "peak")},
-    precheck=_precheck,
+    precheck=precheck,
     facts=lambda report: [*model_facts(report), BUILT],
     tables=markdown_table,
     notes=notes,

@@ -156,9 +156,8 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     except (OSError, json.JSONDecodeError):
         return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    want["settings"] = json.loads(
-        json.dumps(model_settings(model, tiny))
-    )  # tuples -> lists, as in the marker
+    # tuples -> lists, as in the marker
+    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))
     return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
@@ -730,7 +729,7 @@ BENCH = fresh_process.Bench(
     timeout_s=WORKER_TIMEOUT_S,
     versions=("torch", "triton", "transformers", "liger-kernel", *VERSIONS),
     peers={"unsloth": "Unsloth", "hf": "HF"},
-    precheck=e2e.peer_missing,
+    precheck=e2e.precheck,
     worker_prefix=worker_prefix,
     worker_env=worker_env,
     variant_description=describe_variant,
@@ -772,7 +771,8 @@ def parse_budget(text: str) -> float:
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench finetune``; the exit code. Raises ``UsageError``."""
     c = fresh_process.start_cli(BENCH, args, argv, grid=grid, packages=VERSIONS)
-    cuda = c.device.type == "cuda"
+    device = torch.device(c.device_type)
+    cuda = device.type == "cuda"
     rank = args.rank or RANK
     options = {"rank": rank, "alpha": float(args.lora_alpha or rank), "dropout": args.lora_dropout or 0.0}
     if not 0.0 <= options["dropout"] < 1.0:
@@ -801,7 +801,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         for model in dict.fromkeys(s[0] for s in c.shapes):
             tiny = "tiny, " if c.plan.tiny else ""
             print(f"saving {model} ({tiny}{DTYPE_NAMES[save_dtype]}) to {model_dir} ...", flush=True)
-            folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, c.device)
+            folder, info = ensure_saved_model(model_dir, model, c.plan.tiny, save_dtype, device)
             folders[model] = {"folder": str(folder), **info}
             print(f"  {'reused' if info['reused'] else 'saved'} {folder}", flush=True)
         c.extra.update(model_dir=str(model_dir), **options)

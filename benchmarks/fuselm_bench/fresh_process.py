@@ -288,7 +288,8 @@ def median_of(rows: Sequence[Any], attr: str) -> float | None:
 
 @dataclass
 class CaseReport:
-    """Everything one run of a fresh-process benchmark produced."""
+    """Everything one run of a fresh-process benchmark produced; before its rows, what :func:`run_cli` runs
+    (:func:`start_cli`: from the parsed ``fuselm bench`` arguments)."""
 
     plan: Any
     dtype: torch.dtype
@@ -302,6 +303,9 @@ class CaseReport:
     skipped: dict[str, str] = field(default_factory=dict)
     repeats: int = 1
     merged: list[dict[str, Any]] = field(default_factory=list)  # earlier runs whose rows were joined
+    extra: dict[str, Any] = field(default_factory=dict)  # every worker's WorkerCase.extra
+    out_dir: Path | None = None
+    merge: bool | str = False  # True: <out>/<suite>.json; a path: that file (or <folder>/<suite>.json)
 
     def rows_of(self, provider: str, shape: Sequence[Any]) -> list[Any]:
         """Every row (one per repeat) of (provider, shape)."""
@@ -314,22 +318,22 @@ class CaseReport:
 
 def run(
     bench: Bench,
-    c: CliRun,
+    c: CaseReport,
     progress: bool = True,
     on_row: Callable[[CaseReport], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> CaseReport:
     """Every (shape, repeat, provider) of ``c`` in its own worker; ``on_row(report so far)`` after each."""
-    report = new_report(c)
+    report, device = new_report(c), torch.device(c.device_type)
     for p in c.providers:
-        reason = bench.precheck(p, c.device)
+        reason = bench.precheck(p, device)
         if reason:
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
     fields, batch = bench.row_type.SHAPE_FIELDS, bench.row_type.BATCH_FIELD
 
     def execute(k: Case) -> Row:
-        case = WorkerCase(k.provider, k.shape, c.plan, c.dtype, c.device, c.warmup, c.steps, extra=c.extra)
+        case = WorkerCase(k.provider, k.shape, c.plan, c.dtype, device, c.warmup, c.steps, extra=c.extra)
         return run_case(bench, case, k.repeat)
 
     def on_rows(rows: list[Row]) -> None:
@@ -552,30 +556,10 @@ def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
 # ---- command line ----
 
 
-@dataclass
-class CliRun:
-    """What a fresh-process benchmark's ``run_cli`` runs, from the parsed ``fuselm bench`` arguments."""
-
-    providers: list[str]
-    device: torch.device
-    plan: Any
-    shapes: list[tuple[int, ...]]
-    warmup: int
-    steps: int
-    dtype: torch.dtype
-    metadata: dict[str, Any]
-    out_dir: Path
-    repeats: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
-    merge: bool | str = False  # True: <out>/<suite>.json; a path: that file (or <folder>/<suite>.json)
-
-
-def new_report(c: CliRun) -> CaseReport:
-    """The report of ``c`` before any row."""
-    shapes, providers, device = tuple(map(tuple, c.shapes)), tuple(c.providers), c.device.type
-    return CaseReport(
-        c.plan, c.dtype, device, shapes, providers, c.warmup, c.steps, dict(c.metadata), repeats=c.repeats
-    )
+def new_report(c: CaseReport) -> CaseReport:
+    """``c`` before any row (shapes and providers as tuples, its own metadata)."""
+    shapes, providers, metadata = tuple(map(tuple, c.shapes)), tuple(c.providers), dict(c.metadata)
+    return dataclasses.replace(c, shapes=shapes, providers=providers, metadata=metadata, rows=[], skipped={})
 
 
 def start_cli(
@@ -585,7 +569,7 @@ def start_cli(
     *,
     grid: Callable[[Any, Any], list[tuple[Any, ...]]] | None = None,
     packages: Sequence[str] = (),
-) -> CliRun:
+) -> CaseReport:
     """What a run of ``bench`` runs (shapes: ``grid(args, plan)``, else ``--shapes``, else the plan's)."""
     default = bench.default_providers or bench.providers
     chosen = parse_list(args.providers, bench.providers, "provider", variants=True, default=default)
@@ -619,17 +603,17 @@ def start_cli(
     except ImportError:
         raise UsageError(f'fuselm bench {bench.name} needs transformers: pip install "fuselm[hf]"') from None
     out_dir = results_dir(args.out, meta["device"] if cuda else None)
-    repeats, merge = args.repeats or 1, args.merge or False
-    return CliRun(chosen, device, plan, shapes, warmup, steps, dtype, meta, out_dir, repeats, extra, merge)
+    run = dict(repeats=args.repeats or 1, extra=extra, out_dir=out_dir, merge=args.merge or False)
+    return CaseReport(plan, dtype, device.type, shapes, chosen, warmup, steps, meta, **run)
 
 
 def run_cli(
-    bench: Bench, c: CliRun, *, progress: bool, summary: Callable[[CaseReport], str] | None = None
+    bench: Bench, c: CaseReport, *, progress: bool, summary: Callable[[CaseReport], str] | None = None
 ) -> int:
     """Run the cases, writing the files after every row (a stopped run keeps them), print the report
     (``summary(report)``: a table printed last); the exit code (1: no case ran)."""
     write = functools.partial(write_report, bench)
-    if c.device.type != "cuda":
+    if c.device_type != "cuda":
         print(CPU_FIGURES)
     print(f"device: {c.metadata['device']}; versions: {versions(bench, c.metadata)}")
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""

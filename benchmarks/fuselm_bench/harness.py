@@ -427,23 +427,16 @@ def measure_ceilings(device: torch.device, *, quick: bool = False) -> Ceilings:
 # ---- one case ----
 
 
-def _measure(
-    suite: Suite,
-    provider: Provider,
-    shape: Shape,
-    mode: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    quick: bool,
-) -> OpRow:
+def _measure(suite: Suite, case: Case, dtype: torch.dtype, device: torch.device, quick: bool) -> OpRow:
     """Time (and on CUDA, for fwd and full, measure the memory of) one (shape, provider, mode)."""
-    row = OpRow(shape=tuple(shape), provider=provider.name, mode=mode)
+    shape, mode = case.shape, case.mode
+    row = OpRow(shape=tuple(shape), provider=case.provider, mode=mode)
     torch.manual_seed(0)
     inputs = suite.make_inputs(shape, dtype, device)
     if mode == "fwd" and not suite.forward_grad:
         # an evaluation pass: inputs that do not require grad (some peers test requires_grad alone)
         inputs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    fn = provider.setup(device)
+    fn = suite.provider(case.provider).setup(device)
     wrt = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     if mode == "fwd":
@@ -570,7 +563,7 @@ def run_suite(
 
     def execute(case: Case) -> OpRow:
         try:
-            row = _measure(suite, suite.provider(case.provider), case.shape, case.mode, dtype, device, quick)
+            row = _measure(suite, case, dtype, device, quick)
         except Exception as e:  # noqa: BLE001 - a skip, OOM and friends: record and go on
             error = f"skipped: {e}" if isinstance(e, SkipProvider) else error_text(e)
             row = OpRow(shape=case.shape, provider=case.provider, mode=case.mode, error=error)

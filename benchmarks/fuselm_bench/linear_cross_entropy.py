@@ -40,15 +40,12 @@ def split_shape(shape: Shape) -> tuple[int, int, int, int, int]:
     return int(n), int(h), int(v), int(inputs), int(k)
 
 
-def ignored_share(k: int) -> str:
-    """How much of the targets ``round(N / k)`` is: 'half' (k = 2), 'all' (k = 1), else '1/k'."""
-    return "half" if k == 2 else ("all" if k == 1 else f"1/{k}")
-
-
 def describe(shape: Shape) -> str:
-    """Human label of a shape: (8192, 4096, 128256, 2, 7) -> 'N=8192 H=4096 V=128256, peaked, 1/7 ignored'."""
+    """Human label of a shape: (8192, 4096, 128256, 2, 7) -> 'N=8192 H=4096 V=128256, peaked, 1/7 ignored'
+    (k = 2: half, k = 1: all)."""
     n, h, v, inputs, k = split_shape(shape)
-    return f"N={n} H={h} V={v}, {INPUT_NAMES[inputs]}, {ignored_share(k)} ignored"
+    share = "half" if k == 2 else ("all" if k == 1 else f"1/{k}")
+    return f"N={n} H={h} V={v}, {INPUT_NAMES[inputs]}, {share} ignored"
 
 
 # ---- inputs ----

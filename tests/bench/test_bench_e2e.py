@@ -178,8 +178,8 @@ def test_trainer_providers_are_opt_in_and_train_as_the_step_loop():
     GPU figures on a CPU); fuselm-trainer needs CUDA (the parent skips it with the reason)."""
     for provider in e2e.TRAINER_PROVIDERS:
         assert provider in e2e.BENCH.providers and provider not in e2e.DEFAULT_PROVIDERS
-    assert e2e._precheck("fuselm-trainer", CPU) == "needs CUDA (CUDA graphs)"
-    assert e2e._precheck("hf-trainer", CPU) is None
+    assert e2e.precheck("fuselm-trainer", CPU) == "needs CUDA (CUDA graphs)"
+    assert e2e.precheck("hf-trainer", CPU) is None
     runs = {
         p: e2e.train(WorkerCase(p, ("llama3.2-1b", 2, 16), e2e.CPU_PRESET, torch.float32, CPU, 1, 2))
         for p in ("hf", "hf-trainer")
@@ -267,7 +267,7 @@ def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
 
 
 def test_liger_skip_reasons(monkeypatch):
-    assert "needs CUDA" in e2e._precheck("liger", CPU)
+    assert "needs CUDA" in e2e.precheck("liger", CPU)
     with pytest.raises(e2e.SkipProvider, match="needs CUDA"):
         e2e.apply_provider_before_build("liger", CPU)
     # not importable: the parent skips without a process, the worker (if asked anyway) says so too
@@ -277,20 +277,20 @@ def test_liger_skip_reasons(monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else find_spec(name, *a)
     )
-    assert "not importable" in e2e._precheck("liger", torch.device("cuda"))
+    assert "not importable" in e2e.precheck("liger", torch.device("cuda"))
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # `import liger_kernel...` raises ImportError
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
     for family in ("llama", "qwen3"):
         with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
             e2e.apply_provider_before_build("liger", torch.device("cuda"), family)
-    assert e2e._precheck("hf", CPU) is None and e2e._precheck("fuselm", CPU) is None
+    assert e2e.precheck("hf", CPU) is None and e2e.precheck("fuselm", CPU) is None
 
 
 def test_graph_provider_is_opt_in_and_needs_cuda():
     """fuselm-graph (fuselm's model, forward + backward replayed from one CUDA graph) runs only when asked
     for and only on CUDA; on a CPU the parent skips it without a process, with the reason."""
     assert "fuselm-graph" in e2e.BENCH.providers and "fuselm-graph" not in e2e.DEFAULT_PROVIDERS
-    assert e2e._precheck("fuselm-graph", CPU) == "needs CUDA (CUDA graphs)"
+    assert e2e.precheck("fuselm-graph", CPU) == "needs CUDA (CUDA graphs)"
     for extra, want in (
         ([], list(e2e.DEFAULT_PROVIDERS)),
         (["--providers", "fuselm-graph"], ["fuselm-graph"]),
@@ -520,8 +520,8 @@ def test_oom_at_a_batch_skips_larger_batches_and_later_repeats(monkeypatch, tmp_
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     shapes = [("llama3.2-1b", 4, 64), ("llama3.2-1b", 8, 64), ("llama3.2-1b", 16, 64), ("qwen3-0.6b", 8, 64)]
-    c = fresh_process.CliRun(
-        ["hf"], CPU, e2e.CPU_PRESET, shapes, 0, 1, torch.float32, {}, tmp_path, repeats=2
+    c = fresh_process.CaseReport(
+        e2e.CPU_PRESET, torch.float32, "cpu", shapes, ["hf"], 0, 1, {}, repeats=2, out_dir=tmp_path
     )
     report = fresh_process.run(e2e.BENCH, c, progress=False, log=lambda s: None)
     # batch 8 of llama ran once; its second repeat and batch 16 are not run; qwen3 is another model

@@ -136,7 +136,9 @@ def test_oom_at_a_batch_skips_larger_batches(monkeypatch, tmp_path):
 
     monkeypatch.setattr(fresh_process, "run_case", fake_run_case)
     shapes = [(4, 8, 8), (8, 8, 8), (16, 8, 8)]
-    c = fresh_process.CliRun(["hf"], CPU, grpo_step.CPU_PLAN, shapes, 0, 1, torch.float32, {}, tmp_path)
+    c = fresh_process.CaseReport(
+        grpo_step.CPU_PLAN, torch.float32, "cpu", shapes, ["hf"], 0, 1, {}, out_dir=tmp_path
+    )
     report = fresh_process.run(grpo_step.BENCH, c, log=lambda s: None)
     assert calls == [("hf", (4, 8, 8)), ("hf", (8, 8, 8))]
     assert [r.status for r in report.rows] == ["ok", "oom", "oom"]
