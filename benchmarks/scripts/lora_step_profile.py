@@ -103,26 +103,34 @@ def kind(name: str) -> str:
     return "other"
 
 
-def step_profile(args, out: dict) -> None:
+def lora_model(shape: str, rank: int, patch: dict | None = None):
+    """A random-init Llama of ``shape`` on CUDA in bf16, HF gradient checkpointing, PEFT LoRA of ``rank`` on
+    all seven projections (dropout 0), then ``fuselm.hf.patch(model, **patch)`` unless ``patch`` is None;
+    (model, its config, a fused AdamW on the adapters)."""
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**SHAPES[args.shape], attn_implementation="sdpa", max_position_embeddings=8192)
+    cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa", max_position_embeddings=8192)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    lcfg = peft.LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0,
+    lcfg = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                            "down_proj"])
     model = peft.get_peft_model(model, lcfg)
-    if args.fuselm:
+    if patch is not None:
         import fuselm.hf
 
-        fuselm.hf.patch(model)
+        fuselm.hf.patch(model, **patch)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    return model, cfg, opt
+
+
+def step_profile(args, out: dict) -> None:
+    model, cfg, opt = lora_model(args.shape, args.rank, {} if args.fuselm else None)
     b, t = map(int, args.batch.split("x"))
     ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
 

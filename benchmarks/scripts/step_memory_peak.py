@@ -20,14 +20,7 @@ import sys
 from collections import Counter
 
 import torch
-
-SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
-                        tie_word_embeddings=True),
-}
+from lora_step_profile import SHAPES, lora_model
 
 
 def apply_variant(name: str) -> None:
@@ -49,23 +42,8 @@ def where(frames: list[dict]) -> str:
 
 
 def run_one(args) -> dict:
-    import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import fuselm.hf
-
     apply_variant(args.variant[0])
-    cfg = LlamaConfig(**SHAPES[args.shape], attn_implementation="sdpa", max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    lcfg = peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(model, lcfg)
-    fuselm.hf.patch(model, checkpointing="offload")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    model, cfg, opt = lora_model(args.shape, 16, {"checkpointing": "offload"})
     b, t = args.batch
     ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
