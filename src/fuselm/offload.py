@@ -493,6 +493,11 @@ KEPT_PER_INPUT = 1.5
 KEPT_FRACTION = 0.25
 
 
+def _kept_share(kept_per_input: float | None) -> float:
+    """A call's ``kept_per_input``: :data:`KEPT_PER_INPUT` (read now) for None."""
+    return KEPT_PER_INPUT if kept_per_input is None else kept_per_input
+
+
 class _KeptRoom:
     def __init__(self) -> None:
         self.room: int | None = None  # bytes; None: KEPT_FRACTION of the available memory, read when needed
@@ -558,8 +563,7 @@ class _KeptProbe:
     def kept(self, kept_per_input: float | None = None) -> int:
         """The bytes a call with this ``kept_per_input`` (None: :data:`KEPT_PER_INPUT`) keeps of them (each
         kept if it fits what is left)."""
-        share = KEPT_PER_INPUT if kept_per_input is None else kept_per_input
-        room, kept = share * self.input_bytes, 0
+        room, kept = _kept_share(kept_per_input) * self.input_bytes, 0
         for nbytes in self.offered:
             if nbytes <= room - kept:
                 kept += nbytes
@@ -1049,8 +1053,7 @@ def offloaded_checkpoint(
         (torch.Size([32, 32]), 0)
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    if kept_per_input is None:
-        kept_per_input = KEPT_PER_INPUT
+    kept_per_input = _kept_share(kept_per_input)
     _check_offload_options(
         kept_per_input=kept_per_input, prefetch=prefetch, backward_context=backward_context
     )

@@ -68,7 +68,7 @@ def test_training_attention_runs_kept_attention_and_captures_causal(model_type, 
         eager_loss, eager_grads = _loss_and_grads(model, ids)
         assert seen and {name for name, _ in seen} == {attention.KEEPING_SDPA}
         plain = attention.plainly_causal(model.config, {"input_ids": ids, "labels": ids})
-        monkeypatch.setattr(attention, "capturing", lambda: True)
+        monkeypatch.setattr(attention, "capturing", lambda device=None: True)
         seen.clear()
         loss, grads = _loss_and_grads(model, ids)
         assert model.config._attn_implementation == attention.KEEPING_SDPA  # after the call: for recomputes
@@ -276,6 +276,6 @@ def test_ops_that_fail_their_check_leave_the_attention_hfs_said_once(monkeypatch
             assert attention._backend(q, q[:, :2], 0.25) is None
         assert attention._backend(q, q[:, :2], 0.25) is None  # checked once (no second warning)
     monkeypatch.setattr(attention, "_CHECKED", {})
-    monkeypatch.setattr(attention, "capturing", lambda: True)
+    monkeypatch.setattr(attention, "capturing", lambda device=None: True)
     assert attention._backend(q, q[:, :2], 0.25) is None
     assert not attention._CHECKED

@@ -23,6 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ..offload import keep_output, kept_output
+from ..ops._common.dispatch import capturing
 from ._common import warn_once
 
 __all__ = ["KeptAttention", "plainly_causal", "sdpa_attention", "training_attention"]
@@ -89,7 +90,7 @@ def _works(backend: str, q: torch.Tensor) -> bool:
     leaves the attention HF's."""
     key = (backend, q.device, q.dtype)
     if key not in _CHECKED:
-        if capturing():
+        if capturing(q.device):
             return False
         _CHECKED[key] = _check(backend, q.device, q.dtype)
     return _CHECKED[key]
@@ -274,11 +275,6 @@ def _register() -> None:
             AttentionInterface.register(name, sdpa_attention)
     if KEEPING_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(KEEPING_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-def capturing() -> bool:
-    """Is a CUDA graph being captured on the current stream?"""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @contextlib.contextmanager

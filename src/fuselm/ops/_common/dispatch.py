@@ -108,8 +108,11 @@ def validate_enabled() -> bool:
     return os.environ.get("FUSELM_VALIDATE", "0") == "1"
 
 
-def capturing(device: torch.device) -> bool:
-    """Is a CUDA graph being captured on the stream that work for `device` goes to?"""
+def capturing(device: torch.device | None = None) -> bool:
+    """Is a CUDA graph being captured on the stream that work for `device` goes to (None: the current CUDA
+    device's; False where CUDA is not available)?"""
+    if device is None:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if device.type != "cuda":
         return False
     with torch.cuda.device(device):
