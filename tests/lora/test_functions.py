@@ -318,42 +318,6 @@ def test_lora_gated_mlp_numerics(dtype, act, r, p, with_adapter, mode, gen):
         assert_numerics(name, t, e, ref, dtype)
 
 
-@pytest.mark.parametrize("mode", ["whole", "chunks16", "recompute"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_lora_gated_mlp_wide_gate_up_matches_two_gemms(dtype, bias, mode, gen, monkeypatch):
-    """Gate and up as one GEMM each over K widened by the ranks ([x | x A^T] [W | s B]^T) give the output and
-    gradients of the two-GEMM form (rank-r product, then the base GEMM adding itself) under the numerics
-    rule, biases included; float64 agrees to rounding."""
-    adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    layers = {
-        n: peft_linear(gen, fi, fo, 8, 0.0, dtype, adapter_dtype, bias=bias and n != "down")
-        for n, (fi, fo) in {"gate": (H, I), "up": (H, I), "down": (I, H)}.items()
-    }
-    ops = mlp_operands(layers)
-    x = randn(gen, (*LEAD, H), dtype).requires_grad_()
-    dy = randn(gen, (*LEAD, H), dtype)
-    wrt = (x, *adapter_params(ops))
-    chunk_rows = 16 if mode == "chunks16" else None
-
-    def run(wide):
-        monkeypatch.setattr(lora_functions, "WIDE_GATE_UP", wide)
-        y = L.lora_gated_mlp(x, *ops, "silu", chunk_rows=chunk_rows, output=mode != "recompute")
-        return y, torch.autograd.grad(y, wrt, dy)
-
-    (y, g), (y_two, g_two) = run(True), run(False)
-    x64 = leaf64(x)
-    o64, leaves64 = ops64(ops)
-    o64 = [(b, a, layers[n].base_layer.bias) for (b, a), n in zip(o64, ("gate", "up", "down"), strict=True)]
-    o64 = [(b, a, None if c is None else c.double()) for b, a, c in o64]
-    y_r = L.lora_gated_mlp_reference(x64, *o64, "silu")
-    g_r = torch.autograd.grad(y_r, (x64, *leaves64), dy.double())
-    if mode != "recompute":
-        assert_numerics("y", y, y_two, y_r, dtype)
-    for i, (t, e, ref) in enumerate(zip(g, g_two, g_r, strict=True)):
-        assert_numerics(f"grad {i}", t, e, ref, dtype)
-
-
 @pytest.mark.parametrize("chunk_rows, output", [(10, True), (None, False)], ids=["chunks", "recompute"])
 def test_lora_gated_mlp_chunks_save_x_and_masks_alone(chunk_rows, output, gen):
     """Over chunks, or without output (a recompute: the backward makes everything): x and the gate / up

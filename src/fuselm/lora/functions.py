@@ -473,48 +473,6 @@ class LoraProjectionsFunction(torch.autograd.Function):
         return (dx, None, None, *grads)
 
 
-# Gate and up as one GEMM each over K widened by the two ranks (see _gate_up): off for the A/B of the lab.
-WIDE_GATE_UP = True
-
-
-def _gate_up(x, adapters, casts, masks, projs, keep: bool = False):
-    """(g, u [N, I], low_g, low_u [N, r] or None) of a gated MLP's gate and up projections of x [N, H];
-    ``keep``: the outputs an offloaded call keeps for its recompute (:func:`_kept_or_made`).
-
-    With both adapters present (one dtype, no dropout), each output is one GEMM over a K widened by the
-    ranks: ``g = [x | low_g | low_u] [Wg | s Bg | 0]^T`` (up's likewise), the lows ``x [Ag; Au]^T`` made by
-    one GEMM. Two projections the other way (:func:`_proj_forward`) write y from the rank-r GEMM and read
-    it again in the base GEMM's epilogue: 2 x [N, I] of traffic each, where this copies x once (for both)
-    and each weight once, [I, H] < [N, I] at training batch sizes."""
-    ag, bg, au, bu = adapters[:4]
-    (cg, cu), (mg, mu), (pg, pu) = casts[:2], masks, projs[:2]
-    if not (WIDE_GATE_UP and mg is None and mu is None and _stacked([(ag, bg), (au, bu)], ())):
-        made = _kept_or_made if keep else _proj_forward
-        (g, low_g), (u, low_u) = made(x, ag, cg, mg, pg), made(x, au, cu, mu, pu)
-        return g, u, low_g, low_u
-    k, rg = x.shape[1], ag.shape[0]
-    low = F.linear(x, torch.cat((cg[0], cu[0])))  # [N, rg + ru]
-    outs = [_kept(ag), _kept(au)] if keep else [None, None]
-    if None in outs:
-        xw = x.new_empty(x.shape[0], k + low.shape[1])
-        xw[:, :k].copy_(x)
-        xw[:, k:].copy_(low)
-    for i, (a, p, b_c, cols) in enumerate(
-        ((ag, pg, cg[1], slice(k, k + rg)), (au, pu, cu[1], slice(k + rg, None)))
-    ):
-        if outs[i] is not None:
-            continue
-        ww = x.new_zeros(p.base.shape[0], xw.shape[1])
-        ww[:, :k].copy_(dense(p.base, x.dtype))
-        ww[:, cols].copy_(b_c).mul_(p.scaling)
-        bias = p.bias if p.bias is None or p.bias.dtype == x.dtype else p.bias.to(x.dtype)
-        outs[i] = torch.mm(xw, ww.t()) if bias is None else torch.addmm(bias, xw, ww.t())
-        del ww  # before the next weight's buffer
-        if keep:
-            _keep(a, outs[i])
-    return outs[0], outs[1], low[:, :rg], low[:, rg:]
-
-
 def _kept_or_made(x, a, cast, mask, proj: _Proj):
     """:func:`_proj_forward` of a projection whose output an offloaded call keeps for its recompute: there
     the forward's y comes back from host memory (no base GEMM; low made again), else y is made and kept."""
@@ -565,9 +523,8 @@ class LoraGatedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, ag, bg, au, bu, ad, bd, mg, mu, projs, activation, down_p, down_mask_dtype, output):
         pg, pu, pd = projs
         casts = [_cast_adapter(a, b, x.dtype) for a, b in ((ag, bg), (au, bu), (ad, bd))]
-        g, u, low_g, low_u = _gate_up(
-            x, (ag, bg, au, bu), casts, (mg, mu), projs, keep=True
-        )  # [N, I], [N, r]
+        g, low_g = _kept_or_made(x, ag, casts[0], mg, pg)  # [N, I]
+        u, low_u = _kept_or_made(x, au, casts[1], mu, pu)  # [N, I]
         h = gated_forward(g, u, activation)  # [N, I]
         # PEFT's down_proj draws its mask here, after gate's and up's, on h cast to A's dtype
         md = dropout_mask(h, down_p, down_mask_dtype) if ad is not None else None
@@ -640,10 +597,11 @@ class _LoraChunks(ChunkedMLP):
         self.sums = ChunkSums()
 
     def gate_up(self, xc, s, e):
-        mg, mu = self.masks
+        ag, _, au, _, _, _ = self.adapters
+        (mg, mu), (cg, cu, _), (pg, pu, _) = self.masks, self.casts, self.projs
         self.mgc, self.muc = _rows_of(mg, s, e), _rows_of(mu, s, e)
-        masks = (self.mgc, self.muc)
-        g, u, self.low_g, self.low_u = _gate_up(xc, self.adapters, self.casts, masks, self.projs)
+        g, self.low_g = _proj_forward(xc, ag, cg, self.mgc, pg)
+        u, self.low_u = _proj_forward(xc, au, cu, self.muc, pu)
         return g, u
 
     def down(self, h):
