@@ -215,9 +215,10 @@ def test_an_offloaded_recompute_takes_the_kept_output_instead_of_running_attenti
     forwards = []
     real = attention._forward
 
-    def counted(*args, **kwargs):
-        forwards.append(1)
-        return real(*args, **kwargs)
+    def counted(backend, q, *args, **kwargs):
+        if q.shape[2] == 129:  # this test's calls (not the backend's one-time check of its ops)
+            forwards.append(1)
+        return real(backend, q, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_forward", counted)
     module = torch.nn.Module()
