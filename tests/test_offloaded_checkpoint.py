@@ -848,6 +848,41 @@ def test_prefetch_brings_back_that_many_earlier_calls(prefetch):
     assert offload.host_memory_stats()["in_use_bytes"] == base
 
 
+def test_the_newest_calls_backward_takes_its_tensors_from_the_device():
+    """The newest offloaded call's tensors stay on their device too until the next call starts: the last
+    call's recompute (the backward's first) runs on its very input, an earlier call's on the copy that came
+    back; the gradients are plain autograd's."""
+    seen = []
+
+    def block(x):
+        seen.append(x)
+        return torch.tanh(x) * 2
+
+    x0 = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    y1 = offload.offloaded_checkpoint(block, x0)
+    y2 = offload.offloaded_checkpoint(block, y1)
+    newest = offload._Stash._last()
+    assert newest.on_device is not None and newest.previous().on_device is None
+    y2.sum().backward()
+    assert seen[2].data_ptr() == y1.data_ptr()  # the 2nd call's recompute: its input itself
+    assert seen[3].data_ptr() != x0.data_ptr() and torch.equal(seen[3], x0)  # the 1st's: a copy
+    ref = x0.detach().clone().requires_grad_()
+    (torch.tanh(torch.tanh(ref) * 2) * 2).sum().backward()
+    assert torch.equal(x0.grad, ref.grad)
+
+
+def test_an_input_written_after_the_forward_comes_back_from_its_host_copy():
+    """An input of the newest call written in place after the forward is not read on the device: the
+    recompute gets the forward's values (its host copy), and so do the gradients."""
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    want = torch.autograd.grad(torch.tanh(x * w).sum(), w)[0]
+    y = offload.offloaded_checkpoint(lambda t: torch.tanh(t * w), x)
+    x.add_(1.0)
+    y.sum().backward()
+    assert torch.equal(w.grad, want)
+
+
 def test_a_capture_scope_leaves_no_copy_waiting_and_gives_its_buffers_back():
     """captured_host_buffers: the buffers taken for captured copies inside the scope are its list's (not the
     pool's free ones) until give_back_host_buffers returns them; copies a failed capture left waiting to
@@ -857,7 +892,7 @@ def test_a_capture_scope_leaves_no_copy_waiting_and_gives_its_buffers_back():
     with pytest.raises(RuntimeError, match="capture failed"):
         with offload.captured_host_buffers() as owned:
             buf, _, _ = offload._POOL.acquire(1024, cpu, captured=True)
-            offload._UNJOINED.append((None, torch.ones(1)))  # a copy out that nothing joined
+            offload._UNJOINED.append([(None, torch.ones(1))])  # a copy out that nothing joined
             raise RuntimeError("capture failed")
     assert offload._UNJOINED == []
     free = {id(entry[2]) for bucket in offload._POOL.free.values() for entry in bucket}

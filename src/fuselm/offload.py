@@ -251,20 +251,35 @@ def _side_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, captu
     if not captured:
         (src if src.is_cuda else dst).record_stream(side)
     elif src.is_cuda:
-        _UNJOINED.append((done, src))
+        if not _UNJOINED:
+            _UNJOINED.append([])
+        _UNJOINED[-1].append((done, src))
     return done
 
 
-_UNJOINED: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # captured copies out not yet waited for
+# the captured copies out not yet waited for, one list per offloaded call (the oldest first)
+_UNJOINED: list[list[tuple[torch.cuda.Event, torch.Tensor]]] = []
+# How many calls' copies out a captured offloaded call leaves running when it starts: its compute does not
+# wait for the copies of the call just before (the two overlap; their sources' memory is held one call
+# longer), only for those of the calls before that. 0 would make each call wait for the previous one's:
+# where a call's copies out take longer than its compute (a Llama-3.2-1B layer at 4 x 2048 copies 80 MiB
+# over the host link in ~1.7 ms and computes in ~1.6), every call would wait for the link.
+CAPTURED_COPIES_BEHIND = 1
+# Whether the newest offloaded call's tensors also stay on the device until the next call starts (_Stash):
+# the last call of a forward (a model's last decoder layer) then needs no copy back when its backward, the
+# first, starts (at 4 x 2048 a Llama-3.2-1B layer's 80 MiB take ~1.7 ms over the host link), for its
+# tensors' device memory through the rest of the forward (the head).
+NEWEST_ON_DEVICE = True
 
 
-def join_captured_copies() -> None:
-    """Make each device's current stream wait for the captured copies out (:func:`_side_copy`): their
-    sources' memory may be reused after that, and the side stream's work rejoins the capture. A capture
-    of a forward with offloaded calls calls it before it ends (:mod:`fuselm.graph_step` does)."""
-    while _UNJOINED:
-        done, src = _UNJOINED.pop()
-        torch.cuda.current_stream(src.device).wait_event(done)
+def join_captured_copies(behind: int = 0) -> None:
+    """Make each device's current stream wait for the captured copies out (:func:`_side_copy`) of every
+    offloaded call but the newest ``behind``: their sources' memory may be reused after that, and the side
+    stream's work rejoins the capture. A capture of a forward with offloaded calls calls it (behind=0)
+    before it ends (:mod:`fuselm.graph_step` does)."""
+    while len(_UNJOINED) > behind:
+        for done, src in _UNJOINED.pop(0):
+            torch.cuda.current_stream(src.device).wait_event(done)
 
 
 @contextlib.contextmanager
@@ -355,7 +370,9 @@ def empty_host_cache() -> None:
 class _Stash:
     """The positional tensors of one call: in host buffers after the forward (``saved``), on their
     device once fetched (``fetched``: by this call's backward, or early by the backward of the call made
-    after it), gone once taken (both None)."""
+    after it), gone once taken (both None). The newest call's stash also holds its tensors on the device
+    (``on_device``) until the next call starts: the backward of the last call of a forward, which comes
+    first, takes them from there instead of waiting for a copy back."""
 
     _last: weakref.ref | None = None  # the stash made last (class-wide): the previous of the next one
 
@@ -369,11 +386,20 @@ class _Stash:
     ) -> None:
         self.prefetch = prefetch  # how many stashes made before this one its take fetches
         self.captured = captured  # inside a CUDA graph capture: its buffers are the graph's (_side_copy)
+        with _POOL.lock:
+            newest = _Stash._last and _Stash._last()
+        if newest is not None:
+            newest.on_device = None  # no longer the newest call: its device tensors go (once copied out)
         if captured:
-            join_captured_copies()  # the previous call's copies out had its forward's time
+            join_captured_copies(CAPTURED_COPIES_BEHIND)
+            _UNJOINED.append([])
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes, False, False, captured)
+        # saved's tensors on their device, with their versions, while this is the newest call's stash
+        self.on_device: list | None = None
+        if offload and NEWEST_ON_DEVICE and not any(t.is_inference() for t in tensors):
+            self.on_device = [(t, t._version) for t in tensors]
         # (device, host copy or the tensor itself, whether it stays where it is)
         self.saved: list | None = [self._offload(t) if offload else (t.device, t, True) for t in tensors]
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
@@ -413,12 +439,21 @@ class _Stash:
         self.kept_bytes[0] += nbytes
         self.room -= nbytes
         self.saved.extend(self._offload(t) for t in group)
+        if self.on_device is not None:
+            self.on_device.extend((t, None) for t in group)  # (outputs: the recompute's alone)
         self.keys.append((key, len(group) if isinstance(tensors, tuple) else None))
 
     def fetch(self, prefetch: bool = False) -> None:
         """Start the copies back to the device (on the side stream); the host buffers go back to the
         pool (copies into them are queued on the same stream, after these)."""
         if self.saved is None:
+            return
+        # still the newest call, its inputs not written since: nothing to copy back
+        if self.on_device is not None and all(v is None or t._version == v for t, v in self.on_device):
+            fetched = [(t, None) for t, _ in self.on_device]
+            self.on_device = None
+            _release(self.held, self.kept_bytes, True, prefetch, self.captured)
+            self.saved, self.fetched = None, fetched
             return
         fetched = []
         for device, t, kept in self.saved:
