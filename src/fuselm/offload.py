@@ -1,27 +1,28 @@
 """Activation offloading for gradient checkpointing: a checkpointed function's inputs kept in host memory.
 
-Under gradient checkpointing a layer keeps only its input (a decoder layer's hidden states, [B, T, H])
-until the backward recomputes the layer from it: ``layers x B x T x H`` elements on the device
-(Llama-3-8B, B4 x 2048, bf16: 32 x 64 MiB = 2 GiB). :func:`offloaded_checkpoint` keeps them in pinned
-host memory instead. Forward: the function runs under ``no_grad`` while its positional tensors are
-copied to pinned host buffers on a side CUDA stream (one per device); the device memory goes back to the
-caching allocator once the copy is done (``record_stream``). Backward: the inputs come back on the side
-stream, and the copy of the inputs of the call made just before (in the forward) starts at once, so it
-overlaps this call's recompute; the recompute runs under the forward's CPU and device RNG states (the
-same dropout masks) and autocast state. Host buffers come from a pool, reused across steps and shorter
-sequences; large ones are sized to within 1/8 of the request and page-locked by ``cudaHostRegister``
-(PyTorch's pinned allocator would round each up to a power of two: up to twice the host memory);
-:func:`host_memory_stats` reports them. CPU tensors take the same path with plain host copies, so the
-semantics are tested without a GPU. :func:`recompute_checkpoint` is the same checkpoint with the inputs
-left on their device. In either recompute, a call whose output nothing saved reads may skip computing it
-(:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder layer), and
-the recompute of an offloaded call may take outputs its forward kept in host memory beside the inputs
-(:func:`keep_output`, :func:`kept_output`: the fused LoRA projections, attention's and the MLP's gate and up).
-Inside a CUDA graph capture (:class:`fuselm.CapturedStep`) the copies are captured too: the host buffers
-become the graphs' (:func:`captured_host_buffers`; every replay copies out and back), and instead of
+Under gradient checkpointing a layer keeps only its input (a decoder layer's hidden states, [B, T, H]) until
+the backward recomputes the layer from it: ``layers x B x T x H`` elements on the device (Llama-3-8B, B4 x
+2048, bf16: 32 x 64 MiB = 2 GiB). :func:`offloaded_checkpoint` keeps them in pinned host memory instead.
+Forward: the function runs under ``no_grad`` while its positional tensors are copied to pinned host buffers
+on a side CUDA stream (one per device); the device memory goes back to the caching allocator once the copy
+is done (``record_stream``), except the newest call's, which stay until the next call starts
+(:data:`NEWEST_ON_DEVICE`: the backward of a forward's last call comes first and takes them there).
+Backward: the inputs come back on the side stream, and the copy of the inputs of the call made just before
+(in the forward) starts at once, so it overlaps this call's recompute; the recompute runs under the
+forward's CPU and device RNG states (the same dropout masks) and autocast state. Host buffers come from a
+pool, reused across steps and shorter sequences; large ones are sized to within 1/8 of the request and
+page-locked by ``cudaHostRegister`` (PyTorch's pinned allocator would round each up to a power of two: up to
+twice the host memory); :func:`host_memory_stats` reports them. CPU tensors take the same path with plain
+host copies, so the semantics are tested without a GPU. :func:`recompute_checkpoint` is the same checkpoint
+with the inputs left on their device. In either recompute, a call whose output nothing saved reads may skip
+computing it (:func:`output_may_go_unread`: the fused LoRA MLP's down projection at the end of a decoder
+layer), and the recompute of an offloaded call may take outputs its forward kept in host memory beside the
+inputs (:func:`keep_output`, :func:`kept_output`: the fused LoRA projections, attention's and the MLP's gate
+and up). Inside a CUDA graph capture (:class:`fuselm.CapturedStep`) the copies are captured too: the host
+buffers become the graphs' (:func:`captured_host_buffers`; every replay copies out and back), and instead of
 ``record_stream`` (under which the caching allocator would hold every offloaded input until the capture
-ends) the next checkpointed call makes the compute stream wait for the previous call's copies out, and the
-capture of a forward for the last call's (:func:`join_captured_copies`).
+ends) a checkpointed call makes the compute stream wait for the copies out of the calls before the previous
+one (:data:`CAPTURED_COPIES_BEHIND`), and the capture of a forward for all (:func:`join_captured_copies`).
 :func:`selective_checkpoint` recomputes nothing but the outputs marked :func:`remakeable` (a norm's output:
 cheap to make again from a tensor the backward holds anyway). This module imports torch only
 (:mod:`fuselm.hf.offload` installs it in Hugging Face models).

@@ -11,8 +11,10 @@ A decoder layer runs in one of three modes (:data:`MODES`):
   stays (``I = H x itemsize`` bytes per token), its forward runs again in the backward (without the MLP's
   down projection, whose output the recompute does not read: see :func:`fuselm.offload.output_may_go_unread`);
 - ``"offload"``: checkpointing with the input in pinned host memory
-  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device; where the budget has
-  room (below), its attention projections' outputs wait there too and its recompute skips their GEMMs.
+  (:func:`fuselm.offload.offloaded_checkpoint`): nothing of it stays on the device (the newest call's
+  input until the next one starts: in the backward, where the plan's peak is, it is back anyway); where
+  the budget has room (below), its attention projections' outputs wait there too and its recompute skips
+  their GEMMs.
 
 The plan (:func:`plan_layers`) spends the budget on kept layers first (each saves a whole recompute), then on
 recomputed ones (each saves a host round trip), and offloads the rest: ``peak ~ base + n_keep K T +
