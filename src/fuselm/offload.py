@@ -393,7 +393,8 @@ class _Stash:
             newest.on_device = None  # no longer the newest call: its device tensors go (once copied out)
         if captured:
             join_captured_copies(CAPTURED_COPIES_BEHIND)
-            _UNJOINED.append([])
+            if offload:
+                _UNJOINED.append([])  # this call's copies out (a recompute call makes none)
         self.held: list = []  # pool buffers: back to the pool once fetched, or when the stash dies unused
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes, False, False, captured)
