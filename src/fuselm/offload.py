@@ -399,9 +399,7 @@ class _Stash:
         self.kept_bytes = [0]  # of them, the bytes of kept outputs (see keep)
         weakref.finalize(self, _release, self.held, self.kept_bytes, False, False, captured)
         # saved's tensors on their device, with their versions, while this is the newest call's stash
-        self.on_device: list | None = None
-        if offload and NEWEST_ON_DEVICE and not any(t.is_inference() for t in tensors):
-            self.on_device = [(t, t._version) for t in tensors]
+        self.on_device = _versioned(tensors) if offload and NEWEST_ON_DEVICE else None
         # (device, host copy or the tensor itself, whether it stays where it is)
         self.saved: list | None = [self._offload(t) if offload else (t.device, t, True) for t in tensors]
         self.fetched: list | None = None  # (tensor on its device, event of its copy or None)
@@ -442,7 +440,8 @@ class _Stash:
         self.room -= nbytes
         self.saved.extend(self._offload(t) for t in group)
         if self.on_device is not None:
-            self.on_device.extend((t, None) for t in group)  # (outputs: the recompute's alone)
+            more = _versioned(group)
+            self.on_device = None if more is None else self.on_device + more
         self.keys.append((key, len(group) if isinstance(tensors, tuple) else None))
 
     def fetch(self, prefetch: bool = False) -> None:
@@ -450,8 +449,8 @@ class _Stash:
         pool (copies into them are queued on the same stream, after these)."""
         if self.saved is None:
             return
-        # still the newest call, its inputs not written since: nothing to copy back
-        if self.on_device is not None and all(v is None or t._version == v for t, v in self.on_device):
+        # still the newest call, its tensors not written since: nothing to copy back
+        if self.on_device is not None and all(t._version == v for t, v in self.on_device):
             fetched = [(t, None) for t, _ in self.on_device]
             self.on_device = None
             _release(self.held, self.kept_bytes, True, prefetch, self.captured)
@@ -496,6 +495,12 @@ class _Stash:
             kept[key] = tuple(tensors[start:end]) if n is not None else tensors[start]
             end = start
         return tensors[:end], kept
+
+
+def _versioned(tensors: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]] | None:
+    """(tensor, its version) of each, or None if one is an inference tensor (no version counter)."""
+    tensors = list(tensors)
+    return None if any(t.is_inference() for t in tensors) else [(t, t._version) for t in tensors]
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
