@@ -246,6 +246,28 @@ def test_a_chunked_mlp_leaves_its_recompute_to_the_chunked_backward(monkeypatch)
     assert calls == [(8, True)] * LAYERS + [(8, False)] * LAYERS  # forward, then the recomputes
 
 
+def test_the_last_layers_backward_takes_its_tensors_and_kept_outputs_from_the_device(monkeypatch):
+    """checkpointing="offload" on a PEFT LoRA Llama: the last decoder layer's input and the projection
+    outputs its forward kept stay on the device, unwritten, until its backward (the first) takes them there;
+    every earlier layer's come back from the host."""
+    import fuselm.offload as core
+
+    taken = []
+
+    def fetch(self, prefetch=False, _fetch=core._Stash.fetch):
+        if self.saved is not None:  # (a stash already fetched returns at once)
+            on_device = self.on_device is not None and all(t._version == v for t, v in self.on_device)
+            taken.append((on_device, len(self.on_device or ())))
+        return _fetch(self, prefetch)
+
+    monkeypatch.setattr(core._Stash, "fetch", fetch)
+    model = _peft(build("llama", layers=LAYERS), dropout=0.0)
+    fuselm.hf.patch(model, checkpointing="offload")
+    _step(model, _batch(16))
+    assert [device for device, _ in taken] == [True] + [False] * (LAYERS - 1)
+    assert taken[0][1] > 1  # the input and kept outputs
+
+
 def test_full_fine_tuning_counts_the_gradients_to_come():
     """No PEFT: the parameters' gradients are not allocated at the first forward; the plan's base counts
     them (what the backward will hold) besides the model's tensors."""
