@@ -133,6 +133,5 @@ def results_dir(out: str | None, device_name: str | None) -> Path:
 
     if out:
         return Path(out)
-    if device_name is None or gpu_slug(device_name) == "cpu":
-        return Path("bench-out") / "cpu"
-    return Path("benchmarks") / "results" / gpu_slug(device_name)
+    slug = gpu_slug(device_name)  # None: cpu
+    return Path("bench-out") / "cpu" if slug == "cpu" else Path("benchmarks") / "results" / slug

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import math
@@ -15,7 +14,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,7 +23,7 @@ import torch
 from . import e2e, fresh_process, training
 from .arguments import UsageError, parse_list, parse_shapes
 from .cases import GIB
-from .fresh_process import CaseReport, median_of
+from .fresh_process import SEED, CaseReport, median_of
 from .harness import SkipProvider, error_text
 from .report import DTYPE_NAMES, OFFLINE_ENV, dtype_name, md_table, pyplot, ratio
 
@@ -43,13 +42,11 @@ PROVIDER_DESCRIPTIONS = {
 SCENARIOS: tuple[str, ...] = ("qlora", "lora")
 SCENARIO_TITLES = {"qlora": "QLoRA (NF4 base)", "lora": "bf16 LoRA"}
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SEED = fresh_process.SEED
 LR = 1e-4
 RANK = 16
 FIRST_LOSSES = 5
 WORKER_TIMEOUT_S = 900.0  # also a build's
 MARKER = "fuselm_bench_model.json"
-HF_CHECKPOINTING = "HF gradient checkpointing (use_reentrant=False)"
 GRAPH = "graph"  # fuselm@graph: checkpointing "offload" (--no-offload: "recompute") in CUDA graphs
 
 
@@ -156,8 +153,7 @@ def saved_model_ok(folder: Path, model: str, tiny: bool, dtype: torch.dtype, see
     except (OSError, json.JSONDecodeError):
         return None
     want = {"model": model, "tiny": tiny, "dtype": saved_dtype(model, dtype), "seed": seed}
-    # tuples -> lists, as in the marker
-    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))
+    want["settings"] = json.loads(json.dumps(model_settings(model, tiny)))  # tuples -> lists, as saved
     return marker if all(marker.get(k) == v for k, v in want.items()) else None
 
 
@@ -280,8 +276,7 @@ def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if provider == "liger":
-        family = e2e.MODELS[marker["model"]].family
-        e2e.apply_provider_before_build("liger", device, family)
+        e2e.apply_provider_before_build("liger", device, e2e.MODELS[marker["model"]].family)
     kwargs: dict[str, Any] = {"dtype": case.dtype, "attn_implementation": "sdpa"}
     kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     if scenario == "qlora" and not prequantized:
@@ -299,7 +294,7 @@ def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(seed)  # the LoRA A matrices: the same init for every PEFT-based provider
     model = get_peft_model(model, LoraConfig(**lora, bias="none", task_type="CAUSAL_LM"))
-    how, options = HF_CHECKPOINTING, {}
+    how, options = "HF gradient checkpointing (use_reentrant=False)", {}
     if provider == "fuselm":  # fuselm.hf.patch(model); memory_budget: its variant, GiB or GRAPH
         import fuselm.hf
 
@@ -458,7 +453,7 @@ def train(case: fresh_process.WorkerCase, unsloth_failed: str | None = None) -> 
 def worker(argv: list[str], unsloth_failed: str | None = None) -> int:
     """A worker; ``unsloth_failed``: why Unsloth's boot script could not import it (a skip's reason)."""
     run = functools.partial(train, unsloth_failed=unsloth_failed)
-    return fresh_process.worker_main(dataclasses.replace(BENCH, train=run), argv)
+    return fresh_process.worker_main(replace(BENCH, train=run), argv)
 
 
 # ---- rows ----

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -12,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,8 +325,7 @@ def run(
     """Every (shape, repeat, provider) of ``c`` in its own worker; ``on_row(report so far)`` after each."""
     report, device = new_report(c), torch.device(c.device_type)
     for p in c.providers:
-        reason = bench.precheck(p, device)
-        if reason:
+        if reason := bench.precheck(p, device):
             report.skipped[p] = reason
             log(f"skipping provider {p}: {reason}")
     fields, batch = bench.row_type.SHAPE_FIELDS, bench.row_type.BATCH_FIELD
@@ -559,7 +557,7 @@ def write_bars(bench: Bench, report: CaseReport, path: Path) -> None:
 def new_report(c: CaseReport) -> CaseReport:
     """``c`` before any row (shapes and providers as tuples, its own metadata)."""
     shapes, providers, metadata = tuple(map(tuple, c.shapes)), tuple(c.providers), dict(c.metadata)
-    return dataclasses.replace(c, shapes=shapes, providers=providers, metadata=metadata, rows=[], skipped={})
+    return replace(c, shapes=shapes, providers=providers, metadata=metadata, rows=[], skipped={})
 
 
 def start_cli(
@@ -586,7 +584,7 @@ def start_cli(
         profile = args.profile_steps
         if profile is not None and profile < 0:
             raise UsageError(f"--profile-steps must be >= 0, got {profile}")
-        plan = dataclasses.replace(plan, profile_steps=plan.profile_steps if profile is None else profile)
+        plan = replace(plan, profile_steps=plan.profile_steps if profile is None else profile)
         extra["profile_steps"] = plan.profile_steps
     warmup = (plan.quick_warmup if args.quick else plan.warmup) if args.warmup is None else args.warmup
     steps = (plan.quick_steps if args.quick else plan.steps) if args.steps is None else args.steps
@@ -666,7 +664,7 @@ def merge_previous(bench: Bench, report: CaseReport, previous: dict[str, Any]) -
     for p in report.providers:  # ran here: its skip (or not) is this run's
         if p not in report.skipped:
             skipped.pop(p, None)
-    return dataclasses.replace(
+    return replace(
         report,
         shapes=tuple(dict.fromkeys([*(tuple(s) for s in previous.get("shapes", [])), *report.shapes])),
         providers=tuple(dict.fromkeys([*previous.get("providers", []), *report.providers])),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import statistics
 import time
@@ -23,8 +24,7 @@ MODES: tuple[str, ...] = ("fwd", "bwd", "full")
 MIB = 1 << 20
 
 CUDA_BUDGET_MS = {False: (25, 100), True: (5, 20)}  # by quick: triton.testing.do_bench's warmup and rep
-CPU_REPS, CPU_REPS_QUICK = 5, 3  # calls timed on a CPU
-CPU_REPS_BY_QUICK = {False: CPU_REPS, True: CPU_REPS_QUICK}
+CPU_REPS = {False: 5, True: 3}  # by quick: calls timed on a CPU
 
 
 class SkipProvider(Exception):
@@ -63,8 +63,6 @@ def import_peer(
     device: torch.device, module: str, name: str, package: str = "liger_kernel", *, cuda: bool = True
 ) -> Any:
     """``module.name`` of a peer; :class:`SkipProvider` when it cannot be imported, or on a CPU (``cuda``)."""
-    import importlib
-
     if cuda and device.type != "cuda":
         raise SkipProvider("needs CUDA")
     try:
@@ -297,7 +295,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, quick: bool = False)
 
         warmup, rep = CUDA_BUDGET_MS[quick]
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS_BY_QUICK[quick], device))
+    return statistics.median(call_times_ms(lambda _: fn(), CPU_REPS[quick], device))
 
 
 def capture_graph(
@@ -345,7 +343,7 @@ def time_backward_ms(
         True
     """
     if device.type != "cuda":
-        return statistics.median(call_times_ms(backward, CPU_REPS_BY_QUICK[quick], device, forward))
+        return statistics.median(call_times_ms(backward, CPU_REPS[quick], device, forward))
     warmup_ms, rep_ms = CUDA_BUDGET_MS[quick]
     flush = torch.empty(BWD_FLUSH_BYTES, dtype=torch.int8, device=device)
 
@@ -369,7 +367,7 @@ def timing_method(device: torch.device, quick: bool, cuda_graph: bool = False) -
             f"triton.testing.do_bench median (warmup={warmup} ms, rep={rep} ms); bwd: the backward alone "
             f"after an untimed forward, between CUDA events, L2 flushed, median{graph}"
         )
-    reps = CPU_REPS_BY_QUICK[quick]
+    reps = CPU_REPS[quick]
     return f"time.perf_counter median of {reps} calls after 2 warmup calls (bwd: of the backward alone)"
 
 
@@ -473,7 +471,6 @@ def _measure(suite: Suite, case: Case, dtype: torch.dtype, device: torch.device,
             _replay_time(row, lambda o: backward(o, True), device, quick, forward)
         return row
     if device.type == "cuda":
-        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         result = call()
@@ -555,10 +552,9 @@ def run_suite(
         try:
             p.setup(device)
         except Exception as e:  # noqa: BLE001 - SkipProvider's reason, or why the setup failed
-            report.skipped[p.name] = (
-                str(e) if isinstance(e, SkipProvider) else f"setup failed: {error_text(e)}"
-            )
-            log(f"skipping provider {p.name}: {report.skipped[p.name]}")
+            why = str(e) if isinstance(e, SkipProvider) else f"setup failed: {error_text(e)}"
+            report.skipped[p.name] = why
+            log(f"skipping provider {p.name}: {why}")
     free_memory(device)
 
     def execute(case: Case) -> OpRow:

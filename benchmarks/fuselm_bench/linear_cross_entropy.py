@@ -129,10 +129,7 @@ def peaked_hidden(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         lo, hi = grid[hit - 1], grid[hit]
         for _ in range(14):  # to 4 / 2^14 nats
             mid = (lo + hi) / 2
-            if mean_prob(mid) < PEAKED_TARGET_PROB:
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if mean_prob(mid) < PEAKED_TARGET_PROB else (lo, mid)
     return x0.add_(u, alpha=(lo + hi) / 2)
 
 
@@ -212,10 +209,8 @@ def setup_cce(device: torch.device) -> Callable[[Inputs], Any]:
 
 
 def _fuselm(memory: str) -> Provider:
-    def run(x: Inputs) -> torch.Tensor:
-        return fuselm.linear_cross_entropy(*_args(x), memory=memory)
-
     name = "fuselm" if memory == "auto" else f"fuselm_{memory}"
+    run = lambda x: fuselm.linear_cross_entropy(*_args(x), memory=memory)
     return Provider(name, lambda device: run, f'fuselm.linear_cross_entropy(memory="{memory}")')
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,6 @@ def git_commit() -> str:
 
 def package_versions(packages: Sequence[str]) -> dict[str, str]:
     """The versions of those of ``packages`` that are installed (with metadata)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for package in packages:
         with contextlib.suppress(PackageNotFoundError):

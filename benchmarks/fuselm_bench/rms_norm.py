@@ -55,25 +55,22 @@ def hf_llama_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: fl
     return weight * hidden_states.to(input_dtype)
 
 
-def _torch_fn(x: Inputs) -> Any:
-    r = x.get("residual")
-    if r is None:
-        return hf_llama_rms_norm(x["x"], x["weight"])
-    s = x["x"] + r
-    return hf_llama_rms_norm(s, x["weight"]), s
+def _add_then(norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Inputs], Any]:
+    """``norm(x, weight)``; with a residual (S = 2) an eager add first: ``(norm(s, weight), s)``."""
+
+    def run(x: Inputs) -> Any:
+        r = x.get("residual")
+        s = x["x"] if r is None else x["x"] + r
+        y = norm(s, x["weight"])
+        return y if r is None else (y, s)
+
+    return run
 
 
 def setup_liger(device: torch.device) -> Callable[[Inputs], Any]:
     """Liger-Kernel's RMSNorm (CUDA, importable liger_kernel); with S = 2 an eager add first."""
     function = import_peer(device, "liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
-
-    def run(x: Inputs) -> Any:
-        r = x.get("residual")
-        s = x["x"] if r is None else x["x"] + r
-        y = function.apply(s, x["weight"], EPS, 0.0, "llama", False)
-        return y if r is None else (y, s)
-
-    return run
+    return _add_then(lambda s, w: function.apply(s, w, EPS, 0.0, "llama", False))
 
 
 def _only(name: str, residual: bool, fn: Callable[[Inputs], Any], description: str) -> Provider:
@@ -87,11 +84,6 @@ def _only(name: str, residual: bool, fn: Callable[[Inputs], Any], description: s
     return Provider(name, lambda device: run, description)
 
 
-def _add_then_fuselm(x: Inputs) -> Any:
-    s = x["x"] + x["residual"]
-    return rms_norm(s, x["weight"], EPS), s
-
-
 SUITE = Suite(
     name="rms_norm",
     description="RMSNorm (Llama casting) over the last dim of [N, H]; S = 2 adds a residual first",
@@ -99,7 +91,7 @@ SUITE = Suite(
     gpu_shapes=((16384, 4096, 1), (32768, 8192, 1), (16384, 4096, 2), (32768, 8192, 2)),
     cpu_shapes=((256, 256, 1), (256, 256, 2)),
     providers=(
-        *torch_providers(_torch_fn, None, "Hugging Face LlamaRMSNorm code, eager"),
+        *torch_providers(_add_then(hf_llama_rms_norm), None, "Hugging Face LlamaRMSNorm code, eager"),
         Provider("liger", setup_liger, "liger_kernel LigerRMSNormFunction (in_place=False)"),
         _only("fuselm", False, lambda x: rms_norm(x["x"], x["weight"], EPS), "fuselm.rms_norm (S = 1)"),
         _only(
@@ -108,7 +100,12 @@ SUITE = Suite(
             lambda x: rms_norm(x["x"], x["weight"], EPS, residual=x["residual"]),
             "fuselm.rms_norm(..., residual=) (S = 2)",
         ),
-        _only("torch_add_then_fuselm", True, _add_then_fuselm, "x + residual, then fuselm.rms_norm"),
+        _only(
+            "torch_add_then_fuselm",
+            True,
+            _add_then(lambda s, w: rms_norm(s, w, EPS)),
+            "x + residual, then fuselm.rms_norm",
+        ),
     ),
     make_inputs=make_inputs,
     cost=cost,

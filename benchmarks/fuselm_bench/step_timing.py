@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -196,8 +197,6 @@ def run_trainer(
 ) -> StepRun:
     """``Trainer.train()`` of ``model`` on ``ids`` (labels = ids), timed as :func:`run_steps` does; a step:
     one optimizer step's end to the next's (data loader, clipping, AdamW, logging)."""
-    import tempfile
-
     import transformers
     from transformers import trainer_callback
 
