@@ -449,24 +449,20 @@ class _Stash:
         pool (copies into them are queued on the same stream, after these)."""
         if self.saved is None:
             return
-        # still the newest call, its tensors not written since: nothing to copy back
-        if self.on_device is not None and all(t._version == v for t, v in self.on_device):
-            fetched = [(t, None) for t, _ in self.on_device]
-            self.on_device = None
-            _release(self.held, self.kept_bytes, True, prefetch, self.captured)
-            self.saved, self.fetched = None, fetched
-            return
         fetched = []
-        for device, t, kept in self.saved:
-            if kept:
-                fetched.append((t, None))
-            elif device.type == "cuda":
-                out = torch.empty(t.shape, dtype=t.dtype, device=device)  # on the compute stream
-                fetched.append((out, _side_copy(out, t, device, self.captured)))
-            else:  # a host copy of a CPU tensor
-                fetched.append((t.clone(), None))
+        if self.on_device is not None and all(t._version == v for t, v in self.on_device):
+            fetched = [(t, None) for t, _ in self.on_device]  # the newest call's, unwritten: no copy back
+        else:
+            for device, t, kept in self.saved:
+                if kept:
+                    fetched.append((t, None))
+                elif device.type == "cuda":
+                    out = torch.empty(t.shape, dtype=t.dtype, device=device)  # on the compute stream
+                    fetched.append((out, _side_copy(out, t, device, self.captured)))
+                else:  # a host copy of a CPU tensor
+                    fetched.append((t.clone(), None))
         _release(self.held, self.kept_bytes, True, prefetch, self.captured)
-        self.saved, self.fetched = None, fetched
+        self.saved, self.fetched, self.on_device = None, fetched, None
 
     def take(self) -> tuple[list[torch.Tensor], dict]:
         """(the inputs on their device, the kept outputs by key), usable on the compute stream; start

@@ -261,6 +261,7 @@ def test_the_last_layers_backward_takes_its_tensors_and_kept_outputs_from_the_de
         return _fetch(self, prefetch)
 
     monkeypatch.setattr(core._Stash, "fetch", fetch)
+    core.set_kept_output_room(None)  # process-wide: a plan made by another test may have set it
     model = _peft(build("llama", layers=LAYERS), dropout=0.0)
     fuselm.hf.patch(model, checkpointing="offload")
     _step(model, _batch(16))
