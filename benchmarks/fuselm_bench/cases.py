@@ -10,10 +10,6 @@ from typing import Any, ClassVar
 GIB = 1 << 30
 
 
-def _named_shape(row: Row) -> tuple[Any, ...]:
-    return tuple(getattr(row, f) for f in type(row).SHAPE_FIELDS)
-
-
 class Row:
     """The base of every result row (a dataclass per suite)."""
 
@@ -31,7 +27,7 @@ class Row:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.SHAPE_FIELDS and "shape" not in cls.__dict__.get("__annotations__", {}):
-            cls.shape = property(_named_shape, doc="the values of the SHAPE_FIELDS")
+            cls.shape = property(lambda row: tuple(getattr(row, f) for f in type(row).SHAPE_FIELDS))
 
     @classmethod
     def label(cls, shape: Sequence[Any]) -> str:

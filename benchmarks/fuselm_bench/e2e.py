@@ -15,7 +15,7 @@ import torch
 
 from . import fresh_process, step_timing, training
 from .arguments import UsageError, parse_list, parse_shapes
-from .harness import SkipProvider, import_peer
+from .harness import import_peer
 from .report import md_table
 
 NAME = "e2e"
@@ -126,8 +126,6 @@ def apply_provider_before_build(provider: str, device: torch.device, family: str
     """Liger's class-level patches, before the model is built."""
     if provider != "liger":
         return
-    if device.type != "cuda":
-        raise SkipProvider("needs CUDA (Liger-Kernel's Triton kernels run on the GPU only)")
     apply = import_peer(device, "liger_kernel.transformers", f"apply_liger_kernel_to_{family}")
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
@@ -185,8 +183,7 @@ def run_training(
     gen = torch.Generator().manual_seed(case.seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
     fused = device.type == "cuda"  # fused AdamW: CUDA only
-    profiled = case.extra.get("profile_steps")
-    profiled = case.plan.profile_steps if profiled is None else profiled
+    profiled = case.extra.get("profile_steps", case.plan.profile_steps)
     timing = {"warmup": case.warmup, "steps": case.steps, "profiled": profiled, "device": device}
     if trainer:
         run = step_timing.run_trainer(model, ids, graphs=graphs, lr=lr, fused=fused, seed=case.seed, **timing)
@@ -295,15 +292,10 @@ def markdown_table(report: fresh_process.CaseReport) -> str:
     lines = []
     for (model, b, t), provider, rows in report.groups():
         tokens = fresh_process.first_cell(rows, "tokens_per_s", fresh_process.fmt_tokens)
-        cells = [
-            model,
-            f"{b}x{t}",
-            provider,
-            tokens,
-            *(cell(rows, a) for a in ("step_ms", "cpu_ms", "gpu_ms")),
-        ]
-        cells += [cell(rows, "launches", "{:.0f}".format), bound_cell(rows, cuda), cell(rows, "peak_gib")]
-        lines.append([*cells, cell(rows, "first_loss", "{:.4f}".format), fresh_process.note_cell(rows)])
+        cells = [model, f"{b}x{t}", provider, tokens, *(cell(rows, a) for a in ("step_ms", "cpu_ms"))]
+        cells += [cell(rows, "gpu_ms"), cell(rows, "launches", "{:.0f}".format), bound_cell(rows, cuda)]
+        cells += [cell(rows, "peak_gib"), cell(rows, "first_loss", "{:.4f}".format)]
+        lines.append([*cells, fresh_process.note_cell(rows)])
     return md_table(head, lines)
 
 

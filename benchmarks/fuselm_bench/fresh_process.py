@@ -34,6 +34,7 @@ from .report import (
     print_written,
     ratio,
     run_facts,
+    versions,
     write_files,
 )
 
@@ -443,12 +444,6 @@ def note_cell(rows: Sequence[Row]) -> str:
     return "; ".join(dict.fromkeys(errors))
 
 
-def versions(bench: Bench, m: dict[str, Any]) -> str:
-    """The ``bench.versions`` found in the metadata ``m``, and fuselm's."""
-    found = ", ".join(f"{k} {m[k]}" for k in bench.versions if m.get(k) is not None)
-    return f"{found}; fuselm {m.get('fuselm')} @ {m.get('commit')}"
-
-
 def all_notes(bench: Bench, report: CaseReport) -> list[str]:
     """What every fresh-process report says of its runs, then ``bench.notes``, then the providers."""
     n = report.repeats
@@ -475,7 +470,7 @@ def markdown(bench: Bench, report: CaseReport) -> str:
         f"merged rows of: `{r.get('command')}` ({r.get('date')}, {r.get('commit')})" for r in report.merged
     ]
     repeats = f"{steps}; fresh-process repeats per configuration: {report.repeats}"
-    facts = run_facts(m, versions(bench, m), *bench.facts(report), repeats, *merged)
+    facts = run_facts(m, bench.versions, *bench.facts(report), repeats, *merged)
     return document(
         bench.name,
         f"{bench.description}, {dtype_name(report.dtype)} weights.",
@@ -613,7 +608,7 @@ def run_cli(
     write = functools.partial(write_report, bench)
     if c.device_type != "cuda":
         print(CPU_FIGURES)
-    print(f"device: {c.metadata['device']}; versions: {versions(bench, c.metadata)}")
+    print(f"device: {c.metadata['device']}; versions: {versions(c.metadata, bench.versions)}")
     repeats = f" x {c.repeats} repeats" if c.repeats > 1 else ""
     print(
         f"{bench.name}: {len(c.shapes)} configurations x {len(c.providers)} providers{repeats}, {c.warmup} "

@@ -244,9 +244,6 @@ def compute_ratios(ms: float | None, cost: Cost, ceilings: Ceilings) -> dict[str
 # ---- timing, memory, ceilings ----
 
 
-CU_CTX_SCHED_BLOCKING_SYNC = 0x04
-
-
 def blocking_sync(ordinal: int = 0) -> str:
     """GPU ``ordinal``'s primary context waits by sleeping (``CU_CTX_SCHED_BLOCKING_SYNC``); call first."""
     import ctypes
@@ -259,7 +256,7 @@ def blocking_sync(ordinal: int = 0) -> str:
     if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
         return "spin (cuInit / cuDeviceGet failed)"
     set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
-    code = set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC)
+    code = set_flags(device, 0x04)  # CU_CTX_SCHED_BLOCKING_SYNC
     return "blocking" if code == 0 else f"spin (cuDevicePrimaryCtxSetFlags returned {code})"
 
 

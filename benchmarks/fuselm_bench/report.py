@@ -72,20 +72,12 @@ CPU_FIGURES = (
 # ---- environment ----
 
 
-def device_name(device: torch.device) -> str:
-    """Human name of the device, e.g. 'NVIDIA H100 80GB HBM3' or 'CPU (x86_64)'."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
-
-
 def gpu_slug(name: str | None) -> str:
     """Results folder name: 'NVIDIA H100 80GB HBM3' -> 'h100', None -> 'cpu', else the name as a slug."""
     if not name or name.lower().startswith("cpu"):
         return "cpu"
     low = name.lower()
-    m = re.search(r"\b([abhlv]\d{2,3}[a-z]?|gb\d{3}|mi\d{3}[a-z]?)\b", low)
-    if m:
+    if m := re.search(r"\b([abhlv]\d{2,3}[a-z]?|gb\d{3}|mi\d{3}[a-z]?)\b", low):
         return m.group(1)
     slug = re.sub(r"[^a-z0-9.]+", "-", low).strip("-")
     return slug.removeprefix("nvidia-") or "gpu"
@@ -154,8 +146,9 @@ def collect_metadata(
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = None
+    cpu = f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
     meta: dict[str, Any] = {
-        "device": device_name(device),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
         "device_type": device.type,
         "torch": torch.__version__,
         "triton": triton_version,
@@ -215,7 +208,7 @@ def cell(row: OpRow, col: str) -> str:
     if col == "ms" and row.ms is None and row.error:
         return "OOM" if row.error.startswith("OutOfMemoryError") else "error"
     value = row.extra_mib if col == "extra_mib" else getattr(row, col)
-    if col in ("x_copy", "x_gemm", "x_floor") and value is not None:
+    if col in PLOT_METRICS and value is not None:
         return f"{value:.2f}"
     return fmt_num(value)
 
@@ -254,10 +247,16 @@ def notes(report: Report) -> list[str]:
     return out
 
 
-def run_facts(m: dict[str, Any], versions: str, *middle: str) -> list[str]:
-    """The facts of a run's metadata ``m`` every report opens with (device, versions, date), ``middle``, and
-    its command last."""
-    head = [f"device: {m.get('device')}", f"versions: {versions}", f"date: {m.get('date')}"]
+def versions(m: dict[str, Any], names: Sequence[str]) -> str:
+    """The versions of ``names`` found in the metadata ``m``, and fuselm's."""
+    found = ", ".join(f"{k} {m[k]}" for k in names if m.get(k) is not None)
+    return f"{found}; fuselm {m.get('fuselm')} @ {m.get('commit')}"
+
+
+def run_facts(m: dict[str, Any], names: Sequence[str], *middle: str) -> list[str]:
+    """The facts of a run's metadata ``m`` every report opens with (device, the versions of ``names``, date),
+    ``middle``, and its command last."""
+    head = [f"device: {m.get('device')}", f"versions: {versions(m, names)}", f"date: {m.get('date')}"]
     return [*head, *middle, f"command: `{m.get('command')}`"]
 
 
@@ -284,19 +283,13 @@ def document(
 
 def markdown(report: Report, extra: str = "") -> str:
     """An op suite's markdown report (``extra``: more sections after the table)."""
-    m = report.metadata
-    versions = (
-        f"torch {m.get('torch')}, triton {m.get('triton')}, fuselm {m.get('fuselm')} @ {m.get('commit')}"
-    )
-    peers = ", ".join(f"{k} {m[k]}" for k in ("liger-kernel", "cut-cross-entropy") if k in m)
+    m, names = report.metadata, ("torch", "triton", "liger-kernel", "cut-cross-entropy")
     ceilings = f"ceilings (measured in this run): device {report.ceilings.describe('not measured')}"
     return document(
         report.suite.name,
         f"{report.suite.description}, {dtype_name(report.dtype)}.",
         CPU_FIGURES if m.get("device_type") == "cpu" else None,
-        run_facts(
-            m, versions + (f"; peers: {peers}" if peers else ""), ceilings, f"timing: {m.get('timing')}"
-        ),
+        run_facts(m, names, ceilings, f"timing: {m.get('timing')}"),
         [markdown_table(report), *([extra] if extra else [])],
         notes(report),
         report.skipped,

@@ -21,6 +21,7 @@ from fuselm_bench import e2e, fresh_process, registry, step_timing, training
 from fuselm_bench.arguments import UsageError
 from fuselm_bench.cli import build_parser
 from fuselm_bench.fresh_process import WorkerCase
+from fuselm_bench.harness import SkipProvider
 
 from fuselm.cli import main
 
@@ -268,7 +269,7 @@ def test_qwen3_trains_in_process_and_reports_its_step_figures(reference_path):
 
 def test_liger_skip_reasons(monkeypatch):
     assert "needs CUDA" in e2e.precheck("liger", CPU)
-    with pytest.raises(e2e.SkipProvider, match="needs CUDA"):
+    with pytest.raises(SkipProvider, match="needs CUDA"):
         e2e.apply_provider_before_build("liger", CPU)
     # not importable: the parent skips without a process, the worker (if asked anyway) says so too
     import importlib.util
@@ -281,7 +282,7 @@ def test_liger_skip_reasons(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # `import liger_kernel...` raises ImportError
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
     for family in ("llama", "qwen3"):
-        with pytest.raises(e2e.SkipProvider, match="liger_kernel not importable"):
+        with pytest.raises(SkipProvider, match="liger_kernel not importable"):
             e2e.apply_provider_before_build("liger", torch.device("cuda"), family)
     assert e2e.precheck("hf", CPU) is None and e2e.precheck("fuselm", CPU) is None
 
