@@ -448,21 +448,20 @@ def _measure(suite: Suite, case: Case, dtype: torch.dtype, device: torch.device,
         grad_outputs = [None if o.numel() == 1 else torch.randn_like(o) for o in outs]
         del outs
 
-        def call() -> Any:
-            return torch.autograd.grad(_tensors(fn(inputs)), wrt, grad_outputs=grad_outputs)
-
-    for _ in range(2):  # compile, autotune, allocator warmup
-        call()
-    sync(device)
-    graphed = suite.cuda_graph and device.type == "cuda"
-    if mode == "bwd":  # the backward alone (with suite.cuda_graph, a graph of the backward)
-
         def forward() -> list[torch.Tensor]:
             return _tensors(fn(inputs))
 
         def backward(outs: list[torch.Tensor], retain: bool = False) -> Any:
             return torch.autograd.grad(outs, wrt, grad_outputs=grad_outputs, retain_graph=retain)
 
+        def call() -> Any:
+            return backward(forward())
+
+    for _ in range(2):  # compile, autotune, allocator warmup
+        call()
+    sync(device)
+    graphed = suite.cuda_graph and device.type == "cuda"
+    if mode == "bwd":  # the backward alone (with suite.cuda_graph, a graph of the backward)
         row.ms = time_backward_ms(forward, backward, device, quick=quick)
         if graphed:
             _replay_time(row, lambda o: backward(o, True), device, quick, forward)
