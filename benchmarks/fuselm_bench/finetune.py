@@ -70,9 +70,8 @@ def describe_variant(setting: str) -> str:
 def provider_title(provider: str) -> str:
     """The column title of a provider (a variant: the base title and its budget, or CUDA graphs)."""
     base, variant = split_provider(provider)
-    if variant is None:
-        return PROVIDER_TITLES[base]
-    return PROVIDER_TITLES[base] + (" (CUDA graphs)" if variant == GRAPH else f" @ {variant:g} GiB")
+    suffix = "" if variant is None else " (CUDA graphs)" if variant == GRAPH else f" @ {variant:g} GiB"
+    return PROVIDER_TITLES[base] + suffix
 
 
 DEFAULT_MODELS = ("llama3-8b",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -263,12 +264,10 @@ def peer_versions() -> dict[str, str]:
     """TRL's and nvidia-cutlass-dsl's versions (TRL's kernels may be on the path without its metadata)."""
     out = package_versions(("trl", "nvidia-cutlass-dsl"))
     if "trl" not in out:
-        try:
+        with contextlib.suppress(Exception):
             import trl.kernels.chunked_logprob  # noqa: F401
 
             out["trl"] = "kernels only (trl/kernels on the path, no package metadata)"
-        except Exception:  # noqa: BLE001
-            pass
     return out
 
 

@@ -142,9 +142,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     caps = (parse_caps(args.caps) if args.caps else list(DEFAULT_CAPS)) if cuda else [None]  # no CPU cap
     lo, hi = parse_seq_range(args.seq_range) if args.seq_range else DEFAULT_SEQ_RANGE[device.type]
     gpus = parse_gpus(args.gpus, cuda) if args.gpus else None
-    rel_tol = args.rel_tol or 0.05
-    max_probes = args.max_probes or 12
-    rank = args.rank or 32
+    rel_tol, max_probes, rank = args.rel_tol or 0.05, args.max_probes or 12, args.rank or 32
     chunk = args.mlp_chunk_tokens
     metadata = collect_metadata(device, argv)
     metadata.update(

@@ -1,14 +1,11 @@
 """A random-init causal LM saved as a pre-quantized bitsandbytes NF4 checkpoint, one tensor at a time.
 
 For shapes whose bf16 weights fit neither the GPU machine's disk nor its host memory (Llama-3.3-70B: 141 GB
-in bf16, 64 GiB of disk): the model is laid out on the meta device (no memory), then each tensor of its
-state dict is drawn on ``device`` (HF's init: normal(0, ``initializer_range``) for linear and embedding
-weights, ones for norm weights), the decoder layers' linear weights quantized there by
-``bitsandbytes.functional.quantize_4bit`` (NF4, blocks of 64, double quantization: what ``load_in_4bit`` with
-``bnb_4bit_use_double_quant=True`` makes) and moved to the host, written in safetensors shards of at most
-:data:`SHARD_BYTES`. Nothing larger than one weight in bf16 and one shard is ever held. The folder's
-``config.json`` carries the ``quantization_config``, so ``from_pretrained(folder)`` loads the 4-bit layers
-as they were saved (no quantization at load; the embeddings, norms and lm_head stay bf16).
+in bf16): each tensor of the model laid out on the meta device is drawn on ``device`` (HF's init), the decoder
+layers' linear weights quantized there as ``load_in_4bit`` with double quantization does, and written from
+the host in safetensors shards of at most :data:`SHARD_BYTES`: nothing larger than one bf16 weight and one
+shard is held. ``from_pretrained(folder)`` loads the 4-bit layers as saved (its ``config.json`` has the
+``quantization_config``; the embeddings, norms and lm_head stay bf16).
 
 Example (a tiny Llama on the CPU; bitsandbytes' CPU backend quantizes):
     >>> import tempfile, torch
