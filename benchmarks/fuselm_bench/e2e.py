@@ -37,7 +37,7 @@ TRAINER_PROVIDERS = ("hf-trainer", "fuselm-trainer")
 SEED = fresh_process.SEED
 LR = 1e-5
 WORKER_TIMEOUT_S = 1800.0
-BUILT = "random init, SDPA attention, no activation checkpointing"  # the models of e2e and grpo_step
+BUILT = "random init, SDPA attention, no activation checkpointing"  # the models of e2e
 HOST_BOUND = 0.9  # bound by the GPU when its kernels run >= HOST_BOUND of the step, else by the host
 
 LLAMA3_ROPE_SCALING = {

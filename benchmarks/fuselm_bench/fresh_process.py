@@ -1,4 +1,4 @@
-"""What ``e2e``, ``finetune`` and ``grpo_step`` share: one case per fresh worker process."""
+"""What ``e2e`` and ``finetune`` share: one case per fresh worker process."""
 
 from __future__ import annotations
 

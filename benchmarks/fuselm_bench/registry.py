@@ -34,10 +34,6 @@ TRAINING_SUITES: dict[str, tuple[str, str]] = {
         "fuselm_bench.max_context",
         "the longest sequence one LoRA / QLoRA step fits under a memory cap, by bisection (minutes to hours)",
     ),
-    "grpo_step": (
-        "fuselm_bench.grpo_step",
-        "GRPO-shaped steps of a Llama-3.2-1B shape: HF vs TRL vs fuselm head",
-    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""Building a Hugging Face causal LM and its step's forward: what ``e2e``, ``finetune`` and ``grpo_step``
+"""Building a Hugging Face causal LM and its step's forward: what ``e2e`` and ``finetune``
 share (:mod:`fuselm_bench.step_timing` times the steps)."""
 
 from __future__ import annotations

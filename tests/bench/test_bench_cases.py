@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fuselm_bench import e2e, finetune, grpo_step, harness
+from fuselm_bench import e2e, finetune, harness
 from fuselm_bench.cases import Case, Row, run_cases
 
 
@@ -35,7 +35,7 @@ def _run(cases, execute, **kw):
 
 
 def test_every_suite_row_is_a_row():
-    for row_type in (harness.OpRow, e2e.E2ERow, finetune.FinetuneRow, grpo_step.StepRow):
+    for row_type in (harness.OpRow, e2e.E2ERow, finetune.FinetuneRow):
         assert issubclass(row_type, Row), row_type
 
 

@@ -135,7 +135,7 @@ def test_default_grid_is_the_small_batch_grid_next_to_the_large_batches():
         ("llama3.2-1b", 8, 4096),
         ("qwen3-0.6b", 1, 2048),
     )
-    assert e2e.DEFAULT_MODEL == "llama3.2-1b" and not e2e.GPU_PRESET.tiny  # what grpo_step builds
+    assert e2e.DEFAULT_MODEL == "llama3.2-1b" and not e2e.GPU_PRESET.tiny
     tiny = e2e.MODELS[e2e.DEFAULT_MODEL].settings(e2e.CPU_PRESET.tiny)
     assert tiny["hidden_size"] == 64 and tiny["rope_scaling"]
 
