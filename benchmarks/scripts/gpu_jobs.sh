@@ -13,7 +13,8 @@
 #   SETS: "module.ATTR=value+..." set in each worker of the job before it runs (a sitecustomize on its
 #   PYTHONPATH), to compare a library constant's values, e.g. fuselm.offload.KEPT_PER_INPUT=2.6; give such
 #   jobs their own outdir.
-# MC: "cap:lo:hi:provider" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each.
+# MC: "cap:lo:hi:provider" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each,
+#   MCARGS more options of the command (e.g. --mlp-chunk-tokens 16384).
 # DEMO=1: fuselm demo on CUDA. DEADLINE: seconds after which no further job starts.
 set -u
 ROOT="$(pwd)"
@@ -80,7 +81,7 @@ for mc in ${MC:-}; do
     IFS=: read -r cap lo hi prov <<<"$mc"
     if [ "$(left)" -lt 60 ]; then echo "SKIP (deadline) $mc"; continue; fi
     timeout "$(($(left) - 10))" python3 -m fuselm_bench max-context --models "${MCMODEL:-llama3-8b}" \
-        --scenarios qlora --providers "$prov" --caps "$cap" --seq-range "$lo:$hi" --max-probes "${MCPROBES:-4}" \
+        --scenarios qlora --providers "$prov" --caps "$cap" --seq-range "$lo:$hi" --max-probes "${MCPROBES:-4}" ${MCARGS:-} \
         --model-dir /tmp/fm --out "$OUT/r/mc-$prov-$cap" --no-progress >>"$OUT/r/mc-$prov-$cap.log" 2>&1
     echo "max-context $mc rc=$? t=$((SECONDS - T0))"
     tail -8 "$OUT/r/mc-$prov-$cap.log"
