@@ -14,7 +14,8 @@
 #   PYTHONPATH), to compare a library constant's values, e.g. fuselm.offload.KEPT_PER_INPUT=2.6; give such
 #   jobs their own outdir.
 # MC: "cap:lo:hi:provider" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each,
-#   MCARGS more options of the command (e.g. --mlp-chunk-tokens 16384).
+#   MCARGS more options of the command (e.g. --mlp-chunk-tokens 16384); MCPAR=1 runs the searches side by
+#   side on the GPU (each process under its own cap).
 # DEMO=1: fuselm demo on CUDA. DEADLINE: seconds after which no further job starts.
 set -u
 ROOT="$(pwd)"
@@ -77,15 +78,24 @@ for r in rows:
               f"plan: {r.get('activation_plan')}; error: {str(r.get('error'))[:300]}")
 PY
 done
+search() {  # one max-context search: cap lo hi provider
+    timeout "$(($(left) - 10))" python3 -m fuselm_bench max-context --models "${MCMODEL:-llama3-8b}" \
+        --scenarios qlora --providers "$4" --caps "$1" --seq-range "$2:$3" --max-probes "${MCPROBES:-4}" ${MCARGS:-} \
+        --model-dir /tmp/fm --out "$OUT/r/mc-$4-$1" --no-progress >>"$OUT/r/mc-$4-$1.log" 2>&1
+    echo "max-context $1:$2:$3:$4 rc=$? t=$((SECONDS - T0))"
+    tail -8 "$OUT/r/mc-$4-$1.log"
+}
 for mc in ${MC:-}; do
     IFS=: read -r cap lo hi prov <<<"$mc"
     if [ "$(left)" -lt 60 ]; then echo "SKIP (deadline) $mc"; continue; fi
-    timeout "$(($(left) - 10))" python3 -m fuselm_bench max-context --models "${MCMODEL:-llama3-8b}" \
-        --scenarios qlora --providers "$prov" --caps "$cap" --seq-range "$lo:$hi" --max-probes "${MCPROBES:-4}" ${MCARGS:-} \
-        --model-dir /tmp/fm --out "$OUT/r/mc-$prov-$cap" --no-progress >>"$OUT/r/mc-$prov-$cap.log" 2>&1
-    echo "max-context $mc rc=$? t=$((SECONDS - T0))"
-    tail -8 "$OUT/r/mc-$prov-$cap.log"
+    if [ -z "${MCPAR:-}" ]; then search "$cap" "$lo" "$hi" "$prov"; continue; fi
+    search "$cap" "$lo" "$hi" "$prov" &  # side by side on the GPU, each under its own cap
+    for _ in $(seq 300); do  # the next search starts once the saved model is there (no two savers)
+        compgen -G "/tmp/fm/${MCMODEL:-llama3-8b}-*/fuselm_bench_model.json" >/dev/null && break
+        sleep 1
+    done
 done
+wait
 if [ -n "${DEMO:-}" ] && [ "$(left)" -gt 40 ]; then
     timeout 60 python3 -m fuselm.cli demo --device cuda --steps 6 --seq 512 --no-progress --out "$OUT/r" \
         >"$OUT/r/demo.log" 2>&1
