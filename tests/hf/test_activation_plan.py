@@ -88,6 +88,24 @@ def test_plan_layers_spends_the_budget_on_kept_layers_first():
     assert runner.summarize(verbose=False).failed == 0
 
 
+def test_plan_layers_under_a_host_limit_stays_within_the_budget_where_any_plan_does():
+    """Inputs the host has no room for stay on the device; kept layers give way to them, so the plan is
+    over the budget only where even no kept layer and every input the host takes offloaded is."""
+    args = dict(tokens=10, base=200, keep=20, inp=2, remade=3)  # a kept layer 200 bytes, an input 20
+    for n in (1, 3, 6, 12):
+        for budget in range(0, 200 + n * 200 + 300, 7):
+            for host in (None, 0, 19, 20, 45, 60, 10**6):
+                modes = plan_layers(n, budget=budget, host=host, **args)
+                hostable = n if host is None else min(n, host // 20)
+                assert modes.count("offload") <= hostable, (n, budget, host, modes)
+                peak = activation_plan._peak(modes, **args)
+                least = ("offload",) * hostable + ("recompute",) * (n - hostable)
+                least = activation_plan._peak(least, **args)
+                assert peak <= budget or least > budget, (n, budget, host, modes, peak)
+                if host is None or hostable == n:  # no limit that binds: the plan without one
+                    assert modes == plan_layers(n, budget=budget, **args)
+
+
 def test_the_plan_follows_the_budget_from_measured_figures(monkeypatch):
     """Budgets made from the measured figures give the plans plan_layers says, with estimated peaks
     within them, and each layer checkpoints as its mode says (offloaded or not). (No host figure: no

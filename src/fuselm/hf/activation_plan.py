@@ -36,7 +36,8 @@ reuses the ones their recompute dequantized (:func:`fuselm.lora.holding_dense`) 
 and what it holds beyond that (less :data:`RESIDENT_SPARE`) keeps whole layers' 4-bit base weights dense
 across steps (:func:`fuselm.lora.keep_resident`, checkpointed layers first).
 Offloaded inputs take pinned host memory: the plan offloads no more of them than :func:`host_room` holds (the
-rest stay on the device, recomputed, over the budget if they must, said in a warning). The offloaded layers
+rest stay on the device, recomputed, with fewer layers kept to make room for them; over the budget only if
+even no kept layer leaves room, said in a warning). The offloaded layers
 are the first ones (their inputs come back last in the backward: the most time for the copies), the kept ones
 the last.
 
@@ -164,7 +165,8 @@ def plan_layers(
     of the outputs a kept layer makes again (a recomputed layer holds them too while its backward runs):
     as many kept layers as fit, then recomputed ones, the rest offloaded (all offloaded when even that
     is over). ``host``: the bytes of host memory the offloaded inputs may take (None: no limit); the
-    inputs that do not fit there stay on the device (recomputed), over the budget if they must.
+    inputs that do not fit there stay on the device (recomputed), kept layers giving way to them, over the
+    budget only if they must.
 
     Example (a kept layer holds 200 bytes here, an input 20):
         >>> plan_layers(4, 10, budget=1000, base=200, keep=20, inp=2)
@@ -175,17 +177,25 @@ def plan_layers(
         ('offload', 'offload', 'recompute', 'recompute')
         >>> plan_layers(4, 10, budget=450, base=200, keep=20, inp=2, host=25)  # one input fits the host
         ('offload', 'recompute', 'recompute', 'recompute')
+        >>> plan_layers(6, 10, budget=820, base=200, keep=20, inp=2)
+        ('offload', 'offload', 'offload', 'recompute', 'keep', 'keep')
+        >>> plan_layers(6, 10, budget=820, base=200, keep=20, inp=2, host=25)  # a kept layer gives way
+        ('recompute', 'recompute', 'recompute', 'recompute', 'recompute', 'keep')
     """
     if _peak(("keep",) * n_layers, tokens, base, keep, inp, remade) <= budget:
         return ("keep",) * n_layers
+    keep_t, inp_t = max(keep * tokens, 1), max(inp * tokens, 1)
     room = budget - base - (keep + remade) * tokens  # one checkpointed layer's backward at a time
-    n_keep = max(0, min(n_layers - 1, room // max(keep * tokens, 1)))
-    room -= n_keep * keep * tokens
-    n_recompute = max(0, min(n_layers - n_keep, room // max(inp * tokens, 1)))
+    hostable = n_layers if host is None else max(0, host) // inp_t  # inputs the host can take
+
+    def staying(n_keep: int) -> int:  # the inputs that must stay on the device beside n_keep kept layers
+        return max(0, n_layers - n_keep - hostable)
+
+    n_keep = max(0, min(n_layers - 1, room // keep_t))
+    while n_keep and n_keep * keep_t + staying(n_keep) * inp_t > room:
+        n_keep -= 1
+    n_recompute = max(staying(n_keep), min(n_layers - n_keep, (room - n_keep * keep_t) // inp_t))
     n_offload = n_layers - n_keep - n_recompute
-    if host is not None:
-        n_offload = min(n_offload, max(0, host) // max(inp * tokens, 1))
-        n_recompute = n_layers - n_keep - n_offload
     return ("offload",) * n_offload + ("recompute",) * n_recompute + ("keep",) * n_keep
 
 
