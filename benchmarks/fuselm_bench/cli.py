@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-range", help="max-context: LO:HI tokens to search (default 1024:524288)")
     add("--rel-tol", type=float, help="max-context: stop when HI / LO <= 1 + this (default 0.05)")
     add("--max-probes", type=positive_int, help="max-context: probes per search (default 12)")
+    add("--bounds-known", action="store_true", help="max-context: LO fits, HI does not: probe only between")
     add("--mlp-chunk-tokens", type=positive_int, help="max-context, fuselm: patch(mlp_chunk_tokens=)")
     add("--memory-budgets", help="finetune: GiB, comma-separated: providers fuselm@<GiB> (memory_budget=)")
     add("--rank", type=positive_int, help="finetune: LoRA rank r (default 16)")

@@ -46,9 +46,17 @@ class Search:
 
 
 def longest_fitting(
-    probe: Callable[[int], Any], lo: int, hi: int, *, rel_tol: float = 0.05, max_probes: int = 12
+    probe: Callable[[int], Any],
+    lo: int,
+    hi: int,
+    *,
+    rel_tol: float = 0.05,
+    max_probes: int = 12,
+    known: bool = False,
 ) -> tuple[int | None, Any, list[tuple[int, Any]], str | None]:
-    """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None)."""
+    """(longest length that fitted, its row, every (length, row) probed, why it stopped early or None).
+    ``known``: LO fits and HI does not (an earlier run said so): neither is probed again (the row is None
+    where no length between them fits)."""
     if not 0 < lo <= hi:
         raise ValueError(f"the sequence range must be 0 < LO <= HI, got {lo}:{hi}")
     probes: list[tuple[int, Any]] = []
@@ -58,15 +66,16 @@ def longest_fitting(
         probes.append((t, row))
         return row
 
-    top = run(hi)
-    if top.status == "ok":
-        return hi, top, probes, None
-    if top.status != "oom":
-        return None, None, probes, _why_stopped(hi, top)
-    low = run(lo)
-    if low.status != "ok":
-        return None, None, probes, None if low.status == "oom" else _why_stopped(lo, low)
-    best = low
+    best = None
+    if not known:
+        top = run(hi)
+        if top.status == "ok":
+            return hi, top, probes, None
+        if top.status != "oom":
+            return None, None, probes, _why_stopped(hi, top)
+        best = run(lo)
+        if best.status != "ok":
+            return None, None, probes, None if best.status == "oom" else _why_stopped(lo, best)
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:
         mid = max(round(math.sqrt(lo * hi) / GRAIN) * GRAIN, lo + GRAIN)  # the grain: the search's resolution
         if mid >= hi:
@@ -143,11 +152,15 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     lo, hi = parse_seq_range(args.seq_range) if args.seq_range else DEFAULT_SEQ_RANGE[device.type]
     gpus = parse_gpus(args.gpus, cuda) if args.gpus else None
     rel_tol, max_probes, rank = args.rel_tol or 0.05, args.max_probes or 12, args.rank or 32
+    if args.bounds_known and not lo < hi:
+        raise UsageError(f"--bounds-known probes between LO and HI: --seq-range needs LO < HI, got {lo}:{hi}")
     chunk = args.mlp_chunk_tokens
     metadata = collect_metadata(device, argv)
     metadata.update(
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
     )
+    if args.bounds_known:
+        metadata["bounds"] = f"{lo} fits and {hi} does not (an earlier run; --bounds-known): neither probed"
     out_dir = results_dir(args.out, metadata["device"] if cuda else None)
     dtype = torch.bfloat16 if cuda else torch.float32
     jobs = side_by_side([(provider, cap) for provider in providers for cap in caps], gpus)
@@ -170,7 +183,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
             return row
 
         longest, best, probes, stopped = longest_fitting(
-            probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes
+            probe, lo, hi, rel_tol=rel_tol, max_probes=max_probes, known=args.bounds_known
         )
         rows = [(t, r.status, r.step_ms, r.peak_gib) for t, r in probes]
         found = Search(provider, cap, longest, asdict(best) if best is not None else None, rows, stopped)

@@ -13,9 +13,9 @@
 #   SETS: "module.ATTR=value+..." set in each worker of the job before it runs (a sitecustomize on its
 #   PYTHONPATH), to compare a library constant's values, e.g. fuselm.offload.KEPT_PER_INPUT=2.6; give such
 #   jobs their own outdir.
-# MC: "cap:lo:hi:provider" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each,
-#   MCARGS more options of the command (e.g. --mlp-chunk-tokens 16384); MCPAR=1 runs the searches side by
-#   side on the GPU (each process under its own cap).
+# MC: "cap:lo:hi:provider[:known]" max-context searches of MCMODEL (default llama3-8b), MCPROBES probes each
+#   (known: lo fits and hi does not, from an earlier run: --bounds-known), MCARGS more options of the
+#   command (e.g. --mlp-chunk-tokens 16384); MCPAR=1 runs them side by side (each under its own cap).
 # DEMO=1: fuselm demo on CUDA. DEADLINE: seconds after which no further job starts.
 set -u
 ROOT="$(pwd)"
@@ -78,18 +78,19 @@ for r in rows:
               f"plan: {r.get('activation_plan')}; error: {str(r.get('error'))[:300]}")
 PY
 done
-search() {  # one max-context search: cap lo hi provider
+search() {  # one max-context search: cap lo hi provider [known]
     timeout "$(($(left) - 10))" python3 -m fuselm_bench max-context --models "${MCMODEL:-llama3-8b}" \
-        --scenarios qlora --providers "$4" --caps "$1" --seq-range "$2:$3" --max-probes "${MCPROBES:-4}" ${MCARGS:-} \
+        --scenarios qlora --providers "$4" --caps "$1" --seq-range "$2:$3" --max-probes "${MCPROBES:-4}" \
+        ${5:+--bounds-known} ${MCARGS:-} \
         --model-dir /tmp/fm --out "$OUT/r/mc-$4-$1" --no-progress >>"$OUT/r/mc-$4-$1.log" 2>&1
     echo "max-context $1:$2:$3:$4 rc=$? t=$((SECONDS - T0))"
     tail -8 "$OUT/r/mc-$4-$1.log"
 }
 for mc in ${MC:-}; do
-    IFS=: read -r cap lo hi prov <<<"$mc"
+    IFS=: read -r cap lo hi prov known <<<"$mc"
     if [ "$(left)" -lt 60 ]; then echo "SKIP (deadline) $mc"; continue; fi
-    if [ -z "${MCPAR:-}" ]; then search "$cap" "$lo" "$hi" "$prov"; continue; fi
-    search "$cap" "$lo" "$hi" "$prov" &  # side by side on the GPU, each under its own cap
+    if [ -z "${MCPAR:-}" ]; then search "$cap" "$lo" "$hi" "$prov" "$known"; continue; fi
+    search "$cap" "$lo" "$hi" "$prov" "$known" &  # side by side on the GPU, each under its own cap
     for _ in $(seq 300); do  # the next search starts once the saved model is there (no two savers)
         compgen -G "/tmp/fm/${MCMODEL:-llama3-8b}-*/fuselm_bench_model.json" >/dev/null && break
         sleep 1

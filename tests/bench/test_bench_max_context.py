@@ -59,6 +59,18 @@ def test_bisection_edges_and_failures():
         max_context.longest_fitting(_fits_up_to(1), 10, 5)
 
 
+def test_known_bounds_are_not_probed_again():
+    seen: list[int] = []
+    longest, best, probes, stopped = max_context.longest_fitting(
+        _fits_up_to(70_000, seen), 65_536, 72_704, rel_tol=0.02, known=True
+    )
+    assert 65_536 not in seen and 72_704 not in seen and len(probes) == len(seen) >= 1
+    assert stopped is None and best.status == "ok" and longest <= 70_000 < longest * 1.02 + max_context.GRAIN
+    # nothing between fits: LO (the earlier run's), with no row of this one
+    longest, best, probes, _ = max_context.longest_fitting(_fits_up_to(65_600), 65_536, 72_704, known=True)
+    assert (longest, best) == (65_536, None) and all(row.status == "oom" for _, row in probes)
+
+
 def test_registered_outside_all():
     assert "max-context" in registry.TRAINING_SUITES and "max-context" not in registry.suite_names()
     assert registry.get_training_runner("max-context") is max_context.run_cli
@@ -69,6 +81,7 @@ def test_registered_outside_all():
     [
         (["--seq-range", "64"], "--seq-range takes LO:HI"),
         (["--seq-range", "64:16"], "--seq-range must be 0 < LO <= HI"),
+        (["--seq-range", "64:64", "--bounds-known"], "--seq-range needs LO < HI"),
         (["--models", "llama3-8b,qwen3-0.6b"], "one --models and one --scenarios at a time"),
         (["--providers", "hf,axolotl"], "unknown provider 'axolotl'"),
         (["--providers", "hf@8"], "only fuselm has variants"),
