@@ -435,6 +435,27 @@ def test_a_plan_offloads_no_more_than_the_host_holds(monkeypatch):
     assert activation_plan.current(other).modes == ("offload",) * 4
 
 
+def test_kept_layers_give_way_to_the_inputs_the_host_cannot_take(monkeypatch):
+    """A budget that holds one kept layer and offloads the rest, on a host with room for one input: the
+    three inputs left on the device would go over it beside the kept layer, so no layer is kept and the
+    plan stays within the budget."""
+    f = _figures()
+    one = f.input_bytes_per_token * f.tokens
+    transient = (f.keep_bytes_per_token + f.remade_bytes_per_token) * f.tokens
+    budget = _gib(f.base + transient + f.keep_bytes_per_token * f.tokens)
+    monkeypatch.setattr(activation_plan, "host_room", lambda: None)
+    free = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=budget)
+    _step(free, _batch(16))
+    assert activation_plan.current(free).modes == ("offload",) * 3 + ("keep",)
+    monkeypatch.setattr(activation_plan, "host_room", lambda: one + one // 2)
+    model = fuselm.hf.patch(_model(False), checkpointing="auto", memory_budget=budget)
+    with pytest.warns(UserWarning, match="more stay on the device"):
+        _step(model, _batch(16))
+    plan = activation_plan.current(model)
+    assert "keep" not in plan.modes and plan.modes.count("offload") <= 1
+    assert plan.estimated_peak <= budget * GIB
+
+
 def test_host_room_is_a_share_of_what_the_host_has_plus_the_pool(monkeypatch):
     monkeypatch.setattr(activation_plan.checkpoints, "host_available", lambda: 1000)
     pool = {"pinned_bytes": 64, "pageable_bytes": 8}
