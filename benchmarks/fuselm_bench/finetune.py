@@ -247,7 +247,8 @@ def worker_prefix(provider: str) -> list[str]:
 
 def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, str]:
     """The provider's LoRA model of the saved ``folder`` in training mode, and how it checkpoints;
-    ``case.extra``: ``rank``, ``alpha``, ``dropout``, ``offload``, ``mlp_chunk_tokens`` (:func:`run_cli`)."""
+    ``case.extra``: ``rank``, ``alpha``, ``dropout``, ``offload``, ``mlp_chunk_tokens`` (:func:`run_cli`),
+    ``keep_outputs`` (False: offloaded recomputes keep no outputs, the least device memory)."""
     (provider, memory_budget), (_, scenario, _, seq) = split_provider(case.provider), case.shape
     device, seed, extra = case.device, case.seed, case.extra
     rank, offload, chunk = extra.get("rank", RANK), extra.get("offload", True), extra.get("mlp_chunk_tokens")
@@ -296,6 +297,7 @@ def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, 
     how, options = "HF gradient checkpointing (use_reentrant=False)", {}
     if provider == "fuselm":  # fuselm.hf.patch(model); memory_budget: its variant, GiB or GRAPH
         import fuselm.hf
+        import fuselm.offload
 
         if chunk is not None:  # the MLP over chunks of tokens (long sequences)
             options["mlp_chunk_tokens"] = chunk
@@ -303,6 +305,9 @@ def load_peft_model(case: fresh_process.WorkerCase, folder: Path) -> tuple[Any, 
         if memory_budget == GRAPH or (memory_budget is None and offload):
             options["checkpointing"] = "offload" if offload else "recompute"
             how += f" + fuselm.hf.patch(checkpointing='{options['checkpointing']}')"
+            if not extra.get("keep_outputs", True):  # the least device memory (max-context)
+                fuselm.offload.set_kept_output_room(0)
+                how += " + fuselm.offload.set_kept_output_room(0)"
         elif memory_budget is not None:
             options.update(checkpointing="auto", memory_budget=memory_budget)
             how += f" + fuselm.hf.patch(checkpointing='auto', memory_budget={memory_budget:g})"

@@ -170,7 +170,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     def run_search(provider: str, cap: float | None, gpu: int | None, model_dir: Path) -> Search:
         extra = {"model_dir": str(model_dir), "rank": rank, "profile_steps": 0, "memory_cap_gib": cap}
         if finetune.split_provider(provider)[0] == "fuselm":
-            extra["mlp_chunk_tokens"] = chunk
+            extra.update(mlp_chunk_tokens=chunk, keep_outputs=False)  # the least device memory
         extra = {k: v for k, v in {**extra, "gpu": gpu}.items() if v is not None}
 
         def probe(seq: int):

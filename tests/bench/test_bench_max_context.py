@@ -105,7 +105,8 @@ def test_caps_parse_and_must_be_positive():
 
 def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
     """Three providers (fuselm under a memory budget too), no cap on the CPU: HI (32 tokens) fits at once
-    for each; the report says so, the budget's probe ran checkpointing="auto"."""
+    for each; the report says so, the budget's probe ran checkpointing="auto", plain fuselm offloaded
+    keeping no outputs for its recomputes (the least device memory)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = ["bench", "max-context", "--device", "cpu", "--scenarios", "lora", "--providers", "fuselm,hf"]
     args[-1] += ",fuselm@1"
@@ -114,6 +115,8 @@ def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
     found = {s["provider"]: s for s in data["searches"]}
     assert set(found) == {"fuselm", "hf", "fuselm@1"}
     assert "checkpointing='auto', memory_budget=1" in found["fuselm@1"]["best"]["checkpointing"]
+    assert found["fuselm"]["best"]["checkpointing"].endswith("set_kept_output_room(0)")
+    assert "set_kept_output_room" not in found["fuselm@1"]["best"]["checkpointing"]
     for s in found.values():
         assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
         assert [p[0] for p in s["probes"]] == [32]
