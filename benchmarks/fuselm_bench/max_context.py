@@ -73,7 +73,7 @@ def longest_fitting(
             return hi, top, probes, None
         if top.status != "oom":
             return None, None, probes, _why_stopped(hi, top)
-        best = run(lo)
+        best = run(lo) if lo < hi else top  # one length: probed once
         if best.status != "ok":
             return None, None, probes, None if best.status == "oom" else _why_stopped(lo, best)
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:

@@ -39,6 +39,9 @@ def test_bisection_edges_and_failures():
     # LO does not fit: nothing does
     longest, best, probes, stopped = max_context.longest_fitting(_fits_up_to(100), 1024, 8192)
     assert (longest, best, stopped, len(probes)) == (None, None, None, 2)
+    # one length (LO = HI) that does not fit is probed once
+    longest, best, probes, stopped = max_context.longest_fitting(_fits_up_to(100), 8192, 8192)
+    assert (longest, best, stopped, [t for t, _ in probes]) == (None, None, None, [8192])
 
     # a probe that fails otherwise (an error, a skipped provider) stops the search and says where
     def broken(t):
