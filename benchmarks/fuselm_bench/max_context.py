@@ -1,5 +1,7 @@
 """``fuselm bench max-context``: the longest sequence (batch 1) for which one LoRA / QLoRA training step runs
-under a GPU memory cap, per provider."""
+under a GPU memory cap, per provider. ``fuselm`` offloads every layer keeping no outputs for the recomputes
+(``fuselm.offload.set_kept_output_room(0)``: the least device memory); ``fuselm@<GiB>`` plans under that
+budget (``checkpointing="auto"``)."""
 
 from __future__ import annotations
 
