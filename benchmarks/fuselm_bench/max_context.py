@@ -157,7 +157,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if args.bounds_known and not lo < hi:
         raise UsageError(f"--bounds-known probes between LO and HI: --seq-range needs LO < HI, got {lo}:{hi}")
     chunk = args.mlp_chunk_tokens
-    metadata = collect_metadata(device, argv)
+    metadata = collect_metadata(device, argv, ("transformers", *finetune.VERSIONS))
     metadata.update(
         model=model, scenario=scenario, rank=rank, mlp_chunk_tokens=chunk, grain=GRAIN, rel_tol=rel_tol
     )

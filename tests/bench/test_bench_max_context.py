@@ -3,6 +3,7 @@ CPU smoke run through fresh finetune workers (a tiny model, no memory cap: every
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from types import SimpleNamespace
 
@@ -124,6 +125,8 @@ def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
         assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
         assert [p[0] for p in s["probes"]] == [32]
     assert "| fuselm | none | 32 |" in (tmp_path / "max_context.md").read_text()
+    versions = {k: data["metadata"].get(k) for k in ("transformers", "peft")}  # the peers' too
+    assert versions == {k: importlib.metadata.version(k) for k in versions}
 
 
 @pytest.mark.parametrize("device, index", [("cuda", 3), ("cuda:1", 1)])
