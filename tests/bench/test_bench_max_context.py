@@ -200,7 +200,7 @@ def test_side_by_side_searches_run_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(max_context, "pick_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(finetune, "ensure_saved_model", lambda *a, **k: (tmp_path, {}))
-    monkeypatch.setattr(max_context, "collect_metadata", lambda device, argv: {"device": "fake GPU"})
+    monkeypatch.setattr(max_context, "collect_metadata", lambda *a: {"device": "fake GPU"})
     both_started = threading.Barrier(2, timeout=10)
     seen = []
 
