@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -187,12 +189,12 @@ def run_worker(
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"worker timed out after {timeout:.0f} s", "wall_s": timeout}
         wall = time.perf_counter() - t0
-        try:
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # no result: how the worker ended, below
             return {**json.loads(result_path.read_text()), "wall_s": wall}
-        except (OSError, json.JSONDecodeError):
-            pass
     output = "\n".join(((proc.stdout or "") + "\n" + (proc.stderr or "")).strip().splitlines()[-12:])
-    error = f"worker exited with code {proc.returncode} and wrote no result; its last output:\n{output}"
+    code = proc.returncode  # the last line says how it ended (the out-of-memory killer sends SIGKILL)
+    how = f"{code} ({signal.Signals(-code).name}: the host out of memory?)" if code < 0 else code
+    error = f"the worker's last output:\n{output}\nworker exited with code {how} and wrote no result"
     return {"status": "error", "error": error, "wall_s": wall}
 
 

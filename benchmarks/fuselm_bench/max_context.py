@@ -142,9 +142,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError("max-context searches one --models and one --scenarios at a time")
     model, scenario = models[0], scenarios[0]
     if not cuda and scenario == "qlora" and finetune.bnb_cpu_4bit_works() is not None:
-        raise UsageError(
-            "qlora needs bitsandbytes' 4-bit on this CPU; --scenarios lora for the CPU smoke run"
-        )
+        raise UsageError("qlora needs bitsandbytes' 4-bit on this CPU: use --scenarios lora")
     providers = parse_list(
         args.providers, finetune.PROVIDERS, "provider", variants=True, default=DEFAULT_PROVIDERS
     )

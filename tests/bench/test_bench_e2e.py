@@ -339,14 +339,27 @@ def test_worker_error_is_reported(reference_path):
     assert "Traceback" in row.traceback
 
 
-def test_worker_without_result_is_reported():
-    """A worker that dies before writing its result: the exit code and its last output are reported."""
-    script = "import sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); sys.exit(3)"
+@pytest.mark.parametrize(
+    "ending, said",
+    [
+        ("sys.exit(3)", "worker exited with code 3 and wrote no result"),
+        (
+            "os.kill(os.getpid(), signal.SIGKILL)",
+            "code -9 (SIGKILL: the host out of memory?) and wrote no result",
+        ),
+    ],
+)
+def test_worker_without_result_is_reported(ending, said):
+    """A worker that dies before writing its result: its last output, then how it ended (the last line, what
+    a max-context search's note shows), a signal by name."""
+    script = (
+        f"import os, signal, sys; print('loading the model'); sys.stderr.write('worker blew up\\n'); {ending}"
+    )
     bench = dataclasses.replace(e2e.BENCH, worker_prefix=lambda provider: [sys.executable, "-c", script])
     case = WorkerCase("hf", ("llama3.2-1b", 2, 16), e2e.CPU_PRESET, torch.float32, CPU, 0, 1)
     row = fresh_process.run_case(bench, case)
     assert row.status == "error"
-    assert "exited with code 3 and wrote no result" in row.error and "worker blew up" in row.error
+    assert "worker blew up" in row.error and row.error.splitlines()[-1].endswith(said)
 
 
 # ---- the whole CPU run through the CLI ----
