@@ -6,6 +6,7 @@ budget (``checkpointing="auto"``)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,17 +16,9 @@ from typing import Any
 
 import torch
 
-from . import finetune, fresh_process
-from .arguments import (
-    UsageError,
-    parse_caps,
-    parse_gpus,
-    parse_list,
-    parse_seq_range,
-    pick_device,
-    results_dir,
-)
-from .report import collect_metadata, document, md_table, write_files
+from . import arguments, finetune, fresh_process
+from .arguments import UsageError, parse_list
+from .report import bar_chart, collect_metadata, document, md_table, write_files
 
 NAME = "max-context"
 GRAIN = 256  # probed lengths are multiples of this many tokens
@@ -107,23 +100,27 @@ def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
         cells.append(str(s.longest if s.longest is not None else "none fits"))
         cells += ["" if step is None else f"{step / 1e3:.1f}", "" if peak is None else f"{peak / 2**30:.2f}"]
         rows.append([*cells, str(len(s.probes)), s.stopped or ""])
-    probes = [
-        f"{s.provider}, cap {s.cap_gib}: "
-        + "; ".join(
-            f"{t}: {status}" + (f", {ms:.0f} ms, {gib:.2f} GiB" if ms is not None and gib is not None else "")
-            for t, status, ms, gib in s.probes
-        )
-        for s in searches
-    ]
-    return document(
-        NAME,
-        "The longest sequence (batch 1) for which one LoRA / QLoRA training step runs under a memory cap.",
-        None,
-        [f"{k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)],
-        [md_table(head, rows), "Probes (tokens: status, step ms, peak GiB):"],
-        probes,
-        {},
-    )
+
+    def probe(tokens: int, status: str, ms: float | None, gib: float | None) -> str:
+        return f"{tokens}: {status}" + ("" if ms is None or gib is None else f", {ms:.0f} ms, {gib:.2f} GiB")
+
+    probes = [f"{s.provider}, cap {s.cap_gib}: " + "; ".join(probe(*p) for p in s.probes) for s in searches]
+    about = "The longest sequence (batch 1) for which one LoRA / QLoRA training step runs under a memory cap."
+    notes = [f"{k}: {v}" for k, v in metadata.items() if not isinstance(v, dict)]
+    tables = [md_table(head, rows), "Probes (tokens: status, step ms, peak GiB):"]
+    return document(NAME, about, None, notes, tables, probes, {})
+
+
+def write_png(searches: list[Search], metadata: dict[str, Any], path: Path) -> None:
+    """Bars: the longest length (thousands of tokens) under each cap, one per provider ("none fits" at the
+    foot of a search where nothing fitted; no bar where a provider was not searched under that cap)."""
+    caps, providers = (list(dict.fromkeys(getattr(s, k) for s in searches)) for k in ("cap_gib", "provider"))
+    value = {(s.provider, s.cap_gib): "none fits" if s.longest is None else s.longest / 1e3 for s in searches}
+    bars = [(p, [value.get((p, c), float("nan")) for c in caps]) for p in providers]
+    title = f"fuselm bench {NAME}, {metadata['model']} {metadata['scenario']}, {metadata['device']}"
+    labels = [f"cap {c:g} GiB" if c is not None else "no cap" for c in caps]
+    panels = [("longest sequence one step fits", bars)]
+    bar_chart(path, title, labels, panels, 2.0 + 2.0 * len(caps), ylabel="thousand tokens", values=True)
 
 
 def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -> list[tuple]:
@@ -133,7 +130,7 @@ def side_by_side(jobs: list[tuple[str, float | None]], gpus: list[int] | None) -
 
 def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     """``fuselm bench max-context``: each (provider, cap) searched, side by side with ``--gpus``."""
-    device = pick_device(args.device)
+    device = arguments.pick_device(args.device)
     cuda = device.type == "cuda"
     plan = finetune.GPU_PLAN if cuda else finetune.CPU_PLAN
     models = parse_list(args.models, list(finetune.e2e.MODELS), "model", default=["llama3-8b"])
@@ -148,9 +145,9 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     )
     for provider in providers:  # fuselm@<GiB> (checkpointing="auto": it offloads what the host holds)
         finetune.split_provider(provider)
-    caps = (parse_caps(args.caps) if args.caps else list(DEFAULT_CAPS)) if cuda else [None]  # no CPU cap
-    lo, hi = parse_seq_range(args.seq_range) if args.seq_range else DEFAULT_SEQ_RANGE[device.type]
-    gpus = parse_gpus(args.gpus, cuda) if args.gpus else None
+    caps = (arguments.parse_caps(args.caps) if args.caps else list(DEFAULT_CAPS)) if cuda else [None]
+    lo, hi = arguments.parse_seq_range(args.seq_range) if args.seq_range else DEFAULT_SEQ_RANGE[device.type]
+    gpus = arguments.parse_gpus(args.gpus, cuda) if args.gpus else None
     rel_tol, max_probes, rank = args.rel_tol or 0.05, args.max_probes or 12, args.rank or 32
     if args.bounds_known and not lo < hi:
         raise UsageError(f"--bounds-known probes between LO and HI: --seq-range needs LO < HI, got {lo}:{hi}")
@@ -161,7 +158,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     )
     if args.bounds_known:
         metadata["bounds"] = f"{lo} fits and {hi} does not (an earlier run; --bounds-known): neither probed"
-    out_dir = results_dir(args.out, metadata["device"] if cuda else None)
+    out_dir = arguments.results_dir(args.out, metadata["device"] if cuda else None)
     dtype = torch.bfloat16 if cuda else torch.float32
     jobs = side_by_side([(provider, cap) for provider in providers for cap in caps], gpus)
     if gpus:
@@ -198,6 +195,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
         else:
             searches = [run_search(*job, model_dir) for job in jobs]
     data = {"suite": NAME, "metadata": metadata, "searches": [asdict(s) for s in searches]}
-    paths = write_files("max_context", out_dir, markdown(searches, metadata), data)
+    png = functools.partial(write_png, searches, metadata)
+    paths = write_files("max_context", out_dir, markdown(searches, metadata), data, png)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(s.stopped for s in searches) else 0

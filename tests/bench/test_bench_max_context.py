@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -125,8 +126,25 @@ def test_cpu_smoke_run_writes_the_report(tmp_path, monkeypatch):
         assert s["longest"] == 32 and s["stopped"] is None and s["best"]["status"] == "ok"
         assert [p[0] for p in s["probes"]] == [32]
     assert "| fuselm | none | 32 |" in (tmp_path / "max_context.md").read_text()
+    assert (tmp_path / "max_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     versions = {k: data["metadata"].get(k) for k in ("transformers", "peft")}  # the peers' too
     assert versions == {k: importlib.metadata.version(k) for k in versions}
+
+
+def test_plot_has_a_bar_per_provider_under_each_cap(tmp_path, monkeypatch):
+    """Thousands of tokens per (cap, provider); a search where nothing fitted says so at the bar's foot; a
+    provider not searched under a cap has no bar there."""
+    drawn = {}
+    monkeypatch.setattr(max_context, "bar_chart", lambda path, *a, **k: drawn.update(args=a, path=path))
+    searches = [max_context.Search("fuselm", 16.0, 89600), max_context.Search("unsloth", 16.0, 65536)]
+    searches.append(max_context.Search("unsloth", 80.0, None, stopped="89600 tokens: error"))
+    meta = {"model": "llama3-70b", "scenario": "qlora", "device": "NVIDIA H100 80GB HBM3"}
+    max_context.write_png(searches, meta, tmp_path / "max_context.png")
+    title, labels, [(_, bars)], _ = drawn["args"]
+    assert title == "fuselm bench max-context, llama3-70b qlora, NVIDIA H100 80GB HBM3"
+    assert labels == ["cap 16 GiB", "cap 80 GiB"] and drawn["path"] == tmp_path / "max_context.png"
+    assert bars[0][0] == "fuselm" and bars[0][1][0] == 89.6 and math.isnan(bars[0][1][1])
+    assert bars[1] == ("unsloth", [65.536, "none fits"])
 
 
 @pytest.mark.parametrize("device, index", [("cuda", 3), ("cuda:1", 1)])
@@ -194,11 +212,11 @@ def test_side_by_side_searches_run_at_once(tmp_path, monkeypatch):
     import threading
 
     import torch
-    from fuselm_bench import finetune, fresh_process
+    from fuselm_bench import arguments, finetune, fresh_process
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(max_context, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(arguments, "pick_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(finetune, "ensure_saved_model", lambda *a, **k: (tmp_path, {}))
     monkeypatch.setattr(max_context, "collect_metadata", lambda *a: {"device": "fake GPU"})
     both_started = threading.Barrier(2, timeout=10)
