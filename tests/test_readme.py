@@ -16,6 +16,9 @@ tables and figures of both (one text: each table in one of them) equal the commi
   with the README's number of decimals; the commit a table names must be the JSON's.
 - The prose figures with a JSON source are checked the same way: the batch 1 x 2048 end-to-end sentence
   (medians of h200/e2e_small_batch.json) and the "End to end on an H100" paragraph (h100/e2e.json).
+- The longest-sequence tables (h100/max_context/*.json): a line gives each search's longest length with its
+  peak, and the first length probed that did not fit as "N out of memory".
+- Every relative link and image of the repository's markdown (results excluded) names a file that exists.
 - Not checked, no committed JSON: the earlier a11dbd0 H100 e2e range (62.1-62.3k tok/s).
 """
 
@@ -448,3 +451,37 @@ def test_the_readme_names_no_commit():
     """The README states what is true now; which commit made a figure is in its report (and history)."""
     text = README.read_text()
     assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
+
+
+def test_max_context_tables_equal_json():
+    text = BENCHMARKS.read_text().splitlines()
+    for path in sorted((ROOT / "benchmarks" / "results" / "h100" / "max_context").glob("*.json")):
+        for s in json.loads(path.read_text())["searches"]:
+            if s["longest"] is None:
+                continue
+            peak = s["best"]["peak_bytes"] / 2**30
+            lines = [line for line in text if f"{s['longest']:,}" in line and f"{peak:.2f} GiB" in line]
+            assert lines, (
+                f"{path.name}: {s['provider']} under {s['cap_gib']} GiB: {s['longest']:,}, {peak:.2f} GiB"
+            )
+            too_long = [t for t, status, *_ in s["probes"] if status == "oom" and t > s["longest"]]
+            if too_long:
+                assert any(f"{min(too_long):,} out of memory" in line for line in lines), (
+                    path.name,
+                    s["provider"],
+                )
+
+
+def test_markdown_links_name_files_that_exist():
+    pages = [
+        p
+        for p in ROOT.rglob("*.md")
+        if not {".git", "results", ".gpuwheels"} & set(p.relative_to(ROOT).parts)
+    ]
+    broken = [
+        (str(page.relative_to(ROOT)), target)
+        for page in pages
+        for target in re.findall(r"\]\(([^)\s#*]+)(?:#[^)]*)?\)", page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not broken
