@@ -92,7 +92,7 @@ def _why_stopped(tokens: int, row: Any) -> str:
 
 
 def markdown(searches: list[Search], metadata: dict[str, Any]) -> str:
-    head = ["provider", "cap GiB", "longest tokens", "step s at that length", "peak GiB", "probes", "note"]
+    head = ["provider", "cap GiB", "longest tokens", "first step s", "peak GiB", "probes", "note"]
     rows = []
     for s in searches:
         step, peak = ((s.best or {}).get(k) for k in ("step_ms", "peak_bytes"))
